@@ -1,0 +1,357 @@
+"""The streaming engine: frames in, a KV memory under a hard budget, answers from a fork of it.
+
+``FrameStream`` turns incoming frames into vision-encoded chunks (one encoding per chunk, shared by
+every engine watching the stream). ``StreamEngine.feed_chunk`` prefills a chunk on the current
+memory and compresses with the policy whenever the next chunk would push visual tokens past ``M``,
+so visual tokens never exceed ``M``. ``StreamEngine.ask`` answers on a fork and leaves the memory
+exactly as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .memory import KVMemory, OccupancyEvent
+from .models.base import VideoLM, VisualChunk, mrope_positions
+from .policies import BudgetError, Policy, make_policy
+from .video import RESIZE_FACTOR
+
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve (asking before any frame, an empty question...)."""
+
+
+class MemoryCapError(EngineError):
+    """The next chunk would take the cache past its configured byte cap."""
+
+
+@dataclass
+class Answer:
+    question: str
+    answer: str
+    ms: float
+    ttft_ms: float
+    tokens: int
+    cache_bytes: int
+    visual_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def validate_budget(policy: Policy, budget: int | None, keep: int | None) -> tuple[int | None, int | None]:
+    """Check ``M`` (budget) and ``C`` (keep) for ``policy``; returns them as ints (``None`` for ``full``)."""
+    if not policy.bounded:
+        return (int(budget) if budget else None), None
+    if budget is None or keep is None:
+        raise BudgetError(f"policy {policy.name!r} needs a budget M and a keep size C (visual tokens)")
+    if int(budget) != budget or int(keep) != keep:
+        raise BudgetError(f"M and C are token counts (whole numbers), got M={budget}, C={keep}")
+    budget, keep = int(budget), int(keep)
+    if budget <= 0 or keep <= 0:
+        raise BudgetError(f"M and C must be positive, got M={budget}, C={keep}")
+    if keep >= budget:
+        raise BudgetError(f"C must be smaller than M (a compression keeps C of the M tokens), got M={budget}, C={keep}")
+    return budget, keep
+
+
+class FrameStream:
+    """Pairs incoming frames into temporal grids, numbers the grids, and vision-encodes each chunk once.
+
+    An odd frame waits for the next push; :meth:`flush` pairs a final odd frame with a copy of itself.
+    """
+
+    def __init__(self, model: VideoLM, fps: float) -> None:
+        if fps <= 0:
+            raise EngineError(f"sampling fps must be positive, got {fps}")
+        self.model = model
+        self.fps = float(fps)
+        self.next_grid = 0
+        self.frames_seen = 0
+        self._pending: list[tuple[np.ndarray, float]] = []
+        self._size: tuple[int, int] | None = None
+
+    def tokens_per_grid(self, height: int, width: int) -> int:
+        return (height // RESIZE_FACTOR) * (width // RESIZE_FACTOR)
+
+    def push(self, frames: np.ndarray, times_s: np.ndarray | None = None) -> VisualChunk | None:
+        """Add frames ``[T, H, W, 3]`` (uint8, already resized); encode every complete temporal grid."""
+        if frames.ndim != 4 or frames.shape[-1] != 3:
+            raise EngineError(f"frames must be [T, H, W, 3] RGB, got shape {tuple(frames.shape)}")
+        size = (int(frames.shape[1]), int(frames.shape[2]))
+        if size[0] % RESIZE_FACTOR or size[1] % RESIZE_FACTOR:
+            raise EngineError(f"frame sides must be multiples of {RESIZE_FACTOR} (use video.resize_frames), got {size}")
+        if self._size is None:
+            self._size = size
+        elif size != self._size:
+            raise EngineError(f"frame size changed mid-stream: {self._size} -> {size}")
+        if times_s is None:
+            times_s = (self.frames_seen + len(self._pending) + np.arange(len(frames))) / self.fps
+        self._pending.extend(zip(frames, (float(t) for t in times_s)))
+        usable = len(self._pending) - len(self._pending) % self.model.temporal_patch_size
+        return self._encode(usable)
+
+    def flush(self) -> VisualChunk | None:
+        """Encode a last odd frame (paired with a copy of itself)."""
+        return self._encode(len(self._pending))
+
+    def _encode(self, count: int) -> VisualChunk | None:
+        if count == 0:
+            return None
+        taken, self._pending = self._pending[:count], self._pending[count:]
+        frames = np.stack([f for f, _ in taken])
+        times = np.array([t for _, t in taken])
+        chunk = self.model.encode(frames, self.next_grid, times, self.fps)
+        self.next_grid += chunk.num_grids
+        self.frames_seen += count
+        return chunk
+
+
+@dataclass
+class EngineStats:
+    chunks: int = 0
+    prefill_ms: float = 0.0
+    compress_ms: float = 0.0
+    compressions: int = 0
+    encode_ms: float = 0.0
+    per_chunk: list[dict[str, float]] = field(default_factory=list)
+
+
+class StreamEngine:
+    """A model's KV memory kept under budget ``M`` (visual tokens) by ``policy``, compressed to ``C``.
+
+    ``policy`` is a registered name or a :class:`Policy`; ``budget``/``keep`` are ``M``/``C``
+    (ignored by ``full``). ``max_cache_bytes`` (optional) stops the stream with :class:`MemoryCapError`
+    before the cache would exceed it.
+    """
+
+    def __init__(
+        self,
+        model: VideoLM,
+        policy: str | Policy = "full",
+        budget: int | None = None,
+        keep: int | None = None,
+        fps: float = 2.0,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        max_cache_bytes: int | None = None,
+        policy_params: dict[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.policy = make_policy(policy, **(policy_params or {})) if isinstance(policy, str) else policy
+        self.budget, self.keep = validate_budget(self.policy, budget, keep)
+        self.fps = float(fps)
+        self.max_new_tokens = int(max_new_tokens)
+        self.max_cache_bytes = max_cache_bytes
+        self.memory = KVMemory(model.num_layers, model.num_kv_heads)
+        self.history: list[tuple[str, str]] = []
+        self.answers: list[Answer] = []
+        self.frames_fed = 0
+        self.last_time_s = 0.0
+        self.stats = EngineStats()
+        self.last_selection_info: dict[str, Any] = {}
+        self._stream: FrameStream | None = None
+
+    # --- streaming ------------------------------------------------------------------------
+    def feed(self, frames: np.ndarray, times_s: np.ndarray | None = None) -> list[OccupancyEvent]:
+        """Encode and ingest frames ``[T, H, W, 3]``; returns the timeline events this caused."""
+        if self._stream is None:
+            self._stream = FrameStream(self.model, self.fps)
+        chunk = self._stream.push(frames, times_s)
+        return self.feed_chunk(chunk) if chunk is not None else []
+
+    def flush(self) -> list[OccupancyEvent]:
+        """Ingest a last odd frame buffered by :meth:`feed`."""
+        chunk = self._stream.flush() if self._stream else None
+        return self.feed_chunk(chunk) if chunk is not None else []
+
+    @torch.inference_mode()
+    def feed_chunk(self, chunk: VisualChunk) -> list[OccupancyEvent]:
+        """Prefill an encoded chunk on the memory (compressing first if it would overflow ``M``)."""
+        self._check_chunk(chunk)
+        if self.memory.is_empty:
+            self._prefill_prefix()
+        events = []
+        if self.budget is not None and self.policy.bounded and self.memory.visual_tokens + chunk.num_tokens > self.budget:
+            events.append(self.compress())
+        self._check_cap(chunk)
+        start = time.perf_counter()
+        positions = mrope_positions(
+            chunk.grid, chunk.row, chunk.col, self.memory.prefix_len, chunk.second_per_grid, self.model.tokens_per_second
+        )
+        cache = self.memory.to_cache()
+        self.model.forward(chunk.embeds, positions, cache)
+        self.memory.append(cache, chunk, int(positions.max()))
+        prefill_ms = self._elapsed_ms(start)
+        self.frames_fed += chunk.frames
+        self.last_time_s = chunk.grid_times_s[-1]
+        events.append(self.memory.record("append", self.frames_fed, self.last_time_s, prefill_ms))
+        self.stats.chunks += 1
+        self.stats.prefill_ms += prefill_ms
+        self.stats.encode_ms += chunk.encode_ms
+        self.stats.per_chunk.append(
+            dict(
+                frame=self.frames_fed,
+                prefill_ms=prefill_ms,
+                compress_ms=sum(e.ms for e in events if e.event == "compress"),
+                visual_tokens=self.memory.visual_tokens,
+                cache_bytes=self.memory.nbytes,
+            )
+        )
+        return events
+
+    @torch.inference_mode()
+    def compress(self) -> OccupancyEvent:
+        """Run the policy on the current memory, keeping ``C`` visual tokens per layer and KV head."""
+        start = time.perf_counter()
+        selection = self.policy.compress(self.memory.views(), self.keep)
+        self.memory.apply(selection)
+        ms = self._elapsed_ms(start)
+        self.last_selection_info = selection.info
+        self.stats.compress_ms += ms
+        self.stats.compressions += 1
+        return self.memory.record("compress", self.frames_fed, self.last_time_s, ms)
+
+    def _check_chunk(self, chunk: VisualChunk) -> None:
+        if chunk.first_grid != self.memory.num_grids:
+            raise EngineError(f"chunk starts at grid {chunk.first_grid} but the engine expects grid {self.memory.num_grids}")
+        if self.budget is None or not self.policy.bounded:
+            return
+        n = chunk.num_tokens
+        shape = f"{chunk.num_grids} temporal grid(s) of {chunk.rows}x{chunk.cols} tokens"
+        if n > self.budget:
+            raise BudgetError(
+                f"M={self.budget} is smaller than one chunk ({n} visual tokens = {shape}); "
+                "raise M, or lower max pixels / frames per chunk"
+            )
+        if self.budget - self.keep < n:
+            raise BudgetError(
+                f"M - C = {self.budget - self.keep} leaves no room for one chunk ({n} visual tokens = {shape}); "
+                f"lower C to at most {self.budget - n} or raise M"
+            )
+
+    def _check_cap(self, chunk: VisualChunk) -> None:
+        if self.max_cache_bytes is None or self.memory.is_empty:
+            return
+        per_token = self.memory.nbytes / max(1, self.memory.prefix_len + self.memory.visual_tokens)
+        projected = self.memory.nbytes + per_token * chunk.num_tokens
+        if projected > self.max_cache_bytes:
+            raise MemoryCapError(
+                f"stopped at {self.frames_fed} frames: the next chunk would take the cache to "
+                f"{projected / 2**20:.1f} MB, above the {self.max_cache_bytes / 2**20:.1f} MB cap"
+            )
+
+    def _prefill_prefix(self) -> None:
+        ids = self.model.tokenize(self.model.prefix_text())
+        positions = torch.arange(len(ids)).expand(3, -1)
+        cache = self.memory.to_cache()
+        self.model.forward(self.model.embed_text(ids), positions, cache)
+        self.memory.set_prefix(cache, len(ids))
+
+    def _elapsed_ms(self, start: float) -> float:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return (time.perf_counter() - start) * 1000
+
+    # --- answering ------------------------------------------------------------------------
+    def ask(self, question: str, max_new_tokens: int | None = None) -> Iterator[str]:
+        """Answer ``question`` from the memory; yields text pieces as tokens are generated.
+
+        Runs on a fork (the memory is never written), so the memory afterwards is bit-identical.
+        The question and the answer join the dialogue, re-encoded as text before the next question.
+        """
+        if self.memory.num_grids == 0:
+            raise EngineError("no video yet: feed at least one frame before asking")
+        question = (question or "").strip()
+        if not question:
+            raise EngineError("the question is empty")
+        return self._generate(question, max_new_tokens or self.max_new_tokens)
+
+    def answer(self, question: str, max_new_tokens: int | None = None) -> Answer:
+        """:meth:`ask`, collected."""
+        for _ in self.ask(question, max_new_tokens):
+            pass
+        return self.answers[-1]
+
+    @torch.inference_mode()
+    def _generate(self, question: str, max_new_tokens: int) -> Iterator[str]:
+        start = time.perf_counter()
+        ids = self.model.tokenize(self.model.question_text(self.history, question))
+        position = self.memory.max_position + 1
+        cache = self.memory.to_cache()
+        logits = self.model.forward(
+            self.model.embed_text(ids), torch.arange(position, position + len(ids)).expand(3, -1), cache
+        )
+        position += len(ids)
+        generated: list[int] = []
+        text, ttft_ms = "", 0.0
+        try:
+            bias = self.model.logit_bias
+            for _ in range(max_new_tokens):
+                token = int(torch.argmax(logits if bias is None else logits + bias.to(logits.device)))
+                if token in self.model.stop_ids:
+                    break
+                generated.append(token)
+                if not ttft_ms:
+                    ttft_ms = self._elapsed_ms(start)
+                decoded = self.model.detokenize(generated)
+                if not decoded.endswith("\ufffd") and len(decoded) > len(text):
+                    piece, text = decoded[len(text) :], decoded
+                    yield piece
+                logits = self.model.forward(
+                    self.model.embed_text([token]), torch.full((3, 1), position, dtype=torch.long), cache
+                )
+                position += 1
+        finally:
+            text = self.model.detokenize(generated)
+            self.history.append((question, text))
+            self.answers.append(
+                Answer(
+                    question=question,
+                    answer=text,
+                    ms=self._elapsed_ms(start),
+                    ttft_ms=ttft_ms or self._elapsed_ms(start),
+                    tokens=len(generated),
+                    cache_bytes=self.memory.nbytes,
+                    visual_tokens=self.memory.visual_tokens,
+                )
+            )
+
+    def reset_dialogue(self) -> None:
+        self.history.clear()
+
+    # --- report ---------------------------------------------------------------------------
+    @property
+    def tokens_per_grid(self) -> int:
+        shape = self.memory.grid_shape
+        return shape[0] * shape[1] if shape else 0
+
+    def report(self) -> dict[str, Any]:
+        """The run report (the JSON contract shared by the CLI, the app and the benchmarks)."""
+        timeline = [e.to_dict() for e in self.memory.timeline]
+        return {
+            "model": self.model.name,
+            "random_weights": bool(self.model.random_weights),
+            "policy": self.policy.name,
+            "params": self.policy.params(),
+            "budget": self.budget,
+            "keep": self.keep,
+            "fps": self.fps,
+            "frames": self.frames_fed,
+            "tokens_per_grid": self.tokens_per_grid,
+            "timeline": timeline,
+            "peak_visual_tokens": max((e["visual_tokens"] for e in timeline), default=0),
+            "peak_cache_bytes": max((e["cache_bytes"] for e in timeline), default=0),
+            "survivors": [
+                {"grid": g, "time_s": self.memory.grid_times_s[g], "kept_fraction": fraction}
+                for g, fraction in enumerate(self.memory.survival_fraction())
+            ],
+            "answers": [{"question": a.question, "answer": a.answer, "ms": a.ms} for a in self.answers],
+        }

@@ -1,0 +1,22 @@
+"""``full``: no compression, the baseline every other policy is compared with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import LayerView, Policy, Selection, register
+
+
+@register
+@dataclass
+class FullCache(Policy):
+    """Keeps every token; the engine never triggers it (``bounded = False``)."""
+
+    name = "full"
+    bounded = False
+    summary = "No compression: the cache grows with the stream (the reference)."
+
+    def compress(self, views: list[LayerView], keep: int) -> Selection:
+        return Selection([torch.arange(v.length).expand(v.num_heads, -1).clone() for v in views])

@@ -1,0 +1,323 @@
+"""Video in: decoding, fps sampling, Qwen's "smart resize", chunking, and the synthetic sample video.
+
+Frames leave this module as uint8 arrays ``[T, H, W, 3]`` already resized to the model's grid
+(sides multiples of 28), so every engine and every view shares one exact pixel grid.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+#: Qwen2-VL / Qwen2.5-VL defaults (patch 14, spatial merge 2 -> factor 28).
+RESIZE_FACTOR = 28
+DEFAULT_MIN_PIXELS = 128 * 28 * 28
+DEFAULT_MAX_PIXELS = 768 * 28 * 28
+#: Largest decoded frame we accept before resizing (a 16K frame costs ~0.8 GB per frame to decode).
+MAX_SOURCE_PIXELS = 8192 * 8192
+VIDEO_SUFFIXES = (".mp4", ".mkv", ".mov", ".webm", ".avi", ".m4v", ".mpg", ".mpeg", ".gif")
+
+
+class VideoError(ValueError):
+    """A video could not be used; the message names the file and says why."""
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = RESIZE_FACTOR,
+    min_pixels: int = DEFAULT_MIN_PIXELS,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> tuple[int, int]:
+    """Qwen's resize rule: sides multiples of ``factor``, pixel count within [min, max], aspect kept."""
+    if height <= 0 or width <= 0:
+        raise VideoError(f"frame size must be positive, got {height}x{width}")
+    if max(height, width) / min(height, width) > 200:
+        raise VideoError(f"aspect ratio must be below 200, got {height}x{width}")
+    if min_pixels > max_pixels:
+        raise VideoError(f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def resize_frames(
+    frames: np.ndarray, min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> np.ndarray:
+    """Resize uint8 frames ``[T, H, W, 3]`` exactly as Qwen2VLVideoProcessor does (bicubic, antialiased)."""
+    import torchvision.transforms.v2.functional as tvF
+
+    height, width = frames.shape[1:3]
+    new_h, new_w = smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
+    if (new_h, new_w) == (height, width):
+        return np.ascontiguousarray(frames)
+    tensor = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+    resized = tvF.resize(tensor, [new_h, new_w], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+    return resized.permute(0, 2, 3, 1).contiguous().numpy()
+
+
+@dataclass
+class Video:
+    """Sampled, resized frames of one stream.
+
+    frames: uint8 ``[N, H, W, 3]`` (H, W multiples of 28); times_s: ``[N]`` stream time of each frame.
+    """
+
+    frames: np.ndarray
+    times_s: np.ndarray
+    fps: float
+    source: str
+    source_fps: float = 0.0
+    source_frames: int = 0
+    source_size: tuple[int, int] = (0, 0)
+    lost_frames: int = 0
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.frames.shape[0])
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(height, width) after resizing."""
+        return int(self.frames.shape[1]), int(self.frames.shape[2])
+
+    def describe(self) -> str:
+        text = (
+            f"{Path(self.source).name}: {self.num_frames} frames at {self.fps:g} fps, "
+            f"{self.size[1]}x{self.size[0]} (source {self.source_size[1]}x{self.source_size[0]}"
+            f" @ {self.source_fps:.3g} fps)"
+        )
+        if self.lost_frames:
+            text += f"; {self.lost_frames} damaged frame(s) could not be decoded and were skipped"
+        return text
+
+
+def sample_indices(total_frames: int, source_fps: float, fps: float, max_frames: int | None = None) -> np.ndarray:
+    """Indices of the frames at times k / fps (k = 0, 1, ...), capped at ``max_frames``."""
+    if fps <= 0:
+        raise VideoError(f"sampling fps must be positive, got {fps}")
+    if total_frames <= 0:
+        return np.zeros(0, dtype=np.int64)
+    source_fps = source_fps if source_fps and source_fps > 0 else fps
+    duration = total_frames / source_fps
+    count = max(1, int(math.floor(duration * fps + 1e-9)))
+    indices = np.floor(np.arange(count) * source_fps / fps + 1e-9).astype(np.int64)
+    indices = np.unique(np.clip(indices, 0, total_frames - 1))
+    if max_frames is not None:
+        if max_frames <= 0:
+            raise VideoError(f"max_frames must be positive, got {max_frames}")
+        indices = indices[:max_frames]
+    return indices
+
+
+def load_video(
+    path: str | Path,
+    fps: float = 2.0,
+    max_frames: int | None = None,
+    min_pixels: int = DEFAULT_MIN_PIXELS,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> Video:
+    """Decode ``path`` with decord, sample at ``fps``, resize like Qwen.
+
+    A damaged file yields the frames that decode (``lost_frames`` counts the rest); a file that is
+    not a readable video raises :class:`VideoError` naming it.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise VideoError(f"{path}: no such file")
+    if path.is_dir():
+        raise VideoError(f"{path}: is a directory, not a video file")
+    if path.stat().st_size == 0:
+        raise VideoError(f"{path}: the file is empty")
+    import decord
+
+    try:
+        reader = decord.VideoReader(str(path), num_threads=1)
+        total = len(reader)
+        source_fps = float(reader.get_avg_fps() or 0.0)
+    except Exception as exc:  # decord raises RuntimeError/DECORDError with C++ traces
+        raise VideoError(f"{path.name}: not a readable video file ({_first_line(exc)})") from None
+    if total == 0:
+        raise VideoError(f"{path.name}: the video has no frames")
+    indices = sample_indices(total, source_fps, fps, max_frames)
+    frames, lost = _decode_indices(reader, indices)
+    if not frames:
+        raise VideoError(f"{path.name}: none of the {len(indices)} sampled frames could be decoded (damaged file)")
+    source_h, source_w = frames[0][1].shape[:2]
+    if source_h * source_w > MAX_SOURCE_PIXELS:
+        raise VideoError(f"{path.name}: frames of {source_w}x{source_h} are too large (limit {MAX_SOURCE_PIXELS} px)")
+    kept_indices = np.array([i for i, _ in frames])
+    array = resize_frames(np.stack([f for _, f in frames]), min_pixels, max_pixels)
+    times = kept_indices / (source_fps if source_fps > 0 else fps)
+    return Video(
+        frames=array,
+        times_s=times.astype(np.float64),
+        fps=float(fps),
+        source=str(path),
+        source_fps=source_fps,
+        source_frames=total,
+        source_size=(int(source_h), int(source_w)),
+        lost_frames=lost,
+    )
+
+
+def _decode_indices(reader, indices: np.ndarray) -> tuple[list[tuple[int, np.ndarray]], int]:
+    """Decode in one batch; on failure fall back to frame by frame and count what is lost."""
+    try:
+        batch = reader.get_batch(indices.tolist()).asnumpy()
+        return list(zip(indices.tolist(), batch)), 0
+    except Exception:
+        pass
+    decoded, lost = [], 0
+    for index in indices.tolist():
+        try:
+            decoded.append((index, reader[index].asnumpy()))
+        except Exception:
+            lost += 1
+    return decoded, lost
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[-1] if text else type(exc).__name__
+    return line.split("] ")[-1][:160]
+
+
+def pair_frames(frames: np.ndarray, temporal_patch_size: int = 2) -> np.ndarray:
+    """Pad an odd tail by repeating the last frame, as Qwen's processor does. ``[T, H, W, 3] -> [T', H, W, 3]``."""
+    pad = -frames.shape[0] % temporal_patch_size
+    if pad:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)], axis=0)
+    return frames
+
+
+def iter_chunks(video: Video, frames_per_chunk: int = 4) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Yield ``(first_frame_index, frames [T, H, W, 3], times_s [T])`` chunks of at most ``frames_per_chunk``."""
+    if frames_per_chunk <= 0:
+        raise VideoError(f"frames per chunk must be positive, got {frames_per_chunk}")
+    for start in range(0, video.num_frames, frames_per_chunk):
+        stop = min(start + frames_per_chunk, video.num_frames)
+        yield start, video.frames[start:stop], video.times_s[start:stop]
+
+
+# --- synthetic video -----------------------------------------------------------------------
+
+
+def synthetic_video(
+    num_frames: int = 48,
+    height: int = 224,
+    width: int = 336,
+    fps: float = 2.0,
+    seed: int = 0,
+) -> Video:
+    """Moving, appearing and disappearing shapes on a textured background (no file, no download).
+
+    Deterministic for a given ``seed``; already a multiple of 28 for the default size.
+    """
+    if num_frames <= 0:
+        raise VideoError(f"a synthetic video needs at least one frame, got {num_frames}")
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    background = np.stack(
+        [
+            110 + 40 * np.sin(xx / 17.0) * np.cos(yy / 23.0),
+            120 + 30 * np.sin((xx + yy) / 29.0),
+            100 + 35 * np.cos(xx / 41.0 - yy / 13.0),
+        ],
+        axis=-1,
+    )
+    background += rng.normal(0, 6, size=background.shape)
+    shapes = []
+    colours = [(230, 60, 50), (40, 200, 90), (60, 90, 240), (240, 220, 40), (220, 60, 220)]
+    for k in range(5):
+        shapes.append(
+            dict(
+                kind=k % 3,
+                colour=np.array(colours[k], dtype=np.float32),
+                radius=rng.uniform(0.07, 0.14) * min(height, width),
+                start=rng.uniform(0.1, 0.9, size=2) * (height, width),
+                velocity=rng.uniform(-0.035, 0.035, size=2) * (height, width),
+                birth=int(rng.integers(0, max(1, num_frames // 2))),
+                life=int(rng.integers(max(2, num_frames // 3), num_frames + 1)),
+            )
+        )
+    frames = np.empty((num_frames, height, width, 3), dtype=np.uint8)
+    for t in range(num_frames):
+        canvas = background.copy()
+        for shape in shapes:
+            if not shape["birth"] <= t < shape["birth"] + shape["life"]:
+                continue
+            cy, cx = shape["start"] + shape["velocity"] * (t - shape["birth"])
+            cy, cx = _bounce(cy, height), _bounce(cx, width)
+            r = shape["radius"]
+            if shape["kind"] == 0:
+                mask = (yy - cy) ** 2 + (xx - cx) ** 2 <= r**2
+            elif shape["kind"] == 1:
+                mask = (np.abs(yy - cy) <= r) & (np.abs(xx - cx) <= r)
+            else:
+                mask = (yy - cy + r >= 0) & (np.abs(xx - cx) <= (yy - cy + r) / 2) & (yy - cy <= r)
+            canvas[mask] = shape["colour"]
+        frames[t] = np.clip(canvas, 0, 255).astype(np.uint8)
+    return Video(
+        frames=frames,
+        times_s=np.arange(num_frames, dtype=np.float64) / fps,
+        fps=float(fps),
+        source=f"synthetic(seed={seed})",
+        source_fps=float(fps),
+        source_frames=num_frames,
+        source_size=(height, width),
+    )
+
+
+def _bounce(value: float, size: int) -> float:
+    period = 2 * size
+    value = value % period
+    return period - value if value > size else value
+
+
+def write_video(path: str | Path, frames: np.ndarray, fps: float) -> Path:
+    """Encode uint8 frames ``[T, H, W, 3]`` to an H.264 mp4 with PyAV."""
+    import av
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=int(round(fps)))
+        stream.width, stream.height = int(frames.shape[2]), int(frames.shape[1])
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "23", "preset": "medium"}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+SAMPLE_VIDEO = Path(__file__).resolve().parent.parent / "assets" / "sample.mp4"
+
+
+def sample_video_path() -> Path:
+    """The bundled sample (a synthetic clip made by :func:`make_sample_video`)."""
+    if not SAMPLE_VIDEO.exists():
+        make_sample_video(SAMPLE_VIDEO)
+    return SAMPLE_VIDEO
+
+
+def make_sample_video(path: str | Path = SAMPLE_VIDEO) -> Path:
+    """Write the bundled sample: 24 s of synthetic shapes at 8 fps, 336x224."""
+    clip = synthetic_video(num_frames=192, height=224, width=336, fps=8.0, seed=7)
+    return write_video(path, clip.frames, fps=8.0)
