@@ -20,7 +20,7 @@ import torch
 from .memory import KVMemory, OccupancyEvent
 from .models.base import VideoLM, VisualChunk, mrope_positions
 from .policies import BudgetError, Policy, make_policy
-from .video import RESIZE_FACTOR
+from .video import RESIZE_FACTOR, Video, iter_chunks
 
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -123,6 +123,60 @@ class EngineStats:
     compressions: int = 0
     encode_ms: float = 0.0
     per_chunk: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class StreamStep:
+    """Progress of :func:`stream_video` after one chunk."""
+
+    chunk: VisualChunk
+    frames_done: int
+    frames_total: int
+    events: dict[str, list[OccupancyEvent]]
+    stopped: dict[str, str] = field(default_factory=dict)  # engine name -> why it stopped
+
+
+def stream_video(
+    model: VideoLM,
+    video: Video,
+    engines: dict[str, "StreamEngine"],
+    frames_per_chunk: int = 2,
+) -> Iterator[StreamStep]:
+    """Stream ``video`` into every engine, encoding each chunk once; yields after each chunk.
+
+    An engine that hits its :class:`MemoryCapError` stops (``StreamStep.stopped`` says why); the
+    others continue.
+    """
+    stream = FrameStream(model, video.fps)
+    chunks = iter_chunks(video, frames_per_chunk)
+    stopped: dict[str, str] = {}
+    pending = True
+    while pending:
+        part = next(chunks, None)
+        if part is None:
+            chunk, pending = stream.flush(), False
+        else:
+            _, frames, times = part
+            chunk = stream.push(frames, times)
+        if chunk is None:
+            continue
+        events = {}
+        for name, engine in engines.items():
+            if name in stopped:
+                continue
+            try:
+                events[name] = engine.feed_chunk(chunk)
+            except MemoryCapError as exc:
+                stopped[name] = str(exc)
+        yield StreamStep(chunk, stream.frames_seen, video.num_frames, events, dict(stopped))
+
+
+def auto_budget(tokens_per_chunk: int, total_tokens: int, ratio: float = 0.75) -> tuple[int, int]:
+    """A budget that makes compression visible on this stream: ``M`` a third of the stream's visual
+    tokens (at most 6144, the paper's budget), at least room for ``C = ratio * M`` plus one chunk."""
+    floor_m = int(np.ceil(tokens_per_chunk / (1 - ratio)))
+    budget = max(floor_m, min(6144, total_tokens // 3))
+    return budget, int(budget * ratio)
 
 
 class StreamEngine:

@@ -6,7 +6,9 @@ Frames leave this module as uint8 arrays ``[T, H, W, 3]`` already resized to the
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,8 +146,10 @@ def load_video(
         raise VideoError(f"{path}: the file is empty")
     import decord
 
+    decord.logging.set_level(decord.logging.QUIET)  # ffmpeg's per-packet complaints; we report losses ourselves
     try:
-        reader = decord.VideoReader(str(path), num_threads=1)
+        with _native_stderr_silenced():
+            reader = decord.VideoReader(str(path), num_threads=1)
         total = len(reader)
         source_fps = float(reader.get_avg_fps() or 0.0)
     except Exception as exc:  # decord raises RuntimeError/DECORDError with C++ traces
@@ -188,6 +192,23 @@ def _decode_indices(reader, indices: np.ndarray) -> tuple[list[tuple[int, np.nda
         except Exception:
             lost += 1
     return decoded, lost
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Silence C-level writes to stderr (decord logs its own open errors there; we raise a clear one)."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _first_line(exc: Exception) -> str:
@@ -318,6 +339,6 @@ def sample_video_path() -> Path:
 
 
 def make_sample_video(path: str | Path = SAMPLE_VIDEO) -> Path:
-    """Write the bundled sample: 24 s of synthetic shapes at 8 fps, 336x224."""
-    clip = synthetic_video(num_frames=192, height=224, width=336, fps=8.0, seed=7)
+    """Write the bundled sample: 24 s of synthetic shapes at 8 fps, 392x280 (on Qwen's grid as it is)."""
+    clip = synthetic_video(num_frames=192, height=280, width=392, fps=8.0, seed=7)
     return write_video(path, clip.frames, fps=8.0)

@@ -1,0 +1,85 @@
+"""The command line: reports read back, user errors as one line with exit status 2, the benchmark."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvdemo.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("policy, budget, keep", [("full", None, None), ("uniform", 540, 405), ("sliding-window", 405, 270)])
+def test_run_writes_a_report_that_respects_the_budget(media, tmp_path, capsys, policy, budget, keep):
+    out = tmp_path / "report.json"
+    args = ["run", "--video", str(media / "flipping_a_pancake.mkv"), "--policy", policy, "--json", str(out), "--quiet"]
+    if budget:
+        args += ["--budget", str(budget), "--keep", str(keep)]
+    args += ["--ask", "What is cooking?", "--max-new-tokens", "6"]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["policy"] == policy and report["frames"] == 20 and report["tokens_per_grid"] == 135
+    tokens = [e["visual_tokens"] for e in report["timeline"]]
+    if budget:
+        assert max(tokens) <= budget and report["peak_visual_tokens"] <= budget
+    else:
+        appends = [e["visual_tokens"] for e in report["timeline"] if e["event"] == "append"]
+        assert appends == [135 * (i + 1) for i in range(10)]
+    assert report["answers"][0]["question"] == "What is cooking?"
+    printed = capsys.readouterr()
+    assert "peak visual tokens" in printed.out
+    assert "random weights" in printed.err
+
+
+def test_run_without_video_uses_the_bundled_sample(capsys):
+    assert main(["run", "--max-frames", "8", "--quiet", "--policy", "full"]) == 0
+    assert "sample.mp4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--policy", "uniform", "--budget", "100", "--keep", "200"], "C must be smaller than M"),
+        (["--policy", "uniform", "--budget", "100", "--keep", "50"], "smaller than one chunk"),
+        (["--policy", "nope"], "unknown policy"),
+        (["--policy", "uniform", "--param", "alpha=1"], "no parameter"),
+        (["--fps", "0"], "fps must be positive"),
+    ],
+)
+def test_user_errors_print_one_line_and_exit_2(media, capsys, extra, message):
+    code = main(["run", "--video", str(media / "flipping_a_pancake.mkv"), "--quiet", *extra])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_non_video_and_damaged_files_from_a_real_process(media, tmp_path):
+    junk = tmp_path / "junk.webm"
+    junk.write_bytes(b"\x00garbage" * 1000)
+    done = subprocess.run([sys.executable, "-m", "kvdemo", "run", "--video", str(junk)], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: junk.webm: not a readable video file")
+    damaged = subprocess.run(
+        [sys.executable, "-m", "kvdemo", "run", "--video", str(media / "corrupted.mp4"), "--quiet", "--policy", "full"],
+        cwd=ROOT, capture_output=True, text=True,
+    )
+    assert damaged.returncode == 0, damaged.stderr
+    assert "damaged frame(s) could not be decoded" in damaged.stderr
+    assert "Traceback" not in damaged.stderr
+
+
+def test_bench_shows_bounded_cache_flat_and_full_growing(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--frames", "60", "--budget", "480", "--keep", "288", "--skip-pass", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    full = result["stream"]["engines"]["full"]["per_chunk"]
+    bounded = result["stream"]["engines"]["sliding-window"]["per_chunk"]
+    assert [r["visual_tokens"] for r in full] == [96 * (i + 1) for i in range(30)]
+    assert max(r["visual_tokens"] for r in bounded) <= 480
+    assert bounded[-1]["cache_bytes"] < full[-1]["cache_bytes"] / 4
+    assert "summary:" in capsys.readouterr().out

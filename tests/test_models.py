@@ -1,0 +1,109 @@
+import numpy as np
+import pytest
+import torch
+
+from kvdemo.models.base import mrope_positions
+from kvdemo.models.tiny import ByteTokenizer
+
+
+def _positions(grids, rows, cols, start, fps, tokens_per_second, temporal_patch_size=2):
+    g, r, c = torch.meshgrid(torch.arange(grids), torch.arange(rows), torch.arange(cols), indexing="ij")
+    return mrope_positions(g.flatten(), r.flatten(), c.flatten(), start, temporal_patch_size / fps, tokens_per_second)
+
+
+@pytest.mark.parametrize(
+    "fps, expected_temporal",
+    [
+        (2.0, [0, 2, 4, 6, 8]),  # second_per_grid = 1.0: 2 positions per grid
+        (3.0, [0, 1, 2, 4, 5]),  # second_per_grid = 2/3: floor(g * 4/3)
+        (1.5, [0, 2, 5, 8, 10]),  # second_per_grid = 4/3: floor(g * 8/3)
+        (0.5, [0, 8, 16, 24, 32]),  # second_per_grid = 4.0
+    ],
+)
+def test_qwen25_positions_follow_the_rule(fps, expected_temporal):
+    start = 17
+    pos = _positions(5, 2, 3, start, fps, tokens_per_second=2)
+    assert pos.shape == (3, 5 * 2 * 3)
+    temporal = pos[0].view(5, 6)[:, 0] - start
+    assert temporal.tolist() == expected_temporal
+    # rows and columns: s + row, s + col for every grid
+    assert (pos[1].view(5, 2, 3) - start == torch.arange(2).view(1, 2, 1)).all()
+    assert (pos[2].view(5, 2, 3) - start == torch.arange(3).view(1, 1, 3)).all()
+
+
+def test_qwen2_positions_step_one_per_grid():
+    pos = _positions(4, 1, 2, 5, fps=3.0, tokens_per_second=None)
+    assert pos[0].tolist() == [5, 5, 6, 6, 7, 7, 8, 8]
+    assert pos[2].tolist() == [5, 6] * 4
+
+
+def test_visual_positions_agree_with_transformers_rope_index(tiny):
+    """For a whole clip, transformers' own get_rope_index gives the same visual positions."""
+    grids, rows, cols, fps = 3, 4, 5, 3.0
+    prefix = tiny.tokenize(tiny.prefix_text())
+    video_id = tiny.hf.config.video_token_id
+    ids = prefix + [video_id] * (grids * rows * cols) + tiny.tokenize("<|vision_end|>hi")
+    token_type = [0] * len(prefix) + [2] * (grids * rows * cols) + [0] * (len(ids) - len(prefix) - grids * rows * cols)
+    hf_pos, _ = tiny.hf.model.get_rope_index(
+        torch.tensor([ids]),
+        mm_token_type_ids=torch.tensor([token_type]),
+        video_grid_thw=torch.tensor([[grids, rows * 2, cols * 2]]),
+        second_per_grid_ts=torch.tensor([2 / fps]),
+    )
+    ours = _positions(grids, rows, cols, len(prefix), fps, tiny.tokens_per_second)
+    visual = slice(len(prefix), len(prefix) + grids * rows * cols)
+    assert torch.equal(hf_pos[:, 0, visual], ours)
+
+
+def test_chunked_encoding_equals_whole_clip(tiny, pancake):
+    frames, times = pancake.frames[:8], pancake.times_s[:8]
+    whole = tiny.encode(frames, 0, times, fps=2.0)
+    parts = [tiny.encode(frames[i : i + 2], i // 2, times[i : i + 2], fps=2.0) for i in range(0, 8, 2)]
+    torch.testing.assert_close(torch.cat([p.embeds for p in parts]), whole.embeds, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.cat([p.grid for p in parts]), whole.grid)
+    assert whole.num_grids == 4 and whole.rows == 9 and whole.cols == 15
+    assert whole.grid_times_s == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_tiny_model_is_the_transformers_class_and_deterministic(tiny):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from kvdemo.models.tiny import build_tiny_model
+
+    assert isinstance(tiny.hf, Qwen2_5_VLForConditionalGeneration)
+    assert tiny.random_weights
+    again = build_tiny_model()
+    for a, b in zip(tiny.hf.parameters(), again.hf.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_byte_tokenizer_round_trips_text_and_special_tokens():
+    tokenizer = ByteTokenizer()
+    text = "<|im_start|>user\nWhat's in the vidéo?<|im_end|>"
+    ids = tokenizer.encode(text)
+    assert ids[0] == tokenizer.special_to_id["<|im_start|>"]
+    assert ids[-1] == tokenizer.special_to_id["<|im_end|>"]
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "user\nWhat's in the vidéo?"
+
+
+def test_unknown_model_family_is_a_clear_error(tmp_path):
+    from transformers import GPT2Config
+
+    from kvdemo.models.qwen_vl import ModelError, load_qwen
+
+    GPT2Config(n_layer=1).save_pretrained(tmp_path)
+    with pytest.raises(ModelError, match="supports Qwen2-VL and Qwen2.5-VL"):
+        load_qwen(str(tmp_path))
+
+
+def test_auto_resolves_to_tiny_without_cuda(monkeypatch):
+    from kvdemo.models.qwen_vl import resolve_model_name
+
+    monkeypatch.delenv("KVDEMO_MODEL", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_model_name("auto") == "tiny"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_model_name(None) == "Qwen/Qwen2.5-VL-3B-Instruct"
+    monkeypatch.setenv("KVDEMO_MODEL", "tiny")
+    assert resolve_model_name(None) == "tiny"

@@ -1,0 +1,88 @@
+"""Baseline policies on small hand-made views, and the registry."""
+
+import pytest
+import torch
+
+from kvdemo.policies import REGISTRY, BudgetError, LayerView, make_policy
+from kvdemo.policies.base import frame_rank, top_k_sorted
+
+
+def make_view(frames: int, rows: int = 2, cols: int = 2, heads: int = 2, dim: int = 4, layer: int = 0, seed: int = 0):
+    """Whole frames in stream order; keys/values random."""
+    g = torch.Generator().manual_seed(seed)
+    per = rows * cols
+    token = torch.arange(frames * per)
+    prov = lambda x: x.int().expand(heads, -1).contiguous()  # noqa: E731
+    return LayerView(
+        layer=layer,
+        num_layers=1,
+        keys=torch.randn(heads, frames * per, dim, generator=g),
+        values=torch.randn(heads, frames * per, dim, generator=g),
+        frame=prov(token // per),
+        row=prov((token % per) // cols),
+        col=prov(token % cols),
+        grid=(rows, cols),
+        newest_frame=frames - 1,
+    )
+
+
+@pytest.mark.parametrize("name", [n for n, cls in REGISTRY.items() if cls.bounded])
+@pytest.mark.parametrize("keep", [1, 4, 7, 12])
+def test_every_bounded_policy_returns_sorted_unique_indices_of_size_keep(name, keep):
+    views = [make_view(6, layer=l, seed=l) for l in range(3)]
+    for view in views:
+        view.num_layers = 3
+    selection = make_policy(name).compress(views, keep)
+    assert len(selection.indices) == 3
+    for view, index in zip(views, selection.indices):
+        assert index.shape == (view.num_heads, keep)
+        assert index.dtype == torch.long
+        assert (index[:, 1:] > index[:, :-1]).all(), "indices must be sorted and unique"
+        assert index.min() >= 0 and index.max() < view.length
+
+
+def test_sliding_window_keeps_the_newest_tokens():
+    view = make_view(5)
+    index = make_policy("sliding-window").compress([view], 6).indices[0]
+    assert index.tolist() == [list(range(14, 20))] * 2
+
+
+def test_uniform_keeps_whole_frames_evenly_spaced():
+    view = make_view(7)  # 7 frames of 4 tokens
+    index = make_policy("uniform").compress([view], 12).indices[0]  # 3 frames
+    kept_frames = view.frame[0][index[0]].unique().tolist()
+    assert kept_frames == [0, 3, 6]
+    assert (torch.bincount(view.frame[0][index[0]].long()) [[0, 3, 6]] == 4).all()  # whole frames
+
+
+def test_uniform_fills_a_partial_frame_with_the_newest_leftover_tokens():
+    view = make_view(7)
+    index = make_policy("uniform").compress([view], 14).indices[0]  # 3 whole frames + 2 tokens
+    frames = view.frame[0][index[0]]
+    assert set(frames.tolist()) == {0, 3, 5, 6}
+    assert (frames == 5).sum() == 2  # newest tokens of the newest unchosen frame
+
+
+def test_uniform_single_frame_keeps_the_newest():
+    view = make_view(4)
+    index = make_policy("uniform").compress([view], 4).indices[0]
+    assert view.frame[0][index[0]].tolist() == [3, 3, 3, 3]
+
+
+def test_top_k_sorted_breaks_ties_towards_newer_tokens():
+    scores = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert top_k_sorted(scores, 2).tolist() == [[1, 2]]
+
+
+def test_frame_rank_ranks_each_head_among_its_own_frames():
+    frame = torch.tensor([[3, 3, 8, 9], [1, 5, 5, 9]])
+    rank, held = frame_rank(frame)
+    assert rank.tolist() == [[0, 0, 1, 2], [0, 1, 1, 2]]
+    assert held.tolist() == [3, 3]
+
+
+def test_unknown_policy_and_parameter_are_clear_errors():
+    with pytest.raises(BudgetError, match="unknown policy 'nope'"):
+        make_policy("nope")
+    with pytest.raises(BudgetError, match="has no parameter"):
+        make_policy("uniform", alpha=0.3)

@@ -1,0 +1,115 @@
+import numpy as np
+import pytest
+import torch
+
+from kvdemo.video import (
+    VideoError,
+    load_video,
+    pair_frames,
+    sample_indices,
+    smart_resize,
+    synthetic_video,
+    write_video,
+)
+
+
+@pytest.mark.parametrize(
+    "size, expected",
+    [
+        ((240, 426), (252, 420)),  # the real clip: rounded to multiples of 28
+        ((280, 392), (280, 392)),  # already on the grid and within bounds
+        ((224, 336), (280, 392)),  # below min_pixels (128*28*28): scaled up
+        ((4320, 7680), (560, 1008)),  # 8K: scaled down under max_pixels (768*28*28)
+    ],
+)
+def test_smart_resize_matches_transformers(size, expected):
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize as hf_smart_resize
+
+    min_pixels, max_pixels = 128 * 28 * 28, 768 * 28 * 28
+    assert smart_resize(*size, min_pixels=min_pixels, max_pixels=max_pixels) == expected
+    assert hf_smart_resize(*size, factor=28, min_pixels=min_pixels, max_pixels=max_pixels) == expected
+
+
+def test_smart_resize_rejects_impossible_shapes():
+    with pytest.raises(VideoError, match="aspect ratio"):
+        smart_resize(10, 5000)
+    with pytest.raises(VideoError, match="min_pixels"):
+        smart_resize(100, 100, min_pixels=10_000, max_pixels=100)
+
+
+def test_sample_indices_follow_time():
+    # 30 fps source, 2 fps sampling: one frame every 15 source frames.
+    np.testing.assert_array_equal(sample_indices(310, 30.0, 2.0), np.arange(20) * 15)
+    np.testing.assert_array_equal(sample_indices(310, 30.0, 2.0, max_frames=3), [0, 15, 30])
+    assert len(sample_indices(0, 30.0, 2.0)) == 0
+    with pytest.raises(VideoError):
+        sample_indices(10, 30.0, 0.0)
+
+
+def test_real_clip_decodes_at_fps(pancake):
+    assert pancake.num_frames == 20  # 10.3 s at 2 fps
+    assert pancake.size == (252, 420)
+    assert pancake.frames.dtype == np.uint8
+    np.testing.assert_allclose(pancake.times_s[:3], [0.0, 0.5, 1.0])
+    assert pancake.lost_frames == 0
+    assert pancake.frames.std() > 10  # real picture content, not a blank decode
+
+
+def test_damaged_file_decodes_what_it_can(media):
+    video = load_video(media / "corrupted.mp4", fps=2.0)
+    assert video.num_frames > 0
+    assert video.lost_frames > 0
+    assert "damaged" in video.describe()
+
+
+def test_non_video_and_missing_files_raise_one_clear_error(tmp_path):
+    text = tmp_path / "notes.mp4"
+    text.write_text("this is not a video\n" * 50)
+    with pytest.raises(VideoError, match="notes.mp4: not a readable video"):
+        load_video(text)
+    with pytest.raises(VideoError, match="no such file"):
+        load_video(tmp_path / "missing.mp4")
+    empty = tmp_path / "empty.mkv"
+    empty.write_bytes(b"")
+    with pytest.raises(VideoError, match="empty"):
+        load_video(empty)
+
+
+def test_synthetic_video_is_deterministic_and_moves():
+    a, b = synthetic_video(8, 112, 168, seed=5), synthetic_video(8, 112, 168, seed=5)
+    np.testing.assert_array_equal(a.frames, b.frames)
+    assert np.abs(a.frames[1:].astype(int) - a.frames[:-1].astype(int)).mean() > 0.5
+
+
+def test_written_video_round_trips_through_decord(tmp_path):
+    clip = synthetic_video(10, 112, 168, fps=5.0, seed=2)
+    path = write_video(tmp_path / "clip.mp4", clip.frames, fps=5.0)
+    decoded = load_video(path, fps=5.0, min_pixels=56 * 56)
+    assert decoded.num_frames == 10
+    assert decoded.size == (112, 168)
+    assert np.abs(decoded.frames.astype(int) - clip.frames.astype(int)).mean() < 12  # lossy codec
+
+
+def test_odd_tail_is_paired_with_itself():
+    frames = np.arange(3 * 2 * 2 * 3, dtype=np.uint8).reshape(3, 2, 2, 3)
+    paired = pair_frames(frames)
+    assert paired.shape[0] == 4
+    np.testing.assert_array_equal(paired[3], frames[2])
+
+
+def test_pixel_values_match_transformers_video_processor(pancake, media):
+    """Our decode + resize + normalise + patchify equals Qwen2VLVideoProcessor on the native frames."""
+    import decord
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    from kvdemo.models.qwen_vl import pixel_values
+
+    reader = decord.VideoReader(str(media / "flipping_a_pancake.mkv"))
+    native = reader.get_batch([0, 15, 30, 45]).asnumpy()  # the frames our 2 fps sampler picks
+    processor = Qwen2VLVideoProcessor()
+    expected = processor(
+        videos=[torch.from_numpy(native).permute(0, 3, 1, 2)], return_tensors="pt", cap_pixels_per_frame=False
+    )
+    ours, grid = pixel_values(pancake.frames[:4])
+    assert tuple(expected["video_grid_thw"][0].tolist()) == grid
+    torch.testing.assert_close(ours, expected["pixel_values_videos"], atol=1e-5, rtol=1e-5)
