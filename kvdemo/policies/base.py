@@ -113,32 +113,55 @@ def make_policy(name: str, **params: Any) -> Policy:
 # --- shared helpers for policies ---------------------------------------------------------
 
 
-def top_k_sorted(scores: torch.Tensor, keep: int) -> torch.Tensor:
-    """Indices ``[H, keep]`` of the ``keep`` highest ``scores [H, L]`` per row, in ascending order.
+def top_k_mask(scores: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
+    """Boolean mask ``[H, L]`` of the ``k`` highest ``scores [H, L]`` per row (``k`` an int or ``[H]`` per row).
 
-    Ties break towards the newer token (higher index) so results are deterministic.
+    Exact ties go to the newer token (higher index): a ramp far below float32 resolution is added in
+    float64, so the choice is deterministic and never reorders distinct scores.
     """
-    length = scores.shape[-1]
-    if keep >= length:
-        return torch.arange(length, device=scores.device).expand(scores.shape[0], -1).clone()
-    # A vanishing ramp by position breaks ties deterministically towards newer tokens.
-    ramp = torch.arange(length, device=scores.device, dtype=torch.float64) / (length * 1e9)
-    chosen = torch.topk(scores.double() + ramp, keep, dim=-1).indices
-    return chosen.sort(dim=-1).values
+    heads, length = scores.shape
+    ramp = torch.arange(length, device=scores.device, dtype=torch.float64) * (1e-9 / max(length, 1))
+    key = scores.double() + ramp
+    mask = torch.zeros(heads, length, dtype=torch.bool, device=scores.device)
+    if isinstance(k, torch.Tensor) and k.numel() > 1 and bool((k != k.flatten()[0]).any()):
+        k = k.to(scores.device).clamp(0, length)
+        order = torch.topk(key, int(k.max()), dim=-1, sorted=True).indices
+        return mask.scatter_(1, order, torch.arange(order.shape[1], device=scores.device)[None] < k[:, None])
+    k = min(int(k.flatten()[0]) if isinstance(k, torch.Tensor) else int(k), length)
+    if k <= 0:
+        return mask
+    return mask.scatter_(1, torch.topk(key, k, dim=-1, sorted=False).indices, True)
+
+
+def mask_to_indices(mask: torch.Tensor) -> torch.Tensor:
+    """A mask ``[H, L]`` with the same count per row -> ascending indices ``[H, count]``."""
+    return torch.nonzero(mask, as_tuple=False)[:, 1].view(mask.shape[0], -1)
+
+
+def top_k_sorted(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """Indices ``[H, keep]`` of the ``keep`` highest ``scores [H, L]`` per row, in ascending order
+    (ties to the newer token, see :func:`top_k_mask`)."""
+    return mask_to_indices(top_k_mask(scores, min(keep, scores.shape[-1])))
 
 
 def frame_rank(frame: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense ranks of frame ids ``[H, L]`` per head: ``(rank [H, L], frames_held [H])``; rank 0 is the oldest.
+    """Dense ranks of frame ids ``[H, L]`` per row: ``(rank [H, L], frames_held [H])``; rank 0 is the oldest.
 
-    Works for heads that hold different frames: each head is ranked among its own frames.
+    Each row (head) is ranked among its own frames. The memory keeps tokens in stream order, so frame
+    ids are non-decreasing along a row and the rank is a running count of changes; any other order
+    falls back to a sort.
     """
     heads, length = frame.shape
+    if length == 0:
+        return torch.zeros_like(frame, dtype=torch.long), torch.zeros(heads, dtype=torch.long, device=frame.device)
+    change = frame[:, 1:] != frame[:, :-1]
+    if bool((frame[:, 1:] >= frame[:, :-1]).all()):
+        rank = torch.cat([torch.zeros(heads, 1, dtype=torch.long, device=frame.device), change.long().cumsum(1)], 1)
+        return rank, rank[:, -1] + 1
     order = frame.long()
-    offset = (order.max() + 1) if length else torch.tensor(1)
+    offset = order.max() + 1
     keyed = order + torch.arange(heads, device=frame.device)[:, None] * offset
     unique, inverse = torch.unique(keyed, return_inverse=True)
-    head_of_unique = torch.div(unique, offset, rounding_mode="floor")
-    counts = torch.bincount(head_of_unique, minlength=heads)
+    counts = torch.bincount(torch.div(unique, offset, rounding_mode="floor"), minlength=heads)
     starts = torch.cumsum(counts, 0) - counts
-    rank = inverse - starts[torch.arange(heads, device=frame.device)[:, None].expand(heads, length)]
-    return rank, counts
+    return inverse - starts[:, None], counts

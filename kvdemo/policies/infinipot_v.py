@@ -1,0 +1,277 @@
+"""``infinipot-v``: InfiniPot-V (paper 000, explained in 001): Temporal-axis Redundancy (TaR) plus
+Value Norm (VaN) with layer-adaptive pooling, run whenever the cache reaches ``M``, keeping ``C``.
+
+Everything is aligned by provenance, not by position in the cache. After the first pass the cache no
+longer holds whole frames, so the reference implementation's reshape of the cache into
+``[f, p]`` pseudo-frames would compare unrelated patches; here a token at (frame t, row i, col j) is
+compared with the recent frames' tokens at the same (i, j), and VaN is pooled over the true
+(frame, row, col) neighbours that are still held.
+
+Per layer and KV head (Algorithm 2, App. A.1):
+
+1. Recent window: the newest ``r = max(1, round(recent_ratio * f))`` frames, ``f = L / p`` the frames
+   held (in frame-equivalents of ``p`` tokens). Kept whole. If ``r`` whole frames do not fit in ``C``,
+   ``r`` shrinks to the whole frames that fit (at least the newest frame, then ranked by VaN).
+2. TaR (Eq. 4): ``s(t,i,j) = -(1/r) sum_t' cos(K(t,i,j), K(t',i,j))`` over recent frames ``t'``; a patch
+   with no recent counterpart has similarity 0. ``I = TopK(s, alpha*C - |recent|)`` (Eq. 5).
+3. VaN (Sec. 3.2): ``||V||_2``, average-pooled on the (frame, row, col) grid with a per-layer kernel
+   ``g(CV)`` in {7, 5, 3, 1} (CV = std/mean of the layer's VaN map); neighbours that were evicted are
+   left out of the average.
+4. Combination (Alg. 2 lines 24-25): TaR picks are forced to the top, the rest of ``C`` by pooled VaN.
+
+``alpha = 0`` is VaN only (no recent window), ``alpha = 1`` is TaR only. When the recent window is larger
+than TaR's share ``alpha * C``, the window is still kept whole (the paper always retains recent frames)
+and TaR's share grows to cover it.
+
+CV thresholds: the paper's are model-specific and unpublished. With ``cv_thresholds=None`` the policy
+calibrates on its first pass: ``tau1 < tau2 < tau3`` are the 25/50/75% quantiles of that pass's per-layer
+CVs (:func:`calibrate_cv_thresholds`), so the smoothest quarter of layers pools with 7, the spikiest
+quarter not at all; the thresholds are then fixed for the rest of the stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .base import BudgetError, LayerView, Policy, Selection, frame_rank, register, top_k_mask, top_k_sorted
+
+KERNELS = (7, 5, 3, 1)
+#: Reason codes reported per kept token (``Selection.info["reason"]``).
+REASON_RECENT, REASON_TAR, REASON_VAN = 0, 1, 2
+REASON_NAMES = {REASON_RECENT: "recent", REASON_TAR: "TaR", REASON_VAN: "VaN"}
+
+#: The paper's Table 5 ablation variants as parameter sets (``uniform`` is its own policy).
+VARIANTS: dict[str, dict] = {
+    "TaR + VaN + Pool": dict(alpha=0.5, tar="patch", van="pool"),
+    "TaR": dict(alpha=1.0, tar="patch"),
+    "TaR Frame": dict(alpha=1.0, tar="frame"),
+    "TaR Reverse": dict(alpha=1.0, tar="reverse"),
+    "VaN + Pool": dict(alpha=0.0, van="pool"),
+    "VaN": dict(alpha=0.0, van="plain"),
+    "VaN Reverse": dict(alpha=0.0, van="reverse"),
+}
+
+
+def calibrate_cv_thresholds(cvs: list[float] | torch.Tensor) -> tuple[float, float, float]:
+    """``(tau1, tau2, tau3)`` = 25/50/75% quantiles of per-layer VaN coefficients of variation."""
+    values = torch.as_tensor(cvs, dtype=torch.float64).flatten()
+    if values.numel() == 0:
+        raise ValueError("calibration needs at least one layer's CV")
+    q = torch.quantile(values, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+    return float(q[0]), float(q[1]), float(q[2])
+
+
+def kernel_for_cv(cv: float, thresholds: tuple[float, float, float]) -> int:
+    """g(CV): 7 below tau1, 5 below tau2, 3 below tau3, else 1 (App. A.1, Alg. 2 line 21)."""
+    for kernel, tau in zip(KERNELS, thresholds):
+        if cv < tau:
+            return kernel
+    return KERNELS[-1]
+
+
+def value_norms(values: torch.Tensor) -> torch.Tensor:
+    """The VaN map ``||V||_2`` in float32, ``[H, L, D] -> [H, L]``."""
+    return torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
+
+
+def coefficient_of_variation(van: torch.Tensor) -> float:
+    """CV = std / mean of one layer's VaN map (all heads and tokens)."""
+    return float(van.std(unbiased=False) / van.mean().clamp_min(1e-12))
+
+
+def pool_on_grid(
+    score: torch.Tensor, rank: torch.Tensor, pos: torch.Tensor, grid: tuple[int, int], kernel: int
+) -> torch.Tensor:
+    """Average ``score [H, L]`` over each token's ``kernel x kernel`` spatial neighbours in the same frame.
+
+    ``rank [H, L]`` is the token's dense frame index per head, ``pos [H, L]`` its ``row * cols + col``.
+    Only neighbours that are held count (missing ones are neither zeros nor padding).
+    """
+    if kernel <= 1:
+        return score
+    heads, length = score.shape
+    rows, cols = grid
+    frames = int(rank.max()) + 1 if length else 1
+    flat = ((torch.arange(heads, device=score.device)[:, None] * frames + rank) * (rows * cols) + pos).flatten()
+    dense = torch.zeros(heads * frames * rows * cols, dtype=torch.float32, device=score.device)
+    mask = torch.zeros_like(dense)
+    dense[flat] = score.float().flatten()
+    mask[flat] = 1.0
+    # Frames as channels of one channels-last image: the fast layout for CPU pooling. Zero padding
+    # counts alike in values and mask, so the ratio below averages over the neighbours that exist.
+    images = torch.stack([dense, mask]).view(1, 2 * heads * frames, rows, cols)
+    images = images.contiguous(memory_format=torch.channels_last)
+    pooled = F.avg_pool2d(images, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+    pooled = pooled.contiguous().view(2, -1)
+    sums, counts = pooled[0], pooled[1]
+    return (sums[flat] / counts[flat].clamp_min(1e-12)).view(heads, length).to(score.dtype)
+
+
+def _minmax(x: torch.Tensor) -> torch.Tensor:
+    """Per-row min-max to [0, 1] (``[H, L]``)."""
+    low, high = x.min(dim=-1, keepdim=True).values, x.max(dim=-1, keepdim=True).values
+    return (x - low) / (high - low).clamp_min(1e-12)
+
+
+@register
+@dataclass
+class InfiniPotV(Policy):
+    """InfiniPot-V: ``alpha*C`` tokens by TaR (recent window included), the rest by pooled VaN."""
+
+    name = "infinipot-v"
+    summary = "TaR (temporal redundancy vs the recent frames, patch-wise) + VaN (value norm, adaptively pooled)."
+    help = {
+        "alpha": "share of C chosen by TaR (recent frames included); the rest by pooled VaN. 0 = VaN only, 1 = TaR only",
+        "recent_ratio": "recent window r = ratio x frames held (at least one frame), kept whole",
+        "tar": "TaR scoring: patch (paper), frame (whole-frame similarity), reverse (keep the most redundant)",
+        "van": "VaN scoring: pool (layer-adaptive pooling), plain (no pooling), reverse (keep the lowest norms)",
+        "cv_thresholds": "tau1<tau2<tau3 mapping a layer's VaN CV to kernel 7/5/3/1; empty = calibrate on the first pass",
+    }
+
+    alpha: float = 0.5
+    recent_ratio: float = 0.125
+    tar: str = "patch"
+    van: str = "pool"
+    cv_thresholds: tuple[float, float, float] | None = None
+    _calibrated: tuple[float, float, float] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= float(self.alpha) <= 1.0:
+            raise BudgetError(f"alpha must be in [0, 1], got {self.alpha}")
+        if not 0.0 < float(self.recent_ratio) <= 1.0:
+            raise BudgetError(f"recent_ratio must be in (0, 1], got {self.recent_ratio}")
+        if self.tar not in ("patch", "frame", "reverse"):
+            raise BudgetError(f"tar must be patch, frame or reverse, got {self.tar!r}")
+        if self.van not in ("pool", "plain", "reverse"):
+            raise BudgetError(f"van must be pool, plain or reverse, got {self.van!r}")
+        if self.cv_thresholds is not None:
+            thresholds = tuple(float(t) for t in self.cv_thresholds)
+            if len(thresholds) != 3 or not thresholds[0] < thresholds[1] < thresholds[2]:
+                raise BudgetError(f"cv_thresholds must be three increasing numbers, got {self.cv_thresholds}")
+            self.cv_thresholds = thresholds
+
+    def params(self) -> dict:
+        return {k: v for k, v in super().params().items() if not k.startswith("_")}
+
+    def thresholds_for(self, cvs: list[float]) -> tuple[float, float, float]:
+        """The CV thresholds in force: given ones, else calibrated once from the first pass's ``cvs``."""
+        if self.cv_thresholds is not None:
+            return self.cv_thresholds
+        if self._calibrated is None:
+            self._calibrated = calibrate_cv_thresholds(cvs)
+        return self._calibrated
+
+    def compress(self, views: list[LayerView], keep: int) -> Selection:
+        vans = [value_norms(view.values) for view in views]
+        cvs = [coefficient_of_variation(van) for van in vans]
+        thresholds = self.thresholds_for(cvs)
+        kernels = [kernel_for_cv(cv, thresholds) if self.van == "pool" else 1 for cv in cvs]
+        indices: list[torch.Tensor] = [torch.empty(0)] * len(views)
+        reasons: list[torch.Tensor] = [torch.empty(0)] * len(views)
+        recent_frames = [0] * len(views)
+        # Layers of equal length are ranked together ([layers * H, L] at once); only the reads of
+        # keys and values stay per layer.
+        groups: dict[int, list[int]] = {}
+        for layer, view in enumerate(views):
+            groups.setdefault(view.length, []).append(layer)
+        for members in groups.values():
+            index, reason, r = self._select(
+                [views[i] for i in members], [vans[i] for i in members], [kernels[i] for i in members], keep
+            )
+            for i, layer_index, layer_reason in zip(members, index.chunk(len(members)), reason.chunk(len(members))):
+                indices[i], reasons[i], recent_frames[i] = layer_index, layer_reason, r
+        info = {
+            "reason": reasons,
+            "kernel": kernels,
+            "cv": cvs,
+            "cv_thresholds": list(thresholds),
+            "recent_frames": recent_frames,
+        }
+        return Selection(indices, info)
+
+    def _select(
+        self, views: list[LayerView], vans: list[torch.Tensor], kernels: list[int], keep: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Selection for layers of equal length, stacked as rows ``B = layers * H``.
+
+        Returns indices ``[B, keep]``, reason codes ``[B, keep]`` and the recent window (frames).
+        ``vans`` are the layers' raw VaN maps ``[H, L]``; ``kernels`` their pooling kernels.
+        """
+        heads, length = views[0].frame.shape
+        grid, per_frame = views[0].grid, views[0].tokens_per_frame
+        frame = torch.cat([v.frame for v in views])
+        pos = torch.cat([v.row.long() * grid[1] + v.col.long() for v in views])
+        rank, held = frame_rank(frame)
+
+        recent_frames = max(1, round(self.recent_ratio * length / per_frame))
+        recent_frames = min(recent_frames, max(1, keep // per_frame))
+        recent = rank >= (held[:, None] - recent_frames)
+
+        van = torch.cat(vans)
+        row_kernel = torch.tensor(kernels, device=van.device).repeat_interleave(heads)
+        for kernel in set(kernels) - {1}:
+            rows = row_kernel == kernel
+            van[rows] = pool_on_grid(van[rows], rank[rows], pos[rows], grid, kernel)
+        van01 = _minmax(-van if self.van == "reverse" else van)
+
+        tar_pick = torch.zeros_like(recent)
+        if self.alpha > 0:
+            score = self._tar_scores(views, recent, pos, rank, per_frame)
+            # Recent tokens rank above every past score (|score| <= 1); among themselves by VaN.
+            key = torch.where(recent, 2.0 + 1e-3 * van01, score)
+            share = torch.clamp(recent.sum(dim=1), max=keep).clamp_min(round(self.alpha * keep))
+            tar_pick = top_k_mask(key, share)
+        index = top_k_sorted(tar_pick.to(van01.dtype) * 4.0 + van01, keep)
+        reason = torch.full(recent.shape, REASON_VAN, dtype=torch.int8, device=van.device)
+        reason[tar_pick] = REASON_TAR
+        if self.alpha > 0:
+            reason[recent] = REASON_RECENT
+        return index, torch.gather(reason, 1, index), recent_frames
+
+    def _tar_scores(
+        self, views: list[LayerView], recent: torch.Tensor, pos: torch.Tensor, rank: torch.Tensor, per_frame: int
+    ) -> torch.Tensor:
+        """TaR scores ``[B, L]`` (Eq. 4, or its frame-level / reversed variant) for stacked layers."""
+        heads = views[0].num_heads
+        mean_cos = torch.cat(
+            [
+                patch_similarity(v.keys, recent[i * heads : (i + 1) * heads], pos[i * heads : (i + 1) * heads], per_frame)
+                for i, v in enumerate(views)
+            ]
+        )
+        if self.tar == "reverse":
+            return mean_cos
+        score = -mean_cos
+        if self.tar == "frame":
+            # Frame-level TaR: every past token takes its frame's mean patch score.
+            frames = int(rank.max()) + 1
+            past = (~recent).to(score.dtype)
+            sums = torch.zeros(score.shape[0], frames, dtype=score.dtype, device=score.device)
+            sums.scatter_add_(1, rank, score * past)
+            counts = torch.zeros_like(sums).scatter_add_(1, rank, past)
+            score = torch.gather(sums / counts.clamp_min(1.0), 1, rank)
+        return score
+
+
+def patch_similarity(keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor, per_frame: int) -> torch.Tensor:
+    """Mean cosine similarity ``[H, L]`` of every token's key to the keys of the recent frames at the same
+    patch (Eq. 4 without the sign): ``(1/r) sum_t' cos(K(t,i,j), K_recent(t',i,j))``.
+
+    ``sum_t' cos = k_hat . sum_t' k_hat_recent(t', i, j)``: one ``index_add`` over (head, patch) rows builds
+    the per-patch sum of the recent normalised keys. A patch no recent frame holds has similarity 0.
+    ``keys [H, L, D]``, ``recent``/``pos [H, L]`` (pos = row * cols + col).
+    """
+    heads, length, dim = keys.shape
+    flat = keys.reshape(-1, dim).float()
+    norms = torch.linalg.vector_norm(flat, dim=-1).clamp_min(1e-12)
+    row = (torch.arange(heads, device=pos.device)[:, None] * per_frame + pos).flatten()  # (head, patch) id
+    is_recent = recent.flatten()
+    recent_rows = row[is_recent]
+    reference = torch.zeros(heads * per_frame, dim, dtype=flat.dtype, device=flat.device)
+    reference.index_add_(0, recent_rows, flat[is_recent] / norms[is_recent, None])
+    count = torch.bincount(recent_rows, minlength=heads * per_frame).to(flat.dtype)
+    similarity = torch.einsum("nd,nd->n", flat, reference.index_select(0, row)) / norms
+    return (similarity / count[row].clamp_min(1.0)).view(heads, length)
