@@ -8,6 +8,7 @@ Prints tables and writes JSON; it asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -65,17 +66,24 @@ def time_pass(policy: Policy, views: list[LayerView], keep: int, repeats: int) -
 
 
 def pass_benchmark(policy: Policy, repeats: int) -> list[dict[str, Any]]:
-    """One compression pass at Qwen2.5-VL-7B shape for ``policy`` and the reference policies, fp32 and bf16."""
+    """One compression pass at Qwen2.5-VL-7B shape for ``policy`` and the reference policies, fp32 and bf16.
+
+    A policy with a ``followers`` switch (CoRDS' cross-layer cascade) is also timed with it flipped.
+    """
     shape = QWEN7B_SHAPE
     rows = []
-    policies = [policy] + [make_policy(name) for name in REFERENCE_POLICIES if name != policy.name]
+    policies = [policy]
+    if isinstance(getattr(policy, "followers", None), bool):
+        policies.append(dataclasses.replace(policy, followers=not policy.followers))
+    policies += [make_policy(name) for name in REFERENCE_POLICIES if name != policy.name]
     for dtype in (torch.float32, torch.bfloat16):
         views = synthetic_views(
             shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], shape["budget"], shape["grid"], dtype
         )
         for candidate in policies:
             timing = time_pass(candidate, views, shape["keep"], repeats)
-            rows.append({"policy": candidate.name, "dtype": str(dtype).replace("torch.", ""), **timing})
+            label = candidate.name + (f" (followers={candidate.followers})" if hasattr(candidate, "followers") else "")
+            rows.append({"policy": label, "dtype": str(dtype).replace("torch.", ""), **timing})
     return rows
 
 
@@ -167,7 +175,8 @@ def stream_table(stream: dict[str, Any], name: str) -> str:
 
 
 def pass_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'policy':<18} {'dtype':<9} {'median ms':>10} {'min ms':>8}"]
+    width = max(18, *(len(row["policy"]) for row in rows))
+    lines = [f"{'policy':<{width}} {'dtype':<9} {'median ms':>10} {'min ms':>8}"]
     for row in rows:
-        lines.append(f"{row['policy']:<18} {row['dtype']:<9} {row['median_ms']:>10.1f} {row['min_ms']:>8.1f}")
+        lines.append(f"{row['policy']:<{width}} {row['dtype']:<9} {row['median_ms']:>10.1f} {row['min_ms']:>8.1f}")
     return "\n".join(lines)

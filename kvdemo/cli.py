@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .coverage import coverage, coverage_table
 from .engine import EngineError, StreamEngine, auto_budget, stream_video
 from .models.qwen_vl import ModelError, load_model
 from .models.tiny import RANDOM_WEIGHTS_NOTICE
@@ -51,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ask", action="append", default=[], help="question asked after the stream (repeatable)")
     run.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap (default 64)")
     run.add_argument("--json", help="write the run report here")
+    run.add_argument(
+        "--coverage",
+        action="store_true",
+        help="also stream a full cache and report how well the kept tokens cover it (CoRDS Sec. 4.6)",
+    )
     run.add_argument("--quiet", action="store_true", help="no progress bar")
 
     bench = commands.add_parser("bench", help="benchmark a bounded policy against the full cache")
@@ -106,8 +112,11 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"model {model.name}; policy {policy.name}" + (f", M={budget}, C={keep}{note}" if policy.bounded else ""), file=sys.stderr)
     if model.random_weights:
         print(f"note: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr)
+    engines = {"policy": engine}
+    if args.coverage and policy.bounded:
+        engines["full"] = StreamEngine(model, "full", fps=args.fps)
     progress = _progress(video.num_frames, args.quiet)
-    for step in stream_video(model, video, {"policy": engine}, args.frames_per_chunk):
+    for step in stream_video(model, video, engines, args.frames_per_chunk):
         if progress is not None:
             progress.update(step.chunk.frames)
             progress.set_postfix(tokens=engine.memory.visual_tokens, MB=f"{engine.memory.nbytes / 2**20:.1f}")
@@ -123,6 +132,13 @@ def run_command(args: argparse.Namespace) -> int:
     report["video"] = video.describe()
     report["lost_frames"] = video.lost_frames
     print(summary_table(report, engine))
+    if args.coverage:
+        full_memory = engines["full"].memory if "full" in engines else engine.memory
+        report["coverage"] = {policy.name: coverage(full_memory, engine.memory)}
+        if policy.bounded:
+            report["coverage"]["full"] = coverage(full_memory, full_memory)
+        print("\ncoverage: cosine distance of every full-cache token to its nearest kept token (lower is better)")
+        print(coverage_table(report["coverage"]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))

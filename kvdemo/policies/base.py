@@ -165,3 +165,19 @@ def frame_rank(frame: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     counts = torch.bincount(torch.div(unique, offset, rounding_mode="floor"), minlength=heads)
     starts = torch.cumsum(counts, 0) - counts
     return inverse - starts[:, None], counts
+
+
+def recent_window(
+    frame: torch.Tensor, tokens_per_frame: int, keep: int, ratio: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The recent window shared by the policies that keep one (InfiniPot-V Sec. 3.1, CoRDS' recent tail).
+
+    ``r = max(1, round(ratio * f))`` newest frames per head, ``f = L / tokens_per_frame`` the frames' worth
+    of tokens held, shrunk to the whole frames that fit in ``keep`` (at least one frame).
+    Returns ``(recent [H, L] bool, rank [H, L], frames_held [H], r)``.
+    """
+    rank, held = frame_rank(frame)
+    length = frame.shape[1]
+    frames = max(1, round(ratio * length / tokens_per_frame))
+    frames = min(frames, max(1, keep // tokens_per_frame))
+    return rank >= (held[:, None] - frames), rank, held, frames

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .base import BudgetError, LayerView, Policy, Selection, frame_rank, register, top_k_mask, top_k_sorted
+from .base import BudgetError, LayerView, Policy, Selection, recent_window, register, top_k_mask, top_k_sorted
 
 KERNELS = (7, 5, 3, 1)
 #: Reason codes reported per kept token (``Selection.info["reason"]``).
@@ -200,15 +200,11 @@ class InfiniPotV(Policy):
         Returns indices ``[B, keep]``, reason codes ``[B, keep]`` and the recent window (frames).
         ``vans`` are the layers' raw VaN maps ``[H, L]``; ``kernels`` their pooling kernels.
         """
-        heads, length = views[0].frame.shape
+        heads = views[0].num_heads
         grid, per_frame = views[0].grid, views[0].tokens_per_frame
         frame = torch.cat([v.frame for v in views])
         pos = torch.cat([v.row.long() * grid[1] + v.col.long() for v in views])
-        rank, held = frame_rank(frame)
-
-        recent_frames = max(1, round(self.recent_ratio * length / per_frame))
-        recent_frames = min(recent_frames, max(1, keep // per_frame))
-        recent = rank >= (held[:, None] - recent_frames)
+        recent, rank, _, recent_frames = recent_window(frame, per_frame, keep, self.recent_ratio)
 
         van = torch.cat(vans)
         row_kernel = torch.tensor(kernels, device=van.device).repeat_interleave(heads)

@@ -1,0 +1,250 @@
+"""``cords``: CoRDS (paper 002): KV-cache compression as coreset selection in joint key/value space.
+
+Per anchor layer and KV head:
+
+1. The recent tail (the newest ``r = max(1, round(recent_ratio * f))`` frames, the same rule as
+   InfiniPot-V's recent window) is always kept.
+2. The old part is reduced to the remaining budget as a coreset whose elements are frames: each old
+   frame is represented by the centroid of its tokens' keys and of their values (Sec. 3, "we work at
+   frame level").
+3. Greedy farthest-first with the D2 rule: repeatedly add the candidate frame ``i`` maximising
+
+       norm(min_j [beta d_K(i, j) + (1 - beta) d_V(i, j)]) + bonus * norm(o_i),
+       o_i = gamma (1 - max_j cos(K_i, K_j)) + (1 - gamma) (1 - max_j cos(V_i, V_j)),
+
+   over the selected set ``j`` (Eq. 4-10). ``d`` is the squared Euclidean distance between centroids
+   after scaling keys and values to unit mean squared norm per head (so ``beta`` weighs comparable
+   scales, which raw concatenation does not); ``o`` is the paper's max-cosine surrogate of the
+   orthogonal residual; ``norm`` is min-max over the remaining candidates with ``eps``.
+   Seeding is deterministic: the recent tail counts as already selected (it is retained), so the first
+   pick is the old frame that the recent frames cover worst.
+4. Chosen frames expand back to their tokens in pick order. When the budget is not a whole number of
+   frames, the next frame in pick order contributes the tokens that are farthest (same bicriteria
+   distance, token level) from everything selected so far.
+
+Layer schedule (App. B.1, B.7, B.8): selection is *active* on ``layers`` (``bottom25``: the bottom 25%
+of layers; ``all``; ``single``: layer 0 only). With ``followers=True`` only every other active layer is
+an anchor (the last active layer of an odd count follows too, e.g. anchors 0, 2, 4 of 28 layers) and
+followers reuse their anchor's indices; layers above the active set reuse the last active selection, so
+every layer keeps exactly ``C`` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import BudgetError, LayerView, Policy, Selection, recent_window, register, top_k_sorted
+
+REASON_RECENT, REASON_COVERAGE, REASON_FILL = 0, 1, 2
+REASON_NAMES = {REASON_RECENT: "recent", REASON_COVERAGE: "coreset frame", REASON_FILL: "partial frame"}
+SCHEDULES = ("bottom25", "all", "single")
+
+
+def layer_schedule(num_layers: int, layers: str, followers: bool) -> list[int]:
+    """For every layer, the anchor whose selection it uses (an anchor uses its own)."""
+    if layers == "all":
+        active = num_layers
+    elif layers == "bottom25":
+        active = max(1, round(0.25 * num_layers))
+    elif layers == "single":
+        active = 1
+    else:
+        raise BudgetError(f"layers must be one of {', '.join(SCHEDULES)}, got {layers!r}")
+    if followers:
+        anchors = [layer for layer in range(0, active, 2) if not (active % 2 and active > 1 and layer == active - 1)]
+    else:
+        anchors = list(range(active))
+    source = []
+    for layer in range(num_layers):
+        source.append(max(a for a in anchors if a <= min(layer, active - 1)))
+    return source
+
+
+def _pairwise_sq(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Squared distances ``[H, N, M]`` between ``x [H, N, D]`` and ``y [H, M, D]``."""
+    return (x.square().sum(-1)[..., None] - 2 * x @ y.transpose(1, 2) + y.square().sum(-1)[:, None]).clamp_min(0)
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def _minmax(x: torch.Tensor, valid: torch.Tensor, eps: float) -> torch.Tensor:
+    """Min-max normalise ``x [H, F]`` over ``valid`` entries per row (others come out as 0)."""
+    big = torch.finfo(x.dtype).max
+    low = torch.where(valid, x, big).min(dim=-1, keepdim=True).values
+    high = torch.where(valid, x, -big).max(dim=-1, keepdim=True).values
+    return torch.where(valid, (x - low) / (high - low + eps), torch.zeros_like(x))
+
+
+@register
+@dataclass
+class CoRDS(Policy):
+    """Coreset of old frames in joint K/V space (D2 farthest-first + orthogonal bonus), recent tail kept."""
+
+    name = "cords"
+    summary = "Coreset selection: old frames chosen farthest-first in joint key/value space, with a diversity bonus."
+    help = {
+        "beta": "key weight in the bicriteria distance beta*d_K + (1-beta)*d_V (0.25: value-favouring)",
+        "gamma": "key weight in the orthogonal anti-redundancy bonus",
+        "bonus": "weight of the orthogonal bonus (0 = bicriteria coverage only)",
+        "eps": "epsilon of the min-max normalisation",
+        "recent_ratio": "recent tail r = ratio x frames held (at least one frame), always kept",
+        "layers": "where selection is active: bottom25 (paper), all, single (layer 0); layers above reuse it",
+        "followers": "only every other active layer selects; the others reuse their anchor's indices",
+    }
+
+    beta: float = 0.25
+    gamma: float = 0.25
+    bonus: float = 0.25
+    eps: float = 1e-6
+    recent_ratio: float = 0.125
+    layers: str = "bottom25"
+    followers: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("beta", "gamma"):
+            if not 0.0 <= float(getattr(self, name)) <= 1.0:
+                raise BudgetError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if float(self.bonus) < 0 or float(self.eps) <= 0:
+            raise BudgetError(f"bonus must be >= 0 and eps > 0, got bonus={self.bonus}, eps={self.eps}")
+        if not 0.0 < float(self.recent_ratio) <= 1.0:
+            raise BudgetError(f"recent_ratio must be in (0, 1], got {self.recent_ratio}")
+        if self.layers not in SCHEDULES:
+            raise BudgetError(f"layers must be one of {', '.join(SCHEDULES)}, got {self.layers!r}")
+
+    def compress(self, views: list[LayerView], keep: int) -> Selection:
+        source = layer_schedule(len(views), self.layers, self.followers)
+        chosen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for anchor in sorted(set(source)):
+            chosen[anchor] = self.select(views[anchor], keep)
+        indices, reasons = [], []
+        for layer, anchor in enumerate(source):
+            if views[layer].length != views[anchor].length:
+                raise ValueError(f"layer {layer} holds {views[layer].length} tokens but its anchor {anchor} holds {views[anchor].length}")
+            indices.append(chosen[anchor][0])
+            reasons.append(chosen[anchor][1])
+        info = {
+            "reason": reasons,
+            "source_layer": source,
+            "anchors": sorted(chosen),
+            "pick_order": {anchor: picks for anchor, (_, _, picks) in chosen.items()},
+        }
+        return Selection(indices, info)
+
+    def select(self, view: LayerView, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One layer: indices ``[H, keep]``, reasons ``[H, keep]``, and the frames picked ``[H, picks]`` (ranks)."""
+        heads, length = view.frame.shape
+        recent, rank, held, _ = recent_window(view.frame, view.tokens_per_frame, keep, self.recent_ratio)
+        keys, values = self._scaled(view.keys, view.values)
+        device = keys.device
+        frames = int(held.max())
+        # Frame centroids [H, F, D] and token counts [H, F]; rank is the dense frame index per head.
+        index = rank[..., None].expand(-1, -1, keys.shape[-1])
+        counts = torch.zeros(heads, frames, dtype=keys.dtype, device=device).scatter_add_(1, rank, torch.ones_like(rank, dtype=keys.dtype))
+        key_c = torch.zeros(heads, frames, keys.shape[-1], dtype=keys.dtype, device=device).scatter_add_(1, index, keys)
+        value_c = torch.zeros_like(key_c).scatter_add_(1, index, values)
+        key_c, value_c = key_c / counts.clamp_min(1)[..., None], value_c / counts.clamp_min(1)[..., None]
+        is_recent_frame = torch.zeros(heads, frames, dtype=torch.bool, device=device).scatter_(1, rank, recent)
+        candidate = (counts > 0) & ~is_recent_frame
+        budget = keep - recent.sum(dim=1)  # [H] old-part token budget
+
+        picks = self._greedy(key_c, value_c, candidate, is_recent_frame, counts, budget)
+        # Expand frames back to tokens in pick order: whole frames while they fit, then a partial one.
+        picked_counts = torch.gather(counts, 1, picks.clamp_min(0)) * (picks >= 0)
+        before = torch.cumsum(picked_counts, dim=1) - picked_counts
+        whole = (before + picked_counts <= budget[:, None]) & (picks >= 0)
+        partial = (before < budget[:, None]) & ~whole & (picks >= 0)
+        frame_whole = torch.zeros(heads, frames + 1, dtype=torch.bool, device=device)
+        frame_whole.scatter_(1, torch.where(whole, picks, frames), True)
+        frame_partial = torch.zeros(heads, frames + 1, dtype=torch.bool, device=device)
+        frame_partial.scatter_(1, torch.where(partial, picks, frames), True)
+        token_whole = torch.gather(frame_whole[:, :frames], 1, rank)
+        token_partial = torch.gather(frame_partial[:, :frames], 1, rank)
+
+        priority = recent.double() * 4 + token_whole.double() * 2
+        if bool(token_partial.any()):
+            selected = frame_whole[:, :frames] | is_recent_frame
+            fill = self._token_distance(keys, values, key_c, value_c, selected)
+            scaled = fill / fill.max(dim=1, keepdim=True).values.clamp_min(1e-12)
+            priority = priority + token_partial.double() * (1 + scaled.double())
+        chosen = top_k_sorted(priority, keep)
+        reason = torch.full((heads, length), REASON_FILL, dtype=torch.int8, device=device)
+        reason[token_whole] = REASON_COVERAGE
+        reason[recent] = REASON_RECENT
+        return chosen, torch.gather(reason, 1, chosen), picks
+
+    @staticmethod
+    def _scaled(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values in float32, each scaled per head to unit mean squared norm."""
+        out = []
+        for x in (keys.float(), values.float()):
+            scale = x.square().sum(-1).mean(-1).clamp_min(1e-12).sqrt()
+            out.append(x / scale[:, None, None])
+        return out[0], out[1]
+
+    def _greedy(
+        self,
+        key_c: torch.Tensor,
+        value_c: torch.Tensor,
+        candidate: torch.Tensor,
+        selected: torch.Tensor,
+        counts: torch.Tensor,
+        budget: torch.Tensor,
+    ) -> torch.Tensor:
+        """D2 farthest-first over frame centroids with the orthogonal bonus; returns picks ``[H, steps]``
+        (frame ranks in pick order, -1 once a head's budget is met or its candidates run out).
+
+        ``selected [H, F]`` seeds the selected set (the recent tail); the loop runs over picks only.
+        """
+        heads, frames, _ = key_c.shape
+        device = key_c.device
+        big = torch.tensor(torch.finfo(key_c.dtype).max, device=device)
+        # Distance and max-cosine of every frame to the seed set.
+        dist_k, dist_v = _pairwise_sq(key_c, key_c), _pairwise_sq(value_c, value_c)
+        bicriteria = self.beta * dist_k + (1 - self.beta) * dist_v  # [H, F, F]
+        unit_k, unit_v = _unit(key_c), _unit(value_c)
+        cos_k, cos_v = unit_k @ unit_k.transpose(1, 2), unit_v @ unit_v.transpose(1, 2)
+        seed = selected[:, None, :]
+        min_dist = torch.where(seed, bicriteria, big).min(dim=-1).values  # [H, F]
+        max_cos_k = torch.where(seed, cos_k, -1.0).max(dim=-1).values
+        max_cos_v = torch.where(seed, cos_v, -1.0).max(dim=-1).values
+        no_seed = ~selected.any(dim=1, keepdim=True)
+        # Without a seed (cannot happen with a recent tail) every candidate is equally uncovered.
+        min_dist = torch.where(no_seed, bicriteria.mean(-1), min_dist)
+
+        remaining = candidate.clone()
+        taken = torch.zeros(heads, dtype=counts.dtype, device=device)
+        steps = int(candidate.sum(dim=1).max())
+        picks = torch.full((heads, steps), -1, dtype=torch.long, device=device)
+        rows = torch.arange(heads, device=device)
+        for step in range(steps):
+            active = remaining.any(dim=1) & (taken < budget)
+            if not bool(active.any()):
+                return picks[:, :step]
+            orth = self.gamma * (1 - max_cos_k) + (1 - self.gamma) * (1 - max_cos_v)
+            score = _minmax(min_dist, remaining, self.eps) + self.bonus * _minmax(orth, remaining, self.eps)
+            score = torch.where(remaining, score, -big)
+            pick = score.argmax(dim=1)  # first index on ties: the oldest frame, deterministic
+            picks[:, step] = torch.where(active, pick, -1)
+            remaining[rows[active], pick[active]] = False
+            taken = taken + torch.where(active, counts[rows, pick], 0)
+            min_dist = torch.minimum(min_dist, bicriteria[rows, :, pick])
+            max_cos_k = torch.maximum(max_cos_k, cos_k[rows, :, pick])
+            max_cos_v = torch.maximum(max_cos_v, cos_v[rows, :, pick])
+        return picks
+
+    def _token_distance(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        key_c: torch.Tensor,
+        value_c: torch.Tensor,
+        selected: torch.Tensor,
+    ) -> torch.Tensor:
+        """Bicriteria distance ``[H, L]`` of every token to the nearest selected frame centroid."""
+        big = torch.finfo(keys.dtype).max
+        distance = self.beta * _pairwise_sq(keys, key_c) + (1 - self.beta) * _pairwise_sq(values, value_c)
+        return torch.where(selected[:, None, :], distance, big).min(dim=-1).values
