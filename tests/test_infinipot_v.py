@@ -264,3 +264,16 @@ def test_changed_patch_survives_successive_passes_only_with_provenance_alignment
         next_frame += 2
     assert survived["provenance"] == [True, True, True]
     assert survived["pseudo"][0] and not all(survived["pseudo"]), survived
+
+
+def test_bfloat16_cache_selects_like_float32():
+    frames = 8
+    static, keys, values = static_scene(frames)
+    g = torch.Generator().manual_seed(12)
+    for t in range(frames):
+        keys[:, t, (1 + t % 3) * COLS + 2] = torch.randn(2, DIM, generator=g)
+    values = values * (1 + torch.rand(values.shape, generator=g))
+    view32 = view_from(flat(keys), flat(values), *whole_frames(frames))
+    view16 = view_from(flat(keys).bfloat16(), flat(values).bfloat16(), *whole_frames(frames))
+    policy = make_policy("infinipot-v", alpha=1.0)
+    assert torch.equal(policy.compress([view32], 2 * P).indices[0], policy.compress([view16], 2 * P).indices[0])

@@ -261,13 +261,20 @@ def patch_similarity(keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor
     ``keys [H, L, D]``, ``recent``/``pos [H, L]`` (pos = row * cols + col).
     """
     heads, length, dim = keys.shape
-    flat = keys.reshape(-1, dim).float()
-    norms = torch.linalg.vector_norm(flat, dim=-1).clamp_min(1e-12)
+    flat = keys.reshape(-1, dim)
+    norms = torch.linalg.vector_norm(flat, dim=-1, dtype=torch.float32).clamp_min(1e-12)
     row = (torch.arange(heads, device=pos.device)[:, None] * per_frame + pos).flatten()  # (head, patch) id
     is_recent = recent.flatten()
     recent_rows = row[is_recent]
-    reference = torch.zeros(heads * per_frame, dim, dtype=flat.dtype, device=flat.device)
-    reference.index_add_(0, recent_rows, flat[is_recent] / norms[is_recent, None])
-    count = torch.bincount(recent_rows, minlength=heads * per_frame).to(flat.dtype)
-    similarity = torch.einsum("nd,nd->n", flat, reference.index_select(0, row)) / norms
+    reference = torch.zeros(heads * per_frame, dim, dtype=torch.float32, device=flat.device)
+    reference.index_add_(0, recent_rows, flat[is_recent].float() / norms[is_recent, None])
+    count = torch.bincount(recent_rows, minlength=heads * per_frame).to(torch.float32)
+    if flat.dtype == torch.float32:
+        similarity = torch.einsum("nd,nd->n", flat, reference.index_select(0, row))
+    else:
+        # Half-precision caches: multiply in the cache's dtype and accumulate in float32, instead of
+        # upcasting the whole cache (the upcast costs more than the rest of the pass on a CPU).
+        gathered = reference.to(flat.dtype).index_select(0, row)
+        similarity = (flat * gathered).sum(-1, dtype=torch.float32)
+    similarity = similarity / norms
     return (similarity / count[row].clamp_min(1.0)).view(heads, length)
