@@ -276,19 +276,23 @@ class StreamEngine:
     def _check_chunk(self, chunk: VisualChunk) -> None:
         if chunk.first_grid != self.memory.num_grids:
             raise EngineError(f"chunk starts at grid {chunk.first_grid} but the engine expects grid {self.memory.num_grids}")
+        self.check_fits(chunk.num_tokens, f"{chunk.num_grids} temporal grid(s) of {chunk.rows}x{chunk.cols} tokens")
+
+    def check_fits(self, tokens: int, shape: str = "") -> None:
+        """Raise :class:`BudgetError` if a chunk of ``tokens`` visual tokens can never fit the budget
+        (``M`` below one chunk, or ``M - C`` too small to take one after a compression)."""
         if self.budget is None or not self.policy.bounded:
             return
-        n = chunk.num_tokens
-        shape = f"{chunk.num_grids} temporal grid(s) of {chunk.rows}x{chunk.cols} tokens"
-        if n > self.budget:
+        shape = f" = {shape}" if shape else ""
+        if tokens > self.budget:
             raise BudgetError(
-                f"M={self.budget} is smaller than one chunk ({n} visual tokens = {shape}); "
+                f"M={self.budget} is smaller than one chunk ({tokens} visual tokens{shape}); "
                 "raise M, or lower max pixels / frames per chunk"
             )
-        if self.budget - self.keep < n:
+        if self.budget - self.keep < tokens:
             raise BudgetError(
-                f"M - C = {self.budget - self.keep} leaves no room for one chunk ({n} visual tokens = {shape}); "
-                f"lower C to at most {self.budget - n} or raise M"
+                f"M - C = {self.budget - self.keep} leaves no room for one chunk ({tokens} visual tokens{shape}); "
+                f"lower C to at most {self.budget - tokens} or raise M"
             )
 
     def _check_cap(self, chunk: VisualChunk) -> None:

@@ -1,6 +1,28 @@
 """KV-cache compression policies, registered by name (``make_policy("uniform")``)."""
 
 from . import cords, full, infinipot_v, uniform, window  # noqa: F401  (registration)
-from .base import REGISTRY, BudgetError, LayerView, Policy, Selection, make_policy, policy_names, register
+from .base import (
+    REGISTRY,
+    BudgetError,
+    LayerView,
+    ParamSpec,
+    Policy,
+    Selection,
+    make_policy,
+    policy_names,
+    policy_params,
+    register,
+)
 
-__all__ = ["REGISTRY", "BudgetError", "LayerView", "Policy", "Selection", "make_policy", "policy_names", "register"]
+__all__ = [
+    "REGISTRY",
+    "BudgetError",
+    "LayerView",
+    "ParamSpec",
+    "Policy",
+    "Selection",
+    "make_policy",
+    "policy_names",
+    "policy_params",
+    "register",
+]

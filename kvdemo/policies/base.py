@@ -71,6 +71,10 @@ class Policy(abc.ABC):
     summary: ClassVar[str] = ""
     #: Per-parameter help texts (field name -> text) for the CLI and UI.
     help: ClassVar[dict[str, str]] = {}
+    #: Allowed values of text parameters (field name -> choices), for the CLI and UI.
+    choices: ClassVar[dict[str, tuple[str, ...]]] = {}
+    #: Reason codes this policy reports per kept token in ``Selection.info["reason"]`` (code -> name).
+    reason_names: ClassVar[dict[int, str]] = {}
 
     @abc.abstractmethod
     def compress(self, views: list[LayerView], keep: int) -> Selection:
@@ -78,6 +82,39 @@ class Policy(abc.ABC):
 
     def params(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One policy parameter as a form field: name, default, kind (bool/float/int/choice/numbers), help."""
+
+    name: str
+    default: Any
+    kind: str
+    help: str = ""
+    choices: tuple[str, ...] = ()
+
+
+def policy_params(name: str) -> list[ParamSpec]:
+    """The parameters of a registered policy, with their paper defaults and help texts."""
+    cls = REGISTRY[name]
+    specs = []
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name.startswith("_"):
+            continue
+        default = f.default
+        if f.name in cls.choices:
+            kind = "choice"
+        elif isinstance(default, bool):
+            kind = "bool"
+        elif isinstance(default, int):
+            kind = "int"
+        elif isinstance(default, float):
+            kind = "float"
+        else:
+            kind = "numbers"  # an optional list of numbers (e.g. CV thresholds)
+        specs.append(ParamSpec(f.name, default, kind, cls.help.get(f.name, ""), tuple(cls.choices.get(f.name, ()))))
+    return specs
 
 
 REGISTRY: dict[str, type[Policy]] = {}

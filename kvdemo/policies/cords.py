@@ -85,6 +85,8 @@ class CoRDS(Policy):
     """Coreset of old frames in joint K/V space (D2 farthest-first + orthogonal bonus), recent tail kept."""
 
     name = "cords"
+    reason_names = REASON_NAMES
+    choices = {"layers": SCHEDULES}
     summary = "Coreset selection: old frames chosen farthest-first in joint key/value space, with a diversity bonus."
     help = {
         "beta": "key weight in the bicriteria distance beta*d_K + (1-beta)*d_V (0.25: value-favouring)",

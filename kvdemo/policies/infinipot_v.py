@@ -122,6 +122,8 @@ class InfiniPotV(Policy):
     """InfiniPot-V: ``alpha*C`` tokens by TaR (recent window included), the rest by pooled VaN."""
 
     name = "infinipot-v"
+    reason_names = REASON_NAMES
+    choices = {"tar": ("patch", "frame", "reverse"), "van": ("pool", "plain", "reverse")}
     summary = "TaR (temporal redundancy vs the recent frames, patch-wise) + VaN (value norm, adaptively pooled)."
     help = {
         "alpha": "share of C chosen by TaR (recent frames included); the rest by pooled VaN. 0 = VaN only, 1 = TaR only",
