@@ -291,8 +291,8 @@ def gallery_items(session: Session) -> list[tuple[np.ndarray, str]]:
     return viz.survivor_gallery(engine.memory, session.thumbnails)
 
 
-def write_report(session: Session) -> tuple[str | None, str | None]:
-    """The run report (CLI JSON format) and the occupancy chart (HTML) as files to download."""
+def write_report(session: Session, chart: bool = True) -> tuple[str | None, str | None]:
+    """The run report (CLI JSON format) and the occupancy chart (self-contained HTML) as files to download."""
     engine = session.policy
     if engine is None:
         return None, None
@@ -306,11 +306,12 @@ def write_report(session: Session) -> tuple[str | None, str | None]:
         report["coverage"] = session.coverage
     report_path = Path(session.report_dir) / "kvdemo-report.json"
     report_path.write_text(json.dumps(report, indent=1))
+    if not chart:
+        return str(report_path), None
     chart_path = Path(session.report_dir) / "kvdemo-occupancy.html"
     figure = occupancy_plot(session)
-    if figure is not None:
-        figure.write_html(str(chart_path), include_plotlyjs="cdn")
-    return str(report_path), str(chart_path) if figure is not None else None
+    figure.write_html(str(chart_path), include_plotlyjs=True)  # opens offline
+    return str(report_path), str(chart_path)
 
 
 def run_video(
@@ -396,19 +397,22 @@ def webcam_frame(
     state = session or Session()
     if frame is None:
         return {"session": state}
+    started = False
     try:
         resized = resize_frames(np.asarray(frame, dtype=np.uint8)[None, ..., :3], min(settings.max_pixels, 128 * 28 * 28), settings.max_pixels)
         size = tuple(resized.shape[1:3])
         if state.settings != settings or state.stream is None or not state.source.startswith("webcam") or state.frame_size != size:
             check_settings(settings.policy, settings.budget, settings.keep, settings.fps, settings.max_pixels)
             state = start_session(hub, session, settings, "webcam (live)", size)
+            started = True
         with state.lock:
             fed = feed_frames(state, resized, None)
     except USER_ERRORS as exc:
         return {"session": state, "status": status_text(state, error=str(exc))}
-    if not fed:
-        return {"session": state}
-    return live_update(state, view)
+    update = live_update(state, view) if fed else {"session": state}
+    if started:
+        update["legend"] = legend(state)
+    return update
 
 
 # --- chat -----------------------------------------------------------------------------------------------
@@ -449,7 +453,7 @@ def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Ite
                 last_yield = time.monotonic()
                 yield {"session": state, "policy_chat": list(state.chat["policy"]), "full_chat": list(state.chat["full"])}
     yield {"session": state, "policy_chat": list(state.chat["policy"]), "full_chat": list(state.chat["full"]),
-           "report": write_report(state)[0]}
+           "report": write_report(state, chart=False)[0]}
 
 
 def _answer_markdown(state: Session, name: str, answer) -> str:
@@ -547,7 +551,7 @@ def build_demo(hub: ModelHub | None = None):
                 legend_box = gr.Markdown(legend(Session()))
                 with gr.Accordion("Every frame so far", open=False):
                     gallery = gr.Gallery(label="What survives of each frame", columns=6, height=300, format="jpeg")
-                coverage_plot = gr.Plot(label="Coverage of the full cache (CDF)", visible=True)
+                coverage_plot = gr.Plot(label="Coverage of the full cache (CDF, after a run with the baseline)", visible=False)
                 with gr.Row():
                     question = gr.Textbox(label="Ask both engines", placeholder="What happens in the video?",
                                           scale=4, elem_id="question")
@@ -570,7 +574,10 @@ def build_demo(hub: ModelHub | None = None):
         view_inputs = [view_layer, view_head, by_reason]
 
         def to_components(update: dict[str, Any]) -> dict[Any, Any]:
-            return {names[key]: value for key, value in update.items() if key in names}
+            out = {names[key]: value for key, value in update.items() if key in names}
+            if update.get("coverage") is not None:
+                out[coverage_plot] = gr.update(value=update["coverage"], visible=True)
+            return out
 
         def settings_from(values: list[Any]) -> RunSettings:
             model_v, policy_v, budget_v, keep_v, fps_v, pixels_v, baseline_v, cap_v, *params_v = values

@@ -41,3 +41,42 @@ def small_video():
 
 def rng(seed: int = 0) -> np.random.Generator:
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def app_url(tmp_path_factory):
+    """The real app (``python app.py``) on a free local port with the tiny model; stopped at the end."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path_factory.mktemp("app") / "app.log"
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1")
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "app.py", "--port", str(port), "--model", "tiny"], cwd=root, stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"the app did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+    yield url
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
