@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .memory import KVMemory
 
@@ -34,8 +35,8 @@ def nearest_retained_distances(full: KVMemory, kept: KVMemory, block: int = 4096
     for layer in range(full.num_layers):
         if full.frame[layer].shape[1] != expected:
             raise ValueError("the reference memory is compressed; coverage needs the full cache")
-        keys = _unit(full.keys[layer][0, :, p:].float())  # [H, N, D], token id = (grid * rows + row) * cols + col
-        values = _unit(full.values[layer][0, :, p:].float())
+        keys = F.normalize(full.keys[layer][0, :, p:].float(), dim=-1)  # [H, N, D], token id = (grid * rows + row) * cols + col
+        values = F.normalize(full.values[layer][0, :, p:].float(), dim=-1)
         ids = ((kept.frame[layer].long() * rows + kept.row[layer].long()) * cols + kept.col[layer].long()).to(keys.device)
         kept_keys = torch.gather(keys, 1, ids[..., None].expand(-1, -1, keys.shape[-1]))
         kept_values = torch.gather(values, 1, ids[..., None].expand(-1, -1, values.shape[-1]))
@@ -82,6 +83,3 @@ def coverage_table(summaries: dict[str, dict[str, Any]]) -> str:
             lines.append(f"{name:<16} {space:<6} {s['mean']:>7.3f} {s['median']:>7.3f} {s['p90']:>7.3f} {cdf}")
     return "\n".join(lines)
 
-
-def _unit(x: torch.Tensor) -> torch.Tensor:
-    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)

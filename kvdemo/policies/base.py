@@ -170,6 +170,18 @@ def top_k_mask(scores: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
     return mask.scatter_(1, torch.topk(key, k, dim=-1, sorted=False).indices, True)
 
 
+def minmax(x: torch.Tensor, valid: torch.Tensor | None = None, eps: float = 1e-12) -> torch.Tensor:
+    """Per-row min-max normalisation of ``x [H, N]`` to [0, 1], over ``valid`` entries only if given
+    (invalid entries come out as 0); ``eps`` keeps a constant row finite."""
+    if valid is None:
+        low, high = x.min(dim=-1, keepdim=True).values, x.max(dim=-1, keepdim=True).values
+        return (x - low) / (high - low + eps)
+    big = torch.finfo(x.dtype).max
+    low = torch.where(valid, x, big).min(dim=-1, keepdim=True).values
+    high = torch.where(valid, x, -big).max(dim=-1, keepdim=True).values
+    return torch.where(valid, (x - low) / (high - low + eps), torch.zeros_like(x))
+
+
 def mask_to_indices(mask: torch.Tensor) -> torch.Tensor:
     """A mask ``[H, L]`` with the same count per row -> ascending indices ``[H, count]``."""
     return torch.nonzero(mask, as_tuple=False)[:, 1].view(mask.shape[0], -1)

@@ -34,8 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from .base import BudgetError, LayerView, Policy, Selection, recent_window, register, top_k_sorted
+from .base import BudgetError, LayerView, Policy, Selection, minmax, recent_window, register, top_k_sorted
 
 REASON_RECENT, REASON_COVERAGE, REASON_FILL = 0, 1, 2
 REASON_NAMES = {REASON_RECENT: "recent", REASON_COVERAGE: "coreset frame", REASON_FILL: "partial frame"}
@@ -65,18 +66,6 @@ def layer_schedule(num_layers: int, layers: str, followers: bool) -> list[int]:
 def _pairwise_sq(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Squared distances ``[H, N, M]`` between ``x [H, N, D]`` and ``y [H, M, D]``."""
     return (x.square().sum(-1)[..., None] - 2 * x @ y.transpose(1, 2) + y.square().sum(-1)[:, None]).clamp_min(0)
-
-
-def _unit(x: torch.Tensor) -> torch.Tensor:
-    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-
-
-def _minmax(x: torch.Tensor, valid: torch.Tensor, eps: float) -> torch.Tensor:
-    """Min-max normalise ``x [H, F]`` over ``valid`` entries per row (others come out as 0)."""
-    big = torch.finfo(x.dtype).max
-    low = torch.where(valid, x, big).min(dim=-1, keepdim=True).values
-    high = torch.where(valid, x, -big).max(dim=-1, keepdim=True).values
-    return torch.where(valid, (x - low) / (high - low + eps), torch.zeros_like(x))
 
 
 @register
@@ -207,7 +196,7 @@ class CoRDS(Policy):
         # Distance and max-cosine of every frame to the seed set.
         dist_k, dist_v = _pairwise_sq(key_c, key_c), _pairwise_sq(value_c, value_c)
         bicriteria = self.beta * dist_k + (1 - self.beta) * dist_v  # [H, F, F]
-        unit_k, unit_v = _unit(key_c), _unit(value_c)
+        unit_k, unit_v = F.normalize(key_c, dim=-1), F.normalize(value_c, dim=-1)
         cos_k, cos_v = unit_k @ unit_k.transpose(1, 2), unit_v @ unit_v.transpose(1, 2)
         seed = selected[:, None, :]
         min_dist = torch.where(seed, bicriteria, big).min(dim=-1).values  # [H, F]
@@ -227,7 +216,7 @@ class CoRDS(Policy):
             if not bool(active.any()):
                 return picks[:, :step]
             orth = self.gamma * (1 - max_cos_k) + (1 - self.gamma) * (1 - max_cos_v)
-            score = _minmax(min_dist, remaining, self.eps) + self.bonus * _minmax(orth, remaining, self.eps)
+            score = minmax(min_dist, remaining, self.eps) + self.bonus * minmax(orth, remaining, self.eps)
             score = torch.where(remaining, score, -big)
             pick = score.argmax(dim=1)  # first index on ties: the oldest frame, deterministic
             picks[:, step] = torch.where(active, pick, -1)

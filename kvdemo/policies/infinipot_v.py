@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .base import BudgetError, LayerView, Policy, Selection, recent_window, register, top_k_mask, top_k_sorted
+from .base import BudgetError, LayerView, Policy, Selection, minmax, recent_window, register, top_k_mask, top_k_sorted
 
 KERNELS = (7, 5, 3, 1)
 #: Reason codes reported per kept token (``Selection.info["reason"]``).
@@ -108,12 +108,6 @@ def pool_on_grid(
     pooled = pooled.contiguous().view(2, -1)
     sums, counts = pooled[0], pooled[1]
     return (sums[flat] / counts[flat].clamp_min(1e-12)).view(heads, length).to(score.dtype)
-
-
-def _minmax(x: torch.Tensor) -> torch.Tensor:
-    """Per-row min-max to [0, 1] (``[H, L]``)."""
-    low, high = x.min(dim=-1, keepdim=True).values, x.max(dim=-1, keepdim=True).values
-    return (x - low) / (high - low).clamp_min(1e-12)
 
 
 @register
@@ -213,7 +207,7 @@ class InfiniPotV(Policy):
         for kernel in set(kernels) - {1}:
             rows = row_kernel == kernel
             van[rows] = pool_on_grid(van[rows], rank[rows], pos[rows], grid, kernel)
-        van01 = _minmax(-van if self.van == "reverse" else van)
+        van01 = minmax(-van if self.van == "reverse" else van)
 
         tar_pick = torch.zeros_like(recent)
         if self.alpha > 0:
