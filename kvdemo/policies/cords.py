@@ -133,11 +133,13 @@ class CoRDS(Policy):
         device = keys.device
         frames = int(held.max())
         # Frame centroids [H, F, D] and token counts [H, F]; rank is the dense frame index per head.
-        index = rank[..., None].expand(-1, -1, keys.shape[-1])
-        counts = torch.zeros(heads, frames, dtype=keys.dtype, device=device).scatter_add_(1, rank, torch.ones_like(rank, dtype=keys.dtype))
-        key_c = torch.zeros(heads, frames, keys.shape[-1], dtype=keys.dtype, device=device).scatter_add_(1, index, keys)
-        value_c = torch.zeros_like(key_c).scatter_add_(1, index, values)
-        key_c, value_c = key_c / counts.clamp_min(1)[..., None], value_c / counts.clamp_min(1)[..., None]
+        dim = keys.shape[-1]
+        slot = (torch.arange(heads, device=device)[:, None] * frames + rank).flatten()  # (head, frame) row
+        counts = torch.bincount(slot, minlength=heads * frames).to(keys.dtype).view(heads, frames)
+        key_c = torch.zeros(heads * frames, dim, dtype=keys.dtype, device=device).index_add_(0, slot, keys.reshape(-1, dim))
+        value_c = torch.zeros(heads * frames, dim, dtype=keys.dtype, device=device).index_add_(0, slot, values.reshape(-1, dim))
+        key_c = key_c.view(heads, frames, dim) / counts.clamp_min(1)[..., None]
+        value_c = value_c.view(heads, frames, dim) / counts.clamp_min(1)[..., None]
         is_recent_frame = torch.zeros(heads, frames, dtype=torch.bool, device=device).scatter_(1, rank, recent)
         candidate = (counts > 0) & ~is_recent_frame
         budget = keep - recent.sum(dim=1)  # [H] old-part token budget
