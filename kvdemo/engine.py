@@ -79,9 +79,6 @@ class FrameStream:
         self._pending: list[tuple[np.ndarray, float]] = []
         self._size: tuple[int, int] | None = None
 
-    def tokens_per_grid(self, height: int, width: int) -> int:
-        return (height // RESIZE_FACTOR) * (width // RESIZE_FACTOR)
-
     def push(self, frames: np.ndarray, times_s: np.ndarray | None = None) -> VisualChunk | None:
         """Add frames ``[T, H, W, 3]`` (uint8, already resized); encode every complete temporal grid."""
         if frames.ndim != 4 or frames.shape[-1] != 3:

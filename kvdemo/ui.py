@@ -23,11 +23,12 @@ from .coverage import coverage
 from .engine import EngineError, FrameStream, MemoryCapError, StreamEngine, validate_budget
 from .models.qwen_vl import DEFAULT_REAL_MODEL, ModelError, load_model, resolve_model_name
 from .models.tiny import RANDOM_WEIGHTS_NOTICE
-from .policies import BudgetError, make_policy, policy_names, policy_params
+from .policies import BudgetError, make_policy, policy_params
 from .video import VideoError, iter_chunks, load_video, resize_frames, sample_video_path
 from . import viz
 
 FRAMES_PER_CHUNK = 2
+MODEL_CONCURRENCY = 2
 PLOT_EVERY_S = 0.5
 HEATMAP_EVERY_S = 0.35
 GALLERY_EVERY_S = 3.0
@@ -626,16 +627,19 @@ def build_demo(hub: ModelHub | None = None):
             heads = ["all"] + [str(i) for i in range(engine.model.num_kv_heads)]
             return gr.update(choices=layers), gr.update(choices=heads)
 
-        common = dict(outputs=outputs, show_progress_on=[status], concurrency_id="model", concurrency_limit=1)
+        # All model work shares one concurrency group. Two events at a time, so that a question can be
+        # answered while a stream runs: the session lock pauses the stream between chunks meanwhile.
+        common = dict(outputs=outputs, show_progress_on=[status], concurrency_id="model", concurrency_limit=MODEL_CONCURRENCY)
         run_event = run_button.click(run_handler, [session, video, *settings_inputs, *view_inputs], api_name="run", **common)
         sample_event = sample_button.click(sample_handler, [session, *settings_inputs, *view_inputs], api_name="run_sample", **common)
         for event in (run_event, sample_event):
             event.then(view_choices, [session], [view_layer, view_head], api_visibility="private")
         stop_button.click(None, cancels=[run_event, sample_event])
         webcam.stream(webcam_handler, [session, webcam, *settings_inputs, *view_inputs], outputs,
-                      stream_every=0.5, time_limit=600, concurrency_id="model", concurrency_limit=1, show_progress="hidden",
+                      stream_every=0.5, time_limit=600, concurrency_id="model", concurrency_limit=MODEL_CONCURRENCY,
+                      show_progress="hidden",
                       api_visibility="private")
-        ask_event = dict(outputs=outputs, show_progress_on=[status], concurrency_id="model", concurrency_limit=1)
+        ask_event = dict(outputs=outputs, show_progress_on=[status], concurrency_id="model", concurrency_limit=MODEL_CONCURRENCY)
         ask_button.click(ask_handler, [session, question], api_name="ask", **ask_event)
         question.submit(ask_handler, [session, question], api_visibility="private", **ask_event)
         clear_button.click(lambda s: to_components(reset_chat(s)), [session], outputs, api_name="new_conversation")
@@ -675,7 +679,7 @@ def launch(host: str | None = None, port: int | None = None, model: str | None =
     hub = ModelHub(model)
     hub.get()
     demo = build_demo(hub)
-    demo.queue(default_concurrency_limit=1)
+    demo.queue(default_concurrency_limit=MODEL_CONCURRENCY)
     return demo.launch(
         server_name=host or os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
         server_port=port or int(os.environ.get("GRADIO_SERVER_PORT", "7860")),

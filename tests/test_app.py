@@ -62,3 +62,18 @@ def test_sessions_do_not_see_each_others_streams(app_url, media):
     first.submit(handle_file(str(media / "flipping_a_pancake.mkv")), api_name="/run").result()
     other = second.submit("What is cooking?", api_name="/ask").result()
     assert "no video yet" in status_of(other)
+
+
+def test_a_question_during_the_stream_is_answered_before_it_ends(client):
+    import re
+
+    run = client.submit(api_name="/run_sample")
+    for update in run:
+        if re.search(r"\b([1-9]\d*)/48 frames", status_of(update)):
+            break
+    answer = client.submit("What is there now?", api_name="/ask").result()
+    full_text = answer[9][1]["content"][0]["text"]
+    seen = int(re.search(r"(\d+) visual tokens", full_text).group(1))
+    final = run.result()
+    assert "48/48 frames" in status_of(final)
+    assert 0 < seen < 48 // 2 * 140, "the baseline answered from the stream so far, mid-run"

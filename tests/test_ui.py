@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvdemo import viz
-from kvdemo.ui import ModelHub, RunSettings, Session, ask, parse_params, run_video, validate_settings, webcam_frame
+from kvdemo.ui import ModelHub, RunSettings, ask, parse_params, run_video, validate_settings, webcam_frame
 
 
 @pytest.fixture(scope="module")
