@@ -73,8 +73,12 @@ def kernel_for_cv(cv: float, thresholds: tuple[float, float, float]) -> int:
 
 
 def value_norms(values: torch.Tensor) -> torch.Tensor:
-    """The VaN map ``||V||_2`` in float32, ``[H, L, D] -> [H, L]``."""
-    return torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
+    """The VaN map ``||V||_2``, ``[H, L, D] -> [H, L]`` float32.
+
+    Computed in the cache's dtype (accumulated in float32 internally, rounded to that dtype, as on a
+    GPU): upcasting a half-precision cache first costs more than the rest of the pass on a CPU.
+    """
+    return torch.linalg.vector_norm(values, dim=-1).float()
 
 
 def coefficient_of_variation(van: torch.Tensor) -> float:
@@ -258,7 +262,7 @@ def patch_similarity(keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor
     """
     heads, length, dim = keys.shape
     flat = keys.reshape(-1, dim)
-    norms = torch.linalg.vector_norm(flat, dim=-1, dtype=torch.float32).clamp_min(1e-12)
+    norms = torch.linalg.vector_norm(flat, dim=-1).float().clamp_min(1e-12)  # see value_norms
     row = (torch.arange(heads, device=pos.device)[:, None] * per_frame + pos).flatten()  # (head, patch) id
     is_recent = recent.flatten()
     recent_rows = row[is_recent]
