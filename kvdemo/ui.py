@@ -541,7 +541,7 @@ def build_demo(hub: ModelHub | None = None):
                         cap_mb = gr.Number(2048, label="Baseline memory cap (MB)", precision=0, minimum=0)
             with gr.Column(scale=2):
                 status = gr.Markdown(status_text(Session()), elem_id="status")
-                plot = gr.Plot(label="Cache occupancy", elem_id="occupancy")
+                plot = gr.Plot(label="Cache occupancy", show_label=False, elem_id="occupancy")
                 with gr.Row():
                     view_layer = gr.Dropdown(["all"], value="all", label="Layer", scale=1)
                     view_head = gr.Dropdown(["all"], value="all", label="KV head", scale=1)

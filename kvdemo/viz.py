@@ -39,44 +39,46 @@ def occupancy_figure(series: dict[str, list[OccupancyEvent]], budget: int | None
 
     ``series`` maps a label ("infinipot-v at M=2048", "full cache") to its timeline; compression
     events are marked. A bounded policy draws a sawtooth under ``budget``; the full cache a line.
+    (Built as one dict: plotly's subplot helpers cost ~100 ms per live update.)
     """
     import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
 
-    figure = make_subplots(
-        rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, subplot_titles=("visual tokens", "KV cache (MB)")
-    )
     colours = iter(["#d62728", "#1f77b4", "#2ca02c", "#9467bd"])
+    data = []
     for label, events in series.items():
         colour = next(colours)
         x = [e.time_s for e in events]
-        tokens = [e.visual_tokens for e in events]
-        mb = [e.cache_bytes / 2**20 for e in events]
-        for row, y in ((1, tokens), (2, mb)):
-            figure.add_trace(
-                go.Scatter(x=x, y=y, mode="lines", name=label, legendgroup=label, showlegend=row == 1,
-                           line=dict(color=colour, width=2)),
-                row=row, col=1,
-            )
+        line = dict(color=colour, width=2)
+        data.append(dict(type="scatter", x=x, y=[e.visual_tokens for e in events], mode="lines", name=label,
+                         legendgroup=label, line=line, xaxis="x", yaxis="y"))
+        data.append(dict(type="scatter", x=x, y=[e.cache_bytes / 2**20 for e in events], mode="lines", name=label,
+                         legendgroup=label, showlegend=False, line=line, xaxis="x", yaxis="y2"))
         compressions = [e for e in events if e.event == "compress"]
         if compressions:
-            figure.add_trace(
-                go.Scatter(
-                    x=[e.time_s for e in compressions], y=[e.visual_tokens for e in compressions], mode="markers",
-                    name=f"{label}: compression", legendgroup=label, marker=dict(color=colour, symbol="triangle-down", size=8),
-                    hovertemplate="compressed to %{y} tokens at %{x:.1f}s<extra></extra>",
-                ),
-                row=1, col=1,
-            )
+            data.append(dict(
+                type="scatter", x=[e.time_s for e in compressions], y=[e.visual_tokens for e in compressions],
+                mode="markers", name=f"{label}: compression", legendgroup=label, xaxis="x", yaxis="y",
+                marker=dict(color=colour, symbol="triangle-down", size=8),
+                hovertemplate="compressed to %{y} tokens at %{x:.1f}s<extra></extra>",
+            ))
+    shapes, annotations = [], [
+        dict(text="visual tokens", x=0.5, y=1.0, xref="paper", yref="paper", showarrow=False, yanchor="bottom"),
+        dict(text="KV cache (MB)", x=0.5, y=0.44, xref="paper", yref="paper", showarrow=False, yanchor="bottom"),
+    ]
     if budget:
-        figure.add_hline(y=budget, line=dict(color="#555", dash="dash", width=1), row=1, col=1,
-                         annotation_text=f"M = {budget}", annotation_position="top left")
-    figure.update_layout(
-        title=title or None, height=420, margin=dict(l=50, r=20, t=50, b=40), template="plotly_white",
-        legend=dict(orientation="h", yanchor="bottom", y=1.06, x=0), hovermode="x unified",
+        shapes.append(dict(type="line", xref="paper", x0=0, x1=1, yref="y", y0=budget, y1=budget,
+                           line=dict(color="#555", dash="dash", width=1)))
+        annotations.append(dict(text=f"M = {budget}", xref="paper", x=0, yref="y", y=budget, showarrow=False,
+                                xanchor="left", yanchor="bottom"))
+    layout = dict(
+        title=dict(text=title) if title else None, height=420, margin=dict(l=50, r=20, t=50, b=40),
+        template="plotly_white", hovermode="x unified", shapes=shapes, annotations=annotations,
+        legend=dict(orientation="h", yanchor="bottom", y=1.06, x=0),
+        xaxis=dict(anchor="y2", title=dict(text="stream time (s)")),
+        yaxis=dict(domain=[0.56, 1.0], rangemode="tozero"),
+        yaxis2=dict(domain=[0.0, 0.44], rangemode="tozero"),
     )
-    figure.update_xaxes(title_text="stream time (s)", row=2, col=1)
-    return figure
+    return go.Figure(dict(data=data, layout=layout))
 
 
 def coverage_figure(summaries: dict[str, dict[str, Any]]):
