@@ -129,7 +129,7 @@ def bench_command(args: argparse.Namespace) -> int:
     print(f"streaming {args.frames} synthetic frames through full and {policy.name} (M={args.budget}, C={args.keep})", file=sys.stderr)
     stream = stream_benchmark(policy, args.frames, args.budget, args.keep)
     results["stream"] = stream
-    print(stream_table(stream, policy.name))
+    print(stream_table(stream, policy.name, args.every))
     if not args.skip_pass:
         shape = QWEN7B_SHAPE
         print(
@@ -146,14 +146,14 @@ def bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def stream_table(stream: dict[str, Any], name: str) -> str:
+def stream_table(stream: dict[str, Any], name: str, every: int = 1) -> str:
     full, bounded = stream["engines"]["full"], stream["engines"][name]
     lines = [
         f"{'frame':>6} | {'full prefill ms':>15} {'full tokens':>11} {'full MB':>8} | "
         f"{name + ' prefill ms':>22} {'compress ms':>11} {'tokens':>7} {'MB':>6}"
     ]
     rows = list(zip(full["per_chunk"], bounded["per_chunk"]))
-    step = max(1, len(rows) // 20)
+    step = max(1, every)
     for index, (f, b) in enumerate(rows):
         if index % step and index != len(rows) - 1:
             continue
@@ -161,7 +161,8 @@ def stream_table(stream: dict[str, Any], name: str) -> str:
             f"{f['frame']:>6} | {f['prefill_ms']:>15.1f} {f['visual_tokens']:>11} {f['cache_bytes'] / 2**20:>8.2f} | "
             f"{b['prefill_ms']:>22.1f} {b['compress_ms']:>11.1f} {b['visual_tokens']:>7} {b['cache_bytes'] / 2**20:>6.2f}"
         )
-    lines.append(f"(every {step}th of {len(rows)} chunks shown; the JSON has all)" if step > 1 else "")
+    if step > 1:
+        lines.append(f"(every {step}th of {len(rows)} chunks shown; the JSON has all)")
     lines.append("summary:")
     for label, engine in (("full", full), (name, bounded)):
         lines.append(
@@ -171,7 +172,7 @@ def stream_table(stream: dict[str, Any], name: str) -> str:
         )
     ratio = full["peak_cache_bytes"] / bounded["peak_cache_bytes"] if bounded["peak_cache_bytes"] else 0
     lines.append(f"  full's peak cache is {ratio:.1f}x {name}'s; vision encoding (shared) {stream['encode_ms']:.0f} ms")
-    return "\n".join(line for line in lines if line is not None)
+    return "\n".join(lines)
 
 
 def pass_table(rows: list[dict[str, Any]]) -> str:

@@ -242,7 +242,7 @@ class StreamEngine:
         self.memory.append(cache, chunk, int(positions.max()))
         prefill_ms = self._elapsed_ms(start)
         self.frames_fed += chunk.frames
-        self.last_time_s = chunk.grid_times_s[-1]
+        self.last_time_s = chunk.end_time_s
         events.append(self.memory.record("append", self.frames_fed, self.last_time_s, prefill_ms))
         self.stats.chunks += 1
         self.stats.prefill_ms += prefill_ms

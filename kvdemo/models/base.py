@@ -23,6 +23,7 @@ class VisualChunk:
     grid_times_s: stream time (s) of the first frame of each temporal grid in this chunk.
     frames: real sampled frames in the chunk (a padded copy of an odd last frame is not counted).
     second_per_grid: temporal_patch_size / sampling fps (seconds one temporal grid spans).
+    end_time_s: stream time (s) of the newest real frame in the chunk.
     """
 
     embeds: torch.Tensor
@@ -36,6 +37,7 @@ class VisualChunk:
     grid_times_s: list[float]
     frames: int
     second_per_grid: float
+    end_time_s: float = 0.0
     encode_ms: float = 0.0
 
     @property

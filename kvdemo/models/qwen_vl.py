@@ -145,6 +145,7 @@ class QwenVL:
             grid_times_s=grid_times,
             frames=int(frames.shape[0]),
             second_per_grid=self.temporal_patch_size / fps,
+            end_time_s=float(times_s[-1]),
             encode_ms=(time.perf_counter() - start) * 1000,
         )
 
