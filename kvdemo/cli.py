@@ -16,7 +16,7 @@ from .engine import EngineError, StreamEngine, auto_budget, stream_video
 from .models.qwen_vl import ModelError, load_model
 from .models.tiny import RANDOM_WEIGHTS_NOTICE
 from .policies import BudgetError, make_policy, policy_names
-from .video import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VideoError, load_video, sample_video_path
+from .video import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VideoError, open_video, sample_video_path
 
 USER_ERRORS = (VideoError, BudgetError, EngineError, ModelError)
 
@@ -95,7 +95,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.frames_per_chunk <= 0:
         raise BudgetError(f"--frames-per-chunk must be positive, got {args.frames_per_chunk}")
     path = Path(args.video) if args.video else sample_video_path()
-    video = load_video(path, fps=args.fps, max_frames=args.max_frames, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+    video = open_video(path, fps=args.fps, max_frames=args.max_frames, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
     model = load_model(args.model)
     tokens_per_grid = (video.size[0] // 28) * (video.size[1] // 28)
     grids_per_chunk = -(-args.frames_per_chunk // model.temporal_patch_size)
@@ -123,6 +123,8 @@ def run_command(args: argparse.Namespace) -> int:
             progress.set_postfix(tokens=engine.memory.visual_tokens, MB=f"{engine.memory.nbytes / 2**20:.1f}")
     if progress is not None:
         progress.close()
+    if video.lost_frames:
+        print(f"warning: {video.describe()}", file=sys.stderr)
 
     for question in args.ask:
         print(f"\nQ: {question}\nA: ", end="", flush=True)

@@ -20,7 +20,7 @@ import torch
 from .memory import KVMemory, OccupancyEvent
 from .models.base import VideoLM, VisualChunk, mrope_positions
 from .policies import BudgetError, Policy, make_policy
-from .video import RESIZE_FACTOR, Video, iter_chunks
+from .video import RESIZE_FACTOR, Video, VideoFile
 
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -135,7 +135,7 @@ class StreamStep:
 
 def stream_video(
     model: VideoLM,
-    video: Video,
+    video: Video | VideoFile,
     engines: dict[str, "StreamEngine"],
     frames_per_chunk: int = 2,
 ) -> Iterator[StreamStep]:
@@ -145,7 +145,7 @@ def stream_video(
     others continue.
     """
     stream = FrameStream(model, video.fps)
-    chunks = iter_chunks(video, frames_per_chunk)
+    chunks = video.chunks(frames_per_chunk)
     stopped: dict[str, str] = {}
     pending = True
     while pending:

@@ -24,7 +24,7 @@ from .engine import EngineError, FrameStream, MemoryCapError, StreamEngine, vali
 from .models.qwen_vl import DEFAULT_REAL_MODEL, ModelError, load_model, resolve_model_name
 from .models.tiny import RANDOM_WEIGHTS_NOTICE
 from .policies import BudgetError, make_policy, policy_params
-from .video import VideoError, iter_chunks, load_video, resize_frames, sample_video_path
+from .video import VideoError, open_video, resize_frames, sample_video_path
 from . import viz
 
 FRAMES_PER_CHUNK = 2
@@ -328,25 +328,29 @@ def run_video(
     try:
         check_settings(settings.policy, settings.budget, settings.keep, settings.fps, settings.max_pixels)
         path = Path(video_path) if video_path else sample_video_path()
-        video = load_video(path, fps=settings.fps, max_pixels=settings.max_pixels, min_pixels=min(settings.max_pixels, 128 * 28 * 28))
+        video = open_video(path, fps=settings.fps, max_pixels=settings.max_pixels, min_pixels=min(settings.max_pixels, 128 * 28 * 28))
         state = start_session(hub, session, settings, video.describe(), video.size)
     except USER_ERRORS as exc:
         yield {"session": state, "status": status_text(state, error=str(exc))}
         return
     yield {"session": state, "status": status_text(state, 0, video.num_frames), "legend": legend(state)}
-    chunks = list(iter_chunks(video, FRAMES_PER_CHUNK))
     try:
-        for index, (_, frames, times) in enumerate(chunks):
+        chunks = video.chunks(FRAMES_PER_CHUNK)  # decoded lazily, batch by batch
+        current = next(chunks, None)
+        while current is not None:
+            following = next(chunks, None)
+            _, frames, times = current
             with state.lock:
-                fed = feed_frames(state, frames, times, flush=index == len(chunks) - 1)
-            if not fed:
-                continue
-            yield live_update(state, view, done=state.stream.frames_seen, total=video.num_frames)
+                fed = feed_frames(state, frames, times, flush=following is None)
+            current = following
+            if fed:
+                yield live_update(state, view, done=state.stream.frames_seen, total=video.num_frames)
     except USER_ERRORS as exc:
         yield {"session": state, "status": status_text(state, error=str(exc))}
         return
+    state.source = video.describe()  # now knows how many damaged frames were skipped
     final = finish(state, view)
-    final["status"] = status_text(state, state.stream.frames_seen, video.num_frames)
+    final["status"] = status_text(state, state.stream.frames_seen, video.num_frames - video.lost_frames)
     yield final
 
 

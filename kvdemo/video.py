@@ -97,14 +97,26 @@ class Video:
         return int(self.frames.shape[1]), int(self.frames.shape[2])
 
     def describe(self) -> str:
-        text = (
-            f"{Path(self.source).name}: {self.num_frames} frames at {self.fps:g} fps, "
-            f"{self.size[1]}x{self.size[0]} (source {self.source_size[1]}x{self.source_size[0]}"
-            f" @ {self.source_fps:.3g} fps)"
-        )
-        if self.lost_frames:
-            text += f"; {self.lost_frames} damaged frame(s) could not be decoded and were skipped"
-        return text
+        return _describe(Path(self.source).name, self.num_frames, self.fps, self.size, self.source_size,
+                         self.source_fps, self.lost_frames)
+
+    def chunks(self, frames_per_chunk: int = 2) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """Yield ``(first_frame_index, frames [T, H, W, 3], times_s [T])`` chunks of at most ``frames_per_chunk``."""
+        if frames_per_chunk <= 0:
+            raise VideoError(f"frames per chunk must be positive, got {frames_per_chunk}")
+        for start in range(0, self.num_frames, frames_per_chunk):
+            stop = min(start + frames_per_chunk, self.num_frames)
+            yield start, self.frames[start:stop], self.times_s[start:stop]
+
+
+def _describe(name: str, frames: int, fps: float, size, source_size, source_fps: float, lost: int) -> str:
+    text = (
+        f"{name}: {frames} frames at {fps:g} fps, {size[1]}x{size[0]} "
+        f"(source {source_size[1]}x{source_size[0]} @ {source_fps:.3g} fps)"
+    )
+    if lost:
+        text += f"; {lost} damaged frame(s) could not be decoded and were skipped"
+    return text
 
 
 def sample_indices(total_frames: int, source_fps: float, fps: float, max_frames: int | None = None) -> np.ndarray:
@@ -125,6 +137,124 @@ def sample_indices(total_frames: int, source_fps: float, fps: float, max_frames:
     return indices
 
 
+class VideoFile:
+    """A video file opened lazily: metadata at once, frames decoded and resized batch by batch.
+
+    Memory stays at one batch of full-resolution frames however long the video is. A damaged file
+    yields the frames that decode (``lost_frames`` counts the rest as decoding proceeds); a file that
+    is not a readable video raises :class:`VideoError` naming it.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        fps: float = 2.0,
+        max_frames: int | None = None,
+        min_pixels: int = DEFAULT_MIN_PIXELS,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+    ) -> None:
+        path = Path(path)
+        if not path.exists():
+            raise VideoError(f"{path}: no such file")
+        if path.is_dir():
+            raise VideoError(f"{path}: is a directory, not a video file")
+        if path.stat().st_size == 0:
+            raise VideoError(f"{path}: the file is empty")
+        import decord
+
+        decord.logging.set_level(decord.logging.QUIET)  # ffmpeg's per-packet complaints; we count losses
+        try:
+            with _native_stderr_silenced():
+                self._reader = decord.VideoReader(str(path), num_threads=1)
+            total = len(self._reader)
+            self.source_fps = float(self._reader.get_avg_fps() or 0.0)
+        except Exception as exc:  # decord raises RuntimeError/DECORDError with C++ traces
+            raise VideoError(f"{path.name}: not a readable video file ({_first_line(exc)})") from None
+        if total == 0:
+            raise VideoError(f"{path.name}: the video has no frames")
+        self.path, self.fps, self.source_frames = path, float(fps), total
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.indices = sample_indices(total, self.source_fps, fps, max_frames)
+        self.lost_frames = 0
+        self.source_size = self._probe_size()
+        if self.source_size[0] * self.source_size[1] > MAX_SOURCE_PIXELS:
+            raise VideoError(
+                f"{path.name}: frames of {self.source_size[1]}x{self.source_size[0]} are too large "
+                f"(limit {MAX_SOURCE_PIXELS} px)"
+            )
+        self.size = smart_resize(*self.source_size, min_pixels=min_pixels, max_pixels=max_pixels)
+
+    def _probe_size(self) -> tuple[int, int]:
+        for index in self.indices[:16].tolist():
+            try:
+                height, width = self._reader[index].shape[:2]
+                return int(height), int(width)
+            except Exception:
+                continue
+        raise VideoError(f"{self.path.name}: none of the first sampled frames could be decoded (damaged file)")
+
+    @property
+    def num_frames(self) -> int:
+        """Frames planned by the sampling (damaged ones are skipped when decoding)."""
+        return int(len(self.indices))
+
+    @property
+    def source(self) -> str:
+        return str(self.path)
+
+    def chunks(self, frames_per_chunk: int = 2, batch: int = 16) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """Yield ``(first_frame_index, frames [T, H, W, 3], times_s [T])``, decoding ``batch`` frames at a time."""
+        if frames_per_chunk <= 0:
+            raise VideoError(f"frames per chunk must be positive, got {frames_per_chunk}")
+        produced = 0
+        pending: list[tuple[np.ndarray, float]] = []
+        batch = max(batch, frames_per_chunk)
+        for start in range(0, len(self.indices), batch):
+            decoded, lost = _decode_indices(self._reader, self.indices[start : start + batch])
+            self.lost_frames += lost
+            if decoded:
+                frames = resize_frames(np.stack([f for _, f in decoded]), self.min_pixels, self.max_pixels)
+                pending.extend(zip(frames, (i / (self.source_fps or self.fps) for i, _ in decoded)))
+            while len(pending) >= frames_per_chunk:
+                part, pending = pending[:frames_per_chunk], pending[frames_per_chunk:]
+                yield produced, np.stack([f for f, _ in part]), np.array([t for _, t in part])
+                produced += len(part)
+        if pending:
+            yield produced, np.stack([f for f, _ in pending]), np.array([t for _, t in pending])
+            produced += len(pending)
+        if produced == 0:
+            raise VideoError(f"{self.path.name}: none of the {self.num_frames} sampled frames could be decoded (damaged file)")
+
+    def describe(self) -> str:
+        return _describe(self.path.name, self.num_frames - self.lost_frames, self.fps, self.size, self.source_size,
+                         self.source_fps, self.lost_frames)
+
+    def load(self) -> Video:
+        """Decode every sampled frame into memory."""
+        parts = list(self.chunks(frames_per_chunk=64, batch=64))
+        return Video(
+            frames=np.concatenate([f for _, f, _ in parts]),
+            times_s=np.concatenate([t for _, _, t in parts]).astype(np.float64),
+            fps=self.fps,
+            source=str(self.path),
+            source_fps=self.source_fps,
+            source_frames=self.source_frames,
+            source_size=self.source_size,
+            lost_frames=self.lost_frames,
+        )
+
+
+def open_video(
+    path: str | Path,
+    fps: float = 2.0,
+    max_frames: int | None = None,
+    min_pixels: int = DEFAULT_MIN_PIXELS,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> VideoFile:
+    """Open ``path`` for streaming (see :class:`VideoFile`)."""
+    return VideoFile(path, fps, max_frames, min_pixels, max_pixels)
+
+
 def load_video(
     path: str | Path,
     fps: float = 2.0,
@@ -132,50 +262,8 @@ def load_video(
     min_pixels: int = DEFAULT_MIN_PIXELS,
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> Video:
-    """Decode ``path`` with decord, sample at ``fps``, resize like Qwen.
-
-    A damaged file yields the frames that decode (``lost_frames`` counts the rest); a file that is
-    not a readable video raises :class:`VideoError` naming it.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise VideoError(f"{path}: no such file")
-    if path.is_dir():
-        raise VideoError(f"{path}: is a directory, not a video file")
-    if path.stat().st_size == 0:
-        raise VideoError(f"{path}: the file is empty")
-    import decord
-
-    decord.logging.set_level(decord.logging.QUIET)  # ffmpeg's per-packet complaints; we report losses ourselves
-    try:
-        with _native_stderr_silenced():
-            reader = decord.VideoReader(str(path), num_threads=1)
-        total = len(reader)
-        source_fps = float(reader.get_avg_fps() or 0.0)
-    except Exception as exc:  # decord raises RuntimeError/DECORDError with C++ traces
-        raise VideoError(f"{path.name}: not a readable video file ({_first_line(exc)})") from None
-    if total == 0:
-        raise VideoError(f"{path.name}: the video has no frames")
-    indices = sample_indices(total, source_fps, fps, max_frames)
-    frames, lost = _decode_indices(reader, indices)
-    if not frames:
-        raise VideoError(f"{path.name}: none of the {len(indices)} sampled frames could be decoded (damaged file)")
-    source_h, source_w = frames[0][1].shape[:2]
-    if source_h * source_w > MAX_SOURCE_PIXELS:
-        raise VideoError(f"{path.name}: frames of {source_w}x{source_h} are too large (limit {MAX_SOURCE_PIXELS} px)")
-    kept_indices = np.array([i for i, _ in frames])
-    array = resize_frames(np.stack([f for _, f in frames]), min_pixels, max_pixels)
-    times = kept_indices / (source_fps if source_fps > 0 else fps)
-    return Video(
-        frames=array,
-        times_s=times.astype(np.float64),
-        fps=float(fps),
-        source=str(path),
-        source_fps=source_fps,
-        source_frames=total,
-        source_size=(int(source_h), int(source_w)),
-        lost_frames=lost,
-    )
+    """Decode ``path`` with decord, sample at ``fps``, resize like Qwen, all in memory."""
+    return open_video(path, fps, max_frames, min_pixels, max_pixels).load()
 
 
 def _decode_indices(reader, indices: np.ndarray) -> tuple[list[tuple[int, np.ndarray]], int]:
@@ -223,15 +311,6 @@ def pair_frames(frames: np.ndarray, temporal_patch_size: int = 2) -> np.ndarray:
     if pad:
         frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)], axis=0)
     return frames
-
-
-def iter_chunks(video: Video, frames_per_chunk: int = 4) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """Yield ``(first_frame_index, frames [T, H, W, 3], times_s [T])`` chunks of at most ``frames_per_chunk``."""
-    if frames_per_chunk <= 0:
-        raise VideoError(f"frames per chunk must be positive, got {frames_per_chunk}")
-    for start in range(0, video.num_frames, frames_per_chunk):
-        stop = min(start + frames_per_chunk, video.num_frames)
-        yield start, video.frames[start:stop], video.times_s[start:stop]
 
 
 # --- synthetic video -----------------------------------------------------------------------

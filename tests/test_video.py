@@ -113,3 +113,20 @@ def test_pixel_values_match_transformers_video_processor(pancake, media):
     ours, grid = pixel_values(pancake.frames[:4])
     assert tuple(expected["video_grid_thw"][0].tolist()) == grid
     torch.testing.assert_close(ours, expected["pixel_values_videos"], atol=1e-5, rtol=1e-5)
+
+
+def test_streamed_decoding_matches_loading_and_counts_damage(media):
+    from kvdemo.video import open_video
+
+    source = open_video(media / "flipping_a_pancake.mkv", fps=2.0)
+    assert source.num_frames == 20 and source.size == (252, 420)
+    parts = list(source.chunks(frames_per_chunk=3, batch=4))
+    assert [len(f) for _, f, _ in parts] == [3] * 6 + [2]
+    whole = load_video(media / "flipping_a_pancake.mkv", fps=2.0)
+    np.testing.assert_array_equal(np.concatenate([f for _, f, _ in parts]), whole.frames)
+    np.testing.assert_allclose(np.concatenate([t for _, _, t in parts]), whole.times_s)
+    damaged = open_video(media / "corrupted.mp4", fps=2.0)
+    assert damaged.lost_frames == 0  # not known before decoding
+    frames = sum(len(f) for _, f, _ in damaged.chunks(2))
+    assert damaged.lost_frames > 0 and frames + damaged.lost_frames == damaged.num_frames
+    assert "damaged" in damaged.describe()
