@@ -107,7 +107,7 @@ def run_command(args: argparse.Namespace) -> int:
         note = " (auto: about a third of this stream's visual tokens)"
     elif policy.bounded and keep is None:
         keep = int(budget * 0.75)
-    engine = StreamEngine(model, policy, budget=budget, keep=keep, fps=args.fps, max_new_tokens=args.max_new_tokens)
+    engine = StreamEngine(model, policy, budget=budget, keep=keep, fps=video.fps, max_new_tokens=args.max_new_tokens)
 
     print(video.describe(), file=sys.stderr)
     print(f"model {model.name}; policy {policy.name}" + (f", M={budget}, C={keep}{note}" if policy.bounded else ""), file=sys.stderr)
@@ -115,7 +115,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"note: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr)
     engines = {"policy": engine}
     if args.coverage and policy.bounded:
-        engines["full"] = StreamEngine(model, "full", fps=args.fps)
+        engines["full"] = StreamEngine(model, "full", fps=video.fps)
     progress = _progress(video.num_frames, args.quiet)
     for step in stream_video(model, video, engines, args.frames_per_chunk):
         if progress is not None:

@@ -186,13 +186,20 @@ def check_settings(policy: str, budget: Any, keep: Any, fps: Any, max_pixels: An
 
 
 def start_session(
-    hub: ModelHub, session: Session | None, settings: RunSettings, source: str, frame_size: tuple[int, int]
+    hub: ModelHub,
+    session: Session | None,
+    settings: RunSettings,
+    source: str,
+    frame_size: tuple[int, int],
+    fps: float | None = None,
 ) -> Session:
     """A fresh session state (engines, stream) for ``settings`` and frames of ``frame_size`` (resized).
 
     The budget is checked against one chunk of such frames before anything changes; then the old
-    session is freed.
+    session is freed. ``fps`` is the stream's real sampling rate when it differs from the setting
+    (a file sampled faster than it was recorded streams at its own rate).
     """
+    fps = fps or settings.fps
     model = hub.get(settings.model)
     rows, cols = frame_size[0] // 28, frame_size[1] // 28
     grids = -(-FRAMES_PER_CHUNK // model.temporal_patch_size)
@@ -201,11 +208,11 @@ def start_session(
     free_session(session)
     new = Session(settings=settings, source=source, frame_size=tuple(frame_size))
     policy = make_policy(settings.policy, **settings.params)
-    new.engines["policy"] = StreamEngine(model, policy, budget=settings.budget, keep=settings.keep, fps=settings.fps)
+    new.engines["policy"] = StreamEngine(model, policy, budget=settings.budget, keep=settings.keep, fps=fps)
     if settings.baseline:
         cap = int(settings.cap_mb * 2**20) if settings.cap_mb and settings.cap_mb > 0 else None
-        new.engines["full"] = StreamEngine(model, "full", fps=settings.fps, max_cache_bytes=cap)
-    new.stream = FrameStream(model, settings.fps)
+        new.engines["full"] = StreamEngine(model, "full", fps=fps, max_cache_bytes=cap)
+    new.stream = FrameStream(model, fps)
     return new
 
 
@@ -329,7 +336,7 @@ def run_video(
         check_settings(settings.policy, settings.budget, settings.keep, settings.fps, settings.max_pixels)
         path = Path(video_path) if video_path else sample_video_path()
         video = open_video(path, fps=settings.fps, max_pixels=settings.max_pixels, min_pixels=min(settings.max_pixels, 128 * 28 * 28))
-        state = start_session(hub, session, settings, video.describe(), video.size)
+        state = start_session(hub, session, settings, video.describe(), video.size, video.fps)
     except USER_ERRORS as exc:
         yield {"session": state, "status": status_text(state, error=str(exc))}
         return

@@ -6,7 +6,7 @@ from kvdemo.video import (
     VideoError,
     load_video,
     pair_frames,
-    sample_indices,
+    sample_count,
     smart_resize,
     synthetic_video,
     write_video,
@@ -37,13 +37,13 @@ def test_smart_resize_rejects_impossible_shapes():
         smart_resize(100, 100, min_pixels=10_000, max_pixels=100)
 
 
-def test_sample_indices_follow_time():
-    # 30 fps source, 2 fps sampling: one frame every 15 source frames.
-    np.testing.assert_array_equal(sample_indices(310, 30.0, 2.0), np.arange(20) * 15)
-    np.testing.assert_array_equal(sample_indices(310, 30.0, 2.0, max_frames=3), [0, 15, 30])
-    assert len(sample_indices(0, 30.0, 2.0)) == 0
+def test_sample_count_follows_duration():
+    assert sample_count(10.381, 2.0) == 20  # the real clip: times 0, 0.5, ..., 9.5
+    assert sample_count(10.381, 2.0, max_frames=3) == 3
+    assert sample_count(0.2, 2.0) == 1  # at least the first frame
+    assert sample_count(None, 2.0) is None and sample_count(None, 2.0, max_frames=5) == 5
     with pytest.raises(VideoError):
-        sample_indices(10, 30.0, 0.0)
+        sample_count(10, 0.0)
 
 
 def test_real_clip_decodes_at_fps(pancake):
@@ -97,15 +97,28 @@ def test_odd_tail_is_paired_with_itself():
     np.testing.assert_array_equal(paired[3], frames[2])
 
 
+def native_frames(path, indices):
+    """Frames by index, decoded independently of kvdemo with decord."""
+    import decord
+
+    return decord.VideoReader(str(path)).get_batch(list(indices)).asnumpy()
+
+
+def test_decoded_frames_equal_decords(media, pancake):
+    """The sampled frames are exactly decord's frames at the same indices (then resized)."""
+    from kvdemo.video import resize_frames
+
+    expected = resize_frames(native_frames(media / "flipping_a_pancake.mkv", range(0, 300, 15)))
+    np.testing.assert_array_equal(pancake.frames, expected)
+
+
 def test_pixel_values_match_transformers_video_processor(pancake, media):
     """Our decode + resize + normalise + patchify equals Qwen2VLVideoProcessor on the native frames."""
-    import decord
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
     from kvdemo.models.qwen_vl import pixel_values
 
-    reader = decord.VideoReader(str(media / "flipping_a_pancake.mkv"))
-    native = reader.get_batch([0, 15, 30, 45]).asnumpy()  # the frames our 2 fps sampler picks
+    native = native_frames(media / "flipping_a_pancake.mkv", [0, 15, 30, 45])  # the frames our 2 fps sampler picks
     processor = Qwen2VLVideoProcessor()
     expected = processor(
         videos=[torch.from_numpy(native).permute(0, 3, 1, 2)], return_tensors="pt", cap_pixels_per_frame=False
