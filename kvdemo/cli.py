@@ -16,7 +16,7 @@ from .engine import EngineError, StreamEngine, auto_budget, stream_video
 from .models.qwen_vl import ModelError, load_model
 from .models.tiny import RANDOM_WEIGHTS_NOTICE
 from .policies import BudgetError, make_policy, policy_names
-from .video import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VideoError, open_video, sample_video_path
+from .video import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VideoError, open_video, sample_video_path, tokens_per_grid
 
 USER_ERRORS = (VideoError, BudgetError, EngineError, ModelError)
 
@@ -97,13 +97,13 @@ def run_command(args: argparse.Namespace) -> int:
     path = Path(args.video) if args.video else sample_video_path()
     video = open_video(path, fps=args.fps, max_frames=args.max_frames, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
     model = load_model(args.model)
-    tokens_per_grid = (video.size[0] // 28) * (video.size[1] // 28)
+    per_grid = tokens_per_grid(video.size)
     grids_per_chunk = -(-args.frames_per_chunk // model.temporal_patch_size)
     budget, keep = args.budget, args.keep
     note = ""
     if policy.bounded and budget is None:
-        total = -(-video.num_frames // model.temporal_patch_size) * tokens_per_grid
-        budget, keep = auto_budget(tokens_per_grid * grids_per_chunk, total)
+        total = -(-video.num_frames // model.temporal_patch_size) * per_grid
+        budget, keep = auto_budget(per_grid * grids_per_chunk, total)
         note = " (auto: about a third of this stream's visual tokens)"
     elif policy.bounded and keep is None:
         keep = int(budget * 0.75)

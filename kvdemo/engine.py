@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,9 +42,6 @@ class Answer:
     tokens: int
     cache_bytes: int
     visual_tokens: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def validate_budget(policy: Policy, budget: int | None, keep: int | None) -> tuple[int | None, int | None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -24,7 +25,15 @@ from .engine import EngineError, FrameStream, MemoryCapError, StreamEngine, vali
 from .models.qwen_vl import DEFAULT_REAL_MODEL, ModelError, load_model, resolve_model_name
 from .models.tiny import RANDOM_WEIGHTS_NOTICE
 from .policies import BudgetError, make_policy, policy_params
-from .video import VideoError, open_video, resize_frames, sample_video_path
+from .video import (
+    DEFAULT_MIN_PIXELS,
+    RESIZE_FACTOR,
+    VideoError,
+    open_video,
+    resize_frames,
+    sample_video_path,
+    tokens_per_grid,
+)
 from . import viz
 
 FRAMES_PER_CHUNK = 2
@@ -114,8 +123,7 @@ class Session:
     def close(self) -> None:
         self.engines.clear()
         self.thumbnails.clear()
-        for path in Path(self.report_dir).glob("*"):
-            path.unlink(missing_ok=True)
+        shutil.rmtree(self.report_dir, ignore_errors=True)
 
     @property
     def policy(self) -> StreamEngine | None:
@@ -167,7 +175,7 @@ def validate_settings(policy: str, budget: Any, keep: Any, fps: Any = 2.0, max_p
         check_settings(policy, budget, keep, fps, max_pixels)
     except USER_ERRORS as exc:
         return f"⚠️ {exc}"
-    tokens = int(max_pixels) // (28 * 28)
+    tokens = int(max_pixels) // RESIZE_FACTOR**2
     return f"✓ M={int(budget)}, C={int(keep)}; a chunk at max pixels holds up to ~{tokens} visual tokens"
 
 
@@ -176,8 +184,8 @@ def check_settings(policy: str, budget: Any, keep: Any, fps: Any, max_pixels: An
         raise BudgetError("set both M and C")
     if fps is None or float(fps) <= 0:
         raise BudgetError(f"sampling fps must be positive, got {fps}")
-    if max_pixels is None or int(max_pixels) < 28 * 28 * 4:
-        raise BudgetError(f"max pixels must be at least {28 * 28 * 4}, got {max_pixels}")
+    if max_pixels is None or int(max_pixels) < RESIZE_FACTOR**2:
+        raise BudgetError(f"max pixels must be at least {RESIZE_FACTOR**2} (one 28x28 patch), got {max_pixels}")
     budget_, keep_ = validate_budget(make_policy(policy), budget, keep)
     return budget_, keep_
 
@@ -201,10 +209,10 @@ def start_session(
     """
     fps = fps or settings.fps
     model = hub.get(settings.model)
-    rows, cols = frame_size[0] // 28, frame_size[1] // 28
+    rows, cols = frame_size[0] // RESIZE_FACTOR, frame_size[1] // RESIZE_FACTOR
     grids = -(-FRAMES_PER_CHUNK // model.temporal_patch_size)
     probe = StreamEngine(model, make_policy(settings.policy, **settings.params), budget=settings.budget, keep=settings.keep)
-    probe.check_fits(grids * rows * cols, f"{grids} temporal grid(s) of {rows}x{cols} tokens")
+    probe.check_fits(grids * tokens_per_grid(frame_size), f"{grids} temporal grid(s) of {rows}x{cols} tokens")
     free_session(session)
     new = Session(settings=settings, source=source, frame_size=tuple(frame_size))
     policy = make_policy(settings.policy, **settings.params)
@@ -335,7 +343,7 @@ def run_video(
     try:
         check_settings(settings.policy, settings.budget, settings.keep, settings.fps, settings.max_pixels)
         path = Path(video_path) if video_path else sample_video_path()
-        video = open_video(path, fps=settings.fps, max_pixels=settings.max_pixels, min_pixels=min(settings.max_pixels, 128 * 28 * 28))
+        video = open_video(path, fps=settings.fps, max_pixels=settings.max_pixels, min_pixels=min(settings.max_pixels, DEFAULT_MIN_PIXELS))
         state = start_session(hub, session, settings, video.describe(), video.size, video.fps)
     except USER_ERRORS as exc:
         yield {"session": state, "status": status_text(state, error=str(exc))}
@@ -411,7 +419,7 @@ def webcam_frame(
         return {"session": state}
     started = False
     try:
-        resized = resize_frames(np.asarray(frame, dtype=np.uint8)[None, ..., :3], min(settings.max_pixels, 128 * 28 * 28), settings.max_pixels)
+        resized = resize_frames(np.asarray(frame, dtype=np.uint8)[None, ..., :3], min(settings.max_pixels, DEFAULT_MIN_PIXELS), settings.max_pixels)
         size = tuple(resized.shape[1:3])
         if state.settings != settings or state.stream is None or not state.source.startswith("webcam") or state.frame_size != size:
             check_settings(settings.policy, settings.budget, settings.keep, settings.fps, settings.max_pixels)

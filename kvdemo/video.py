@@ -20,7 +20,6 @@ DEFAULT_MIN_PIXELS = 128 * 28 * 28
 DEFAULT_MAX_PIXELS = 768 * 28 * 28
 #: Largest decoded frame we accept before resizing (a 16K frame costs ~0.8 GB per frame to decode).
 MAX_SOURCE_PIXELS = 8192 * 8192
-VIDEO_SUFFIXES = (".mp4", ".mkv", ".mov", ".webm", ".avi", ".m4v", ".mpg", ".mpeg", ".gif")
 
 
 class VideoError(ValueError):
@@ -52,6 +51,11 @@ def smart_resize(
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def tokens_per_grid(size: tuple[int, int]) -> int:
+    """Visual tokens of one temporal grid for frames of ``size`` (height, width), already on the grid."""
+    return (size[0] // RESIZE_FACTOR) * (size[1] // RESIZE_FACTOR)
 
 
 def resize_frames(
@@ -322,14 +326,6 @@ def _first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     line = text[-1] if text else type(exc).__name__
     return line.split("] ")[-1][:160]
-
-
-def pair_frames(frames: np.ndarray, temporal_patch_size: int = 2) -> np.ndarray:
-    """Pad an odd tail by repeating the last frame, as Qwen's processor does. ``[T, H, W, 3] -> [T', H, W, 3]``."""
-    pad = -frames.shape[0] % temporal_patch_size
-    if pad:
-        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)], axis=0)
-    return frames
 
 
 # --- synthetic video -----------------------------------------------------------------------

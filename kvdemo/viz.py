@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from .memory import KVMemory, OccupancyEvent
@@ -19,7 +18,6 @@ REASON_NEW = -2
 EVICTED = -1
 NEW_COLOUR = (170, 170, 170)
 REASON_COLOURS = [(66, 133, 244), (251, 140, 0), (52, 168, 83), (171, 71, 188), (0, 172, 193)]
-SERIES_COLOURS = {"policy": "#d62728", "full": "#1f77b4"}
 
 
 def thumbnail(frame: np.ndarray, max_width: int = 320) -> np.ndarray:
@@ -241,12 +239,3 @@ def survivor_gallery(
         tile = overlay_fraction(thumbnail(thumbnails[g], max_width), fraction[g])
         items.append((tile, f"t={memory.grid_times_s[g]:.1f}s · {100 * fraction[g].mean():.0f}% kept"))
     return items
-
-
-def selection_counts(info: dict[str, Any], reason_names: dict[int, str]) -> dict[str, int]:
-    """How many kept tokens (all layers and heads) the last compression kept for each reason."""
-    reasons = info.get("reason")
-    if not reasons:
-        return {}
-    flat = torch.cat([r.flatten().cpu().long() for r in reasons])
-    return {name: int((flat == code).sum()) for code, name in reason_names.items()}

@@ -70,6 +70,13 @@ def test_tar_keeps_the_moving_patch_and_evicts_the_static_past():
     # 16 TaR picks = 7 past moving tokens + 9 others; among the others the static ones score -1 (fully
     # redundant), so the picks are moving-object tokens or patches the object left (distinctive vs recent).
     assert len(static_past_kept) == 16 - len(past_moving)
+    # The recent frame has the object at (2, 2): the past background there differs from it, so TaR keeps
+    # every past static token of patch (2, 2). The rest are fully redundant (cosine 1): exact ties, which
+    # go to the newest past frame.
+    newest_row = 1 + (frames - 1) % 3
+    left_behind = {(t, newest_row, 2) for t in range(frames - 1) if 1 + t % 3 != newest_row}
+    assert left_behind <= kept
+    assert {k[0] for k in set(static_past_kept) - left_behind} == {frames - 2}
 
 
 def test_van_keeps_the_high_norm_values():

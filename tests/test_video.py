@@ -5,7 +5,6 @@ import torch
 from kvdemo.video import (
     VideoError,
     load_video,
-    pair_frames,
     sample_count,
     smart_resize,
     synthetic_video,
@@ -91,10 +90,13 @@ def test_written_video_round_trips_through_decord(tmp_path):
 
 
 def test_odd_tail_is_paired_with_itself():
-    frames = np.arange(3 * 2 * 2 * 3, dtype=np.uint8).reshape(3, 2, 2, 3)
-    paired = pair_frames(frames)
-    assert paired.shape[0] == 4
-    np.testing.assert_array_equal(paired[3], frames[2])
+    from kvdemo.models.qwen_vl import pixel_values
+
+    frames = np.random.default_rng(0).integers(0, 255, (3, 56, 56, 3), dtype=np.uint8)
+    odd, grid = pixel_values(frames)
+    padded, _ = pixel_values(frames[[0, 1, 2, 2]])
+    assert grid == (2, 4, 4)
+    assert torch.equal(odd, padded)
 
 
 def native_frames(path, indices):

@@ -6,7 +6,6 @@ the language model on a given cache with given positions.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,13 +66,6 @@ def mrope_positions(
     else:
         temporal = torch.floor(grid.double() * float(second_per_grid) * float(tokens_per_second)).long()
     return torch.stack([temporal + start, row.long() + start, col.long() + start])
-
-
-def temporal_position(grid_index: int, second_per_grid: float, tokens_per_second: float | None) -> int:
-    """Temporal position offset of one grid (scalar form of :func:`mrope_positions`)."""
-    if tokens_per_second is None:
-        return grid_index
-    return int(math.floor(grid_index * float(second_per_grid) * float(tokens_per_second)))
 
 
 class VideoLM(Protocol):
