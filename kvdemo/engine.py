@@ -198,7 +198,7 @@ class StreamEngine:
         self.fps = float(fps)
         self.max_new_tokens = int(max_new_tokens)
         self.max_cache_bytes = max_cache_bytes
-        self.memory = KVMemory(model.num_layers, model.num_kv_heads)
+        self.memory = KVMemory(model.num_layers, model.num_kv_heads, visual_capacity=self.budget or 0)
         self.history: list[tuple[str, str]] = []
         self.answers: list[Answer] = []
         self.frames_fed = 0
@@ -234,13 +234,13 @@ class StreamEngine:
         positions = mrope_positions(
             chunk.grid, chunk.row, chunk.col, self.memory.prefix_len, chunk.second_per_grid, self.model.tokens_per_second
         )
-        cache = self.memory.to_cache()
-        self.model.forward(chunk.embeds, positions, cache)
-        self.memory.append(cache, chunk, int(positions.max()))
+        self.model.forward(chunk.embeds, positions, self.memory.cache())
+        self.memory.commit_append(chunk, positions)
         prefill_ms = self._elapsed_ms(start)
         self.frames_fed += chunk.frames
         self.last_time_s = chunk.end_time_s
-        events.append(self.memory.record("append", self.frames_fed, self.last_time_s, prefill_ms))
+        moved = chunk.num_tokens * self.memory.token_bytes()
+        events.append(self.memory.record("append", self.frames_fed, self.last_time_s, prefill_ms, moved))
         self.stats.chunks += 1
         self.stats.prefill_ms += prefill_ms
         self.stats.encode_ms += chunk.encode_ms
@@ -259,13 +259,13 @@ class StreamEngine:
     def compress(self) -> OccupancyEvent:
         """Run the policy on the current memory, keeping ``C`` visual tokens per layer and KV head."""
         start = time.perf_counter()
-        selection = self.policy.compress(self.memory.views(), self.keep)
-        self.memory.apply(selection)
+        selection = self.policy.compress(self.memory.views(self.model.rotary), self.keep)
+        moved = self.memory.apply(selection)
         ms = self._elapsed_ms(start)
         self.last_selection_info = selection.info
         self.stats.compress_ms += ms
         self.stats.compressions += 1
-        return self.memory.record("compress", self.frames_fed, self.last_time_s, ms)
+        return self.memory.record("compress", self.frames_fed, self.last_time_s, ms, moved)
 
     def _check_chunk(self, chunk: VisualChunk) -> None:
         if chunk.first_grid != self.memory.num_grids:
@@ -292,8 +292,7 @@ class StreamEngine:
     def _check_cap(self, chunk: VisualChunk) -> None:
         if self.max_cache_bytes is None or self.memory.is_empty:
             return
-        per_token = self.memory.nbytes / max(1, self.memory.prefix_len + self.memory.visual_tokens)
-        projected = self.memory.nbytes + per_token * chunk.num_tokens
+        projected = self.memory.nbytes + self.memory.token_bytes() * chunk.num_tokens
         if projected > self.max_cache_bytes:
             raise MemoryCapError(
                 f"stopped at {self.frames_fed} frames: the next chunk would take the cache to "
@@ -303,9 +302,9 @@ class StreamEngine:
     def _prefill_prefix(self) -> None:
         ids = self.model.tokenize(self.model.prefix_text())
         positions = torch.arange(len(ids)).expand(3, -1)
-        cache = self.memory.to_cache()
+        cache = self.memory.cache()
         self.model.forward(self.model.embed_text(ids), positions, cache)
-        self.memory.set_prefix(cache, len(ids))
+        self.memory.commit_prefix(cache, len(ids))
 
     def _elapsed_ms(self, start: float) -> float:
         if self.model.device.type == "cuda":
@@ -316,7 +315,8 @@ class StreamEngine:
     def ask(self, question: str, max_new_tokens: int | None = None) -> Iterator[str]:
         """Answer ``question`` from the memory; yields text pieces as tokens are generated.
 
-        Runs on a fork (the memory is never written), so the memory afterwards is bit-identical.
+        The question and answer tokens are written into the memory's slack and never committed, so the
+        memory afterwards is bit-identical (no copy, no rollback).
         The question and the answer join the dialogue, re-encoded as text before the next question.
         """
         if self.memory.num_grids == 0:
@@ -337,7 +337,7 @@ class StreamEngine:
         start = time.perf_counter()
         ids = self.model.tokenize(self.model.question_text(self.history, question))
         position = self.memory.max_position + 1
-        cache = self.memory.to_cache()
+        cache = self.memory.cache()  # writes go to the slack and are never committed
         logits = self.model.forward(
             self.model.embed_text(ids), torch.arange(position, position + len(ids)).expand(3, -1), cache
         )

@@ -83,3 +83,22 @@ def test_bench_shows_bounded_cache_flat_and_full_growing(tmp_path, capsys):
     assert max(r["visual_tokens"] for r in bounded) <= 480
     assert bounded[-1]["cache_bytes"] < full[-1]["cache_bytes"] / 4
     assert "summary:" in capsys.readouterr().out
+
+
+def test_pass_benchmark_times_selection_apply_and_the_floor_on_a_small_shape():
+    from kvdemo.bench import pass_benchmark, pass_table
+    from kvdemo.policies import make_policy
+
+    shape = dict(num_layers=3, num_kv_heads=2, head_dim=16, budget=96, keep=72, grid=(3, 4))
+    results = pass_benchmark(make_policy("infinipot-v"), repeats=2, shape=shape)
+    for policy in ("infinipot-v", "uniform", "sliding-window"):
+        for dtype in ("float32", "bfloat16"):
+            row = results["pass_7b"][policy][dtype]
+            assert row["total_ms"] == pytest.approx(row["select_ms"] + row["apply_ms"], rel=0.5)
+            assert row["floor_ms"] > 0 and row["total_over_floor"] > 0
+            # apply moves at most M - C tokens per head: 24 x K and V x 2 heads x 16 dims x 3 layers
+            assert 0 < row["moved_bytes"] <= 24 * 2 * 2 * 16 * 3 * (4 if dtype == "float32" else 2)
+    append = results["append_7b"]["float32"]
+    assert append["kvdemo"]["bytes_copied"] == 12 * 2 * 2 * 16 * 3 * 4  # one 3x4 grid, all layers
+    assert append["dynamic_cache"]["bytes_copied"] > append["kvdemo"]["bytes_copied"]
+    assert "total/floor" in pass_table(results["pass_7b"])

@@ -59,6 +59,40 @@ def pixel_values(
     return flat, (grid_t, grid_h, grid_w)
 
 
+class MRopeRotation:
+    """The language model's M-RoPE rotation as a function of 3-D positions, computed by the model's own
+    rotary module: ``rotate(x, p) = x cos(p) + rotate_half(x) sin(p)`` and its inverse (rotations are
+    orthogonal, so ``unrotate(rotate(x, p), p) == x`` up to rounding). ``x [..., D]``, ``p [..., 3]``."""
+
+    def __init__(self, rotary_emb: torch.nn.Module) -> None:
+        self.rotary_emb = rotary_emb
+
+    def cos_sin(self, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``cos, sin [..., D]`` for positions ``[..., 3]`` (temporal, height, width)."""
+        flat = position.reshape(-1, 3).t().long()  # [3, N]
+        buffer = self.rotary_emb.inv_freq
+        with torch.inference_mode():
+            cos, sin = self.rotary_emb(torch.empty(0, dtype=torch.float32, device=buffer.device), flat[:, None, :].to(buffer.device))
+        shape = (*position.shape[:-1], cos.shape[-1])
+        return cos[0].reshape(shape), sin[0].reshape(shape)
+
+    def _apply(self, x: torch.Tensor, position: torch.Tensor, sign: float) -> torch.Tensor:
+        cos, sin = self.cos_sin(position)
+        cos, sin = cos.to(x.device), sin.to(x.device)
+        half = x.shape[-1] // 2
+        xf = x.float()
+        rotated_half = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + sign * rotated_half * sin).to(x.dtype)
+
+    def rotate(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Keys before RoPE -> rotated at ``position`` (as the model caches them)."""
+        return self._apply(x, position, 1.0)
+
+    def unrotate(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Cached keys rotated at ``position`` -> keys before RoPE."""
+        return self._apply(x, position, -1.0)
+
+
 class QwenVL:
     """A Qwen2-VL / Qwen2.5-VL model behind the :class:`~kvdemo.models.base.VideoLM` protocol."""
 
@@ -85,6 +119,8 @@ class QwenVL:
         self._stop_ids = {
             i for i in (self._special_id("<|im_end|>"), self._special_id("<|endoftext|>")) if i is not None
         }
+        #: The language model's rotation (policies that keep keys before RoPE get it through their views).
+        self.rotary = MRopeRotation(model.model.language_model.rotary_emb)
 
     # --- text -----------------------------------------------------------------------------
     def _special_id(self, token: str) -> int | None:
@@ -158,13 +194,16 @@ class QwenVL:
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        """Run ``embeds [n, d]`` at ``positions [3, n]`` on ``cache`` (extended in place); last-token logits ``[vocab]``."""
+        """Run ``embeds [n, d]`` at ``positions [3, n]`` on ``cache`` (a :class:`~kvdemo.attention.MemoryCache`,
+        extended in place); last-token logits ``[vocab]``. The cache also reaches kvdemo's attention
+        function (``kvdemo=cache``), which applies what the memory supplies per layer."""
         output = self.hf(
             inputs_embeds=embeds[None].to(self.device, self.dtype),
             position_ids=positions[:, None, :].to(self.device),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            kvdemo=cache,
         )
         return output.logits[0, -1]
 
@@ -172,7 +211,8 @@ class QwenVL:
 def load_qwen(model_id: str, device: str | None = None) -> QwenVL:
     """Load a Qwen2-VL / Qwen2.5-VL checkpoint from the Hub or a local folder with transformers' classes.
 
-    bf16 and ``device_map="auto"`` (accelerate) on CUDA, float32 on the CPU; ``sdpa`` attention.
+    bf16 and ``device_map="auto"`` (accelerate) on CUDA, float32 on the CPU; kvdemo's attention function
+    (SDPA plus what the memory supplies, :mod:`kvdemo.attention`) in the language model, ``sdpa`` in the vision tower.
     """
     from transformers import (
         AutoConfig,
@@ -189,7 +229,9 @@ def load_qwen(model_id: str, device: str | None = None) -> QwenVL:
     if config.model_type not in classes:
         raise ModelError(f"{model_id!r} is a {config.model_type!r} model; kvdemo supports Qwen2-VL and Qwen2.5-VL")
     use_cuda = torch.cuda.is_available() and device != "cpu"
-    kwargs: dict[str, Any] = {"attn_implementation": "sdpa", "trust_remote_code": False}
+    from ..attention import ATTN_IMPLEMENTATION
+
+    kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPLEMENTATION, "trust_remote_code": False}
     if use_cuda:
         kwargs.update(dtype=torch.bfloat16, device_map=device or "auto")
     else:

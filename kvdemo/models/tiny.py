@@ -113,11 +113,12 @@ def build_tiny_model(seed: int = 0) -> QwenVL:
     """The tiny model on the CPU in float32; identical weights for a given ``seed``."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from ..attention import ATTN_IMPLEMENTATION
+
     config = tiny_config()
-    config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config)
+        model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
     tokenizer = ByteTokenizer()
     adapter = QwenVL(model.float().eval(), tokenizer, name=TINY_NAME, random_weights=True)
     # Random weights pick arbitrary bytes; keep answers to printable ASCII (and the stop token) so they stay legible.

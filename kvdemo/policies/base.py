@@ -19,9 +19,15 @@ import torch
 class LayerView:
     """What a policy sees of one layer's visual tokens.
 
-    keys, values: ``[H_kv, L, D]`` post-RoPE, exactly as cached.
+    keys, values: ``[H_kv, L, D]`` post-RoPE, exactly as cached (views of the memory's buffers).
     frame, row, col: ``[H_kv, L]`` provenance of each token: the temporal grid it came from (a pair of
     sampled frames; called "frame" as in the papers) and its merged-patch row and column.
+    order: ``[H_kv, L]`` arrival number of each token in the stream (larger = newer). The memory compacts
+    in place, so slots are *not* in stream order; ``None`` (hand-made views) means slot order.
+    position: ``[H_kv, L, 3]`` the 3-D M-RoPE position each key was rotated at (None if unknown).
+    valid: ``[H_kv, L]`` bool when heads hold different numbers of tokens (ragged), else None.
+    rotary: the model's rotation (``rotate(x, position)`` / ``unrotate(x, position)``), for policies that
+    need keys before RoPE; None when the caller has no model.
     """
 
     layer: int
@@ -33,6 +39,14 @@ class LayerView:
     col: torch.Tensor
     grid: tuple[int, int]
     newest_frame: int
+    order: torch.Tensor | None = None
+    position: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    rotary: Any = None
+
+    def __post_init__(self) -> None:
+        if self.order is None:
+            self.order = torch.arange(self.keys.shape[1], device=self.keys.device).expand(self.keys.shape[0], -1)
 
     @property
     def num_heads(self) -> int:
@@ -48,12 +62,32 @@ class LayerView:
 
 
 @dataclass
+class SummaryUpdate:
+    """A policy's synthetic entries for one layer's summary region (ProtoKV's pseudo-tokens).
+
+    keys, values: ``[H_kv, S, D]`` post-RoPE, as attention reads them; bias: ``[H_kv, S]`` additive key
+    bias (``-inf`` hides an unused slot).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor
+
+
+@dataclass
 class Selection:
-    """Per layer, ``LongTensor [H_kv, keep]`` of sorted indices into that layer's view."""
+    """Per layer, ``LongTensor [H_kv, keep]`` of sorted indices into that layer's view.
+
+    ``valid`` (optional, per layer ``[H_kv, keep]`` bool) marks the entries that count when heads keep
+    different numbers of tokens (ragged budgets); ``summary`` (optional, per layer) refreshes the memory's
+    summary region.
+    """
 
     indices: list[torch.Tensor]
     #: Optional per-layer extras a policy reports for explanation (e.g. why each kept token was kept).
     info: dict[str, Any] = field(default_factory=dict)
+    valid: list[torch.Tensor] | None = None
+    summary: list[SummaryUpdate | None] | None = None
 
 
 class BudgetError(ValueError):
@@ -150,15 +184,15 @@ def make_policy(name: str, **params: Any) -> Policy:
 # --- shared helpers for policies ---------------------------------------------------------
 
 
-def top_k_mask(scores: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
+def top_k_mask(scores: torch.Tensor, k: int | torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean mask ``[H, L]`` of the ``k`` highest ``scores [H, L]`` per row (``k`` an int or ``[H]`` per row).
 
-    Exact ties go to the newer token (higher index): a ramp far below float32 resolution is added in
-    float64, so the choice is deterministic and never reorders distinct scores.
+    Exact ties go to the newer token (larger ``order [H, L]``, the tokens' arrival numbers; slot order when
+    None): a ramp far below float32 resolution is added in float64, so the choice is deterministic and
+    never reorders distinct scores.
     """
     heads, length = scores.shape
-    ramp = torch.arange(length, device=scores.device, dtype=torch.float64) * (1e-9 / max(length, 1))
-    key = scores.double() + ramp
+    key = scores.double() + tie_ramp(order, length, scores.device)
     mask = torch.zeros(heads, length, dtype=torch.bool, device=scores.device)
     if isinstance(k, torch.Tensor) and k.numel() > 1 and bool((k != k.flatten()[0]).any()):
         k = k.to(scores.device).clamp(0, length)
@@ -187,10 +221,20 @@ def mask_to_indices(mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(mask, as_tuple=False)[:, 1].view(mask.shape[0], -1)
 
 
-def top_k_sorted(scores: torch.Tensor, keep: int) -> torch.Tensor:
+def top_k_sorted(scores: torch.Tensor, keep: int, order: torch.Tensor | None = None) -> torch.Tensor:
     """Indices ``[H, keep]`` of the ``keep`` highest ``scores [H, L]`` per row, in ascending order
     (ties to the newer token, see :func:`top_k_mask`)."""
-    return mask_to_indices(top_k_mask(scores, min(keep, scores.shape[-1])))
+    return mask_to_indices(top_k_mask(scores, min(keep, scores.shape[-1]), order))
+
+
+def tie_ramp(order: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
+    """A float64 ramp below 1e-9, increasing with ``order`` (``[H, L]`` or None = slot order)."""
+    if order is None:
+        return torch.arange(length, device=device, dtype=torch.float64) * (1e-9 / max(length, 1))
+    order = order.to(device=device, dtype=torch.float64)
+    low = order.min(dim=-1, keepdim=True).values if order.numel() else order
+    span = (order.max(dim=-1, keepdim=True).values - low + 1) if order.numel() else order
+    return (order - low) * (1e-9 / span)
 
 
 def frame_rank(frame: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -163,7 +163,7 @@ class CoRDS(Policy):
             fill = self._token_distance(keys, values, key_c, value_c, selected)
             scaled = fill / fill.max(dim=1, keepdim=True).values.clamp_min(1e-12)
             priority = priority + token_partial.double() * (1 + scaled.double())
-        chosen = top_k_sorted(priority, keep)
+        chosen = top_k_sorted(priority, keep, view.order)
         reason = torch.full((heads, length), REASON_FILL, dtype=torch.int8, device=device)
         reason[token_whole] = REASON_COVERAGE
         reason[recent] = REASON_RECENT

@@ -203,6 +203,7 @@ class InfiniPotV(Policy):
         heads = views[0].num_heads
         grid, per_frame = views[0].grid, views[0].tokens_per_frame
         frame = torch.cat([v.frame for v in views])
+        order = torch.cat([v.order for v in views])
         pos = torch.cat([v.row.long() * grid[1] + v.col.long() for v in views])
         recent, rank, _, recent_frames = recent_window(frame, per_frame, keep, self.recent_ratio)
 
@@ -219,8 +220,8 @@ class InfiniPotV(Policy):
             # Recent tokens rank above every past score (|score| <= 1); among themselves by VaN.
             key = torch.where(recent, 2.0 + 1e-3 * van01, score)
             share = torch.clamp(recent.sum(dim=1), max=keep).clamp_min(round(self.alpha * keep))
-            tar_pick = top_k_mask(key, share)
-        index = top_k_sorted(tar_pick.to(van01.dtype) * 4.0 + van01, keep)
+            tar_pick = top_k_mask(key, share, order)
+        index = top_k_sorted(tar_pick.to(van01.dtype) * 4.0 + van01, keep, order)
         reason = torch.full(recent.shape, REASON_VAN, dtype=torch.int8, device=van.device)
         reason[tar_pick] = REASON_TAR
         if self.alpha > 0:
