@@ -296,7 +296,7 @@ def heatmap_image(session: Session, layer: str = "all", head: str = "all", by_re
     layer_index = None if layer in (None, "all") else int(layer)
     head_index = None if head in (None, "all") else int(head)
     return viz.survivor_strip(
-        engine.memory, session.thumbnails, engine.last_selection_info, layer_index, head_index, by_reason=by_reason
+        engine.memory, session.thumbnails, layer_index, head_index, by_reason=by_reason
     )
 
 

@@ -10,10 +10,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from .memory import KVMemory, OccupancyEvent
+from .memory import REASON_NEW, KVMemory, OccupancyEvent
 
-#: Reason code for tokens appended after the last compression (no reason reported yet).
-REASON_NEW = -2
 #: Reason code of a patch that is not held (evicted).
 EVICTED = -1
 NEW_COLOUR = (170, 170, 170)
@@ -110,23 +108,22 @@ def survival_fraction_map(memory: KVMemory, layer: int | None = None, head: int 
     return (counts / (layers * heads)).numpy()
 
 
-def reason_map(memory: KVMemory, info: dict[str, Any], layer: int, head: int) -> np.ndarray:
+def reason_map(memory: KVMemory, layer: int, head: int) -> np.ndarray:
     """``[grids, rows, cols]`` reason code of each held patch of one layer/head (``EVICTED`` if not held).
 
-    The last compression's reasons are aligned with the first ``C`` visual tokens of the memory (the
-    kept tokens, in order); tokens appended since are ``REASON_NEW``.
+    The memory stores, per slot, the reason the last compression gave for keeping the token (the
+    policy's code), or ``REASON_NEW`` for a token appended since; it moves with the token.
     """
     rows, cols = memory.grid_shape or (0, 0)
     grid = np.full((memory.num_grids, rows, cols), EVICTED, dtype=np.int16)
     if not memory.grid_shape:
         return grid
-    frame, row, col = (t[head].long().cpu().numpy() for t in (memory.frame[layer], memory.row[layer], memory.col[layer]))
-    codes = np.full(frame.shape, REASON_NEW, dtype=np.int16)
-    reasons = info.get("reason")
-    if reasons is not None and layer < len(reasons):
-        known = reasons[layer][head].cpu().numpy().astype(np.int16)
-        codes[: min(len(known), len(codes))] = known[: len(codes)]
-    grid[frame, row, col] = codes
+    frame, row, col, codes = (
+        t[head].long().cpu().numpy() for t in (memory.frame[layer], memory.row[layer], memory.col[layer], memory.reason[layer])
+    )
+    valid = memory.valid[layer]
+    held = valid[head].cpu().numpy() if valid is not None else np.ones(frame.shape, dtype=bool)
+    grid[frame[held], row[held], col[held]] = codes[held]
     return grid
 
 
@@ -202,7 +199,6 @@ def legend_text(reason_names: dict[int, str]) -> str:
 def survivor_strip(
     memory: KVMemory,
     thumbnails: list[np.ndarray],
-    info: dict[str, Any],
     layer: int | None = None,
     head: int | None = None,
     last: int = 4,
@@ -218,7 +214,7 @@ def survivor_strip(
         return frame_strip([], [])
     single = layer is not None and head is not None
     if single and by_reason:
-        codes = reason_map(memory, info, layer, head)
+        codes = reason_map(memory, layer, head)
         tiles = [overlay_reasons(thumbnails[g], codes[g]) for g in grids]
         kept = [(codes[g] != EVICTED).mean() for g in grids]
     else:

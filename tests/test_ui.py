@@ -111,14 +111,30 @@ def test_webcam_frames_are_buffered_into_chunks(hub):
 
 def test_single_layer_head_view_colours_by_reason(hub, media):
     _, session = run(hub, None, media / "flipping_a_pancake.mkv")
-    memory, info = session.policy.memory, session.policy.last_selection_info
-    codes = viz.reason_map(memory, info, layer=1, head=0)
+    memory = session.policy.memory
+    codes = viz.reason_map(memory, layer=1, head=0)
     assert codes.shape == (10, 9, 15)
     held = (codes != viz.EVICTED).sum()
     assert held == memory.frame[1].shape[1]
     assert set(np.unique(codes)) <= {viz.EVICTED, viz.REASON_NEW, 0, 1, 2}
-    image = viz.survivor_strip(memory, session.thumbnails, info, layer=1, head=0, by_reason=True)
+    image = viz.survivor_strip(memory, session.thumbnails, layer=1, head=0, by_reason=True)
     assert image.ndim == 3 and image.shape[0] > 100
+
+
+@pytest.mark.parametrize("policy, names", [("uniform", {0, 1}), ("sliding-window", {0})])
+def test_baselines_colour_by_their_own_reasons(tiny, pancake, policy, names):
+    """Uniform and sliding-window say why they kept a token; tokens appended since the last pass are 'new'."""
+    from kvdemo.engine import StreamEngine, stream_video
+
+    engine = StreamEngine(tiny, policy, budget=540, keep=405, fps=pancake.fps)
+    list(stream_video(tiny, pancake, {"p": engine}))
+    codes = viz.reason_map(engine.memory, layer=0, head=1)
+    held = codes[codes != viz.EVICTED]
+    assert set(np.unique(held)) <= names | {viz.REASON_NEW}
+    assert (held == viz.REASON_NEW).sum() == 135  # the last grid arrived after the last compression
+    assert 0 in held
+    legend = viz.legend_text(engine.policy.reason_names)
+    assert all(name in legend for name in engine.policy.reason_names.values()) and "new since" in legend
 
 
 def test_budget_validation_as_you_type():
