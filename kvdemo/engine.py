@@ -45,16 +45,25 @@ class Answer:
 
 
 def validate_budget(policy: Policy, budget: int | None, keep: int | None) -> tuple[int | None, int | None]:
-    """Check ``M`` (budget) and ``C`` (keep) for ``policy``; returns them as ints (``None`` for ``full``)."""
+    """Check ``M`` (budget) and ``C`` (keep) for ``policy``; returns them as ints (``None`` where unused:
+    ``full`` takes neither, a policy sized by ``M`` alone takes no ``C``)."""
     if not policy.bounded:
         return (int(budget) if budget else None), None
-    if budget is None or keep is None:
-        raise BudgetError(f"policy {policy.name!r} needs a budget M and a keep size C (visual tokens)")
-    if int(budget) != budget or int(keep) != keep:
+    needed = "a budget M and a keep size C" if policy.uses_keep else "a budget M"
+    if budget is None or (policy.uses_keep and keep is None):
+        raise BudgetError(f"policy {policy.name!r} needs {needed} (visual tokens)")
+    if not policy.uses_keep and keep is not None:
+        raise BudgetError(f"policy {policy.name!r} is sized by M alone; C does not apply (leave it out)")
+    values = (budget,) if keep is None else (budget, keep)
+    if any(int(v) != v for v in values):
         raise BudgetError(f"M and C are token counts (whole numbers), got M={budget}, C={keep}")
-    budget, keep = int(budget), int(keep)
-    if budget <= 0 or keep <= 0:
+    if any(int(v) <= 0 for v in values):
         raise BudgetError(f"M and C must be positive, got M={budget}, C={keep}")
+    budget = int(budget)
+    if keep is None:
+        policy.summary_slots(budget)  # raises if M cannot be split as the policy needs
+        return budget, None
+    keep = int(keep)
     if keep >= budget:
         raise BudgetError(f"C must be smaller than M (a compression keeps C of the M tokens), got M={budget}, C={keep}")
     return budget, keep
@@ -198,7 +207,8 @@ class StreamEngine:
         self.fps = float(fps)
         self.max_new_tokens = int(max_new_tokens)
         self.max_cache_bytes = max_cache_bytes
-        self.memory = KVMemory(model.num_layers, model.num_kv_heads, visual_capacity=self.budget or 0)
+        summary = self.policy.summary_slots(self.budget) if self.budget and self.policy.bounded else 0
+        self.memory = KVMemory(model.num_layers, model.num_kv_heads, visual_capacity=self.budget or 0, summary_slots=summary)
         self.history: list[tuple[str, str]] = []
         self.answers: list[Answer] = []
         self.frames_fed = 0
@@ -228,7 +238,7 @@ class StreamEngine:
             self._prefill_prefix()
         events = []
         if self.budget is not None and self.policy.bounded and self.memory.visual_tokens + chunk.num_tokens > self.budget:
-            events.append(self.compress())
+            events.append(self.compress(incoming=chunk.num_tokens))
         self._check_cap(chunk)
         start = time.perf_counter()
         positions = mrope_positions(
@@ -256,10 +266,12 @@ class StreamEngine:
         return events
 
     @torch.inference_mode()
-    def compress(self) -> OccupancyEvent:
-        """Run the policy on the current memory, keeping ``C`` visual tokens per layer and KV head."""
+    def compress(self, incoming: int = 0) -> OccupancyEvent:
+        """Run the policy on the current memory, keeping ``C`` visual tokens per layer and KV head (the
+        policy's own count when it is sized by ``M`` alone and ``incoming`` tokens are about to arrive)."""
         start = time.perf_counter()
-        selection = self.policy.compress(self.memory.views(self.model.rotary), self.keep)
+        keep = self.policy.keep_for(self.budget, self.keep, incoming)
+        selection = self.policy.compress(self.memory.views(self.model.rotary), keep)
         moved = self.memory.apply(selection)
         ms = self._elapsed_ms(start)
         self.last_selection_info = selection.info
@@ -273,21 +285,10 @@ class StreamEngine:
         self.check_fits(chunk.num_tokens, f"{chunk.num_grids} temporal grid(s) of {chunk.rows}x{chunk.cols} tokens")
 
     def check_fits(self, tokens: int, shape: str = "") -> None:
-        """Raise :class:`BudgetError` if a chunk of ``tokens`` visual tokens can never fit the budget
-        (``M`` below one chunk, or ``M - C`` too small to take one after a compression)."""
+        """Raise :class:`BudgetError` if a chunk of ``tokens`` visual tokens can never fit the budget."""
         if self.budget is None or not self.policy.bounded:
             return
-        shape = f" = {shape}" if shape else ""
-        if tokens > self.budget:
-            raise BudgetError(
-                f"M={self.budget} is smaller than one chunk ({tokens} visual tokens{shape}); "
-                "raise M, or lower max pixels / frames per chunk"
-            )
-        if self.budget - self.keep < tokens:
-            raise BudgetError(
-                f"M - C = {self.budget - self.keep} leaves no room for one chunk ({tokens} visual tokens{shape}); "
-                f"lower C to at most {self.budget - tokens} or raise M"
-            )
+        self.policy.check_fits(self.budget, self.keep, tokens, shape)
 
     def _check_cap(self, chunk: VisualChunk) -> None:
         if self.max_cache_bytes is None or self.memory.is_empty:
@@ -406,4 +407,5 @@ class StreamEngine:
                 for g, fraction in enumerate(self.memory.survival_fraction())
             ],
             "answers": [{"question": a.question, "answer": a.answer, "ms": a.ms} for a in self.answers],
+            "policy_state": self.policy.report(),
         }

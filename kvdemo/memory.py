@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .models.base import VisualChunk
-from .policies.base import LayerView, Selection
+from .policies.base import LayerView, Selection, SummaryUpdate
 
 #: Reason code of a visual slot appended since the last compression (no policy reason yet).
 REASON_NEW = -2
@@ -246,6 +246,7 @@ class KVMemory:
             store.bias = bias
 
     # --- writes ---------------------------------------------------------------------------
+    @torch.inference_mode()
     def commit_prefix(self, cache: "MemoryCache", prefix_len: int) -> None:
         """Adopt the prefilled text prefix (positions ``0 .. prefix_len-1``) and open the summary region."""
         self.prefix_len = prefix_len
@@ -258,6 +259,7 @@ class KVMemory:
                 store.bias[:, prefix_len : self.visual_start] = float("-inf")
         self.max_position = prefix_len - 1
 
+    @torch.inference_mode()
     def commit_append(self, chunk: VisualChunk, positions: torch.Tensor) -> None:
         """Adopt the ``chunk.num_tokens`` tokens a forward wrote after the live part, with their provenance.
 
@@ -310,10 +312,12 @@ class KVMemory:
                     position=prov["position"],
                     valid=store.valid,
                     rotary=rotary,
+                    summary_slots=self.summary_slots,
                 )
             )
         return views
 
+    @torch.inference_mode()
     def apply(self, selection: Selection) -> int:
         """Keep, per layer and KV head, the selected visual tokens (and their provenance); returns the
         key/value bytes moved.
@@ -399,14 +403,29 @@ class KVMemory:
         if store.valid is not None:
             store.bias[:, start : start + new_len].masked_fill_(~store.valid, float("-inf"))
 
-    def _write_summary(self, store: LayerMemory, summary: "SummaryUpdate") -> None:
-        slots = summary.keys.shape[1]
-        if slots != self.summary_slots:
-            raise ValueError(f"summary has {slots} slots, memory reserves {self.summary_slots}")
+    def _write_summary(self, store: LayerMemory, summary: SummaryUpdate) -> None:
+        """Write a policy's summary entries: keys/values at their slots, the bias of every slot."""
+        if summary.bias.shape[1] != self.summary_slots:
+            raise ValueError(f"summary has {summary.bias.shape[1]} slots, memory reserves {self.summary_slots}")
         p, s = self.prefix_len, self.visual_start
-        store.keys[0, :, p:s] = summary.keys.to(store.keys.dtype)
-        store.values[0, :, p:s] = summary.values.to(store.values.dtype)
+        if summary.slots is None:
+            store.keys[0, :, p:s] = summary.keys.to(store.keys.dtype)
+            store.values[0, :, p:s] = summary.values.to(store.values.dtype)
+        elif summary.slots.numel():
+            heads, capacity, dim = store.keys.shape[1], store.capacity, store.keys.shape[-1]
+            rows = (torch.arange(heads, device=summary.slots.device)[:, None] * capacity + p + summary.slots).flatten()
+            rows = rows.to(store.keys.device)
+            store.keys.view(heads * capacity, dim).index_copy_(0, rows, summary.keys.reshape(-1, dim).to(store.keys.dtype))
+            store.values.view(heads * capacity, dim).index_copy_(0, rows, summary.values.reshape(-1, dim).to(store.values.dtype))
         store.bias[:, p:s] = summary.bias.to(store.bias.dtype)
+
+    @property
+    def summary_active(self) -> int:
+        """Summary slots attention can see (finite bias), mean over KV heads, in the fullest layer."""
+        if not self.summary_slots or not self.layers or self.layers[0].bias is None:
+            return 0
+        p, s = self.prefix_len, self.visual_start
+        return max(round(float(torch.isfinite(store.bias[:, p:s]).sum(dim=1).double().mean())) for store in self.layers)
 
     def record(self, event: str, frames_fed: int, time_s: float, ms: float, moved_bytes: int = 0) -> OccupancyEvent:
         entry = OccupancyEvent(

@@ -7,8 +7,18 @@ from kvdemo.policies import REGISTRY, BudgetError, LayerView, make_policy
 from kvdemo.policies.base import frame_rank, top_k_sorted
 
 
-def make_view(frames: int, rows: int = 2, cols: int = 2, heads: int = 2, dim: int = 4, layer: int = 0, seed: int = 0):
-    """Whole frames in stream order; keys/values random."""
+class IdentityRotation:
+    """A stand-in for a model's rotation (keys already "before RoPE")."""
+
+    def rotate(self, x, position):
+        return x
+
+    def unrotate(self, x, position):
+        return x
+
+
+def make_view(frames: int, rows: int = 2, cols: int = 2, heads: int = 2, dim: int = 8, layer: int = 0, seed: int = 0):
+    """Whole frames in stream order; keys/values random; room for a 16-slot summary (policies that own one)."""
     g = torch.Generator().manual_seed(seed)
     per = rows * cols
     token = torch.arange(frames * per)
@@ -23,6 +33,9 @@ def make_view(frames: int, rows: int = 2, cols: int = 2, heads: int = 2, dim: in
         col=prov(token % cols),
         grid=(rows, cols),
         newest_frame=frames - 1,
+        position=torch.zeros(heads, frames * per, 3, dtype=torch.int32),
+        rotary=IdentityRotation(),
+        summary_slots=16,
     )
 
 

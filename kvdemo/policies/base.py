@@ -28,6 +28,7 @@ class LayerView:
     valid: ``[H_kv, L]`` bool when heads hold different numbers of tokens (ragged), else None.
     rotary: the model's rotation (``rotate(x, position)`` / ``unrotate(x, position)``), for policies that
     need keys before RoPE; None when the caller has no model.
+    summary_slots: size of the memory's summary region the policy owns (see :meth:`Policy.summary_slots`).
     """
 
     layer: int
@@ -43,6 +44,7 @@ class LayerView:
     position: torch.Tensor | None = None
     valid: torch.Tensor | None = None
     rotary: Any = None
+    summary_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.order is None:
@@ -65,13 +67,15 @@ class LayerView:
 class SummaryUpdate:
     """A policy's synthetic entries for one layer's summary region (ProtoKV's pseudo-tokens).
 
-    keys, values: ``[H_kv, S, D]`` post-RoPE, as attention reads them; bias: ``[H_kv, S]`` additive key
-    bias (``-inf`` hides an unused slot).
+    keys, values: ``[H_kv, U, D]`` post-RoPE, as attention reads them, written at ``slots [H_kv, U]`` of the
+    region (all ``S`` slots in order when ``slots`` is None); bias: ``[H_kv, S]`` additive key bias of every
+    slot (``-inf`` hides an unused one).
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     bias: torch.Tensor
+    slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -109,13 +113,43 @@ class Policy(abc.ABC):
     choices: ClassVar[dict[str, tuple[str, ...]]] = {}
     #: Reason codes this policy reports per kept token in ``Selection.info["reason"]`` (code -> name).
     reason_names: ClassVar[dict[int, str]] = {}
+    #: False for a policy sized by ``M`` alone (ProtoKV): it takes no ``C``.
+    uses_keep: ClassVar[bool] = True
 
     @abc.abstractmethod
     def compress(self, views: list[LayerView], keep: int) -> Selection:
         """Choose ``keep`` tokens per layer and KV head from ``views`` (one per layer)."""
 
     def params(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The policy's parameters (its own state, fields starting with ``_``, left out)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
+
+    def summary_slots(self, budget: int) -> int:
+        """Slots of the memory's summary region this policy owns under budget ``M`` (0: a pure selection)."""
+        return 0
+
+    def keep_for(self, budget: int, keep: int | None, incoming: int) -> int:
+        """Real visual tokens a compression keeps when ``incoming`` tokens are about to arrive (``C``)."""
+        return int(keep)
+
+    def check_fits(self, budget: int, keep: int | None, tokens: int, shape: str = "") -> None:
+        """Raise :class:`BudgetError` if chunks of ``tokens`` visual tokens can never fit (``M`` below one
+        chunk, or ``M - C`` too small to take one after a compression)."""
+        shape = f" = {shape}" if shape else ""
+        if tokens > budget:
+            raise BudgetError(
+                f"M={budget} is smaller than one chunk ({tokens} visual tokens{shape}); "
+                "raise M, or lower max pixels / frames per chunk"
+            )
+        if budget - keep < tokens:
+            raise BudgetError(
+                f"M - C = {budget - keep} leaves no room for one chunk ({tokens} visual tokens{shape}); "
+                f"lower C to at most {budget - tokens} or raise M"
+            )
+
+    def report(self) -> dict[str, Any]:
+        """What the policy's own state looks like now (for the run report); ``{}`` for a stateless policy."""
+        return {}
 
 
 @dataclass(frozen=True)

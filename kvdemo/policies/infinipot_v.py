@@ -153,9 +153,6 @@ class InfiniPotV(Policy):
                 raise BudgetError(f"cv_thresholds must be three increasing numbers, got {self.cv_thresholds}")
             self.cv_thresholds = thresholds
 
-    def params(self) -> dict:
-        return {k: v for k, v in super().params().items() if not k.startswith("_")}
-
     def thresholds_for(self, cvs: list[float]) -> tuple[float, float, float]:
         """The CV thresholds in force: given ones, else calibrated once from the first pass's ``cvs``."""
         if self.cv_thresholds is not None:
