@@ -426,3 +426,21 @@ def test_protokv_bookkeeping_stays_bounded_on_a_long_stream(tiny):
     held = set(bank.assign_grid.tolist()) - {-1}
     assert held and max(held) <= 59 and len(held) <= 8
     assert engine.memory.layers[0].capacity == engine.memory.prefix_len + engine.memory.summary_slots + 96 + 256
+
+
+def test_merging_checks_pairs_with_a_changed_prototype_from_either_side():
+    """Pairs (0, 1) and (2, 3) qualify; only 0 and 3 changed. Prototype 1 merges into 0 (found from 0's
+    row), 3 into 2 (found from 3's own row); the untouched, distant 4 stays."""
+    policy = make_policy("protokv", subquantizers=2)
+    bank = fresh_bank(policy, 5, 4)
+    bank.used[:] = True
+    e = torch.eye(4)
+    bank.centre_k[0] = torch.stack([e[0], e[0] + 0.01 * e[1], e[1], e[1] + 0.01 * e[2], e[3]])
+    bank.centre_v[0] = bank.centre_k[0].clone()
+    bank.mass[0] = torch.tensor([2, 2, 3, 1, 4])
+    bank.tau_time[0] = 5
+    changed = torch.tensor([[True, False, False, True, False]])
+    no_near = (torch.zeros(1, 0, 4), torch.zeros(1, 0, 4), torch.zeros(1, 0, 2), torch.zeros(1, 0, 3, dtype=torch.long))
+    policy.maintain(bank, lambda count: no_near, t=5, changed=changed)  # nothing to recycle from
+    assert bank.mass[0].tolist() == [4, 0, 4, 0, 4]
+    torch.testing.assert_close(bank.centre_k[0, 2], (3 * e[1] + (e[1] + 0.01 * e[2])) / 4)

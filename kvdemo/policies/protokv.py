@@ -225,10 +225,10 @@ class ProtoKV(Policy):
         if evict.shape[-1]:
             tokens = self._gather(views, evict)
             touched |= self.absorb(bank, *tokens, t)
-        touched |= self.maintain(bank, lambda count: self._gather(views, near_newest[..., :count]), t)
+        touched |= self.maintain(bank, lambda count: self._gather(views, near_newest[..., :count]), t, touched)
         summary = self.synthesize(bank, touched, views[0].rotary, heads)
         reasons = [torch.full_like(index, REASON_NEAR, dtype=torch.int8) for index in indices]
-        self._last = {"evicted": int(evict.shape[-1]), "touched": int(touched.sum())}
+        self._last = {"evicted": int(evict.shape[-1]), "touched": int(touched.sum()), "pending_merges": int(bank.pending.sum())}
         return Selection(indices, {"reason": reasons, "touched": touched}, summary=summary)
 
     def _new_bank(self, rows: int, prototypes: int, dim: int, grid: tuple[int, int], device) -> ProtoBank:
@@ -448,31 +448,52 @@ class ProtoKV(Policy):
         bank.assign_map[rows, frame % self.history, row, col] = assigned.to(torch.int16)
 
     # --- Alg. 2 -----------------------------------------------------------------------------
-    def maintain(self, bank: ProtoBank, near: Callable[[int], tuple[torch.Tensor, ...]], t: int) -> torch.Tensor:
+    def maintain(
+        self, bank: ProtoBank, near: Callable[[int], tuple[torch.Tensor, ...]], t: int, changed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Aging, merging, recycling (once per chunk); returns the prototypes whose centres changed.
-        ``near(n)`` gathers the newest ``n`` near-window tokens of every row (as :meth:`_gather` returns them)."""
+        ``near(n)`` gathers the newest ``n`` near-window tokens of every row (as :meth:`_gather` returns them);
+        ``changed [B, K]`` marks the prototypes absorption touched (merge candidates; all when None)."""
+        if changed is None:
+            changed = torch.ones_like(bank.used)
         idle = bank.active & ((t - bank.tau_time) > self.t_idle)
         bank.mass = torch.where(idle, torch.floor(bank.mass.double() * (1 - self.decay)).long(), bank.mass)
-        touched = self._merge(bank)
+        touched = self._merge(bank, changed | bank.pending)
         touched |= self._recycle(bank, near, t)
         return touched
 
-    def _merge(self, bank: ProtoBank) -> torch.Tensor:
+    def _merge(self, bank: ProtoBank, candidates: torch.Tensor) -> torch.Tensor:
         """Merge prototypes whose normalised key and value centres are within (eps_K, eps_V) (Alg. 2 lines
-        6-13): each candidate merges into its lowest-index qualifying partner that is not merging itself."""
+        6-13): each merges into its lowest-index qualifying partner that is not merging itself.
+
+        Only pairs with a candidate ``[B, K]`` (a prototype that changed this chunk, or one left pending) can
+        newly qualify, so distances are computed for candidate rows only (``[B, U, K]``, not ``[B, K, K]``).
+        """
         rows, capacity = bank.mass.shape
+        device = bank.mass.device
         active = bank.active
+        candidates = candidates & active
+        width = int(candidates.sum(dim=1).max()) if rows else 0
+        if width == 0:
+            bank.pending = torch.zeros_like(active)
+            return torch.zeros_like(active)
+        chosen = torch.argsort((~candidates).to(torch.int8), dim=1, stable=True)[:, :width]  # [B, U] slot ids
+        real = torch.gather(candidates, 1, chosen)
         unit_k, unit_v = F.normalize(bank.centre_k, dim=-1), F.normalize(bank.centre_v, dim=-1)
+        pick = lambda unit: torch.gather(unit, 1, chosen[..., None].expand(-1, -1, unit.shape[-1]))  # noqa: E731
         # ||a - b||^2 = 2 - 2 cos for unit vectors
-        close = (2 - 2 * unit_k @ unit_k.transpose(1, 2)) < self.merge_k**2
-        close &= (2 - 2 * unit_v @ unit_v.transpose(1, 2)) < self.merge_v**2
-        close &= active[:, :, None] & active[:, None, :]
-        close &= ~torch.eye(capacity, dtype=torch.bool, device=close.device)[None]
-        lower = close & torch.ones(capacity, capacity, dtype=torch.bool, device=close.device).tril(-1)[None]  # partner i < j
-        has_partner = lower.any(dim=2)  # j has a partner below it
-        partner = torch.where(lower, torch.arange(capacity, device=close.device)[None, None], capacity).min(dim=2).values
+        close = (2 - 2 * pick(unit_k) @ unit_k.transpose(1, 2)) < self.merge_k**2
+        close &= (2 - 2 * pick(unit_v) @ unit_v.transpose(1, 2)) < self.merge_v**2
+        slots = torch.arange(capacity, device=device)
+        close &= real[..., None] & active[:, None, :] & (chosen[..., None] != slots)  # [B, U, K]
+        # partner(j) = lowest i < j with close(i, j); close is symmetric, so a pair appears from a candidate side.
+        big = torch.tensor(capacity, device=device)
+        from_candidates = torch.where(close & (chosen[..., None] < slots), chosen[..., None], big).min(dim=1).values
+        own = torch.where(close & (slots < chosen[..., None]), slots, big).min(dim=2).values  # candidate j's lower partners
+        partner = from_candidates.scatter_reduce(1, chosen, torch.where(real, own, big), reduce="amin")
+        has_partner = partner < capacity
         root = ~has_partner
-        merging = has_partner & torch.gather(torch.cat([root, root.new_zeros(rows, 1)], 1), 1, partner.clamp(max=capacity))
+        merging = has_partner & torch.gather(torch.cat([root, root.new_zeros(rows, 1)], 1), 1, partner)
         bank.pending = has_partner & ~merging
         if not bool(merging.any()):
             return torch.zeros_like(active)
