@@ -11,7 +11,10 @@ cache, see :mod:`kvdemo.memory`). On top of that it applies what the memory supp
 
 - an additive key bias ``[H_kv, L]`` (ProtoKV's ``log n_k`` on pseudo-tokens, ``-inf`` on the padding of
   ragged heads), broadcast to each KV head's group of query heads (GQA), on prefill chunks and on every
-  decode step.
+  decode step;
+- while a question is answered, chunks retrieved from the memory's offload store (HybridKV's dynamic heads):
+  the forward's queries score each head's chunk mean keys, the top chunks within the head's budget come
+  back from host memory and are attended together with the cache under one softmax.
 
 With nothing supplied it is SDPA with that causal mask, equal to transformers' ``sdpa`` path.
 """
@@ -54,10 +57,16 @@ def kvdemo_attention(
     _, q_heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     past = kv_len - q_len
+    scale = scaling if scaling is not None else dim**-0.5
+    if kvdemo is not None and kvdemo.capture is not None:
+        kvdemo.capture[module.layer_idx] = query[0].detach().clone()
     bias = kvdemo.key_bias(module.layer_idx, past) if kvdemo is not None else None
+    extra = kvdemo.retrieval(module.layer_idx, query[0], scale) if kvdemo is not None else None
+    if extra is not None:
+        return retrieval_attention(query, key, value, bias, extra, scale), None
     if bias is None:
         mask = causal_mask(q_len, kv_len, query.device) if q_len > 1 else None
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=q_heads != kv_heads)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=q_heads != kv_heads)
         return out.transpose(1, 2).contiguous(), None
     # Group the query heads of each KV head as one batch entry, so the key bias [H_kv, L] broadcasts over the
     # group: query [H_kv, group, q, D] against key/value [H_kv, 1, kv, D], mask [H_kv, 1, q, kv].
@@ -68,9 +77,38 @@ def kvdemo_attention(
     if q_len > 1:
         mask[:, 0, :, past:].masked_fill_(~causal_mask(q_len, q_len, query.device), float("-inf"))
     out = F.scaled_dot_product_attention(
-        grouped, key[0].unsqueeze(1), value[0].unsqueeze(1), attn_mask=mask, scale=scaling, enable_gqa=True
+        grouped, key[0].unsqueeze(1), value[0].unsqueeze(1), attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.reshape(1, q_heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
+def retrieval_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor | None,
+    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """Attention over the cache plus retrieved chunks without concatenating them: the logits of both parts
+    under one softmax (float32). ``query [1, H_q, q, D]`` (the last ``q`` cache slots are these tokens,
+    causal among themselves), cache ``[1, H_kv, kv, D]`` with ``bias [H_kv, kv - q]`` (or None), ``extra``
+    keys/values ``[H_kv, R, D]`` and their bias ``[H_kv, R]`` -> ``[1, q, H_q, D]``."""
+    _, q_heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    past = kv_len - q_len
+    grouped = query.reshape(kv_heads, q_heads // kv_heads * q_len, dim).float()  # [H_kv, group * q, D]
+    extra_keys, extra_values, extra_bias = extra
+    cached = grouped @ key[0].float().transpose(1, 2) * scale  # [H_kv, group * q, kv]
+    if bias is not None:
+        cached[:, :, :past] += bias[:, None, :].float()
+    if q_len > 1:
+        hidden = ~causal_mask(q_len, q_len, query.device).repeat(q_heads // kv_heads, 1)  # rows: (group, q)
+        cached[:, :, past:] = cached[:, :, past:].masked_fill(hidden, float("-inf"))
+    fetched = grouped @ extra_keys.float().transpose(1, 2) * scale + extra_bias[:, None, :].float()
+    weights = torch.softmax(torch.cat([cached, fetched], dim=-1), dim=-1)
+    out = weights[..., :kv_len] @ value[0].float() + weights[..., kv_len:] @ extra_values.float()
+    return out.to(query.dtype).reshape(1, q_heads, q_len, dim).transpose(1, 2).contiguous()
 
 
 def register() -> None:
@@ -141,11 +179,26 @@ class MemoryLayer(CacheLayerMixin):
 
 
 class MemoryCache(Cache):
-    """A transformers ``Cache`` over a :class:`KVMemory`'s live part (see :meth:`KVMemory.cache`)."""
+    """A transformers ``Cache`` over a :class:`KVMemory`'s live part (see :meth:`KVMemory.cache`).
+
+    ``answering`` (set by the engine while it answers a question: the question's prefill and every decode
+    step) turns on retrieval from the memory's offload stores; ``capture`` (a dict) makes the attention
+    function record each layer's queries ``[H_q, q, D]`` (post-RoPE), which is how a probe text is read.
+    """
 
     def __init__(self, memory: KVMemory) -> None:
         super().__init__(layers=[MemoryLayer(memory, layer) for layer in range(memory.num_layers)])
         self.memory = memory
+        self.answering = False
+        self.capture: dict[int, torch.Tensor] | None = None
+
+    def retrieval(self, layer: int, query: torch.Tensor, scale: float):
+        """Keys/values/bias the forward of ``query [H_q, q, D]`` brings back from ``layer``'s offload store,
+        or None (not answering, or nothing offloaded)."""
+        if not self.answering or layer >= len(self.memory.layers):
+            return None
+        store = self.memory.layers[layer].offload
+        return None if store is None else store.fetch(query, scale)
 
     def key_bias(self, layer: int, past: int) -> torch.Tensor | None:
         """The memory's additive key bias ``[H_kv, past]`` over the first ``past`` slots of ``layer``, or None."""

@@ -104,13 +104,15 @@ def run_command(args: argparse.Namespace) -> int:
     if policy.bounded and budget is None:
         total = -(-video.num_frames // model.temporal_patch_size) * per_grid
         budget, keep = auto_budget(per_grid * grids_per_chunk, total)
+        keep = keep if policy.uses_keep else None
         note = " (auto: about a third of this stream's visual tokens)"
-    elif policy.bounded and keep is None:
+    elif policy.bounded and policy.uses_keep and keep is None:
         keep = int(budget * 0.75)
     engine = StreamEngine(model, policy, budget=budget, keep=keep, fps=video.fps, max_new_tokens=args.max_new_tokens)
 
     print(video.describe(), file=sys.stderr)
-    print(f"model {model.name}; policy {policy.name}" + (f", M={budget}, C={keep}{note}" if policy.bounded else ""), file=sys.stderr)
+    sizes = f", M={budget}" + (f", C={keep}" if keep is not None else "") + note
+    print(f"model {model.name}; policy {policy.name}" + (sizes if policy.bounded else ""), file=sys.stderr)
     if model.random_weights:
         print(f"note: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr)
     engines = {"policy": engine}
@@ -161,7 +163,7 @@ def summary_table(report: dict[str, Any], engine: StreamEngine) -> str:
     stats = engine.stats
     rows = [
         ("policy", report["policy"]),
-        ("budget M / keep C", f"{report['budget']} / {report['keep']}" if report["keep"] else "unbounded"),
+        ("budget M / keep C", budget_text(report)),
         ("frames fed", report["frames"]),
         ("tokens per grid", report["tokens_per_grid"]),
         ("visual tokens now", engine.memory.visual_tokens),
@@ -174,8 +176,16 @@ def summary_table(report: dict[str, Any], engine: StreamEngine) -> str:
     ]
     for answer in engine.answers:
         rows.append(("answer", f"{answer.ms:.0f} ms ({answer.tokens} tokens, first after {answer.ttft_ms:.0f} ms)"))
+    for key, value in report.get("policy_state", {}).items():
+        rows.append((f"{report['policy']}: {key}", json.dumps(value) if isinstance(value, dict) else value))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def budget_text(report: dict[str, Any]) -> str:
+    if report["budget"] is None:
+        return "unbounded"
+    return f"{report['budget']} / {report['keep']}" if report["keep"] is not None else f"{report['budget']} (sized by M alone)"
 
 
 def _percent(part: float, whole: float) -> str:

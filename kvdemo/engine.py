@@ -271,7 +271,8 @@ class StreamEngine:
         policy's own count when it is sized by ``M`` alone and ``incoming`` tokens are about to arrive)."""
         start = time.perf_counter()
         keep = self.policy.keep_for(self.budget, self.keep, incoming)
-        selection = self.policy.compress(self.memory.views(self.model.rotary), keep)
+        probe = self._probe(self.policy.probe_text) if self.policy.needs_probe else None
+        selection = self.policy.compress(self.memory.views(self.model.rotary, probe), keep)
         moved = self.memory.apply(selection)
         ms = self._elapsed_ms(start)
         self.last_selection_info = selection.info
@@ -307,6 +308,16 @@ class StreamEngine:
         self.model.forward(self.model.embed_text(ids), positions, cache)
         self.memory.commit_prefix(cache, len(ids))
 
+    def _probe(self, text: str) -> list[torch.Tensor]:
+        """Every layer's queries ``[H_q, T, D]`` for ``text`` asked as a question after the memory (written
+        into the slack, never committed): what a policy with ``needs_probe`` reads the memory with."""
+        ids = self.model.tokenize(self.model.question_text([], text))
+        position = self.memory.max_position + 1
+        cache = self.memory.cache()
+        cache.capture = {}
+        self.model.forward(self.model.embed_text(ids), torch.arange(position, position + len(ids)).expand(3, -1), cache)
+        return [cache.capture[layer] for layer in range(self.memory.num_layers)]
+
     def _elapsed_ms(self, start: float) -> float:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
@@ -339,6 +350,8 @@ class StreamEngine:
         ids = self.model.tokenize(self.model.question_text(self.history, question))
         position = self.memory.max_position + 1
         cache = self.memory.cache()  # writes go to the slack and are never committed
+        cache.answering = True  # heads with an offload store retrieve (question prefill and every decode step)
+        self.memory.reset_retrieved()
         logits = self.model.forward(
             self.model.embed_text(ids), torch.arange(position, position + len(ids)).expand(3, -1), cache
         )
@@ -402,6 +415,7 @@ class StreamEngine:
             "timeline": timeline,
             "peak_visual_tokens": max((e["visual_tokens"] for e in timeline), default=0),
             "peak_cache_bytes": max((e["cache_bytes"] for e in timeline), default=0),
+            "largest_head_tokens": self.memory.largest_head_tokens,
             "survivors": [
                 {"grid": g, "time_s": self.memory.grid_times_s[g], "kept_fraction": fraction}
                 for g, fraction in enumerate(self.memory.survival_fraction())

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .models.base import VisualChunk
-from .policies.base import LayerView, Selection, SummaryUpdate
+from .policies.base import LayerView, OffloadUpdate, Selection, SummaryUpdate
 
 #: Reason code of a visual slot appended since the last compression (no policy reason yet).
 REASON_NEW = -2
@@ -64,9 +64,133 @@ class OccupancyEvent:
     ms: float
     allocated_bytes: int = 0  # bytes of the preallocated buffers (live + slack)
     moved_bytes: int = 0  # key/value bytes this event copied (an append: the chunk; a compression: the moved tokens)
+    offloaded_bytes: int = 0  # key/value bytes in the offload store (host memory), not counted in cache_bytes
+    padding_bytes: int = 0  # live bytes of ragged heads' padding slots (part of cache_bytes, attended to by nobody)
+    summary_active: int = 0  # summary slots attention can see (ProtoKV's active pseudo-tokens), mean over KV heads
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class OffloadStore:
+    """One layer's offloaded visual tokens: per KV head, chunks of ``chunk`` tokens in arrival order, kept in
+    host memory (pinned when the model is on CUDA), with a resident index of chunk mean keys (HybridKV).
+
+    keys/values ``[H, chunks, chunk, D]``, ``valid [H, chunks, chunk]`` (a head's last chunk of a pass may be
+    partial), provenance ``frame/row/col/order [H, chunks, chunk]``, ``mean_keys [H, chunks, D]`` on the
+    model's device, ``count [H]`` chunks per head, ``retrieve [H]`` tokens each head brings back per decode
+    step, ``retrieved [H, chunks]`` the chunks a head brought back during the last question.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    provenance: dict[str, torch.Tensor]
+    mean_keys: torch.Tensor
+    count: torch.Tensor
+    retrieve: torch.Tensor
+    retrieved: torch.Tensor
+    chunk: int = 8
+
+    @classmethod
+    def empty(cls, heads: int, dim: int, chunk: int, dtype: torch.dtype, device: torch.device) -> "OffloadStore":
+        host = torch.device("cpu")
+        pin = device.type == "cuda"
+        return cls(
+            keys=torch.zeros(heads, 0, chunk, dim, dtype=dtype, device=host, pin_memory=pin),
+            values=torch.zeros(heads, 0, chunk, dim, dtype=dtype, device=host, pin_memory=pin),
+            valid=torch.zeros(heads, 0, chunk, dtype=torch.bool),
+            provenance={name: torch.zeros(heads, 0, chunk, dtype=torch.int64) for name in ("frame", "row", "col", "order")},
+            mean_keys=torch.zeros(heads, 0, dim, dtype=torch.float32, device=device),
+            count=torch.zeros(heads, dtype=torch.long),
+            retrieve=torch.zeros(heads, dtype=torch.long),
+            retrieved=torch.zeros(heads, 0, dtype=torch.bool, device=device),
+            chunk=chunk,
+        )
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys.shape[1])
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """Tokens stored per head ``[H]``."""
+        return self.valid.sum(dim=(1, 2))
+
+    @property
+    def nbytes(self) -> int:
+        """Real bytes of the stored keys and values (chunks in use)."""
+        per_chunk = 2 * self.chunk * self.keys.shape[-1] * self.keys.element_size()
+        return int(self.count.sum()) * per_chunk
+
+    def _grow(self, chunks: int) -> None:
+        if chunks <= self.capacity:
+            return
+        capacity = max(chunks, int(self.capacity * 1.5) + 4)
+        pad = capacity - self.capacity
+
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            extra = t.new_zeros(t.shape[0], pad, *t.shape[2:])
+            out = torch.cat([t, extra], dim=1)
+            return out.pin_memory() if t.is_pinned() else out
+
+        self.keys, self.values, self.valid = grown(self.keys), grown(self.values), grown(self.valid)
+        self.provenance = {name: grown(t) for name, t in self.provenance.items()}
+        self.mean_keys, self.retrieved = grown(self.mean_keys), grown(self.retrieved)
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, provenance: dict[str, torch.Tensor]) -> int:
+        """Store ``keys/values [H, E, D]`` (``valid [H, E]``, arrival order) as new chunks per head; returns
+        the key/value bytes copied."""
+        heads, tokens, dim = keys.shape
+        valid = valid.cpu()
+        rank = torch.cumsum(valid.long(), dim=1) - 1  # position among the head's valid tokens
+        new_chunks = (valid.sum(dim=1) + self.chunk - 1) // self.chunk
+        self._grow(int((self.count + new_chunks).max()) if heads else 0)
+        h, e = torch.nonzero(valid, as_tuple=True)
+        chunk_ids = self.count[h] + rank[h, e] // self.chunk
+        slots = rank[h, e] % self.chunk
+        self.keys[h, chunk_ids, slots] = keys.cpu()[h, e]
+        self.values[h, chunk_ids, slots] = values.cpu()[h, e]
+        self.valid[h, chunk_ids, slots] = True
+        for name, source in provenance.items():
+            self.provenance[name][h, chunk_ids, slots] = source.cpu()[h, e].long()
+        # Mean keys of the new chunks (float32), on the model's device.
+        device = self.mean_keys.device
+        sums = torch.zeros(heads, self.capacity, dim, dtype=torch.float32)
+        sums.index_put_((h, chunk_ids), keys.cpu()[h, e].float(), accumulate=True)
+        counts = torch.zeros(heads, self.capacity).index_put_((h, chunk_ids), torch.ones(h.numel()), accumulate=True)
+        fresh = counts > 0
+        self.mean_keys[fresh.to(device)] = (sums[fresh] / counts[fresh][:, None]).to(device)
+        self.count += new_chunks
+        return 2 * int(h.numel()) * dim * keys.element_size()
+
+    def fetch(self, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Retrieval for one forward while answering: each head scores its chunks by the forward's queries
+        against the mean keys (summed over the head's group of query heads and, for a question's prefill,
+        averaged over its tokens: kvdemo's), brings back its top ``retrieve // chunk`` chunks, and records
+        them. ``query [H_q, q, D]`` -> keys/values ``[H, R, D]`` on the query's device and a key bias
+        ``[H, R]`` (0 for a retrieved token, ``-inf`` for padding), or None if no head retrieves."""
+        wanted = torch.minimum(self.retrieve // self.chunk, self.count)  # chunks per head
+        width = int(wanted.max()) if wanted.numel() else 0
+        if width == 0:
+            return None
+        heads = self.keys.shape[0]
+        grouped = query.float().mean(dim=1).reshape(heads, -1, query.shape[-1])  # [H, group, D]
+        scores = torch.einsum("hgd,hcd->hc", grouped, self.mean_keys[:, : self.capacity]) * scale
+        live = torch.arange(self.capacity, device=scores.device)[None] < self.count.to(scores.device)[:, None]
+        scores = scores.masked_fill(~live, float("-inf"))
+        top = torch.topk(scores, width, dim=1).indices  # [H, width]
+        chosen = torch.arange(width, device=top.device)[None] < wanted.to(top.device)[:, None]
+        self.retrieved[torch.arange(heads, device=top.device)[:, None].expand_as(top)[chosen], top[chosen]] = True
+        top_host = top.cpu()
+        rows = torch.arange(heads)[:, None]
+        keys = self.keys[rows, top_host].to(query.device, non_blocking=True)  # [H, width, chunk, D]
+        values = self.values[rows, top_host].to(query.device, non_blocking=True)
+        ok = (self.valid[rows, top_host] & chosen.cpu()[..., None]).to(query.device)
+        bias = torch.zeros(ok.shape, dtype=query.dtype, device=query.device).masked_fill(~ok, float("-inf"))
+        dim = keys.shape[-1]
+        return keys.reshape(heads, -1, dim), values.reshape(heads, -1, dim), bias.reshape(heads, -1)
 
 
 @dataclass
@@ -79,6 +203,7 @@ class LayerMemory:
     bias: torch.Tensor | None = None  # [H, capacity] additive key bias (0 = plain attention), None if never used
     visual_len: int = 0  # L: visual slots in use (the fullest head's count when ragged)
     valid: torch.Tensor | None = None  # [H, L] bool when heads hold different numbers of tokens
+    offload: OffloadStore | None = None  # tokens some heads keep off the device, retrieved at decode time
 
     @property
     def capacity(self) -> int:
@@ -188,6 +313,27 @@ class KVMemory:
         return sum(t.element_size() * t.nelement() for t in (*self.keys, *self.values))
 
     @property
+    def offloaded_bytes(self) -> int:
+        """Real bytes of the keys and values in the offload stores (host memory)."""
+        return sum(store.offload.nbytes for store in self.layers if store.offload is not None)
+
+    @property
+    def padding_bytes(self) -> int:
+        """Live bytes in the padding slots of ragged heads (a padded layout's waste)."""
+        total = 0
+        for layer, store in enumerate(self.layers):
+            if store.valid is not None:
+                empty = store.valid.numel() - int(store.valid.sum())
+                total += empty * 2 * store.keys.element_size() * store.keys.shape[-1]
+        return total
+
+    def reset_retrieved(self) -> None:
+        """Forget which offloaded chunks were retrieved (a new question starts)."""
+        for store in self.layers:
+            if store.offload is not None:
+                store.offload.retrieved.zero_()
+
+    @property
     def allocated_bytes(self) -> int:
         """Real bytes of the key/value buffers, slack included."""
         return sum(t.element_size() * t.nelement() for store in self.layers for t in (store.keys, store.values))
@@ -290,8 +436,9 @@ class KVMemory:
         self.grid_times_s.extend(chunk.grid_times_s)
         self.max_position = max(self.max_position, int(positions.max()))
 
-    def views(self, rotary: Any = None) -> list[LayerView]:
-        """Per-layer views of the visual slots for a policy (``[H_kv, L, D]`` slices, no copies)."""
+    def views(self, rotary: Any = None, probe: list[torch.Tensor] | None = None) -> list[LayerView]:
+        """Per-layer views of the visual slots for a policy (``[H_kv, L, D]`` slices, no copies); ``probe``
+        gives each layer's probe queries ``[H_q, T, D]`` (see ``LayerView.probe``)."""
         start = self.visual_start
         views = []
         for layer, store in enumerate(self.layers):
@@ -313,6 +460,7 @@ class KVMemory:
                     valid=store.valid,
                     rotary=rotary,
                     summary_slots=self.summary_slots,
+                    probe=probe[layer] if probe is not None else None,
                 )
             )
         return views
@@ -335,6 +483,8 @@ class KVMemory:
         moved = 0
         for layer, index in enumerate(selection.indices):
             store = self.layers[layer]
+            if selection.offload is not None and selection.offload[layer] is not None:
+                moved += self._offload(store, selection.offload[layer])
             valid = selection.valid[layer] if selection.valid is not None else None
             reason = reasons[layer] if reasons is not None else None
             moved += self._compact(layer, store, index, valid, reason)
@@ -394,6 +544,24 @@ class KVMemory:
         store.visual_len = new_len
         return 2 * int(src.numel()) * store.keys.shape[-1] * store.keys.element_size()
 
+    def _offload(self, store: LayerMemory, update: OffloadUpdate) -> int:
+        """Copy the tokens ``update`` names (view indices) into the layer's offload store, before compaction."""
+        heads, dim = store.keys.shape[1], store.keys.shape[-1]
+        if store.offload is None:
+            store.offload = OffloadStore.empty(heads, dim, update.chunk, store.keys.dtype, store.keys.device)
+        store.offload.retrieve = update.retrieve.cpu().long()
+        if update.tokens.numel() == 0:
+            return 0
+        start = self.visual_start
+        index = update.tokens.to(store.keys.device)
+        gather = index[..., None].expand(-1, -1, dim)
+        keys = torch.gather(store.keys[0, :, start : start + store.visual_len], 1, gather)
+        values = torch.gather(store.values[0, :, start : start + store.visual_len], 1, gather)
+        provenance = {
+            name: torch.gather(store.provenance[name][:, : store.visual_len], 1, index) for name in ("frame", "row", "col", "order")
+        }
+        return store.offload.add(keys, values, update.valid, provenance)
+
     def _refresh_visual_bias(self, store: LayerMemory, new_len: int) -> None:
         """Visual slots: 0 where a head holds a token, ``-inf`` on ragged padding; the slack back to 0."""
         if store.bias is None:
@@ -437,6 +605,9 @@ class KVMemory:
             ms=float(ms),
             allocated_bytes=self.allocated_bytes,
             moved_bytes=int(moved_bytes),
+            offloaded_bytes=self.offloaded_bytes,
+            padding_bytes=self.padding_bytes,
+            summary_active=self.summary_active,
         )
         self.timeline.append(entry)
         return entry

@@ -36,6 +36,7 @@ def make_view(frames: int, rows: int = 2, cols: int = 2, heads: int = 2, dim: in
         position=torch.zeros(heads, frames * per, 3, dtype=torch.int32),
         rotary=IdentityRotation(),
         summary_slots=16,
+        probe=torch.randn(2 * heads, 3, dim, generator=g),  # a probe text's queries (HybridKV), GQA group of 2
     )
 
 
@@ -47,7 +48,12 @@ def test_every_bounded_policy_returns_sorted_unique_indices_of_size_keep(name, k
         view.num_layers = 3
     selection = make_policy(name).compress(views, keep)
     assert len(selection.indices) == 3
-    for view, index in zip(views, selection.indices):
+    for layer, (view, index) in enumerate(zip(views, selection.indices)):
+        if selection.valid is not None:  # ragged: heads keep different numbers, averaging keep
+            valid = selection.valid[layer]
+            assert int(valid.sum()) == keep * view.num_heads
+            index = torch.where(valid, index, index.max() + 1 + torch.arange(index.shape[1]))[:, : keep]
+            continue
         assert index.shape == (view.num_heads, keep)
         assert index.dtype == torch.long
         assert (index[:, 1:] > index[:, :-1]).all(), "indices must be sorted and unique"

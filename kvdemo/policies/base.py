@@ -29,6 +29,9 @@ class LayerView:
     rotary: the model's rotation (``rotate(x, position)`` / ``unrotate(x, position)``), for policies that
     need keys before RoPE; None when the caller has no model.
     summary_slots: size of the memory's summary region the policy owns (see :meth:`Policy.summary_slots`).
+    probe: ``[H_q, T, D]`` post-RoPE queries of a probe text run after the memory (for policies with
+    ``needs_probe``, e.g. HybridKV's text-centric head classification); query head ``h`` reads KV head
+    ``h // (H_q / H_kv)``.
     """
 
     layer: int
@@ -45,6 +48,7 @@ class LayerView:
     valid: torch.Tensor | None = None
     rotary: Any = None
     summary_slots: int = 0
+    probe: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.order is None:
@@ -79,12 +83,28 @@ class SummaryUpdate:
 
 
 @dataclass
+class OffloadUpdate:
+    """One layer's tokens to move to the offload store, and what each head retrieves at decode time.
+
+    tokens: ``[H_kv, E]`` indices into the layer's view (arrival order), ``valid [H_kv, E]`` which count;
+    they are stored in chunks of ``chunk`` tokens per head with a resident mean-key index.
+    retrieve: ``[H_kv]`` visual tokens each head brings back per decode step (0: it does not retrieve).
+    """
+
+    tokens: torch.Tensor
+    valid: torch.Tensor
+    retrieve: torch.Tensor
+    chunk: int = 8
+
+
+@dataclass
 class Selection:
     """Per layer, ``LongTensor [H_kv, keep]`` of sorted indices into that layer's view.
 
     ``valid`` (optional, per layer ``[H_kv, keep]`` bool) marks the entries that count when heads keep
     different numbers of tokens (ragged budgets); ``summary`` (optional, per layer) refreshes the memory's
-    summary region.
+    summary region; ``offload`` (optional, per layer) moves evicted tokens to the memory's offload store
+    instead of dropping them, and sets what each head retrieves from it at decode time.
     """
 
     indices: list[torch.Tensor]
@@ -92,6 +112,7 @@ class Selection:
     info: dict[str, Any] = field(default_factory=dict)
     valid: list[torch.Tensor] | None = None
     summary: list[SummaryUpdate | None] | None = None
+    offload: list[OffloadUpdate | None] | None = None
 
 
 class BudgetError(ValueError):
@@ -115,6 +136,10 @@ class Policy(abc.ABC):
     reason_names: ClassVar[dict[int, str]] = {}
     #: False for a policy sized by ``M`` alone (ProtoKV): it takes no ``C``.
     uses_keep: ClassVar[bool] = True
+    #: True for a policy that needs probe queries in its views: the engine runs ``probe_text`` as a question
+    #: after the memory (uncommitted) before each compression and passes each layer's queries.
+    needs_probe: ClassVar[bool] = False
+    probe_text: ClassVar[str] = ""
 
     @abc.abstractmethod
     def compress(self, views: list[LayerView], keep: int) -> Selection:
