@@ -297,7 +297,8 @@ def reference_cords(keys, values, frame, keep, beta=0.25, gamma=0.25, bonus=0.25
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_selection_equals_a_plain_loop_restatement(seed):
     """14 frames of clustered keys 50x larger than the values: r = round(0.125 * 14) = 2 recent frames,
-    keep = 7.5 frames, so the last pick is a partial frame."""
+    keep = 7.5 frames, so the last pick is a partial frame. The slots are shuffled per head (the memory
+    compacts in place, so slots are not in stream order; ``order`` gives each token's arrival)."""
     g = torch.Generator().manual_seed(seed)
     frames, heads = 14, 2
     cluster = torch.randn(heads, 3, DIM, generator=g)
@@ -307,15 +308,18 @@ def test_selection_equals_a_plain_loop_restatement(seed):
     keys = key_c.repeat_interleave(P, 1) + 20 * torch.randn(heads, frames * P, DIM, generator=g)
     values = value_c.repeat_interleave(P, 1) + 0.4 * torch.randn(heads, frames * P, DIM, generator=g)
     token = torch.arange(frames * P)
-    prov = lambda x: x.int().expand(heads, -1).contiguous()  # noqa: E731
-    view = LayerView(layer=0, num_layers=1, keys=keys, values=values, frame=prov(token // P),
-                     row=prov((token % P) // COLS), col=prov(token % COLS), grid=(ROWS, COLS), newest_frame=frames - 1)
+    slot = torch.stack([torch.randperm(frames * P, generator=g) for _ in range(heads)])  # slot -> token
+    at = lambda x: torch.gather(x, 1, slot)  # noqa: E731
+    at3 = lambda x: torch.gather(x, 1, slot[..., None].expand(-1, -1, DIM))  # noqa: E731
+    view = LayerView(layer=0, num_layers=1, keys=at3(keys), values=at3(values), frame=(slot // P).int(),
+                     row=((slot % P) // COLS).int(), col=(slot % COLS).int(), grid=(ROWS, COLS), newest_frame=frames - 1,
+                     order=slot)
     keep = 7 * P + 2
     selection = make_policy("cords").compress([view], keep)
     for head in range(heads):
         picks, kept = reference_cords(keys[head].tolist(), values[head].tolist(), (token // P).tolist(), keep)
-        assert selection.info["pick_order"][0][head].tolist() == picks
-        assert set(selection.indices[0][head].tolist()) == kept
+        assert selection.info["pick_order"][0][head].tolist() == picks  # frame ranks = frame ids here
+        assert set(slot[head][selection.indices[0][head]].tolist()) == kept
 
 
 def test_defaults_are_the_documented_ones():
@@ -354,6 +358,24 @@ def test_above_keep_leaves_layers_outside_the_active_set_uncompressed():
         assert (kept.info["reason"][layer] == REASON_UNCOMPRESSED).all()
     with pytest.raises(BudgetError, match="above"):
         make_policy("cords", above="drop")
+
+
+def test_above_keep_through_the_engine_keeps_every_token_above_the_active_set(tiny, small_video):
+    """6 temporal grids of 4 x 6 tokens; bottom 25% of the tiny model's layers = layer 0 only. Layer 0 stays
+    under M; the other layers hold the whole stream (the documented price of ``above=keep``)."""
+    from kvdemo.engine import StreamEngine, stream_video
+
+    engine = StreamEngine(tiny, "cords", budget=72, keep=48, fps=2.0, policy_params={"above": "keep"})
+    list(stream_video(tiny, small_video, {"cords": engine}))
+    rows, cols = engine.memory.grid_shape
+    assert (engine.memory.num_grids, rows, cols) == (6, 4, 6)
+    assert engine.last_selection_info["uncompressed_layers"] == list(range(1, tiny.num_layers))
+    assert engine.memory.frame[0].shape[1] <= 72
+    everything = {(g, r, c) for g in range(engine.memory.num_grids) for r in range(rows) for c in range(cols)}
+    for layer in range(1, tiny.num_layers):
+        for head in range(tiny.num_kv_heads):
+            held = zip(*(t[layer][head].tolist() for t in (engine.memory.frame, engine.memory.row, engine.memory.col)))
+            assert set(held) == everything
 
 
 # --- coverage CDF (Sec. 4.6) ---------------------------------------------------------------------------

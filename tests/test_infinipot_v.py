@@ -228,11 +228,20 @@ def test_frame_level_tar_keeps_whole_frames():
 
 
 def gather(view, index):
-    """What the memory does with a selection: keys, values and provenance gathered alike."""
+    """What the memory does with a selection: keys, values, provenance and arrival order gathered alike.
+    ``index [H, n]`` need not be sorted (a shuffle leaves the slots out of stream order, as the memory's
+    in-place compaction does)."""
     g = lambda x: torch.gather(x, 1, index)  # noqa: E731
     gd = lambda x: torch.gather(x, 1, index[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
     return LayerView(layer=view.layer, num_layers=view.num_layers, keys=gd(view.keys), values=gd(view.values),
-                     frame=g(view.frame), row=g(view.row), col=g(view.col), grid=view.grid, newest_frame=view.newest_frame)
+                     frame=g(view.frame), row=g(view.row), col=g(view.col), grid=view.grid, newest_frame=view.newest_frame,
+                     order=g(view.order))
+
+
+def shuffle(view, generator):
+    """The same tokens in a different slot order per head."""
+    heads, length = view.frame.shape
+    return gather(view, torch.stack([torch.randperm(length, generator=generator) for _ in range(heads)]))
 
 
 def append(view, keys, values, first_frame, frames):
@@ -240,9 +249,11 @@ def append(view, keys, values, first_frame, frames):
     frame, row, col = whole_frames(frames, view.grid, first_frame)
     heads = view.keys.shape[0]
     cat = lambda a, b: torch.cat([a, torch.as_tensor(b).int().expand(heads, -1)], dim=1)  # noqa: E731
+    arrivals = int(view.order.max()) + 1 + torch.arange(frame.shape[0]).expand(heads, -1)
     return LayerView(layer=view.layer, num_layers=view.num_layers, keys=torch.cat([view.keys, keys], 1),
                      values=torch.cat([view.values, values], 1), frame=cat(view.frame, frame), row=cat(view.row, row),
-                     col=cat(view.col, col), grid=view.grid, newest_frame=first_frame + frames - 1)
+                     col=cat(view.col, col), grid=view.grid, newest_frame=first_frame + frames - 1,
+                     order=torch.cat([view.order, arrivals], 1))
 
 
 def pseudo_frame_tar(view, keep, recent_frames=1):
@@ -445,7 +456,8 @@ def test_successive_passes_equal_a_plain_loop_restatement(alpha):
     """Four layers on a 3 x 5 grid, three passes. First pass: 14 whole frames (r = round(0.125 * 14) = 2),
     keep = 158 (10.5 frames, so the kept cache holds partial frames); each later pass sees that cache plus
     4 new frames (f = 218 / 15, r = 2), compares past tokens with the recent frames by patch, pools VaN over
-    the held neighbours only, and keeps the thresholds of the first pass. Keys are 100x the values."""
+    the held neighbours only, and keeps the thresholds of the first pass. Keys are 100x the values. Between
+    passes the slots are shuffled per head (the memory compacts in place: slots are not in stream order)."""
     grid, layers, heads, keep = (3, 5), 4, 2, 158
     p = grid[0] * grid[1]
     keys, values = _stream(layers, heads, 26, grid, seed=21)
@@ -462,12 +474,12 @@ def test_successive_passes_equal_a_plain_loop_restatement(alpha):
     views = [view_from(*frames_of(layer, 0, 14), *whole_frames(14, grid), layer=layer, num_layers=layers, grid=grid)
              for layer in range(layers)]
     reference = [[tokens_of(layer, head, 0, 14) for head in range(heads)] for layer in range(layers)]
-    thresholds, next_frame = None, 14
+    thresholds, next_frame, g = None, 14, torch.Generator().manual_seed(22)
     for _ in range(3):
         selection = policy.compress(views, keep)
         expected, thresholds, kernels = reference_infinipot(reference, grid, keep, alpha, 0.125, thresholds)
         assert selection.info["kernel"] == kernels
-        views = [gather(view, index) for view, index in zip(views, selection.indices)]
+        views = [shuffle(gather(view, index), g) for view, index in zip(views, selection.indices)]
         for layer in range(layers):
             for head in range(heads):
                 assert kept_provenance(views[layer], torch.arange(keep).expand(heads, -1), head) == expected[layer][head]
