@@ -237,7 +237,7 @@ class StreamEngine:
         if self.memory.is_empty:
             self._prefill_prefix()
         events = []
-        if self.budget is not None and self.policy.bounded and self.memory.visual_tokens + chunk.num_tokens > self.budget:
+        if self.budget is not None and self.policy.bounded and self._held_under_budget() + chunk.num_tokens > self.budget:
             events.append(self.compress(incoming=chunk.num_tokens))
         self._check_cap(chunk)
         start = time.perf_counter()
@@ -279,6 +279,12 @@ class StreamEngine:
         self.stats.compress_ms += ms
         self.stats.compressions += 1
         return self.memory.record("compress", self.frames_fed, self.last_time_s, ms, moved)
+
+    def _held_under_budget(self) -> int:
+        """Visual tokens of the layers the policy compresses (a policy may leave some layers uncompressed,
+        ``Selection.info["uncompressed_layers"]``, e.g. CoRDS with ``above=keep``: they do not trigger)."""
+        free = set(self.last_selection_info.get("uncompressed_layers", ()))
+        return self.memory.visual_tokens_in([layer for layer in range(self.memory.num_layers) if layer not in free])
 
     def _check_chunk(self, chunk: VisualChunk) -> None:
         if chunk.first_grid != self.memory.num_grids:

@@ -255,9 +255,13 @@ class KVMemory:
     def visual_tokens(self) -> int:
         """Visual tokens held, the number the budget bounds: per layer, the summary slots plus the mean
         visual tokens per KV head (equal heads: just the count); the fullest layer counts."""
+        return self.visual_tokens_in(range(self.num_layers))
+
+    def visual_tokens_in(self, layers) -> int:
+        """:attr:`visual_tokens` over the given layers only (0 if none or empty)."""
         if not self.layers:
             return 0
-        return max(self.summary_slots + round(float(self.head_counts(i).double().mean())) for i in range(self.num_layers))
+        return max((self.summary_slots + round(float(self.head_counts(i).double().mean())) for i in layers), default=0)
 
     @property
     def largest_head_tokens(self) -> int:
