@@ -102,3 +102,20 @@ def test_pass_benchmark_times_selection_apply_and_the_floor_on_a_small_shape():
     assert append["kvdemo"]["bytes_copied"] == 12 * 2 * 2 * 16 * 3 * 4  # one 3x4 grid, all layers
     assert append["dynamic_cache"]["bytes_copied"] > append["kvdemo"]["bytes_copied"]
     assert "total/floor" in pass_table(results["pass_7b"])
+
+
+def test_protokv_and_hybridkv_benchmarks_on_a_small_shape():
+    """The simulated streams run the engine's trigger: ProtoKV passes once per grid after its near window
+    fills and reports its phases; HybridKV's pass offloads and its decode-step attention runs."""
+    from kvdemo.bench import hybridkv_decode_benchmark, hybridkv_table, protokv_benchmark, protokv_table
+    from kvdemo.policies import make_policy
+
+    shape = dict(num_layers=2, num_kv_heads=2, num_heads=4, head_dim=16, budget=256, keep=192, grid=(2, 8))
+    result = protokv_benchmark(make_policy("protokv", warmup=16), grids=20, factor=2, window=4, shape=shape)
+    near = make_policy("protokv").split(256)[0]  # 64 tokens = 4 grids
+    assert result["1x"]["passes"] == 20 - near // 16 and result["2x"]["passes"] == 40 - near // 16
+    assert {"assignment", "update", "residuals", "maintenance", "synthesis", "total"} <= set(result["1x"]["per_frame_ms"])
+    assert result["infinipot_v"]["passes"] >= 1 and "InfiniPot-V" in protokv_table(result)
+    decode = hybridkv_decode_benchmark(make_policy("hybridkv"), stream_tokens=512, shape=shape, repeats=1)
+    assert decode["hybridkv_offloaded_bytes"] > 0 and decode["hybridkv_resident_bytes"] < decode["full_cache_bytes"]
+    assert "decode-step attention" in hybridkv_table(decode, None, "hybridkv")

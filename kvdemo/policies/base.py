@@ -8,7 +8,10 @@ layer and KV head, the sorted indices of the tokens to keep.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -241,6 +244,24 @@ def make_policy(name: str, **params: Any) -> Policy:
 
 
 # --- shared helpers for policies ---------------------------------------------------------
+
+
+class PhaseTimer:
+    """Wall time per named phase of a policy pass, in ms (CUDA is synchronised around each phase, so the
+    split is true on a GPU too; the benchmark reads it)."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str, device: torch.device) -> Iterator[None]:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - start) * 1000
 
 
 def top_k_mask(scores: torch.Tensor, k: int | torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import BudgetError, LayerView, Policy, Selection, SummaryUpdate, register, top_k_sorted
+from .base import BudgetError, LayerView, PhaseTimer, Policy, Selection, SummaryUpdate, register
 
 REASON_NEAR = 0
 REASON_NAMES = {REASON_NEAR: "near window (exact)"}
@@ -221,14 +221,23 @@ class ProtoKV(Policy):
             self._bank = self._new_bank(len(views) * heads, prototypes, dim, views[0].grid, device)
         bank = self._bank
         t = int(views[0].newest_frame)
+        timer = PhaseTimer()
         touched = torch.zeros(bank.rows, bank.capacity, dtype=torch.bool, device=device)
         if evict.shape[-1]:
-            tokens = self._gather(views, evict)
-            touched |= self.absorb(bank, *tokens, t)
-        touched |= self.maintain(bank, lambda count: self._gather(views, near_newest[..., :count]), t, touched)
-        summary = self.synthesize(bank, touched, views[0].rotary, heads)
+            with timer.phase("gather", device):
+                tokens = self._gather(views, evict)
+            touched |= self.absorb(bank, *tokens, t, timer)
+        with timer.phase("maintenance", device):
+            touched |= self.maintain(bank, lambda count: self._gather(views, near_newest[..., :count]), t, touched)
+        with timer.phase("synthesis", device):
+            summary = self.synthesize(bank, touched, views[0].rotary, heads)
         reasons = [torch.full_like(index, REASON_NEAR, dtype=torch.int8) for index in indices]
-        self._last = {"evicted": int(evict.shape[-1]), "touched": int(touched.sum()), "pending_merges": int(bank.pending.sum())}
+        self._last = {
+            "evicted": int(evict.shape[-1]),
+            "touched": int(touched.sum()),
+            "pending_merges": int(bank.pending.sum()),
+            "ms": {name: round(ms, 3) for name, ms in timer.ms.items()},
+        }
         return Selection(indices, {"reason": reasons, "touched": touched}, summary=summary)
 
     def _new_bank(self, rows: int, prototypes: int, dim: int, grid: tuple[int, int], device) -> ProtoBank:
@@ -291,11 +300,14 @@ class ProtoKV(Policy):
         row: torch.Tensor,
         col: torch.Tensor,
         t: int,
+        timer: PhaseTimer | None = None,
     ) -> torch.Tensor:
         """Absorb evicted tokens ``[B, E, ...]`` (arrival order along ``E``) into the bank; returns the
-        prototypes touched ``[B, K]``. See the module docstring for the batching."""
+        prototypes touched ``[B, K]``. See the module docstring for the batching. ``timer`` splits the time
+        into assignment / update / residuals."""
         rows, tokens = keys.shape[:2]
         device = keys.device
+        timer = timer or PhaseTimer()
         arange_rows = torch.arange(rows, device=device)[:, None]
         # 1. Never-used slots take the first tokens, one each, in slot order.
         fresh = ~bank.used
@@ -321,10 +333,13 @@ class ProtoKV(Policy):
         # 2. The others: Eq. 1 against the bank after those initialisations.
         rest = ~initialise
         if bool(rest.any()):
-            cost = self.assignment_cost(bank, keys, spatial, t)
-            choice = cost.argmin(dim=-1)  # [B, E]
+            with timer.phase("assignment", device):
+                choice = self.assignment_cost(bank, keys, spatial, t).argmin(dim=-1)  # [B, E]
             assigned = torch.where(rest, choice, assigned)
-            self._update(bank, keys, values, spatial, position, choice, rest, t)
+            with timer.phase("update", device):
+                cell, residual_k, residual_v = self._update(bank, keys, values, spatial, position, choice, rest, t)
+            with timer.phase("residuals", device):
+                self._record_residuals(bank, cell, rest, residual_k, residual_v)
         touched = torch.zeros(rows, bank.capacity, dtype=torch.bool, device=device)
         touched[arange_rows.expand(-1, tokens), assigned] = True
         self._record_assignment(bank, assigned, frame, row, col)
@@ -352,9 +367,10 @@ class ProtoKV(Policy):
         choice: torch.Tensor,
         mask: torch.Tensor,
         t: int,
-    ) -> None:
-        """Alg. 1 lines 8-13 for the tokens ``mask [B, E]`` assigned to ``choice [B, E]``: the sequential EMA
-        in closed form per prototype (tokens in arrival order along ``E``)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Alg. 1 lines 8-12 for the tokens ``mask [B, E]`` assigned to ``choice [B, E]``: the sequential EMA
+        in closed form per prototype (tokens in arrival order along ``E``). Returns each token's prototype
+        cell ``row * K + k`` and its key/value residuals ``[B, E, D]`` for line 13."""
         rows, tokens = choice.shape
         capacity, dim = bank.capacity, keys.shape[-1]
         device = choice.device
@@ -399,7 +415,7 @@ class ProtoKV(Policy):
         owner = torch.arange(rows * capacity, device=device) // capacity
         bank.tau_pos.view(-1, 3)[hit.view(-1)] = position[owner, newest][hit.view(-1)]
         # Residuals against the centre right after the token's update: x - c_after = (1 - a)(x - c_before).
-        self._record_residuals(bank, cell, mask, (1 - alpha) * (keys - c_before_k), (1 - alpha) * (values - c_before_v))
+        return cell, (1 - alpha) * (keys - c_before_k), (1 - alpha) * (values - c_before_v)
 
     def _record_residuals(
         self, bank: ProtoBank, cell: torch.Tensor, mask: torch.Tensor, residual_k: torch.Tensor, residual_v: torch.Tensor
