@@ -9,6 +9,7 @@ exactly as it was.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -216,6 +217,33 @@ class StreamEngine:
         self.stats = EngineStats()
         self.last_selection_info: dict[str, Any] = {}
         self._stream: FrameStream | None = None
+
+    # --- crossing a process boundary (ZeroGPU) -------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the model (memory, policy state, dialogue, timeline, stats) pickles; the model is
+        re-attached by :meth:`bind` on the other side (resolved there by name)."""
+        state = self.__dict__.copy()
+        state["model"] = None
+        state["model_name"] = self.model.name if self.model is not None else state.get("model_name")
+        if self._stream is not None:
+            state["_stream"] = copy.copy(self._stream)
+            state["_stream"].model = None
+        return state
+
+    def bind(self, model: VideoLM) -> "StreamEngine":
+        """Attach ``model`` (after unpickling) and move the memory and the policy's state to its device."""
+        self.model = model
+        if self._stream is not None:
+            self._stream.model = model
+        self.memory.to(model.device)
+        self.policy.to(model.device)
+        return self
+
+    def to(self, device: torch.device | str) -> "StreamEngine":
+        """Move the memory and the policy's state to ``device`` (e.g. to the CPU before pickling)."""
+        self.memory.to(device)
+        self.policy.to(device)
+        return self
 
     # --- streaming ------------------------------------------------------------------------
     def feed(self, frames: np.ndarray, times_s: np.ndarray | None = None) -> list[OccupancyEvent]:

@@ -230,6 +230,45 @@ class KVMemory:
         self.max_position = -1  # largest position ever assigned (text after the memory starts above it)
         self.tokens_seen = 0  # visual tokens ever appended (the next token's ``order``)
 
+    # --- crossing a process boundary --------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle only the live slots (the slack and unused capacity stay behind; :meth:`__setstate__`
+        restores the capacity), so a memory crosses a process boundary at the size of what it holds."""
+        state = self.__dict__.copy()
+        state["layers"] = [self._trimmed(i, store) for i, store in enumerate(self.layers)]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for layer, store in enumerate(self.layers):
+            self._resize(layer, self.visual_start + max(self.visual_capacity, store.visual_len) + TEXT_RESERVE)
+
+    def _trimmed(self, layer: int, store: LayerMemory) -> LayerMemory:
+        live = self.live_len(layer) if self.prefix_len else store.capacity
+        visual = store.visual_len
+        return LayerMemory(
+            keys=store.keys[:, :, :live].clone(),
+            values=store.values[:, :, :live].clone(),
+            provenance={name: t[:, :visual].clone() for name, t in store.provenance.items()},
+            bias=None if store.bias is None else store.bias[:, :live].clone(),
+            visual_len=visual,
+            valid=store.valid,
+            offload=store.offload,
+        )
+
+    def to(self, device: torch.device | str) -> "KVMemory":
+        """Move every buffer to ``device`` (the offload stores' chunks stay in host memory, their mean-key
+        index follows the device); returns self."""
+        for store in self.layers:
+            store.keys, store.values = store.keys.to(device), store.values.to(device)
+            store.provenance = {name: t.to(device) for name, t in store.provenance.items()}
+            store.bias = None if store.bias is None else store.bias.to(device)
+            store.valid = None if store.valid is None else store.valid.to(device)
+            if store.offload is not None:
+                store.offload.mean_keys = store.offload.mean_keys.to(device)
+                store.offload.retrieved = store.offload.retrieved.to(device)
+        return self
+
     # --- state ----------------------------------------------------------------------------
     @property
     def is_empty(self) -> bool:
@@ -375,11 +414,14 @@ class KVMemory:
     def _reserve(self, layer: int, end: int) -> None:
         """Make room for slots ``[0, end)`` in ``layer``: geometric growth, everything written is copied once
         (the slack may hold an uncommitted forward's tokens)."""
+        old_capacity = self.layers[layer].capacity
+        if end > old_capacity:
+            self._resize(layer, max(end + TEXT_RESERVE, int(old_capacity * 1.5)))
+
+    def _resize(self, layer: int, capacity: int) -> None:
+        """Reallocate ``layer``'s buffers with ``capacity`` slots (>= what they hold), copying their content."""
         store = self.layers[layer]
         old_capacity = store.capacity
-        if end <= old_capacity:
-            return
-        capacity = max(end + TEXT_RESERVE, int(old_capacity * 1.5))
         for name in ("keys", "values"):
             old = getattr(store, name)
             new = old.new_zeros(1, old.shape[1], capacity, old.shape[3])

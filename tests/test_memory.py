@@ -182,3 +182,31 @@ def test_synthetic_memory_deepcopies_for_benchmarks():
     twin = copy.deepcopy(memory)
     twin.apply(Selection([torch.arange(24).expand(2, -1)] * 2))
     assert memory.visual_tokens == 48 and twin.visual_tokens == 24
+
+
+@pytest.mark.parametrize("policy, params", [("infinipot-v", {"budget": 540, "keep": 405}), ("protokv", {"budget": 560}),
+                                             ("hybridkv", {"budget": 540, "keep": 405})])
+def test_an_engine_pickles_without_its_model_and_continues_identically(tiny, pancake, policy, params):
+    """What a ZeroGPU worker receives: the engine's state (live slots only) crosses a process boundary and,
+    re-bound to the model, streams and answers exactly as the engine that never left."""
+    import pickle
+
+    from kvdemo.engine import FrameStream
+
+    stay = StreamEngine(tiny, policy, fps=2.0, max_new_tokens=5, **params)
+    stream = FrameStream(tiny, 2.0)
+    chunks = [stream.push(pancake.frames[i : i + 2]) for i in range(0, 20, 2)]
+    for chunk in chunks[:6]:
+        stay.feed_chunk(chunk)
+    blob = pickle.dumps(stay)
+    assert b"Qwen2_5_VLForConditionalGeneration" not in blob
+    live = sum(t.numel() * t.element_size() for t in stay.memory.keys + stay.memory.values)
+    assert len(blob) < live + 2_000_000  # the live slots, not the preallocated capacity
+    moved = pickle.loads(blob).bind(tiny)
+    for chunk in chunks[6:]:
+        stay.feed_chunk(chunk)
+        moved.feed_chunk(chunk)
+    assert all(torch.equal(a, b) for a, b in zip(stay.memory.keys + stay.memory.values, moved.memory.keys + moved.memory.values))
+    assert moved.memory.layers[0].capacity == stay.memory.layers[0].capacity
+    assert stay.answer("What is it?").answer == moved.answer("What is it?").answer
+    assert [e.visual_tokens for e in stay.memory.timeline] == [e.visual_tokens for e in moved.memory.timeline]

@@ -179,6 +179,14 @@ class Policy(abc.ABC):
         """What the policy's own state looks like now (for the run report); ``{}`` for a stateless policy."""
         return {}
 
+    def to(self, device: torch.device | str) -> "Policy":
+        """Move the policy's own state (its ``_``-fields: tensors, and dataclasses/containers of them) to
+        ``device``; returns self."""
+        for f in dataclasses.fields(self):
+            if f.name.startswith("_"):
+                setattr(self, f.name, move_tensors(getattr(self, f.name), device))
+        return self
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -244,6 +252,21 @@ def make_policy(name: str, **params: Any) -> Policy:
 
 
 # --- shared helpers for policies ---------------------------------------------------------
+
+
+def move_tensors(value: Any, device: torch.device | str) -> Any:
+    """``value`` with every tensor inside it (dataclass fields, dicts, lists, tuples) moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            setattr(value, f.name, move_tensors(getattr(value, f.name), device))
+        return value
+    if isinstance(value, dict):
+        return {k: move_tensors(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(move_tensors(v, device) for v in value)
+    return value
 
 
 class PhaseTimer:
