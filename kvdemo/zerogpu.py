@@ -121,9 +121,9 @@ def _run(fn: Callable, args: tuple, kwargs: dict, generator: bool) -> Iterator[A
                 finished = True
                 break
             if kind == "error":
-                error, _, trace = blob.partition(b"\0")
+                error, trace = blob
                 exc = pickle.loads(error)
-                exc.__notes__ = [*getattr(exc, "__notes__", []), "in the emulated ZeroGPU worker:\n" + trace.decode()]
+                exc.__notes__ = [*getattr(exc, "__notes__", []), "in the emulated ZeroGPU worker:\n" + trace]
                 raise exc
             transfer.result_bytes += len(blob)
             transfer.items += 1
