@@ -444,3 +444,29 @@ def test_merging_checks_pairs_with_a_changed_prototype_from_either_side():
     policy.maintain(bank, lambda count: no_near, t=5, changed=changed)  # nothing to recycle from
     assert bank.mass[0].tolist() == [4, 0, 4, 0, 4]
     torch.testing.assert_close(bank.centre_k[0, 2], (3 * e[1] + (e[1] + 0.01 * e[2])) / 4)
+
+
+def test_the_assignment_view_follows_merges_and_marks_recycled_prototypes_lost():
+    policy = make_policy("protokv", subquantizers=2)
+    bank = policy._new_bank(1, 3, 4, (1, 3), torch.device("cpu"))
+    e = torch.eye(4)
+    keys = torch.stack([e[0], e[1], e[2]])[None]  # three tokens of grid 5 open the three fresh slots
+    zero = torch.zeros(1, 3, dtype=torch.long)
+    policy.absorb(bank, keys, keys.clone(), torch.rand(1, 3, 2), torch.zeros(1, 3, 3, dtype=torch.long),
+                  torch.full((1, 3), 5), zero, torch.arange(3)[None], t=5)
+    policy._bank = bank
+    assert policy.assignments(0, 0, 1)["prototype"].tolist() == [[[0, 1, 2]]]
+    bank.centre_k[0, 1] = bank.centre_k[0, 0]  # prototype 1 becomes a copy of 0: they merge
+    bank.centre_v[0, 1] = bank.centre_v[0, 0]
+    near_key = torch.tensor([[[0.0, 0, 0, 1]]])
+
+    def near(count):
+        return near_key, near_key, torch.tensor([[[0.5, 0.5]]]), torch.zeros(1, 1, 3, dtype=torch.long)
+
+    policy.maintain(bank, near, t=6)
+    view = policy.assignments(0, 0, 1)
+    assert view["prototype"].tolist() == [[[0, 0, 2]]]  # the merged-away patch reads as its partner
+    assert view["mass"].tolist()[0] == 2 and view["grids"] == [5]
+    bank.mass[0, 2] = 0  # prototype 2 empties; recycling refills its slot with the near token
+    policy.maintain(bank, near, t=7, changed=torch.zeros(1, 3, dtype=torch.bool))
+    assert policy.assignments(0, 0, 1)["prototype"].tolist() == [[[0, 0, -2]]]

@@ -156,3 +156,29 @@ def test_sessions_are_independent(hub, media):
     assert first.policy is not second.policy
     assert first.policy.memory.num_grids == 10 and second.policy.memory.num_grids == 24
     assert first.policy.model is second.policy.model  # one model per process
+
+
+def test_policies_declare_their_views_and_viz_draws_them(tiny, pancake):
+    """ProtoKV's assignment map and bank, HybridKV's head map: declared by the policy, drawn by viz; per-head
+    views show summarised (ProtoKV) and offloaded / retrieved (HybridKV) patches."""
+    from kvdemo.engine import StreamEngine, stream_video
+
+    proto = StreamEngine(tiny, "protokv", budget=560, fps=pancake.fps, policy_params={"warmup": 64})
+    hybrid = StreamEngine(tiny, "hybridkv", budget=540, keep=405, fps=pancake.fps, max_new_tokens=4)
+    list(stream_video(tiny, pancake, {"p": proto, "h": hybrid}))
+    hybrid.answer("What is it?")
+    thumbs = [viz.thumbnail(frame) for frame in pancake.frames[::2]]
+    titles = {engine.policy.name: [p.title for p in viz.policy_panels(engine, thumbs, 1, 0)] for engine in (proto, hybrid)}
+    assert titles == {"protokv": ["Prototype assignments", "Prototype bank"], "hybridkv": ["Head types"]}
+    assignment = viz.policy_panels(proto, thumbs, 1, 0)[0]
+    assert assignment.kind == "image" and assignment.value.shape[0] > 100 and "mass" in assignment.caption
+    status = viz.patch_status(proto, 1, 0)
+    assert set(np.unique(status)) <= {viz.HELD, viz.SUMMARISED, viz.EVICTED} and (status == viz.SUMMARISED).any()
+    # the near window holds the newest tokens exactly; every older patch is represented in the bank
+    assert (status[-1] == viz.HELD).sum() > 0 and (status[0] != viz.HELD).all()
+    dynamic = [(l, h) for l in range(tiny.num_layers) for h in range(tiny.num_kv_heads)
+               if not hybrid.policy.head_types()["static"][l, h]]
+    layer, head = dynamic[0]
+    status = viz.patch_status(hybrid, layer, head)
+    assert (status == viz.RETRIEVED).any() and (status == viz.HELD).any()
+    assert viz.patch_status(StreamEngine(tiny, "uniform", budget=540, keep=405), 0, 0) is None

@@ -139,6 +139,9 @@ class Policy(abc.ABC):
     reason_names: ClassVar[dict[int, str]] = {}
     #: False for a policy sized by ``M`` alone (ProtoKV): it takes no ``C``.
     uses_keep: ClassVar[bool] = True
+    #: The policy's own views (names :mod:`kvdemo.viz` knows how to draw from the policy's plain-data methods);
+    #: the app lays out whatever the chosen policy declares.
+    panels: ClassVar[tuple[str, ...]] = ()
     #: True for a policy that needs probe queries in its views: the engine runs ``probe_text`` as a question
     #: after the memory (uncommitted) before each compression and passes each layer's queries.
     needs_probe: ClassVar[bool] = False

@@ -211,6 +211,16 @@ class HybridKV(Policy):
         return index, index_valid, reason.to(torch.int8), offload
 
     # --- what it shows ----------------------------------------------------------------------
+    #: The views this policy declares (drawn by :mod:`kvdemo.viz`).
+    panels = ("head types",)
+
+    def head_types(self) -> dict[str, Any] | None:
+        """The last pass's classification as plain data: ``static [layers, H]`` bool, ``budget`` and
+        ``sparsity`` ``[layers, H]``, and the cutoff (None before the first compression)."""
+        if not self._last:
+            return None
+        return {key: (value.numpy() if isinstance(value, torch.Tensor) else value) for key, value in self._last.items()}
+
     def report(self) -> dict[str, Any]:
         if not self._last:
             return {"classified": False}

@@ -87,6 +87,10 @@ class ProtoBank:
     # Views (bounded): the prototype each patch of the last ``history`` absorbed grids went to.
     assign_map: torch.Tensor | None = None  # [B, history, rows, cols] int16, -1 = not absorbed
     assign_grid: torch.Tensor | None = None  # [history] int64 grid held by each ring row, -1 = none
+    # A slot's generation counts its (re)initialisations, so a patch absorbed into a prototype that was since
+    # recycled reads as lost, not as represented by the slot's new occupant.
+    generation: torch.Tensor | None = None  # [B, K] int32
+    assign_generation: torch.Tensor | None = None  # [B, history, rows, cols] int32
 
     @property
     def rows(self) -> int:
@@ -262,6 +266,8 @@ class ProtoKV(Policy):
             pending=zeros(rows, prototypes, dtype=torch.bool),
             assign_map=torch.full((rows, self.history, *grid), -1, dtype=torch.int16, device=device),
             assign_grid=torch.full((self.history,), -1, dtype=torch.int64, device=device),
+            generation=zeros(rows, prototypes, dtype=torch.int32),
+            assign_generation=zeros(rows, self.history, *grid, dtype=torch.int32),
         )
 
     @staticmethod
@@ -322,6 +328,7 @@ class ProtoKV(Policy):
         bank.centre_v[r_i, s_i] = values[r_i, e_i]
         bank.mass[r_i, s_i] = 1
         bank.used[r_i, s_i] = True
+        bank.generation[r_i, s_i] += 1
         bank.tau_time[r_i, s_i] = t
         bank.tau_pos[r_i, s_i] = position[r_i, e_i]
         bank.mu[r_i, s_i] = spatial[r_i, e_i]
@@ -462,6 +469,7 @@ class ProtoKV(Policy):
         bank.assign_grid[ring] = grids
         rows = torch.arange(assigned.shape[0], device=assigned.device)[:, None].expand_as(assigned)
         bank.assign_map[rows, frame % self.history, row, col] = assigned.to(torch.int16)
+        bank.assign_generation[rows, frame % self.history, row, col] = torch.gather(bank.generation, 1, assigned)
 
     # --- Alg. 2 -----------------------------------------------------------------------------
     def maintain(
@@ -531,6 +539,15 @@ class ProtoKV(Policy):
             flat.index_add_(0, target, state[r, j].view(r.numel(), -1))
         bank.mass.view(-1).index_add_(0, target, bank.mass[r, j])
         bank.mass[r, j] = 0
+        # Patches absorbed into a merged-away prototype are now represented by its partner (views' bookkeeping).
+        successor = torch.arange(capacity, device=device).repeat(rows, 1)
+        successor[r, j] = i
+        lookup = bank.assign_map.long().clamp_min(0).flatten(1)
+        moved = torch.gather(successor, 1, lookup).view_as(bank.assign_map)
+        was_merged = (bank.assign_map >= 0) & (moved != bank.assign_map.long())
+        bank.assign_map = torch.where(was_merged, moved.to(bank.assign_map.dtype), bank.assign_map)
+        current = torch.gather(bank.generation, 1, moved.flatten(1)).view_as(bank.assign_generation)
+        bank.assign_generation = torch.where(was_merged, current, bank.assign_generation)
         touched = torch.zeros_like(active)
         touched[r, i] = True
         touched[r, j] = True
@@ -546,6 +563,7 @@ class ProtoKV(Policy):
         rank = torch.cumsum(empty.long(), dim=1) - 1  # k-th empty slot of its row takes the k-th newest token
         refill = empty & (rank < available)
         r, k = torch.nonzero(refill, as_tuple=True)
+        bank.generation[r, k] += 1
         e = rank[r, k]
         bank.centre_k[r, k] = keys[r, e]
         bank.centre_v[r, k] = values[r, e]
@@ -612,6 +630,26 @@ class ProtoKV(Policy):
         return out[0], out[1]
 
     # --- what it shows ----------------------------------------------------------------------
+    #: The views this policy declares (drawn by :mod:`kvdemo.viz`).
+    panels = ("prototype assignments", "prototype bank")
+
+    def assignments(self, layer: int, head: int, heads: int) -> dict[str, Any] | None:
+        """The last absorbed grids of one (layer, KV head) as plain data: ``grids`` (oldest first),
+        ``prototype [n, rows, cols]`` (-1 = not absorbed: still exact in the near window, or never held;
+        -2 = absorbed into a prototype since recycled, so no longer represented) and ``mass [K]``."""
+        bank = self._bank
+        if bank is None:
+            return None
+        row = layer * heads + head
+        grids = bank.assign_grid.cpu()
+        ring = torch.nonzero(grids >= 0).flatten()
+        ring = ring[torch.argsort(grids[ring])]
+        proto = bank.assign_map[row, ring].long().cpu()
+        born = bank.assign_generation[row, ring].cpu()
+        current = torch.gather(bank.generation[row].cpu(), 0, proto.clamp_min(0).flatten()).view_as(proto)
+        proto = torch.where((proto >= 0) & (born != current), -2, proto)
+        return {"grids": grids[ring].tolist(), "prototype": proto.numpy(), "mass": bank.mass[row].cpu().numpy()}
+
     def report(self) -> dict[str, Any]:
         bank = self._bank
         if bank is None:
