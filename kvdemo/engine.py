@@ -60,6 +60,23 @@ def validate_budget(policy: Policy, budget: int | None, keep: int | None) -> tup
     return budget, keep
 
 
+def check_chunk_fits(budget: int, keep: int, tokens: int, shape: str = "") -> None:
+    """Raise :class:`BudgetError` if a chunk of ``tokens`` visual tokens can never fit ``M`` = ``budget``:
+    ``M`` below one chunk, or ``M - C`` too small to take one after a compression to ``C`` = ``keep``.
+    ``shape`` describes the chunk in the message (e.g. "1 temporal grid(s) of 9x15 tokens")."""
+    shape = f" = {shape}" if shape else ""
+    if tokens > budget:
+        raise BudgetError(
+            f"M={budget} is smaller than one chunk ({tokens} visual tokens{shape}); "
+            "raise M, or lower max pixels / frames per chunk"
+        )
+    if budget - keep < tokens:
+        raise BudgetError(
+            f"M - C = {budget - keep} leaves no room for one chunk ({tokens} visual tokens{shape}); "
+            f"lower C to at most {budget - tokens} or raise M"
+        )
+
+
 class FrameStream:
     """Pairs incoming frames into temporal grids, numbers the grids, and vision-encodes each chunk once.
 
@@ -274,20 +291,9 @@ class StreamEngine:
 
     def check_fits(self, tokens: int, shape: str = "") -> None:
         """Raise :class:`BudgetError` if a chunk of ``tokens`` visual tokens can never fit the budget
-        (``M`` below one chunk, or ``M - C`` too small to take one after a compression)."""
-        if self.budget is None or not self.policy.bounded:
-            return
-        shape = f" = {shape}" if shape else ""
-        if tokens > self.budget:
-            raise BudgetError(
-                f"M={self.budget} is smaller than one chunk ({tokens} visual tokens{shape}); "
-                "raise M, or lower max pixels / frames per chunk"
-            )
-        if self.budget - self.keep < tokens:
-            raise BudgetError(
-                f"M - C = {self.budget - self.keep} leaves no room for one chunk ({tokens} visual tokens{shape}); "
-                f"lower C to at most {self.budget - tokens} or raise M"
-            )
+        (see :func:`check_chunk_fits`)."""
+        if self.budget is not None and self.policy.bounded:
+            check_chunk_fits(self.budget, self.keep, tokens, shape)
 
     def _check_cap(self, chunk: VisualChunk) -> None:
         if self.max_cache_bytes is None or self.memory.is_empty:
@@ -385,11 +391,17 @@ class StreamEngine:
         shape = self.memory.grid_shape
         return shape[0] * shape[1] if shape else 0
 
-    def report(self) -> dict[str, Any]:
-        """The run report (the JSON contract shared by the CLI, the app and the benchmarks)."""
+    def report(self, video: str = "", lost_frames: int = 0) -> dict[str, Any]:
+        """The run report (the JSON contract shared by the CLI, the app and the benchmarks).
+
+        ``video`` describes the source (``Video.describe()``); ``lost_frames`` counts sampled frames
+        that could not be decoded (a damaged file).
+        """
         timeline = [e.to_dict() for e in self.memory.timeline]
         return {
             "model": self.model.name,
+            "video": video,
+            "lost_frames": int(lost_frames),
             "random_weights": bool(self.model.random_weights),
             "policy": self.policy.name,
             "params": self.policy.params(),
