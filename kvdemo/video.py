@@ -195,8 +195,7 @@ class VideoFile:
         try:
             container = av.open(str(self.path))
         except Exception as exc:  # av.error.* (InvalidDataError...), or undecodable metadata
-            reason = _first_line(exc).replace(str(self.path), self.path.name)  # no server-side upload folders
-            raise VideoError(f"{self.path.name}: not a readable video file ({reason})") from None
+            raise VideoError(f"{self.path.name}: not a readable video file ({_first_line(exc, self.path)})") from None
         if not container.streams.video:
             container.close()
             raise VideoError(f"{self.path.name}: has no video stream")
@@ -324,9 +323,13 @@ def load_video(
     return open_video(path, fps, max_frames, min_pixels, max_pixels).load()
 
 
-def _first_line(exc: Exception) -> str:
+def _first_line(exc: Exception, path: Path | None = None) -> str:
+    """The gist of a library's error message; ``path`` is shown by its name only (the folder may be a
+    server's upload folder, which says nothing to the user)."""
     text = str(exc).strip().splitlines()
     line = text[-1] if text else type(exc).__name__
+    if path is not None:
+        line = line.replace(str(path), path.name)
     return line.split("] ")[-1][:160]
 
 
