@@ -258,10 +258,12 @@ class Session:
 
 
 def free_session(session: Session | None, hub: ModelHub | None = None) -> None:
+    """Free a session's engines (between its chunks and after its answer, if one is running)."""
     if session is not None:
         if hub is not None:
             hub.sessions.release(session)
-        session.close()
+        with session.turns.question():
+            session.close()
 
 
 # --- settings -------------------------------------------------------------------------------------------
@@ -689,21 +691,22 @@ def webcam_frame(
 def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Iterator[dict[str, Any]]:
     """Ask both engines; yields {policy_chat, full_chat, status}. Answers stream interleaved.
 
-    The question takes the session's turn before the stream's next chunk (the stream pauses meanwhile).
+    The question takes the session's turn before the stream's next chunk (the stream pauses meanwhile,
+    and nothing frees the engines until the answer is done).
     """
     state = session or Session()
     question = (question or "").strip()
-    if state.freed and state.policy is None:
-        yield {"session": state, "status": status_text(state, error=state.freed)}
-        return
-    if state.policy is None or state.policy.memory.num_grids == 0:
-        yield {"session": state, "status": status_text(state, error="no video yet: run a video or the webcam first, then ask")}
-        return
-    if not question:
-        yield {"session": state, "status": status_text(state, error="type a question first")}
-        return
-    state.last_used = time.monotonic()
     with state.turns.question():
+        if state.freed and state.policy is None:
+            yield {"session": state, "status": status_text(state, error=state.freed)}
+            return
+        if state.policy is None or state.policy.memory.num_grids == 0:
+            yield {"session": state, "status": status_text(state, error="no video yet: run a video or the webcam first, then ask")}
+            return
+        if not question:
+            yield {"session": state, "status": status_text(state, error="type a question first")}
+            return
+        state.last_used = time.monotonic()
         generators = {}
         for name, engine in state.engines.items():
             state.chat[name].append({"role": "user", "content": question})

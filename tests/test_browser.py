@@ -144,7 +144,8 @@ def test_answers_stream_into_the_browser_while_other_sessions_stream(browser, ap
     assert any(others_streaming), "the answer came only after the other sessions stopped streaming"
     assert len(lengths) >= 4, "the answer grew piece by piece in the pane"
     assert final_at - partial[0][0] >= 0.5 * answer_ms, "the first pieces showed while the answer was generated"
-    for stream in streams:
+    for other, stream in zip(others, streams):
+        other.predict(api_name="/stop")
         stream.result()
 
 
