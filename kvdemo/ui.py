@@ -436,7 +436,7 @@ def status_text(
         overhead = f"{100 * stats.compress_ms / stats.prefill_ms:.1f}%" if stats.prefill_ms else "n/a"
         progress = f"{done}/{total} frames" if total else f"{engine.frames_fed} frames"
         if stopped:
-            progress = f"⏹ stopped at {progress}"
+            progress = f"stopped at {progress}"
         lines.append(
             f"**{progress}** · {engine.policy.name}: {engine.memory.visual_tokens} visual tokens "
             f"(M={engine.budget}, C={engine.keep}), {engine.memory.nbytes / 2**20:.2f} MB · "
@@ -483,14 +483,22 @@ def chat_title(state: Session, name: str) -> str:
 
 
 def occupancy_plot(session: Session):
-    series = {}
     engine = session.policy
     if engine is None:
         return None
-    series[f"{engine.policy.name} at M={engine.budget}"] = engine.memory.timeline
+    series = {_series_label(engine.policy.name, engine.budget): engine.memory.timeline}
     if "full" in session.engines:
         series["full cache"] = session.engines["full"].memory.timeline
     return viz.occupancy_figure(series, engine.budget)
+
+
+def empty_occupancy_plot(policy: str, budget: int):
+    """The chart before any run (drawn at page load, so the browser has plotly.js ready for the first run)."""
+    return viz.occupancy_figure({_series_label(policy, budget): [], "full cache": []}, budget)
+
+
+def _series_label(policy: str, budget: int | None) -> str:
+    return f"{policy} at M={budget}"
 
 
 def heatmap_image(session: Session, layer: str = "all", head: str = "all", by_reason: bool = False) -> np.ndarray | None:
@@ -817,7 +825,7 @@ def build_demo(hub: ModelHub | None = None):
                         cap_mb = gr.Number(2048, label="Baseline memory cap (MB)", precision=0, info="0 = no cap")
             with gr.Column(scale=2):
                 status = gr.Markdown(status_text(Session()), label="Status", elem_id="status")
-                plot = gr.Plot(viz.occupancy_figure({}, None), label="Cache occupancy", show_label=False, elem_id="occupancy")
+                plot = gr.Plot(empty_occupancy_plot("infinipot-v", budget0), label="Cache occupancy", show_label=False, elem_id="occupancy")
                 with gr.Row():
                     view_layer = gr.Dropdown(["all"], value="all", label="Layer", scale=1)
                     view_head = gr.Dropdown(["all"], value="all", label="KV head", scale=1)
