@@ -70,6 +70,15 @@ def validate_budget(policy: Policy, budget: int | None, keep: int | None) -> tup
     return budget, keep
 
 
+def check_chunk_fits(policy: Policy, budget: int | None, keep: int | None, tokens: int, shape: str = "") -> None:
+    """Raise :class:`BudgetError` if chunks of ``tokens`` visual tokens can never fit ``policy``'s budget
+    (``M`` below one chunk, ``M - C`` too small to take one after a compression, or the policy's own rule:
+    :meth:`Policy.check_fits`). ``shape`` describes the chunk in the message (e.g. "1 temporal grid(s) of
+    9x15 tokens"). The engine, the CLI and the app all check with this one rule."""
+    if budget is not None and policy.bounded:
+        policy.check_fits(budget, keep, tokens, shape)
+
+
 class FrameStream:
     """Pairs incoming frames into temporal grids, numbers the grids, and vision-encodes each chunk once.
 
@@ -320,10 +329,9 @@ class StreamEngine:
         self.check_fits(chunk.num_tokens, f"{chunk.num_grids} temporal grid(s) of {chunk.rows}x{chunk.cols} tokens")
 
     def check_fits(self, tokens: int, shape: str = "") -> None:
-        """Raise :class:`BudgetError` if a chunk of ``tokens`` visual tokens can never fit the budget."""
-        if self.budget is None or not self.policy.bounded:
-            return
-        self.policy.check_fits(self.budget, self.keep, tokens, shape)
+        """Raise :class:`BudgetError` if a chunk of ``tokens`` visual tokens can never fit the budget
+        (see :func:`check_chunk_fits`)."""
+        check_chunk_fits(self.policy, self.budget, self.keep, tokens, shape)
 
     def _check_cap(self, chunk: VisualChunk) -> None:
         if self.max_cache_bytes is None or self.memory.is_empty:
@@ -433,11 +441,17 @@ class StreamEngine:
         shape = self.memory.grid_shape
         return shape[0] * shape[1] if shape else 0
 
-    def report(self) -> dict[str, Any]:
-        """The run report (the JSON contract shared by the CLI, the app and the benchmarks)."""
+    def report(self, video: str = "", lost_frames: int = 0) -> dict[str, Any]:
+        """The run report (the JSON contract shared by the CLI, the app and the benchmarks).
+
+        ``video`` describes the source (``Video.describe()``); ``lost_frames`` counts sampled frames
+        that could not be decoded (a damaged file).
+        """
         timeline = [e.to_dict() for e in self.memory.timeline]
         return {
             "model": self.model.name,
+            "video": video,
+            "lost_frames": int(lost_frames),
             "random_weights": bool(self.model.random_weights),
             "policy": self.policy.name,
             "params": self.policy.params(),

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-#: Qwen2-VL / Qwen2.5-VL defaults (patch 14, spatial merge 2 -> factor 28).
+#: Qwen2-VL / Qwen2.5-VL defaults (patch 14, spatial merge 2 -> factor 28; 2 frames per temporal grid).
 RESIZE_FACTOR = 28
+TEMPORAL_PATCH_SIZE = 2
 DEFAULT_MIN_PIXELS = 128 * 28 * 28
 DEFAULT_MAX_PIXELS = 768 * 28 * 28
 #: Largest decoded frame we accept before resizing (a 16K frame costs ~0.8 GB per frame to decode).
@@ -62,6 +62,7 @@ def resize_frames(
     frames: np.ndarray, min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS
 ) -> np.ndarray:
     """Resize uint8 frames ``[T, H, W, 3]`` exactly as Qwen2VLVideoProcessor does (bicubic, antialiased)."""
+    import torch  # imported here so that opening and checking a file stays quick (the CLI fails fast)
     import torchvision.transforms.v2.functional as tvF
 
     height, width = frames.shape[1:3]
@@ -194,7 +195,7 @@ class VideoFile:
         try:
             container = av.open(str(self.path))
         except Exception as exc:  # av.error.* (InvalidDataError...), or undecodable metadata
-            raise VideoError(f"{self.path.name}: not a readable video file ({_first_line(exc)})") from None
+            raise VideoError(f"{self.path.name}: not a readable video file ({_first_line(exc, self.path)})") from None
         if not container.streams.video:
             container.close()
             raise VideoError(f"{self.path.name}: has no video stream")
@@ -322,9 +323,13 @@ def load_video(
     return open_video(path, fps, max_frames, min_pixels, max_pixels).load()
 
 
-def _first_line(exc: Exception) -> str:
+def _first_line(exc: Exception, path: Path | None = None) -> str:
+    """The gist of a library's error message; ``path`` is shown by its name only (the folder may be a
+    server's upload folder, which says nothing to the user)."""
     text = str(exc).strip().splitlines()
     line = text[-1] if text else type(exc).__name__
+    if path is not None:
+        line = line.replace(str(path), path.name)
     return line.split("] ")[-1][:160]
 
 

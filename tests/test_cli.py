@@ -119,3 +119,70 @@ def test_protokv_and_hybridkv_benchmarks_on_a_small_shape():
     decode = hybridkv_decode_benchmark(make_policy("hybridkv"), stream_tokens=512, shape=shape, repeats=1)
     assert decode["hybridkv_offloaded_bytes"] > 0 and decode["hybridkv_resident_bytes"] < decode["full_cache_bytes"]
     assert "decode-step attention" in hybridkv_table(decode, None, "hybridkv")
+
+
+def run_cli_in_a_fresh_process(*args: str) -> tuple[subprocess.CompletedProcess, dict[str, bool]]:
+    """``python -m kvdemo`` in a new interpreter; also says which heavy modules it had imported at exit."""
+    probe = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: sys.stdout.write('\\nimported: ' + ' '.join(m for m in ('torch', 'transformers') if m in sys.modules)))\n"
+        "import runpy\n"
+        f"sys.argv = ['kvdemo', *{list(args)!r}]\n"
+        "runpy.run_module('kvdemo', run_name='__main__')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    imported = done.stdout.rsplit("imported:", 1)[-1].split()
+    return done, {name: name in imported for name in ("torch", "transformers")}
+
+
+def test_a_missing_file_fails_before_torch_is_imported(tmp_path):
+    done, imported = run_cli_in_a_fresh_process("run", "--video", str(tmp_path / "missing.mp4"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"error: {tmp_path / 'missing.mp4'}: no such file"]
+    assert not imported["torch"] and not imported["transformers"]
+
+
+def test_a_budget_error_comes_before_the_model_loads_on_its_own_line(media):
+    done, imported = run_cli_in_a_fresh_process("run", "--video", str(media / "flipping_a_pancake.mkv"), "--budget", "100", "--keep", "50")
+    assert done.returncode == 2
+    # No progress bar, no model line: the one line is the error (426x240 -> 252x420 -> 9x15 = 135 tokens per chunk).
+    assert done.stderr.strip().splitlines() == [
+        "error: M=100 is smaller than one chunk (135 visual tokens = 1 temporal grid(s) of 9x15 tokens); "
+        "raise M, or lower max pixels / frames per chunk"
+    ]
+    assert not imported["transformers"], "the model was not loaded"
+
+
+@pytest.mark.parametrize("args, message", [(["--fps", "-1"], "--fps must be positive"),
+                                           (["--max-frames", "0"], "--max-frames must be positive"),
+                                           (["--min-pixels", "900000"], "--min-pixels (900000) must not exceed --max-pixels"),
+                                           (["--param", "alpha"], "--param takes key=value")])
+def test_argument_errors_come_before_the_file_is_opened(tmp_path, args, message):
+    done, imported = run_cli_in_a_fresh_process("run", "--video", str(tmp_path / "missing.mp4"), *args)
+    assert done.returncode == 2 and message in done.stderr and "no such file" not in done.stderr
+    assert not imported["torch"]
+
+
+def test_run_defaults_to_infinipot_v(tmp_path):
+    out = tmp_path / "report.json"
+    assert main(["run", "--max-frames", "4", "--quiet", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["policy"] == "infinipot-v"
+
+
+def test_unknown_parameter_lists_only_public_parameters(capsys):
+    assert main(["run", "--param", "foo=1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "has no parameter(s) foo; it takes: alpha, cv_thresholds, recent_ratio, tar, van" in err
+    assert "_calibrated" not in err
+
+
+def test_help_is_plain_text_with_descriptions_and_examples():
+    top = subprocess.run([sys.executable, "-m", "kvdemo", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "``" not in top and "run" in top and "bench" in top
+    for command in ("run", "bench"):
+        text = subprocess.run([sys.executable, "-m", "kvdemo", command, "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+        assert "``" not in text
+        assert "examples:" in text and f"python -m kvdemo {command}" in text.split("examples:")[1]
+        assert "infinipot-v" in text and "cords" in text, "the policies are listed"
+    run_help = subprocess.run([sys.executable, "-m", "kvdemo", "run", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "default infinipot-v" in run_help

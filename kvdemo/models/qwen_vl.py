@@ -7,6 +7,7 @@ language-model forward on a given cache with positions we computed (``base.mrope
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -20,6 +21,7 @@ from .base import VisualChunk
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 DEFAULT_REAL_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
+log = logging.getLogger("kvdemo")
 SYSTEM_PROMPT = "You are a helpful assistant."
 
 
@@ -255,8 +257,17 @@ def resolve_model_name(name: str | None = None) -> str:
 def load_model(name: str | None = None) -> QwenVL:
     """Load ``tiny``, ``auto`` or a Hugging Face model id / local path."""
     resolved = resolve_model_name(name)
+    log.info("loading model %s%s", resolved, f" ({name} resolves to it)" if name and name != resolved else "")
+    start = time.perf_counter()
     if resolved == "tiny":
         from .tiny import build_tiny_model
 
-        return build_tiny_model()
-    return load_qwen(resolved)
+        model = build_tiny_model()
+    else:
+        model = load_qwen(resolved)
+    log.info(
+        "loaded %s (%s, %d layers, %d KV heads) on %s as %s in %.1f s%s",
+        model.name, model.family, model.num_layers, model.num_kv_heads, model.device, str(model.dtype).replace("torch.", ""),
+        time.perf_counter() - start, "; random weights" if model.random_weights else "",
+    )
+    return model

@@ -244,7 +244,7 @@ def make_policy(name: str, **params: Any) -> Policy:
     if name not in REGISTRY:
         raise BudgetError(f"unknown policy {name!r}; choose one of: {', '.join(REGISTRY)}")
     cls = REGISTRY[name]
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = {f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}  # not internal state
     unknown = set(params) - known
     if unknown:
         raise BudgetError(
