@@ -100,7 +100,8 @@ def build_parser(policies: list[str] | None = None) -> argparse.ArgumentParser:
     run.add_argument("--video", help="video file (mp4, mkv, mov, webm, avi...); default: the bundled sample")
     run.add_argument("--policy", default=DEFAULT_POLICY, help=f"compression policy, {listed}default {DEFAULT_POLICY}")
     run.add_argument("--budget", "-M", type=int, help="M: max visual tokens held (default: about a third of the stream's, at most 6144)")
-    run.add_argument("--keep", "-C", type=int, help="C: visual tokens kept by a compression (default 0.75 M)")
+    run.add_argument("--keep", "-C", type=int,
+                     help="C: visual tokens kept by a compression (default 0.75 M; protokv takes none: it splits M itself)")
     run.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                      help="policy parameter, value read as JSON (repeatable), e.g. --param alpha=0.3")
     run.add_argument("--model", help="tiny, auto, or a Hugging Face id / local path (default: $KVDEMO_MODEL or auto)")
