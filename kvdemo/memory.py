@@ -39,15 +39,12 @@ from .policies.base import LayerView, OffloadUpdate, Selection, SummaryUpdate
 
 #: Reason code of a visual slot appended since the last compression (no policy reason yet).
 REASON_NEW = -2
-#: Provenance fields kept per visual slot, with their dtype and trailing shape.
-PROVENANCE = {
-    "frame": (torch.int32, ()),  # temporal grid index in the stream
-    "row": (torch.int32, ()),  # merged-patch row
-    "col": (torch.int32, ()),  # merged-patch column
-    "order": (torch.int64, ()),  # arrival number of the token in the stream (0, 1, 2, ...)
-    "position": (torch.int32, (3,)),  # 3-D M-RoPE position (temporal, height, width) the key was rotated at
-    "reason": (torch.int8, ()),  # why the last compression kept it (policy's code) or REASON_NEW
-}
+#: Provenance kept per visual slot, packed in one int32 tensor ``[H, rows, 8]`` (a compaction moves it with
+#: one gather): field -> its columns. ``order`` is the arrival number of the token in the stream, ``position``
+#: the 3-D M-RoPE position its key was rotated at, ``reason`` why the last compression kept it (the policy's
+#: code) or ``REASON_NEW``.
+PROVENANCE = {"frame": 0, "row": 1, "col": 2, "order": 3, "position": slice(4, 7), "reason": 7}
+PROVENANCE_WIDTH = 8
 #: Slots kept free after the live part for a question and its answer (grown on demand beyond that).
 TEXT_RESERVE = 256
 
@@ -195,19 +192,40 @@ class OffloadStore:
 
 @dataclass
 class LayerMemory:
-    """One layer's buffers (see the module docstring for the layout)."""
+    """One layer's buffers (see the module docstring for the layout).
 
-    keys: torch.Tensor  # [1, H, capacity, D]
-    values: torch.Tensor  # [1, H, capacity, D]
-    provenance: dict[str, torch.Tensor]  # name -> [H, capacity - P - S, ...]
+    Keys and values share one buffer ``kv [1, 2H, capacity, D]`` (keys are heads ``0..H-1``), so a
+    compaction moves both with one gather; ``keys``/``values`` are its two halves (contiguous views).
+    """
+
+    kv: torch.Tensor
+    packed: torch.Tensor  # [H, capacity - P - S, 8] int32 provenance, see PROVENANCE
     bias: torch.Tensor | None = None  # [H, capacity] additive key bias (0 = plain attention), None if never used
     visual_len: int = 0  # L: visual slots in use (the fullest head's count when ragged)
     valid: torch.Tensor | None = None  # [H, L] bool when heads hold different numbers of tokens
     offload: OffloadStore | None = None  # tokens some heads keep off the device, retrieved at decode time
 
     @property
+    def heads(self) -> int:
+        return int(self.kv.shape[1]) // 2
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """``[1, H, capacity, D]``."""
+        return self.kv[:, : self.heads]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.kv[:, self.heads :]
+
+    @property
+    def provenance(self) -> dict[str, torch.Tensor]:
+        """Each provenance field as a view ``[H, rows]`` (``position``: ``[H, rows, 3]``) of ``packed``."""
+        return {name: self.packed[..., column] for name, column in PROVENANCE.items()}
+
+    @property
     def capacity(self) -> int:
-        return int(self.keys.shape[2])
+        return int(self.kv.shape[2])
 
 
 class KVMemory:
@@ -247,9 +265,8 @@ class KVMemory:
         live = self.live_len(layer) if self.prefix_len else store.capacity
         visual = store.visual_len
         return LayerMemory(
-            keys=store.keys[:, :, :live].clone(),
-            values=store.values[:, :, :live].clone(),
-            provenance={name: t[:, :visual].clone() for name, t in store.provenance.items()},
+            kv=store.kv[:, :, :live].clone(),
+            packed=store.packed[:, :visual].clone(),
             bias=None if store.bias is None else store.bias[:, :live].clone(),
             visual_len=visual,
             valid=store.valid,
@@ -260,8 +277,7 @@ class KVMemory:
         """Move every buffer to ``device`` (the offload stores' chunks stay in host memory, their mean-key
         index follows the device); returns self."""
         for store in self.layers:
-            store.keys, store.values = store.keys.to(device), store.values.to(device)
-            store.provenance = {name: t.to(device) for name, t in store.provenance.items()}
+            store.kv, store.packed = store.kv.to(device), store.packed.to(device)
             store.bias = None if store.bias is None else store.bias.to(device)
             store.valid = None if store.valid is None else store.valid.to(device)
             if store.offload is not None:
@@ -379,7 +395,7 @@ class KVMemory:
     @property
     def allocated_bytes(self) -> int:
         """Real bytes of the key/value buffers, slack included."""
-        return sum(t.element_size() * t.nelement() for store in self.layers for t in (store.keys, store.values))
+        return sum(store.kv.element_size() * store.kv.nelement() for store in self.layers)
 
     def token_bytes(self) -> int:
         """Bytes one token takes over all layers (keys and values of every KV head)."""
@@ -406,9 +422,8 @@ class KVMemory:
         capacity = n + self.summary_slots + self.visual_capacity + TEXT_RESERVE
         device = key_states.device
         self.layers[layer] = LayerMemory(
-            keys=torch.zeros(1, heads, capacity, dim, dtype=key_states.dtype, device=device),
-            values=torch.zeros(1, heads, capacity, dim, dtype=key_states.dtype, device=device),
-            provenance=_empty_provenance(heads, capacity, device),
+            kv=torch.zeros(1, 2 * heads, capacity, dim, dtype=key_states.dtype, device=device),
+            packed=torch.zeros(heads, capacity, PROVENANCE_WIDTH, dtype=torch.int32, device=device),
         )
 
     def _reserve(self, layer: int, end: int) -> None:
@@ -422,16 +437,13 @@ class KVMemory:
         """Reallocate ``layer``'s buffers with ``capacity`` slots (>= what they hold), copying their content."""
         store = self.layers[layer]
         old_capacity = store.capacity
-        for name in ("keys", "values"):
-            old = getattr(store, name)
-            new = old.new_zeros(1, old.shape[1], capacity, old.shape[3])
-            new[:, :, :old_capacity] = old
-            setattr(store, name, new)
+        kv = store.kv.new_zeros(1, store.kv.shape[1], capacity, store.kv.shape[3])
+        kv[:, :, :old_capacity] = store.kv
+        store.kv = kv
         rows = capacity - (self.visual_start if self.prefix_len else 0)
-        for name, old in store.provenance.items():
-            new = old.new_zeros(old.shape[0], rows, *old.shape[2:])
-            new[:, : old.shape[1]] = old
-            store.provenance[name] = new
+        packed = store.packed.new_zeros(store.packed.shape[0], rows, PROVENANCE_WIDTH)
+        packed[:, : store.packed.shape[1]] = store.packed
+        store.packed = packed
         if store.bias is not None:
             bias = store.bias.new_zeros(store.bias.shape[0], capacity)
             bias[:, :old_capacity] = store.bias
@@ -444,7 +456,7 @@ class KVMemory:
         self.prefix_len = prefix_len
         for store in self.layers:
             rows = store.capacity - self.visual_start
-            store.provenance = {name: t[:, :rows].clone() for name, t in store.provenance.items()}
+            store.packed = store.packed[:, :rows].clone()
             if self.summary_slots:
                 # Summary slots exist from the start but stay invisible until a policy fills them.
                 store.bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=store.keys.dtype, device=store.keys.device)
@@ -462,19 +474,16 @@ class KVMemory:
         elif self.grid_shape != (chunk.rows, chunk.cols):
             raise ValueError(f"frame grid changed mid-stream: {self.grid_shape} -> {(chunk.rows, chunk.cols)}")
         n = chunk.num_tokens
-        fields = {
-            "frame": chunk.grid,
-            "row": chunk.row,
-            "col": chunk.col,
-            "order": torch.arange(self.tokens_seen, self.tokens_seen + n),
-            "position": positions.t(),
-            "reason": torch.full((n,), REASON_NEW),
-        }
+        rows = torch.zeros(n, PROVENANCE_WIDTH, dtype=torch.int32)
+        rows[:, PROVENANCE["frame"]] = chunk.grid.cpu().int()
+        rows[:, PROVENANCE["row"]] = chunk.row.cpu().int()
+        rows[:, PROVENANCE["col"]] = chunk.col.cpu().int()
+        rows[:, PROVENANCE["order"]] = torch.arange(self.tokens_seen, self.tokens_seen + n, dtype=torch.int32)
+        rows[:, PROVENANCE["position"]] = positions.t().cpu().int()
+        rows[:, PROVENANCE["reason"]] = REASON_NEW
         for store in self.layers:
             start = store.visual_len
-            for name, values in fields.items():
-                target = store.provenance[name]
-                target[:, start : start + n] = values.to(device=target.device, dtype=target.dtype)
+            store.packed[:, start : start + n] = rows.to(store.packed.device)
             if store.valid is not None:
                 store.valid = torch.cat([store.valid, store.valid.new_ones(store.valid.shape[0], n)], dim=1)
             store.visual_len += n
@@ -568,18 +577,18 @@ class KVMemory:
         movers = torch.nonzero((kept & ~below).flatten()).squeeze(1)
         # Both lists are sorted by head, and each head has as many holes below c_h as kept tokens above
         # it, so the i-th mover fills the i-th hole of the same head.
-        visual_rows = store.provenance["frame"].shape[1]
-        dst = holes // length * visual_rows + holes % length
-        src = movers // length * visual_rows + movers % length
-        for name, tensor in store.provenance.items():
-            flat = tensor.view(heads * visual_rows, *tensor.shape[2:])
-            flat.index_copy_(0, dst, flat.index_select(0, src))
+        head_of_hole, slot_of_hole = holes // length, holes % length
+        head_of_mover, slot_of_mover = movers // length, movers % length
+        rows = store.packed.shape[1]
+        packed = store.packed.view(heads * rows, PROVENANCE_WIDTH)
+        packed.index_copy_(0, head_of_hole * rows + slot_of_hole, packed.index_select(0, head_of_mover * rows + slot_of_mover))
+        # Keys (heads 0..H-1) and values (heads H..2H-1) of one buffer move with one gather.
         start, capacity = self.visual_start, store.capacity
-        kv_dst = holes // length * capacity + start + holes % length
-        kv_src = movers // length * capacity + start + movers % length
-        for tensor in (store.keys, store.values):
-            flat = tensor.view(heads * capacity, tensor.shape[-1])
-            flat.index_copy_(0, kv_dst, flat.index_select(0, kv_src))
+        both = torch.tensor([0, heads], device=device)[:, None]
+        kv_dst = ((head_of_hole[None] + both) * capacity + start + slot_of_hole[None]).flatten()
+        kv_src = ((head_of_mover[None] + both) * capacity + start + slot_of_mover[None]).flatten()
+        flat = store.kv.view(2 * heads * capacity, store.kv.shape[-1])
+        flat.index_copy_(0, kv_dst, flat.index_select(0, kv_src))
         new_len = int(counts.max()) if heads else 0
         if bool((counts == new_len).all()):
             store.valid = None
@@ -588,7 +597,7 @@ class KVMemory:
         if store.bias is not None or store.valid is not None:
             self._refresh_visual_bias(store, new_len)
         store.visual_len = new_len
-        return 2 * int(src.numel()) * store.keys.shape[-1] * store.keys.element_size()
+        return int(kv_src.numel()) * store.kv.shape[-1] * store.kv.element_size()
 
     def _offload(self, store: LayerMemory, update: OffloadUpdate) -> int:
         """Copy the tokens ``update`` names (view indices) into the layer's offload store, before compaction."""
@@ -689,7 +698,4 @@ class KVMemory:
         total = self.grid_shape[0] * self.grid_shape[1] * self.num_layers * self.num_kv_heads
         return (counts / total).tolist()
 
-
-def _empty_provenance(heads: int, rows: int, device: torch.device) -> dict[str, torch.Tensor]:
-    return {name: torch.zeros(heads, rows, *shape, dtype=dtype, device=device) for name, (dtype, shape) in PROVENANCE.items()}
 

@@ -203,7 +203,7 @@ class HybridKV(Policy):
         # Dynamic heads offload what they evict (arrival order); static heads drop it.
         evicted = valid & ~kept & ~static[:, None]
         count = evicted.sum(dim=1)
-        arrival = torch.where(evicted, view.order, torch.iinfo(torch.int64).max)
+        arrival = torch.where(evicted, view.order.long(), torch.iinfo(torch.int64).max)
         tokens = torch.argsort(arrival, dim=1)[:, : int(count.max()) if heads else 0]
         token_valid = torch.arange(tokens.shape[1], device=device)[None] < count[:, None]
         retrieve = torch.where(static, 0, budget)

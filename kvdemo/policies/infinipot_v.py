@@ -259,29 +259,38 @@ class InfiniPotV(Policy):
         return score
 
 
+#: Tokens per block in :func:`patch_similarity` on a CPU: a block's keys and its gathered references
+#: (``H x 1024 x D``) stay in the processor's cache between the ops that read them.
+SIMILARITY_BLOCK = 1024
+
+
 def patch_similarity(keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor, per_frame: int) -> torch.Tensor:
     """Mean cosine similarity ``[H, L]`` of every token's key to the keys of the recent frames at the same
     patch (Eq. 4 without the sign): ``(1/r) sum_t' cos(K(t,i,j), K_recent(t',i,j))``.
 
     ``sum_t' cos = k_hat . sum_t' k_hat_recent(t', i, j)``: one ``index_add`` over (head, patch) rows builds
     the per-patch sum of the recent normalised keys. A patch no recent frame holds has similarity 0.
-    ``keys [H, L, D]``, ``recent``/``pos [H, L]`` (pos = row * cols + col).
+    ``keys [H, L, D]`` (a strided view of the memory is read in place), ``recent``/``pos [H, L]``
+    (pos = row * cols + col).
+
+    The keys are read once, block by block (on a CPU): each block's norms and its dot products with the
+    gathered references are computed while the block sits in cache, instead of materialising a gathered
+    ``[H, L, D]`` reference tensor the size of the cache. Half-precision blocks are upcast in cache.
     """
     heads, length, dim = keys.shape
-    flat = keys.reshape(-1, dim)
-    norms = torch.linalg.vector_norm(flat, dim=-1).float().clamp_min(1e-12)  # see value_norms
-    row = (torch.arange(heads, device=pos.device)[:, None] * per_frame + pos).flatten()  # (head, patch) id
-    is_recent = recent.flatten()
-    recent_rows = row[is_recent]
-    reference = torch.zeros(heads * per_frame, dim, dtype=torch.float32, device=flat.device)
-    reference.index_add_(0, recent_rows, flat[is_recent].float() / norms[is_recent, None])
+    device = keys.device
+    row = torch.arange(heads, device=device)[:, None] * per_frame + pos  # (head, patch) id [H, L]
+    h_recent, l_recent = torch.nonzero(recent, as_tuple=True)
+    recent_keys = keys[h_recent, l_recent].float()
+    recent_keys = recent_keys / torch.linalg.vector_norm(recent_keys, dim=-1, keepdim=True).clamp_min(1e-12)
+    recent_rows = row[h_recent, l_recent]
+    reference = torch.zeros(heads * per_frame, dim, dtype=torch.float32, device=device).index_add_(0, recent_rows, recent_keys)
     count = torch.bincount(recent_rows, minlength=heads * per_frame).to(torch.float32)
-    if flat.dtype == torch.float32:
-        similarity = torch.einsum("nd,nd->n", flat, reference.index_select(0, row))
-    else:
-        # Half-precision caches: multiply in the cache's dtype and accumulate in float32, instead of
-        # upcasting the whole cache (the upcast costs more than the rest of the pass on a CPU).
-        gathered = reference.to(flat.dtype).index_select(0, row)
-        similarity = (flat * gathered).sum(-1, dtype=torch.float32)
-    similarity = similarity / norms
-    return (similarity / count[row].clamp_min(1.0)).view(heads, length)
+    similarity = torch.empty(heads, length, dtype=torch.float32, device=device)
+    step = length if device.type == "cuda" else SIMILARITY_BLOCK
+    for start in range(0, length, step):
+        block = keys[:, start : start + step].float()  # [H, b, D], in cache
+        gathered = reference.index_select(0, row[:, start : start + step].reshape(-1)).view(block.shape)
+        norms = torch.linalg.vector_norm(block, dim=-1).clamp_min(1e-12)
+        similarity[:, start : start + step] = (block * gathered).sum(-1) / norms
+    return similarity / count[row].clamp_min(1.0)
