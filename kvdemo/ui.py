@@ -23,15 +23,14 @@ import numpy as np
 from .coverage import coverage
 from .engine import EngineError, FrameStream, MemoryCapError, StreamEngine, validate_budget
 from .models.qwen_vl import DEFAULT_REAL_MODEL, ModelError, load_model, resolve_model_name
-from .models.tiny import RANDOM_WEIGHTS_NOTICE
+from .models.tiny import OFFLINE_NOTICES, TINY_NAME, TINY_RANDOM_NAME, TRAINED_MAX_PIXELS
 from .policies import BudgetError, make_policy, policy_params
+from .synthetic import Episode, grade, sample_episode, sample_manifest
 from .video import (
-    DEFAULT_MIN_PIXELS,
     RESIZE_FACTOR,
     VideoError,
     open_video,
     resize_frames,
-    sample_video_path,
     tokens_per_grid,
 )
 from . import viz
@@ -80,7 +79,7 @@ class ModelHub:
             return self._models[name]
 
     def choices(self) -> list[str]:
-        names = [self.default, "tiny", DEFAULT_REAL_MODEL, "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-2B-Instruct"]
+        names = [self.default, TINY_NAME, TINY_RANDOM_NAME, DEFAULT_REAL_MODEL, "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-2B-Instruct"]
         return list(dict.fromkeys(names))
 
 
@@ -111,6 +110,8 @@ class Session:
     stopped: dict[str, str] = field(default_factory=dict)
     chat: dict[str, list[dict[str, str]]] = field(default_factory=lambda: {"policy": [], "full": []})
     source: str = ""
+    #: The generated stream being played (its ground truth grades the answers); None for files and the webcam.
+    episode: Episode | None = None
     frame_size: tuple[int, int] | None = None
     chunk_ms: float = 0.0
     coverage: dict[str, Any] | None = None
@@ -130,9 +131,9 @@ class Session:
         return self.engines.get("policy")
 
     @property
-    def random_weights(self) -> bool:
+    def model(self):
         engine = self.policy
-        return bool(engine and engine.model.random_weights)
+        return engine.model if engine else None
 
 
 def free_session(session: Session | None) -> None:
@@ -342,9 +343,14 @@ def run_video(
     state = session or Session()
     try:
         check_settings(settings.policy, settings.budget, settings.keep, settings.fps, settings.max_pixels)
-        path = Path(video_path) if video_path else sample_video_path()
-        video = open_video(path, fps=settings.fps, max_pixels=settings.max_pixels, min_pixels=min(settings.max_pixels, DEFAULT_MIN_PIXELS))
+        min_pixels = min(settings.max_pixels, hub.get(settings.model).min_pixels)
+        episode = None if video_path else sample_episode()
+        if episode is None:
+            video = open_video(Path(video_path), fps=settings.fps, max_pixels=settings.max_pixels, min_pixels=min_pixels)
+        else:
+            video = episode.video.resized(min_pixels, settings.max_pixels)
         state = start_session(hub, session, settings, video.describe(), video.size, video.fps)
+        state.episode = episode
     except USER_ERRORS as exc:
         yield {"session": state, "status": status_text(state, error=str(exc))}
         return
@@ -419,7 +425,8 @@ def webcam_frame(
         return {"session": state}
     started = False
     try:
-        resized = resize_frames(np.asarray(frame, dtype=np.uint8)[None, ..., :3], min(settings.max_pixels, DEFAULT_MIN_PIXELS), settings.max_pixels)
+        min_pixels = min(settings.max_pixels, hub.get(settings.model).min_pixels)
+        resized = resize_frames(np.asarray(frame, dtype=np.uint8)[None, ..., :3], min_pixels, settings.max_pixels)
         size = tuple(resized.shape[1:3])
         if state.settings != settings or state.stream is None or not state.source.startswith("webcam") or state.frame_size != size:
             check_settings(settings.policy, settings.budget, settings.keep, settings.fps, settings.max_pixels)
@@ -477,12 +484,24 @@ def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Ite
 
 
 def _answer_markdown(state: Session, name: str, answer) -> str:
-    note = " · random weights" if state.random_weights else ""
     text = answer.answer or "(empty answer)"
     return (
         f"{text}\n\n<small>first token {answer.ttft_ms:.0f} ms · {answer.tokens} tokens in {answer.ms:.0f} ms · "
-        f"cache {answer.cache_bytes / 2**20:.2f} MB, {answer.visual_tokens} visual tokens{note}</small>"
+        f"cache {answer.cache_bytes / 2**20:.2f} MB, {answer.visual_tokens} visual tokens{answer_note(state, answer)}</small>"
     )
+
+
+def answer_note(state: Session, answer) -> str:
+    """What an answer is worth: graded against the ground truth on a generated stream; on other inputs,
+    a warning when the model is an offline tiny one (random, or trained only on generated streams)."""
+    model = state.model
+    if model is not None and model.random_weights:
+        return " · random weights"
+    if state.episode is not None:
+        return " · " + grade(state.episode, answer.question, answer.answer, state.policy.last_time_s).note
+    if model is not None and model.notice:
+        return " · the tiny model knows only its generated streams: on this video its answers mean little"
+    return ""
 
 
 def reset_chat(session: Session | None) -> dict[str, Any]:
@@ -498,8 +517,12 @@ def reset_chat(session: Session | None) -> dict[str, Any]:
 
 def default_budget(model_name: str) -> tuple[int, int, int]:
     """(M, C, max pixels) defaults: the paper's 6144/4608 at Qwen's video resolution on a real model;
-    a budget that compresses visibly within a short clip at a small resolution on the tiny model."""
-    if resolve_model_name(model_name) == "tiny":
+    budgets that compress visibly within a short clip on the tiny models (the trained one at the 112 x 112
+    frames it was trained on, 16 tokens per frame pair)."""
+    name = resolve_model_name(model_name)
+    if name == TINY_NAME:
+        return 128, 96, TRAINED_MAX_PIXELS
+    if name == TINY_RANDOM_NAME:
         return 1024, 768, 256 * 28 * 28
     return 6144, 4608, 768 * 28 * 28
 
@@ -510,7 +533,7 @@ def build_demo(hub: ModelHub | None = None):
 
     hub = hub or ModelHub()
     budget0, keep0, pixels0 = default_budget(hub.default)
-    random_model = resolve_model_name(hub.default) == "tiny"
+    sample = sample_episode()
 
     with gr.Blocks(title="kvdemo: KV-cache compression for streaming video") as demo:
         session = gr.State(value=None, time_to_live=3600, delete_callback=free_session)
@@ -519,11 +542,7 @@ def build_demo(hub: ModelHub | None = None):
             "Stream a video into a vision-language model under a hard KV-cache budget, watch the cache, "
             "see which patches survive, and ask questions of the compressed memory and of a full-cache baseline."
         )
-        banner = gr.Markdown(
-            f"<div style='padding:8px;border-radius:6px;background:#fff3cd;color:#664d03'>⚠️ {RANDOM_WEIGHTS_NOTICE} "
-            "Choose a real Qwen2.5-VL model on a GPU machine for meaningful answers.</div>",
-            visible=random_model,
-        )
+        banner = gr.Markdown(banner_html(hub.default), visible=bool(banner_html(hub.default)), elem_id="banner")
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
                 with gr.Tab("Video"):
@@ -532,12 +551,15 @@ def build_demo(hub: ModelHub | None = None):
                         run_button = gr.Button("Run", variant="primary", elem_id="run-button")
                         sample_button = gr.Button("Run the bundled sample", elem_id="sample-button")
                         stop_button = gr.Button("Stop", variant="stop")
+                    with gr.Accordion("What the bundled sample shows", open=False):
+                        gr.Markdown(sample_manifest(sample), elem_id="sample-manifest")
                 with gr.Tab("Webcam"):
                     webcam = gr.Image(label="Webcam (frames are buffered into chunks)", sources=["webcam"],
                                       streaming=True, type="numpy", height=220, elem_id="webcam")
                 with gr.Accordion("Settings", open=True):
                     model = gr.Dropdown(hub.choices(), value=hub.default, label="Model", allow_custom_value=True,
-                                        info="tiny runs offline on the CPU (random weights); Qwen ids need a GPU and the Hub")
+                                        info="tiny runs offline on the CPU (trained on generated streams; tiny-random: "
+                                             "random weights); Qwen ids need a GPU and the Hub")
                     policy = gr.Dropdown(UI_POLICIES, value="infinipot-v", label="Policy")
                     with gr.Row():
                         budget = gr.Number(budget0, label="M (max visual tokens)", precision=0, minimum=1)
@@ -577,6 +599,9 @@ def build_demo(hub: ModelHub | None = None):
                                           scale=4, elem_id="question")
                     ask_button = gr.Button("Ask", variant="primary", scale=1, elem_id="ask-button")
                     clear_button = gr.Button("New conversation", scale=1)
+                examples = gr.Dataset(components=[question], samples=[[q.text] for q in sample.questions],
+                                      label="Questions about the bundled sample (click to ask both engines)",
+                                      elem_id="examples")
                 with gr.Row():
                     policy_chat = gr.Chatbot(label="policy at M tokens", height=300, elem_id="policy-chat")
                     full_chat = gr.Chatbot(label="full cache", height=300, elem_id="full-chat")
@@ -633,6 +658,10 @@ def build_demo(hub: ModelHub | None = None):
             for update in ask(state, text):
                 yield to_components(update)
 
+        def example_handler(state, example):
+            for update in ask(state, example[0]):
+                yield {**to_components(update), question: example[0]}
+
         def view_handler(state, layer_v, head_v, reason_v):
             if state is None:
                 return None
@@ -661,6 +690,8 @@ def build_demo(hub: ModelHub | None = None):
         ask_event = dict(outputs=outputs, show_progress_on=[status], concurrency_id="model", concurrency_limit=MODEL_CONCURRENCY)
         ask_button.click(ask_handler, [session, question], api_name="ask", **ask_event)
         question.submit(ask_handler, [session, question], api_visibility="private", **ask_event)
+        examples.click(example_handler, [session, examples], api_visibility="private",
+                       **{**ask_event, "outputs": [*outputs, question]})
         clear_button.click(lambda s: to_components(reset_chat(s)), [session], outputs, api_name="new_conversation")
         for control in view_inputs:
             control.change(view_handler, [session, *view_inputs], heatmap, show_progress="hidden", api_visibility="private")
@@ -669,15 +700,23 @@ def build_demo(hub: ModelHub | None = None):
                            show_progress="hidden", api_visibility="private")
         policy.change(lambda name: [gr.update(visible=name == n) for n in groups], [policy], list(groups.values()),
                       api_visibility="private")
-        model.change(lambda name: gr.update(visible=_is_tiny(name)), [model], banner, api_visibility="private")
+        model.change(lambda name: gr.update(value=banner_html(name), visible=bool(banner_html(name))), [model], banner,
+                     api_visibility="private")
     return demo
 
 
-def _is_tiny(name: str | None) -> bool:
+def banner_html(model_name: str | None) -> str:
+    """The warning shown over the app for an offline tiny model ('' for real models)."""
     try:
-        return resolve_model_name(name) == "tiny"
+        notice = OFFLINE_NOTICES.get(resolve_model_name(model_name))
     except Exception:
-        return False
+        notice = None
+    if not notice:
+        return ""
+    advice = ("Run the bundled sample and ask about it; on other videos its answers mean little."
+              if resolve_model_name(model_name) == TINY_NAME else "")
+    return (f"<div style='padding:8px;border-radius:6px;background:#fff3cd;color:#664d03'>⚠️ {notice} {advice} "
+            "Choose a real Qwen2.5-VL model on a GPU machine for meaningful answers about real videos.</div>")
 
 
 def _param_component(gr, spec, policy: str):

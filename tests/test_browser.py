@@ -46,15 +46,18 @@ def test_sample_run_and_question_in_chromium(browser, app_url, artifacts):
     page = browser.new_page(viewport={"width": 1400, "height": 1800})
     page.goto(app_url)
     page.wait_for_selector("#sample-button", timeout=60_000)
-    assert "random weights" in page.content()
+    assert "trained on synthetic streams" in page.content()
     page.click("#sample-button")
-    page.wait_for_function("document.querySelector('#status').innerText.includes('48/48 frames')", timeout=240_000)
+    page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
     page.wait_for_selector("#occupancy .js-plotly-plot", timeout=30_000)
     page.wait_for_function("document.querySelector('#heatmap img') && document.querySelector('#heatmap img').naturalWidth > 0")
-    page.fill("#question textarea", "What moves in the video?")
-    page.click("#ask-button")
+    example = page.locator("#examples button").first
+    asked = example.inner_text().strip()
+    example.click()  # one click asks both engines
     for chat in ("#policy-chat", "#full-chat"):
         page.wait_for_function(f"document.querySelector('{chat}').innerText.includes('first token')", timeout=120_000)
+    assert "ground truth" in page.locator("#full-chat").inner_text(), "answers on the sample are graded"
+    assert "matches the ground truth" in page.locator("#full-chat").inner_text(), "the full cache answers the sample right"
     page.screenshot(path=str(artifacts / "app.png"), full_page=True)
 
     chart = element_pixels(page, "#occupancy")
@@ -65,7 +68,8 @@ def test_sample_run_and_question_in_chromium(browser, app_url, artifacts):
     assert heatmap.shape[0] > 50 and heatmap.std() > 20, "the heatmap shows frames, not a blank image"
     assert (Path(artifacts) / "app.png").stat().st_size > 50_000
     for chat in ("#policy-chat", "#full-chat"):
-        assert "What moves in the video?" in page.locator(chat).inner_text()
+        assert asked in page.locator(chat).inner_text()
+    assert page.input_value("#question textarea") == asked
 
 
 def test_webcam_with_a_fake_camera(browser, app_url, artifacts):

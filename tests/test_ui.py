@@ -64,7 +64,22 @@ def test_errors_are_messages_and_keep_the_previous_stream(hub, media, tmp_path):
 
 def test_the_bundled_sample_runs_without_a_file(hub):
     updates, session = run(hub, None, None, budget=1024, keep=768)
-    assert "48/48 frames" in updates[-1]["status"]
+    assert "80/80 frames" in updates[-1]["status"] and "generated(seed=7)" in updates[-1]["status"]
+    assert session.policy.memory.grid_shape == (4, 4), "the trained tiny model gets its 112 x 112 frames"
+
+
+def test_answers_on_the_sample_are_graded_against_the_ground_truth(hub):
+    from kvdemo.synthetic import sample_episode
+
+    _, session = run(hub, None, None, budget=128, keep=96)
+    question = next(q for q in sample_episode().questions if q.kind == "colour")
+    final = list(ask(session, question.text))[-1]
+    for chat in (final["policy_chat"], final["full_chat"]):
+        note = chat[1]["content"]
+        assert "✓ matches the ground truth" in note or f"✗ the ground truth is {question.answer}" in note
+    assert "✓ matches the ground truth" in final["full_chat"][1]["content"], "the full cache answers the sample right"
+    unknown = list(ask(session, "What is cooking?"))[-1]
+    assert "no ground truth" in unknown["full_chat"][-1]["content"]
 
 
 def test_asking_before_any_frame_is_a_message(hub):
@@ -79,7 +94,7 @@ def test_ask_streams_both_answers_and_keeps_memory(hub, media):
     final = updates[-1]
     for chat in (final["policy_chat"], final["full_chat"]):
         assert chat[0] == {"role": "user", "content": "What is cooking?"}
-        assert "first token" in chat[1]["content"] and "random weights" in chat[1]["content"]
+        assert "first token" in chat[1]["content"] and "its answers mean little" in chat[1]["content"]
     assert session.policy.memory.nbytes == before
     list(ask(session, "And then?"))
     assert len(session.chat["policy"]) == 4 and len(session.policy.history) == 2
@@ -138,5 +153,5 @@ def test_sessions_are_independent(hub, media):
     _, first = run(hub, None, media / "flipping_a_pancake.mkv")
     _, second = run(hub, None, None, budget=1024, keep=768)
     assert first.policy is not second.policy
-    assert first.policy.memory.num_grids == 10 and second.policy.memory.num_grids == 24
+    assert first.policy.memory.num_grids == 10 and second.policy.memory.num_grids == 40
     assert first.policy.model is second.policy.model  # one model per process
