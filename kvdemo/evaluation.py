@@ -91,7 +91,8 @@ def build_engines(model: VideoLM, policies: list[str], budget: int | None, keep:
         policy = make_policy(name)
         if policy.bounded and budget is None:
             raise BudgetError(f"policy {name!r} needs --budget (M) for the evaluation")
-        engines[name] = StreamEngine(model, policy, budget=budget, keep=keep, fps=fps, max_new_tokens=ANSWER_TOKENS)
+        bounds = dict(budget=budget, keep=keep) if policy.bounded else {}
+        engines[name] = StreamEngine(model, policy, fps=fps, max_new_tokens=ANSWER_TOKENS, **bounds)
     return engines
 
 

@@ -521,7 +521,7 @@ def default_budget(model_name: str) -> tuple[int, int, int]:
     frames it was trained on, 16 tokens per frame pair)."""
     name = resolve_model_name(model_name)
     if name == TINY_NAME:
-        return 128, 96, TRAINED_MAX_PIXELS
+        return 64, 48, TRAINED_MAX_PIXELS
     if name == TINY_RANDOM_NAME:
         return 1024, 768, 256 * 28 * 28
     return 6144, 4608, 768 * 28 * 28

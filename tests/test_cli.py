@@ -60,7 +60,7 @@ def test_run_without_video_uses_the_bundled_sample(capsys):
     "extra, message",
     [
         (["--policy", "uniform", "--budget", "100", "--keep", "200"], "C must be smaller than M"),
-        (["--policy", "uniform", "--budget", "100", "--keep", "50"], "smaller than one chunk"),
+        (["--policy", "uniform", "--budget", "100", "--keep", "50", "--max-pixels", str(256 * 28 * 28)], "smaller than one chunk"),
         (["--policy", "nope"], "unknown policy"),
         (["--policy", "uniform", "--param", "alpha=1"], "no parameter"),
         (["--fps", "0"], "fps must be positive"),

@@ -120,7 +120,7 @@ def test_webcam_frames_are_buffered_into_chunks(hub):
         fed.append(session.policy.frames_fed)
     assert fed == [0, 2, 2, 4, 4, 6]  # one model call per pair of frames, never per frame
     assert "status" in update and len(session.thumbnails) == 3
-    bad = webcam_frame(hub, session, frame, settings(budget=100, keep=50))
+    bad = webcam_frame(hub, session, frame, settings(budget=90, keep=50))  # a grid of 252 x 308 px is 99 tokens
     assert "smaller than one chunk" in bad["status"] and bad["session"] is session
 
 
@@ -155,3 +155,13 @@ def test_sessions_are_independent(hub, media):
     assert first.policy is not second.policy
     assert first.policy.memory.num_grids == 10 and second.policy.memory.num_grids == 40
     assert first.policy.model is second.policy.model  # one model per process
+
+
+def test_small_frames_get_enlarged_thumbnails_with_crisp_patches():
+    frame = np.arange(112 * 112 * 3, dtype=np.uint32).reshape(112, 112, 3).astype(np.uint8)
+    thumb = viz.thumbnail(frame)
+    assert thumb.shape == (224, 224, 3)
+    np.testing.assert_array_equal(thumb[::2, ::2], frame)
+    np.testing.assert_array_equal(thumb[1::2, 1::2], frame)
+    assert viz.thumbnail(np.zeros((240, 426, 3), np.uint8)).shape == (180, 320, 3)  # large frames still shrink
+
