@@ -1,28 +1,45 @@
-"""kvdemo: stream a video into a vision-language model under a hard KV-cache budget and see what survives."""
+"""kvdemo: stream a video into a vision-language model under a hard KV-cache budget and see what survives.
 
-from .engine import EngineError, FrameStream, MemoryCapError, StreamEngine, stream_video
-from .memory import KVMemory, OccupancyEvent
-from .models.qwen_vl import load_model
-from .policies import BudgetError, LayerView, Policy, Selection, make_policy, policy_names
-from .video import Video, VideoError, load_video, synthetic_video
+The public names are imported on first use (PEP 562), so ``python -m kvdemo`` can check its arguments
+and the video file before torch and transformers load.
+"""
 
-__all__ = [
-    "BudgetError",
-    "EngineError",
-    "FrameStream",
-    "KVMemory",
-    "LayerView",
-    "MemoryCapError",
-    "OccupancyEvent",
-    "Policy",
-    "Selection",
-    "StreamEngine",
-    "Video",
-    "VideoError",
-    "load_model",
-    "load_video",
-    "make_policy",
-    "policy_names",
-    "stream_video",
-    "synthetic_video",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BudgetError": ".policies",
+    "EngineError": ".engine",
+    "FrameStream": ".engine",
+    "KVMemory": ".memory",
+    "LayerView": ".policies",
+    "MemoryCapError": ".engine",
+    "OccupancyEvent": ".memory",
+    "Policy": ".policies",
+    "Selection": ".policies",
+    "StreamEngine": ".engine",
+    "Video": ".video",
+    "VideoError": ".video",
+    "load_model": ".models.qwen_vl",
+    "load_video": ".video",
+    "make_policy": ".policies",
+    "policy_names": ".policies",
+    "stream_video": ".engine",
+    "synthetic_video": ".video",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kvdemo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,6 +1,9 @@
-"""``python -m kvdemo run|bench``: stream a video under a KV budget from the command line.
+"""python -m kvdemo run|bench|eval|train-tiny: stream a video under a KV-cache budget from the command line,
+measure the policies' accuracy vs query delay, train the offline tiny model.
 
-Errors a user can cause (bad file, impossible budget, unknown policy) print one line and exit 2.
+Arguments and the video file are checked before torch, transformers or a model load, so a mistake is
+reported at once. Errors a user can cause (bad file, impossible budget, unknown policy) print one line
+and exit with status 2.
 """
 
 from __future__ import annotations
@@ -11,22 +14,85 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .coverage import coverage, coverage_table
-from .engine import EngineError, StreamEngine, auto_budget, stream_video
-from .evaluation import DEFAULT_DELAYS, DEFAULT_POLICIES
-from .models.qwen_vl import ModelError, load_model
-from .models.tiny import TRAINED_DIR
-from .policies import BudgetError, make_policy, policy_names
-from .synthetic import grade, sample_episode
-from .video import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, VideoError, open_video, tokens_per_grid
+from .evaluation import DEFAULT_DELAYS, DEFAULT_POLICIES  # light: torch loads when an evaluation runs
+from .synthetic import grade, sample_episode  # light: numpy
+from .video import (  # light: numpy and, when a file is opened, PyAV
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MIN_PIXELS,
+    RESIZE_FACTOR,
+    TEMPORAL_PATCH_SIZE,
+    open_video,
+    tokens_per_grid,
+)
 
-USER_ERRORS = (VideoError, BudgetError, EngineError, ModelError)
+DEFAULT_POLICY = "infinipot-v"
+
+DESCRIPTION = """\
+Stream a video into a vision-language model frame chunk by frame chunk, keep its KV cache under a hard
+budget with a compression policy, and report what survives (and answers, if asked)."""
+
+RUN_DESCRIPTION = """\
+Stream one video (default: the bundled sample) through one policy: the cache holds at most M visual
+tokens and each compression keeps C of them. Prints progress, answers to --ask questions and a summary;
+--json writes the full run report (occupancy timeline, survivors, answers)."""
+
+RUN_EXAMPLES = """\
+examples:
+  python -m kvdemo run
+      the bundled sample through infinipot-v with an automatic budget
+  python -m kvdemo run --video clip.mp4 -M 6144 -C 4608 --ask "What happens at the end?" --json report.json
+  python -m kvdemo run --video clip.mp4 --param alpha=1 --param tar=frame
+      an InfiniPot-V ablation from the paper's Table 5 (TaR only, frame-level)
+  python -m kvdemo run --video clip.mp4 --policy cords --coverage
+      CoRDS, with how well the kept tokens cover a full cache"""
+
+BENCH_DESCRIPTION = """\
+Stream a long synthetic video through the full cache and a bounded policy on the offline tiny model (one
+shared vision encoding), print per-chunk prefill and compression times, visual tokens and cache bytes,
+then time one compression pass on caches of Qwen2.5-VL-7B shape (M=6144 -> C=4608) in fp32 and bf16."""
+
+BENCH_EXAMPLES = """\
+examples:
+  python -m kvdemo bench
+  python -m kvdemo bench --policy infinipot-v --frames 100 --skip-pass --json bench.json"""
+
+EVAL_DESCRIPTION = """\
+Accuracy vs query delay on held-out generated streams (ProtoKV's protocol): every episode streams once
+through one engine per policy (one shared vision encoding); each question is asked of every engine at
+every delay after its evidence left view; only questions askable at every delay count."""
+
+EVAL_EXAMPLES = """\
+examples:
+  python -m kvdemo eval --policies full,sliding-window,uniform,infinipot-v,cords --delays 0,4,8,16,32 \\
+      --episodes 200 --seed 0 --budget 64 --keep 48 --json eval.json"""
+
+TRAIN_DESCRIPTION = """\
+Train the offline tiny model (transformers' Qwen2_5_VLForConditionalGeneration, 0.92M parameters) from
+scratch on generated streams, reproducibly, then check it on held-out streams and write its weights,
+config and tokenizer (assets/tiny by default)."""
+
+
+class UsageError(ValueError):
+    """A command-line argument that cannot work (the message names it)."""
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions a user can cause, from the kvdemo modules loaded so far (an error class of a
+    module that is not loaded cannot have been raised, and loading one here would cost seconds)."""
+    from .video import VideoError
+
+    errors: list[type[Exception]] = [UsageError, VideoError]
+    for module, name in (("kvdemo.policies.base", "BudgetError"), ("kvdemo.engine", "EngineError"),
+                         ("kvdemo.models.qwen_vl", "ModelError")):
+        if module in sys.modules:
+            errors.append(getattr(sys.modules[module], name))
+    return tuple(errors)
 
 
 def parse_param(text: str) -> tuple[str, Any]:
     """``key=value`` with the value read as JSON when it parses (numbers, true/false), else as text."""
     if "=" not in text:
-        raise BudgetError(f"--param takes key=value, got {text!r}")
+        raise UsageError(f"--param takes key=value, got {text!r}")
     key, raw = text.split("=", 1)
     try:
         value = json.loads(raw)
@@ -35,81 +101,104 @@ def parse_param(text: str) -> tuple[str, Any]:
     return key.strip().replace("-", "_"), value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kvdemo", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+def build_parser(policies: list[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser; ``policies`` (the registered names) only for the help text, which is the one
+    place that needs them before the arguments are checked (listing them imports torch)."""
+    listed = f"one of: {', '.join(policies)}; " if policies else ""
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="python -m kvdemo", description=DESCRIPTION, formatter_class=formatter,
+        epilog="Run 'python -m kvdemo <command> --help' for a command's options and examples.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,bench,eval,train-tiny}")
 
-    run = commands.add_parser("run", help="stream a video through one policy (and optionally ask questions)")
-    run.add_argument("--video", help="video file (mp4, mkv, mov, webm, avi); default: the bundled sample (a generated stream)")
-    run.add_argument("--policy", default="uniform", help=f"one of: {', '.join(policy_names())} (default uniform)")
-    run.add_argument("--budget", "-M", type=int, help="M: max visual tokens held (default: auto for this video)")
+    run = commands.add_parser("run", help="stream a video through one policy (and optionally ask questions)",
+                              description=RUN_DESCRIPTION, epilog=RUN_EXAMPLES, formatter_class=formatter)
+    run.add_argument("--video", help="video file (mp4, mkv, mov, webm, avi...); default: the bundled sample (a generated stream)")
+    run.add_argument("--policy", default=DEFAULT_POLICY, help=f"compression policy, {listed}default {DEFAULT_POLICY}")
+    run.add_argument("--budget", "-M", type=int, help="M: max visual tokens held (default: about a third of the stream's, at most 6144)")
     run.add_argument("--keep", "-C", type=int, help="C: visual tokens kept by a compression (default 0.75 M)")
-    run.add_argument("--param", action="append", default=[], help="policy parameter key=value (repeatable)")
-    run.add_argument("--model", help="tiny, auto, or a Hugging Face id / local path (default: $KVDEMO_MODEL or auto)")
+    run.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                     help="policy parameter, value read as JSON (repeatable), e.g. --param alpha=0.3")
+    run.add_argument("--model", help="tiny, tiny-random, auto, or a Hugging Face id / local path (default: $KVDEMO_MODEL or auto)")
     run.add_argument("--fps", type=float, default=2.0, help="sampling fps (default 2)")
     run.add_argument("--max-frames", type=int, help="stop after this many sampled frames")
-    run.add_argument("--max-pixels", type=int, help=f"max pixels per frame after resize (default: the model's; Qwen {DEFAULT_MAX_PIXELS})")
-    run.add_argument("--min-pixels", type=int, help=f"min pixels per frame after resize (default: the model's; Qwen {DEFAULT_MIN_PIXELS})")
+    run.add_argument("--max-pixels", type=int,
+                     help=f"max pixels per frame after resize (default: the model's; Qwen {DEFAULT_MAX_PIXELS})")
+    run.add_argument("--min-pixels", type=int,
+                     help=f"min pixels per frame after resize (default: the model's; Qwen {DEFAULT_MIN_PIXELS})")
     run.add_argument("--frames-per-chunk", type=int, default=2, help="frames per prefill chunk (default 2)")
-    run.add_argument("--ask", action="append", default=[], help="question asked after the stream (repeatable)")
+    run.add_argument("--ask", action="append", default=[], metavar="QUESTION", help="question asked after the stream (repeatable)")
     run.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap (default 64)")
-    run.add_argument("--json", help="write the run report here")
-    run.add_argument(
-        "--coverage",
-        action="store_true",
-        help="also stream a full cache and report how well the kept tokens cover it (CoRDS Sec. 4.6)",
-    )
+    run.add_argument("--json", metavar="OUT", help="write the run report here")
+    run.add_argument("--coverage", action="store_true",
+                     help="also stream a full cache and report how well the kept tokens cover it (CoRDS Sec. 4.6)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    bench = commands.add_parser("bench", help="benchmark a bounded policy against the full cache")
-    bench.add_argument("--policy", default="sliding-window", help="the bounded policy (default sliding-window)")
-    bench.add_argument("--param", action="append", default=[], help="policy parameter key=value (repeatable)")
+    bench = commands.add_parser("bench", help="benchmark a bounded policy against the full cache",
+                                description=BENCH_DESCRIPTION, epilog=BENCH_EXAMPLES, formatter_class=formatter)
+    bench.add_argument("--policy", default="sliding-window", help=f"the bounded policy, {listed}default sliding-window")
+    bench.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy parameter (repeatable)")
     bench.add_argument("--frames", type=int, default=400, help="synthetic frames to stream (default 400)")
     bench.add_argument("--budget", "-M", type=int, default=1536, help="M for the streaming run (default 1536)")
     bench.add_argument("--keep", "-C", type=int, default=1152, help="C for the streaming run (default 1152)")
     bench.add_argument("--pass-repeats", type=int, default=3, help="repeats of the 7B-shape pass timing (default 3)")
     bench.add_argument("--skip-pass", action="store_true", help="skip the 7B-shape compression pass timing")
+    bench.add_argument("--stream-factor", type=int, default=20,
+                       help="protokv: also time the update on a stream this many times longer (default 20)")
     bench.add_argument("--every", type=int, default=1, help="print every Nth chunk of the table (default: all)")
-    bench.add_argument("--json", help="write the benchmark results here")
+    bench.add_argument("--json", metavar="OUT", help="write the benchmark results here")
 
-    evaluate = commands.add_parser("eval", help="accuracy vs query delay on held-out generated streams (ProtoKV's protocol)")
+    evaluate = commands.add_parser("eval", help="accuracy vs query delay on held-out generated streams",
+                                   description=EVAL_DESCRIPTION, epilog=EVAL_EXAMPLES, formatter_class=formatter)
     evaluate.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policy names")
-    evaluate.add_argument("--delays", default=",".join(str(d) for d in DEFAULT_DELAYS), help="query delays in seconds (comma-separated)")
+    evaluate.add_argument("--delays", default=",".join(str(d) for d in DEFAULT_DELAYS),
+                          help="query delays in seconds of stream time, comma-separated (default 0,4,8,16,32)")
     evaluate.add_argument("--episodes", type=int, default=200, help="held-out streams (default 200)")
     evaluate.add_argument("--seed", type=int, default=0, help="seed of the held-out streams (default 0)")
     evaluate.add_argument("--budget", "-M", type=int, help="M for the bounded policies (visual tokens)")
     evaluate.add_argument("--keep", "-C", type=int, help="C for the policies that take one (visual tokens)")
     evaluate.add_argument("--model", default="tiny", help="the model (default: the trained tiny model)")
-    evaluate.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the tiny model's matrices are "
-                          "small, and on a busy machine more threads stall each other)")
-    evaluate.add_argument("--json", help="write the results here")
+    evaluate.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the tiny model's matrices "
+                          "are small, and on a busy machine more threads stall each other)")
+    evaluate.add_argument("--json", metavar="OUT", help="write the results here")
     evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    train = commands.add_parser("train-tiny", help="train the offline tiny model from scratch (writes assets/tiny)")
+    train = commands.add_parser("train-tiny", help="train the offline tiny model from scratch (writes assets/tiny)",
+                                description=TRAIN_DESCRIPTION, formatter_class=formatter)
     train.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     train.add_argument("--threads", type=int, default=1, help="torch threads (default 1; fixed for reproducibility; "
-                       "streams are generated on a second thread meanwhile)")
-    train.add_argument("--out", default=str(TRAINED_DIR), help="output folder (default assets/tiny)")
+                       "the next step's streams are generated on a second thread meanwhile)")
+    train.add_argument("--out", help="output folder (default assets/tiny)")
     train.add_argument("--check-episodes", type=int, default=100, help="held-out streams for the final full-cache check")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    policies = None
+    if "-h" in argv or "--help" in argv:
+        from .policies import policy_names
+
+        policies = policy_names()
+    args = build_parser(policies).parse_args(argv)
     try:
         if args.command == "run":
             return run_command(args)
         if args.command == "eval":
             from .evaluation import eval_command
 
+            check_eval_arguments(args)
             return eval_command(args)
         if args.command == "train-tiny":
             return train_command(args)
         from .bench import bench_command
 
         return bench_command(args)
-    except USER_ERRORS as exc:
+    except Exception as exc:
+        if not isinstance(exc, user_errors()):
+            raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -117,35 +206,70 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def check_run_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """Plain checks of ``run``'s numbers; returns the policy parameters. Raises :class:`UsageError`."""
+    positive = {"--fps": args.fps, "--frames-per-chunk": args.frames_per_chunk, "--max-frames": args.max_frames,
+                "--max-new-tokens": args.max_new_tokens, "--budget": args.budget, "--keep": args.keep}
+    for flag, value in positive.items():
+        if value is not None and value <= 0:
+            raise UsageError(f"{flag} must be positive, got {value}")
+    if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
+        raise UsageError(f"--min-pixels ({args.min_pixels}) must not exceed --max-pixels ({args.max_pixels})")
+    if args.max_pixels is not None and args.max_pixels < RESIZE_FACTOR**2:
+        raise UsageError(f"--max-pixels must be at least {RESIZE_FACTOR**2} (one 28x28 patch), got {args.max_pixels}")
+    return dict(parse_param(p) for p in args.param)
+
+
 def run_command(args: argparse.Namespace) -> int:
-    policy = make_policy(args.policy, **dict(parse_param(p) for p in args.param))
-    if args.keep is not None and args.budget is None and policy.bounded:
-        raise BudgetError("--keep needs --budget")
-    if args.frames_per_chunk <= 0:
-        raise BudgetError(f"--frames-per-chunk must be positive, got {args.frames_per_chunk}")
+    # Cheapest checks first: the arguments, then the file (PyAV reads its header), then the policy and the
+    # budget against one chunk of this video (imports torch), and only then the model (seconds to minutes).
+    params = check_run_arguments(args)
     if args.video:
-        open_video(args.video, fps=args.fps, max_frames=args.max_frames)  # a bad file fails before a model loads
-    model = load_model(args.model)
-    min_pixels, max_pixels = args.min_pixels or model.min_pixels, args.max_pixels or model.max_pixels
+        open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
+    from .engine import auto_budget, check_chunk_fits, validate_budget
+    from .models.qwen_vl import preferred_pixel_range
+
+    # The model's own pixel range where not given (the trained tiny model saw 112 x 112 frames).
+    default_min, default_max = preferred_pixel_range(args.model)
+    max_pixels = args.max_pixels or default_max
+    min_pixels = args.min_pixels or min(default_min, max_pixels)
     episode = None if args.video else sample_episode()
     if episode is None:
-        video = open_video(args.video, fps=args.fps, max_frames=args.max_frames, min_pixels=min_pixels, max_pixels=max_pixels)
+        video = open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames, min_pixels=min_pixels,
+                           max_pixels=max_pixels)
     else:
-        video = episode.video.head(args.max_frames).resized(min(min_pixels, max_pixels), max_pixels)
+        video = episode.video.sampled(args.fps).head(args.max_frames).resized(min_pixels, max_pixels)
+    from .policies import make_policy
+
+    policy = make_policy(args.policy, **params)
+    if args.keep is not None and args.budget is None and policy.bounded:
+        raise UsageError("--keep needs --budget")
     per_grid = tokens_per_grid(video.size)
-    grids_per_chunk = -(-args.frames_per_chunk // model.temporal_patch_size)
+    grids_per_chunk = -(-args.frames_per_chunk // TEMPORAL_PATCH_SIZE)
+    chunk_tokens = per_grid * grids_per_chunk
     budget, keep = args.budget, args.keep
     note = ""
     if policy.bounded and budget is None:
-        total = -(-video.num_frames // model.temporal_patch_size) * per_grid
-        budget, keep = auto_budget(per_grid * grids_per_chunk, total)
+        total = -(-video.num_frames // TEMPORAL_PATCH_SIZE) * per_grid
+        budget, keep = auto_budget(chunk_tokens, total)
+        keep = keep if policy.uses_keep else None
         note = " (auto: about a third of this stream's visual tokens)"
-    elif policy.bounded and keep is None:
+    elif policy.bounded and policy.uses_keep and keep is None:
         keep = int(budget * 0.75)
+    budget, keep = validate_budget(policy, budget, keep)
+    rows, cols = video.size[0] // RESIZE_FACTOR, video.size[1] // RESIZE_FACTOR
+    check_chunk_fits(policy, budget, keep, chunk_tokens, f"{grids_per_chunk} temporal grid(s) of {rows}x{cols} tokens")
+
+    from .coverage import coverage, coverage_table
+    from .engine import StreamEngine, stream_video
+    from .models.qwen_vl import load_model
+
+    model = load_model(args.model)
     engine = StreamEngine(model, policy, budget=budget, keep=keep, fps=video.fps, max_new_tokens=args.max_new_tokens)
 
     print(video.describe(), file=sys.stderr)
-    print(f"model {model.name}; policy {policy.name}" + (f", M={budget}, C={keep}{note}" if policy.bounded else ""), file=sys.stderr)
+    sizes = f", M={budget}" + (f", C={keep}" if keep is not None else "") + note
+    print(f"model {model.name}; policy {policy.name}" + (sizes if policy.bounded else ""), file=sys.stderr)
     if model.notice:
         elsewhere = " Its answers about this video mean little." if episode is None and not model.random_weights else ""
         print(f"note: {model.notice}{elsewhere}", file=sys.stderr)
@@ -153,12 +277,18 @@ def run_command(args: argparse.Namespace) -> int:
     if args.coverage and policy.bounded:
         engines["full"] = StreamEngine(model, "full", fps=video.fps)
     progress = _progress(video.num_frames, args.quiet)
-    for step in stream_video(model, video, engines, args.frames_per_chunk):
+    try:
+        for step in stream_video(model, video, engines, args.frames_per_chunk):
+            if progress is not None:
+                progress.update(step.chunk.frames)
+                progress.set_postfix(tokens=engine.memory.visual_tokens, MB=f"{engine.memory.nbytes / 2**20:.1f}")
+    except BaseException:
         if progress is not None:
-            progress.update(step.chunk.frames)
-            progress.set_postfix(tokens=engine.memory.visual_tokens, MB=f"{engine.memory.nbytes / 2**20:.1f}")
-    if progress is not None:
-        progress.close()
+            progress.leave = False  # an error is printed on its own line, not after a stale bar
+        raise
+    finally:
+        if progress is not None:
+            progress.close()
     if video.lost_frames:
         print(f"warning: {video.describe()}", file=sys.stderr)
 
@@ -167,9 +297,7 @@ def run_command(args: argparse.Namespace) -> int:
         for piece in engine.ask(question):
             print(piece, end="", flush=True)
         print(f"   ({grade(episode, question, engine.answers[-1].answer, engine.last_time_s).note})" if episode else "")
-    report = engine.report()
-    report["video"] = video.describe()
-    report["lost_frames"] = video.lost_frames
+    report = engine.report(video=video.describe(), lost_frames=video.lost_frames)
     print(summary_table(report, engine))
     if args.coverage:
         full_memory = engines["full"].memory if "full" in engines else engine.memory
@@ -193,11 +321,12 @@ def _progress(total: int, quiet: bool):
     return tqdm(total=total, unit="frame", desc="streaming", file=sys.stderr, dynamic_ncols=True)
 
 
-def summary_table(report: dict[str, Any], engine: StreamEngine) -> str:
+def summary_table(report: dict[str, Any], engine) -> str:
+    """The run's summary as aligned rows (``engine``: the :class:`~kvdemo.engine.StreamEngine` that ran)."""
     stats = engine.stats
     rows = [
         ("policy", report["policy"]),
-        ("budget M / keep C", f"{report['budget']} / {report['keep']}" if report["keep"] else "unbounded"),
+        ("budget M / keep C", budget_text(report)),
         ("frames fed", report["frames"]),
         ("tokens per grid", report["tokens_per_grid"]),
         ("visual tokens now", engine.memory.visual_tokens),
@@ -210,23 +339,50 @@ def summary_table(report: dict[str, Any], engine: StreamEngine) -> str:
     ]
     for answer in engine.answers:
         rows.append(("answer", f"{answer.ms:.0f} ms ({answer.tokens} tokens, first after {answer.ttft_ms:.0f} ms)"))
+    for key, value in report.get("policy_state", {}).items():
+        rows.append((f"{report['policy']}: {key}", json.dumps(value) if isinstance(value, dict) else value))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def budget_text(report: dict[str, Any]) -> str:
+    if report["budget"] is None:
+        return "unbounded"
+    return f"{report['budget']} / {report['keep']}" if report["keep"] is not None else f"{report['budget']} (sized by M alone)"
 
 
 def _percent(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "n/a"
 
 
+def check_eval_arguments(args: argparse.Namespace) -> None:
+    """Plain checks of ``eval``'s arguments; ``--policies``/``--delays`` become lists. Raises :class:`UsageError`."""
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not args.policies:
+        raise UsageError("--policies names no policy")
+    try:
+        args.delays = tuple(float(d) for d in args.delays.split(",") if d.strip())
+    except ValueError:
+        raise UsageError(f"--delays takes seconds separated by commas, got {args.delays!r}") from None
+    if not args.delays or min(args.delays) < 0:
+        raise UsageError(f"--delays must be non-negative seconds, got {args.delays}")
+    for flag, value in {"--episodes": args.episodes, "--threads": args.threads, "--budget": args.budget, "--keep": args.keep}.items():
+        if value is not None and value <= 0:
+            raise UsageError(f"{flag} must be positive, got {value}")
+
+
 def train_command(args: argparse.Namespace) -> int:
     """Train the tiny model, check it on held-out streams (full cache, every default delay), save it."""
     import os
 
+    import torch
+
     from .evaluation import evaluate
+    from .models.tiny import TRAINED_DIR
     from .training import TrainConfig, train_tiny
 
     if args.threads <= 0 or args.check_episodes < 0:
-        raise BudgetError("--threads must be positive and --check-episodes non-negative")
+        raise UsageError("--threads must be positive and --check-episodes non-negative")
     load_before = os.getloadavg()
     trainer, record = train_tiny(TrainConfig(seed=args.seed, threads=args.threads), out=None, progress=not args.quiet)
     record["load_average_before"], record["load_average_after"] = list(load_before), list(os.getloadavg())
@@ -234,8 +390,6 @@ def train_command(args: argparse.Namespace) -> int:
     print(f"trained in {minutes:.1f} min, {record['train_cpu_seconds'] / 60:.1f} CPU-min ({args.threads} threads; "
           f"1-min load average {load_before[0]:.2f} before, {record['load_average_after'][0]:.2f} after)", file=sys.stderr)
     if args.check_episodes:
-        import torch
-
         torch.set_num_threads(args.threads)
         # Seed + 1: other held-out streams than the benchmark's default seed 0.
         check = evaluate(trainer.adapter, ["full"], episodes=args.check_episodes, seed=args.seed + 1, progress=not args.quiet)
@@ -243,6 +397,6 @@ def train_command(args: argparse.Namespace) -> int:
         row = check["accuracy"]["full"]
         print("held-out full-cache accuracy by delay: " + ", ".join(f"{d} s {a:.3f}" for d, a in row.items())
               + f" ({check['questions']['total']} questions, chance {check['chance']:.3f})")
-    folder = trainer.save(Path(args.out), record)
+    folder = trainer.save(Path(args.out) if args.out else TRAINED_DIR, record)
     print(f"weights, config and tokenizer written to {folder}", file=sys.stderr)
     return 0

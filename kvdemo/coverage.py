@@ -20,6 +20,30 @@ THRESHOLDS = (0.05, 0.1, 0.2, 0.3, 0.5)
 
 
 @torch.inference_mode()
+def nearest_retained_cosine(
+    keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, block: int = 4096
+) -> dict[str, torch.Tensor]:
+    """Cosine distance of every token to its nearest retained token, per KV head: ``{space: [H * N]}``.
+
+    ``keys``/``values [H, N, D]`` are the full cache's tokens; ``kept [H, K]`` the ids (into ``N``) of the
+    tokens one head retained. ``joint`` is ``1 - max_j (cos_K + cos_V) / 2`` (one nearest token for both),
+    ``key``/``value`` take the nearest token in their own space.
+    """
+    keys, values = F.normalize(keys.float(), dim=-1), F.normalize(values.float(), dim=-1)
+    kept = kept.long().to(keys.device)[..., None]
+    kept_keys = torch.gather(keys, 1, kept.expand(-1, -1, keys.shape[-1]))
+    kept_values = torch.gather(values, 1, kept.expand(-1, -1, values.shape[-1]))
+    out: dict[str, list[torch.Tensor]] = {space: [] for space in SPACES}
+    for start in range(0, keys.shape[1], block):
+        cos_k = keys[:, start : start + block] @ kept_keys.transpose(1, 2)
+        cos_v = values[:, start : start + block] @ kept_values.transpose(1, 2)
+        out["key"].append(1 - cos_k.max(dim=-1).values)
+        out["value"].append(1 - cos_v.max(dim=-1).values)
+        out["joint"].append(1 - ((cos_k + cos_v) / 2).max(dim=-1).values)
+    return {space: torch.cat(parts, dim=1).flatten().clamp_min(0) for space, parts in out.items()}
+
+
+@torch.inference_mode()
 def nearest_retained_distances(full: KVMemory, kept: KVMemory, block: int = 4096) -> dict[str, torch.Tensor]:
     """Cosine distance of every full-cache token to its nearest retained token: ``{space: [N]}``.
 
@@ -35,18 +59,12 @@ def nearest_retained_distances(full: KVMemory, kept: KVMemory, block: int = 4096
     for layer in range(full.num_layers):
         if full.frame[layer].shape[1] != expected:
             raise ValueError("the reference memory is compressed; coverage needs the full cache")
-        keys = F.normalize(full.keys[layer][0, :, p:].float(), dim=-1)  # [H, N, D], token id = (grid * rows + row) * cols + col
-        values = F.normalize(full.values[layer][0, :, p:].float(), dim=-1)
-        ids = ((kept.frame[layer].long() * rows + kept.row[layer].long()) * cols + kept.col[layer].long()).to(keys.device)
-        kept_keys = torch.gather(keys, 1, ids[..., None].expand(-1, -1, keys.shape[-1]))
-        kept_values = torch.gather(values, 1, ids[..., None].expand(-1, -1, values.shape[-1]))
-        for start in range(0, keys.shape[1], block):
-            cos_k = keys[:, start : start + block] @ kept_keys.transpose(1, 2)
-            cos_v = values[:, start : start + block] @ kept_values.transpose(1, 2)
-            out["key"].append((1 - cos_k.max(dim=-1).values).flatten())
-            out["value"].append((1 - cos_v.max(dim=-1).values).flatten())
-            out["joint"].append((1 - ((cos_k + cos_v) / 2).max(dim=-1).values).flatten())
-    return {space: torch.cat(parts).clamp_min(0).cpu() for space, parts in out.items()}
+        # token id in the full cache = (grid * rows + row) * cols + col
+        ids = (kept.frame[layer].long() * rows + kept.row[layer].long()) * cols + kept.col[layer].long()
+        layer_distances = nearest_retained_cosine(full.keys[layer][0, :, p:], full.values[layer][0, :, p:], ids, block)
+        for space, d in layer_distances.items():
+            out[space].append(d)
+    return {space: torch.cat(parts).cpu() for space, parts in out.items()}
 
 
 def coverage_summary(distances: dict[str, torch.Tensor], points: int = 51) -> dict[str, Any]:

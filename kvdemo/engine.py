@@ -9,6 +9,7 @@ exactly as it was.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,19 +46,37 @@ class Answer:
 
 
 def validate_budget(policy: Policy, budget: int | None, keep: int | None) -> tuple[int | None, int | None]:
-    """Check ``M`` (budget) and ``C`` (keep) for ``policy``; returns them as ints (``None`` for ``full``)."""
+    """Check ``M`` (budget) and ``C`` (keep) for ``policy``; returns them as ints (``None`` where unused:
+    ``full`` takes neither, a policy sized by ``M`` alone takes no ``C``)."""
     if not policy.bounded:
         return (int(budget) if budget else None), None
-    if budget is None or keep is None:
-        raise BudgetError(f"policy {policy.name!r} needs a budget M and a keep size C (visual tokens)")
-    if int(budget) != budget or int(keep) != keep:
+    needed = "a budget M and a keep size C" if policy.uses_keep else "a budget M"
+    if budget is None or (policy.uses_keep and keep is None):
+        raise BudgetError(f"policy {policy.name!r} needs {needed} (visual tokens)")
+    if not policy.uses_keep and keep is not None:
+        raise BudgetError(f"policy {policy.name!r} is sized by M alone; C does not apply (leave it out)")
+    values = (budget,) if keep is None else (budget, keep)
+    if any(int(v) != v for v in values):
         raise BudgetError(f"M and C are token counts (whole numbers), got M={budget}, C={keep}")
-    budget, keep = int(budget), int(keep)
-    if budget <= 0 or keep <= 0:
+    if any(int(v) <= 0 for v in values):
         raise BudgetError(f"M and C must be positive, got M={budget}, C={keep}")
+    budget = int(budget)
+    if keep is None:
+        policy.summary_slots(budget)  # raises if M cannot be split as the policy needs
+        return budget, None
+    keep = int(keep)
     if keep >= budget:
         raise BudgetError(f"C must be smaller than M (a compression keeps C of the M tokens), got M={budget}, C={keep}")
     return budget, keep
+
+
+def check_chunk_fits(policy: Policy, budget: int | None, keep: int | None, tokens: int, shape: str = "") -> None:
+    """Raise :class:`BudgetError` if chunks of ``tokens`` visual tokens can never fit ``policy``'s budget
+    (``M`` below one chunk, ``M - C`` too small to take one after a compression, or the policy's own rule:
+    :meth:`Policy.check_fits`). ``shape`` describes the chunk in the message (e.g. "1 temporal grid(s) of
+    9x15 tokens"). The engine, the CLI and the app all check with this one rule."""
+    if budget is not None and policy.bounded:
+        policy.check_fits(budget, keep, tokens, shape)
 
 
 class FrameStream:
@@ -198,7 +217,8 @@ class StreamEngine:
         self.fps = float(fps)
         self.max_new_tokens = int(max_new_tokens)
         self.max_cache_bytes = max_cache_bytes
-        self.memory = KVMemory(model.num_layers, model.num_kv_heads)
+        summary = self.policy.summary_slots(self.budget) if self.budget and self.policy.bounded else 0
+        self.memory = KVMemory(model.num_layers, model.num_kv_heads, visual_capacity=self.budget or 0, summary_slots=summary)
         self.history: list[tuple[str, str]] = []
         self.answers: list[Answer] = []
         self.frames_fed = 0
@@ -206,6 +226,33 @@ class StreamEngine:
         self.stats = EngineStats()
         self.last_selection_info: dict[str, Any] = {}
         self._stream: FrameStream | None = None
+
+    # --- crossing a process boundary (ZeroGPU) -------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the model (memory, policy state, dialogue, timeline, stats) pickles; the model is
+        re-attached by :meth:`bind` on the other side (resolved there by name)."""
+        state = self.__dict__.copy()
+        state["model"] = None
+        state["model_name"] = self.model.name if self.model is not None else state.get("model_name")
+        if self._stream is not None:
+            state["_stream"] = copy.copy(self._stream)
+            state["_stream"].model = None
+        return state
+
+    def bind(self, model: VideoLM) -> "StreamEngine":
+        """Attach ``model`` (after unpickling) and move the memory and the policy's state to its device."""
+        self.model = model
+        if self._stream is not None:
+            self._stream.model = model
+        self.memory.to(model.device)
+        self.policy.to(model.device)
+        return self
+
+    def to(self, device: torch.device | str) -> "StreamEngine":
+        """Move the memory and the policy's state to ``device`` (e.g. to the CPU before pickling)."""
+        self.memory.to(device)
+        self.policy.to(device)
+        return self
 
     # --- streaming ------------------------------------------------------------------------
     def feed(self, frames: np.ndarray, times_s: np.ndarray | None = None) -> list[OccupancyEvent]:
@@ -227,20 +274,20 @@ class StreamEngine:
         if self.memory.is_empty:
             self._prefill_prefix()
         events = []
-        if self.budget is not None and self.policy.bounded and self.memory.visual_tokens + chunk.num_tokens > self.budget:
-            events.append(self.compress())
+        if self.budget is not None and self.policy.bounded and self._held_under_budget() + chunk.num_tokens > self.budget:
+            events.append(self.compress(incoming=chunk.num_tokens))
         self._check_cap(chunk)
         start = time.perf_counter()
         positions = mrope_positions(
             chunk.grid, chunk.row, chunk.col, self.memory.prefix_len, chunk.second_per_grid, self.model.tokens_per_second
         )
-        cache = self.memory.to_cache()
-        self.model.forward(chunk.embeds, positions, cache)
-        self.memory.append(cache, chunk, int(positions.max()))
+        self.model.forward(chunk.embeds, positions, self.memory.cache())
+        self.memory.commit_append(chunk, positions)
         prefill_ms = self._elapsed_ms(start)
         self.frames_fed += chunk.frames
         self.last_time_s = chunk.end_time_s
-        events.append(self.memory.record("append", self.frames_fed, self.last_time_s, prefill_ms))
+        moved = chunk.num_tokens * self.memory.token_bytes()
+        events.append(self.memory.record("append", self.frames_fed, self.last_time_s, prefill_ms, moved))
         self.stats.chunks += 1
         self.stats.prefill_ms += prefill_ms
         self.stats.encode_ms += chunk.encode_ms
@@ -256,16 +303,25 @@ class StreamEngine:
         return events
 
     @torch.inference_mode()
-    def compress(self) -> OccupancyEvent:
-        """Run the policy on the current memory, keeping ``C`` visual tokens per layer and KV head."""
+    def compress(self, incoming: int = 0) -> OccupancyEvent:
+        """Run the policy on the current memory, keeping ``C`` visual tokens per layer and KV head (the
+        policy's own count when it is sized by ``M`` alone and ``incoming`` tokens are about to arrive)."""
         start = time.perf_counter()
-        selection = self.policy.compress(self.memory.views(), self.keep)
-        self.memory.apply(selection)
+        keep = self.policy.keep_for(self.budget, self.keep, incoming)
+        probe = self._probe(self.policy.probe_text) if self.policy.needs_probe else None
+        selection = self.policy.compress(self.memory.views(self.model.rotary, probe), keep)
+        moved = self.memory.apply(selection)
         ms = self._elapsed_ms(start)
         self.last_selection_info = selection.info
         self.stats.compress_ms += ms
         self.stats.compressions += 1
-        return self.memory.record("compress", self.frames_fed, self.last_time_s, ms)
+        return self.memory.record("compress", self.frames_fed, self.last_time_s, ms, moved)
+
+    def _held_under_budget(self) -> int:
+        """Visual tokens of the layers the policy compresses (a policy may leave some layers uncompressed,
+        ``Selection.info["uncompressed_layers"]``, e.g. CoRDS with ``above=keep``: they do not trigger)."""
+        free = set(self.last_selection_info.get("uncompressed_layers", ()))
+        return self.memory.visual_tokens_in([layer for layer in range(self.memory.num_layers) if layer not in free])
 
     def _check_chunk(self, chunk: VisualChunk) -> None:
         if chunk.first_grid != self.memory.num_grids:
@@ -274,26 +330,13 @@ class StreamEngine:
 
     def check_fits(self, tokens: int, shape: str = "") -> None:
         """Raise :class:`BudgetError` if a chunk of ``tokens`` visual tokens can never fit the budget
-        (``M`` below one chunk, or ``M - C`` too small to take one after a compression)."""
-        if self.budget is None or not self.policy.bounded:
-            return
-        shape = f" = {shape}" if shape else ""
-        if tokens > self.budget:
-            raise BudgetError(
-                f"M={self.budget} is smaller than one chunk ({tokens} visual tokens{shape}); "
-                "raise M, or lower max pixels / frames per chunk"
-            )
-        if self.budget - self.keep < tokens:
-            raise BudgetError(
-                f"M - C = {self.budget - self.keep} leaves no room for one chunk ({tokens} visual tokens{shape}); "
-                f"lower C to at most {self.budget - tokens} or raise M"
-            )
+        (see :func:`check_chunk_fits`)."""
+        check_chunk_fits(self.policy, self.budget, self.keep, tokens, shape)
 
     def _check_cap(self, chunk: VisualChunk) -> None:
         if self.max_cache_bytes is None or self.memory.is_empty:
             return
-        per_token = self.memory.nbytes / max(1, self.memory.prefix_len + self.memory.visual_tokens)
-        projected = self.memory.nbytes + per_token * chunk.num_tokens
+        projected = self.memory.nbytes + self.memory.token_bytes() * chunk.num_tokens
         if projected > self.max_cache_bytes:
             raise MemoryCapError(
                 f"stopped at {self.frames_fed} frames: the next chunk would take the cache to "
@@ -303,9 +346,19 @@ class StreamEngine:
     def _prefill_prefix(self) -> None:
         ids = self.model.tokenize(self.model.prefix_text())
         positions = torch.arange(len(ids)).expand(3, -1)
-        cache = self.memory.to_cache()
+        cache = self.memory.cache()
         self.model.forward(self.model.embed_text(ids), positions, cache)
-        self.memory.set_prefix(cache, len(ids))
+        self.memory.commit_prefix(cache, len(ids))
+
+    def _probe(self, text: str) -> list[torch.Tensor]:
+        """Every layer's queries ``[H_q, T, D]`` for ``text`` asked as a question after the memory (written
+        into the slack, never committed): what a policy with ``needs_probe`` reads the memory with."""
+        ids = self.model.tokenize(self.model.question_text([], text))
+        position = self.memory.max_position + 1
+        cache = self.memory.cache()
+        cache.capture = {}
+        self.model.forward(self.model.embed_text(ids), torch.arange(position, position + len(ids)).expand(3, -1), cache)
+        return [cache.capture[layer] for layer in range(self.memory.num_layers)]
 
     def _elapsed_ms(self, start: float) -> float:
         if self.model.device.type == "cuda":
@@ -316,7 +369,8 @@ class StreamEngine:
     def ask(self, question: str, max_new_tokens: int | None = None) -> Iterator[str]:
         """Answer ``question`` from the memory; yields text pieces as tokens are generated.
 
-        Runs on a fork (the memory is never written), so the memory afterwards is bit-identical.
+        The question and answer tokens are written into the memory's slack and never committed, so the
+        memory afterwards is bit-identical (no copy, no rollback).
         The question and the answer join the dialogue, re-encoded as text before the next question.
         """
         if self.memory.num_grids == 0:
@@ -337,7 +391,9 @@ class StreamEngine:
         start = time.perf_counter()
         ids = self.model.tokenize(self.model.question_text(self.history, question))
         position = self.memory.max_position + 1
-        cache = self.memory.to_cache()
+        cache = self.memory.cache()  # writes go to the slack and are never committed
+        cache.answering = True  # heads with an offload store retrieve (question prefill and every decode step)
+        self.memory.reset_retrieved()
         logits = self.model.forward(
             self.model.embed_text(ids), torch.arange(position, position + len(ids)).expand(3, -1), cache
         )
@@ -385,11 +441,17 @@ class StreamEngine:
         shape = self.memory.grid_shape
         return shape[0] * shape[1] if shape else 0
 
-    def report(self) -> dict[str, Any]:
-        """The run report (the JSON contract shared by the CLI, the app and the benchmarks)."""
+    def report(self, video: str = "", lost_frames: int = 0) -> dict[str, Any]:
+        """The run report (the JSON contract shared by the CLI, the app and the benchmarks).
+
+        ``video`` describes the source (``Video.describe()``); ``lost_frames`` counts sampled frames
+        that could not be decoded (a damaged file).
+        """
         timeline = [e.to_dict() for e in self.memory.timeline]
         return {
             "model": self.model.name,
+            "video": video,
+            "lost_frames": int(lost_frames),
             "random_weights": bool(self.model.random_weights),
             "policy": self.policy.name,
             "params": self.policy.params(),
@@ -401,9 +463,11 @@ class StreamEngine:
             "timeline": timeline,
             "peak_visual_tokens": max((e["visual_tokens"] for e in timeline), default=0),
             "peak_cache_bytes": max((e["cache_bytes"] for e in timeline), default=0),
+            "largest_head_tokens": self.memory.largest_head_tokens,
             "survivors": [
                 {"grid": g, "time_s": self.memory.grid_times_s[g], "kept_fraction": fraction}
                 for g, fraction in enumerate(self.memory.survival_fraction())
             ],
             "answers": [{"question": a.question, "answer": a.answer, "ms": a.ms} for a in self.answers],
+            "policy_state": self.policy.report(),
         }

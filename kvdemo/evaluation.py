@@ -24,12 +24,13 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .engine import FrameStream, StreamEngine
-from .models.base import VideoLM
-from .policies import BudgetError, make_policy
 from .synthetic import COLOURS, SHAPES, Episode, Question, StreamSpec, generate_episode, grade_answer
+
+if TYPE_CHECKING:  # the engine imports torch: loaded when an evaluation runs, not with the CLI's defaults
+    from .engine import StreamEngine
+    from .models.base import VideoLM
 
 #: Seed-sequence tag of evaluation streams (training uses another, so these streams are held out).
 EVAL_STREAMS = 2
@@ -85,13 +86,16 @@ def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def build_engines(model: VideoLM, policies: list[str], budget: int | None, keep: int | None, fps: float) -> dict[str, StreamEngine]:
-    """One engine per policy; a bounded policy gets ``M`` and ``C`` (each policy validates what it takes)."""
+    """One engine per policy: a bounded policy gets ``M``, and ``C`` if it takes one (``uses_keep``)."""
+    from .engine import StreamEngine
+    from .policies import BudgetError, make_policy
+
     engines = {}
     for name in policies:
         policy = make_policy(name)
         if policy.bounded and budget is None:
             raise BudgetError(f"policy {name!r} needs --budget (M) for the evaluation")
-        bounds = dict(budget=budget, keep=keep) if policy.bounded else {}
+        bounds = dict(budget=budget, keep=keep if policy.uses_keep else None) if policy.bounded else {}
         engines[name] = StreamEngine(model, policy, fps=fps, max_new_tokens=ANSWER_TOKENS, **bounds)
     return engines
 
@@ -103,6 +107,8 @@ def run_episode(
 
     Returns, per policy, ``[item][delay] -> correct``.
     """
+    from .engine import FrameStream
+
     video = episode.video
     engines = build_engines(model, policies, budget, keep, video.fps)
     stream = FrameStream(model, video.fps)
@@ -145,6 +151,8 @@ def evaluate(
     Returns the JSON report: ``chance``, ``episodes``, ``budget``, ``keep``, ``accuracy[policy][delay]``,
     plus ``interval`` (95%), ``by_kind``, ``questions`` and the engines' actual ``budgets``.
     """
+    from .policies import BudgetError
+
     if not policies:
         raise BudgetError("name at least one policy")
     if episodes <= 0:
@@ -233,25 +241,20 @@ def accuracy_table(report: dict[str, Any]) -> str:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from .models.qwen_vl import load_model
-
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    for name in policies:
-        make_policy(name)  # an unknown name fails here, before the model loads
-    try:
-        delays = tuple(float(d) for d in args.delays.split(",") if d.strip())
-    except ValueError:
-        raise BudgetError(f"--delays takes seconds separated by commas, got {args.delays!r}") from None
-    if args.threads <= 0:
-        raise BudgetError(f"--threads must be positive, got {args.threads}")
+    """``python -m kvdemo eval`` (arguments checked by the CLI before anything heavy loads)."""
     import torch
 
+    from .models.qwen_vl import load_model
+    from .policies import make_policy
+
+    for name in args.policies:
+        make_policy(name)  # an unknown name fails here, before the model loads
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
     if model.notice:
         print(f"note: {model.notice}", file=sys.stderr)
     report = evaluate(
-        model, policies, delays, args.episodes, args.seed, args.budget, args.keep, progress=not args.quiet
+        model, args.policies, args.delays, args.episodes, args.seed, args.budget, args.keep, progress=not args.quiet
     )
     print(accuracy_table(report))
     if args.json:

@@ -1,20 +1,55 @@
-"""The KV memory: per-layer key/value tensors, per-head provenance of every visual token, real bytes,
-and the occupancy timeline.
+"""The KV memory: preallocated per-layer key/value buffers written in place, per-head provenance of every
+visual token, an optional per-head key bias, real bytes, and the occupancy timeline.
 
-Layout per layer ``l``: keys/values ``[1, H_kv, P + L_l, D]`` where the first ``P`` tokens are the text
-prefix (never evicted) and the rest are visual tokens in stream order, with provenance
-``frame/row/col [H_kv, L_l]`` (frame = temporal grid index). A compression gathers keys, values and
-provenance with the same indices, so what a heatmap shows is what the cache holds.
+Layout of one layer's buffers ``keys/values [1, H_kv, capacity, D]`` (slots, not stream order)::
+
+    | prefix (P) | summary (S) | visual (L) | slack ... |
+    0            P             P+S          P+S+L = end  capacity
+
+- prefix: the system text, never evicted;
+- summary: synthetic entries a policy owns (ProtoKV's pseudo-tokens), refreshed by a compression;
+- visual: real visual tokens with provenance ``frame/row/col/order/position/reason [H_kv, L]`` per slot.
+  Heads may hold different numbers of tokens (ragged budgets): then ``valid [H_kv, L]`` marks real slots
+  and the others carry a ``-inf`` key bias;
+- slack: where a forward writes new tokens. A chunk's prefill writes there and is committed
+  (:meth:`KVMemory.commit_append`); a question writes there and is simply not committed, so the memory
+  after :meth:`~kvdemo.engine.StreamEngine.ask` is bit-identical without any copy or rollback.
+
+Every byte moves once: an append copies the chunk into the slack; a compression moves only the kept tokens
+that sit at or beyond slot ``C`` into the evicted slots below ``C`` (at most ``M - C`` tokens per head,
+``index_select``/``index_copy_`` on the flattened ``[H * capacity, D]`` buffer), never the prefix. Keys
+carry their rotation (post-RoPE), so attention does not care where a token sits: only a new chunk must
+come after what it attends to, which the slack guarantees. Buffers grow geometrically only when a stream
+needs more room (the ``full`` policy, a long dialogue). Consequently the visual slots are *not* in stream
+order: ``order`` (arrival number) and ``frame`` say what is older.
+
+What transformers sees is :class:`kvdemo.attention.MemoryCache`, a ``Cache`` whose layers are views of the
+live part, read by kvdemo's attention function (the key bias) in :mod:`kvdemo.attention`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
 from .models.base import VisualChunk
-from .policies.base import LayerView, Selection
+from .policies.base import LayerView, OffloadUpdate, Selection, SummaryUpdate
+
+#: Reason code of a visual slot appended since the last compression (no policy reason yet).
+REASON_NEW = -2
+#: Provenance fields kept per visual slot, with their dtype and trailing shape.
+PROVENANCE = {
+    "frame": (torch.int32, ()),  # temporal grid index in the stream
+    "row": (torch.int32, ()),  # merged-patch row
+    "col": (torch.int32, ()),  # merged-patch column
+    "order": (torch.int64, ()),  # arrival number of the token in the stream (0, 1, 2, ...)
+    "position": (torch.int32, (3,)),  # 3-D M-RoPE position (temporal, height, width) the key was rotated at
+    "reason": (torch.int8, ()),  # why the last compression kept it (policy's code) or REASON_NEW
+}
+#: Slots kept free after the live part for a question and its answer (grown on demand beyond that).
+TEXT_RESERVE = 256
 
 
 @dataclass
@@ -25,134 +60,588 @@ class OccupancyEvent:
     time_s: float  # stream time of the newest frame
     event: str  # "append" | "compress"
     visual_tokens: int
-    cache_bytes: int
+    cache_bytes: int  # bytes of the live keys/values (what attention reads)
     ms: float
+    allocated_bytes: int = 0  # bytes of the preallocated buffers (live + slack)
+    moved_bytes: int = 0  # key/value bytes this event copied (an append: the chunk; a compression: the moved tokens)
+    offloaded_bytes: int = 0  # key/value bytes in the offload store (host memory), not counted in cache_bytes
+    padding_bytes: int = 0  # live bytes of ragged heads' padding slots (part of cache_bytes, attended to by nobody)
+    summary_active: int = 0  # summary slots attention can see (ProtoKV's active pseudo-tokens), mean over KV heads
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-class KVMemory:
-    """A model's KV cache under our control (see the module docstring for the layout)."""
+@dataclass
+class OffloadStore:
+    """One layer's offloaded visual tokens: per KV head, chunks of ``chunk`` tokens in arrival order, kept in
+    host memory (pinned when the model is on CUDA), with a resident index of chunk mean keys (HybridKV).
 
-    def __init__(self, num_layers: int, num_kv_heads: int) -> None:
+    keys/values ``[H, chunks, chunk, D]``, ``valid [H, chunks, chunk]`` (a head's last chunk of a pass may be
+    partial), provenance ``frame/row/col/order [H, chunks, chunk]``, ``mean_keys [H, chunks, D]`` on the
+    model's device, ``count [H]`` chunks per head, ``retrieve [H]`` tokens each head brings back per decode
+    step, ``retrieved [H, chunks]`` the chunks a head brought back during the last question.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    provenance: dict[str, torch.Tensor]
+    mean_keys: torch.Tensor
+    count: torch.Tensor
+    retrieve: torch.Tensor
+    retrieved: torch.Tensor
+    chunk: int = 8
+
+    @classmethod
+    def empty(cls, heads: int, dim: int, chunk: int, dtype: torch.dtype, device: torch.device) -> "OffloadStore":
+        host = torch.device("cpu")
+        pin = device.type == "cuda"
+        return cls(
+            keys=torch.zeros(heads, 0, chunk, dim, dtype=dtype, device=host, pin_memory=pin),
+            values=torch.zeros(heads, 0, chunk, dim, dtype=dtype, device=host, pin_memory=pin),
+            valid=torch.zeros(heads, 0, chunk, dtype=torch.bool),
+            provenance={name: torch.zeros(heads, 0, chunk, dtype=torch.int64) for name in ("frame", "row", "col", "order")},
+            mean_keys=torch.zeros(heads, 0, dim, dtype=torch.float32, device=device),
+            count=torch.zeros(heads, dtype=torch.long),
+            retrieve=torch.zeros(heads, dtype=torch.long),
+            retrieved=torch.zeros(heads, 0, dtype=torch.bool, device=device),
+            chunk=chunk,
+        )
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys.shape[1])
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """Tokens stored per head ``[H]``."""
+        return self.valid.sum(dim=(1, 2))
+
+    @property
+    def nbytes(self) -> int:
+        """Real bytes of the stored keys and values (chunks in use)."""
+        per_chunk = 2 * self.chunk * self.keys.shape[-1] * self.keys.element_size()
+        return int(self.count.sum()) * per_chunk
+
+    def _grow(self, chunks: int) -> None:
+        if chunks <= self.capacity:
+            return
+        capacity = max(chunks, int(self.capacity * 1.5) + 4)
+        pad = capacity - self.capacity
+
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            extra = t.new_zeros(t.shape[0], pad, *t.shape[2:])
+            out = torch.cat([t, extra], dim=1)
+            return out.pin_memory() if t.is_pinned() else out
+
+        self.keys, self.values, self.valid = grown(self.keys), grown(self.values), grown(self.valid)
+        self.provenance = {name: grown(t) for name, t in self.provenance.items()}
+        self.mean_keys, self.retrieved = grown(self.mean_keys), grown(self.retrieved)
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, provenance: dict[str, torch.Tensor]) -> int:
+        """Store ``keys/values [H, E, D]`` (``valid [H, E]``, arrival order) as new chunks per head; returns
+        the key/value bytes copied."""
+        heads, tokens, dim = keys.shape
+        valid = valid.cpu()
+        rank = torch.cumsum(valid.long(), dim=1) - 1  # position among the head's valid tokens
+        new_chunks = (valid.sum(dim=1) + self.chunk - 1) // self.chunk
+        self._grow(int((self.count + new_chunks).max()) if heads else 0)
+        h, e = torch.nonzero(valid, as_tuple=True)
+        chunk_ids = self.count[h] + rank[h, e] // self.chunk
+        slots = rank[h, e] % self.chunk
+        self.keys[h, chunk_ids, slots] = keys.cpu()[h, e]
+        self.values[h, chunk_ids, slots] = values.cpu()[h, e]
+        self.valid[h, chunk_ids, slots] = True
+        for name, source in provenance.items():
+            self.provenance[name][h, chunk_ids, slots] = source.cpu()[h, e].long()
+        # Mean keys of the new chunks (float32), on the model's device.
+        device = self.mean_keys.device
+        sums = torch.zeros(heads, self.capacity, dim, dtype=torch.float32)
+        sums.index_put_((h, chunk_ids), keys.cpu()[h, e].float(), accumulate=True)
+        counts = torch.zeros(heads, self.capacity).index_put_((h, chunk_ids), torch.ones(h.numel()), accumulate=True)
+        fresh = counts > 0
+        self.mean_keys[fresh.to(device)] = (sums[fresh] / counts[fresh][:, None]).to(device)
+        self.count += new_chunks
+        return 2 * int(h.numel()) * dim * keys.element_size()
+
+    def fetch(self, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Retrieval for one forward while answering: each head scores its chunks by the forward's queries
+        against the mean keys (summed over the head's group of query heads and, for a question's prefill,
+        averaged over its tokens: kvdemo's), brings back its top ``retrieve // chunk`` chunks, and records
+        them. ``query [H_q, q, D]`` -> keys/values ``[H, R, D]`` on the query's device and a key bias
+        ``[H, R]`` (0 for a retrieved token, ``-inf`` for padding), or None if no head retrieves."""
+        wanted = torch.minimum(self.retrieve // self.chunk, self.count)  # chunks per head
+        width = int(wanted.max()) if wanted.numel() else 0
+        if width == 0:
+            return None
+        heads = self.keys.shape[0]
+        grouped = query.float().mean(dim=1).reshape(heads, -1, query.shape[-1])  # [H, group, D]
+        scores = torch.einsum("hgd,hcd->hc", grouped, self.mean_keys[:, : self.capacity]) * scale
+        live = torch.arange(self.capacity, device=scores.device)[None] < self.count.to(scores.device)[:, None]
+        scores = scores.masked_fill(~live, float("-inf"))
+        top = torch.topk(scores, width, dim=1).indices  # [H, width]
+        chosen = torch.arange(width, device=top.device)[None] < wanted.to(top.device)[:, None]
+        self.retrieved[torch.arange(heads, device=top.device)[:, None].expand_as(top)[chosen], top[chosen]] = True
+        top_host = top.cpu()
+        rows = torch.arange(heads)[:, None]
+        keys = self.keys[rows, top_host].to(query.device, non_blocking=True)  # [H, width, chunk, D]
+        values = self.values[rows, top_host].to(query.device, non_blocking=True)
+        ok = (self.valid[rows, top_host] & chosen.cpu()[..., None]).to(query.device)
+        bias = torch.zeros(ok.shape, dtype=query.dtype, device=query.device).masked_fill(~ok, float("-inf"))
+        dim = keys.shape[-1]
+        return keys.reshape(heads, -1, dim), values.reshape(heads, -1, dim), bias.reshape(heads, -1)
+
+
+@dataclass
+class LayerMemory:
+    """One layer's buffers (see the module docstring for the layout)."""
+
+    keys: torch.Tensor  # [1, H, capacity, D]
+    values: torch.Tensor  # [1, H, capacity, D]
+    provenance: dict[str, torch.Tensor]  # name -> [H, capacity - P - S, ...]
+    bias: torch.Tensor | None = None  # [H, capacity] additive key bias (0 = plain attention), None if never used
+    visual_len: int = 0  # L: visual slots in use (the fullest head's count when ragged)
+    valid: torch.Tensor | None = None  # [H, L] bool when heads hold different numbers of tokens
+    offload: OffloadStore | None = None  # tokens some heads keep off the device, retrieved at decode time
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys.shape[2])
+
+
+class KVMemory:
+    """A model's KV cache under our control (see the module docstring for the layout).
+
+    ``visual_capacity`` is the number of visual slots to preallocate (``M`` for a bounded policy);
+    ``summary_slots`` the size of the summary region a policy owns (0 for a selection policy).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, visual_capacity: int = 0, summary_slots: int = 0) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self.visual_capacity = int(visual_capacity)
+        self.summary_slots = int(summary_slots)
+        self.layers: list[LayerMemory] = []
         self.prefix_len = 0
-        self.frame: list[torch.Tensor] = []
-        self.row: list[torch.Tensor] = []
-        self.col: list[torch.Tensor] = []
         self.grid_times_s: list[float] = []  # stream time of each temporal grid ever fed
         self.grid_shape: tuple[int, int] | None = None
         self.timeline: list[OccupancyEvent] = []
         self.max_position = -1  # largest position ever assigned (text after the memory starts above it)
+        self.tokens_seen = 0  # visual tokens ever appended (the next token's ``order``)
+
+    # --- crossing a process boundary --------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle only the live slots (the slack and unused capacity stay behind; :meth:`__setstate__`
+        restores the capacity), so a memory crosses a process boundary at the size of what it holds."""
+        state = self.__dict__.copy()
+        state["layers"] = [self._trimmed(i, store) for i, store in enumerate(self.layers)]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for layer, store in enumerate(self.layers):
+            self._resize(layer, self.visual_start + max(self.visual_capacity, store.visual_len) + TEXT_RESERVE)
+
+    def _trimmed(self, layer: int, store: LayerMemory) -> LayerMemory:
+        live = self.live_len(layer) if self.prefix_len else store.capacity
+        visual = store.visual_len
+        return LayerMemory(
+            keys=store.keys[:, :, :live].clone(),
+            values=store.values[:, :, :live].clone(),
+            provenance={name: t[:, :visual].clone() for name, t in store.provenance.items()},
+            bias=None if store.bias is None else store.bias[:, :live].clone(),
+            visual_len=visual,
+            valid=store.valid,
+            offload=store.offload,
+        )
+
+    def to(self, device: torch.device | str) -> "KVMemory":
+        """Move every buffer to ``device`` (the offload stores' chunks stay in host memory, their mean-key
+        index follows the device); returns self."""
+        for store in self.layers:
+            store.keys, store.values = store.keys.to(device), store.values.to(device)
+            store.provenance = {name: t.to(device) for name, t in store.provenance.items()}
+            store.bias = None if store.bias is None else store.bias.to(device)
+            store.valid = None if store.valid is None else store.valid.to(device)
+            if store.offload is not None:
+                store.offload.mean_keys = store.offload.mean_keys.to(device)
+                store.offload.retrieved = store.offload.retrieved.to(device)
+        return self
 
     # --- state ----------------------------------------------------------------------------
     @property
     def is_empty(self) -> bool:
-        return not self.keys
+        return not self.layers
+
+    @property
+    def visual_start(self) -> int:
+        """First visual slot: after the prefix and the summary region."""
+        return self.prefix_len + self.summary_slots
+
+    def live_len(self, layer: int) -> int:
+        """Slots attention reads in ``layer``: prefix + summary + visual."""
+        return self.visual_start + self.layers[layer].visual_len
+
+    def head_counts(self, layer: int) -> torch.Tensor:
+        """Visual tokens each KV head of ``layer`` holds, ``[H]`` (all equal unless ragged)."""
+        store = self.layers[layer]
+        if store.valid is None:
+            return torch.full((self.num_kv_heads,), store.visual_len, dtype=torch.long)
+        return store.valid.sum(dim=1).cpu()
 
     @property
     def visual_tokens(self) -> int:
-        """Visual tokens held by the fullest layer (the number the budget bounds)."""
-        return max((f.shape[1] for f in self.frame), default=0)
+        """Visual tokens held, the number the budget bounds: per layer, the summary slots plus the mean
+        visual tokens per KV head (equal heads: just the count); the fullest layer counts."""
+        return self.visual_tokens_in(range(self.num_layers))
+
+    def visual_tokens_in(self, layers) -> int:
+        """:attr:`visual_tokens` over the given layers only (0 if none or empty)."""
+        if not self.layers:
+            return 0
+        return max((self.summary_slots + round(float(self.head_counts(i).double().mean())) for i in layers), default=0)
+
+    @property
+    def largest_head_tokens(self) -> int:
+        """The most visual tokens (summary slots included) any single KV head of any layer holds."""
+        if not self.layers:
+            return 0
+        return max(self.summary_slots + int(self.head_counts(i).max()) for i in range(self.num_layers))
 
     @property
     def num_grids(self) -> int:
         return len(self.grid_times_s)
 
     @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer, the live keys ``[1, H, P + S + L, D]`` (views, no copies)."""
+        return [store.keys[:, :, : self.live_len(i)] for i, store in enumerate(self.layers)]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [store.values[:, :, : self.live_len(i)] for i, store in enumerate(self.layers)]
+
+    def _provenance(self, name: str) -> list[torch.Tensor]:
+        return [store.provenance[name][:, : store.visual_len] for store in self.layers]
+
+    @property
+    def frame(self) -> list[torch.Tensor]:
+        """Per layer, ``[H, L]`` temporal grid of each visual slot (views)."""
+        return self._provenance("frame")
+
+    @property
+    def row(self) -> list[torch.Tensor]:
+        return self._provenance("row")
+
+    @property
+    def col(self) -> list[torch.Tensor]:
+        return self._provenance("col")
+
+    @property
+    def order(self) -> list[torch.Tensor]:
+        return self._provenance("order")
+
+    @property
+    def reason(self) -> list[torch.Tensor]:
+        return self._provenance("reason")
+
+    @property
+    def valid(self) -> list[torch.Tensor | None]:
+        return [store.valid for store in self.layers]
+
+    @property
     def nbytes(self) -> int:
-        """Real bytes of the cached keys and values (``element_size * nelement``)."""
+        """Real bytes of the live keys and values (``element_size * nelement`` of what attention reads)."""
         return sum(t.element_size() * t.nelement() for t in (*self.keys, *self.values))
 
-    def to_cache(self):
-        """A transformers ``DynamicCache`` over the current tensors, without copying them.
+    @property
+    def offloaded_bytes(self) -> int:
+        """Real bytes of the keys and values in the offload stores (host memory)."""
+        return sum(store.offload.nbytes for store in self.layers if store.offload is not None)
 
-        A forward extends the cache by concatenation (new tensors), so it never writes to the memory:
-        this is the fork that ``ask()`` answers on.
+    @property
+    def padding_bytes(self) -> int:
+        """Live bytes in the padding slots of ragged heads (a padded layout's waste)."""
+        total = 0
+        for layer, store in enumerate(self.layers):
+            if store.valid is not None:
+                empty = store.valid.numel() - int(store.valid.sum())
+                total += empty * 2 * store.keys.element_size() * store.keys.shape[-1]
+        return total
+
+    def reset_retrieved(self) -> None:
+        """Forget which offloaded chunks were retrieved (a new question starts)."""
+        for store in self.layers:
+            if store.offload is not None:
+                store.offload.retrieved.zero_()
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Real bytes of the key/value buffers, slack included."""
+        return sum(t.element_size() * t.nelement() for store in self.layers for t in (store.keys, store.values))
+
+    def token_bytes(self) -> int:
+        """Bytes one token takes over all layers (keys and values of every KV head)."""
+        return sum(2 * s.keys.element_size() * s.keys.shape[1] * s.keys.shape[3] for s in self.layers)
+
+    # --- what transformers sees ----------------------------------------------------------
+    def cache(self):
+        """A transformers ``Cache`` over the live part; a forward writes its tokens into the slack.
+
+        Commit them with :meth:`commit_prefix` / :meth:`commit_append`, or drop them by not committing
+        (that is how a question is answered without touching the memory).
         """
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
+        from .attention import MemoryCache
 
-        cache = DynamicCache()
-        if self.keys:
-            layers = []
-            for keys, values in zip(self.keys, self.values):
-                layer = DynamicLayer()
-                layer.lazy_initialization(keys, values)
-                layer.keys, layer.values = keys, values
-                layers.append(layer)
-            cache.layers = layers
-        return cache
+        return MemoryCache(self)
+
+    def _ensure_layer(self, layer: int, key_states: torch.Tensor) -> None:
+        """Allocate layer ``layer``'s buffers on its first write (shape, dtype and device from the model)."""
+        while len(self.layers) <= layer:
+            self.layers.append(None)  # type: ignore[arg-type]
+        if self.layers[layer] is not None:
+            return
+        _, heads, n, dim = key_states.shape
+        capacity = n + self.summary_slots + self.visual_capacity + TEXT_RESERVE
+        device = key_states.device
+        self.layers[layer] = LayerMemory(
+            keys=torch.zeros(1, heads, capacity, dim, dtype=key_states.dtype, device=device),
+            values=torch.zeros(1, heads, capacity, dim, dtype=key_states.dtype, device=device),
+            provenance=_empty_provenance(heads, capacity, device),
+        )
+
+    def _reserve(self, layer: int, end: int) -> None:
+        """Make room for slots ``[0, end)`` in ``layer``: geometric growth, everything written is copied once
+        (the slack may hold an uncommitted forward's tokens)."""
+        old_capacity = self.layers[layer].capacity
+        if end > old_capacity:
+            self._resize(layer, max(end + TEXT_RESERVE, int(old_capacity * 1.5)))
+
+    def _resize(self, layer: int, capacity: int) -> None:
+        """Reallocate ``layer``'s buffers with ``capacity`` slots (>= what they hold), copying their content."""
+        store = self.layers[layer]
+        old_capacity = store.capacity
+        for name in ("keys", "values"):
+            old = getattr(store, name)
+            new = old.new_zeros(1, old.shape[1], capacity, old.shape[3])
+            new[:, :, :old_capacity] = old
+            setattr(store, name, new)
+        rows = capacity - (self.visual_start if self.prefix_len else 0)
+        for name, old in store.provenance.items():
+            new = old.new_zeros(old.shape[0], rows, *old.shape[2:])
+            new[:, : old.shape[1]] = old
+            store.provenance[name] = new
+        if store.bias is not None:
+            bias = store.bias.new_zeros(store.bias.shape[0], capacity)
+            bias[:, :old_capacity] = store.bias
+            store.bias = bias
 
     # --- writes ---------------------------------------------------------------------------
-    def set_prefix(self, cache, prefix_len: int) -> None:
-        """Adopt the prefilled text prefix (positions ``0 .. prefix_len-1``)."""
-        self.keys = [layer.keys for layer in cache.layers]
-        self.values = [layer.values for layer in cache.layers]
+    @torch.inference_mode()
+    def commit_prefix(self, cache: "MemoryCache", prefix_len: int) -> None:
+        """Adopt the prefilled text prefix (positions ``0 .. prefix_len-1``) and open the summary region."""
         self.prefix_len = prefix_len
-        device = self.keys[0].device
-        empty = torch.zeros(self.num_kv_heads, 0, dtype=torch.int32, device=device)
-        self.frame = [empty.clone() for _ in range(self.num_layers)]
-        self.row = [empty.clone() for _ in range(self.num_layers)]
-        self.col = [empty.clone() for _ in range(self.num_layers)]
+        for store in self.layers:
+            rows = store.capacity - self.visual_start
+            store.provenance = {name: t[:, :rows].clone() for name, t in store.provenance.items()}
+            if self.summary_slots:
+                # Summary slots exist from the start but stay invisible until a policy fills them.
+                store.bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=store.keys.dtype, device=store.keys.device)
+                store.bias[:, prefix_len : self.visual_start] = float("-inf")
         self.max_position = prefix_len - 1
 
-    def append(self, cache, chunk: VisualChunk, max_position: int) -> None:
-        """Adopt ``cache`` (the memory extended by ``chunk``'s tokens) and record their provenance."""
+    @torch.inference_mode()
+    def commit_append(self, chunk: VisualChunk, positions: torch.Tensor) -> None:
+        """Adopt the ``chunk.num_tokens`` tokens a forward wrote after the live part, with their provenance.
+
+        ``positions [3, n]`` are the M-RoPE positions the keys were rotated at.
+        """
         if self.grid_shape is None:
             self.grid_shape = (chunk.rows, chunk.cols)
         elif self.grid_shape != (chunk.rows, chunk.cols):
             raise ValueError(f"frame grid changed mid-stream: {self.grid_shape} -> {(chunk.rows, chunk.cols)}")
-        self.keys = [layer.keys for layer in cache.layers]
-        self.values = [layer.values for layer in cache.layers]
-        for store, source in ((self.frame, chunk.grid), (self.row, chunk.row), (self.col, chunk.col)):
-            for layer in range(self.num_layers):
-                new = source.to(device=store[layer].device, dtype=torch.int32).expand(self.num_kv_heads, -1)
-                store[layer] = torch.cat([store[layer], new], dim=1)
+        n = chunk.num_tokens
+        fields = {
+            "frame": chunk.grid,
+            "row": chunk.row,
+            "col": chunk.col,
+            "order": torch.arange(self.tokens_seen, self.tokens_seen + n),
+            "position": positions.t(),
+            "reason": torch.full((n,), REASON_NEW),
+        }
+        for store in self.layers:
+            start = store.visual_len
+            for name, values in fields.items():
+                target = store.provenance[name]
+                target[:, start : start + n] = values.to(device=target.device, dtype=target.dtype)
+            if store.valid is not None:
+                store.valid = torch.cat([store.valid, store.valid.new_ones(store.valid.shape[0], n)], dim=1)
+            store.visual_len += n
+        self.tokens_seen += n
         self.grid_times_s.extend(chunk.grid_times_s)
-        self.max_position = max(self.max_position, max_position)
+        self.max_position = max(self.max_position, int(positions.max()))
 
-    def views(self) -> list[LayerView]:
-        """Per-layer views of the visual tokens for a policy (``[H_kv, L, D]`` slices, no copies)."""
-        p = self.prefix_len
-        newest = self.num_grids - 1
-        return [
-            LayerView(
-                layer=layer,
-                num_layers=self.num_layers,
-                keys=self.keys[layer][0, :, p:],
-                values=self.values[layer][0, :, p:],
-                frame=self.frame[layer],
-                row=self.row[layer],
-                col=self.col[layer],
-                grid=self.grid_shape or (0, 0),
-                newest_frame=newest,
+    def views(self, rotary: Any = None, probe: list[torch.Tensor] | None = None) -> list[LayerView]:
+        """Per-layer views of the visual slots for a policy (``[H_kv, L, D]`` slices, no copies); ``probe``
+        gives each layer's probe queries ``[H_q, T, D]`` (see ``LayerView.probe``)."""
+        start = self.visual_start
+        views = []
+        for layer, store in enumerate(self.layers):
+            end = start + store.visual_len
+            prov = {name: t[:, : store.visual_len] for name, t in store.provenance.items()}
+            views.append(
+                LayerView(
+                    layer=layer,
+                    num_layers=self.num_layers,
+                    keys=store.keys[0, :, start:end],
+                    values=store.values[0, :, start:end],
+                    frame=prov["frame"],
+                    row=prov["row"],
+                    col=prov["col"],
+                    grid=self.grid_shape or (0, 0),
+                    newest_frame=self.num_grids - 1,
+                    order=prov["order"],
+                    position=prov["position"],
+                    valid=store.valid,
+                    rotary=rotary,
+                    summary_slots=self.summary_slots,
+                    probe=probe[layer] if probe is not None else None,
+                )
             )
-            for layer in range(self.num_layers)
-        ]
+        return views
 
-    def apply(self, selection: Selection) -> None:
-        """Keep, per layer and KV head, the selected visual tokens (and their provenance); prefix untouched."""
+    @torch.inference_mode()
+    def apply(self, selection: Selection) -> int:
+        """Keep, per layer and KV head, the selected visual tokens (and their provenance); returns the
+        key/value bytes moved.
+
+        Compaction in place: head ``h`` keeps ``c_h`` tokens, so its kept tokens at slots ``>= c_h`` move
+        into its evicted slots ``< c_h`` (one ``index_select`` + ``index_copy_`` over all heads).
+        ``selection.indices[l]`` is ``[H, keep]`` (sorted), ``selection.valid[l]`` (optional) marks the
+        entries that count when heads keep different numbers. The prefix is never touched. A policy's
+        reasons (``selection.info["reason"]``) are stored per slot and move along. A ``selection.summary``
+        entry refreshes that layer's summary region.
+        """
         if len(selection.indices) != self.num_layers:
             raise ValueError(f"selection covers {len(selection.indices)} layers, memory has {self.num_layers}")
-        p = self.prefix_len
+        reasons = selection.info.get("reason")
+        moved = 0
         for layer, index in enumerate(selection.indices):
-            index = index.to(self.keys[layer].device)
-            heads, keep = index.shape
-            if heads != self.num_kv_heads:
-                raise ValueError(f"layer {layer}: selection has {heads} heads, memory has {self.num_kv_heads}")
-            gather = index[None, :, :, None].expand(1, heads, keep, self.keys[layer].shape[-1])
-            for store in (self.keys, self.values):
-                tensor = store[layer]
-                store[layer] = torch.cat([tensor[:, :, :p], torch.gather(tensor[:, :, p:], 2, gather)], dim=2)
-            for store in (self.frame, self.row, self.col):
-                store[layer] = torch.gather(store[layer], 1, index.to(store[layer].device))
+            store = self.layers[layer]
+            if selection.offload is not None and selection.offload[layer] is not None:
+                moved += self._offload(store, selection.offload[layer])
+            valid = selection.valid[layer] if selection.valid is not None else None
+            reason = reasons[layer] if reasons is not None else None
+            moved += self._compact(layer, store, index, valid, reason)
+            if selection.summary is not None and selection.summary[layer] is not None:
+                self._write_summary(store, selection.summary[layer])
+        return moved
 
-    def record(self, event: str, frames_fed: int, time_s: float, ms: float) -> OccupancyEvent:
+    def _compact(
+        self, layer: int, store: LayerMemory, index: torch.Tensor, valid: torch.Tensor | None, reason: torch.Tensor | None
+    ) -> int:
+        heads = self.num_kv_heads
+        if index.shape[0] != heads:
+            raise ValueError(f"layer {layer}: selection has {index.shape[0]} heads, memory has {heads}")
+        device = store.keys.device
+        length = store.visual_len
+        index = index.to(device=device, dtype=torch.long)
+        # A kept mask [H, L]; entries a ragged selection marks invalid point at a dummy column L.
+        target = index if valid is None else index.masked_fill(~valid.to(device), length)
+        kept = torch.zeros(heads, length + 1, dtype=torch.bool, device=device).scatter_(1, target, True)[:, :length]
+        if store.valid is not None:
+            kept &= store.valid
+        if reason is not None:
+            codes = store.provenance["reason"]
+            reason = reason.to(device=device, dtype=codes.dtype)
+            if valid is None:
+                codes[:, :length].scatter_(1, index, reason)
+            else:
+                rows = torch.arange(heads, device=device)[:, None].expand_as(index)
+                chosen = valid.to(device)
+                codes[rows[chosen], index[chosen]] = reason[chosen]
+        counts = kept.sum(dim=1)  # [H]
+        slot = torch.arange(length, device=device)
+        below = slot[None] < counts[:, None]
+        holes = torch.nonzero((~kept & below).flatten()).squeeze(1)  # (head, slot) rows, sorted
+        movers = torch.nonzero((kept & ~below).flatten()).squeeze(1)
+        # Both lists are sorted by head, and each head has as many holes below c_h as kept tokens above
+        # it, so the i-th mover fills the i-th hole of the same head.
+        visual_rows = store.provenance["frame"].shape[1]
+        dst = holes // length * visual_rows + holes % length
+        src = movers // length * visual_rows + movers % length
+        for name, tensor in store.provenance.items():
+            flat = tensor.view(heads * visual_rows, *tensor.shape[2:])
+            flat.index_copy_(0, dst, flat.index_select(0, src))
+        start, capacity = self.visual_start, store.capacity
+        kv_dst = holes // length * capacity + start + holes % length
+        kv_src = movers // length * capacity + start + movers % length
+        for tensor in (store.keys, store.values):
+            flat = tensor.view(heads * capacity, tensor.shape[-1])
+            flat.index_copy_(0, kv_dst, flat.index_select(0, kv_src))
+        new_len = int(counts.max()) if heads else 0
+        if bool((counts == new_len).all()):
+            store.valid = None
+        else:
+            store.valid = slot[None, :new_len] < counts[:, None]
+        if store.bias is not None or store.valid is not None:
+            self._refresh_visual_bias(store, new_len)
+        store.visual_len = new_len
+        return 2 * int(src.numel()) * store.keys.shape[-1] * store.keys.element_size()
+
+    def _offload(self, store: LayerMemory, update: OffloadUpdate) -> int:
+        """Copy the tokens ``update`` names (view indices) into the layer's offload store, before compaction."""
+        heads, dim = store.keys.shape[1], store.keys.shape[-1]
+        if store.offload is None:
+            store.offload = OffloadStore.empty(heads, dim, update.chunk, store.keys.dtype, store.keys.device)
+        store.offload.retrieve = update.retrieve.cpu().long()
+        if update.tokens.numel() == 0:
+            return 0
+        start = self.visual_start
+        index = update.tokens.to(store.keys.device)
+        gather = index[..., None].expand(-1, -1, dim)
+        keys = torch.gather(store.keys[0, :, start : start + store.visual_len], 1, gather)
+        values = torch.gather(store.values[0, :, start : start + store.visual_len], 1, gather)
+        provenance = {
+            name: torch.gather(store.provenance[name][:, : store.visual_len], 1, index) for name in ("frame", "row", "col", "order")
+        }
+        return store.offload.add(keys, values, update.valid, provenance)
+
+    def _refresh_visual_bias(self, store: LayerMemory, new_len: int) -> None:
+        """Visual slots: 0 where a head holds a token, ``-inf`` on ragged padding; the slack back to 0."""
+        if store.bias is None:
+            store.bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=store.keys.dtype, device=store.keys.device)
+        start = self.visual_start
+        store.bias[:, start:].zero_()
+        if store.valid is not None:
+            store.bias[:, start : start + new_len].masked_fill_(~store.valid, float("-inf"))
+
+    def _write_summary(self, store: LayerMemory, summary: SummaryUpdate) -> None:
+        """Write a policy's summary entries: keys/values at their slots, the bias of every slot."""
+        if summary.bias.shape[1] != self.summary_slots:
+            raise ValueError(f"summary has {summary.bias.shape[1]} slots, memory reserves {self.summary_slots}")
+        p, s = self.prefix_len, self.visual_start
+        if summary.slots is None:
+            store.keys[0, :, p:s] = summary.keys.to(store.keys.dtype)
+            store.values[0, :, p:s] = summary.values.to(store.values.dtype)
+        elif summary.slots.numel():
+            heads, capacity, dim = store.keys.shape[1], store.capacity, store.keys.shape[-1]
+            rows = (torch.arange(heads, device=summary.slots.device)[:, None] * capacity + p + summary.slots).flatten()
+            rows = rows.to(store.keys.device)
+            store.keys.view(heads * capacity, dim).index_copy_(0, rows, summary.keys.reshape(-1, dim).to(store.keys.dtype))
+            store.values.view(heads * capacity, dim).index_copy_(0, rows, summary.values.reshape(-1, dim).to(store.values.dtype))
+        store.bias[:, p:s] = summary.bias.to(store.bias.dtype)
+
+    @property
+    def summary_active(self) -> int:
+        """Summary slots attention can see (finite bias), mean over KV heads, in the fullest layer."""
+        if not self.summary_slots or not self.layers or self.layers[0].bias is None:
+            return 0
+        p, s = self.prefix_len, self.visual_start
+        return max(round(float(torch.isfinite(store.bias[:, p:s]).sum(dim=1).double().mean())) for store in self.layers)
+
+    def record(self, event: str, frames_fed: int, time_s: float, ms: float, moved_bytes: int = 0) -> OccupancyEvent:
         entry = OccupancyEvent(
             frame=frames_fed,
             time_s=float(time_s),
@@ -160,6 +649,11 @@ class KVMemory:
             visual_tokens=self.visual_tokens,
             cache_bytes=self.nbytes,
             ms=float(ms),
+            allocated_bytes=self.allocated_bytes,
+            moved_bytes=int(moved_bytes),
+            offloaded_bytes=self.offloaded_bytes,
+            padding_bytes=self.padding_bytes,
+            summary_active=self.summary_active,
         )
         self.timeline.append(entry)
         return entry
@@ -178,11 +672,13 @@ class KVMemory:
         layers = range(self.num_layers) if layer is None else [layer]
         counts = torch.zeros(size, dtype=torch.int64)
         for l in layers:
-            frame, row, col = self.frame[l], self.row[l], self.col[l]
+            store = self.layers[l]
+            frame, row, col = (store.provenance[n][:, : store.visual_len] for n in ("frame", "row", "col"))
+            held = store.valid if store.valid is not None else torch.ones_like(frame, dtype=torch.bool)
             if head is not None:
-                frame, row, col = frame[head : head + 1], row[head : head + 1], col[head : head + 1]
-            flat = (frame.long() * rows + row.long()) * cols + col.long()
-            counts += torch.bincount(flat.flatten().cpu(), minlength=size)
+                frame, row, col, held = (t[head : head + 1] for t in (frame, row, col, held))
+            flat = ((frame.long() * rows + row.long()) * cols + col.long())[held]
+            counts += torch.bincount(flat.cpu(), minlength=size)
         return counts.view(self.num_grids, rows, cols)
 
     def survival_fraction(self) -> list[float]:
@@ -192,3 +688,8 @@ class KVMemory:
         counts = self.survival_counts().sum(dim=(1, 2)).double()
         total = self.grid_shape[0] * self.grid_shape[1] * self.num_layers * self.num_kv_heads
         return (counts / total).tolist()
+
+
+def _empty_provenance(heads: int, rows: int, device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros(heads, rows, *shape, dtype=dtype, device=device) for name, (dtype, shape) in PROVENANCE.items()}
+

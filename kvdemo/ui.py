@@ -3,17 +3,23 @@ the cache live, see what survives, and chat with both side by side.
 
 No model logic here: handlers drive :mod:`kvdemo.engine` and draw with :mod:`kvdemo.viz`. The handlers
 are plain functions (tested without a browser); :func:`build_demo` wires them to components.
+
+Per-session engine state lives in a :class:`Session` and the model work is done by functions that take
+it explicitly (:func:`feed_frames` for a chunk, :func:`ask` for a question), so a stream segment or a
+question can run as one call wherever the model is.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,13 +27,15 @@ from typing import Any
 import numpy as np
 
 from .coverage import coverage
-from .engine import EngineError, FrameStream, MemoryCapError, StreamEngine, validate_budget
+from .engine import EngineError, FrameStream, MemoryCapError, StreamEngine, check_chunk_fits, validate_budget
 from .models.qwen_vl import DEFAULT_REAL_MODEL, ModelError, load_model, resolve_model_name
 from .models.tiny import OFFLINE_NOTICES, TINY_NAME, TINY_RANDOM_NAME, TRAINED_MAX_PIXELS
 from .policies import BudgetError, make_policy, policy_params
 from .synthetic import Episode, grade, sample_episode, sample_manifest
 from .video import (
+    DEFAULT_MIN_PIXELS,
     RESIZE_FACTOR,
+    TEMPORAL_PATCH_SIZE,
     VideoError,
     open_video,
     resize_frames,
@@ -35,9 +43,25 @@ from .video import (
 )
 from . import viz
 
+log = logging.getLogger("kvdemo")
+
 FRAMES_PER_CHUNK = 2
-MODEL_CONCURRENCY = 2
+#: File runs and webcam streams served at once; more wait in the queue.
+STREAM_SLOTS = 2
+#: Questions served at once, in their own slots: a question never waits for other sessions' streams,
+#: and its own session's stream pauses between chunks while it is answered.
+QUESTION_SLOTS = 2
+#: Sessions whose engines are kept (``KVDEMO_MAX_SESSIONS``); starting one more frees the least recently used.
+MAX_SESSIONS = int(os.environ.get("KVDEMO_MAX_SESSIONS", "8"))
+#: A session's engines are freed this long after its browser tab goes away.
+SESSION_TTL_S = 3600
+#: Gradio's cache (uploads, reports, images sent to the browser): checked every 10 minutes, files
+#: older than an hour deleted.
+CACHE_CLEANUP = (600, 3600)
 PLOT_EVERY_S = 0.5
+#: The chat panes' own "Clear" button would clear the view but not the engines' dialogue (and it sits on
+#: the first question's bubble): "New conversation" does both.
+CSS = "#policy-chat button[aria-label='Clear'], #full-chat button[aria-label='Clear'] { display: none; }"
 HEATMAP_EVERY_S = 0.35
 GALLERY_EVERY_S = 3.0
 UI_POLICIES = ["infinipot-v", "cords", "uniform", "sliding-window"]
@@ -57,17 +81,23 @@ values, so it shows exactly what the cache holds.
 
 **Chat**: one question goes to both engines; the dialogue is replayed as text after the video memory,
 and the memory is unchanged by answering. Under each answer: time to first token and the cache size.
+
+**Limits**: this app keeps the engines of at most {max_sessions} sessions (starting another frees the least
+recently used one) and frees a session's engines an hour after its tab closes; files it serves (uploads,
+reports, charts) are deleted after an hour.
 """
 
 
-# --- process-wide models -----------------------------------------------------------------------------
+# --- process-wide models and sessions ------------------------------------------------------------------
 
 
 class ModelHub:
-    """Loads each model once per process; sessions share them (engines never write to model weights)."""
+    """Process-wide resources: each model loaded once (sessions share it; engines never write to model
+    weights), and the :class:`SessionPool` that bounds how many sessions keep engines."""
 
-    def __init__(self, default: str | None = None) -> None:
+    def __init__(self, default: str | None = None, max_sessions: int = MAX_SESSIONS) -> None:
         self.default = resolve_model_name(default)
+        self.sessions = SessionPool(max_sessions)
         self._models: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -81,6 +111,38 @@ class ModelHub:
     def choices(self) -> list[str]:
         names = [self.default, TINY_NAME, TINY_RANDOM_NAME, DEFAULT_REAL_MODEL, "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-2B-Instruct"]
         return list(dict.fromkeys(names))
+
+
+class SessionPool:
+    """The sessions holding engines in this process, at most ``limit``: admitting one more frees the
+    engines of the least recently used other session (its next question or run says why)."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"the session limit must be at least 1, got {limit}")
+        self.limit = limit
+        self._sessions: list[Session] = []
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def admit(self, session: Session) -> None:
+        with self._lock:
+            if session not in self._sessions:
+                self._sessions.append(session)
+            others = sorted((s for s in self._sessions if s is not session), key=lambda s: s.last_used)
+            victims = others[: max(0, len(self._sessions) - self.limit)]
+            self._sessions = [s for s in self._sessions if s not in victims]
+        for victim in victims:  # outside the pool's lock: a victim may be mid-chunk or mid-answer
+            with victim.turns.question():
+                victim.free(f"this session's engines were freed to make room: the app keeps at most {self.limit} "
+                            "sessions and this one was the least recently used; run the video again")
+            log.info("freed the least recently used session (%d sessions at most)", self.limit)
+
+    def release(self, session: Session) -> None:
+        with self._lock:
+            self._sessions = [s for s in self._sessions if s is not session]
 
 
 # --- per-session state ---------------------------------------------------------------------------------
@@ -99,9 +161,49 @@ class RunSettings:
     cap_mb: float
 
 
-@dataclass
+class Turns:
+    """Who uses one session's engines now: one stream chunk or one question at a time. A waiting
+    question goes before the stream's next chunk, so it waits at most one chunk."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._busy = False
+        self._questions_waiting = 0
+
+    @contextmanager
+    def chunk(self) -> Iterator[None]:
+        with self._condition:
+            self._condition.wait_for(lambda: not self._busy and not self._questions_waiting)
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    @contextmanager
+    def question(self) -> Iterator[None]:
+        with self._condition:
+            self._questions_waiting += 1
+            try:
+                self._condition.wait_for(lambda: not self._busy)
+            finally:
+                self._questions_waiting -= 1
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._condition:
+            self._busy = False
+            self._condition.notify_all()
+
+
+@dataclass(eq=False)  # sessions are compared by identity (the pool holds them in a list)
 class Session:
-    """One browser session's stream: its engines, thumbnails and dialogue (freed when the session ends)."""
+    """One browser session's stream: its engines, thumbnails and dialogue (freed when the session ends,
+    or earlier by the :class:`SessionPool`)."""
 
     settings: RunSettings | None = None
     engines: dict[str, StreamEngine] = field(default_factory=dict)
@@ -112,19 +214,40 @@ class Session:
     source: str = ""
     #: The generated stream being played (its ground truth grades the answers); None for files and the webcam.
     episode: Episode | None = None
+    lost_frames: int = 0
     frame_size: tuple[int, int] | None = None
     chunk_ms: float = 0.0
     coverage: dict[str, Any] | None = None
-    report_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="kvdemo-"))
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: A file run is streaming; ``stop_requested`` ends it after the current chunk.
+    running: bool = False
+    stop_requested: bool = False
+    #: Why the engines were freed early ("" while they are held).
+    freed: str = ""
+    last_used: float = field(default_factory=time.monotonic)
+    turns: Turns = field(default_factory=Turns)
     last_plot: float = 0.0
     last_heatmap: float = 0.0
     last_gallery: float = 0.0
+    _report_dir: str | None = None
 
-    def close(self) -> None:
+    @property
+    def report_dir(self) -> Path:
+        """The folder for this session's downloads, created on first use (most sessions never need one)."""
+        if self._report_dir is None:
+            self._report_dir = tempfile.mkdtemp(prefix="kvdemo-")
+        return Path(self._report_dir)
+
+    def free(self, reason: str = "") -> None:
         self.engines.clear()
         self.thumbnails.clear()
-        shutil.rmtree(self.report_dir, ignore_errors=True)
+        self.stream = None
+        self.freed = reason
+        if self._report_dir is not None:
+            shutil.rmtree(self._report_dir, ignore_errors=True)
+            self._report_dir = None
+
+    def close(self) -> None:
+        self.free()
 
     @property
     def policy(self) -> StreamEngine | None:
@@ -136,9 +259,13 @@ class Session:
         return engine.model if engine else None
 
 
-def free_session(session: Session | None) -> None:
+def free_session(session: Session | None, hub: ModelHub | None = None) -> None:
+    """Free a session's engines (between its chunks and after its answer, if one is running)."""
     if session is not None:
-        session.close()
+        if hub is not None:
+            hub.sessions.release(session)
+        with session.turns.question():
+            session.close()
 
 
 # --- settings -------------------------------------------------------------------------------------------
@@ -151,36 +278,35 @@ def parse_params(policy: str, values: dict[str, Any]) -> dict[str, Any]:
         if spec.name not in values:
             continue
         value = values[spec.name]
-        if spec.kind == "numbers":
-            text = str(value or "").strip().strip("[]()")
-            if not text:
-                value = None
-            else:
-                try:
-                    value = [float(x) for x in text.replace(";", ",").split(",") if x.strip()]
-                except ValueError:
-                    raise BudgetError(f"{spec.name} takes numbers separated by commas, got {text!r}") from None
-        elif spec.kind == "int":
-            value = int(value)
-        elif spec.kind == "float":
-            value = float(value)
-        elif spec.kind == "bool":
-            value = bool(value)
+        try:
+            if spec.kind == "numbers":
+                text = str(value or "").strip().strip("[]()")
+                value = [float(x) for x in text.replace(";", ",").split(",") if x.strip()] if text else None
+            elif spec.kind == "int":
+                value = int(value)
+            elif spec.kind == "float":
+                value = float(value)
+            elif spec.kind == "bool":
+                value = bool(value)
+        except (TypeError, ValueError):
+            kind = "numbers separated by commas" if spec.kind == "numbers" else f"a number ({spec.kind})"
+            raise BudgetError(f"{policy}'s {spec.name} takes {kind}, got {value!r}") from None
         params[spec.name] = value
     return params
 
 
-def validate_settings(policy: str, budget: Any, keep: Any, fps: Any = 2.0, max_pixels: Any = 200704) -> str:
-    """A one-line verdict on the settings, shown as the user types ('' when fine)."""
-    try:
-        check_settings(policy, budget, keep, fps, max_pixels)
-    except USER_ERRORS as exc:
-        return f"⚠️ {exc}"
-    tokens = int(max_pixels) // RESIZE_FACTOR**2
-    return f"✓ M={int(budget)}, C={int(keep)}; a chunk at max pixels holds up to ~{tokens} visual tokens"
+def chunk_tokens(size: tuple[int, int] | None, max_pixels: int, temporal_patch_size: int = TEMPORAL_PATCH_SIZE) -> tuple[int, str]:
+    """Visual tokens of one chunk (``FRAMES_PER_CHUNK`` frames) and its shape in words, for frames resized
+    to ``size`` (height, width) or, when the size is not known yet, the most ``max_pixels`` allows."""
+    grids = -(-FRAMES_PER_CHUNK // temporal_patch_size)
+    if size is not None:
+        rows, cols = size[0] // RESIZE_FACTOR, size[1] // RESIZE_FACTOR
+        return grids * tokens_per_grid(size), f"{grids} temporal grid(s) of {rows}x{cols} tokens"
+    return grids * (int(max_pixels) // RESIZE_FACTOR**2), f"{FRAMES_PER_CHUNK} frames at max pixels"
 
 
 def check_settings(policy: str, budget: Any, keep: Any, fps: Any, max_pixels: Any) -> tuple[int, int]:
+    """The settings' numbers as the engine will see them; :class:`BudgetError` with a one-line reason if not."""
     if budget is None or keep is None:
         raise BudgetError("set both M and C")
     if fps is None or float(fps) <= 0:
@@ -191,33 +317,59 @@ def check_settings(policy: str, budget: Any, keep: Any, fps: Any, max_pixels: An
     return budget_, keep_
 
 
+def validate_settings(
+    policy: str, budget: Any, keep: Any, fps: Any = 2.0, max_pixels: Any = 200704, video: str | None = None
+) -> str:
+    """A one-line verdict on the settings, shown as the user types: the same checks as Run, with one chunk
+    of the uploaded ``video`` (resized) when there is one, else a chunk at ``max_pixels``."""
+    try:
+        budget_, keep_ = check_settings(policy, budget, keep, fps, max_pixels)
+        size, name = None, ""
+        if video:
+            opened = open_video(video, fps=float(fps), max_pixels=int(max_pixels),
+                                min_pixels=min(int(max_pixels), DEFAULT_MIN_PIXELS))
+            size, name = opened.size, f" of {Path(video).name} ({opened.size[1]}x{opened.size[0]})"
+        tokens, shape = chunk_tokens(size, max_pixels)
+        check_chunk_fits(make_policy(policy), budget_, keep_, tokens, shape)
+    except USER_ERRORS as exc:
+        return f"⚠️ {exc}"
+    except (TypeError, ValueError) as exc:
+        return f"⚠️ not a number: {exc}"
+    up_to = "" if size else "up to "
+    return (f"✓ M={budget_}, C={keep_}: one chunk{name} is {up_to}{tokens} visual tokens; "
+            f"M and M − C must each hold one chunk (≥ {tokens})")
+
+
+def check_run_settings(settings: RunSettings) -> None:
+    check_settings(settings.policy, settings.budget, settings.keep, settings.fps, settings.max_pixels)
+    if settings.cap_mb is not None and settings.cap_mb < 0:
+        raise BudgetError(f"the baseline memory cap must be 0 (no cap) or more MB, got {settings.cap_mb:g}")
+
+
 # --- run ------------------------------------------------------------------------------------------------
 
 
 def start_session(
     hub: ModelHub,
-    session: Session | None,
     settings: RunSettings,
     source: str,
     frame_size: tuple[int, int],
     fps: float | None = None,
 ) -> Session:
-    """A fresh session state (engines, stream) for ``settings`` and frames of ``frame_size`` (resized).
+    """A fresh session (engines, stream) for ``settings`` and frames of ``frame_size`` (resized).
 
-    The budget is checked against one chunk of such frames before anything changes; then the old
-    session is freed. ``fps`` is the stream's real sampling rate when it differs from the setting
-    (a file sampled faster than it was recorded streams at its own rate).
+    The budget is checked against one chunk of such frames first. The caller's previous session is
+    left alone: :func:`commit` replaces it once the new stream is under way. ``fps`` is the stream's real
+    sampling rate when it differs from the setting (a file sampled faster than it was recorded streams at
+    its own rate).
     """
     fps = fps or settings.fps
     model = hub.get(settings.model)
-    rows, cols = frame_size[0] // RESIZE_FACTOR, frame_size[1] // RESIZE_FACTOR
-    grids = -(-FRAMES_PER_CHUNK // model.temporal_patch_size)
-    probe = StreamEngine(model, make_policy(settings.policy, **settings.params), budget=settings.budget, keep=settings.keep)
-    probe.check_fits(grids * tokens_per_grid(frame_size), f"{grids} temporal grid(s) of {rows}x{cols} tokens")
-    free_session(session)
-    new = Session(settings=settings, source=source, frame_size=tuple(frame_size))
     policy = make_policy(settings.policy, **settings.params)
-    new.engines["policy"] = StreamEngine(model, policy, budget=settings.budget, keep=settings.keep, fps=fps)
+    budget, keep = validate_budget(policy, settings.budget, settings.keep)
+    check_chunk_fits(policy, budget, keep, *chunk_tokens(frame_size, settings.max_pixels, model.temporal_patch_size))
+    new = Session(settings=settings, source=source, frame_size=tuple(frame_size))
+    new.engines["policy"] = StreamEngine(model, policy, budget=budget, keep=keep, fps=fps)
     if settings.baseline:
         cap = int(settings.cap_mb * 2**20) if settings.cap_mb and settings.cap_mb > 0 else None
         new.engines["full"] = StreamEngine(model, "full", fps=fps, max_cache_bytes=cap)
@@ -225,8 +377,24 @@ def start_session(
     return new
 
 
+def commit(hub: ModelHub, previous: Session | None, new: Session) -> None:
+    """``new`` replaces ``previous`` as the session's stream: the previous engines are freed and the new
+    ones count against the process's session limit."""
+    if previous is not None and previous is not new:
+        free_session(previous, hub)
+    hub.sessions.admit(new)
+
+
+def fresh_views(state: Session) -> dict[str, Any]:
+    """What a newly started stream clears or relabels: legend, chat panes and their titles, the previous
+    run's coverage and downloads."""
+    return {"legend": legend(state), "policy_title": chat_title(state, "policy"), "full_title": chat_title(state, "full"),
+            "policy_chat": [], "full_chat": [], "coverage": None, "report": None, "chart": None}
+
+
 def feed_frames(session: Session, frames: np.ndarray, times_s: np.ndarray | None, flush: bool = False) -> bool:
-    """Push frames through the session's stream into every running engine; True if a chunk was fed."""
+    """Push frames through the session's stream into every running engine; True if a chunk was fed.
+    The caller holds the session's turn (:meth:`Turns.chunk`)."""
     chunk = session.stream.push(frames, times_s) if len(frames) else None
     if chunk is None and flush:
         chunk = session.stream.flush()
@@ -249,19 +417,26 @@ def feed_frames(session: Session, frames: np.ndarray, times_s: np.ndarray | None
     for g in range(chunk.num_grids):
         session.thumbnails.append(viz.thumbnail(frames[min(2 * g, len(frames) - 1)]))
     session.chunk_ms = chunk.encode_ms + (time.perf_counter() - start) * 1000
+    session.last_used = time.monotonic()
     return True
 
 
-def status_text(session: Session, done: int | None = None, total: int | None = None, error: str = "") -> str:
+def status_text(
+    session: Session, done: int | None = None, total: int | None = None, error: str = "", stopped: bool = False
+) -> str:
     """The status line: frames, tokens, MB, ms per chunk, compression overhead."""
     lines = []
     if error:
         lines.append(f"⚠️ **{error}**")
     engine = session.policy
+    if engine is None and session.freed and not error:
+        lines.append(f"⚠️ **{session.freed}**")
     if engine is not None:
         stats = engine.stats
         overhead = f"{100 * stats.compress_ms / stats.prefill_ms:.1f}%" if stats.prefill_ms else "n/a"
         progress = f"{done}/{total} frames" if total else f"{engine.frames_fed} frames"
+        if stopped:
+            progress = f"stopped at {progress}"
         lines.append(
             f"**{progress}** · {engine.policy.name}: {engine.memory.visual_tokens} visual tokens "
             f"(M={engine.budget}, C={engine.keep}), {engine.memory.nbytes / 2**20:.2f} MB · "
@@ -279,15 +454,51 @@ def status_text(session: Session, done: int | None = None, total: int | None = N
     return "\n\n".join(lines) if lines else "Ready: upload a video or pick the sample, then Run."
 
 
+def kept_previous(previous: Session | None, error: str) -> dict[str, Any]:
+    """A run that failed before its first chunk: the previous session and its views stay as they were;
+    the status says what failed (and, if there is one, that the previous run is what is shown)."""
+    status = f"⚠️ **{error}**"
+    if previous is not None and previous.policy is not None:
+        status += f"\n\n<small>Still showing the previous run: {previous.source}</small>"
+    return {"session": previous or Session(), "status": status}
+
+
+def policy_label(policy: str, budget: Any, keep: Any, bounded: bool = True) -> str:
+    """"**infinipot-v**, M=1024 C=768" (Markdown)."""
+    return f"**{policy}**" + (f", M={budget} C={keep}" if bounded else "")
+
+
+def chat_title(state: Session, name: str) -> str:
+    """The label over a chat pane: the policy and its numbers, or the full cache (and whether it runs)."""
+    settings = state.settings
+    if name == "policy":
+        engine = state.policy
+        if engine is None:
+            return "**policy engine**"
+        return policy_label(engine.policy.name, engine.budget, engine.keep, engine.policy.bounded)
+    if settings is not None and not settings.baseline:
+        return "**full cache** (baseline off)"
+    cap = f", stops at {settings.cap_mb:g} MB" if settings is not None and settings.cap_mb and settings.cap_mb > 0 else ""
+    return f"**full cache**{cap}"
+
+
 def occupancy_plot(session: Session):
-    series = {}
     engine = session.policy
     if engine is None:
         return None
-    series[f"{engine.policy.name} at M={engine.budget}"] = engine.memory.timeline
+    series = {_series_label(engine.policy.name, engine.budget): engine.memory.timeline}
     if "full" in session.engines:
         series["full cache"] = session.engines["full"].memory.timeline
     return viz.occupancy_figure(series, engine.budget)
+
+
+def empty_occupancy_plot(policy: str, budget: int):
+    """The chart before any run (drawn at page load, so the browser has plotly.js ready for the first run)."""
+    return viz.occupancy_figure({_series_label(policy, budget): [], "full cache": []}, budget)
+
+
+def _series_label(policy: str, budget: int | None) -> str:
+    return f"{policy} at M={budget}"
 
 
 def heatmap_image(session: Session, layer: str = "all", head: str = "all", by_reason: bool = False) -> np.ndarray | None:
@@ -297,7 +508,7 @@ def heatmap_image(session: Session, layer: str = "all", head: str = "all", by_re
     layer_index = None if layer in (None, "all") else int(layer)
     head_index = None if head in (None, "all") else int(head)
     return viz.survivor_strip(
-        engine.memory, session.thumbnails, engine.last_selection_info, layer_index, head_index, by_reason=by_reason
+        engine.memory, session.thumbnails, layer_index, head_index, by_reason=by_reason
     )
 
 
@@ -308,27 +519,31 @@ def gallery_items(session: Session) -> list[tuple[np.ndarray, str]]:
     return viz.survivor_gallery(engine.memory, session.thumbnails)
 
 
-def write_report(session: Session, chart: bool = True) -> tuple[str | None, str | None]:
-    """The run report (CLI JSON format) and the occupancy chart (self-contained HTML) as files to download."""
+def write_report(session: Session) -> str | None:
+    """The run report (the CLI's JSON format, plus the baseline's report) as a file to download."""
     engine = session.policy
     if engine is None:
-        return None, None
-    report = engine.report()
-    report["video"] = session.source
+        return None
+    report = engine.report(video=session.source, lost_frames=session.lost_frames)
     if "full" in session.engines:
-        report["baseline"] = session.engines["full"].report()
+        report["baseline"] = session.engines["full"].report(video=session.source, lost_frames=session.lost_frames)
     if session.stopped:
         report["stopped"] = dict(session.stopped)
     if session.coverage:
         report["coverage"] = session.coverage
-    report_path = Path(session.report_dir) / "kvdemo-report.json"
+    report_path = session.report_dir / "kvdemo-report.json"
     report_path.write_text(json.dumps(report, indent=1))
-    if not chart:
-        return str(report_path), None
-    chart_path = Path(session.report_dir) / "kvdemo-occupancy.html"
-    figure = occupancy_plot(session)
-    figure.write_html(str(chart_path), include_plotlyjs=True)  # opens offline
-    return str(report_path), str(chart_path)
+    return str(report_path)
+
+
+def write_chart(session: Session | None) -> str | None:
+    """The occupancy chart as a self-contained HTML file (plotly.js inside, ~5 MB: it opens offline), made
+    only when asked for."""
+    if session is None or session.policy is None:
+        return None
+    chart_path = session.report_dir / "kvdemo-occupancy.html"
+    occupancy_plot(session).write_html(str(chart_path), include_plotlyjs=True)
+    return str(chart_path)
 
 
 def run_video(
@@ -339,40 +554,81 @@ def run_video(
     view: tuple[str, str, bool] = ("all", "all", False),
 ) -> Iterator[dict[str, Any]]:
     """Stream a file into a fresh session; yields update dicts (keys: session, status, plot, heatmap,
-    gallery, report, chart, coverage, legend). Errors end the run with a message, never an exception."""
-    state = session or Session()
+    gallery, report, chart, coverage, legend, chat panes and their titles). Errors end the run with a
+    message, never an exception.
+
+    The previous session and its views stay until the first chunk of the new stream has been fed; a run
+    that fails before that leaves them as they were. ``request_stop`` ends the run after the current
+    chunk with the report of what ran.
+    """
+    previous = session
     try:
-        check_settings(settings.policy, settings.budget, settings.keep, settings.fps, settings.max_pixels)
+        check_run_settings(settings)
         min_pixels = min(settings.max_pixels, hub.get(settings.model).min_pixels)
         episode = None if video_path else sample_episode()
         if episode is None:
             video = open_video(Path(video_path), fps=settings.fps, max_pixels=settings.max_pixels, min_pixels=min_pixels)
         else:
-            video = episode.video.resized(min_pixels, settings.max_pixels)
-        state = start_session(hub, session, settings, video.describe(), video.size, video.fps)
+            video = episode.video.sampled(settings.fps).resized(min_pixels, settings.max_pixels)
+        state = start_session(hub, settings, video.describe(), video.size, video.fps)
         state.episode = episode
     except USER_ERRORS as exc:
-        yield {"session": state, "status": status_text(state, error=str(exc))}
+        yield kept_previous(previous, str(exc))
         return
-    yield {"session": state, "status": status_text(state, 0, video.num_frames), "legend": legend(state)}
+    state.running = True
+    total = video.num_frames
+    committed = False
     try:
-        chunks = video.chunks(FRAMES_PER_CHUNK)  # decoded lazily, batch by batch
+        yield {"session": state, "status": f"⏳ starting {video.describe()}"}
+        chunks = video.chunks(FRAMES_PER_CHUNK)  # decoded lazily, batch by batch, outside the session's turn
         current = next(chunks, None)
-        while current is not None:
+        while current is not None and not state.stop_requested:
             following = next(chunks, None)
             _, frames, times = current
-            with state.lock:
+            with state.turns.chunk():
+                if state.freed:
+                    break
                 fed = feed_frames(state, frames, times, flush=following is None)
             current = following
-            if fed:
-                yield live_update(state, view, done=state.stream.frames_seen, total=video.num_frames)
+            if fed and not committed:
+                commit(hub, previous, state)
+                committed = True
+                yield {**live_update(state, view, state.stream.frames_seen, total, force=True), **fresh_views(state)}
+            elif fed:
+                yield live_update(state, view, done=state.stream.frames_seen, total=total)
     except USER_ERRORS as exc:
+        if not committed:
+            state.close()
+            yield kept_previous(previous, str(exc))
+            return
         yield {"session": state, "status": status_text(state, error=str(exc))}
         return
-    state.source = video.describe()  # now knows how many damaged frames were skipped
+    finally:
+        state.running = False
+        if not committed:
+            state.close()  # ended before its first chunk (an error, Stop, or the client went away)
+    if not committed:
+        yield kept_previous(previous, "stopped before the first chunk")
+        return
+    if state.freed:
+        yield {"session": state, "status": status_text(state)}
+        return
+    stopped = state.stop_requested
+    state.stop_requested = False
+    if stopped:
+        state.stopped["run"] = f"stopped by the user at {state.stream.frames_seen} of {total} frames"
+    else:
+        state.source, state.lost_frames = video.describe(), video.lost_frames  # now knows the damaged frames
     final = finish(state, view)
-    final["status"] = status_text(state, state.stream.frames_seen, video.num_frames - video.lost_frames)
+    done = state.stream.frames_seen
+    final["status"] = status_text(state, done, total if stopped else total - video.lost_frames, stopped=stopped)
     yield final
+
+
+def request_stop(session: Session | None) -> None:
+    """Ask the session's running file stream to end after its current chunk (it then writes its report)."""
+    if session is not None and session.running:
+        session.stop_requested = True
 
 
 def live_update(state: Session, view: tuple[str, str, bool], done: int | None = None, total: int | None = None, force: bool = False) -> dict[str, Any]:
@@ -392,13 +648,13 @@ def live_update(state: Session, view: tuple[str, str, bool], done: int | None = 
 
 
 def finish(state: Session, view: tuple[str, str, bool]) -> dict[str, Any]:
-    """Final update of a run: everything redrawn, the coverage CDF (with a baseline), the downloads."""
+    """Final update of a run: everything redrawn, the coverage CDF (with a baseline), the report."""
     update = live_update(state, view, force=True)
     full = state.engines.get("full")
     if full is not None and "full" not in state.stopped and state.policy is not None and state.policy.memory.num_grids:
         state.coverage = {state.policy.policy.name: coverage(full.memory, state.policy.memory)}
         update["coverage"] = viz.coverage_figure(state.coverage)
-    update["report"], update["chart"] = write_report(state)
+    update["report"] = write_report(state)
     return update
 
 
@@ -429,16 +685,17 @@ def webcam_frame(
         resized = resize_frames(np.asarray(frame, dtype=np.uint8)[None, ..., :3], min_pixels, settings.max_pixels)
         size = tuple(resized.shape[1:3])
         if state.settings != settings or state.stream is None or not state.source.startswith("webcam") or state.frame_size != size:
-            check_settings(settings.policy, settings.budget, settings.keep, settings.fps, settings.max_pixels)
-            state = start_session(hub, session, settings, "webcam (live)", size)
+            check_run_settings(settings)
+            state = start_session(hub, settings, "webcam (live)", size)
+            commit(hub, session, state)
             started = True
-        with state.lock:
-            fed = feed_frames(state, resized, None)
+        with state.turns.chunk():
+            fed = feed_frames(state, resized, None) if not state.freed else False
     except USER_ERRORS as exc:
         return {"session": state, "status": status_text(state, error=str(exc))}
     update = live_update(state, view) if fed else {"session": state}
     if started:
-        update["legend"] = legend(state)
+        update.update(fresh_views(state))
     return update
 
 
@@ -446,26 +703,34 @@ def webcam_frame(
 
 
 def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Iterator[dict[str, Any]]:
-    """Ask both engines; yields {policy_chat, full_chat, status}. Answers stream interleaved."""
+    """Ask both engines; yields {policy_chat, full_chat, status}. Answers stream interleaved.
+
+    The question takes the session's turn before the stream's next chunk (the stream pauses meanwhile,
+    and nothing frees the engines until the answer is done).
+    """
     state = session or Session()
     question = (question or "").strip()
-    if state.policy is None or state.policy.memory.num_grids == 0:
-        yield {"session": state, "status": status_text(state, error="no video yet: run a video or the webcam first, then ask")}
-        return
-    if not question:
-        yield {"session": state, "status": status_text(state, error="type a question first")}
-        return
-    generators = {}
-    for name, engine in state.engines.items():
-        state.chat[name].append({"role": "user", "content": question})
-        if name in state.stopped:
-            state.chat[name].append({"role": "assistant", "content": f"*{state.stopped[name]}; no answer.*"})
-            continue
-        state.chat[name].append({"role": "assistant", "content": ""})
-        generators[name] = engine.ask(question, max_new_tokens)
-    texts = {name: "" for name in generators}
-    last_yield = 0.0
-    with state.lock:
+    with state.turns.question():
+        if state.freed and state.policy is None:
+            yield {"session": state, "status": status_text(state, error=state.freed)}
+            return
+        if state.policy is None or state.policy.memory.num_grids == 0:
+            yield {"session": state, "status": status_text(state, error="no video yet: run a video or the webcam first, then ask")}
+            return
+        if not question:
+            yield {"session": state, "status": status_text(state, error="type a question first")}
+            return
+        state.last_used = time.monotonic()
+        generators = {}
+        for name, engine in state.engines.items():
+            state.chat[name].append({"role": "user", "content": question})
+            if name in state.stopped:
+                state.chat[name].append({"role": "assistant", "content": f"*{state.stopped[name]}; no answer.*"})
+                continue
+            state.chat[name].append({"role": "assistant", "content": ""})
+            generators[name] = engine.ask(question, max_new_tokens)
+        texts = {name: "" for name in generators}
+        last_yield = 0.0
         while generators:
             for name in list(generators):
                 try:
@@ -479,8 +744,8 @@ def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Ite
             if time.monotonic() - last_yield > 0.1 or not generators:
                 last_yield = time.monotonic()
                 yield {"session": state, "policy_chat": list(state.chat["policy"]), "full_chat": list(state.chat["full"])}
-    yield {"session": state, "policy_chat": list(state.chat["policy"]), "full_chat": list(state.chat["full"]),
-           "report": write_report(state, chart=False)[0]}
+        report = write_report(state)
+    yield {"session": state, "policy_chat": list(state.chat["policy"]), "full_chat": list(state.chat["full"]), "report": report}
 
 
 def _answer_markdown(state: Session, name: str, answer) -> str:
@@ -535,8 +800,8 @@ def build_demo(hub: ModelHub | None = None):
     budget0, keep0, pixels0 = default_budget(hub.default)
     sample = sample_episode()
 
-    with gr.Blocks(title="kvdemo: KV-cache compression for streaming video") as demo:
-        session = gr.State(value=None, time_to_live=3600, delete_callback=free_session)
+    with gr.Blocks(title="kvdemo: KV-cache compression for streaming video", delete_cache=CACHE_CLEANUP) as demo:
+        session = gr.State(value=None, time_to_live=SESSION_TTL_S, delete_callback=lambda state: free_session(state, hub))
         gr.Markdown(
             "# kvdemo — what survives in the KV cache\n"
             "Stream a video into a vision-language model under a hard KV-cache budget, watch the cache, "
@@ -550,39 +815,38 @@ def build_demo(hub: ModelHub | None = None):
                     with gr.Row():
                         run_button = gr.Button("Run", variant="primary", elem_id="run-button")
                         sample_button = gr.Button("Run the bundled sample", elem_id="sample-button")
-                        stop_button = gr.Button("Stop", variant="stop")
+                        stop_button = gr.Button("Stop", variant="stop", elem_id="stop-button")
                     with gr.Accordion("What the bundled sample shows", open=False):
                         gr.Markdown(sample_manifest(sample), elem_id="sample-manifest")
                 with gr.Tab("Webcam"):
                     webcam = gr.Image(label="Webcam (frames are buffered into chunks)", sources=["webcam"],
                                       streaming=True, type="numpy", height=220, elem_id="webcam")
                 with gr.Accordion("Settings", open=True):
-                    model = gr.Dropdown(hub.choices(), value=hub.default, label="Model", allow_custom_value=True,
+                    model = gr.Dropdown(hub.choices(), value=hub.default, label="Model", allow_custom_value=True, elem_id="model",
                                         info="tiny runs offline on the CPU (trained on generated streams; tiny-random: "
                                              "random weights); Qwen ids need a GPU and the Hub")
                     policy = gr.Dropdown(UI_POLICIES, value="infinipot-v", label="Policy")
                     with gr.Row():
-                        budget = gr.Number(budget0, label="M (max visual tokens)", precision=0, minimum=1)
-                        keep = gr.Number(keep0, label="C (kept by a compression)", precision=0, minimum=1)
-                    budget_check = gr.Markdown(validate_settings("infinipot-v", budget0, keep0, 2.0, pixels0))
+                        budget = gr.Number(budget0, label="M (max visual tokens)", precision=0, elem_id="budget")
+                        keep = gr.Number(keep0, label="C (kept by a compression)", precision=0, elem_id="keep")
+                    budget_check = gr.Markdown(validate_settings("infinipot-v", budget0, keep0, 2.0, pixels0),
+                                               label="Settings check", elem_id="budget-check")
                     with gr.Row():
                         fps = gr.Slider(0.5, 8, value=2, step=0.5, label="Sampling fps")
                         max_pixels = gr.Number(pixels0, label="Max pixels per frame", precision=0,
                                                info="frames are resized like Qwen: sides multiples of 28")
-                    param_inputs, param_keys, groups = [], [], {}
+                    param_inputs, groups = {}, {}
                     for name in UI_POLICIES:
-                        specs = policy_params(name)
                         with gr.Group(visible=name == "infinipot-v") as group:
-                            for spec in specs:
-                                param_inputs.append(_param_component(gr, spec, name))
-                                param_keys.append((name, spec.name))
+                            for spec in policy_params(name):
+                                param_inputs[f"{name}_{spec.name}".replace("-", "_")] = (name, spec.name, _param_component(gr, spec, name))
                         groups[name] = group
                     with gr.Row():
                         baseline = gr.Checkbox(True, label="Full-cache baseline")
-                        cap_mb = gr.Number(2048, label="Baseline memory cap (MB)", precision=0, minimum=0)
+                        cap_mb = gr.Number(2048, label="Baseline memory cap (MB)", precision=0, info="0 = no cap")
             with gr.Column(scale=2):
-                status = gr.Markdown(status_text(Session()), elem_id="status")
-                plot = gr.Plot(label="Cache occupancy", show_label=False, elem_id="occupancy")
+                status = gr.Markdown(status_text(Session()), label="Status", elem_id="status")
+                plot = gr.Plot(empty_occupancy_plot("infinipot-v", budget0), label="Cache occupancy", show_label=False, elem_id="occupancy")
                 with gr.Row():
                     view_layer = gr.Dropdown(["all"], value="all", label="Layer", scale=1)
                     view_head = gr.Dropdown(["all"], value="all", label="KV head", scale=1)
@@ -590,10 +854,10 @@ def build_demo(hub: ModelHub | None = None):
                 gr.Markdown("**Newest frames: what survives**")
                 heatmap = gr.Image(label="Newest frames: what survives", show_label=False, format="jpeg", type="numpy",
                                    interactive=False, elem_id="heatmap")
-                legend_box = gr.Markdown(legend(Session()))
+                legend_box = gr.Markdown(legend(Session()), label="Legend")
                 with gr.Accordion("Every frame so far", open=False):
                     gallery = gr.Gallery(label="What survives of each frame", columns=6, height=300, format="jpeg")
-                coverage_plot = gr.Plot(label="Coverage of the full cache (CDF, after a run with the baseline)", visible=False)
+                coverage_plot = gr.Plot(label="Coverage of the full cache (CDF)", visible=False)
                 with gr.Row():
                     question = gr.Textbox(label="Ask both engines", placeholder="What happens in the video?",
                                           scale=4, elem_id="question")
@@ -603,69 +867,92 @@ def build_demo(hub: ModelHub | None = None):
                                       label="Questions about the bundled sample (click to ask both engines)",
                                       elem_id="examples")
                 with gr.Row():
-                    policy_chat = gr.Chatbot(label="policy at M tokens", height=300, elem_id="policy-chat")
-                    full_chat = gr.Chatbot(label="full cache", height=300, elem_id="full-chat")
+                    with gr.Column():
+                        policy_title = gr.Markdown(policy_label("infinipot-v", budget0, keep0), label="Policy chat title",
+                                                   elem_id="policy-chat-title")
+                        policy_chat = gr.Chatbot(label="Policy engine chat", show_label=False, height=300,
+                                                 buttons=["copy"], elem_id="policy-chat")
+                    with gr.Column():
+                        full_title = gr.Markdown(chat_title(Session(), "full"), label="Full cache chat title",
+                                                 elem_id="full-chat-title")
+                        full_chat = gr.Chatbot(label="Full cache chat", show_label=False, height=300,
+                                               buttons=["copy"], elem_id="full-chat")
                 with gr.Row():
                     report_file = gr.File(label="Run report (JSON)", interactive=False)
-                    chart_file = gr.File(label="Occupancy chart (HTML)", interactive=False)
+                    with gr.Column():
+                        chart_file = gr.File(label="Occupancy chart (HTML)", interactive=False, elem_id="chart-file")
+                        chart_button = gr.Button("Export the chart as HTML (~5 MB, opens offline)", size="sm",
+                                                 elem_id="chart-button")
                 with gr.Accordion("How to read this", open=False):
-                    gr.Markdown(HOW_TO_READ)
+                    gr.Markdown(HOW_TO_READ.format(max_sessions=hub.sessions.limit))
 
         names = {"session": session, "status": status, "plot": plot, "heatmap": heatmap, "gallery": gallery,
                  "report": report_file, "chart": chart_file, "coverage": coverage_plot, "legend": legend_box,
-                 "policy_chat": policy_chat, "full_chat": full_chat}
-        outputs = list(names.values())
-        settings_inputs = [model, policy, budget, keep, fps, max_pixels, baseline, cap_mb, *param_inputs]
-        view_inputs = [view_layer, view_head, by_reason]
+                 "policy_title": policy_title, "full_title": full_title, "policy_chat": policy_chat, "full_chat": full_chat}
+        run_outputs = list(names.values())
+        ask_outputs = [session, status, policy_chat, full_chat, report_file]
+        settings_inputs = {"model": model, "policy": policy, "budget": budget, "keep": keep, "fps": fps,
+                           "max_pixels": max_pixels, "baseline": baseline, "baseline_cap_mb": cap_mb,
+                           **{key: component for key, (_, _, component) in param_inputs.items()},
+                           "view_layer": view_layer, "view_head": view_head, "colour_by_reason": by_reason}
 
         def to_components(update: dict[str, Any]) -> dict[Any, Any]:
             out = {names[key]: value for key, value in update.items() if key in names}
-            if update.get("coverage") is not None:
-                out[coverage_plot] = gr.update(value=update["coverage"], visible=True)
+            if "coverage" in update:
+                out[coverage_plot] = gr.update(value=update["coverage"], visible=update["coverage"] is not None)
             return out
 
-        def settings_from(values: list[Any]) -> RunSettings:
-            model_v, policy_v, budget_v, keep_v, fps_v, pixels_v, baseline_v, cap_v, *params_v = values
-            form = {field_name: value for (owner, field_name), value in zip(param_keys, params_v) if owner == policy_v}
-            return RunSettings(
-                model=model_v or hub.default, policy=policy_v, params=parse_params(policy_v, form),
-                budget=budget_v, keep=keep_v, fps=float(fps_v or 0), max_pixels=int(pixels_v or 0),
-                baseline=bool(baseline_v), cap_mb=float(cap_v or 0),
+        def settings_from(values: dict[str, Any]) -> tuple[RunSettings, tuple[str, str, bool]]:
+            chosen = values["policy"]
+            form = {field_name: values[key] for key, (owner, field_name, _) in param_inputs.items() if owner == chosen}
+            settings = RunSettings(
+                model=values["model"] or hub.default, policy=chosen, params=parse_params(chosen, form),
+                budget=values["budget"], keep=values["keep"], fps=float(values["fps"] or 0),
+                max_pixels=int(values["max_pixels"] or 0), baseline=bool(values["baseline"]),
+                cap_mb=float(values["baseline_cap_mb"] or 0),
             )
+            return settings, (values["view_layer"], values["view_head"], values["colour_by_reason"])
 
-        def run_handler(state, video_path, *values):
-            *setting_values, layer_v, head_v, reason_v = values
+        def run(session, video, **settings):
             try:
-                settings = settings_from(setting_values)
+                run_settings, view = settings_from(settings)
             except USER_ERRORS as exc:
-                yield to_components({"session": state, "status": status_text(state or Session(), error=str(exc))})
+                yield to_components(kept_previous(session, str(exc)))
                 return
-            for update in run_video(hub, state, video_path, settings, (layer_v, head_v, reason_v)):
+            for update in run_video(hub, session, video, run_settings, view):
                 yield to_components(update)
 
-        def sample_handler(state, *values):
-            yield from run_handler(state, None, *values)
+        def run_sample(session, **settings):
+            yield from run(session, None, **settings)
 
-        def webcam_handler(state, frame, *values):
-            *setting_values, layer_v, head_v, reason_v = values
+        def stop(session):
+            request_stop(session)
+
+        def webcam_stream(session, frame, **settings):
             try:
-                settings = settings_from(setting_values)
+                run_settings, view = settings_from(settings)
             except USER_ERRORS as exc:
-                return to_components({"session": state, "status": status_text(state or Session(), error=str(exc))})
-            return to_components(webcam_frame(hub, state, frame, settings, (layer_v, head_v, reason_v)))
+                return to_components({"session": session, "status": status_text(session or Session(), error=str(exc))})
+            return to_components(webcam_frame(hub, session, frame, run_settings, view))
 
-        def ask_handler(state, text):
-            for update in ask(state, text):
+        def ask_both(session, question):
+            for update in ask(session, question):
                 yield to_components(update)
 
-        def example_handler(state, example):
-            for update in ask(state, example[0]):
+        def ask_example(session, example):
+            for update in ask(session, example[0]):
                 yield {**to_components(update), question: example[0]}
 
-        def view_handler(state, layer_v, head_v, reason_v):
-            if state is None:
+        def new_conversation(session):
+            return to_components(reset_chat(session))
+
+        def export_chart(session):
+            return write_chart(session)
+
+        def redraw_heatmap(session, layer, head, by_reason):
+            if session is None:
                 return None
-            return heatmap_image(state, layer_v, head_v, reason_v)
+            return heatmap_image(session, layer, head, by_reason)
 
         def view_choices(state):
             engine = state.policy if state else None
@@ -675,29 +962,33 @@ def build_demo(hub: ModelHub | None = None):
             heads = ["all"] + [str(i) for i in range(engine.model.num_kv_heads)]
             return gr.update(choices=layers), gr.update(choices=heads)
 
-        # All model work shares one concurrency group. Two events at a time, so that a question can be
-        # answered while a stream runs: the session lock pauses the stream between chunks meanwhile.
-        common = dict(outputs=outputs, show_progress_on=[status], concurrency_id="model", concurrency_limit=MODEL_CONCURRENCY)
-        run_event = run_button.click(run_handler, [session, video, *settings_inputs, *view_inputs], api_name="run", **common)
-        sample_event = sample_button.click(sample_handler, [session, *settings_inputs, *view_inputs], api_name="run_sample", **common)
+        # Streams and questions have separate slots: a question is served within one chunk's time whatever
+        # other sessions stream (its own session's stream pauses between chunks while it is answered).
+        streams = dict(concurrency_id="stream", concurrency_limit=STREAM_SLOTS)
+        questions = dict(concurrency_id="question", concurrency_limit=QUESTION_SLOTS)
+        run_event = run_button.click(run, [session, video], run_outputs, inputs_kwargs=settings_inputs, api_name="run",
+                                     show_progress_on=[status], **streams)
+        sample_event = sample_button.click(run_sample, [session], run_outputs, inputs_kwargs=settings_inputs,
+                                           api_name="run_sample", show_progress_on=[status], **streams)
         for event in (run_event, sample_event):
             event.then(view_choices, [session], [view_layer, view_head], api_visibility="private")
-        stop_button.click(None, cancels=[run_event, sample_event])
-        webcam.stream(webcam_handler, [session, webcam, *settings_inputs, *view_inputs], outputs,
-                      stream_every=0.5, time_limit=600, concurrency_id="model", concurrency_limit=MODEL_CONCURRENCY,
-                      show_progress="hidden",
-                      api_visibility="private")
-        ask_event = dict(outputs=outputs, show_progress_on=[status], concurrency_id="model", concurrency_limit=MODEL_CONCURRENCY)
-        ask_button.click(ask_handler, [session, question], api_name="ask", **ask_event)
-        question.submit(ask_handler, [session, question], api_visibility="private", **ask_event)
-        examples.click(example_handler, [session, examples], api_visibility="private",
-                       **{**ask_event, "outputs": [*outputs, question]})
-        clear_button.click(lambda s: to_components(reset_chat(s)), [session], outputs, api_name="new_conversation")
+        stop_button.click(stop, [session], None, api_name="stop", concurrency_limit=None, show_progress="hidden")
+        webcam.stream(webcam_stream, [session, webcam], run_outputs, inputs_kwargs=settings_inputs, stream_every=0.5,
+                      time_limit=600, show_progress="hidden", api_visibility="private", **streams)
+        ask_button.click(ask_both, [session, question], ask_outputs, api_name="ask", show_progress_on=[status], **questions)
+        question.submit(ask_both, [session, question], ask_outputs, api_visibility="private", show_progress_on=[status],
+                        **questions)
+        examples.click(ask_example, [session, examples], [*ask_outputs, question], api_visibility="private",
+                       show_progress_on=[status], **questions)
+        clear_button.click(new_conversation, [session], [session, policy_chat, full_chat], api_name="new_conversation",
+                           concurrency_limit=None)
+        chart_button.click(export_chart, [session], chart_file, api_name="export_chart", concurrency_limit=None)
+        view_inputs = [view_layer, view_head, by_reason]
         for control in view_inputs:
-            control.change(view_handler, [session, *view_inputs], heatmap, show_progress="hidden", api_visibility="private")
-        for control in (policy, budget, keep, fps, max_pixels):
-            control.change(validate_settings, [policy, budget, keep, fps, max_pixels], budget_check,
-                           show_progress="hidden", api_visibility="private")
+            control.change(redraw_heatmap, [session, *view_inputs], heatmap, show_progress="hidden", api_visibility="private")
+        check_inputs = [policy, budget, keep, fps, max_pixels, video]
+        gr.on([control.change for control in check_inputs], validate_settings, check_inputs, budget_check,
+              api_name="check_settings", show_progress="hidden", concurrency_limit=None)
         policy.change(lambda name: [gr.update(visible=name == n) for n in groups], [policy], list(groups.values()),
                       api_visibility="private")
         model.change(lambda name: gr.update(value=banner_html(name), visible=bool(banner_html(name))), [model], banner,
@@ -736,12 +1027,11 @@ def launch(host: str | None = None, port: int | None = None, model: str | None =
 
     hub = ModelHub(model)
     hub.get()
+    log.info("building the app (%d stream and %d question slots; engines of at most %d sessions kept)",
+             STREAM_SLOTS, QUESTION_SLOTS, hub.sessions.limit)
     demo = build_demo(hub)
-    demo.queue(default_concurrency_limit=MODEL_CONCURRENCY)
-    return demo.launch(
-        server_name=host or os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-        server_port=port or int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
-        share=share,
-        theme=gr.themes.Soft(),
-        **kwargs,
-    )
+    demo.queue(default_concurrency_limit=STREAM_SLOTS)
+    host = host or os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
+    port = port or int(os.environ.get("GRADIO_SERVER_PORT", "7860"))
+    log.info("starting the web server on http://%s:%d", host, port)
+    return demo.launch(server_name=host, server_port=port, share=share, theme=gr.themes.Soft(), css=CSS, **kwargs)

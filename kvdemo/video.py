@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-#: Qwen2-VL / Qwen2.5-VL defaults (patch 14, spatial merge 2 -> factor 28).
+#: Qwen2-VL / Qwen2.5-VL defaults (patch 14, spatial merge 2 -> factor 28; 2 frames per temporal grid).
 RESIZE_FACTOR = 28
+TEMPORAL_PATCH_SIZE = 2
 DEFAULT_MIN_PIXELS = 128 * 28 * 28
 DEFAULT_MAX_PIXELS = 768 * 28 * 28
 #: Largest decoded frame we accept before resizing (a 16K frame costs ~0.8 GB per frame to decode).
@@ -63,6 +63,7 @@ def resize_frames(
     frames: np.ndarray, min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS
 ) -> np.ndarray:
     """Resize uint8 frames ``[T, H, W, 3]`` exactly as Qwen2VLVideoProcessor does (bicubic, antialiased)."""
+    import torch  # imported here so that opening and checking a file stays quick (the CLI fails fast)
     import torchvision.transforms.v2.functional as tvF
 
     height, width = frames.shape[1:3]
@@ -110,6 +111,17 @@ class Video:
         if max_frames <= 0:
             raise VideoError(f"max_frames must be positive, got {max_frames}")
         return dataclasses.replace(self, frames=self.frames[:max_frames], times_s=self.times_s[:max_frames])
+
+    def sampled(self, fps: float) -> "Video":
+        """The frames shown at times ``k / fps`` (``fps`` below the video's own rate); at or above it the
+        video as it is (it streams at its own rate, as a file does)."""
+        if fps <= 0:
+            raise VideoError(f"sampling fps must be positive, got {fps}")
+        if fps >= self.fps:
+            return self
+        count = sample_count(self.num_frames / self.fps, fps)
+        index = np.minimum(np.floor(np.arange(count) / fps * self.fps + 1e-9).astype(int), self.num_frames - 1)
+        return dataclasses.replace(self, frames=self.frames[index], times_s=self.times_s[index], fps=float(fps))
 
     def resized(self, min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS) -> "Video":
         """The frames resized into ``[min_pixels, max_pixels]`` by Qwen's rule (itself when already there)."""
@@ -208,7 +220,7 @@ class VideoFile:
         try:
             container = av.open(str(self.path))
         except Exception as exc:  # av.error.* (InvalidDataError...), or undecodable metadata
-            raise VideoError(f"{self.path.name}: not a readable video file ({_first_line(exc)})") from None
+            raise VideoError(f"{self.path.name}: not a readable video file ({_first_line(exc, self.path)})") from None
         if not container.streams.video:
             container.close()
             raise VideoError(f"{self.path.name}: has no video stream")
@@ -336,9 +348,13 @@ def load_video(
     return open_video(path, fps, max_frames, min_pixels, max_pixels).load()
 
 
-def _first_line(exc: Exception) -> str:
+def _first_line(exc: Exception, path: Path | None = None) -> str:
+    """The gist of a library's error message; ``path`` is shown by its name only (the folder may be a
+    server's upload folder, which says nothing to the user)."""
     text = str(exc).strip().splitlines()
     line = text[-1] if text else type(exc).__name__
+    if path is not None:
+        line = line.replace(str(path), path.name)
     return line.split("] ")[-1][:160]
 
 

@@ -5,15 +5,14 @@ Heatmaps are numpy/PIL images (the UI sends them as JPEG); charts are Plotly fig
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from .memory import KVMemory, OccupancyEvent
+from .memory import REASON_NEW, KVMemory, OccupancyEvent
 
-#: Reason code for tokens appended after the last compression (no reason reported yet).
-REASON_NEW = -2
 #: Reason code of a patch that is not held (evicted).
 EVICTED = -1
 NEW_COLOUR = (170, 170, 170)
@@ -56,6 +55,10 @@ def occupancy_figure(series: dict[str, list[OccupancyEvent]], budget: int | None
                          legendgroup=label, line=line, xaxis="x", yaxis="y"))
         data.append(dict(type="scatter", x=x, y=[e.cache_bytes / 2**20 for e in events], mode="lines", name=label,
                          legendgroup=label, showlegend=False, line=line, xaxis="x", yaxis="y2"))
+        if any(e.offloaded_bytes for e in events):  # HybridKV: host-memory store, apart from the resident cache
+            data.append(dict(type="scatter", x=x, y=[e.offloaded_bytes / 2**20 for e in events], mode="lines",
+                             name=f"{label}: offloaded (host)", legendgroup=label, xaxis="x", yaxis="y2",
+                             line=dict(color=colour, width=2, dash="dot")))
         compressions = [e for e in events if e.event == "compress"]
         if compressions:
             data.append(dict(
@@ -115,23 +118,22 @@ def survival_fraction_map(memory: KVMemory, layer: int | None = None, head: int 
     return (counts / (layers * heads)).numpy()
 
 
-def reason_map(memory: KVMemory, info: dict[str, Any], layer: int, head: int) -> np.ndarray:
+def reason_map(memory: KVMemory, layer: int, head: int) -> np.ndarray:
     """``[grids, rows, cols]`` reason code of each held patch of one layer/head (``EVICTED`` if not held).
 
-    The last compression's reasons are aligned with the first ``C`` visual tokens of the memory (the
-    kept tokens, in order); tokens appended since are ``REASON_NEW``.
+    The memory stores, per slot, the reason the last compression gave for keeping the token (the
+    policy's code), or ``REASON_NEW`` for a token appended since; it moves with the token.
     """
     rows, cols = memory.grid_shape or (0, 0)
     grid = np.full((memory.num_grids, rows, cols), EVICTED, dtype=np.int16)
     if not memory.grid_shape:
         return grid
-    frame, row, col = (t[head].long().cpu().numpy() for t in (memory.frame[layer], memory.row[layer], memory.col[layer]))
-    codes = np.full(frame.shape, REASON_NEW, dtype=np.int16)
-    reasons = info.get("reason")
-    if reasons is not None and layer < len(reasons):
-        known = reasons[layer][head].cpu().numpy().astype(np.int16)
-        codes[: min(len(known), len(codes))] = known[: len(codes)]
-    grid[frame, row, col] = codes
+    frame, row, col, codes = (
+        t[head].long().cpu().numpy() for t in (memory.frame[layer], memory.row[layer], memory.col[layer], memory.reason[layer])
+    )
+    valid = memory.valid[layer]
+    held = valid[head].cpu().numpy() if valid is not None else np.ones(frame.shape, dtype=bool)
+    grid[frame[held], row[held], col[held]] = codes[held]
     return grid
 
 
@@ -207,7 +209,6 @@ def legend_text(reason_names: dict[int, str]) -> str:
 def survivor_strip(
     memory: KVMemory,
     thumbnails: list[np.ndarray],
-    info: dict[str, Any],
     layer: int | None = None,
     head: int | None = None,
     last: int = 4,
@@ -223,7 +224,7 @@ def survivor_strip(
         return frame_strip([], [])
     single = layer is not None and head is not None
     if single and by_reason:
-        codes = reason_map(memory, info, layer, head)
+        codes = reason_map(memory, layer, head)
         tiles = [overlay_reasons(thumbnails[g], codes[g]) for g in grids]
         kept = [(codes[g] != EVICTED).mean() for g in grids]
     else:
@@ -244,3 +245,223 @@ def survivor_gallery(
         tile = overlay_fraction(thumbnail(thumbnails[g], max_width), fraction[g])
         items.append((tile, f"t={memory.grid_times_s[g]:.1f}s · {100 * fraction[g].mean():.0f}% kept"))
     return items
+
+
+# --- the policies' own views ---------------------------------------------------------------------
+
+
+@dataclass
+class Panel:
+    """One view a policy declares: a title, ``kind`` "image" (numpy RGB) or "plot" (Plotly figure), the
+    drawn value and a caption (markdown)."""
+
+    title: str
+    kind: str
+    value: Any
+    caption: str = ""
+
+
+#: Distinct colours for prototype ids (id modulo the palette).
+PROTOTYPE_COLOURS = np.array(
+    [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180), (70, 240, 240),
+     (240, 50, 230), (210, 245, 60), (250, 190, 212), (0, 128, 128), (220, 190, 255), (170, 110, 40),
+     (255, 250, 200), (128, 0, 0), (170, 255, 195), (128, 128, 0), (255, 215, 180), (0, 0, 128), (128, 128, 128)],
+    dtype=np.float32,
+)
+NOT_ABSORBED, LOST = -1, -2
+
+
+def policy_panels(engine, thumbnails: list[np.ndarray], layer: int | None = None, head: int | None = None) -> list[Panel]:
+    """The views ``engine.policy`` declares (``Policy.panels``), for one layer and KV head (0 and 0 when the
+    view is aggregated over all)."""
+    panels = []
+    for name in engine.policy.panels:
+        draw = PANEL_DRAWERS.get(name)
+        panel = draw(engine, thumbnails, layer or 0, head or 0) if draw else None
+        if panel is not None:
+            panels.append(panel)
+    return panels
+
+
+def prototype_assignment_panel(engine, thumbnails: list[np.ndarray], layer: int, head: int, last: int = 4) -> Panel | None:
+    """ProtoKV: the newest absorbed grids, each absorbed patch coloured by the prototype it went to (the same
+    colour for the same prototype across grids) with its id; patches still exact are dimmed."""
+    data = engine.policy.assignments(layer, head, engine.memory.num_kv_heads)
+    if not data or not data["grids"]:
+        return None
+    grids, proto, mass = data["grids"][-last:], data["prototype"][-last:], data["mass"]
+    tiles, captions = [], []
+    for grid, ids in zip(grids, proto):
+        if grid >= len(thumbnails):
+            continue
+        tiles.append(_prototype_tile(thumbnails[grid], ids))
+        captions.append(f"t={engine.memory.grid_times_s[grid]:.1f}s  {100 * (ids >= 0).mean():.0f}% in the bank")
+    shown = np.unique(np.concatenate([p[p >= 0] for p in proto]).astype(np.int64)) if len(proto) else np.array([], int)
+    top = sorted(shown.tolist(), key=lambda k: -int(mass[k]))[:8]
+    listed = ", ".join(f"<b>{k}</b> (mass {int(mass[k])})" for k in top)
+    caption = (f"Layer {layer}, KV head {head}: each patch of these absorbed frames is represented by the prototype "
+               f"whose id it shows (same colour = same prototype); dimmed = still exact in the near window"
+               + ("; dark red = its prototype was recycled since" if (np.concatenate(list(proto)) == LOST).any() else "")
+               + (f". Heaviest here: {listed}." if listed else "."))
+    return Panel("Prototype assignments", "image", frame_strip(tiles, captions), caption)
+
+
+def _prototype_tile(frame: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    height, width = frame.shape[:2]
+    rows, cols = ids.shape
+    colour = PROTOTYPE_COLOURS[np.clip(ids, 0, None) % len(PROTOTYPE_COLOURS)]
+    colour[ids == LOST] = (120, 0, 0)
+    absorbed = _upsample((ids != NOT_ABSORBED).astype(np.float32), (height, width))[..., None]
+    tint = colour[_upsample(np.arange(rows * cols).reshape(rows, cols).astype(np.float32), (height, width)).astype(np.int64) // cols,
+                  _upsample(np.arange(rows * cols).reshape(rows, cols).astype(np.float32), (height, width)).astype(np.int64) % cols]
+    image = frame.astype(np.float32) * (0.35 + 0.65 * absorbed)
+    image = image * (1 - 0.55 * absorbed) + tint * 0.55 * absorbed
+    canvas = Image.fromarray(_grid_lines(np.clip(image, 0, 255).astype(np.uint8), (rows, cols)))
+    cell_w, cell_h = width / cols, height / rows
+    if cell_w >= 14 and cell_h >= 10:
+        draw = ImageDraw.Draw(canvas)
+        font = ImageFont.load_default(size=max(8, int(min(cell_h, cell_w / 2) * 0.55)))
+        for r in range(rows):
+            for c in range(cols):
+                if ids[r, c] >= 0:
+                    draw.text((c * cell_w + 2, r * cell_h + 1), str(int(ids[r, c])), fill=(255, 255, 255), font=font)
+    return np.asarray(canvas)
+
+
+def prototype_bank_panel(engine, thumbnails: list[np.ndarray], layer: int, head: int) -> Panel | None:
+    """ProtoKV: the mass histogram of one (layer, KV head) bank, and bank occupancy (visible pseudo-tokens,
+    mean over KV heads, fullest layer) over stream time."""
+    import plotly.graph_objects as go
+
+    data = engine.policy.assignments(layer, head, engine.memory.num_kv_heads)
+    if data is None:
+        return None
+    mass = data["mass"][data["mass"] > 0]
+    events = engine.memory.timeline
+    capacity = engine.memory.summary_slots
+    edges = np.unique(np.round(np.geomspace(1, max(2, int(mass.max()) + 1 if mass.size else 2), 12)).astype(int))
+    counts, _ = np.histogram(mass, bins=edges) if mass.size else (np.zeros(len(edges) - 1), edges)
+    labels = [f"{a}-{b - 1}" if b - 1 > a else f"{a}" for a, b in zip(edges[:-1], edges[1:])]
+    data_traces = [
+        dict(type="bar", x=labels, y=counts.tolist(), name="prototypes", marker=dict(color="#1f77b4"), xaxis="x", yaxis="y",
+             hovertemplate="mass %{x}: %{y} prototypes<extra></extra>"),
+        dict(type="scatter", x=[e.time_s for e in events], y=[e.summary_active for e in events], mode="lines",
+             name="pseudo-tokens visible", line=dict(color="#2ca02c", width=2), xaxis="x2", yaxis="y2"),
+    ]
+    layout = dict(
+        height=280, margin=dict(l=50, r=20, t=40, b=40), template="plotly_white", showlegend=False,
+        xaxis=dict(domain=[0, 0.45], title=dict(text=f"mass n_k (layer {layer}, head {head})"), type="category"),
+        yaxis=dict(title=dict(text="prototypes")),
+        xaxis2=dict(domain=[0.55, 1], title=dict(text="stream time (s)"), anchor="y2"),
+        yaxis2=dict(anchor="x2", rangemode="tozero", title=dict(text="pseudo-tokens")),
+        shapes=[dict(type="line", xref="x2 domain", x0=0, x1=1, yref="y2", y0=capacity, y1=capacity,
+                     line=dict(color="#555", dash="dash", width=1))],
+    )
+    caption = (f"{int(mass.size)} of {len(data['mass'])} prototypes active in this bank, total mass {int(mass.sum())}; "
+               f"right: pseudo-tokens attention can see (capacity {capacity}, dashed).")
+    return Panel("Prototype bank", "plot", go.Figure(dict(data=data_traces, layout=layout)), caption)
+
+
+def head_types_panel(engine, thumbnails: list[np.ndarray], layer: int, head: int) -> Panel | None:
+    """HybridKV: the layers x KV heads map of the last pass (static / dynamic), each cell's budget written in."""
+    import plotly.graph_objects as go
+
+    data = engine.policy.head_types()
+    if data is None:
+        return None
+    static, budget, sparsity = data["static"], data["budget"], data["sparsity"]
+    layers, heads = static.shape
+    text = [[f"{int(budget[l, h])}" for h in range(heads)] for l in range(layers)]
+    hover = [[f"layer {l}, KV head {h}: {'static' if static[l, h] else 'dynamic'}, budget {int(budget[l, h])}, "
+              f"sparsity {float(sparsity[l, h]):.3f}" for h in range(heads)] for l in range(layers)]
+    trace = dict(type="heatmap", z=static.astype(int).tolist(), text=text, texttemplate="%{text}", customdata=hover,
+                 hovertemplate="%{customdata}<extra></extra>", colorscale=[[0, "#ffbb78"], [1, "#1f77b4"]], zmin=0, zmax=1,
+                 showscale=False, x=[f"head {h}" for h in range(heads)], y=[f"L{l}" for l in range(layers)])
+    layout = dict(height=max(220, 22 * layers + 80), margin=dict(l=50, r=20, t=30, b=30), template="plotly_white",
+                  yaxis=dict(autorange="reversed"))
+    caption = (f"<span style='color:#1f77b4'>■</span> static ({int(static.sum())}: pruned by the probe's attention) "
+               f"&nbsp; <span style='color:#ffbb78'>■</span> dynamic ({int((~static).sum())}: newest tokens resident, the rest "
+               f"offloaded and retrieved while answering); numbers are each head's budget (cutoff {float(data['cutoff']):.3f}).")
+    return Panel("Head types", "plot", go.Figure(dict(data=[trace], layout=layout)), caption)
+
+
+PANEL_DRAWERS = {
+    "prototype assignments": prototype_assignment_panel,
+    "prototype bank": prototype_bank_panel,
+    "head types": head_types_panel,
+}
+
+
+# --- what one head holds, beyond its exact tokens -------------------------------------------------
+
+#: Per-patch status codes of :func:`patch_status`.
+HELD, SUMMARISED, OFFLOADED, RETRIEVED = 0, 1, 2, 3
+STATUS_COLOURS = {HELD: (255, 214, 0), SUMMARISED: (66, 133, 244), OFFLOADED: (171, 71, 188), RETRIEVED: (52, 168, 83)}
+STATUS_NAMES = {HELD: "held exactly", SUMMARISED: "summarised by a prototype", OFFLOADED: "offloaded (host memory)",
+                RETRIEVED: "retrieved while answering the last question"}
+
+
+def patch_status(engine, layer: int, head: int) -> np.ndarray | None:
+    """``[grids, rows, cols]`` status of every patch for one (layer, KV head): held exactly, summarised
+    (ProtoKV: absorbed into a prototype that still exists), offloaded / retrieved during the last answer
+    (HybridKV's dynamic heads), or ``EVICTED``. None for a policy that only selects (its view is
+    :func:`survivor_strip`)."""
+    memory = engine.memory
+    store = memory.layers[layer] if memory.layers else None
+    summarises, offloads = bool(memory.summary_slots), store is not None and store.offload is not None
+    if memory.grid_shape is None or not (summarises or offloads):
+        return None
+    rows, cols = memory.grid_shape
+    status = np.full((memory.num_grids, rows, cols), EVICTED, dtype=np.int16)
+    if summarises:
+        status[:] = SUMMARISED  # ProtoKV absorbs every token it evicts
+        data = engine.policy.assignments(layer, head, memory.num_kv_heads)
+        for grid, ids in zip(data["grids"], data["prototype"]) if data else ():
+            status[grid][ids == LOST] = EVICTED
+    if offloads:
+        offload = store.offload
+        chunks = int(offload.count[head])
+        valid = offload.valid[head, :chunks].numpy()
+        retrieved = offload.retrieved[head, :chunks].cpu().numpy()[:, None] & valid
+        frame, row, col = (offload.provenance[name][head, :chunks].numpy() for name in ("frame", "row", "col"))
+        status[frame[valid], row[valid], col[valid]] = OFFLOADED
+        status[frame[retrieved], row[retrieved], col[retrieved]] = RETRIEVED
+    frame, row, col = (t[head].long().cpu().numpy() for t in (memory.frame[layer], memory.row[layer], memory.col[layer]))
+    held = memory.valid[layer][head].cpu().numpy() if memory.valid[layer] is not None else np.ones(frame.shape, dtype=bool)
+    status[frame[held], row[held], col[held]] = HELD
+    return status
+
+
+def overlay_status(frame: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """Colour each patch by its :func:`patch_status` code, darken evicted ones (``codes [rows, cols]``)."""
+    height, width = frame.shape[:2]
+    palette = np.zeros((len(STATUS_COLOURS) + 1, 3), dtype=np.float32)
+    for code, colour in STATUS_COLOURS.items():
+        palette[code] = colour
+    shown = _upsample((codes != EVICTED).astype(np.float32), (height, width))[..., None]
+    colour = palette[_upsample(codes.astype(np.float32), (height, width)).astype(np.int64)]
+    image = frame.astype(np.float32) * (0.25 + 0.75 * shown)
+    image = image * (1 - 0.4 * shown) + colour * 0.4 * shown
+    return _grid_lines(np.clip(image, 0, 255).astype(np.uint8), codes.shape)
+
+
+def status_legend(codes: np.ndarray) -> str:
+    """Markdown legend of the statuses that appear in ``codes``."""
+    present = set(np.unique(codes).tolist())
+    parts = [f"<span style='color:rgb{STATUS_COLOURS[code]}'>■</span> {name}" for code, name in STATUS_NAMES.items() if code in present]
+    return " &nbsp; ".join(parts + ["dark = evicted"])
+
+
+def engine_strip(engine, thumbnails: list[np.ndarray], layer: int | None = None, head: int | None = None,
+                 by_reason: bool = False, last: int = 4) -> np.ndarray:
+    """What survives of the newest grids for ``engine``: :func:`survivor_strip`, or, for one layer and KV head
+    of a policy that summarises or offloads, each patch coloured by :func:`patch_status`."""
+    memory = engine.memory
+    if layer is not None and head is not None and not by_reason:
+        status = patch_status(engine, layer, head)
+        if status is not None:
+            grids = list(range(max(0, memory.num_grids - last), memory.num_grids))
+            tiles = [overlay_status(thumbnails[g], status[g]) for g in grids]
+            captions = [f"t={memory.grid_times_s[g]:.1f}s  {100 * (status[g] == HELD).mean():.0f}% exact" for g in grids]
+            return frame_strip(tiles, captions)
+    return survivor_strip(memory, thumbnails, layer, head, last=last, by_reason=by_reason)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,8 +44,20 @@ def rng(seed: int = 0) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
+#: Sessions whose engines the test app keeps (``KVDEMO_MAX_SESSIONS``): small, so that a test can see the
+#: least recently used session freed.
+APP_MAX_SESSIONS = 3
+
+
+@dataclass
+class LaunchedApp:
+    url: str
+    log: Path  # everything the process printed
+    cache: Path  # Gradio's cache folder (GRADIO_TEMP_DIR): uploads and every file the app served
+
+
 @pytest.fixture(scope="session")
-def app_url(tmp_path_factory):
+def app(tmp_path_factory) -> LaunchedApp:
     """The real app (``python app.py``) on a free local port with the tiny model; stopped at the end."""
     import os
     import socket
@@ -56,9 +69,11 @@ def app_url(tmp_path_factory):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    log = tmp_path_factory.mktemp("app") / "app.log"
+    folder = tmp_path_factory.mktemp("app")
+    log, cache = folder / "app.log", folder / "gradio-cache"
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1")
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", GRADIO_TEMP_DIR=str(cache),
+               KVDEMO_MAX_SESSIONS=str(APP_MAX_SESSIONS))
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "app.py", "--port", str(port), "--model", "tiny"], cwd=root, stdout=out, stderr=subprocess.STDOUT, env=env
@@ -74,9 +89,14 @@ def app_url(tmp_path_factory):
                 process.kill()
                 raise RuntimeError(f"the app did not start:\n{log.read_text()[-3000:]}")
             time.sleep(1)
-    yield url
+    yield LaunchedApp(url, log, cache)
     process.terminate()
     try:
         process.wait(timeout=20)
     except subprocess.TimeoutExpired:
         process.kill()
+
+
+@pytest.fixture(scope="session")
+def app_url(app) -> str:
+    return app.url

@@ -1,12 +1,29 @@
 """The app launched as a real process and driven through gradio_client (one client = one session)."""
 
 import json
+import re
 import urllib.request
+from pathlib import Path
 
 import pytest
 from gradio_client import Client, handle_file
 
+from conftest import APP_MAX_SESSIONS
+
 from kvdemo.ui import default_budget
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Outputs of /run and /run_sample, and of /ask, by position.
+STATUS, PLOT, HEATMAP, GALLERY, REPORT, CHART, COVERAGE = range(7)
+POLICY_TITLE, FULL_TITLE, POLICY_CHAT, FULL_CHAT = 8, 9, 10, 11
+ASK_STATUS, ASK_POLICY_CHAT, ASK_FULL_CHAT, ASK_REPORT = range(4)
+UNCHANGED = {"__type__": "update"}  # what an output the update left alone comes back as
+
+
+def sample_settings(fps: float) -> tuple:
+    """/run_sample's first parameters (model, policy, M, C, fps), positional: the sample at ``fps``."""
+    return ("tiny", "infinipot-v", 1024, 768, fps)
 
 
 def fetch_json(file_value):
@@ -14,13 +31,26 @@ def fetch_json(file_value):
         return json.loads(response.read())
 
 
-def status_of(outputs):
-    return outputs[0]
+def new_client(url) -> Client:
+    return Client(url, download_files=False, verbose=False)
+
+
+def answer_text(chat) -> str:
+    return chat[-1]["content"][0]["text"]
+
+
+def frames_done(status: str) -> int:
+    match = re.search(r"(\d+)/\d+ frames", status)
+    return int(match.group(1)) if match else 0
+
+
+def visual_tokens_seen(answer: str) -> int:
+    return int(re.search(r"(\d+) visual tokens", answer).group(1))
 
 
 @pytest.fixture
 def client(app_url):
-    return Client(app_url, download_files=False, verbose=False)
+    return new_client(app_url)
 
 
 def test_upload_run_ask_and_read_the_report(client, media):
@@ -28,18 +58,17 @@ def test_upload_run_ask_and_read_the_report(client, media):
     updates = list(job)
     final = job.result()
     assert len(updates) >= 5, "updates stream while the video plays"
-    assert "20/20 frames" in status_of(final)
-    report = fetch_json(final[4])
-    budget, _, _ = default_budget("tiny")
+    assert "20/20 frames" in final[STATUS]
+    report = fetch_json(final[REPORT])
     assert report["frames"] == 20 and report["policy"] == "infinipot-v"
+    budget, _, _ = default_budget("tiny")
     assert report["peak_visual_tokens"] <= report["budget"] == budget
-    assert report["baseline"]["peak_visual_tokens"] == 10 * 15  # 140 x 84 frames for the trained tiny model
+    assert report["baseline"]["peak_visual_tokens"] == 10 * 15  # 140 x 84 frames: the trained tiny model's pixel range
     answer = client.submit("What is cooking?", api_name="/ask").result()
-    policy_chat, full_chat = answer[8], answer[9]
-    for chat in (policy_chat, full_chat):
+    for chat in (answer[ASK_POLICY_CHAT], answer[ASK_FULL_CHAT]):
         assert chat[0]["role"] == "user" and chat[1]["role"] == "assistant"
         assert "first token" in chat[1]["content"][0]["text"]
-    report = fetch_json(answer[4])
+    report = fetch_json(answer[ASK_REPORT])
     assert report["answers"][0]["question"] == "What is cooking?"
 
 
@@ -47,36 +76,186 @@ def test_bad_uploads_give_messages_and_the_next_run_works(client, media, tmp_pat
     junk = tmp_path / "notes.mp4"
     junk.write_text("this is not a video")
     bad = client.submit(handle_file(str(junk)), api_name="/run").result()
-    assert "not a readable video file" in status_of(bad)
+    assert "not a readable video file" in bad[STATUS]
     damaged = client.submit(handle_file(str(media / "corrupted.mp4")), api_name="/run").result()
-    assert "damaged frame(s) could not be decoded" in status_of(damaged)
+    assert "damaged frame(s) could not be decoded" in damaged[STATUS]
     good = client.submit(handle_file(str(media / "flipping_a_pancake.mkv")), api_name="/run").result()
-    assert "20/20 frames" in status_of(good)
+    assert "20/20 frames" in good[STATUS]
+
+
+def test_error_messages_name_the_file_not_the_server_upload_folder(client, app, tmp_path):
+    junk = tmp_path / "notes.mp4"
+    junk.write_text("this is not a video")
+    status = client.predict(handle_file(str(junk)), api_name="/run")[STATUS]
+    assert "notes.mp4: not a readable video file" in status
+    assert "/" not in status.replace("</", ""), f"a server path leaks into the message: {status}"
+    assert str(app.cache) not in status
 
 
 def test_impossible_budget_is_a_message(client, media):
     result = client.predict(handle_file(str(media / "flipping_a_pancake.mkv")), "tiny", "infinipot-v", 100, 200, api_name="/run")
-    assert "C must be smaller than M" in status_of(result)
+    assert "C must be smaller than M" in result[STATUS]
+
+
+def test_negative_budgets_get_the_same_one_line_message_as_other_bad_budgets(client, app, media):
+    before = app.log.read_text().count("Traceback")
+    for budget, keep in ((-5, 768), (1024, -1)):
+        result = client.predict(handle_file(str(media / "flipping_a_pancake.mkv")), budget=budget, keep=keep, api_name="/run")
+        assert "M and C must be positive" in result[STATUS]
+        assert result[STATUS].count("\n") == 0, "one line"
+        check = client.predict("infinipot-v", budget, keep, 2, 200704, None, api_name="/check_settings")
+        assert check.startswith("⚠️") and "M and C must be positive" in check
+    assert app.log.read_text().count("Traceback") == before
+
+
+def test_as_you_type_check_applies_runs_rule_to_the_uploaded_video(client, media):
+    pancake = handle_file(str(media / "flipping_a_pancake.mkv"))
+    # 426x240 resized within 200704 pixels -> 252x420 = 9x15 = 135 tokens per chunk (one temporal grid).
+    assert client.predict("infinipot-v", 1024, 889, 2, 200704, pancake, api_name="/check_settings").startswith("✓")
+    verdict = client.predict("infinipot-v", 1024, 890, 2, 200704, pancake, api_name="/check_settings")
+    assert verdict.startswith("⚠️") and "M - C = 134 leaves no room for one chunk (135 visual tokens" in verdict
+    run = client.predict(pancake, budget=1024, keep=890, max_pixels=200704, api_name="/run")
+    assert "M - C = 134 leaves no room for one chunk (135 visual tokens" in run[STATUS]
+    # Without a video: a chunk at max pixels (200704 / 28^2 = 256 tokens).
+    assert "smaller than one chunk (256" in client.predict("infinipot-v", 100, 50, 2, 200704, None, api_name="/check_settings")
+
+
+def test_a_failed_run_keeps_the_previous_session_and_its_views(client, media, tmp_path):
+    good = client.predict(handle_file(str(media / "flipping_a_pancake.mkv")), api_name="/run")
+    header_only = tmp_path / "header_only.mkv"  # opens (20 frames planned) but no frame decodes
+    header_only.write_bytes((media / "flipping_a_pancake.mkv").read_bytes()[:2000])
+    for bad_file in (header_only, tmp_path / "notes.mp4"):
+        if not bad_file.exists():
+            bad_file.write_text("not a video")
+        failed = client.predict(handle_file(str(bad_file)), api_name="/run")
+        status = failed[STATUS]
+        assert f"{bad_file.name}:" in status and "Still showing the previous run: flipping_a_pancake.mkv" in status
+        assert "frames at" not in status.split("Still showing")[0], "the status describes only the previous run"
+        assert all(value == UNCHANGED for value in failed[PLOT:]), "every view still shows the previous run"
+    answer = client.predict("What is cooking?", api_name="/ask")
+    assert visual_tokens_seen(answer_text(answer[ASK_FULL_CHAT])) == fetch_json(good[REPORT])["baseline"]["peak_visual_tokens"]
 
 
 def test_sessions_do_not_see_each_others_streams(app_url, media):
-    first = Client(app_url, download_files=False, verbose=False)
-    second = Client(app_url, download_files=False, verbose=False)
+    first = new_client(app_url)
+    second = new_client(app_url)
     first.submit(handle_file(str(media / "flipping_a_pancake.mkv")), api_name="/run").result()
     other = second.submit("What is cooking?", api_name="/ask").result()
-    assert "no video yet" in status_of(other)
+    assert "no video yet" in other[ASK_STATUS]
 
 
 def test_a_question_during_the_stream_is_answered_before_it_ends(client):
-    import re
-
     run = client.submit(api_name="/run_sample")
     for update in run:
-        if re.search(r"\b([1-9]\d*)/80 frames", status_of(update)):
+        if frames_done(update[STATUS]) > 0:
             break
     answer = client.submit("What is there now?", api_name="/ask").result()
-    full_text = answer[9][1]["content"][0]["text"]
-    seen = int(re.search(r"(\d+) visual tokens", full_text).group(1))
+    seen = visual_tokens_seen(answer_text(answer[ASK_FULL_CHAT]))
     final = run.result()
-    assert "80/80 frames" in status_of(final)
+    assert "80/80 frames" in final[STATUS]
     assert 0 < seen < 80 // 2 * 16, "the baseline answered from the stream so far, mid-run"
+
+
+def test_a_question_is_served_while_three_sessions_stream(app_url):
+    """Three sessions stream at once (more than the stream slots); one asks mid-stream and is answered from
+    its memory so far while all three still stream: questions never wait for other sessions' streams."""
+    clients = [new_client(app_url) for _ in range(3)]
+    runs = [c.submit(*sample_settings(8), api_name="/run_sample") for c in clients]  # 80 frames each (its own 2 fps)
+    for update in runs[0]:
+        if frames_done(update[STATUS]) > 0:
+            break
+    answer = clients[0].submit("What is there now?", api_name="/ask").result()
+    still_streaming = [not run.done() for run in runs]
+    seen = visual_tokens_seen(answer_text(answer[ASK_FULL_CHAT]))
+    for other, run in zip(clients[1:], runs[1:]):  # they have shown what they had to: stop them once they stream
+        for update in run:
+            if frames_done(update[STATUS]) > 0:
+                break
+        other.predict(api_name="/stop")
+    final = runs[0].result()
+    assert "80/80 frames" in final[STATUS]
+    full_at_end = fetch_json(final[REPORT])["baseline"]["peak_visual_tokens"]
+    assert 0 < seen < full_at_end, "answered from the memory so far, not after the stream ended"
+    assert still_streaming[0] and any(still_streaming[1:]), "answered while its own and another session's streams ran"
+    for run in runs[1:]:
+        run.result()
+
+
+def test_stop_ends_the_run_with_a_status_and_a_report_of_what_ran(client):
+    run = client.submit(*sample_settings(8), api_name="/run_sample")
+    for update in run:
+        if frames_done(update[STATUS]) >= 4:
+            break
+    client.predict(api_name="/stop")
+    final = run.result()
+    done = frames_done(final[STATUS])
+    assert "stopped at" in final[STATUS] and 4 <= done < 80
+    report = fetch_json(final[REPORT])
+    assert report["frames"] == done and "stopped by the user" in report["stopped"]["run"]
+    assert "80/80" not in final[STATUS]
+
+
+def test_the_apps_report_has_the_clis_format(client, media, tmp_path):
+    from kvdemo.cli import main
+
+    final = client.predict(handle_file(str(media / "corrupted.mp4")), api_name="/run")
+    app_report = fetch_json(final[REPORT])
+    out = tmp_path / "cli.json"
+    assert main(["run", "--video", str(media / "corrupted.mp4"), "--budget", "1024", "--keep", "768", "--quiet",
+                 "--json", str(out)]) == 0  # the model's pixel range in both
+    cli_report = json.loads(out.read_text())
+    assert set(cli_report) <= set(app_report), f"missing in the app's report: {set(cli_report) - set(app_report)}"
+    assert app_report["lost_frames"] == cli_report["lost_frames"] > 0
+    assert app_report["video"] == cli_report["video"] and app_report["frames"] == cli_report["frames"]
+
+
+def test_chart_html_is_made_on_demand_and_runs_leave_no_chart_in_the_cache(client, app):
+    def charts():
+        return sorted(app.cache.rglob("*.html"))
+
+    before = charts()
+    final = client.predict(*sample_settings(0.5), api_name="/run_sample")
+    assert final[CHART] in (None, UNCHANGED), "no chart file with the run"
+    assert charts() == before, "a run copies no chart into Gradio's cache"
+    chart = client.predict(api_name="/export_chart")
+    with urllib.request.urlopen(chart["url"], timeout=30) as response:
+        html = response.read().decode()
+    assert "<html>" in html and "plotly" in html and "visual tokens" in html
+    assert len(charts()) == len(before) + 1
+
+
+def test_the_least_recently_used_session_is_freed_past_the_limit(app_url):
+    oldest = new_client(app_url)
+    oldest.predict(*sample_settings(0.5), api_name="/run_sample")
+    for _ in range(APP_MAX_SESSIONS):
+        new_client(app_url).predict(*sample_settings(0.5), api_name="/run_sample")
+    status = oldest.predict("Still there?", api_name="/ask")[ASK_STATUS]
+    assert f"freed to make room: the app keeps at most {APP_MAX_SESSIONS} sessions" in status
+
+
+def test_every_api_parameter_and_output_has_a_name(client):
+    api = client.view_api(return_format="str", print_info=False)
+    assert not re.findall(r"\b(param|value)_\d+", api), api
+    for endpoint in ("/run", "/run_sample", "/ask", "/stop", "/export_chart", "/new_conversation", "/check_settings"):
+        assert f'api_name="{endpoint}"' in api
+    assert "predict(question, api_name=\"/ask\")" in api
+
+
+def test_the_readme_gradio_client_example_runs(app_url, media, capsys):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Scripting the app", 1)[1]
+    code = section.split("```python", 1)[1].split("```", 1)[0]
+    assert "http://127.0.0.1:7860" in code and "clip.mp4" in code
+    code = code.replace("http://127.0.0.1:7860", app_url).replace('"clip.mp4"', repr(str(media / "flipping_a_pancake.mkv")))
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "20/20 frames" in printed and re.search(r"peak visual tokens \d+ of M = 1024", printed)
+    assert "first token" in printed, "the answer was printed"
+
+
+def test_the_app_logs_its_start_and_the_model_it_loaded(app, client):
+    log = app.log.read_text()
+    steps = ["importing torch and gradio", "loading model tiny", "loaded tiny", "starting the web server"]
+    positions = [log.find(step) for step in steps]
+    assert -1 not in positions and positions == sorted(positions), log[:2000]
+    assert re.search(r"loaded tiny \(qwen2_5_vl, \d+ layers, \d+ KV heads\) on cpu as float32", log)

@@ -3,6 +3,7 @@ both engines, screenshots inspected for the chart and the heatmaps, and the webc
 
 import io
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -89,3 +90,90 @@ def test_webcam_with_a_fake_camera(browser, app_url, artifacts):
     heatmap = element_pixels(page, "#heatmap img")
     assert heatmap.std() > 10
     context.close()
+
+
+def new_page(browser, app_url):
+    page = browser.new_page(viewport={"width": 1400, "height": 1800})
+    page.goto(app_url)
+    page.wait_for_selector("#sample-button", timeout=60_000)
+    return page
+
+
+def record_text_changes(page, selector: str, name: str) -> None:
+    """Record (time ms, innerText) of ``selector`` at every DOM change into ``window[name]``."""
+    page.evaluate(f"""() => {{
+        window.{name} = []; const el = document.querySelector('{selector}');
+        new MutationObserver(() => window.{name}.push([performance.now(), el.innerText]))
+            .observe(el, {{subtree: true, childList: true, characterData: true}});
+    }}""")
+
+
+def test_the_first_run_in_a_fresh_page_updates_live(browser, app_url):
+    page = new_page(browser, app_url)
+    # The empty chart is drawn at page load, so plotly.js is loaded (and compiled) before any run, not in
+    # the middle of the first one, where it froze the live view for seconds.
+    page.wait_for_selector("#occupancy .js-plotly-plot", timeout=60_000)
+    scripts_at_load = page.evaluate("performance.getEntriesByType('resource').filter(e => e.name.endsWith('.js')).length")
+    record_text_changes(page, "#status", "statusLog")
+    page.click("#sample-button")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
+    new_scripts = page.evaluate(
+        f"performance.getEntriesByType('resource').filter(e => e.name.endsWith('.js')).slice({scripts_at_load}).map(e => e.name)")
+    assert new_scripts == [], f"the first run had to load {new_scripts}"
+    progress = {int(m) for _, text in page.evaluate("window.statusLog") for m in re.findall(r"(\d+)/80 frames", text)}
+    assert len(progress - {0, 80}) >= 5, f"the status showed the stream as it ran: {sorted(progress)}"
+
+
+def test_answers_stream_into_the_browser_while_other_sessions_stream(browser, app_url):
+    from gradio_client import Client
+
+    page = new_page(browser, app_url)
+    # The random-weight model: its answers run to the length cap, so their streaming is visible (the trained
+    # model answers one word).
+    page.locator("#model input").fill("tiny-random")
+    page.locator("#model input").press("Enter")
+    page.fill("#budget input", "1024")
+    page.fill("#keep input", "768")
+    page.click("#sample-button")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
+    others = [Client(app_url, download_files=False, verbose=False) for _ in range(2)]
+    streams = [other.submit("tiny", "infinipot-v", 1024, 768, 8, api_name="/run_sample") for other in others]  # both stream slots busy
+    for update in streams[1]:
+        if re.search(r"\b[1-9]\d*/80 frames", update[0]):
+            break
+    record_text_changes(page, "#policy-chat", "chatLog")
+    page.fill("#question textarea", "What moves in the video?")
+    page.click("#ask-button")
+    page.wait_for_function("document.querySelector('#policy-chat').innerText.includes('first token')", timeout=240_000)
+    others_streaming = [not stream.done() for stream in streams]
+    answer_ms = float(re.search(r"tokens in (\d+) ms", page.locator("#policy-chat").inner_text()).group(1))
+    log = page.evaluate("window.chatLog")
+    partial = [(t, text) for t, text in log if "What moves in the video?" in text and "first token" not in text]
+    final_at = next(t for t, text in log if "first token" in text)
+    lengths = {len(text) for _, text in partial}
+    assert any(others_streaming), "the answer came only after the other sessions stopped streaming"
+    assert len(lengths) >= 4, "the answer grew piece by piece in the pane"
+    assert final_at - partial[0][0] >= 0.5 * answer_ms, "the first pieces showed while the answer was generated"
+    for other, stream in zip(others, streams):
+        other.predict(api_name="/stop")
+        stream.result()
+
+
+def test_chat_panes_are_labelled_with_the_policy_and_nothing_covers_the_question(browser, app_url, artifacts):
+    page = new_page(browser, app_url)
+    page.fill("#budget input", "1036")
+    page.click("#sample-button")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
+    page.fill("#question textarea", "What moves?")
+    page.click("#ask-button")
+    page.wait_for_function("document.querySelector('#full-chat').innerText.includes('first token')", timeout=120_000)
+    assert page.locator("#policy-chat-title").inner_text().strip() == "infinipot-v, M=1036 C=48"
+    assert page.locator("#full-chat-title").inner_text().strip().startswith("full cache")
+    for chat in ("#policy-chat", "#full-chat"):
+        bubble = page.locator(f"{chat} .message.user").first
+        box = bubble.bounding_box()
+        # Whatever is drawn at the bubble's corners and centre belongs to the bubble itself.
+        points = [(box["x"] + dx, box["y"] + dy) for dx in (3, box["width"] / 2, box["width"] - 3) for dy in (3, box["height"] - 3)]
+        covered = bubble.evaluate("(el, points) => points.filter(([x, y]) => !el.contains(document.elementFromPoint(x, y))).length", points)
+        assert covered == 0, f"something covers the question in {chat}"
+    page.screenshot(path=str(artifacts / "chat.png"), full_page=True)

@@ -100,3 +100,106 @@ def test_bench_shows_bounded_cache_flat_and_full_growing(tmp_path, capsys):
     assert max(r["visual_tokens"] for r in bounded) <= 480
     assert bounded[-1]["cache_bytes"] < full[-1]["cache_bytes"] / 4
     assert "summary:" in capsys.readouterr().out
+
+
+def test_pass_benchmark_times_selection_apply_and_the_floor_on_a_small_shape():
+    from kvdemo.bench import pass_benchmark, pass_table
+    from kvdemo.policies import make_policy
+
+    shape = dict(num_layers=3, num_kv_heads=2, head_dim=16, budget=96, keep=72, grid=(3, 4))
+    results = pass_benchmark(make_policy("infinipot-v"), repeats=2, shape=shape)
+    for policy in ("infinipot-v", "uniform", "sliding-window"):
+        for dtype in ("float32", "bfloat16"):
+            row = results["pass_7b"][policy][dtype]
+            assert row["total_ms"] == pytest.approx(row["select_ms"] + row["apply_ms"], rel=0.5)
+            assert row["floor_ms"] > 0 and row["total_over_floor"] > 0
+            # apply moves at most M - C tokens per head: 24 x K and V x 2 heads x 16 dims x 3 layers
+            assert 0 < row["moved_bytes"] <= 24 * 2 * 2 * 16 * 3 * (4 if dtype == "float32" else 2)
+    append = results["append_7b"]["float32"]
+    assert append["kvdemo"]["bytes_copied"] == 12 * 2 * 2 * 16 * 3 * 4  # one 3x4 grid, all layers
+    assert append["dynamic_cache"]["bytes_copied"] > append["kvdemo"]["bytes_copied"]
+    assert "total/floor" in pass_table(results["pass_7b"])
+
+
+def test_protokv_and_hybridkv_benchmarks_on_a_small_shape():
+    """The simulated streams run the engine's trigger: ProtoKV passes once per grid after its near window
+    fills and reports its phases; HybridKV's pass offloads and its decode-step attention runs."""
+    from kvdemo.bench import hybridkv_decode_benchmark, hybridkv_table, protokv_benchmark, protokv_table
+    from kvdemo.policies import make_policy
+
+    shape = dict(num_layers=2, num_kv_heads=2, num_heads=4, head_dim=16, budget=256, keep=192, grid=(2, 8))
+    result = protokv_benchmark(make_policy("protokv", warmup=16), grids=20, factor=2, window=4, shape=shape)
+    near = make_policy("protokv").split(256)[0]  # 64 tokens = 4 grids
+    assert result["1x"]["passes"] == 20 - near // 16 and result["2x"]["passes"] == 40 - near // 16
+    assert {"assignment", "update", "residuals", "maintenance", "synthesis", "total"} <= set(result["1x"]["per_frame_ms"])
+    assert result["infinipot_v"]["passes"] >= 1 and "InfiniPot-V" in protokv_table(result)
+    decode = hybridkv_decode_benchmark(make_policy("hybridkv"), stream_tokens=512, shape=shape, repeats=1)
+    assert decode["hybridkv_offloaded_bytes"] > 0 and decode["hybridkv_resident_bytes"] < decode["full_cache_bytes"]
+    assert "decode-step attention" in hybridkv_table(decode, None, "hybridkv")
+
+
+def run_cli_in_a_fresh_process(*args: str) -> tuple[subprocess.CompletedProcess, dict[str, bool]]:
+    """``python -m kvdemo`` in a new interpreter; also says which heavy modules it had imported at exit."""
+    probe = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: sys.stdout.write('\\nimported: ' + ' '.join(m for m in ('torch', 'transformers') if m in sys.modules)))\n"
+        "import runpy\n"
+        f"sys.argv = ['kvdemo', *{list(args)!r}]\n"
+        "runpy.run_module('kvdemo', run_name='__main__')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    imported = done.stdout.rsplit("imported:", 1)[-1].split()
+    return done, {name: name in imported for name in ("torch", "transformers")}
+
+
+def test_a_missing_file_fails_before_torch_is_imported(tmp_path):
+    done, imported = run_cli_in_a_fresh_process("run", "--video", str(tmp_path / "missing.mp4"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"error: {tmp_path / 'missing.mp4'}: no such file"]
+    assert not imported["torch"] and not imported["transformers"]
+
+
+def test_a_budget_error_comes_before_the_model_loads_on_its_own_line(media):
+    done, imported = run_cli_in_a_fresh_process("run", "--video", str(media / "flipping_a_pancake.mkv"), "--budget", "100", "--keep", "50")
+    assert done.returncode == 2
+    # No progress bar, no model line: the one line is the error (426x240 -> 252x420 -> 9x15 = 135 tokens per chunk).
+    assert done.stderr.strip().splitlines() == [
+        "error: M=100 is smaller than one chunk (135 visual tokens = 1 temporal grid(s) of 9x15 tokens); "
+        "raise M, or lower max pixels / frames per chunk"
+    ]
+    assert not imported["transformers"], "the model was not loaded"
+
+
+@pytest.mark.parametrize("args, message", [(["--fps", "-1"], "--fps must be positive"),
+                                           (["--max-frames", "0"], "--max-frames must be positive"),
+                                           (["--min-pixels", "900000"], "--min-pixels (900000) must not exceed --max-pixels"),
+                                           (["--param", "alpha"], "--param takes key=value")])
+def test_argument_errors_come_before_the_file_is_opened(tmp_path, args, message):
+    done, imported = run_cli_in_a_fresh_process("run", "--video", str(tmp_path / "missing.mp4"), *args)
+    assert done.returncode == 2 and message in done.stderr and "no such file" not in done.stderr
+    assert not imported["torch"]
+
+
+def test_run_defaults_to_infinipot_v(tmp_path):
+    out = tmp_path / "report.json"
+    assert main(["run", "--max-frames", "4", "--quiet", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["policy"] == "infinipot-v"
+
+
+def test_unknown_parameter_lists_only_public_parameters(capsys):
+    assert main(["run", "--param", "foo=1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "has no parameter(s) foo; it takes: alpha, cv_thresholds, recent_ratio, tar, van" in err
+    assert "_calibrated" not in err
+
+
+def test_help_is_plain_text_with_descriptions_and_examples():
+    top = subprocess.run([sys.executable, "-m", "kvdemo", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "``" not in top and "run" in top and "bench" in top
+    for command in ("run", "bench"):
+        text = subprocess.run([sys.executable, "-m", "kvdemo", command, "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+        assert "``" not in text
+        assert "examples:" in text and f"python -m kvdemo {command}" in text.split("examples:")[1]
+        assert "infinipot-v" in text and "cords" in text, "the policies are listed"
+    run_help = subprocess.run([sys.executable, "-m", "kvdemo", "run", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "default infinipot-v" in run_help

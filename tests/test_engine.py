@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvdemo.engine import EngineError, FrameStream, MemoryCapError, StreamEngine, stream_video
-from kvdemo.policies import BudgetError, policy_names
+from kvdemo.policies import BudgetError, make_policy, policy_names
 
 
 def feed_all(model, video, engines, frames_per_chunk=2):
@@ -17,14 +17,18 @@ def feed_all(model, video, engines, frames_per_chunk=2):
 @pytest.mark.parametrize("policy", [p for p in policy_names() if p != "full"])
 @pytest.mark.parametrize("budget, keep", [(270, 135), (540, 405), (700, 300)])
 def test_visual_tokens_never_exceed_budget(tiny, pancake, policy, budget, keep):
-    engine = StreamEngine(tiny, policy, budget=budget, keep=keep, fps=pancake.fps)
+    sized_by_m = not make_policy(policy).uses_keep  # ProtoKV: M alone, near window W = M - K_max S
+    if sized_by_m and budget < 500:
+        budget = 560  # its near window must take a 135-token grid
+    engine = StreamEngine(tiny, policy, budget=budget, keep=None if sized_by_m else keep, fps=pancake.fps)
     feed_all(tiny, pancake, {"p": engine})
     timeline = engine.memory.timeline
     assert max(e.visual_tokens for e in timeline) <= budget
-    assert all(e.visual_tokens == keep for e in timeline if e.event == "compress")
+    expected = engine.memory.summary_slots + engine.policy.keep_for(budget, keep, 135) if sized_by_m else keep
+    assert all(e.visual_tokens == expected for e in timeline if e.event == "compress")
     assert any(e.event == "compress" for e in timeline)
     for layer in range(tiny.num_layers):
-        assert engine.memory.keys[layer].shape[2] == engine.memory.prefix_len + engine.memory.frame[layer].shape[1]
+        assert engine.memory.keys[layer].shape[2] == engine.memory.visual_start + engine.memory.frame[layer].shape[1]
 
 
 def test_full_cache_grows_by_tokens_per_grid(tiny, pancake):

@@ -1,9 +1,11 @@
 """InfiniPot-V on hand-made tensors where the answer is known (paper 000, Sec. 3, App. A.1)."""
 
+import math
+
 import pytest
 import torch
 
-from kvdemo.policies import BudgetError, LayerView, make_policy
+from kvdemo.policies import BudgetError, LayerView, make_policy, policy_params
 from kvdemo.policies.infinipot_v import (
     REASON_RECENT,
     REASON_TAR,
@@ -18,17 +20,19 @@ ROWS, COLS, DIM = 4, 4, 16
 P = ROWS * COLS
 
 
-def view_from(keys, values, frame, row, col, layer=0, num_layers=1):
+def view_from(keys, values, frame, row, col, layer=0, num_layers=1, grid=(ROWS, COLS)):
     """keys/values [H, L, D]; provenance [H, L] or [L] (broadcast to heads)."""
     heads = keys.shape[0]
     as_heads = lambda x: torch.as_tensor(x).int().expand(heads, -1).contiguous()  # noqa: E731
     frame = as_heads(frame)
-    return LayerView(layer, num_layers, keys, values, frame, as_heads(row), as_heads(col), (ROWS, COLS), int(frame.max()))
+    return LayerView(layer=layer, num_layers=num_layers, keys=keys, values=values, frame=frame, row=as_heads(row),
+                     col=as_heads(col), grid=grid, newest_frame=int(frame.max()))
 
 
-def whole_frames(frames: int):
-    token = torch.arange(frames * P)
-    return token // P, (token % P) // COLS, token % COLS
+def whole_frames(frames: int, grid=(ROWS, COLS), first: int = 0):
+    rows, cols = grid
+    token = torch.arange(frames * rows * cols)
+    return first + token // (rows * cols), (token % (rows * cols)) // cols, token % cols
 
 
 def static_scene(frames: int, heads: int = 2, seed: int = 0):
@@ -224,17 +228,32 @@ def test_frame_level_tar_keeps_whole_frames():
 
 
 def gather(view, index):
+    """What the memory does with a selection: keys, values, provenance and arrival order gathered alike.
+    ``index [H, n]`` need not be sorted (a shuffle leaves the slots out of stream order, as the memory's
+    in-place compaction does)."""
     g = lambda x: torch.gather(x, 1, index)  # noqa: E731
     gd = lambda x: torch.gather(x, 1, index[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
-    return LayerView(0, 1, gd(view.keys), gd(view.values), g(view.frame), g(view.row), g(view.col), view.grid, view.newest_frame)
+    return LayerView(layer=view.layer, num_layers=view.num_layers, keys=gd(view.keys), values=gd(view.values),
+                     frame=g(view.frame), row=g(view.row), col=g(view.col), grid=view.grid, newest_frame=view.newest_frame,
+                     order=g(view.order))
+
+
+def shuffle(view, generator):
+    """The same tokens in a different slot order per head."""
+    heads, length = view.frame.shape
+    return gather(view, torch.stack([torch.randperm(length, generator=generator) for _ in range(heads)]))
 
 
 def append(view, keys, values, first_frame, frames):
-    frame, row, col = whole_frames(frames)
+    """``frames`` whole new frames (keys/values ``[H, frames * p, D]``) after what ``view`` holds."""
+    frame, row, col = whole_frames(frames, view.grid, first_frame)
     heads = view.keys.shape[0]
     cat = lambda a, b: torch.cat([a, torch.as_tensor(b).int().expand(heads, -1)], dim=1)  # noqa: E731
-    return LayerView(0, 1, torch.cat([view.keys, keys], 1), torch.cat([view.values, values], 1),
-                     cat(view.frame, frame + first_frame), cat(view.row, row), cat(view.col, col), view.grid, first_frame + frames - 1)
+    arrivals = int(view.order.max()) + 1 + torch.arange(frame.shape[0]).expand(heads, -1)
+    return LayerView(layer=view.layer, num_layers=view.num_layers, keys=torch.cat([view.keys, keys], 1),
+                     values=torch.cat([view.values, values], 1), frame=cat(view.frame, frame), row=cat(view.row, row),
+                     col=cat(view.col, col), grid=view.grid, newest_frame=first_frame + frames - 1,
+                     order=torch.cat([view.order, arrivals], 1))
 
 
 def pseudo_frame_tar(view, keep, recent_frames=1):
@@ -284,3 +303,192 @@ def test_bfloat16_cache_selects_like_float32():
     view16 = view_from(flat(keys).bfloat16(), flat(values).bfloat16(), *whole_frames(frames))
     policy = make_policy("infinipot-v", alpha=1.0)
     assert torch.equal(policy.compress([view32], 2 * P).indices[0], policy.compress([view16], 2 * P).indices[0])
+
+
+# --- the formulas, pinned: hand-worked non-square grids and a plain-loop restatement -------------------
+
+
+def test_pooling_on_a_non_square_grid_by_hand():
+    """Grid 2 rows x 3 cols, two frames. Frame 0 holds every patch:
+        [[1, 2, 3],
+         [4, 5, 6]]
+    kernel 3 averages the held patches within one row and one column:
+        (0,0): (1+2+4+5)/4 = 3, (0,1): 21/6 = 3.5, (0,2): (2+3+5+6)/4 = 4, row 1 the same.
+    Frame 1 holds only (0,0) = 10 and (1,2) = 20: not neighbours, and frame 0 never mixes in.
+    kernel 5 covers the whole frame: the frame's mean over the held patches."""
+    grid = (2, 3)
+    score = torch.tensor([[1.0, 2, 3, 4, 5, 6, 10, 20]])
+    rank = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1]])
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 5]])  # row * cols + col
+    assert pool_on_grid(score, rank, pos, grid, 3)[0].tolist() == pytest.approx([3.0, 3.5, 4.0, 3.0, 3.5, 4.0, 10.0, 20.0])
+    assert pool_on_grid(score, rank, pos, grid, 5)[0].tolist() == pytest.approx([3.5] * 6 + [15.0, 15.0])
+
+
+def test_compress_pools_van_over_the_true_rows_and_columns():
+    """One frame of 2 x 3 patches with value norms [[10, 1, 1], [2, 6, 6]]; VaN only, kernel 3 (CV = 0.76
+    lies between tau2 = 0.5 and tau3 = 1). Pooled (see above): (r, 0) = 19/4 = 4.75, (r, 1) = 26/6,
+    (r, 2) = 14/4 = 3.5 for both rows, so the two best are (0, 0) and (1, 0).
+    Unpooled the best two would be (0, 0) = 10 and a 6; rows and columns swapped (a 3 x 2 grid) would
+    pool the flat order [[10, 1], [1, 2], [6, 6]] and keep (0, 2) and (1, 0)."""
+    grid = (2, 3)
+    norms = torch.tensor([10.0, 1, 1, 2, 6, 6])
+    values = norms[None, :, None] * torch.nn.functional.one_hot(torch.tensor(0), DIM).float()
+    keys = torch.ones(1, 6, DIM)
+    view = view_from(keys, values, *whole_frames(1, grid), grid=grid)
+    selection = make_policy("infinipot-v", alpha=0.0, cv_thresholds=[0.1, 0.5, 1.0]).compress([view], 2)
+    assert selection.info["kernel"] == [3]
+    assert kept_provenance(view, selection.indices[0]) == {(0, 0, 0), (0, 1, 0)}
+
+
+def _layers_with_cvs(cvs, grid=(2, 3), frames=2):
+    """One view per layer whose VaN map has CV exactly ``cv``: half the norms 1 - cv, half 1 + cv
+    (mean 1, population std cv)."""
+    p = grid[0] * grid[1]
+    views = []
+    for layer, cv in enumerate(cvs):
+        norms = torch.tensor([1 - cv, 1 + cv]).repeat(frames * p // 2)
+        values = norms[None, :, None] * torch.ones(1, 1, DIM) / DIM**0.5
+        views.append(view_from(torch.ones(1, frames * p, DIM), values, *whole_frames(frames, grid), layer=layer,
+                               num_layers=len(cvs), grid=grid))
+    return views
+
+
+def test_cv_thresholds_are_calibrated_once_on_the_first_pass():
+    """First pass: CVs 0.1, 0.2, 0.3, 0.4. Their 25/50/75% quantiles (linear interpolation at ranks 0.75,
+    1.5, 2.25) are 0.175, 0.25, 0.325, so kernels 7, 5, 3, 1. Second pass: smoother layers, CVs 0.05,
+    0.1, 0.15, 0.17 -- all below tau1 = 0.175 of the first pass: kernel 7 everywhere (a recalibration
+    would give 7, 5, 3, 1 again)."""
+    policy = make_policy("infinipot-v")
+    first = policy.compress(_layers_with_cvs([0.1, 0.2, 0.3, 0.4]), 8)
+    assert first.info["cv"] == pytest.approx([0.1, 0.2, 0.3, 0.4], abs=1e-5)
+    assert first.info["cv_thresholds"] == pytest.approx([0.175, 0.25, 0.325], abs=1e-5)
+    assert first.info["kernel"] == [7, 5, 3, 1]
+    second = policy.compress(_layers_with_cvs([0.05, 0.1, 0.15, 0.17]), 8)
+    assert second.info["cv_thresholds"] == pytest.approx([0.175, 0.25, 0.325], abs=1e-5)
+    assert second.info["kernel"] == [7, 7, 7, 7]
+
+
+def test_defaults_are_the_papers():
+    """App. A.2: alpha = 0.5, r = 0.125 f; the thresholds are calibrated (None) by default."""
+    defaults = {spec.name: spec.default for spec in policy_params("infinipot-v")}
+    assert defaults == {"alpha": 0.5, "recent_ratio": 0.125, "tar": "patch", "van": "pool", "cv_thresholds": None}
+
+
+def _cos(a, b):
+    return sum(x * y for x, y in zip(a, b)) / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+
+
+def _quantile(values, q):
+    """Linear interpolation between the closest ranks (numpy's and torch's default)."""
+    values = sorted(values)
+    at = q * (len(values) - 1)
+    low = math.floor(at)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (at - low)
+
+
+def reference_infinipot(layers, grid, keep, alpha, recent_ratio, thresholds=None):
+    """InfiniPot-V restated with Python loops from the paper (Eq. 4-5, Alg. 2) and the docstring's rules.
+
+    ``layers``: per layer, per KV head, a list of tokens ``(frame, row, col, key, value)`` (lists of floats).
+    Returns (per layer per head the set of kept ``(frame, row, col)``, the thresholds used, the kernels).
+    Exact ties (common: pooling windows clipped by a small grid cover the same patches) go to the token
+    listed later (the newer one, as the tokens are listed in stream order).
+    """
+    p = grid[0] * grid[1]
+    norms = [[[math.sqrt(sum(x * x for x in t[4])) for t in head] for head in layer] for layer in layers]
+    cvs = []
+    for layer in norms:
+        flat = [n for head in layer for n in head]
+        mean = sum(flat) / len(flat)
+        cvs.append(math.sqrt(sum((n - mean) ** 2 for n in flat) / len(flat)) / mean)
+    if thresholds is None:
+        thresholds = tuple(_quantile(cvs, q) for q in (0.25, 0.5, 0.75))
+    kernels = [7 if cv < thresholds[0] else 5 if cv < thresholds[1] else 3 if cv < thresholds[2] else 1 for cv in cvs]
+    kept_sets = []
+    for layer, heads in enumerate(layers):
+        half = kernels[layer] // 2
+        kept_layer = []
+        for head, tokens in enumerate(heads):
+            van = norms[layer][head]
+            where = {t[:3]: i for i, t in enumerate(tokens)}
+            pooled = []
+            for f, r, c, _, _ in tokens:
+                near = [van[where[(f, rr, cc)]] for rr in range(r - half, r + half + 1) for cc in range(c - half, c + half + 1)
+                        if (f, rr, cc) in where]
+                pooled.append(sum(near) / len(near))
+            held = sorted({t[0] for t in tokens})
+            r_frames = min(max(1, round(recent_ratio * len(tokens) / p)), max(1, keep // p))
+            recent_frames = set(held[-r_frames:])
+            recent = [i for i, t in enumerate(tokens) if t[0] in recent_frames]
+            forced = set()
+            if alpha > 0:
+                share = max(len(recent), round(alpha * keep))
+                score = {}
+                for i, t in enumerate(tokens):
+                    if t[0] not in recent_frames:
+                        same = [tokens[j][3] for j in recent if tokens[j][1:3] == t[1:3]]
+                        score[i] = -sum(_cos(t[3], k) for k in same) / len(same) if same else 0.0
+                forced = set(recent) | set(sorted(score, key=lambda i: (score[i], i), reverse=True)[: share - len(recent)])
+            rest = sorted((i for i in range(len(tokens)) if i not in forced), key=lambda i: (pooled[i], i), reverse=True)
+            kept_layer.append({tokens[i][:3] for i in forced | set(rest[: keep - len(forced)])})
+        kept_sets.append(kept_layer)
+    return kept_sets, thresholds, kernels
+
+
+def _stream(layers, heads, frames, grid, seed):
+    """Keys ``[layers, heads, frames, p, D]`` 100x larger than the values: a static background per patch
+    plus per-frame change; values whose norm spread differs by layer (so do the CVs) and is 5x smaller
+    after the first 14 frames (so later passes are smoother than the first)."""
+    g = torch.Generator().manual_seed(seed)
+    p = grid[0] * grid[1]
+    background = torch.randn(layers, heads, 1, p, DIM, generator=g)
+    keys = 100 * (background + 0.8 * torch.randn(layers, heads, frames, p, DIM, generator=g))
+    spread = torch.tensor([0.15, 0.4, 0.8, 1.6])[:layers, None, None, None]
+    decay = torch.where(torch.arange(frames) < 14, 1.0, 0.2)[None, None, :, None]
+    norms = 1 + spread * decay * torch.rand(layers, heads, frames, p, generator=g)
+    directions = torch.nn.functional.normalize(torch.randn(layers, heads, frames, p, DIM, generator=g), dim=-1)
+    return keys, norms[..., None] * directions
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.3])
+def test_successive_passes_equal_a_plain_loop_restatement(alpha):
+    """Four layers on a 3 x 5 grid, three passes. First pass: 14 whole frames (r = round(0.125 * 14) = 2),
+    keep = 158 (10.5 frames, so the kept cache holds partial frames); each later pass sees that cache plus
+    4 new frames (f = 218 / 15, r = 2), compares past tokens with the recent frames by patch, pools VaN over
+    the held neighbours only, and keeps the thresholds of the first pass. Keys are 100x the values. Between
+    passes the slots are shuffled per head (the memory compacts in place: slots are not in stream order)."""
+    grid, layers, heads, keep = (3, 5), 4, 2, 158
+    p = grid[0] * grid[1]
+    keys, values = _stream(layers, heads, 26, grid, seed=21)
+
+    def frames_of(layer, start, count):
+        flat = lambda x: x[layer, :, start : start + count].reshape(heads, count * p, DIM)  # noqa: E731
+        return flat(keys), flat(values)
+
+    def tokens_of(layer, head, start, count):
+        return [(start + t, i // grid[1], i % grid[1], keys[layer, head, start + t, i].tolist(), values[layer, head, start + t, i].tolist())
+                for t in range(count) for i in range(p)]
+
+    policy = make_policy("infinipot-v", alpha=alpha)
+    views = [view_from(*frames_of(layer, 0, 14), *whole_frames(14, grid), layer=layer, num_layers=layers, grid=grid)
+             for layer in range(layers)]
+    reference = [[tokens_of(layer, head, 0, 14) for head in range(heads)] for layer in range(layers)]
+    thresholds, next_frame, g = None, 14, torch.Generator().manual_seed(22)
+    for _ in range(3):
+        selection = policy.compress(views, keep)
+        expected, thresholds, kernels = reference_infinipot(reference, grid, keep, alpha, 0.125, thresholds)
+        assert selection.info["kernel"] == kernels
+        views = [shuffle(gather(view, index), g) for view, index in zip(views, selection.indices)]
+        for layer in range(layers):
+            for head in range(heads):
+                assert kept_provenance(views[layer], torch.arange(keep).expand(heads, -1), head) == expected[layer][head]
+        reference = [[[t for t in reference[layer][head] if t[:3] in expected[layer][head]] for head in range(heads)]
+                     for layer in range(layers)]
+        views = [append(view, *frames_of(layer, next_frame, 4), next_frame, 4) for layer, view in enumerate(views)]
+        reference = [[reference[layer][head] + tokens_of(layer, head, next_frame, 4) for head in range(heads)]
+                     for layer in range(layers)]
+        next_frame += 4
+    # The last pass's CVs crossed a first-pass threshold: a recalibration (always a permutation of 7, 5, 3, 1
+    # for four distinct CVs) could not give these kernels.
+    assert sorted(kernels) != [1, 3, 5, 7] and kernels[0] > 1

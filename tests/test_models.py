@@ -1,7 +1,9 @@
+import math
+
 import pytest
 import torch
 
-from kvdemo.models.base import mrope_positions
+from kvdemo.models.base import VisualChunk, mrope_positions
 from kvdemo.models.tiny import ByteTokenizer
 
 
@@ -52,6 +54,63 @@ def test_visual_positions_agree_with_transformers_rope_index(tiny):
     ours = _positions(grids, rows, cols, len(prefix), fps, tiny.tokens_per_second)
     visual = slice(len(prefix), len(prefix) + grids * rows * cols)
     assert torch.equal(hf_pos[:, 0, visual], ours)
+
+
+def test_text_after_a_long_video_starts_after_the_largest_position(tiny, monkeypatch):
+    """A question starts at the largest position used so far + 1: the original Qwen2-VL / Qwen2.5-VL rule
+    (``st_idx = llm_pos_ids_list[-1].max() + 1`` for text after a vision block, in Qwen's release code and
+    transformers 4.x), the one the models were trained with.
+
+    transformers 5.23's ``get_rope_index`` instead advances by ``max(h, w) / merge`` after a video and ignores
+    its temporal extent. Five minutes at 1 fps (150 temporal grids of 2 x 3 tokens, 2 s each, the tiny model's
+    ``tokens_per_second = 2``: 4 temporal positions per grid) end at temporal position s + 149 * 4 = s + 596,
+    so the original rule starts the question at s + 597, while transformers 5.23 starts it at s + 3: 594
+    positions earlier, back inside the video's first seconds, where the question would sit among the video's
+    own temporal positions. kvdemo keeps the original rule (and computes positions itself)."""
+    from kvdemo.engine import StreamEngine
+
+    fps, grids, rows, cols, per_chunk = 1.0, 150, 2, 3, 10
+    per_grid = rows * cols
+    engine = StreamEngine(tiny, "sliding-window", budget=120, keep=60, fps=fps)
+    g = torch.Generator().manual_seed(0)
+    width = tiny.embed_text([0]).shape[-1]
+    local = torch.arange(per_chunk * per_grid)
+    for first in range(0, grids, per_chunk):
+        engine.feed_chunk(VisualChunk(
+            embeds=0.02 * torch.randn(len(local), width, generator=g), grid=first + local // per_grid,
+            row=(local % per_grid) // cols, col=local % cols, first_grid=first, num_grids=per_chunk, rows=rows, cols=cols,
+            grid_times_s=[2 * (first + k) / fps for k in range(per_chunk)], frames=2 * per_chunk, second_per_grid=2 / fps,
+            end_time_s=(2 * (first + per_chunk) - 1) / fps,
+        ))
+    seen = []
+    forward = tiny.forward
+    monkeypatch.setattr(tiny, "forward", lambda embeds, positions, cache: seen.append(positions.clone()) or forward(embeds, positions, cache))
+    engine.answer("What moved?", max_new_tokens=1)
+    question = seen[0]  # the question's prefill: [3, n] positions
+    s = engine.memory.prefix_len
+    assert tiny.tokens_per_second == 2 and s == len(tiny.tokenize(tiny.prefix_text()))
+    last_video = s + (grids - 1) * 4
+    n = question.shape[1]
+    assert torch.equal(question, torch.arange(last_video + 1, last_video + 1 + n).expand(3, -1))
+
+    # The same token sequence through transformers 5.23's get_rope_index.
+    prefix = tiny.tokenize(tiny.prefix_text())
+    text = tiny.tokenize(tiny.question_text([], "What moved?"))
+    video = grids * per_grid
+    ids = prefix + [tiny.hf.config.video_token_id] * video + text
+    hf_pos, _ = tiny.hf.model.get_rope_index(
+        torch.tensor([ids]),
+        mm_token_type_ids=torch.tensor([[0] * len(prefix) + [2] * video + [0] * len(text)]),
+        video_grid_thw=torch.tensor([[grids, rows * 2, cols * 2]]),
+        second_per_grid_ts=torch.tensor([2 / fps]),
+    )
+    g_, r_, c_ = torch.meshgrid(torch.arange(grids), torch.arange(rows), torch.arange(cols), indexing="ij")
+    ours_video = mrope_positions(g_.flatten(), r_.flatten(), c_.flatten(), s, 2 / fps, tiny.tokens_per_second)
+    assert torch.equal(hf_pos[:, 0, s : s + video], ours_video)  # the video itself agrees
+    assert int(ours_video.max()) == last_video == s + 596
+    hf_question = hf_pos[:, 0, s + video :]
+    assert torch.equal(hf_question, torch.arange(s + max(rows, cols), s + max(rows, cols) + n).expand(3, -1))
+    assert int(question[0, 0] - hf_question[0, 0]) == 594 == math.floor((grids - 1) * 2 / fps * 2) + 1 - max(rows, cols)
 
 
 def test_chunked_encoding_equals_whole_clip(tiny, pancake):

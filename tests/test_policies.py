@@ -7,8 +7,18 @@ from kvdemo.policies import REGISTRY, BudgetError, LayerView, make_policy
 from kvdemo.policies.base import frame_rank, top_k_sorted
 
 
-def make_view(frames: int, rows: int = 2, cols: int = 2, heads: int = 2, dim: int = 4, layer: int = 0, seed: int = 0):
-    """Whole frames in stream order; keys/values random."""
+class IdentityRotation:
+    """A stand-in for a model's rotation (keys already "before RoPE")."""
+
+    def rotate(self, x, position):
+        return x
+
+    def unrotate(self, x, position):
+        return x
+
+
+def make_view(frames: int, rows: int = 2, cols: int = 2, heads: int = 2, dim: int = 8, layer: int = 0, seed: int = 0):
+    """Whole frames in stream order; keys/values random; room for a 16-slot summary (policies that own one)."""
     g = torch.Generator().manual_seed(seed)
     per = rows * cols
     token = torch.arange(frames * per)
@@ -23,6 +33,10 @@ def make_view(frames: int, rows: int = 2, cols: int = 2, heads: int = 2, dim: in
         col=prov(token % cols),
         grid=(rows, cols),
         newest_frame=frames - 1,
+        position=torch.zeros(heads, frames * per, 3, dtype=torch.int32),
+        rotary=IdentityRotation(),
+        summary_slots=16,
+        probe=torch.randn(2 * heads, 3, dim, generator=g),  # a probe text's queries (HybridKV), GQA group of 2
     )
 
 
@@ -34,7 +48,12 @@ def test_every_bounded_policy_returns_sorted_unique_indices_of_size_keep(name, k
         view.num_layers = 3
     selection = make_policy(name).compress(views, keep)
     assert len(selection.indices) == 3
-    for view, index in zip(views, selection.indices):
+    for layer, (view, index) in enumerate(zip(views, selection.indices)):
+        if selection.valid is not None:  # ragged: heads keep different numbers, averaging keep
+            valid = selection.valid[layer]
+            assert int(valid.sum()) == keep * view.num_heads
+            index = torch.where(valid, index, index.max() + 1 + torch.arange(index.shape[1]))[:, : keep]
+            continue
         assert index.shape == (view.num_heads, keep)
         assert index.dtype == torch.long
         assert (index[:, 1:] > index[:, :-1]).all(), "indices must be sorted and unique"

@@ -6,7 +6,20 @@ import numpy as np
 import pytest
 
 from kvdemo import viz
-from kvdemo.ui import ModelHub, RunSettings, ask, parse_params, run_video, validate_settings, webcam_frame
+from kvdemo.ui import (
+    CACHE_CLEANUP,
+    ModelHub,
+    RunSettings,
+    Session,
+    Turns,
+    ask,
+    build_demo,
+    parse_params,
+    run_video,
+    validate_settings,
+    webcam_frame,
+    write_chart,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +53,8 @@ def test_a_run_streams_live_updates_and_ends_with_everything(hub, media):
     assert report["peak_visual_tokens"] <= 540
     assert report["baseline"]["peak_visual_tokens"] == 1350
     assert "infinipot-v" in report["coverage"]
-    chart = open(final["chart"]).read()
+    assert "chart" not in final, "the chart HTML is made on demand"
+    chart = open(write_chart(session)).read()
     assert "<html>" in chart and "plotly" in chart and "visual tokens" in chart
     assert session.policy.memory.visual_tokens <= 540
 
@@ -126,20 +140,134 @@ def test_webcam_frames_are_buffered_into_chunks(hub):
 
 def test_single_layer_head_view_colours_by_reason(hub, media):
     _, session = run(hub, None, media / "flipping_a_pancake.mkv")
-    memory, info = session.policy.memory, session.policy.last_selection_info
-    codes = viz.reason_map(memory, info, layer=1, head=0)
+    memory = session.policy.memory
+    codes = viz.reason_map(memory, layer=1, head=0)
     assert codes.shape == (10, 9, 15)
     held = (codes != viz.EVICTED).sum()
     assert held == memory.frame[1].shape[1]
     assert set(np.unique(codes)) <= {viz.EVICTED, viz.REASON_NEW, 0, 1, 2}
-    image = viz.survivor_strip(memory, session.thumbnails, info, layer=1, head=0, by_reason=True)
+    image = viz.survivor_strip(memory, session.thumbnails, layer=1, head=0, by_reason=True)
     assert image.ndim == 3 and image.shape[0] > 100
+
+
+@pytest.mark.parametrize("policy, names", [("uniform", {0, 1}), ("sliding-window", {0})])
+def test_baselines_colour_by_their_own_reasons(tiny, pancake, policy, names):
+    """Uniform and sliding-window say why they kept a token; tokens appended since the last pass are 'new'."""
+    from kvdemo.engine import StreamEngine, stream_video
+
+    engine = StreamEngine(tiny, policy, budget=540, keep=405, fps=pancake.fps)
+    list(stream_video(tiny, pancake, {"p": engine}))
+    codes = viz.reason_map(engine.memory, layer=0, head=1)
+    held = codes[codes != viz.EVICTED]
+    assert set(np.unique(held)) <= names | {viz.REASON_NEW}
+    assert (held == viz.REASON_NEW).sum() == 135  # the last grid arrived after the last compression
+    assert 0 in held
+    legend = viz.legend_text(engine.policy.reason_names)
+    assert all(name in legend for name in engine.policy.reason_names.values()) and "new since" in legend
 
 
 def test_budget_validation_as_you_type():
     assert validate_settings("infinipot-v", 1024, 768).startswith("✓")
     assert "C must be smaller than M" in validate_settings("infinipot-v", 100, 200)
     assert "positive" in validate_settings("cords", 0, -1)
+    assert "positive" in validate_settings("infinipot-v", -5, 50)
+
+
+def test_as_you_type_check_is_runs_rule_against_one_chunk(hub, media):
+    # No video yet: a chunk at max pixels, 200704 / 28^2 = 256 visual tokens (one temporal grid of 2 frames).
+    assert "M=100 is smaller than one chunk (256 visual tokens" in validate_settings("infinipot-v", 100, 50, 2.0, 200704)
+    assert "M - C = 24 leaves no room for one chunk (256" in validate_settings("infinipot-v", 1024, 1000, 2.0, 200704)
+    ok = validate_settings("infinipot-v", 1024, 768, 2.0, 200704)
+    assert ok.startswith("✓") and "256" in ok, "the line says the chunk size it checked"
+    # With the uploaded video: 426x240 resized within 200704 pixels -> 252x420 = 9x15 = 135 tokens.
+    pancake = str(media / "flipping_a_pancake.mkv")
+    for keep in (889, 890):
+        verdict = validate_settings("infinipot-v", 1024, keep, 2.0, 200704, pancake)
+        updates = list(run_video(hub, None, pancake, settings(budget=1024, keep=keep, max_pixels=200704)))
+        ran = "20/20 frames" in updates[-1]["status"]
+        assert verdict.startswith("✓") == ran == (1024 - keep >= 135), (keep, verdict, updates[-1]["status"])
+    assert "135 visual tokens" in validate_settings("infinipot-v", 1024, 889, 2.0, 200704, pancake)
+    assert "not a readable video" in validate_settings("infinipot-v", 1024, 768, 2.0, 200704, __file__)
+
+
+def test_throwaway_sessions_make_no_temp_folders(hub, media, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    Session().close()
+    list(ask(None, "hello?"))
+    assert not list(tmp_path.glob("kvdemo-*")), "no folder until a report is written"
+    _, session = run(hub, None, media / "flipping_a_pancake.mkv")
+    assert len(list(tmp_path.glob("kvdemo-*"))) == 1
+    session.close()
+    assert not list(tmp_path.glob("kvdemo-*")), "closing a session removes its folder"
+
+
+def test_the_session_pool_frees_the_least_recently_used_session(media):
+    small = ModelHub("tiny", max_sessions=2)
+    sessions = [run(small, None, None, fps=0.5, budget=1024, keep=768)[1] for _ in range(2)]
+    assert len(small.sessions) == 2 and all(s.policy is not None for s in sessions)
+    list(ask(sessions[0], "keep me"))  # the first session is now the more recently used one
+    third = run(small, None, None, fps=0.5, budget=1024, keep=768)[1]
+    assert len(small.sessions) == 2
+    assert sessions[0].policy is not None and third.policy is not None
+    assert sessions[1].policy is None and not sessions[1].thumbnails
+    final = list(ask(sessions[1], "still there?"))[-1]
+    assert "freed to make room: the app keeps at most 2 sessions" in final["status"]
+    updates, again = run(small, sessions[1], None, fps=0.5, budget=1024, keep=768)
+    assert "12/12 frames" in updates[-1]["status"] and again.policy is not None
+
+
+def test_a_new_run_replaces_the_previous_session_only_once_it_streams(hub, media, tmp_path):
+    _, first = run(hub, None, media / "flipping_a_pancake.mkv")
+    header_only = tmp_path / "header_only.mkv"  # opens, but no frame decodes
+    header_only.write_bytes((media / "flipping_a_pancake.mkv").read_bytes()[:2000])
+    updates, after = run(hub, first, header_only)
+    assert after is first and first.policy.frames_fed == 20 and first.policy.memory.num_grids == 10
+    assert "none of the sampled frames could be decoded" in updates[-1]["status"]
+    assert "Still showing the previous run: flipping_a_pancake.mkv" in updates[-1]["status"]
+    assert set(updates[-1]) == {"session", "status"}, "no view changes"
+    updates, second = run(hub, first, None, budget=1024, keep=768)
+    assert second is not first and first.policy is None, "the previous engines are freed once the new run streams"
+    started = next(u for u in updates if "legend" in u)
+    assert started["policy_chat"] == [] and started["report"] is None and started["coverage"] is None
+    assert "**infinipot-v**, M=1024 C=768" == started["policy_title"]
+
+
+def test_a_waiting_question_goes_before_the_streams_next_chunk():
+    import threading
+
+    turns, order = Turns(), []
+    first_chunk_held, question_waiting = threading.Event(), threading.Event()
+
+    def stream():
+        for i in range(3):
+            with turns.chunk():
+                order.append(f"chunk {i}")
+                if i == 0:
+                    first_chunk_held.set()
+                    question_waiting.wait(5)
+                    while not turns._questions_waiting:
+                        threading.Event().wait(0.01)
+
+    def question():
+        first_chunk_held.wait(5)
+        question_waiting.set()
+        with turns.question():
+            order.append("question")
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=question)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert order == ["chunk 0", "question", "chunk 1", "chunk 2"]
+
+
+def test_the_app_bounds_gradios_cache_and_names_its_limits(hub):
+    demo = build_demo(hub)
+    assert demo.delete_cache == CACHE_CLEANUP and CACHE_CLEANUP[1] <= 3600
+    assert f"at most {hub.sessions.limit} sessions" in json.dumps(demo.config, default=str)
 
 
 def test_policy_form_values_are_parsed():
@@ -165,3 +293,28 @@ def test_small_frames_get_enlarged_thumbnails_with_crisp_patches():
     np.testing.assert_array_equal(thumb[1::2, 1::2], frame)
     assert viz.thumbnail(np.zeros((240, 426, 3), np.uint8)).shape == (180, 320, 3)  # large frames still shrink
 
+
+def test_policies_declare_their_views_and_viz_draws_them(tiny, pancake):
+    """ProtoKV's assignment map and bank, HybridKV's head map: declared by the policy, drawn by viz; per-head
+    views show summarised (ProtoKV) and offloaded / retrieved (HybridKV) patches."""
+    from kvdemo.engine import StreamEngine, stream_video
+
+    proto = StreamEngine(tiny, "protokv", budget=560, fps=pancake.fps, policy_params={"warmup": 64})
+    hybrid = StreamEngine(tiny, "hybridkv", budget=540, keep=405, fps=pancake.fps, max_new_tokens=4)
+    list(stream_video(tiny, pancake, {"p": proto, "h": hybrid}))
+    hybrid.answer("What is it?")
+    thumbs = [viz.thumbnail(frame) for frame in pancake.frames[::2]]
+    titles = {engine.policy.name: [p.title for p in viz.policy_panels(engine, thumbs, 1, 0)] for engine in (proto, hybrid)}
+    assert titles == {"protokv": ["Prototype assignments", "Prototype bank"], "hybridkv": ["Head types"]}
+    assignment = viz.policy_panels(proto, thumbs, 1, 0)[0]
+    assert assignment.kind == "image" and assignment.value.shape[0] > 100 and "mass" in assignment.caption
+    status = viz.patch_status(proto, 1, 0)
+    assert set(np.unique(status)) <= {viz.HELD, viz.SUMMARISED, viz.EVICTED} and (status == viz.SUMMARISED).any()
+    # the near window holds the newest tokens exactly; every older patch is represented in the bank
+    assert (status[-1] == viz.HELD).sum() > 0 and (status[0] != viz.HELD).all()
+    dynamic = [(l, h) for l in range(tiny.num_layers) for h in range(tiny.num_kv_heads)
+               if not hybrid.policy.head_types()["static"][l, h]]
+    layer, head = dynamic[0]
+    status = viz.patch_status(hybrid, layer, head)
+    assert (status == viz.RETRIEVED).any() and (status == viz.HELD).any()
+    assert viz.patch_status(StreamEngine(tiny, "uniform", budget=540, keep=405), 0, 0) is None

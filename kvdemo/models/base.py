@@ -83,6 +83,8 @@ class VideoLM(Protocol):
     tokens_per_second: float | None
     device: torch.device
     dtype: torch.dtype
+    #: The language model's M-RoPE rotation (``rotate(x, position)`` / ``unrotate``), see ``qwen_vl.MRopeRotation``.
+    rotary: object
 
     def encode(self, frames: np.ndarray, first_grid: int, times_s: np.ndarray, fps: float) -> VisualChunk: ...
 

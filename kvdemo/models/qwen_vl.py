@@ -7,6 +7,7 @@ language-model forward on a given cache with positions we computed (``base.mrope
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from .base import VisualChunk
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 DEFAULT_REAL_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
+log = logging.getLogger("kvdemo")
 SYSTEM_PROMPT = "You are a helpful assistant."
 
 
@@ -58,6 +60,40 @@ def pixel_values(
     patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
     flat = patches.reshape(grid_t * grid_h * grid_w, channels * temporal_patch_size * patch_size * patch_size)
     return flat, (grid_t, grid_h, grid_w)
+
+
+class MRopeRotation:
+    """The language model's M-RoPE rotation as a function of 3-D positions, computed by the model's own
+    rotary module: ``rotate(x, p) = x cos(p) + rotate_half(x) sin(p)`` and its inverse (rotations are
+    orthogonal, so ``unrotate(rotate(x, p), p) == x`` up to rounding). ``x [..., D]``, ``p [..., 3]``."""
+
+    def __init__(self, rotary_emb: torch.nn.Module) -> None:
+        self.rotary_emb = rotary_emb
+
+    def cos_sin(self, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``cos, sin [..., D]`` for positions ``[..., 3]`` (temporal, height, width)."""
+        flat = position.reshape(-1, 3).t().long()  # [3, N]
+        buffer = self.rotary_emb.inv_freq
+        with torch.inference_mode():
+            cos, sin = self.rotary_emb(torch.empty(0, dtype=torch.float32, device=buffer.device), flat[:, None, :].to(buffer.device))
+        shape = (*position.shape[:-1], cos.shape[-1])
+        return cos[0].reshape(shape), sin[0].reshape(shape)
+
+    def _apply(self, x: torch.Tensor, position: torch.Tensor, sign: float) -> torch.Tensor:
+        cos, sin = self.cos_sin(position)
+        cos, sin = cos.to(x.device), sin.to(x.device)
+        half = x.shape[-1] // 2
+        xf = x.float()
+        rotated_half = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + sign * rotated_half * sin).to(x.dtype)
+
+    def rotate(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Keys before RoPE -> rotated at ``position`` (as the model caches them)."""
+        return self._apply(x, position, 1.0)
+
+    def unrotate(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Cached keys rotated at ``position`` -> keys before RoPE."""
+        return self._apply(x, position, -1.0)
 
 
 class QwenVL:
@@ -98,6 +134,8 @@ class QwenVL:
         self._stop_ids = {
             i for i in (self._special_id("<|im_end|>"), self._special_id("<|endoftext|>")) if i is not None
         }
+        #: The language model's rotation (policies that keep keys before RoPE get it through their views).
+        self.rotary = MRopeRotation(model.model.language_model.rotary_emb)
 
     # --- text -----------------------------------------------------------------------------
     def _special_id(self, token: str) -> int | None:
@@ -171,13 +209,16 @@ class QwenVL:
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        """Run ``embeds [n, d]`` at ``positions [3, n]`` on ``cache`` (extended in place); last-token logits ``[vocab]``."""
+        """Run ``embeds [n, d]`` at ``positions [3, n]`` on ``cache`` (a :class:`~kvdemo.attention.MemoryCache`,
+        extended in place); last-token logits ``[vocab]``. The cache also reaches kvdemo's attention
+        function (``kvdemo=cache``), which applies what the memory supplies per layer."""
         output = self.hf(
             inputs_embeds=embeds[None].to(self.device, self.dtype),
             position_ids=positions[:, None, :].to(self.device),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            kvdemo=cache,
         )
         return output.logits[0, -1]
 
@@ -185,7 +226,8 @@ class QwenVL:
 def load_qwen(model_id: str, device: str | None = None) -> QwenVL:
     """Load a Qwen2-VL / Qwen2.5-VL checkpoint from the Hub or a local folder with transformers' classes.
 
-    bf16 and ``device_map="auto"`` (accelerate) on CUDA, float32 on the CPU; ``sdpa`` attention.
+    bf16 and ``device_map="auto"`` (accelerate) on CUDA, float32 on the CPU; kvdemo's attention function
+    (SDPA plus what the memory supplies, :mod:`kvdemo.attention`) in the language model, ``sdpa`` in the vision tower.
     """
     from transformers import (
         AutoConfig,
@@ -202,7 +244,9 @@ def load_qwen(model_id: str, device: str | None = None) -> QwenVL:
     if config.model_type not in classes:
         raise ModelError(f"{model_id!r} is a {config.model_type!r} model; kvdemo supports Qwen2-VL and Qwen2.5-VL")
     use_cuda = torch.cuda.is_available() and device != "cpu"
-    kwargs: dict[str, Any] = {"attn_implementation": "sdpa", "trust_remote_code": False}
+    from ..attention import ATTN_IMPLEMENTATION
+
+    kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPLEMENTATION, "trust_remote_code": False}
     if use_cuda:
         kwargs.update(dtype=torch.bfloat16, device_map=device or "auto")
     else:
@@ -223,13 +267,32 @@ def resolve_model_name(name: str | None = None) -> str:
     return name
 
 
+def preferred_pixel_range(name: str | None = None) -> tuple[int, int]:
+    """The pixel range the model ``name`` declares (``QwenVL.min_pixels/max_pixels``), known without loading
+    it: the trained tiny model's own, Qwen's defaults for every other model."""
+    from .tiny import TINY_NAME, TRAINED_MAX_PIXELS, TRAINED_MIN_PIXELS
+
+    if resolve_model_name(name) == TINY_NAME:
+        return TRAINED_MIN_PIXELS, TRAINED_MAX_PIXELS
+    return DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS
+
+
 def load_model(name: str | None = None) -> QwenVL:
     """Load ``tiny`` (trained), ``tiny-random``, ``auto`` or a Hugging Face model id / local path."""
     from .tiny import TINY_NAME, TINY_RANDOM_NAME, build_tiny_model, load_trained_tiny
 
     resolved = resolve_model_name(name)
+    log.info("loading model %s%s", resolved, f" ({name} resolves to it)" if name and name != resolved else "")
+    start = time.perf_counter()
     if resolved == TINY_NAME:
-        return load_trained_tiny()
-    if resolved == TINY_RANDOM_NAME:
-        return build_tiny_model()
-    return load_qwen(resolved)
+        model = load_trained_tiny()
+    elif resolved == TINY_RANDOM_NAME:
+        model = build_tiny_model()
+    else:
+        model = load_qwen(resolved)
+    log.info(
+        "loaded %s (%s, %d layers, %d KV heads) on %s as %s in %.1f s%s",
+        model.name, model.family, model.num_layers, model.num_kv_heads, model.device, str(model.dtype).replace("torch.", ""),
+        time.perf_counter() - start, "; random weights" if model.random_weights else "",
+    )
+    return model

@@ -148,11 +148,12 @@ def build_tiny_model(seed: int = 0) -> QwenVL:
     """The tiny model on the CPU in float32; identical weights for a given ``seed``."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from ..attention import ATTN_IMPLEMENTATION
+
     config = tiny_config()
-    config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config)
+        model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
     tokenizer = ByteTokenizer()
     adapter = QwenVL(model.float().eval(), tokenizer, name=TINY_RANDOM_NAME, random_weights=True, notice=RANDOM_WEIGHTS_NOTICE)
     # Random weights pick arbitrary bytes; keep answers to printable ASCII (and the stop token) so they stay legible.
@@ -170,7 +171,9 @@ def load_trained_tiny(folder: str | Path = TRAINED_DIR) -> QwenVL:
     folder = Path(folder)
     if not (folder / "model.safetensors").exists():
         raise ModelError(f"no trained tiny model in {folder}: run `python -m kvdemo train-tiny` (or use --model tiny-random)")
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    from ..attention import ATTN_IMPLEMENTATION
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
     return QwenVL(
         model.eval(),
         ByteTokenizer.from_spec(folder / "tokenizer.json"),

@@ -1,6 +1,6 @@
 """KV-cache compression policies, registered by name (``make_policy("uniform")``)."""
 
-from . import cords, full, infinipot_v, uniform, window  # noqa: F401  (registration)
+from . import cords, full, hybridkv, infinipot_v, protokv, uniform, window  # noqa: F401  (registration)
 from .base import (
     REGISTRY,
     BudgetError,

@@ -8,7 +8,10 @@ layer and KV head, the sorted indices of the tokens to keep.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -19,9 +22,19 @@ import torch
 class LayerView:
     """What a policy sees of one layer's visual tokens.
 
-    keys, values: ``[H_kv, L, D]`` post-RoPE, exactly as cached.
+    keys, values: ``[H_kv, L, D]`` post-RoPE, exactly as cached (views of the memory's buffers).
     frame, row, col: ``[H_kv, L]`` provenance of each token: the temporal grid it came from (a pair of
     sampled frames; called "frame" as in the papers) and its merged-patch row and column.
+    order: ``[H_kv, L]`` arrival number of each token in the stream (larger = newer). The memory compacts
+    in place, so slots are *not* in stream order; ``None`` (hand-made views) means slot order.
+    position: ``[H_kv, L, 3]`` the 3-D M-RoPE position each key was rotated at (None if unknown).
+    valid: ``[H_kv, L]`` bool when heads hold different numbers of tokens (ragged), else None.
+    rotary: the model's rotation (``rotate(x, position)`` / ``unrotate(x, position)``), for policies that
+    need keys before RoPE; None when the caller has no model.
+    summary_slots: size of the memory's summary region the policy owns (see :meth:`Policy.summary_slots`).
+    probe: ``[H_q, T, D]`` post-RoPE queries of a probe text run after the memory (for policies with
+    ``needs_probe``, e.g. HybridKV's text-centric head classification); query head ``h`` reads KV head
+    ``h // (H_q / H_kv)``.
     """
 
     layer: int
@@ -33,6 +46,16 @@ class LayerView:
     col: torch.Tensor
     grid: tuple[int, int]
     newest_frame: int
+    order: torch.Tensor | None = None
+    position: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    rotary: Any = None
+    summary_slots: int = 0
+    probe: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.order is None:
+            self.order = torch.arange(self.keys.shape[1], device=self.keys.device).expand(self.keys.shape[0], -1)
 
     @property
     def num_heads(self) -> int:
@@ -48,12 +71,51 @@ class LayerView:
 
 
 @dataclass
+class SummaryUpdate:
+    """A policy's synthetic entries for one layer's summary region (ProtoKV's pseudo-tokens).
+
+    keys, values: ``[H_kv, U, D]`` post-RoPE, as attention reads them, written at ``slots [H_kv, U]`` of the
+    region (all ``S`` slots in order when ``slots`` is None); bias: ``[H_kv, S]`` additive key bias of every
+    slot (``-inf`` hides an unused one).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor
+    slots: torch.Tensor | None = None
+
+
+@dataclass
+class OffloadUpdate:
+    """One layer's tokens to move to the offload store, and what each head retrieves at decode time.
+
+    tokens: ``[H_kv, E]`` indices into the layer's view (arrival order), ``valid [H_kv, E]`` which count;
+    they are stored in chunks of ``chunk`` tokens per head with a resident mean-key index.
+    retrieve: ``[H_kv]`` visual tokens each head brings back per decode step (0: it does not retrieve).
+    """
+
+    tokens: torch.Tensor
+    valid: torch.Tensor
+    retrieve: torch.Tensor
+    chunk: int = 8
+
+
+@dataclass
 class Selection:
-    """Per layer, ``LongTensor [H_kv, keep]`` of sorted indices into that layer's view."""
+    """Per layer, ``LongTensor [H_kv, keep]`` of sorted indices into that layer's view.
+
+    ``valid`` (optional, per layer ``[H_kv, keep]`` bool) marks the entries that count when heads keep
+    different numbers of tokens (ragged budgets); ``summary`` (optional, per layer) refreshes the memory's
+    summary region; ``offload`` (optional, per layer) moves evicted tokens to the memory's offload store
+    instead of dropping them, and sets what each head retrieves from it at decode time.
+    """
 
     indices: list[torch.Tensor]
     #: Optional per-layer extras a policy reports for explanation (e.g. why each kept token was kept).
     info: dict[str, Any] = field(default_factory=dict)
+    valid: list[torch.Tensor] | None = None
+    summary: list[SummaryUpdate | None] | None = None
+    offload: list[OffloadUpdate | None] | None = None
 
 
 class BudgetError(ValueError):
@@ -75,13 +137,58 @@ class Policy(abc.ABC):
     choices: ClassVar[dict[str, tuple[str, ...]]] = {}
     #: Reason codes this policy reports per kept token in ``Selection.info["reason"]`` (code -> name).
     reason_names: ClassVar[dict[int, str]] = {}
+    #: False for a policy sized by ``M`` alone (ProtoKV): it takes no ``C``.
+    uses_keep: ClassVar[bool] = True
+    #: The policy's own views (names :mod:`kvdemo.viz` knows how to draw from the policy's plain-data methods);
+    #: the app lays out whatever the chosen policy declares.
+    panels: ClassVar[tuple[str, ...]] = ()
+    #: True for a policy that needs probe queries in its views: the engine runs ``probe_text`` as a question
+    #: after the memory (uncommitted) before each compression and passes each layer's queries.
+    needs_probe: ClassVar[bool] = False
+    probe_text: ClassVar[str] = ""
 
     @abc.abstractmethod
     def compress(self, views: list[LayerView], keep: int) -> Selection:
         """Choose ``keep`` tokens per layer and KV head from ``views`` (one per layer)."""
 
     def params(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The policy's parameters (its own state, fields starting with ``_``, left out)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
+
+    def summary_slots(self, budget: int) -> int:
+        """Slots of the memory's summary region this policy owns under budget ``M`` (0: a pure selection)."""
+        return 0
+
+    def keep_for(self, budget: int, keep: int | None, incoming: int) -> int:
+        """Real visual tokens a compression keeps when ``incoming`` tokens are about to arrive (``C``)."""
+        return int(keep)
+
+    def check_fits(self, budget: int, keep: int | None, tokens: int, shape: str = "") -> None:
+        """Raise :class:`BudgetError` if chunks of ``tokens`` visual tokens can never fit (``M`` below one
+        chunk, or ``M - C`` too small to take one after a compression)."""
+        shape = f" = {shape}" if shape else ""
+        if tokens > budget:
+            raise BudgetError(
+                f"M={budget} is smaller than one chunk ({tokens} visual tokens{shape}); "
+                "raise M, or lower max pixels / frames per chunk"
+            )
+        if budget - keep < tokens:
+            raise BudgetError(
+                f"M - C = {budget - keep} leaves no room for one chunk ({tokens} visual tokens{shape}); "
+                f"lower C to at most {budget - tokens} or raise M"
+            )
+
+    def report(self) -> dict[str, Any]:
+        """What the policy's own state looks like now (for the run report); ``{}`` for a stateless policy."""
+        return {}
+
+    def to(self, device: torch.device | str) -> "Policy":
+        """Move the policy's own state (its ``_``-fields: tensors, and dataclasses/containers of them) to
+        ``device``; returns self."""
+        for f in dataclasses.fields(self):
+            if f.name.startswith("_"):
+                setattr(self, f.name, move_tensors(getattr(self, f.name), device))
+        return self
 
 
 @dataclass(frozen=True)
@@ -137,7 +244,7 @@ def make_policy(name: str, **params: Any) -> Policy:
     if name not in REGISTRY:
         raise BudgetError(f"unknown policy {name!r}; choose one of: {', '.join(REGISTRY)}")
     cls = REGISTRY[name]
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = {f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}  # not internal state
     unknown = set(params) - known
     if unknown:
         raise BudgetError(
@@ -150,15 +257,48 @@ def make_policy(name: str, **params: Any) -> Policy:
 # --- shared helpers for policies ---------------------------------------------------------
 
 
-def top_k_mask(scores: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
+def move_tensors(value: Any, device: torch.device | str) -> Any:
+    """``value`` with every tensor inside it (dataclass fields, dicts, lists, tuples) moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            setattr(value, f.name, move_tensors(getattr(value, f.name), device))
+        return value
+    if isinstance(value, dict):
+        return {k: move_tensors(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(move_tensors(v, device) for v in value)
+    return value
+
+
+class PhaseTimer:
+    """Wall time per named phase of a policy pass, in ms (CUDA is synchronised around each phase, so the
+    split is true on a GPU too; the benchmark reads it)."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str, device: torch.device) -> Iterator[None]:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - start) * 1000
+
+
+def top_k_mask(scores: torch.Tensor, k: int | torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean mask ``[H, L]`` of the ``k`` highest ``scores [H, L]`` per row (``k`` an int or ``[H]`` per row).
 
-    Exact ties go to the newer token (higher index): a ramp far below float32 resolution is added in
-    float64, so the choice is deterministic and never reorders distinct scores.
+    Exact ties go to the newer token (larger ``order [H, L]``, the tokens' arrival numbers; slot order when
+    None): a ramp far below float32 resolution is added in float64, so the choice is deterministic and
+    never reorders distinct scores.
     """
     heads, length = scores.shape
-    ramp = torch.arange(length, device=scores.device, dtype=torch.float64) * (1e-9 / max(length, 1))
-    key = scores.double() + ramp
+    key = scores.double() + tie_ramp(order, length, scores.device)
     mask = torch.zeros(heads, length, dtype=torch.bool, device=scores.device)
     if isinstance(k, torch.Tensor) and k.numel() > 1 and bool((k != k.flatten()[0]).any()):
         k = k.to(scores.device).clamp(0, length)
@@ -187,10 +327,20 @@ def mask_to_indices(mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(mask, as_tuple=False)[:, 1].view(mask.shape[0], -1)
 
 
-def top_k_sorted(scores: torch.Tensor, keep: int) -> torch.Tensor:
+def top_k_sorted(scores: torch.Tensor, keep: int, order: torch.Tensor | None = None) -> torch.Tensor:
     """Indices ``[H, keep]`` of the ``keep`` highest ``scores [H, L]`` per row, in ascending order
     (ties to the newer token, see :func:`top_k_mask`)."""
-    return mask_to_indices(top_k_mask(scores, min(keep, scores.shape[-1])))
+    return mask_to_indices(top_k_mask(scores, min(keep, scores.shape[-1]), order))
+
+
+def tie_ramp(order: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
+    """A float64 ramp below 1e-9, increasing with ``order`` (``[H, L]`` or None = slot order)."""
+    if order is None:
+        return torch.arange(length, device=device, dtype=torch.float64) * (1e-9 / max(length, 1))
+    order = order.to(device=device, dtype=torch.float64)
+    low = order.min(dim=-1, keepdim=True).values if order.numel() else order
+    span = (order.max(dim=-1, keepdim=True).values - low + 1) if order.numel() else order
+    return (order - low) * (1e-9 / span)
 
 
 def frame_rank(frame: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
 Per anchor layer and KV head:
 
 1. The recent tail (the newest ``r = max(1, round(recent_ratio * f))`` frames, the same rule as
-   InfiniPot-V's recent window) is always kept.
+   InfiniPot-V's recent window) is always kept (Sec. 3).
 2. The old part is reduced to the remaining budget as a coreset whose elements are frames: each old
    frame is represented by the centroid of its tokens' keys and of their values (Sec. 3, "we work at
    frame level").
@@ -13,20 +13,34 @@ Per anchor layer and KV head:
        o_i = gamma (1 - max_j cos(K_i, K_j)) + (1 - gamma) (1 - max_j cos(V_i, V_j)),
 
    over the selected set ``j`` (Eq. 4-10). ``d`` is the squared Euclidean distance between centroids
-   after scaling keys and values to unit mean squared norm per head (so ``beta`` weighs comparable
-   scales, which raw concatenation does not); ``o`` is the paper's max-cosine surrogate of the
-   orthogonal residual; ``norm`` is min-max over the remaining candidates with ``eps``.
-   Seeding is deterministic: the recent tail counts as already selected (it is retained), so the first
-   pick is the old frame that the recent frames cover worst.
-4. Chosen frames expand back to their tokens in pick order. When the budget is not a whole number of
-   frames, the next frame in pick order contributes the tokens that are farthest (same bicriteria
-   distance, token level) from everything selected so far.
+   and ``norm`` is min-max over the remaining candidates with ``eps`` (Eq. 10).
+4. Chosen frames expand back to their tokens in pick order.
+
+kvdemo's own rules (the paper does not state them, or its values were lost in extraction):
+
+- keys and values are each scaled per head to unit mean squared norm before any distance, so ``beta``
+  weighs comparable scales (raw concatenation lets the larger of the two decide);
+- seeding with the recent tail: it counts as already selected (it is retained), so the first pick is
+  the old frame the recent frames cover worst (ties to the older frame);
+- ``o`` is ``1 - max cos``, our reading of the paper's "max-cosine redundancy surrogate" of the
+  orthogonal residual (an anti-parallel direction counts as new; the exact span residual of a unit
+  vector against one direction would be ``1 - cos^2``);
+- the partial-frame fill: when the budget is not a whole number of frames, the next frame in pick order
+  contributes the tokens farthest (same bicriteria distance, token level) from everything selected;
+- ``recent_ratio = 0.125`` and ``eps = 1e-6`` (the paper's values were lost in extraction);
+- which layer ``layers=single`` uses (``single_depth``, default the middle layer as in the paper's
+  single-layer run, Table 13) and what layers outside the active set do (``above``, below).
 
 Layer schedule (App. B.1, B.7, B.8): selection is *active* on ``layers`` (``bottom25``: the bottom 25%
-of layers; ``all``; ``single``: layer 0 only). With ``followers=True`` only every other active layer is
-an anchor (the last active layer of an odd count follows too, e.g. anchors 0, 2, 4 of 28 layers) and
-followers reuse their anchor's indices; layers above the active set reuse the last active selection, so
-every layer keeps exactly ``C`` tokens.
+of layers; ``all``; ``single``: layer ``floor(single_depth * num_layers)``). With ``followers=True`` only
+every other active layer is an anchor (the last active layer of an odd count follows too, e.g. anchors
+0, 2, 4 of 28 layers) and followers reuse their anchor's indices. The paper says both "reuse the most
+recent active-layer selection" (App. B.1) and "leave the remaining layers uncompressed" (Sec. 3, B.7), so
+both are offered: ``above=reuse`` (default) makes every layer outside the active set (for ``single``,
+the layers below it too) reuse the last active selection, so every layer keeps exactly ``C`` tokens;
+``above=keep`` leaves them uncompressed: their indices are all their tokens
+(``Selection.info["uncompressed_layers"]`` lists them), which breaks the hard budget ``M`` on those
+layers (the cache keeps growing there).
 """
 
 from __future__ import annotations
@@ -38,29 +52,43 @@ import torch.nn.functional as F
 
 from .base import BudgetError, LayerView, Policy, Selection, minmax, recent_window, register, top_k_sorted
 
-REASON_RECENT, REASON_COVERAGE, REASON_FILL = 0, 1, 2
-REASON_NAMES = {REASON_RECENT: "recent", REASON_COVERAGE: "coreset frame", REASON_FILL: "partial frame"}
+REASON_RECENT, REASON_COVERAGE, REASON_FILL, REASON_UNCOMPRESSED = 0, 1, 2, 3
+REASON_NAMES = {
+    REASON_RECENT: "recent",
+    REASON_COVERAGE: "coreset frame",
+    REASON_FILL: "partial frame",
+    REASON_UNCOMPRESSED: "uncompressed layer",
+}
 SCHEDULES = ("bottom25", "all", "single")
+#: What layers outside the active set do: reuse the last active selection, or keep every token.
+OUTSIDE_ACTIVE = ("reuse", "keep")
 
 
-def layer_schedule(num_layers: int, layers: str, followers: bool) -> list[int]:
-    """For every layer, the anchor whose selection it uses (an anchor uses its own)."""
+def active_layers(num_layers: int, layers: str, single_depth: float = 0.5) -> list[int]:
+    """The layers where selection is active, ascending."""
     if layers == "all":
-        active = num_layers
-    elif layers == "bottom25":
-        active = max(1, round(0.25 * num_layers))
-    elif layers == "single":
-        active = 1
-    else:
-        raise BudgetError(f"layers must be one of {', '.join(SCHEDULES)}, got {layers!r}")
+        return list(range(num_layers))
+    if layers == "bottom25":
+        return list(range(max(1, round(0.25 * num_layers))))
+    if layers == "single":
+        return [min(num_layers - 1, int(single_depth * num_layers))]
+    raise BudgetError(f"layers must be one of {', '.join(SCHEDULES)}, got {layers!r}")
+
+
+def layer_schedule(
+    num_layers: int, layers: str, followers: bool, single_depth: float = 0.5, above: str = "reuse"
+) -> list[int | None]:
+    """For every layer, the anchor whose selection it uses (an anchor uses its own); ``None`` for a
+    layer left uncompressed (outside the active set with ``above="keep"``)."""
+    active = active_layers(num_layers, layers, single_depth)
     if followers:
-        anchors = [layer for layer in range(0, active, 2) if not (active % 2 and active > 1 and layer == active - 1)]
+        odd_tail = len(active) % 2 and len(active) > 1
+        anchors = [a for i, a in enumerate(active) if i % 2 == 0 and not (odd_tail and i == len(active) - 1)]
     else:
-        anchors = list(range(active))
-    source = []
-    for layer in range(num_layers):
-        source.append(max(a for a in anchors if a <= min(layer, active - 1)))
-    return source
+        anchors = active
+    source_of = {layer: max(a for a in anchors if a <= layer) for layer in active}
+    outside = None if above == "keep" else source_of[active[-1]]
+    return [source_of.get(layer, outside) for layer in range(num_layers)]
 
 
 def _pairwise_sq(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -75,7 +103,7 @@ class CoRDS(Policy):
 
     name = "cords"
     reason_names = REASON_NAMES
-    choices = {"layers": SCHEDULES}
+    choices = {"layers": SCHEDULES, "above": OUTSIDE_ACTIVE}
     summary = "Coreset selection: old frames chosen farthest-first in joint key/value space, with a diversity bonus."
     help = {
         "beta": "key weight in the bicriteria distance beta*d_K + (1-beta)*d_V (0.25: value-favouring)",
@@ -83,8 +111,12 @@ class CoRDS(Policy):
         "bonus": "weight of the orthogonal bonus (0 = bicriteria coverage only)",
         "eps": "epsilon of the min-max normalisation",
         "recent_ratio": "recent tail r = ratio x frames held (at least one frame), always kept",
-        "layers": "where selection is active: bottom25 (paper), all, single (layer 0); layers above reuse it",
+        "layers": "where selection is active: bottom25 (paper), all, single (one layer, see single_depth)",
         "followers": "only every other active layer selects; the others reuse their anchor's indices",
+        "above": "layers outside the active set: reuse the last active selection, or keep them uncompressed "
+        "(keep breaks the budget M on those layers)",
+        "single_depth": "layers=single: the layer at this relative depth, floor(depth x layers) "
+        "(0.5 = the middle layer, as the paper's single-layer run; 0 = layer 0)",
     }
 
     beta: float = 0.25
@@ -94,6 +126,8 @@ class CoRDS(Policy):
     recent_ratio: float = 0.125
     layers: str = "bottom25"
     followers: bool = True
+    above: str = "reuse"
+    single_depth: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("beta", "gamma"):
@@ -105,14 +139,23 @@ class CoRDS(Policy):
             raise BudgetError(f"recent_ratio must be in (0, 1], got {self.recent_ratio}")
         if self.layers not in SCHEDULES:
             raise BudgetError(f"layers must be one of {', '.join(SCHEDULES)}, got {self.layers!r}")
+        if self.above not in OUTSIDE_ACTIVE:
+            raise BudgetError(f"above must be one of {', '.join(OUTSIDE_ACTIVE)}, got {self.above!r}")
+        if not 0.0 <= float(self.single_depth) <= 1.0:
+            raise BudgetError(f"single_depth must be in [0, 1], got {self.single_depth}")
 
     def compress(self, views: list[LayerView], keep: int) -> Selection:
-        source = layer_schedule(len(views), self.layers, self.followers)
+        source = layer_schedule(len(views), self.layers, self.followers, self.single_depth, self.above)
         chosen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        for anchor in sorted(set(source)):
+        for anchor in sorted({a for a in source if a is not None}):
             chosen[anchor] = self.select(views[anchor], keep)
         indices, reasons = [], []
         for layer, anchor in enumerate(source):
+            if anchor is None:  # above="keep": every token of this layer stays
+                view = views[layer]
+                indices.append(torch.arange(view.length, device=view.keys.device).expand(view.num_heads, -1))
+                reasons.append(torch.full(view.frame.shape, REASON_UNCOMPRESSED, dtype=torch.int8, device=view.keys.device))
+                continue
             if views[layer].length != views[anchor].length:
                 raise ValueError(f"layer {layer} holds {views[layer].length} tokens but its anchor {anchor} holds {views[anchor].length}")
             indices.append(chosen[anchor][0])
@@ -121,6 +164,7 @@ class CoRDS(Policy):
             "reason": reasons,
             "source_layer": source,
             "anchors": sorted(chosen),
+            "uncompressed_layers": [layer for layer, anchor in enumerate(source) if anchor is None],
             "pick_order": {anchor: picks for anchor, (_, _, picks) in chosen.items()},
         }
         return Selection(indices, info)
@@ -163,7 +207,7 @@ class CoRDS(Policy):
             fill = self._token_distance(keys, values, key_c, value_c, selected)
             scaled = fill / fill.max(dim=1, keepdim=True).values.clamp_min(1e-12)
             priority = priority + token_partial.double() * (1 + scaled.double())
-        chosen = top_k_sorted(priority, keep)
+        chosen = top_k_sorted(priority, keep, view.order)
         reason = torch.full((heads, length), REASON_FILL, dtype=torch.int8, device=device)
         reason[token_whole] = REASON_COVERAGE
         reason[recent] = REASON_RECENT

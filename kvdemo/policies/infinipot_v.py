@@ -10,23 +10,31 @@ compared with the recent frames' tokens at the same (i, j), and VaN is pooled ov
 Per layer and KV head (Algorithm 2, App. A.1):
 
 1. Recent window: the newest ``r = max(1, round(recent_ratio * f))`` frames, ``f = L / p`` the frames
-   held (in frame-equivalents of ``p`` tokens). Kept whole. If ``r`` whole frames do not fit in ``C``,
-   ``r`` shrinks to the whole frames that fit (at least the newest frame, then ranked by VaN).
-2. TaR (Eq. 4): ``s(t,i,j) = -(1/r) sum_t' cos(K(t,i,j), K(t',i,j))`` over recent frames ``t'``; a patch
-   with no recent counterpart has similarity 0. ``I = TopK(s, alpha*C - |recent|)`` (Eq. 5).
+   held (in frame-equivalents of ``p`` tokens). Kept whole (Eq. 5-6).
+2. TaR (Eq. 4): ``s(t,i,j) = -(1/r) sum_t' cos(K(t,i,j), K(t',i,j))`` over recent frames ``t'``.
+   ``I = TopK(s, alpha*C - |recent|)`` (Eq. 5, Alg. 2 line 11).
 3. VaN (Sec. 3.2): ``||V||_2``, average-pooled on the (frame, row, col) grid with a per-layer kernel
-   ``g(CV)`` in {7, 5, 3, 1} (CV = std/mean of the layer's VaN map); neighbours that were evicted are
-   left out of the average.
-4. Combination (Alg. 2 lines 24-25): TaR picks are forced to the top, the rest of ``C`` by pooled VaN.
+   ``g(CV)`` in {7, 5, 3, 1} (CV = std/mean of the layer's VaN map, Alg. 2 lines 18-22).
+4. Combination (Alg. 2 lines 24-25): TaR picks (recent window included) are forced to the top, the
+   rest of ``C`` by pooled VaN. ``alpha = 0`` is VaN only (no recent window), ``alpha = 1`` TaR only.
 
-``alpha = 0`` is VaN only (no recent window), ``alpha = 1`` is TaR only. When the recent window is larger
-than TaR's share ``alpha * C``, the window is still kept whole (the paper always retains recent frames)
-and TaR's share grows to cover it.
+kvdemo's own rules (the paper does not state them):
 
-CV thresholds: the paper's are model-specific and unpublished. With ``cv_thresholds=None`` the policy
-calibrates on its first pass: ``tau1 < tau2 < tau3`` are the 25/50/75% quantiles of that pass's per-layer
-CVs (:func:`calibrate_cv_thresholds`), so the smoothest quarter of layers pools with 7, the spikiest
-quarter not at all; the thresholds are then fixed for the rest of the stream.
+- the alignment by provenance above, and with it: the TaR sum is divided by the number of recent
+  frames that hold the patch (``r`` while they are whole), a patch no recent frame holds scores 0;
+- pooling averages only the neighbours that are held in the token's own frame: zero padding at the
+  grid's border and evicted neighbours are left out of the average (torch's ``avg_pool2d`` default,
+  and the authors' code, count the padding as zeros);
+- the CV thresholds: the paper's are model-specific and unpublished. With ``cv_thresholds=None`` the
+  policy calibrates on its first pass: ``tau1 < tau2 < tau3`` are the 25/50/75% quantiles of that pass's
+  per-layer CVs (:func:`calibrate_cv_thresholds`), so the smoothest quarter of layers pools with 7, the
+  spikiest quarter not at all; the thresholds are then fixed for the rest of the stream;
+- ``tar="frame"`` (Table 5's "TaR Frame", which the paper names but does not define): every past
+  token takes the mean of its frame's patch scores, so whole frames rank together;
+- ``r`` rounds ``recent_ratio * f`` to the nearest integer; when the window is larger than TaR's share
+  ``alpha * C`` it is still kept whole and TaR's share grows to cover it; when ``r`` whole frames do not
+  fit in ``C``, ``r`` shrinks to the whole frames that fit (at least the newest frame, whose tokens are
+  then ranked by pooled VaN).
 """
 
 from __future__ import annotations
@@ -92,7 +100,8 @@ def pool_on_grid(
     """Average ``score [H, L]`` over each token's ``kernel x kernel`` spatial neighbours in the same frame.
 
     ``rank [H, L]`` is the token's dense frame index per head, ``pos [H, L]`` its ``row * cols + col``.
-    Only neighbours that are held count (missing ones are neither zeros nor padding).
+    Only neighbours that are held count: evicted ones and the grid's zero padding are left out of the
+    average (kvdemo's choice; ``count_include_pad`` and the authors' code count padding as zeros).
     """
     if kernel <= 1:
         return score
@@ -153,9 +162,6 @@ class InfiniPotV(Policy):
                 raise BudgetError(f"cv_thresholds must be three increasing numbers, got {self.cv_thresholds}")
             self.cv_thresholds = thresholds
 
-    def params(self) -> dict:
-        return {k: v for k, v in super().params().items() if not k.startswith("_")}
-
     def thresholds_for(self, cvs: list[float]) -> tuple[float, float, float]:
         """The CV thresholds in force: given ones, else calibrated once from the first pass's ``cvs``."""
         if self.cv_thresholds is not None:
@@ -203,6 +209,7 @@ class InfiniPotV(Policy):
         heads = views[0].num_heads
         grid, per_frame = views[0].grid, views[0].tokens_per_frame
         frame = torch.cat([v.frame for v in views])
+        order = torch.cat([v.order for v in views])
         pos = torch.cat([v.row.long() * grid[1] + v.col.long() for v in views])
         recent, rank, _, recent_frames = recent_window(frame, per_frame, keep, self.recent_ratio)
 
@@ -219,8 +226,8 @@ class InfiniPotV(Policy):
             # Recent tokens rank above every past score (|score| <= 1); among themselves by VaN.
             key = torch.where(recent, 2.0 + 1e-3 * van01, score)
             share = torch.clamp(recent.sum(dim=1), max=keep).clamp_min(round(self.alpha * keep))
-            tar_pick = top_k_mask(key, share)
-        index = top_k_sorted(tar_pick.to(van01.dtype) * 4.0 + van01, keep)
+            tar_pick = top_k_mask(key, share, order)
+        index = top_k_sorted(tar_pick.to(van01.dtype) * 4.0 + van01, keep, order)
         reason = torch.full(recent.shape, REASON_VAN, dtype=torch.int8, device=van.device)
         reason[tar_pick] = REASON_TAR
         if self.alpha > 0:

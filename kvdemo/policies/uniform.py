@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import LayerView, Policy, Selection, frame_rank, register, top_k_sorted
+from .base import LayerView, Policy, Selection, frame_rank, register, top_k_mask, mask_to_indices
+
+REASON_FRAME, REASON_FILL = 0, 1
 
 
 @register
@@ -19,20 +21,28 @@ class UniformFrames(Policy):
 
     name = "uniform"
     summary = "Keep whole frames at regular intervals over the stream so far."
+    reason_names = {REASON_FRAME: "evenly spaced frame", REASON_FILL: "newest leftover tokens"}
 
     def compress(self, views: list[LayerView], keep: int) -> Selection:
-        return Selection([self._select(view, keep) for view in views])
+        indices, reasons = [], []
+        for view in views:
+            index, reason = self._select(view, keep)
+            indices.append(index)
+            reasons.append(reason)
+        return Selection(indices, {"reason": reasons})
 
     @staticmethod
-    def _select(view: LayerView, keep: int) -> torch.Tensor:
+    def _select(view: LayerView, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
         rank, frames_held = frame_rank(view.frame)  # [H, L], [H]
         k = keep // view.tokens_per_frame
-        recency = torch.arange(view.length, device=rank.device, dtype=torch.float64) / max(view.length, 1)
-        scores = recency.expand(view.num_heads, -1).clone()
+        is_chosen = torch.zeros_like(rank, dtype=torch.bool)
         if k > 0:
             steps = torch.arange(k, device=rank.device, dtype=torch.float64)
             last = (frames_held - 1).double()[:, None]
             chosen = (steps[None] * last / max(k - 1, 1)).round().long() if k > 1 else last.long()
             is_chosen = (rank[:, :, None] == chosen[:, None, :]).any(-1)
-            scores = scores + is_chosen.double() * 2.0
-        return top_k_sorted(scores, keep)
+        # Chosen frames first; the rest ranks by recency (ties in score go to the newer token).
+        mask = top_k_mask(is_chosen.double(), min(keep, view.length), view.order)
+        index = mask_to_indices(mask)
+        reason = torch.where(torch.gather(is_chosen, 1, index), REASON_FRAME, REASON_FILL).to(torch.int8)
+        return index, reason

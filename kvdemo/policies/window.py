@@ -6,18 +6,21 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import LayerView, Policy, Selection, register
+from .base import LayerView, Policy, Selection, register, top_k_sorted
+
+REASON_RECENT = 0
 
 
 @register
 @dataclass
 class SlidingWindow(Policy):
-    """The memory stores tokens in stream order, so the newest ``keep`` are the last ``keep`` of every head."""
+    """The newest ``keep`` tokens of every head by arrival order (the memory's slots are not in stream order)."""
 
     name = "sliding-window"
     summary = "Keep the newest C visual tokens; older ones are dropped."
+    reason_names = {REASON_RECENT: "newest C tokens"}
 
     def compress(self, views: list[LayerView], keep: int) -> Selection:
-        return Selection(
-            [torch.arange(v.length - keep, v.length, device=v.keys.device).expand(v.num_heads, -1).clone() for v in views]
-        )
+        indices = [top_k_sorted(view.order.double(), keep) for view in views]
+        reasons = [torch.full_like(index, REASON_RECENT, dtype=torch.int8) for index in indices]
+        return Selection(indices, {"reason": reasons})

@@ -1,0 +1,208 @@
+"""The attention seam: kvdemo's attention function and the transformers ``Cache`` over a :class:`KVMemory`.
+
+The function is registered with transformers' ``AttentionInterface`` under :data:`ATTENTION_NAME` and
+selected for the language model when a model loads (``attn_implementation={"text_config": "kvdemo", ...}``;
+the vision tower keeps ``sdpa``); no global monkey-patching. The model's forward receives the cache as
+the keyword argument ``kvdemo=cache``, which transformers hands to the attention function of every layer.
+
+transformers builds no mask for an implementation it does not know, so the function builds its own:
+every cached slot is visible, the new tokens attend causally among themselves (they always sit after the
+cache, see :mod:`kvdemo.memory`). On top of that it applies what the memory supplies per layer:
+
+- an additive key bias ``[H_kv, L]`` (ProtoKV's ``log n_k`` on pseudo-tokens, ``-inf`` on the padding of
+  ragged heads), broadcast to each KV head's group of query heads (GQA), on prefill chunks and on every
+  decode step;
+- while a question is answered, chunks retrieved from the memory's offload store (HybridKV's dynamic heads):
+  the forward's queries score each head's chunk mean keys, the top chunks within the head's budget come
+  back from host memory and are attended together with the cache under one softmax.
+
+With nothing supplied it is SDPA with that causal mask, equal to transformers' ``sdpa`` path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .memory import KVMemory
+
+ATTENTION_NAME = "kvdemo"
+#: ``attn_implementation`` for ``from_pretrained``/``_from_config``: our function in the language model.
+ATTN_IMPLEMENTATION = {"text_config": ATTENTION_NAME, "vision_config": "sdpa", "": "sdpa"}
+
+
+def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """``[q, kv]`` bool: query ``i`` (the ``i``-th of the last ``q`` slots) sees slots ``<= kv - q + i``."""
+    past = kv_len - q_len
+    return torch.arange(kv_len, device=device)[None] <= (past + torch.arange(q_len, device=device))[:, None]
+
+
+def kvdemo_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    kvdemo: "MemoryCache | None" = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``query [1, H_q, q, D]``, ``key/value [1, H_kv, kv, D]`` (the last ``q`` slots are the new tokens)
+    -> ``([1, q, H_q, D], None)`` as transformers' attention functions return."""
+    if query.shape[0] != 1:
+        raise ValueError("kvdemo's attention runs one stream at a time (batch 1)")
+    _, q_heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    past = kv_len - q_len
+    scale = scaling if scaling is not None else dim**-0.5
+    if kvdemo is not None and kvdemo.capture is not None:
+        kvdemo.capture[module.layer_idx] = query[0].detach().clone()
+    bias = kvdemo.key_bias(module.layer_idx, past) if kvdemo is not None else None
+    extra = kvdemo.retrieval(module.layer_idx, query[0], scale) if kvdemo is not None else None
+    if extra is not None:
+        return retrieval_attention(query, key, value, bias, extra, scale), None
+    if bias is None:
+        mask = causal_mask(q_len, kv_len, query.device) if q_len > 1 else None
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=q_heads != kv_heads)
+        return out.transpose(1, 2).contiguous(), None
+    # Group the query heads of each KV head as one batch entry, so the key bias [H_kv, L] broadcasts over the
+    # group: query [H_kv, group, q, D] against key/value [H_kv, 1, kv, D], mask [H_kv, 1, q, kv].
+    group = q_heads // kv_heads
+    grouped = query.reshape(kv_heads, group, q_len, dim)
+    mask = query.new_zeros(kv_heads, 1, q_len, kv_len)
+    mask[:, 0, :, :past] = bias[:, None, :].to(query.dtype)
+    if q_len > 1:
+        mask[:, 0, :, past:].masked_fill_(~causal_mask(q_len, q_len, query.device), float("-inf"))
+    out = F.scaled_dot_product_attention(
+        grouped, key[0].unsqueeze(1), value[0].unsqueeze(1), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.reshape(1, q_heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
+def retrieval_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor | None,
+    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """Attention over the cache plus retrieved chunks without concatenating them: the logits of both parts
+    under one softmax (float32). ``query [1, H_q, q, D]`` (the last ``q`` cache slots are these tokens,
+    causal among themselves), cache ``[1, H_kv, kv, D]`` with ``bias [H_kv, kv - q]`` (or None), ``extra``
+    keys/values ``[H_kv, R, D]`` and their bias ``[H_kv, R]`` -> ``[1, q, H_q, D]``."""
+    _, q_heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    past = kv_len - q_len
+    grouped = query.reshape(kv_heads, q_heads // kv_heads * q_len, dim).float()  # [H_kv, group * q, D]
+    extra_keys, extra_values, extra_bias = extra
+    cached = grouped @ key[0].float().transpose(1, 2) * scale  # [H_kv, group * q, kv]
+    if bias is not None:
+        cached[:, :, :past] += bias[:, None, :].float()
+    if q_len > 1:
+        hidden = ~causal_mask(q_len, q_len, query.device).repeat(q_heads // kv_heads, 1)  # rows: (group, q)
+        cached[:, :, past:] = cached[:, :, past:].masked_fill(hidden, float("-inf"))
+    fetched = grouped @ extra_keys.float().transpose(1, 2) * scale + extra_bias[:, None, :].float()
+    weights = torch.softmax(torch.cat([cached, fetched], dim=-1), dim=-1)
+    out = weights[..., :kv_len] @ value[0].float() + weights[..., kv_len:] @ extra_values.float()
+    return out.to(query.dtype).reshape(1, q_heads, q_len, dim).transpose(1, 2).contiguous()
+
+
+def register() -> None:
+    """Make :data:`ATTENTION_NAME` known to transformers (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, kvdemo_attention)
+
+
+register()
+
+
+class MemoryLayer(CacheLayerMixin):
+    """One layer of :class:`MemoryCache`: writes new keys/values into the memory's slack in place and returns
+    views of everything written so far (the memory's live part, then this forward's tokens)."""
+
+    is_sliding = False
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(self, memory: KVMemory, layer: int) -> None:
+        super().__init__()
+        self.memory, self.layer = memory, layer
+        self.end = memory.live_len(layer) if layer < len(memory.layers) else 0
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.memory._ensure_layer(self.layer, key_states)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.memory._ensure_layer(self.layer, key_states)
+        n = key_states.shape[-2]
+        self.memory._reserve(self.layer, self.end + n)
+        store = self.memory.layers[self.layer]
+        store.keys[:, :, self.end : self.end + n] = key_states
+        store.values[:, :, self.end : self.end + n] = value_states
+        self.end += n
+        return store.keys[:, :, : self.end], store.values[:, :, : self.end]
+
+    def _store(self):
+        return self.memory.layers[self.layer] if self.layer < len(self.memory.layers) else None
+
+    # transformers reads ``layer.keys`` (lengths, devices); CacheLayerMixin.__init__ assigns None to them.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        store = self._store()
+        return None if store is None else store.keys[:, :, : self.end]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        pass
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        store = self._store()
+        return None if store is None else store.values[:, :, : self.end]
+
+    @values.setter
+    def values(self, value) -> None:
+        pass
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.end + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.end
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class MemoryCache(Cache):
+    """A transformers ``Cache`` over a :class:`KVMemory`'s live part (see :meth:`KVMemory.cache`).
+
+    ``answering`` (set by the engine while it answers a question: the question's prefill and every decode
+    step) turns on retrieval from the memory's offload stores; ``capture`` (a dict) makes the attention
+    function record each layer's queries ``[H_q, q, D]`` (post-RoPE), which is how a probe text is read.
+    """
+
+    def __init__(self, memory: KVMemory) -> None:
+        super().__init__(layers=[MemoryLayer(memory, layer) for layer in range(memory.num_layers)])
+        self.memory = memory
+        self.answering = False
+        self.capture: dict[int, torch.Tensor] | None = None
+
+    def retrieval(self, layer: int, query: torch.Tensor, scale: float):
+        """Keys/values/bias the forward of ``query [H_q, q, D]`` brings back from ``layer``'s offload store,
+        or None (not answering, or nothing offloaded)."""
+        if not self.answering or layer >= len(self.memory.layers):
+            return None
+        store = self.memory.layers[layer].offload
+        return None if store is None else store.fetch(query, scale)
+
+    def key_bias(self, layer: int, past: int) -> torch.Tensor | None:
+        """The memory's additive key bias ``[H_kv, past]`` over the first ``past`` slots of ``layer``, or None."""
+        if layer >= len(self.memory.layers):
+            return None
+        bias = self.memory.layers[layer].bias
+        return None if bias is None else bias[:, :past]

@@ -1,0 +1,243 @@
+"""``hybridkv``: HybridKV (paper 004) adapted to a stream: heads classified static or dynamic by text-centric
+attention sparsity, top-down ragged budgets, text-prior pruning for static heads, and chunk-wise retrieval
+from an offload store for dynamic heads at every decode step.
+
+The paper compresses once, at prefill, with the user's prompt present. kvdemo's streaming protocol:
+
+- **Probe** (kvdemo's). Each compression runs :attr:`HybridKV.probe_text` ("What happens in the video?") as a
+  user turn after the memory, uncommitted, and reads every layer's queries (the engine does this; the
+  policy sees them as ``LayerView.probe``). The system prompt is not a probe: its queries were computed
+  before any frame and never attended to the video.
+- **Classification (Sec. 3.1, Eq. 2-3).** Per layer, the probe's queries attend over the visual tokens
+  (softmax over the visual context only: the prefix's attention sinks would otherwise dominate every row);
+  each text row keeps its top-``k`` mass, ``k = ceil(top_k * L)`` (kvdemo's ``top_k = 0.05``, after the
+  paper's cumulative-focus study with ``k = 0.05 C``); rows are averaged into ``S_(l,h)``. Under GQA a KV
+  head's score is the mean over the query heads of its group (kvdemo's). Heads with ``S > cutoff`` are
+  static, the others dynamic; ``cutoff`` is the ``theta``-quantile of all heads' scores (``cutoff=quantile``,
+  the issue's reading of the paper's "quantile-based cutoff") or ``theta`` itself (``cutoff=score``, the
+  reading of the paper's App. D). Re-classified at every compression.
+- **Top-down budgets (Sec. 3.2, Eq. 4-5).** ``M``/``C`` bound each layer's visual tokens averaged over its KV
+  heads, so a compression gives a layer ``C * H_kv`` in all: ``B_dyn = r * C * N_dyn`` shared uniformly by
+  dynamic heads, ``B_stat`` the rest, each static head ``alpha * B_stat / N_stat + (1 - alpha) * B_stat *
+  S_h / sum S`` (kvdemo's ``alpha = 0.5``; the paper gives none). A head cannot keep more than it holds: the
+  excess goes to the other heads of the layer in proportion to their room (kvdemo's), so budgets always sum
+  to the total. Budgets are not padded to powers of two: that is a CUDA-kernel constraint of the paper's
+  implementation, and kvdemo's attention masks padding instead.
+- **Static heads (Sec. 3.3, App. A).** Text-prior pruning: the probe rows' attention summed per visual token
+  (SnapKV-style), averaged over each token's held spatial neighbours (kernel ``pool_kernel``, kvdemo's 3),
+  after the newest ``local_ratio`` of the head's budget (the paper's "local" tokens; kvdemo's 0.125).
+- **Dynamic heads (App. A).** They keep their newest tokens resident (what new chunks' prefill attends to,
+  kvdemo's streaming choice) and move the rest to the memory's offload store in chunks of ``chunk`` tokens
+  with a resident mean-key index. While a question is answered (its prefill, kvdemo's addition: the
+  paper's prefill saw the whole context, and every decode step), inside the attention function, each
+  dynamic head scores its chunks with the forward's query and attends to its top chunks, up to its
+  budget, together with its resident tokens (:mod:`kvdemo.attention`). New chunks' prefill during the
+  stream attends to the resident tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .base import BudgetError, LayerView, OffloadUpdate, Policy, Selection, frame_rank, register, top_k_mask
+from .infinipot_v import pool_on_grid
+
+REASON_LOCAL, REASON_SALIENT, REASON_RESIDENT = 0, 1, 2
+REASON_NAMES = {REASON_LOCAL: "static: local (newest)", REASON_SALIENT: "static: text-prior salient",
+                REASON_RESIDENT: "dynamic: resident (newest)"}
+CUTOFFS = ("quantile", "score")
+
+
+def capped_allocation(desired: torch.Tensor, cap: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Integer budgets ``[R, H]`` near ``desired`` (float ``[R, H]``), each ``<= cap [R, H]``, summing to
+    ``total [R]`` per row (``<= cap`` summed): clamp, give the shortfall to heads with room in proportion to
+    their room, then hand out the rounding remainder one token at a time by largest fraction."""
+    alloc = torch.minimum(desired.clamp_min(0), cap.double())
+    room = cap.double() - alloc
+    short = (total.double() - alloc.sum(dim=1)).clamp_min(0)
+    alloc = alloc + room * (short / room.sum(dim=1).clamp_min(1e-12))[:, None]
+    base = torch.minimum(alloc.floor(), cap.double())
+    remainder = (total.double() - base.sum(dim=1)).round().long()  # < H per row
+    fraction = torch.where(base < cap, alloc - base, torch.full_like(alloc, -1.0))
+    extra = top_k_mask(fraction, remainder.clamp_min(0))
+    return (base.long() + extra.long()).clamp(max=cap)
+
+
+@register
+@dataclass
+class HybridKV(Policy):
+    """Static heads pruned by text-prior attention, dynamic heads retrieving chunks at decode time."""
+
+    name = "hybridkv"
+    needs_probe = True
+    reason_names = REASON_NAMES
+    choices = {"cutoff": CUTOFFS}
+    summary = "Heads classified static/dynamic by text-centric sparsity; static heads pruned, dynamic heads retrieve chunks while decoding."
+    #: The proxy instruction each compression probes the memory with (see the module docstring).
+    probe_text: ClassVar[str] = "What happens in the video?"
+    help = {
+        "theta": "classification cutoff: heads with sparsity above it are static (a quantile, or a score; see cutoff)",
+        "cutoff": "quantile: theta is a quantile of all heads' scores; score: theta is the score itself",
+        "share": "r: each dynamic head gets r x C (the rest goes to static heads)",
+        "alpha": "static heads: share of their budget split evenly (the rest in proportion to sparsity)",
+        "top_k": "fraction of the visual tokens whose attention mass makes a row's sparsity",
+        "local_ratio": "static heads: share of their budget kept for the newest tokens",
+        "pool_kernel": "static heads: spatial pooling kernel of the text-prior scores (1 = none)",
+        "chunk": "dynamic heads: tokens per offloaded chunk (one mean key each)",
+    }
+
+    theta: float = 0.9
+    cutoff: str = "quantile"
+    share: float = 0.75
+    alpha: float = 0.5
+    top_k: float = 0.05
+    local_ratio: float = 0.125
+    pool_kernel: int = 3
+    chunk: int = 8
+    _last: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.cutoff not in CUTOFFS:
+            raise BudgetError(f"cutoff must be one of {', '.join(CUTOFFS)}, got {self.cutoff!r}")
+        for name in ("theta", "alpha", "top_k", "local_ratio"):
+            if not 0.0 <= float(getattr(self, name)) <= 1.0:
+                raise BudgetError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.share < 0 or self.chunk < 1 or self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise BudgetError("share must be >= 0, chunk >= 1 and pool_kernel an odd number >= 1")
+
+    def compress(self, views: list[LayerView], keep: int) -> Selection:
+        if any(view.probe is None for view in views):
+            raise BudgetError("HybridKV needs probe queries in its views (use StreamEngine, which runs the probe)")
+        scores, priors = zip(*(self.text_centric(view) for view in views))
+        sparsity = torch.stack(scores)  # [layers, H]
+        static = sparsity > self.threshold(sparsity)
+        held = torch.stack([valid_counts(view) for view in views])  # [layers, H]
+        budgets = self.budgets(sparsity, static, held, keep)
+        indices, valids, offloads, reasons = [], [], [], []
+        for layer, view in enumerate(views):
+            index, valid, reason, offload = self.select(view, priors[layer], static[layer], budgets[layer])
+            indices.append(index)
+            valids.append(valid)
+            reasons.append(reason)
+            offloads.append(offload)
+        self._last = {
+            "static": static.cpu(),
+            "sparsity": sparsity.float().cpu(),
+            "budget": budgets.cpu(),
+            "cutoff": float(self.threshold(sparsity)),
+        }
+        info = {"reason": reasons, "static": static, "budget": budgets, "sparsity": sparsity}
+        return Selection(indices, info, valid=valids, offload=offloads)
+
+    # --- Sec. 3.1 ---------------------------------------------------------------------------
+    def text_centric(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eq. 2-3 for one layer: sparsity ``S [H]`` and the static-head prior ``[H, L]`` (the probe rows'
+        attention summed per token, spatially pooled)."""
+        heads, length, dim = view.keys.shape
+        probe = view.probe.to(view.keys.device)
+        rows = probe.reshape(heads, -1, dim)  # query heads of a group stacked: [H, group * T, D]
+        logits = (rows.float() @ view.keys.float().transpose(1, 2)) * dim**-0.5  # [H, rows, L]
+        if view.valid is not None:
+            logits = logits.masked_fill(~view.valid[:, None, :], float("-inf"))
+        attention = torch.softmax(logits, dim=-1)
+        held = valid_counts(view)
+        k = max(1, int(torch.ceil(self.top_k * held.max().float())))
+        sparsity = torch.topk(attention, min(k, length), dim=-1).values.sum(-1).mean(-1)  # [H]
+        prior = attention.sum(dim=1)  # [H, L]
+        if self.pool_kernel > 1:
+            rank, _ = frame_rank(view.frame)
+            pos = view.row.long() * view.grid[1] + view.col.long()
+            prior = pool_on_grid(prior, rank, pos, view.grid, self.pool_kernel)
+        return sparsity, prior
+
+    def threshold(self, sparsity: torch.Tensor) -> torch.Tensor:
+        """The static/dynamic cutoff over all heads' scores ``[layers, H]``."""
+        if self.cutoff == "score":
+            return torch.tensor(self.theta)
+        return torch.quantile(sparsity.double().flatten(), self.theta).to(sparsity.dtype)
+
+    # --- Sec. 3.2 ---------------------------------------------------------------------------
+    def budgets(self, sparsity: torch.Tensor, static: torch.Tensor, held: torch.Tensor, keep: int) -> torch.Tensor:
+        """Eq. 4-5 per layer: integer budgets ``[layers, H]`` summing to ``keep * H`` (capped by what each
+        head holds, see :func:`capped_allocation`)."""
+        layers, heads = sparsity.shape
+        total = torch.full((layers,), keep * heads, dtype=torch.long)
+        n_dyn = (~static).sum(dim=1, keepdim=True).double()
+        n_stat = static.sum(dim=1, keepdim=True).double()
+        b_dyn = torch.floor(self.share * keep * n_dyn)  # [layers, 1]
+        b_stat = (keep * heads - b_dyn).clamp_min(0)
+        score = torch.where(static, sparsity.double(), 0.0)
+        weight = score / score.sum(dim=1, keepdim=True).clamp_min(1e-12)  # L1-normalised over static heads
+        static_budget = self.alpha * b_stat / n_stat.clamp_min(1) + (1 - self.alpha) * b_stat * weight
+        dynamic_budget = (b_dyn / n_dyn.clamp_min(1)).expand(-1, heads)
+        desired = torch.where(static, static_budget, dynamic_budget)  # Eq. 4-5 floor; the remainder goes by fraction
+        return capped_allocation(desired, held.cpu(), total)
+
+    # --- Sec. 3.3 ---------------------------------------------------------------------------
+    def select(
+        self, view: LayerView, prior: torch.Tensor, static: torch.Tensor, budget: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, OffloadUpdate]:
+        """One layer: kept indices ``[H, max b]`` (+ valid mask, reasons) and the dynamic heads' offload."""
+        heads, length = view.frame.shape
+        device = view.keys.device
+        budget, static = budget.to(device), static.to(device)
+        valid = view.valid if view.valid is not None else torch.ones(heads, length, dtype=torch.bool, device=device)
+        order = torch.where(valid, view.order, -1)  # padding is older than anything
+        newest_rank = torch.argsort(torch.argsort(order, dim=1, descending=True), dim=1)  # 0 = newest
+        local = newest_rank < torch.ceil(self.local_ratio * budget.double()).long()[:, None]
+        lo, hi = prior.min(dim=1, keepdim=True).values, prior.max(dim=1, keepdim=True).values
+        salience = (prior - lo) / (hi - lo).clamp_min(1e-12)  # [0, 1]
+        recency = 1.0 - newest_rank.double() / max(length, 1)
+        # static: local first, then salient; dynamic: newest first. Padding last.
+        priority = torch.where(static[:, None], local.double() * 2 + salience.double(), recency)
+        priority = priority.masked_fill(~valid, -1.0)
+        kept = top_k_mask(priority, budget, view.order)
+        width = int(budget.max()) if heads else 0
+        index = torch.sort(torch.where(kept, torch.arange(length, device=device), length), dim=1).values[:, :width]
+        index_valid = index < length
+        index = index.masked_fill(~index_valid, 0)
+        reason = torch.where(static[:, None], torch.where(torch.gather(local, 1, index), REASON_LOCAL, REASON_SALIENT), REASON_RESIDENT)
+        # Dynamic heads offload what they evict (arrival order); static heads drop it.
+        evicted = valid & ~kept & ~static[:, None]
+        count = evicted.sum(dim=1)
+        arrival = torch.where(evicted, view.order, torch.iinfo(torch.int64).max)
+        tokens = torch.argsort(arrival, dim=1)[:, : int(count.max()) if heads else 0]
+        token_valid = torch.arange(tokens.shape[1], device=device)[None] < count[:, None]
+        retrieve = torch.where(static, 0, budget)
+        offload = OffloadUpdate(tokens=tokens, valid=token_valid, retrieve=retrieve, chunk=self.chunk)
+        return index, index_valid, reason.to(torch.int8), offload
+
+    # --- what it shows ----------------------------------------------------------------------
+    #: The views this policy declares (drawn by :mod:`kvdemo.viz`).
+    panels = ("head types",)
+
+    def head_types(self) -> dict[str, Any] | None:
+        """The last pass's classification as plain data: ``static [layers, H]`` bool, ``budget`` and
+        ``sparsity`` ``[layers, H]``, and the cutoff (None before the first compression)."""
+        if not self._last:
+            return None
+        return {key: (value.numpy() if isinstance(value, torch.Tensor) else value) for key, value in self._last.items()}
+
+    def report(self) -> dict[str, Any]:
+        if not self._last:
+            return {"classified": False}
+        static, budget = self._last["static"], self._last["budget"]
+        return {
+            "classified": True,
+            "cutoff": self._last["cutoff"],
+            "static_heads": int(static.sum()),
+            "dynamic_heads": int((~static).sum()),
+            "head_class": [["static" if s else "dynamic" for s in row] for row in static.tolist()],
+            "budget": budget.tolist(),
+            "sparsity": [[round(x, 4) for x in row] for row in self._last["sparsity"].tolist()],
+        }
+
+
+def valid_counts(view: LayerView) -> torch.Tensor:
+    """Tokens each head of a view holds ``[H]``."""
+    if view.valid is None:
+        return torch.full((view.num_heads,), view.length, dtype=torch.long, device=view.keys.device)
+    return view.valid.sum(dim=1)

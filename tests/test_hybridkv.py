@@ -1,0 +1,163 @@
+"""HybridKV (paper 004) in the stream: classification by text-centric sparsity (restated by hand), ragged
+budgets that sum to the total and show in real bytes, static pruning, the offload store and retrieval
+inside attention, and answers equal to the full cache when budgets cover every token."""
+
+import math
+
+import pytest
+import torch
+
+from kvdemo.engine import StreamEngine, stream_video
+from kvdemo.memory import OffloadStore
+from kvdemo.policies import LayerView, make_policy
+from kvdemo.policies.hybridkv import capped_allocation
+
+
+def hand_view(heads=2, frames=3, rows=2, cols=2, dim=4, probe=None, keys=None):
+    per = rows * cols
+    length = frames * per
+    token = torch.arange(length)
+    prov = lambda x: x.int().expand(heads, -1).contiguous()  # noqa: E731
+    keys = keys if keys is not None else torch.randn(heads, length, dim, generator=torch.Generator().manual_seed(0))
+    return LayerView(
+        layer=0, num_layers=1, keys=keys, values=torch.randn(heads, length, dim), frame=prov(token // per),
+        row=prov((token % per) // cols), col=prov(token % cols), grid=(rows, cols), newest_frame=frames - 1,
+        probe=probe,
+    )
+
+
+def test_sparsity_is_the_mean_top_k_mass_of_each_text_row_over_the_group():
+    """Eq. 2-3 restated: rows of the probe (both query heads of a KV head's group) attend over the visual
+    tokens; each row keeps its top-k mass; the KV head's score is the mean over its rows."""
+    g = torch.Generator().manual_seed(1)
+    view = hand_view(heads=2, probe=torch.randn(4, 3, 4, generator=g), keys=torch.randn(2, 12, 4, generator=g))
+    policy = make_policy("hybridkv", top_k=0.25, pool_kernel=1)  # k = ceil(0.25 * 12) = 3
+    sparsity, prior = policy.text_centric(view)
+    for head in range(2):
+        rows = []
+        for q in (2 * head, 2 * head + 1):  # query heads 2h and 2h+1 read KV head h
+            for t in range(3):
+                logits = [float(view.probe[q, t] @ view.keys[head, j]) / 2.0 for j in range(12)]  # 1/sqrt(4)
+                top = max(logits)
+                weights = [math.exp(x - top) for x in logits]
+                total = sum(weights)
+                rows.append(sum(sorted((w / total for w in weights), reverse=True)[:3]))
+        assert float(sparsity[head]) == pytest.approx(sum(rows) / len(rows), abs=1e-5)
+        assert float(prior[head].sum()) == pytest.approx(6.0, abs=1e-4)  # 6 rows, each summing to 1
+
+
+def test_classification_by_quantile_and_by_score():
+    policy = make_policy("hybridkv", theta=0.75)
+    sparsity = torch.tensor([[0.5, 0.9], [0.7, 0.95]])
+    q = torch.quantile(sparsity.double().flatten(), 0.75)
+    assert torch.equal(sparsity > policy.threshold(sparsity), sparsity > q)
+    assert int((sparsity > policy.threshold(sparsity)).sum()) == 1  # the top quarter of 4 heads
+    by_score = make_policy("hybridkv", theta=0.75, cutoff="score")
+    assert (sparsity > by_score.threshold(sparsity)).tolist() == [[False, True], [False, True]]
+
+
+def test_top_down_budgets_follow_eq_4_and_5_and_sum_to_the_total():
+    policy = make_policy("hybridkv", share=0.75, alpha=0.5)
+    sparsity = torch.tensor([[0.2, 0.9, 0.6, 0.3]])
+    static = torch.tensor([[False, True, True, False]])
+    held = torch.full((1, 4), 1000)
+    budgets = policy.budgets(sparsity, static, held, keep=100)
+    # B_dyn = floor(0.75 * 100 * 2) = 150 -> 75 each; B_stat = 400 - 150 = 250:
+    # static h: 0.5 * 250 / 2 + 0.5 * 250 * S_h / (0.9 + 0.6) -> 125 + 75 = 137.5 -> 137 ... and 62.5 + 50 = 112.5 -> 112
+    assert budgets.tolist()[0][0] == 75 and budgets.tolist()[0][3] == 75
+    assert int(budgets.sum()) == 400
+    assert budgets.tolist()[0][1] in (137, 138) and budgets.tolist()[0][2] in (112, 113)
+
+
+def test_a_head_never_gets_more_than_it_holds_and_the_excess_moves_to_heads_with_room():
+    alloc = capped_allocation(torch.tensor([[300.0, 50.0, 50.0]], dtype=torch.float64), torch.tensor([[120, 200, 100]]),
+                              torch.tensor([400]))
+    # 300 capped at 120: the 180 short goes to heads 1 and 2 in proportion to their room (150 : 50)
+    assert alloc.tolist() == [[120, 185, 95]] and int(alloc.sum()) == 400
+
+
+def test_offload_store_retrieves_the_chunks_whose_mean_keys_score_highest():
+    store = OffloadStore.empty(heads=2, dim=4, chunk=2, dtype=torch.float32, device=torch.device("cpu"))
+    keys = torch.zeros(2, 8, 4)
+    for c, direction in enumerate([0, 1, 2, 3]):  # head 0: chunk c points along axis c
+        keys[0, 2 * c : 2 * c + 2, direction] = 1.0
+    keys[1] = -keys[0]
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    prov = {name: torch.arange(8).expand(2, -1) for name in ("frame", "row", "col", "order")}
+    store.add(keys, 10 * keys, valid, prov)
+    assert store.count.tolist() == [4, 4] and store.nbytes == 2 * 4 * 2 * 2 * 4 * 4
+    torch.testing.assert_close(store.mean_keys[0, 2], torch.tensor([0.0, 0, 1, 0]))
+    store.retrieve = torch.tensor([4, 2])  # head 0: 2 chunks, head 1: 1 chunk
+    query = torch.zeros(4, 1, 4)  # two query heads per KV head
+    query[0, 0] = torch.tensor([0.0, 0.0, 3.0, 1.0])  # head 0 prefers chunk 2, then chunk 3
+    query[1, 0] = torch.tensor([0.0, 0.0, 1.0, 0.5])
+    query[2, 0] = torch.tensor([-1.0, 0.0, 0.0, 0.0])  # head 1 (keys negated) prefers chunk 0
+    k, v, bias = store.fetch(query, scale=1.0)
+    assert store.retrieved[0].tolist() == [False, False, True, True]
+    assert store.retrieved[1].tolist() == [True, False, False, False]
+    assert k.shape == (2, 4, 4) and torch.isinf(bias[1, 2:]).all() and (bias[0] == 0).all()
+    torch.testing.assert_close(v[0, :2], 10 * keys[0, 4:6])
+
+
+def test_ragged_budgets_are_real_bytes_and_the_memory_survives_a_question(tiny, pancake):
+    engine = StreamEngine(tiny, "hybridkv", budget=540, keep=405, fps=pancake.fps, max_new_tokens=6)
+    list(stream_video(tiny, pancake, {"p": engine}))
+    memory = engine.memory
+    budgets = engine.last_selection_info["budget"]
+    assert (budgets.sum(dim=1) == 405 * tiny.num_kv_heads).all()
+    # every head holds its budget plus the chunk that arrived after the last compression
+    for layer in range(tiny.num_layers):
+        assert memory.head_counts(layer).tolist() == (budgets[layer] + 135).tolist()
+    assert max(e.visual_tokens for e in memory.timeline) <= 540
+    per_head_token = 2 * tiny.head_dim * 4
+    resident = int((budgets + 135).sum()) * per_head_token
+    assert memory.nbytes - memory.padding_bytes == resident + sum(
+        2 * memory.visual_start * tiny.num_kv_heads * tiny.head_dim * 4 for _ in range(tiny.num_layers))
+    assert memory.offloaded_bytes > 0 and memory.timeline[-1].offloaded_bytes == memory.offloaded_bytes
+    stores = [s.offload for s in memory.layers]
+    before = [t.clone() for t in memory.keys + memory.values] + [s.keys.clone() for s in stores if s is not None]
+    engine.answer("What is in the pan?")
+    after = memory.keys + memory.values + [s.keys for s in stores if s is not None]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    assert any(bool(s.retrieved.any()) for s in stores if s is not None)  # dynamic heads retrieved while answering
+    report = engine.report()
+    assert report["largest_head_tokens"] >= report["timeline"][-1]["visual_tokens"]
+    assert report["policy_state"]["static_heads"] + report["policy_state"]["dynamic_heads"] == 8
+
+
+def test_with_budgets_covering_every_token_answers_equal_the_full_cache(tiny, pancake):
+    """Every head dynamic (score cutoff 1.0) and one compression whose retrieval budget covers everything
+    offloaded: each answering forward attends to exactly the full cache's tokens."""
+    policy = make_policy("hybridkv", theta=1.0, cutoff="score")
+    hybrid = StreamEngine(tiny, policy, budget=1215, keep=675, fps=pancake.fps, max_new_tokens=10)
+    full = StreamEngine(tiny, "full", fps=pancake.fps, max_new_tokens=10)
+    list(stream_video(tiny, pancake, {"h": hybrid, "f": full}))
+    assert hybrid.stats.compressions == 1 and hybrid.memory.offloaded_bytes > 0
+    a, b = hybrid.answer("What is cooking?"), full.answer("What is cooking?")
+    assert a.answer == b.answer and a.tokens == b.tokens
+
+
+def test_static_heads_keep_local_then_salient_tokens():
+    """A head whose probe attends to tokens 1 and 6 keeps the newest (local) token, then those."""
+    keys = torch.zeros(1, 12, 4)
+    keys[0, 1, 0] = keys[0, 6, 0] = 8.0
+    view = hand_view(heads=1, keys=keys, probe=torch.tensor([[[1.0, 0, 0, 0]]]))
+    policy = make_policy("hybridkv", pool_kernel=1, local_ratio=0.34)  # ceil(0.34 * 3) = 2 local tokens
+    _, prior = policy.text_centric(view)
+    index, valid, reason, offload = policy.select(view, prior, torch.tensor([True]), torch.tensor([3]))
+    assert sorted(index[0].tolist()) == [6, 10, 11] or sorted(index[0].tolist()) == [1, 10, 11]
+    assert int(offload.valid.sum()) == 0 and int(offload.retrieve[0]) == 0  # static heads drop, never retrieve
+    index, valid, reason, offload = policy.select(view, prior, torch.tensor([False]), torch.tensor([3]))
+    assert index[0].tolist() == [9, 10, 11]  # a dynamic head keeps its newest tokens resident
+    assert offload.tokens[0].tolist() == list(range(9)) and int(offload.retrieve[0]) == 3
+
+
+def test_hybridkv_on_a_long_stream_stays_within_m(tiny):
+    from kvdemo.video import synthetic_video
+
+    video = synthetic_video(num_frames=80, height=112, width=168, fps=2.0, seed=4)
+    engine = StreamEngine(tiny, "hybridkv", budget=96, keep=48, fps=2.0, max_new_tokens=4)
+    list(stream_video(tiny, video, {"p": engine}))
+    assert max(e.visual_tokens for e in engine.memory.timeline) <= 96
+    assert engine.stats.compressions >= 10
+    assert engine.answer("What moved?").tokens >= 1

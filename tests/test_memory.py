@@ -1,0 +1,212 @@
+"""The KV memory at the physical limit: preallocated buffers written in place, compaction that moves only
+the kept tokens beyond slot C, provenance that moves with them, the slack that answers questions, ragged
+heads. Expected states are restated with plain Python over token ids, independently of the memory code."""
+
+import copy
+
+import pytest
+import torch
+
+from kvdemo.bench import synthetic_chunk, synthetic_memory
+from kvdemo.engine import StreamEngine, stream_video
+from kvdemo.memory import REASON_NEW, KVMemory
+from kvdemo.models.base import mrope_positions
+from kvdemo.policies import Selection
+from kvdemo.policies.base import SummaryUpdate
+
+GRID = (2, 3)  # 6 tokens per temporal grid, non-square
+
+
+def small_memory(grids: int = 4, heads: int = 2, dim: int = 8, layers: int = 2, capacity: int = 30, dtype=torch.float32):
+    """A memory whose key for token ``t`` of head ``h`` in layer ``l`` is ``(t, h, l, 0, ...)`` (values the
+    negative), so every slot says which token it holds (exact in bfloat16 too)."""
+    memory = KVMemory(layers, heads, visual_capacity=capacity)
+    cache = memory.cache()
+    for layer in cache.layers:
+        layer.update(torch.full((1, heads, 3, dim), -7.0, dtype=dtype), torch.full((1, heads, 3, dim), 7.0, dtype=dtype))
+    memory.commit_prefix(cache, 3)
+    for g in range(grids):
+        append_grid(memory, g, dim, dtype)
+    return memory
+
+
+def token_kv(memory: KVMemory, layer: int, first: int, n: int, dim: int, dtype):
+    heads = memory.num_kv_heads
+    keys = torch.zeros(1, heads, n, dim, dtype=torch.float64)
+    keys[..., 0] = torch.arange(first, first + n, dtype=torch.float64)
+    keys[..., 1] = torch.arange(heads, dtype=torch.float64)[:, None]
+    keys[..., 2] = layer
+    return keys.to(dtype), (-keys).to(dtype)
+
+
+def append_grid(memory: KVMemory, g: int, dim: int = 8, dtype=torch.float32):
+    chunk = synthetic_chunk(g, 1, GRID)
+    cache = memory.cache()
+    for index, layer in enumerate(cache.layers):
+        layer.update(*token_kv(memory, index, memory.tokens_seen, chunk.num_tokens, dim, dtype))
+    memory.commit_append(chunk, mrope_positions(chunk.grid, chunk.row, chunk.col, memory.prefix_len, 1.0, 2.0))
+
+
+def held_tokens(memory: KVMemory, layer: int, head: int) -> list[int]:
+    """Token ids (arrival order) a head holds, read from its keys (the fill value minus the offsets)."""
+    p = memory.visual_start
+    keys = memory.keys[layer][0, head, p:].double()
+    assert (keys[:, 1] == head).all() and (keys[:, 2] == layer).all()
+    ids = keys[:, 0].round().long()
+    valid = memory.valid[layer]
+    if valid is not None:
+        ids = ids[valid[head]]
+    return sorted(ids.tolist())
+
+
+def test_appends_write_in_place_and_copy_only_the_chunk():
+    memory = small_memory(grids=1)
+    buffers = [store.keys.data_ptr() for store in memory.layers]
+    event = None
+    for g in range(1, 4):
+        append_grid(memory, g)
+        event = memory.record("append", 2 * (g + 1), float(g), 0.0, 6 * memory.token_bytes())
+    assert [store.keys.data_ptr() for store in memory.layers] == buffers  # no reallocation, no concatenation
+    assert event.moved_bytes == 6 * 2 * 2 * 8 * 4 * 2  # 6 tokens x K and V x 2 heads x 8 dims x 4 bytes x 2 layers
+    assert memory.visual_tokens == 24 and held_tokens(memory, 1, 1) == list(range(24))
+    assert memory.nbytes == sum(t.numel() * t.element_size() for t in memory.keys + memory.values)
+    assert memory.allocated_bytes > memory.nbytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compaction_keeps_exactly_the_selection_and_moves_only_tokens_beyond_c(dtype):
+    memory = small_memory(grids=4, dtype=dtype)  # 24 tokens, ids 0..23
+    prefix_before = [k[:, :, :3].clone() for k in memory.keys]
+    # Layer 0 keeps per head a different set; layer 1 keeps the first 10 (nothing to move).
+    keep0 = torch.tensor([[0, 2, 5, 11, 12, 13, 19, 20, 22, 23], [1, 3, 4, 6, 7, 8, 9, 10, 14, 15]])
+    keep1 = torch.arange(10).expand(2, -1)
+    reasons = [torch.full((2, 10), 3, dtype=torch.int8), torch.full((2, 10), 4, dtype=torch.int8)]
+    moved = memory.apply(Selection([keep0, keep1], {"reason": reasons}))
+    for head in range(2):
+        assert held_tokens(memory, 0, head) == keep0[head].tolist()
+        assert held_tokens(memory, 1, head) == list(range(10))
+    # Plain restatement of the move count: kept tokens at slots >= C=10 in each head.
+    movers = sum(int((keep0[h] >= 10).sum()) for h in range(2))
+    token = 2 * 8 * torch.tensor([], dtype=dtype).element_size()  # K and V of one head
+    assert moved == movers * token
+    # Provenance moved with the keys: the frame of every slot is its token's grid, and reasons landed.
+    p = memory.visual_start
+    ids = memory.keys[0][0, :, p:, 0].double().round().long()
+    assert torch.equal(memory.frame[0].long(), ids // 6)
+    assert torch.equal(memory.row[0].long(), (ids % 6) // 3) and torch.equal(memory.col[0].long(), ids % 3)
+    assert torch.equal(memory.order[0], ids)
+    assert (memory.reason[0] == 3).all() and (memory.reason[1] == 4).all()
+    assert all(torch.equal(a, b[:, :, :3]) for a, b in zip(prefix_before, memory.keys))
+    # The slots are no longer in stream order (token 22 sits below token 11 in head 0).
+    assert not bool((memory.order[0][0, 1:] > memory.order[0][0, :-1]).all())
+
+
+def test_a_new_chunk_goes_after_the_compacted_tokens_and_gets_the_new_reason():
+    memory = small_memory(grids=4)
+    memory.apply(Selection([torch.tensor([[1, 7, 13, 19, 23, 5]] * 2).sort().values] * 2))
+    append_grid(memory, 4)
+    assert held_tokens(memory, 0, 0) == [1, 5, 7, 13, 19, 23, *range(24, 30)]
+    assert (memory.reason[0][:, 6:] == REASON_NEW).all()
+    assert memory.frame[0][0, 6:].tolist() == [4] * 6
+
+
+def test_ragged_selection_pads_with_a_minus_infinity_bias():
+    memory = small_memory(grids=4)
+    index = torch.tensor([[0, 5, 9, 17, 23], [2, 3, 0, 0, 0]])
+    valid = torch.tensor([[True] * 5, [True, True, False, False, False]])
+    memory.apply(Selection([index, index], valid=[valid, valid]))
+    assert held_tokens(memory, 0, 0) == [0, 5, 9, 17, 23] and held_tokens(memory, 0, 1) == [2, 3]
+    assert memory.head_counts(0).tolist() == [5, 2]
+    assert memory.visual_tokens == 4  # mean over KV heads: (5 + 2) / 2 rounded
+    assert memory.largest_head_tokens == 5
+    bias = memory.layers[0].bias
+    start = memory.visual_start
+    assert torch.isinf(bias[1, start + 2 : start + 5]).all() and (bias[0, start : start + 5] == 0).all()
+    assert (bias[:, start + 5 :] == 0).all()  # the slack stays plain for the next forward
+    counts = memory.survival_counts(layer=0)
+    assert int(counts.sum()) == 7
+
+
+def test_the_buffers_grow_geometrically_and_keep_their_content():
+    memory = small_memory(grids=2, capacity=0)  # room for the prefix and the text reserve only
+    capacities = set()
+    for g in range(2, 80):
+        append_grid(memory, g)
+        capacities.add(memory.layers[0].capacity)
+    assert held_tokens(memory, 1, 1) == list(range(480))
+    assert len(capacities) < 10  # geometric, not one reallocation per chunk
+    assert memory.frame[0][0].tolist() == [t // 6 for t in range(480)]
+
+
+def test_a_summary_region_sits_between_prefix_and_visual_tokens():
+    memory = KVMemory(1, 2, visual_capacity=12, summary_slots=4)
+    cache = memory.cache()
+    cache.layers[0].update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+    memory.commit_prefix(cache, 3)
+    assert memory.visual_start == 7
+    assert torch.isinf(memory.layers[0].bias[:, 3:7]).all()  # invisible until the policy fills it
+    append_grid(memory, 0)
+    assert memory.visual_tokens == 4 + 6
+    summary = SummaryUpdate(torch.ones(2, 4, 8), 2 * torch.ones(2, 4, 8), torch.tensor([[0.0, 1.0, float("-inf"), 2.0]] * 2))
+    memory.apply(Selection([torch.arange(3, 6).expand(2, -1)], summary=[summary]))
+    assert torch.equal(memory.keys[0][0, :, 3:7], torch.ones(2, 4, 8))
+    assert memory.layers[0].bias[0, 3:7].tolist() == [0.0, 1.0, float("-inf"), 2.0]
+    assert held_tokens(memory, 0, 0) == [3, 4, 5]
+
+
+def test_engine_memory_holds_m_slots_and_questions_use_the_slack(tiny, pancake):
+    engine = StreamEngine(tiny, "sliding-window", budget=540, keep=405, fps=pancake.fps, max_new_tokens=4)
+    list(stream_video(tiny, pancake, {"p": engine}))
+    store = engine.memory.layers[0]
+    assert store.capacity <= engine.memory.prefix_len + 540 + 256  # preallocated once for M and a question
+    pointers = [s.keys.data_ptr() for s in engine.memory.layers]
+    engine.answer("What is it?")
+    assert [s.keys.data_ptr() for s in engine.memory.layers] == pointers
+    compress = [e for e in engine.memory.timeline if e.event == "compress"]
+    assert all(e.moved_bytes <= (540 - 405) * engine.memory.token_bytes() for e in compress)
+    appends = [e for e in engine.memory.timeline if e.event == "append"]
+    assert all(e.moved_bytes == 135 * engine.memory.token_bytes() for e in appends)
+
+
+def test_sliding_window_keeps_the_newest_frames_across_passes_with_scrambled_slots(tiny, pancake):
+    engine = StreamEngine(tiny, "sliding-window", budget=405, keep=270, fps=pancake.fps)
+    list(stream_video(tiny, pancake, {"p": engine}))
+    assert engine.stats.compressions >= 3
+    # 10 grids of 135: the last compression kept grids 7-8 (270 tokens), then grid 9 arrived.
+    for layer in range(tiny.num_layers):
+        assert sorted(engine.memory.frame[layer][0].unique().tolist()) == [7, 8, 9]
+
+
+def test_synthetic_memory_deepcopies_for_benchmarks():
+    memory = synthetic_memory(2, 2, 8, 48, GRID, torch.float32)
+    twin = copy.deepcopy(memory)
+    twin.apply(Selection([torch.arange(24).expand(2, -1)] * 2))
+    assert memory.visual_tokens == 48 and twin.visual_tokens == 24
+
+
+@pytest.mark.parametrize("policy, params", [("infinipot-v", {"budget": 540, "keep": 405}), ("protokv", {"budget": 560}),
+                                             ("hybridkv", {"budget": 540, "keep": 405})])
+def test_an_engine_pickles_without_its_model_and_continues_identically(tiny, pancake, policy, params):
+    """What a ZeroGPU worker receives: the engine's state (live slots only) crosses a process boundary and,
+    re-bound to the model, streams and answers exactly as the engine that never left."""
+    import pickle
+
+    from kvdemo.engine import FrameStream
+
+    stay = StreamEngine(tiny, policy, fps=2.0, max_new_tokens=5, **params)
+    stream = FrameStream(tiny, 2.0)
+    chunks = [stream.push(pancake.frames[i : i + 2]) for i in range(0, 20, 2)]
+    for chunk in chunks[:6]:
+        stay.feed_chunk(chunk)
+    blob = pickle.dumps(stay)
+    assert b"Qwen2_5_VLForConditionalGeneration" not in blob
+    live = sum(t.numel() * t.element_size() for t in stay.memory.keys + stay.memory.values)
+    assert len(blob) < live + 2_000_000  # the live slots, not the preallocated capacity
+    moved = pickle.loads(blob).bind(tiny)
+    for chunk in chunks[6:]:
+        stay.feed_chunk(chunk)
+        moved.feed_chunk(chunk)
+    assert all(torch.equal(a, b) for a, b in zip(stay.memory.keys + stay.memory.values, moved.memory.keys + moved.memory.values))
+    assert moved.memory.layers[0].capacity == stay.memory.layers[0].capacity
+    assert stay.answer("What is it?").answer == moved.answer("What is it?").answer
+    assert [e.visual_tokens for e in stay.memory.timeline] == [e.visual_tokens for e in moved.memory.timeline]

@@ -1,0 +1,472 @@
+"""ProtoKV (paper 003) and the attention seam it reads through: budgets, keys before RoPE, the log-mass
+bias against duplicated tokens through a real forward, Alg. 1 restated token by token, maintenance,
+beam search against brute force, and whole streams that stay within M."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvdemo.attention import ATTN_IMPLEMENTATION
+from kvdemo.bench import synthetic_chunk
+from kvdemo.engine import StreamEngine, stream_video
+from kvdemo.memory import KVMemory
+from kvdemo.models.base import mrope_positions
+from kvdemo.models.qwen_vl import QwenVL
+from kvdemo.models.tiny import ByteTokenizer, tiny_config
+from kvdemo.policies import BudgetError, Selection, make_policy
+from kvdemo.policies.base import SummaryUpdate
+from kvdemo.policies.protokv import beam_search, mahalanobis, pq_decode, pq_encode, train_codebooks
+
+
+# --- budget ---------------------------------------------------------------------------------------
+
+
+def test_budget_split_follows_table_5():
+    policy = make_policy("protokv")
+    assert policy.split(6144) == (1536, 576)  # W : K_max*S = 1536 : 4608 = 1 : 3, S = 8
+    assert policy.split(540) == (140, 50)
+    assert policy.summary_slots(6144) == 4608
+    assert make_policy("protokv", pseudo_tokens=4).split(6144) == (1536, 1152)
+    with pytest.raises(BudgetError, match="too small"):
+        policy.split(8)
+
+
+def test_engine_takes_m_alone_and_checks_the_near_window(tiny, pancake):
+    engine = StreamEngine(tiny, "protokv", budget=540, fps=2.0)
+    assert engine.keep is None and engine.memory.summary_slots == 400
+    with pytest.raises(BudgetError, match="C does not apply"):
+        StreamEngine(tiny, "protokv", budget=540, keep=400)
+    small = StreamEngine(tiny, "protokv", budget=400, fps=2.0)  # W = 104 < one 135-token grid
+    with pytest.raises(BudgetError, match="near window W=104"):
+        small.feed(pancake.frames[:2])
+
+
+# --- keys before RoPE -----------------------------------------------------------------------------
+
+
+def rotate_by_hand(x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor, section: list[int]) -> torch.Tensor:
+    """M-RoPE restated: frequency i of the first half rotates the pair (i, i + D/2) by position[axis(i)] *
+    inv_freq[i], axis 0/1/2 (temporal/height/width) by mrope_section."""
+    half = x.shape[-1] // 2
+    axis = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    angle = position[..., axis].double() * inv_freq.double()  # [..., half]
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    first, second = x[..., :half].double(), x[..., half:].double()
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).float()
+
+
+def qwen2_vl_model():
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from test_loading import qwen2_config
+
+    ids = ByteTokenizer().special_to_id
+    model = Qwen2VLForConditionalGeneration._from_config(qwen2_config(ids), attn_implementation=ATTN_IMPLEMENTATION)
+    return QwenVL(model.eval(), ByteTokenizer(), name="tiny-qwen2-vl", random_weights=True)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_unrotate_then_rotate_returns_the_cached_key(tiny, family):
+    model = tiny if family == "qwen2_5_vl" else qwen2_vl_model()
+    chunk = synthetic_chunk(3, 2, (4, 5))
+    tokens_per_second = model.tokens_per_second  # None for Qwen2-VL: temporal = s + g
+    positions = mrope_positions(chunk.grid, chunk.row, chunk.col, 17, 1.0, tokens_per_second).t()  # [n, 3]
+    keys = torch.randn(model.num_kv_heads, chunk.num_tokens, model.head_dim)
+    rotated = model.rotary.rotate(keys, positions.expand(model.num_kv_heads, -1, -1))
+    rotary = model.hf.model.language_model.rotary_emb
+    section = rotary.mrope_section if hasattr(rotary, "mrope_section") else model.hf.config.text_config.rope_parameters["mrope_section"]
+    torch.testing.assert_close(rotated, rotate_by_hand(keys, positions, rotary.inv_freq, section), atol=1e-5, rtol=1e-5)
+    back = model.rotary.unrotate(rotated, positions.expand(model.num_kv_heads, -1, -1))
+    torch.testing.assert_close(back, keys, atol=1e-5, rtol=1e-5)
+
+
+def test_unrotated_cached_keys_are_the_projection_before_rope(tiny, small_video):
+    """End to end: the keys the memory caches for a chunk, un-rotated at their stored positions, equal
+    layer 0's key projection of the chunk's embeddings (which never saw a position)."""
+    from kvdemo.engine import FrameStream
+
+    engine = StreamEngine(tiny, "full", fps=2.0)
+    stream = FrameStream(tiny, 2.0)
+    chunk = stream.push(small_video.frames[:4])
+    engine.feed_chunk(chunk)
+    view = engine.memory.views(tiny.rotary)[0]
+    attention = tiny.hf.model.language_model.layers[0]
+    hidden = attention.input_layernorm(chunk.embeds[None])
+    projected = attention.self_attn.k_proj(hidden).view(chunk.num_tokens, tiny.num_kv_heads, tiny.head_dim).transpose(0, 1)
+    unrotated = tiny.rotary.unrotate(view.keys, view.position)
+    torch.testing.assert_close(unrotated, projected, atol=1e-4, rtol=1e-4)
+
+
+# --- the attention seam ---------------------------------------------------------------------------
+
+
+def prefill(model, memory: KVMemory, grids: int = 2, seed: int = 0):
+    """Prefix and ``grids`` random 3x4 grids through the real model into ``memory``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = model.tokenize(model.prefix_text())
+    cache = memory.cache()
+    model.forward(model.embed_text(ids), torch.arange(len(ids)).expand(3, -1), cache)
+    memory.commit_prefix(cache, len(ids))
+    chunk = synthetic_chunk(0, grids, (3, 4))
+    embeds = torch.randn(chunk.num_tokens, model.hf.config.text_config.hidden_size, generator=g)
+    positions = mrope_positions(chunk.grid, chunk.row, chunk.col, memory.prefix_len, 1.0, 2.0)
+    model.forward(embeds, positions, memory.cache())
+    memory.commit_append(chunk, positions)
+    return embeds
+
+
+def question_logits(model, memory: KVMemory) -> torch.Tensor:
+    ids = model.tokenize("<|vision_end|>What colour?<|im_end|>\n<|im_start|>assistant\n")
+    start = memory.max_position + 1
+    with torch.inference_mode():
+        return model.forward(model.embed_text(ids), torch.arange(start, start + len(ids)).expand(3, -1), memory.cache())
+
+
+def test_the_seam_without_extras_equals_sdpa(tiny):
+    """kvdemo's attention with nothing supplied = transformers' sdpa on the same weights and inputs."""
+    from transformers import DynamicCache, Qwen2_5_VLForConditionalGeneration
+
+    reference = Qwen2_5_VLForConditionalGeneration._from_config(tiny_config(), attn_implementation="sdpa")
+    reference.load_state_dict(tiny.hf.state_dict())
+    reference.eval()
+    memory = KVMemory(tiny.num_layers, tiny.num_kv_heads)
+    embeds = prefill(tiny, memory)
+    ours = question_logits(tiny, memory)
+    ids = tiny.tokenize(tiny.prefix_text())
+    text = tiny.tokenize("<|vision_end|>What colour?<|im_end|>\n<|im_start|>assistant\n")
+    chunk = synthetic_chunk(0, 2, (3, 4))
+    visual = mrope_positions(chunk.grid, chunk.row, chunk.col, len(ids), 1.0, 2.0)
+    start = int(visual.max()) + 1
+    positions = torch.cat([torch.arange(len(ids)).expand(3, -1), visual, torch.arange(start, start + len(text)).expand(3, -1)], 1)
+    all_embeds = torch.cat([tiny.embed_text(ids), embeds, tiny.embed_text(text)])
+    with torch.inference_mode():
+        out = reference(inputs_embeds=all_embeds[None], position_ids=positions[:, None], past_key_values=DynamicCache(), use_cache=True)
+    torch.testing.assert_close(ours, out.logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mass", [1, 3, 7])
+@torch.inference_mode()
+def test_a_prototype_of_mass_n_attends_like_n_duplicates(tiny, mass):
+    """S = 1, no residual: one pseudo-token with bias log n = n copies of that key/value, in every layer and
+    KV head (GQA: 4 query heads over 2 KV heads), through a real forward of the tiny model."""
+    chosen = 5  # the visual token that becomes the prototype
+    summarised = KVMemory(tiny.num_layers, tiny.num_kv_heads, summary_slots=1)
+    prefill(tiny, summarised)
+    duplicated = KVMemory(tiny.num_layers, tiny.num_kv_heads)
+    prefill(tiny, duplicated)
+    others = torch.tensor([i for i in range(24) if i != chosen]).expand(tiny.num_kv_heads, -1)
+    updates = []
+    for layer in range(tiny.num_layers):
+        view = summarised.views()[layer]
+        k, v = view.keys[:, chosen : chosen + 1].clone(), view.values[:, chosen : chosen + 1].clone()
+        bias = torch.full((tiny.num_kv_heads, 1), math.log(mass))
+        updates.append(SummaryUpdate(k, v, bias))
+    summarised.apply(Selection([others] * tiny.num_layers, summary=updates))
+    # The duplicate memory: drop the chosen token, then append `mass` copies of it.
+    copies = [(update.keys.expand(-1, mass, -1)[None].clone(), update.values.expand(-1, mass, -1)[None].clone()) for update in updates]
+    duplicated.apply(Selection([others] * tiny.num_layers))
+    cache = duplicated.cache()
+    for layer, (k, v) in zip(cache.layers, copies):
+        layer.update(k, v)
+    chunk = synthetic_chunk(2, 1, (3, 4))
+    chunk.embeds, chunk.grid, chunk.row, chunk.col = chunk.embeds[:mass], chunk.grid[:mass], chunk.row[:mass], chunk.col[:mass]
+    duplicated.commit_append(chunk, torch.zeros(3, mass, dtype=torch.long))
+    duplicated.max_position = summarised.max_position
+    torch.testing.assert_close(question_logits(tiny, summarised), question_logits(tiny, duplicated), atol=1e-4, rtol=1e-4)
+
+
+def test_a_hidden_summary_slot_changes_nothing(tiny):
+    """Unused summary slots carry -inf: attention equals a memory without a summary region."""
+    with_region = KVMemory(tiny.num_layers, tiny.num_kv_heads, summary_slots=4)
+    prefill(tiny, with_region)
+    plain = KVMemory(tiny.num_layers, tiny.num_kv_heads)
+    prefill(tiny, plain)
+    torch.testing.assert_close(question_logits(tiny, with_region), question_logits(tiny, plain), atol=1e-4, rtol=1e-4)
+
+
+# --- Alg. 1 token by token ------------------------------------------------------------------------
+
+
+def alg1_reference(bank: dict, tokens: list[dict], policy) -> list[int]:
+    """Alg. 1 restated with plain Python numbers, one token at a time; mutates ``bank`` (lists of floats)
+    and returns the prototype each token went to. Residual histograms are not part of this check."""
+    a, eta = policy.centre_rate, policy.spatial_rate
+    chosen = []
+    for token in tokens:
+        k, v, s, t = token["k"], token["v"], token["s"], token["t"]
+        empty = [j for j, used in enumerate(bank["used"]) if not used]
+        if empty:
+            j = empty[0]
+            bank["c"][j], bank["p"][j], bank["n"][j] = list(k), list(v), 1
+            bank["mu"][j], bank["sigma"][j], bank["tau"][j], bank["used"][j] = list(s), [[1.0, 0.0], [0.0, 1.0]], t, True
+            chosen.append(j)
+            continue
+        best, best_cost = None, float("inf")
+        for j in range(len(bank["c"])):
+            if bank["n"][j] <= 0:
+                continue
+            c = bank["c"][j]
+            cos = sum(x * y for x, y in zip(k, c)) / (math.sqrt(sum(x * x for x in k)) * math.sqrt(sum(y * y for y in c)))
+            (s00, s01), (_, s11) = bank["sigma"][j]
+            s00, s11 = s00 + 1e-4, s11 + 1e-4  # the policy's documented floor
+            det = s00 * s11 - s01 * s01
+            dx, dy = s[0] - bank["mu"][j][0], s[1] - bank["mu"][j][1]
+            mah = math.sqrt(max(0.0, (s11 * dx * dx - 2 * s01 * dx * dy + s00 * dy * dy) / det))
+            cost = -cos + policy.lambda_sp * mah + policy.lambda_idle * (t - bank["tau"][j] > policy.t_idle)
+            if cost < best_cost:
+                best, best_cost = j, cost
+        j = best
+        bank["c"][j] = [(1 - a) * c + a * x for c, x in zip(bank["c"][j], k)]
+        bank["p"][j] = [(1 - a) * c + a * x for c, x in zip(bank["p"][j], v)]
+        bank["n"][j] += 1
+        bank["tau"][j] = t
+        bank["mu"][j] = [(1 - eta) * m + eta * x for m, x in zip(bank["mu"][j], s)]
+        d = [x - m for x, m in zip(s, bank["mu"][j])]
+        bank["sigma"][j] = [[(1 - eta) * bank["sigma"][j][r][c] + eta * d[r] * d[c] for c in range(2)] for r in range(2)]
+        chosen.append(j)
+    return chosen
+
+
+def fresh_bank(policy, prototypes: int, dim: int):
+    return policy._new_bank(1, prototypes, dim, (4, 4), torch.device("cpu"))
+
+
+def run_batched(policy, bank, tokens):
+    keys = torch.tensor([[tok["k"] for tok in tokens]], dtype=torch.float32)
+    values = torch.tensor([[tok["v"] for tok in tokens]], dtype=torch.float32)
+    spatial = torch.tensor([[tok["s"] for tok in tokens]], dtype=torch.float32)
+    n = len(tokens)
+    position = torch.zeros(1, n, 3, dtype=torch.long)
+    frame = torch.zeros(1, n, dtype=torch.long)
+    rowcol = torch.zeros(1, n, dtype=torch.long)
+    policy.absorb(bank, keys, values, spatial, position, frame, rowcol, rowcol, tokens[0]["t"])
+
+
+def as_lists(bank):
+    return {
+        "c": bank.centre_k[0].tolist(), "p": bank.centre_v[0].tolist(), "n": bank.mass[0].tolist(),
+        "mu": bank.mu[0].tolist(), "sigma": bank.sigma[0].tolist(), "tau": bank.tau_time[0].tolist(),
+        "used": bank.used[0].tolist(),
+    }
+
+
+def random_tokens(rng, count, dim, t, around=None, spread=0.05):
+    tokens = []
+    for i in range(count):
+        base = around[i % len(around)] if around is not None else rng.normal(size=dim)
+        tokens.append({"k": list(base + spread * rng.normal(size=dim)), "v": list(rng.normal(size=dim)),
+                       "s": list(rng.uniform(size=2)), "t": t})
+    return tokens
+
+
+def test_alg1_batched_equals_token_by_token_when_prototypes_get_one_token_each():
+    policy = make_policy("protokv")
+    rng = np.random.default_rng(0)
+    dim, prototypes = 8, 5
+    anchors = [np.eye(dim)[i] * 3 for i in range(prototypes)]
+    bank = fresh_bank(policy, prototypes, dim)
+    first = random_tokens(rng, prototypes + 2, dim, t=1, around=anchors)  # fills the 5 fresh slots, then 2 more
+    reference = as_lists(bank)
+    alg1_reference(reference, first, policy)
+    run_batched(policy, bank, first)
+    second = random_tokens(rng, 3, dim, t=2, around=[anchors[4], anchors[0], anchors[2]])  # one per prototype
+    alg1_reference(reference, second, policy)
+    run_batched(policy, bank, second)
+    got = as_lists(bank)
+    assert got["n"] == reference["n"] and got["tau"] == reference["tau"] and got["used"] == reference["used"]
+    for name in ("c", "p", "mu", "sigma"):
+        np.testing.assert_allclose(np.array(got[name]), np.array(reference[name]), atol=1e-5, err_msg=name)
+
+
+def test_alg1_batched_drift_when_many_tokens_share_a_prototype(monkeypatch):
+    """Same assignments, twelve tokens on one prototype: centres, mass, spatial mean and covariance still
+    follow the sequential updates exactly; the PQ residuals use the chunk-start centre, and drift from
+    Alg. 1's (measured here against the restatement's ``x - c_after``)."""
+    policy = make_policy("protokv")
+    rng = np.random.default_rng(1)
+    dim = 8
+    anchors = [np.eye(dim)[i] * 3 for i in range(3)]
+    bank = fresh_bank(policy, 3, dim)
+    reference = as_lists(bank)
+    setup = random_tokens(rng, 3, dim, t=1, around=anchors)
+    alg1_reference(reference, setup, policy)
+    run_batched(policy, bank, setup)
+    crowd = random_tokens(rng, 12, dim, t=2, around=[anchors[1]], spread=0.5)
+    exact_residuals = []
+    centre = list(reference["c"][1])
+    for token in crowd:  # Alg. 1 line 13: residual against the centre right after the token's update
+        centre = [(1 - policy.centre_rate) * c + policy.centre_rate * x for c, x in zip(centre, token["k"])]
+        exact_residuals.append([x - c for x, c in zip(token["k"], centre)])
+    assigned = alg1_reference(reference, crowd, policy)
+    assert set(assigned) == {1}
+    captured = {}
+    monkeypatch.setattr(policy, "_record_residuals", lambda bank, cell, mask, rk, rv: captured.update(rk=rk[mask]))
+    run_batched(policy, bank, crowd)
+    got = as_lists(bank)
+    assert got["n"] == reference["n"] == [1, 13, 1]
+    for name in ("c", "p", "mu", "sigma"):
+        np.testing.assert_allclose(np.array(got[name]), np.array(reference[name]), atol=1e-5, err_msg=name)
+    batched = captured["rk"].numpy()
+    exact = np.array(exact_residuals)
+    np.testing.assert_allclose(batched[0], exact[0], atol=1e-5)  # the first token sees the chunk-start centre
+    drift = np.linalg.norm(batched - exact, axis=1) / np.linalg.norm(exact, axis=1)
+    assert drift[-1] > drift[1] > 0  # grows with the tokens before it on the prototype
+    assert drift.max() < 0.5, drift
+
+
+def test_fresh_slots_take_evicted_tokens_before_any_absorption():
+    policy = make_policy("protokv", subquantizers=2)
+    bank = fresh_bank(policy, 4, 4)
+    tokens = random_tokens(np.random.default_rng(2), 6, 4, t=0)
+    reference = as_lists(fresh_bank(policy, 4, 4))
+    assigned = alg1_reference(reference, tokens, policy)
+    run_batched(policy, bank, tokens)
+    assert assigned[:4] == [0, 1, 2, 3]  # the first four tokens open the four fresh slots, in order
+    assert bank.used[0].all() and int(bank.mass.sum()) == 6
+    for slot in range(4):
+        if int(bank.mass[0, slot]) == 1:  # untouched since it was opened: its centre is its token
+            torch.testing.assert_close(bank.centre_k[0, slot], torch.tensor(tokens[slot]["k"], dtype=torch.float32))
+
+
+# --- maintenance ----------------------------------------------------------------------------------
+
+
+def test_aging_merging_and_recycling():
+    policy = make_policy("protokv", t_idle=5, decay=0.5, subquantizers=2)
+    bank = fresh_bank(policy, 4, 4)
+    bank.used[:] = True
+    bank.centre_k[0] = torch.tensor([[1.0, 0, 0, 0], [1.0, 0.01, 0, 0], [0, 1.0, 0, 0], [0, 0, 1.0, 0]])
+    bank.centre_v[0] = torch.tensor([[0, 0, 0, 2.0], [0, 0, 0.01, 2.0], [3.0, 0, 0, 0], [0, 3.0, 0, 0]])
+    bank.mass[0] = torch.tensor([3, 5, 9, 1])
+    bank.tau_time[0] = torch.tensor([10, 10, 2, 10])  # prototype 2 idle at t=10 (10 - 2 > 5)
+    near_key = torch.tensor([[[0.5, 0.5, 0.5, 0.5]]])
+
+    def near(count):
+        return near_key, 2 * near_key, torch.tensor([[[0.25, 0.75]]]), torch.tensor([[[4, 5, 6]]])
+
+    touched = policy.maintain(bank, near, t=10)
+    # aging: 9 -> floor(4.5) = 4; merging: 1 into 0 (mass 3 + 5), centre weighted 3:5; recycling: slot 1 refilled
+    assert bank.mass[0].tolist() == [8, 1, 4, 1]
+    torch.testing.assert_close(bank.centre_k[0, 0], torch.tensor([1.0, 0.05 / 8, 0, 0]))
+    torch.testing.assert_close(bank.centre_k[0, 1], near_key[0, 0])
+    assert bank.tau_pos[0, 1].tolist() == [4, 5, 6]
+    assert touched[0].tolist() == [True, True, False, False]
+
+
+# --- residuals ------------------------------------------------------------------------------------
+
+
+def test_beam_search_finds_the_brute_force_top_tuples():
+    g = torch.Generator().manual_seed(3)
+    hist = torch.randint(0, 9, (5, 3, 4), generator=g)  # 5 prototypes, G = 3, C = 4
+    codes = beam_search(hist, modes=6, beam=64, smoothing=0.1)
+    for p in range(5):
+        logp = torch.log((hist[p].double() + 0.1) / (hist[p].sum(-1, keepdim=True).double() + 0.4))
+        tuples = sorted(itertools.product(range(4), repeat=3), key=lambda z: -sum(float(logp[i, c]) for i, c in enumerate(z)))
+        best = [sum(float(logp[i, c]) for i, c in enumerate(z)) for z in tuples[:6]]
+        found = [sum(float(logp[i, c]) for i, c in enumerate(z)) for z in codes[p].tolist()]
+        np.testing.assert_allclose(found, best, atol=1e-5)
+
+
+def test_pq_codebooks_encode_and_decode_clustered_residuals():
+    g = torch.Generator().manual_seed(4)
+    centres = torch.randn(2, 16, 8, generator=g) * 5  # two rows, 16 clusters in an 8-d space
+    labels = torch.arange(256) % 16
+    points = centres[:, labels] + 0.01 * torch.randn(2, 256, 8, generator=g)
+    codebook = train_codebooks(points, groups=2, codewords=16)
+    codes = pq_encode(points, codebook)
+    decoded = pq_decode(codes[:, :, None, :], codebook)[:, :, 0]
+    assert (decoded - points).abs().max() < 0.2
+
+
+def test_mahalanobis_matches_the_plain_formula():
+    g = torch.Generator().manual_seed(5)
+    spatial, mu = torch.rand(2, 7, 2, generator=g), torch.rand(2, 3, 2, generator=g)
+    a = torch.randn(2, 3, 2, 2, generator=g)
+    sigma = a @ a.transpose(-1, -2) + 0.1 * torch.eye(2)
+    got = mahalanobis(spatial, mu, sigma)
+    inverse = torch.linalg.inv(sigma.double() + 1e-4 * torch.eye(2, dtype=torch.float64))
+    diff = spatial.double()[:, :, None] - mu.double()[:, None]
+    expected = torch.einsum("bekx,bkxy,beky->bek", diff, inverse, diff).sqrt()
+    torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+# --- whole streams --------------------------------------------------------------------------------
+
+
+def test_protokv_streams_the_real_clip_within_m_and_answers(tiny, pancake):
+    engine = StreamEngine(tiny, "protokv", budget=540, fps=pancake.fps, max_new_tokens=6, policy_params={"warmup": 64})
+    list(stream_video(tiny, pancake, {"p": engine}))
+    timeline = engine.memory.timeline
+    assert max(e.visual_tokens for e in timeline) <= 540
+    assert engine.stats.compressions == 9
+    # near window: the newest W - 135 + 135 = 140 tokens at most, all from the newest grids
+    assert engine.memory.visual_tokens == 400 + 140
+    report = engine.report()
+    bank = report["policy_state"]
+    assert bank["active"] == 50 * tiny.num_layers * tiny.num_kv_heads and bank["codebooks_trained"]
+    assert bank["mass_total"] >= 9 * 135
+    answer = engine.answer("What is in the pan?")
+    assert answer.tokens >= 1 and report["keep"] is None
+    assert engine.memory.summary_active == 400
+
+
+def test_protokv_bookkeeping_stays_bounded_on_a_long_stream(tiny):
+    from kvdemo.video import synthetic_video
+
+    video = synthetic_video(num_frames=120, height=112, width=112, fps=2.0, seed=2)
+    engine = StreamEngine(tiny, "protokv", budget=96, fps=2.0, policy_params={"warmup": 32, "history": 8})
+    list(stream_video(tiny, video, {"p": engine}))
+    assert max(e.visual_tokens for e in engine.memory.timeline) <= 96
+    bank = engine.policy._bank
+    assert bank.assign_map.shape == (tiny.num_layers * tiny.num_kv_heads, 8, 4, 4)
+    held = set(bank.assign_grid.tolist()) - {-1}
+    assert held and max(held) <= 59 and len(held) <= 8
+    assert engine.memory.layers[0].capacity == engine.memory.prefix_len + engine.memory.summary_slots + 96 + 256
+
+
+def test_merging_checks_pairs_with_a_changed_prototype_from_either_side():
+    """Pairs (0, 1) and (2, 3) qualify; only 0 and 3 changed. Prototype 1 merges into 0 (found from 0's
+    row), 3 into 2 (found from 3's own row); the untouched, distant 4 stays."""
+    policy = make_policy("protokv", subquantizers=2)
+    bank = fresh_bank(policy, 5, 4)
+    bank.used[:] = True
+    e = torch.eye(4)
+    bank.centre_k[0] = torch.stack([e[0], e[0] + 0.01 * e[1], e[1], e[1] + 0.01 * e[2], e[3]])
+    bank.centre_v[0] = bank.centre_k[0].clone()
+    bank.mass[0] = torch.tensor([2, 2, 3, 1, 4])
+    bank.tau_time[0] = 5
+    changed = torch.tensor([[True, False, False, True, False]])
+    no_near = (torch.zeros(1, 0, 4), torch.zeros(1, 0, 4), torch.zeros(1, 0, 2), torch.zeros(1, 0, 3, dtype=torch.long))
+    policy.maintain(bank, lambda count: no_near, t=5, changed=changed)  # nothing to recycle from
+    assert bank.mass[0].tolist() == [4, 0, 4, 0, 4]
+    torch.testing.assert_close(bank.centre_k[0, 2], (3 * e[1] + (e[1] + 0.01 * e[2])) / 4)
+
+
+def test_the_assignment_view_follows_merges_and_marks_recycled_prototypes_lost():
+    policy = make_policy("protokv", subquantizers=2)
+    bank = policy._new_bank(1, 3, 4, (1, 3), torch.device("cpu"))
+    e = torch.eye(4)
+    keys = torch.stack([e[0], e[1], e[2]])[None]  # three tokens of grid 5 open the three fresh slots
+    zero = torch.zeros(1, 3, dtype=torch.long)
+    policy.absorb(bank, keys, keys.clone(), torch.rand(1, 3, 2), torch.zeros(1, 3, 3, dtype=torch.long),
+                  torch.full((1, 3), 5), zero, torch.arange(3)[None], t=5)
+    policy._bank = bank
+    assert policy.assignments(0, 0, 1)["prototype"].tolist() == [[[0, 1, 2]]]
+    bank.centre_k[0, 1] = bank.centre_k[0, 0]  # prototype 1 becomes a copy of 0: they merge
+    bank.centre_v[0, 1] = bank.centre_v[0, 0]
+    near_key = torch.tensor([[[0.0, 0, 0, 1]]])
+
+    def near(count):
+        return near_key, near_key, torch.tensor([[[0.5, 0.5]]]), torch.zeros(1, 1, 3, dtype=torch.long)
+
+    policy.maintain(bank, near, t=6)
+    view = policy.assignments(0, 0, 1)
+    assert view["prototype"].tolist() == [[[0, 0, 2]]]  # the merged-away patch reads as its partner
+    assert view["mass"].tolist()[0] == 2 and view["grids"] == [5]
+    bank.mass[0, 2] = 0  # prototype 2 empties; recycling refills its slot with the near token
+    policy.maintain(bank, near, t=7, changed=torch.zeros(1, 3, dtype=torch.bool))
+    assert policy.assignments(0, 0, 1)["prototype"].tolist() == [[[0, 0, -2]]]

@@ -1,0 +1,33 @@
+"""The README's set-up section is what the project runs: two commands, the test one is what CI runs, and a
+CPU-only install (no CUDA build of torch) is spelt out."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def setup_section() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme.split("## Set up and run", 1)[1].split("\n## ", 1)[0]
+
+
+def test_two_setup_commands_install_and_run_the_app_then_the_tests():
+    blocks = re.findall(r"```bash\n(.*?)```", setup_section(), flags=re.S)
+    assert len(blocks) == 2, blocks
+    app, tests = (block.strip() for block in blocks)
+    assert app == "pip install -r requirements.txt && python app.py"
+    assert tests == "pip install -r requirements-dev.txt && python -m pytest -q"
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    install = next(i for i, line in enumerate(ci) if "pip install" in line and "-r requirements-dev.txt" in line)
+    assert ci.index("python -m pytest -q") > install, ".ci/run runs the README's test command"
+
+
+def test_a_cpu_only_install_is_explained_with_pytorchs_cpu_index():
+    text = " ".join(setup_section().split())
+    assert "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+    assert "without an NVIDIA GPU" in text
+
+
+def test_the_stated_test_time_is_in_minutes_on_two_cores():
+    assert re.search(r"about \d+ minutes on 2 cores", " ".join(setup_section().split()))

@@ -1,0 +1,102 @@
+"""The ZeroGPU boundary, emulated: every call in a forked child with pickled arguments and results."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from kvdemo import zerogpu
+
+
+@pytest.fixture
+def emulate(monkeypatch):
+    monkeypatch.setenv(zerogpu.EMULATE_ENV, "1")
+    zerogpu.TRANSFERS.clear()
+
+
+def test_off_spaces_and_without_emulation_the_decorator_is_the_function(monkeypatch):
+    monkeypatch.delenv(zerogpu.EMULATE_ENV, raising=False)
+
+    def work(x):
+        return x + 1
+
+    assert zerogpu.gpu(duration=10)(work) is work
+
+
+def test_a_call_runs_elsewhere_so_what_it_changes_does_not_persist(emulate):
+    state = {"frames": [1, 2]}
+
+    @zerogpu.gpu(duration=10)
+    def work(state, pid):
+        import os
+
+        state["frames"].append(3)
+        return state, os.getpid() != pid
+
+    import os
+
+    result, elsewhere = work(state, os.getpid())
+    assert elsewhere and result == {"frames": [1, 2, 3]}
+    assert state == {"frames": [1, 2]}  # the caller's copy is untouched: state must come back explicitly
+    transfer = zerogpu.TRANSFERS[-1]
+    assert transfer.args_bytes == len(pickle.dumps(((state, os.getpid()), {})))
+    assert transfer.items == 1 and transfer.result_bytes > 0
+
+
+def test_generators_stream_pickled_items_and_errors_come_back(emulate):
+    @zerogpu.gpu(duration=10)
+    def segment(n):
+        for i in range(n):
+            yield {"chunk": i, "frame": np.full((2, 2), i, dtype=np.uint8)}
+        raise ValueError("bad frame at the end")
+
+    items = []
+    with pytest.raises(ValueError, match="bad frame"):
+        for item in segment(3):
+            items.append(item)
+    assert [i["chunk"] for i in items] == [0, 1, 2] and items[2]["frame"].sum() == 8
+    assert zerogpu.TRANSFERS[-1].items == 3
+
+
+def test_unpicklable_arguments_fail_in_the_caller_as_on_zerogpu(emulate):
+    @zerogpu.gpu(duration=10)
+    def work(lock):
+        return 1
+
+    import threading
+
+    with pytest.raises(TypeError):
+        work(threading.Lock())
+
+
+def test_an_engine_continues_a_stream_in_the_worker_exactly(emulate, tiny, pancake):
+    """Half the clip in the main process, the rest in an emulated GPU call that gets the engine pickled
+    (no model) and returns it: the memory equals an engine that never left, and torch runs in the fork."""
+    from kvdemo.engine import FrameStream, StreamEngine
+    from kvdemo.models.tiny import build_tiny_model
+
+    stream = FrameStream(tiny, 2.0)
+    chunks = [stream.push(pancake.frames[i : i + 2]) for i in range(0, 20, 2)]
+    here = StreamEngine(tiny, "infinipot-v", budget=540, keep=405, fps=2.0, max_new_tokens=4)
+    travelled = StreamEngine(tiny, "infinipot-v", budget=540, keep=405, fps=2.0, max_new_tokens=4)
+    for chunk in chunks[:5]:
+        here.feed_chunk(chunk)
+        travelled.feed_chunk(chunk)
+
+    @zerogpu.gpu(duration=30)
+    def rest(engine, chunks):
+        engine.bind(build_tiny_model())  # the worker resolves the model itself (same seed, same weights)
+        for chunk in chunks:
+            engine.feed_chunk(chunk)
+        answer = engine.answer("What is it?")
+        return engine.to("cpu"), answer.answer
+
+    travelled, answer = rest(travelled, chunks[5:])
+    travelled.bind(tiny)
+    for chunk in chunks[5:]:
+        here.feed_chunk(chunk)
+    assert answer == here.answer("What is it?").answer
+    for a, b in zip(here.memory.keys + here.memory.values, travelled.memory.keys + travelled.memory.values):
+        assert torch.equal(a, b)
+    assert len(travelled.memory.timeline) == len(here.memory.timeline)
