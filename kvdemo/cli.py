@@ -213,8 +213,10 @@ def check_run_arguments(args: argparse.Namespace) -> dict[str, Any]:
     for flag, value in positive.items():
         if value is not None and value <= 0:
             raise UsageError(f"{flag} must be positive, got {value}")
-    if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
-        raise UsageError(f"--min-pixels ({args.min_pixels}) must not exceed --max-pixels ({args.max_pixels})")
+    # Without --max-pixels the model's own applies (Qwen's at most); smart_resize checks the rest.
+    max_pixels = args.max_pixels if args.max_pixels is not None else DEFAULT_MAX_PIXELS
+    if args.min_pixels is not None and args.min_pixels > max_pixels:
+        raise UsageError(f"--min-pixels ({args.min_pixels}) must not exceed --max-pixels ({max_pixels})")
     if args.max_pixels is not None and args.max_pixels < RESIZE_FACTOR**2:
         raise UsageError(f"--max-pixels must be at least {RESIZE_FACTOR**2} (one 28x28 patch), got {args.max_pixels}")
     return dict(parse_param(p) for p in args.param)
