@@ -783,10 +783,10 @@ def reset_chat(session: Session | None) -> dict[str, Any]:
 def default_budget(model_name: str) -> tuple[int, int, int]:
     """(M, C, max pixels) defaults: the paper's 6144/4608 at Qwen's video resolution on a real model;
     budgets that compress visibly within a short clip on the tiny models (the trained one at the 112 x 112
-    frames it was trained on, 16 tokens per frame pair)."""
+    frames it was trained on, 16 tokens per frame pair; M - C = 20 holds a chunk at its max pixels, 20 tokens)."""
     name = resolve_model_name(model_name)
     if name == TINY_NAME:
-        return 64, 48, TRAINED_MAX_PIXELS
+        return 64, 44, TRAINED_MAX_PIXELS
     if name == TINY_RANDOM_NAME:
         return 1024, 768, 256 * 28 * 28
     return 6144, 4608, 768 * 28 * 28

@@ -167,7 +167,7 @@ def test_chat_panes_are_labelled_with_the_policy_and_nothing_covers_the_question
     page.fill("#question textarea", "What moves?")
     page.click("#ask-button")
     page.wait_for_function("document.querySelector('#full-chat').innerText.includes('first token')", timeout=120_000)
-    assert page.locator("#policy-chat-title").inner_text().strip() == "infinipot-v, M=1036 C=48"
+    assert page.locator("#policy-chat-title").inner_text().strip() == "infinipot-v, M=1036 C=44"
     assert page.locator("#full-chat-title").inner_text().strip().startswith("full cache")
     for chat in ("#policy-chat", "#full-chat"):
         bubble = page.locator(f"{chat} .message.user").first

@@ -215,7 +215,7 @@ def test_the_session_pool_frees_the_least_recently_used_session(media):
     final = list(ask(sessions[1], "still there?"))[-1]
     assert "freed to make room: the app keeps at most 2 sessions" in final["status"]
     updates, again = run(small, sessions[1], None, fps=0.5, budget=1024, keep=768)
-    assert "12/12 frames" in updates[-1]["status"] and again.policy is not None
+    assert "20/20 frames" in updates[-1]["status"] and again.policy is not None  # the 40 s sample at 0.5 fps
 
 
 def test_a_new_run_replaces_the_previous_session_only_once_it_streams(hub, media, tmp_path):
