@@ -22,6 +22,8 @@ _EXPORTS = {
     "StreamEngine": ".engine",
     "Video": ".video",
     "VideoError": ".video",
+    "evaluate": ".evaluation",
+    "generate_episode": ".synthetic",
     "load_model": ".models.qwen_vl",
     "load_video": ".video",
     "make_policy": ".policies",

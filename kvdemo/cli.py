@@ -1,4 +1,5 @@
-"""python -m kvdemo run|bench: stream a video under a KV-cache budget from the command line.
+"""python -m kvdemo run|bench|eval|train-tiny: stream a video under a KV-cache budget from the command line,
+measure the policies' accuracy vs query delay, train the offline tiny model.
 
 Arguments and the video file are checked before torch, transformers or a model load, so a mistake is
 reported at once. Errors a user can cause (bad file, impossible budget, unknown policy) print one line
@@ -13,13 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .evaluation import DEFAULT_DELAYS, DEFAULT_POLICIES  # light: torch loads when an evaluation runs
+from .synthetic import grade, sample_episode  # light: numpy
 from .video import (  # light: numpy and, when a file is opened, PyAV
     DEFAULT_MAX_PIXELS,
     DEFAULT_MIN_PIXELS,
     RESIZE_FACTOR,
     TEMPORAL_PATCH_SIZE,
     open_video,
-    sample_video_path,
     tokens_per_grid,
 )
 
@@ -53,6 +55,21 @@ BENCH_EXAMPLES = """\
 examples:
   python -m kvdemo bench
   python -m kvdemo bench --policy infinipot-v --frames 100 --skip-pass --json bench.json"""
+
+EVAL_DESCRIPTION = """\
+Accuracy vs query delay on held-out generated streams (ProtoKV's protocol): every episode streams once
+through one engine per policy (one shared vision encoding); each question is asked of every engine at
+every delay after its evidence left view; only questions askable at every delay count."""
+
+EVAL_EXAMPLES = """\
+examples:
+  python -m kvdemo eval --policies full,sliding-window,uniform,infinipot-v,cords --delays 0,4,8,16,32 \\
+      --episodes 200 --seed 0 --budget 64 --keep 48 --json eval.json"""
+
+TRAIN_DESCRIPTION = """\
+Train the offline tiny model (transformers' Qwen2_5_VLForConditionalGeneration, 0.92M parameters) from
+scratch on generated streams, reproducibly, then check it on held-out streams and write its weights,
+config and tokenizer (assets/tiny by default)."""
 
 
 class UsageError(ValueError):
@@ -91,24 +108,26 @@ def build_parser(policies: list[str] | None = None) -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog="python -m kvdemo", description=DESCRIPTION, formatter_class=formatter,
-        epilog="Run 'python -m kvdemo run --help' or 'python -m kvdemo bench --help' for their options and examples.",
+        epilog="Run 'python -m kvdemo <command> --help' for a command's options and examples.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,bench}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,bench,eval,train-tiny}")
 
     run = commands.add_parser("run", help="stream a video through one policy (and optionally ask questions)",
                               description=RUN_DESCRIPTION, epilog=RUN_EXAMPLES, formatter_class=formatter)
-    run.add_argument("--video", help="video file (mp4, mkv, mov, webm, avi...); default: the bundled sample")
+    run.add_argument("--video", help="video file (mp4, mkv, mov, webm, avi...); default: the bundled sample (a generated stream)")
     run.add_argument("--policy", default=DEFAULT_POLICY, help=f"compression policy, {listed}default {DEFAULT_POLICY}")
     run.add_argument("--budget", "-M", type=int, help="M: max visual tokens held (default: about a third of the stream's, at most 6144)")
     run.add_argument("--keep", "-C", type=int,
                      help="C: visual tokens kept by a compression (default 0.75 M; protokv takes none: it splits M itself)")
     run.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                      help="policy parameter, value read as JSON (repeatable), e.g. --param alpha=0.3")
-    run.add_argument("--model", help="tiny, auto, or a Hugging Face id / local path (default: $KVDEMO_MODEL or auto)")
+    run.add_argument("--model", help="tiny, tiny-random, auto, or a Hugging Face id / local path (default: $KVDEMO_MODEL or auto)")
     run.add_argument("--fps", type=float, default=2.0, help="sampling fps (default 2)")
     run.add_argument("--max-frames", type=int, help="stop after this many sampled frames")
-    run.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, help=f"max pixels per frame after resize (default {DEFAULT_MAX_PIXELS})")
-    run.add_argument("--min-pixels", type=int, default=DEFAULT_MIN_PIXELS, help=f"min pixels per frame after resize (default {DEFAULT_MIN_PIXELS})")
+    run.add_argument("--max-pixels", type=int,
+                     help=f"max pixels per frame after resize (default: the model's; Qwen {DEFAULT_MAX_PIXELS})")
+    run.add_argument("--min-pixels", type=int,
+                     help=f"min pixels per frame after resize (default: the model's; Qwen {DEFAULT_MIN_PIXELS})")
     run.add_argument("--frames-per-chunk", type=int, default=2, help="frames per prefill chunk (default 2)")
     run.add_argument("--ask", action="append", default=[], metavar="QUESTION", help="question asked after the stream (repeatable)")
     run.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap (default 64)")
@@ -130,6 +149,30 @@ def build_parser(policies: list[str] | None = None) -> argparse.ArgumentParser:
                        help="protokv: also time the update on a stream this many times longer (default 20)")
     bench.add_argument("--every", type=int, default=1, help="print every Nth chunk of the table (default: all)")
     bench.add_argument("--json", metavar="OUT", help="write the benchmark results here")
+
+    evaluate = commands.add_parser("eval", help="accuracy vs query delay on held-out generated streams",
+                                   description=EVAL_DESCRIPTION, epilog=EVAL_EXAMPLES, formatter_class=formatter)
+    evaluate.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policy names")
+    evaluate.add_argument("--delays", default=",".join(str(d) for d in DEFAULT_DELAYS),
+                          help="query delays in seconds of stream time, comma-separated (default 0,4,8,16,32)")
+    evaluate.add_argument("--episodes", type=int, default=200, help="held-out streams (default 200)")
+    evaluate.add_argument("--seed", type=int, default=0, help="seed of the held-out streams (default 0)")
+    evaluate.add_argument("--budget", "-M", type=int, help="M for the bounded policies (visual tokens)")
+    evaluate.add_argument("--keep", "-C", type=int, help="C for the policies that take one (visual tokens)")
+    evaluate.add_argument("--model", default="tiny", help="the model (default: the trained tiny model)")
+    evaluate.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the tiny model's matrices "
+                          "are small, and on a busy machine more threads stall each other)")
+    evaluate.add_argument("--json", metavar="OUT", help="write the results here")
+    evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    train = commands.add_parser("train-tiny", help="train the offline tiny model from scratch (writes assets/tiny)",
+                                description=TRAIN_DESCRIPTION, formatter_class=formatter)
+    train.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    train.add_argument("--threads", type=int, default=1, help="torch threads (default 1; fixed for reproducibility; "
+                       "the next step's streams are generated on a second thread meanwhile)")
+    train.add_argument("--out", help="output folder (default assets/tiny)")
+    train.add_argument("--check-episodes", type=int, default=100, help="held-out streams for the final full-cache check")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
@@ -144,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return run_command(args)
+        if args.command == "eval":
+            from .evaluation import eval_command
+
+            check_eval_arguments(args)
+            return eval_command(args)
+        if args.command == "train-tiny":
+            return train_command(args)
         from .bench import bench_command
 
         return bench_command(args)
@@ -164,9 +214,11 @@ def check_run_arguments(args: argparse.Namespace) -> dict[str, Any]:
     for flag, value in positive.items():
         if value is not None and value <= 0:
             raise UsageError(f"{flag} must be positive, got {value}")
-    if args.min_pixels > args.max_pixels:
-        raise UsageError(f"--min-pixels ({args.min_pixels}) must not exceed --max-pixels ({args.max_pixels})")
-    if args.max_pixels < RESIZE_FACTOR**2:
+    # Without --max-pixels the model's own applies (Qwen's at most); smart_resize checks the rest.
+    max_pixels = args.max_pixels if args.max_pixels is not None else DEFAULT_MAX_PIXELS
+    if args.min_pixels is not None and args.min_pixels > max_pixels:
+        raise UsageError(f"--min-pixels ({args.min_pixels}) must not exceed --max-pixels ({max_pixels})")
+    if args.max_pixels is not None and args.max_pixels < RESIZE_FACTOR**2:
         raise UsageError(f"--max-pixels must be at least {RESIZE_FACTOR**2} (one 28x28 patch), got {args.max_pixels}")
     return dict(parse_param(p) for p in args.param)
 
@@ -175,9 +227,21 @@ def run_command(args: argparse.Namespace) -> int:
     # Cheapest checks first: the arguments, then the file (PyAV reads its header), then the policy and the
     # budget against one chunk of this video (imports torch), and only then the model (seconds to minutes).
     params = check_run_arguments(args)
-    path = Path(args.video) if args.video else sample_video_path()
-    video = open_video(path, fps=args.fps, max_frames=args.max_frames, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+    if args.video:
+        open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
     from .engine import auto_budget, check_chunk_fits, validate_budget
+    from .models.qwen_vl import preferred_pixel_range
+
+    # The model's own pixel range where not given (the trained tiny model saw 112 x 112 frames).
+    default_min, default_max = preferred_pixel_range(args.model)
+    max_pixels = args.max_pixels or default_max
+    min_pixels = args.min_pixels or min(default_min, max_pixels)
+    episode = None if args.video else sample_episode()
+    if episode is None:
+        video = open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames, min_pixels=min_pixels,
+                           max_pixels=max_pixels)
+    else:
+        video = episode.video.sampled(args.fps).head(args.max_frames).resized(min_pixels, max_pixels)
     from .policies import make_policy
 
     policy = make_policy(args.policy, **params)
@@ -209,10 +273,9 @@ def run_command(args: argparse.Namespace) -> int:
     print(video.describe(), file=sys.stderr)
     sizes = f", M={budget}" + (f", C={keep}" if keep is not None else "") + note
     print(f"model {model.name}; policy {policy.name}" + (sizes if policy.bounded else ""), file=sys.stderr)
-    if model.random_weights:
-        from .models.tiny import RANDOM_WEIGHTS_NOTICE
-
-        print(f"note: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr)
+    if model.notice:
+        elsewhere = " Its answers about this video mean little." if episode is None and not model.random_weights else ""
+        print(f"note: {model.notice}{elsewhere}", file=sys.stderr)
     engines = {"policy": engine}
     if args.coverage and policy.bounded:
         engines["full"] = StreamEngine(model, "full", fps=video.fps)
@@ -236,7 +299,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"\nQ: {question}\nA: ", end="", flush=True)
         for piece in engine.ask(question):
             print(piece, end="", flush=True)
-        print()
+        print(f"   ({grade(episode, question, engine.answers[-1].answer, engine.last_time_s).note})" if episode else "")
     report = engine.report(video=video.describe(), lost_frames=video.lost_frames)
     print(summary_table(report, engine))
     if args.coverage:
@@ -293,3 +356,50 @@ def budget_text(report: dict[str, Any]) -> str:
 
 def _percent(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "n/a"
+
+
+def check_eval_arguments(args: argparse.Namespace) -> None:
+    """Plain checks of ``eval``'s arguments; ``--policies``/``--delays`` become lists. Raises :class:`UsageError`."""
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not args.policies:
+        raise UsageError("--policies names no policy")
+    try:
+        args.delays = tuple(float(d) for d in args.delays.split(",") if d.strip())
+    except ValueError:
+        raise UsageError(f"--delays takes seconds separated by commas, got {args.delays!r}") from None
+    if not args.delays or min(args.delays) < 0:
+        raise UsageError(f"--delays must be non-negative seconds, got {args.delays}")
+    for flag, value in {"--episodes": args.episodes, "--threads": args.threads, "--budget": args.budget, "--keep": args.keep}.items():
+        if value is not None and value <= 0:
+            raise UsageError(f"{flag} must be positive, got {value}")
+
+
+def train_command(args: argparse.Namespace) -> int:
+    """Train the tiny model, check it on held-out streams (full cache, every default delay), save it."""
+    import os
+
+    import torch
+
+    from .evaluation import evaluate
+    from .models.tiny import TRAINED_DIR
+    from .training import TrainConfig, train_tiny
+
+    if args.threads <= 0 or args.check_episodes < 0:
+        raise UsageError("--threads must be positive and --check-episodes non-negative")
+    load_before = os.getloadavg()
+    trainer, record = train_tiny(TrainConfig(seed=args.seed, threads=args.threads), out=None, progress=not args.quiet)
+    record["load_average_before"], record["load_average_after"] = list(load_before), list(os.getloadavg())
+    minutes = record["train_seconds"] / 60
+    print(f"trained in {minutes:.1f} min, {record['train_cpu_seconds'] / 60:.1f} CPU-min ({args.threads} threads; "
+          f"1-min load average {load_before[0]:.2f} before, {record['load_average_after'][0]:.2f} after)", file=sys.stderr)
+    if args.check_episodes:
+        torch.set_num_threads(args.threads)
+        # Seed + 1: other held-out streams than the benchmark's default seed 0.
+        check = evaluate(trainer.adapter, ["full"], episodes=args.check_episodes, seed=args.seed + 1, progress=not args.quiet)
+        record["check"] = {key: check[key] for key in ("accuracy", "by_kind", "questions", "chance", "episodes")}
+        row = check["accuracy"]["full"]
+        print("held-out full-cache accuracy by delay: " + ", ".join(f"{d} s {a:.3f}" for d, a in row.items())
+              + f" ({check['questions']['total']} questions, chance {check['chance']:.3f})")
+    folder = trainer.save(Path(args.out) if args.out else TRAINED_DIR, record)
+    print(f"weights, config and tokenizer written to {folder}", file=sys.stderr)
+    return 0

@@ -29,8 +29,9 @@ import numpy as np
 from .coverage import coverage
 from .engine import EngineError, FrameStream, MemoryCapError, StreamEngine, check_chunk_fits, validate_budget
 from .models.qwen_vl import DEFAULT_REAL_MODEL, ModelError, load_model, resolve_model_name
-from .models.tiny import RANDOM_WEIGHTS_NOTICE
+from .models.tiny import OFFLINE_NOTICES, TINY_NAME, TINY_RANDOM_NAME, TRAINED_MAX_PIXELS
 from .policies import BudgetError, make_policy, policy_params
+from .synthetic import Episode, grade, sample_episode, sample_manifest
 from .video import (
     DEFAULT_MIN_PIXELS,
     RESIZE_FACTOR,
@@ -38,7 +39,6 @@ from .video import (
     VideoError,
     open_video,
     resize_frames,
-    sample_video_path,
     tokens_per_grid,
 )
 from . import viz
@@ -109,7 +109,7 @@ class ModelHub:
             return self._models[name]
 
     def choices(self) -> list[str]:
-        names = [self.default, "tiny", DEFAULT_REAL_MODEL, "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-2B-Instruct"]
+        names = [self.default, TINY_NAME, TINY_RANDOM_NAME, DEFAULT_REAL_MODEL, "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-2B-Instruct"]
         return list(dict.fromkeys(names))
 
 
@@ -212,6 +212,8 @@ class Session:
     stopped: dict[str, str] = field(default_factory=dict)
     chat: dict[str, list[dict[str, str]]] = field(default_factory=lambda: {"policy": [], "full": []})
     source: str = ""
+    #: The generated stream being played (its ground truth grades the answers); None for files and the webcam.
+    episode: Episode | None = None
     lost_frames: int = 0
     frame_size: tuple[int, int] | None = None
     chunk_ms: float = 0.0
@@ -252,9 +254,9 @@ class Session:
         return self.engines.get("policy")
 
     @property
-    def random_weights(self) -> bool:
+    def model(self):
         engine = self.policy
-        return bool(engine and engine.model.random_weights)
+        return engine.model if engine else None
 
 
 def free_session(session: Session | None, hub: ModelHub | None = None) -> None:
@@ -562,9 +564,14 @@ def run_video(
     previous = session
     try:
         check_run_settings(settings)
-        path = Path(video_path) if video_path else sample_video_path()
-        video = open_video(path, fps=settings.fps, max_pixels=settings.max_pixels, min_pixels=min(settings.max_pixels, DEFAULT_MIN_PIXELS))
+        min_pixels = min(settings.max_pixels, hub.get(settings.model).min_pixels)
+        episode = None if video_path else sample_episode()
+        if episode is None:
+            video = open_video(Path(video_path), fps=settings.fps, max_pixels=settings.max_pixels, min_pixels=min_pixels)
+        else:
+            video = episode.video.sampled(settings.fps).resized(min_pixels, settings.max_pixels)
         state = start_session(hub, settings, video.describe(), video.size, video.fps)
+        state.episode = episode
     except USER_ERRORS as exc:
         yield kept_previous(previous, str(exc))
         return
@@ -674,7 +681,8 @@ def webcam_frame(
         return {"session": state}
     started = False
     try:
-        resized = resize_frames(np.asarray(frame, dtype=np.uint8)[None, ..., :3], min(settings.max_pixels, DEFAULT_MIN_PIXELS), settings.max_pixels)
+        min_pixels = min(settings.max_pixels, hub.get(settings.model).min_pixels)
+        resized = resize_frames(np.asarray(frame, dtype=np.uint8)[None, ..., :3], min_pixels, settings.max_pixels)
         size = tuple(resized.shape[1:3])
         if state.settings != settings or state.stream is None or not state.source.startswith("webcam") or state.frame_size != size:
             check_run_settings(settings)
@@ -741,12 +749,24 @@ def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Ite
 
 
 def _answer_markdown(state: Session, name: str, answer) -> str:
-    note = " · random weights" if state.random_weights else ""
     text = answer.answer or "(empty answer)"
     return (
         f"{text}\n\n<small>first token {answer.ttft_ms:.0f} ms · {answer.tokens} tokens in {answer.ms:.0f} ms · "
-        f"cache {answer.cache_bytes / 2**20:.2f} MB, {answer.visual_tokens} visual tokens{note}</small>"
+        f"cache {answer.cache_bytes / 2**20:.2f} MB, {answer.visual_tokens} visual tokens{answer_note(state, answer)}</small>"
     )
+
+
+def answer_note(state: Session, answer) -> str:
+    """What an answer is worth: graded against the ground truth on a generated stream; on other inputs,
+    a warning when the model is an offline tiny one (random, or trained only on generated streams)."""
+    model = state.model
+    if model is not None and model.random_weights:
+        return " · random weights"
+    if state.episode is not None:
+        return " · " + grade(state.episode, answer.question, answer.answer, state.policy.last_time_s).note
+    if model is not None and model.notice:
+        return " · the tiny model knows only its generated streams: on this video its answers mean little"
+    return ""
 
 
 def reset_chat(session: Session | None) -> dict[str, Any]:
@@ -762,8 +782,12 @@ def reset_chat(session: Session | None) -> dict[str, Any]:
 
 def default_budget(model_name: str) -> tuple[int, int, int]:
     """(M, C, max pixels) defaults: the paper's 6144/4608 at Qwen's video resolution on a real model;
-    a budget that compresses visibly within a short clip at a small resolution on the tiny model."""
-    if resolve_model_name(model_name) == "tiny":
+    budgets that compress visibly within a short clip on the tiny models (the trained one at the 112 x 112
+    frames it was trained on, 16 tokens per frame pair; M - C = 20 holds a chunk at its max pixels, 20 tokens)."""
+    name = resolve_model_name(model_name)
+    if name == TINY_NAME:
+        return 64, 44, TRAINED_MAX_PIXELS
+    if name == TINY_RANDOM_NAME:
         return 1024, 768, 256 * 28 * 28
     return 6144, 4608, 768 * 28 * 28
 
@@ -774,7 +798,7 @@ def build_demo(hub: ModelHub | None = None):
 
     hub = hub or ModelHub()
     budget0, keep0, pixels0 = default_budget(hub.default)
-    random_model = resolve_model_name(hub.default) == "tiny"
+    sample = sample_episode()
 
     with gr.Blocks(title="kvdemo: KV-cache compression for streaming video", delete_cache=CACHE_CLEANUP) as demo:
         session = gr.State(value=None, time_to_live=SESSION_TTL_S, delete_callback=lambda state: free_session(state, hub))
@@ -783,11 +807,7 @@ def build_demo(hub: ModelHub | None = None):
             "Stream a video into a vision-language model under a hard KV-cache budget, watch the cache, "
             "see which patches survive, and ask questions of the compressed memory and of a full-cache baseline."
         )
-        banner = gr.Markdown(
-            f"<div style='padding:8px;border-radius:6px;background:#fff3cd;color:#664d03'>⚠️ {RANDOM_WEIGHTS_NOTICE} "
-            "Choose a real Qwen2.5-VL model on a GPU machine for meaningful answers.</div>",
-            visible=random_model,
-        )
+        banner = gr.Markdown(banner_html(hub.default), visible=bool(banner_html(hub.default)), elem_id="banner")
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
                 with gr.Tab("Video"):
@@ -796,12 +816,15 @@ def build_demo(hub: ModelHub | None = None):
                         run_button = gr.Button("Run", variant="primary", elem_id="run-button")
                         sample_button = gr.Button("Run the bundled sample", elem_id="sample-button")
                         stop_button = gr.Button("Stop", variant="stop", elem_id="stop-button")
+                    with gr.Accordion("What the bundled sample shows", open=False):
+                        gr.Markdown(sample_manifest(sample), elem_id="sample-manifest")
                 with gr.Tab("Webcam"):
                     webcam = gr.Image(label="Webcam (frames are buffered into chunks)", sources=["webcam"],
                                       streaming=True, type="numpy", height=220, elem_id="webcam")
                 with gr.Accordion("Settings", open=True):
-                    model = gr.Dropdown(hub.choices(), value=hub.default, label="Model", allow_custom_value=True,
-                                        info="tiny runs offline on the CPU (random weights); Qwen ids need a GPU and the Hub")
+                    model = gr.Dropdown(hub.choices(), value=hub.default, label="Model", allow_custom_value=True, elem_id="model",
+                                        info="tiny runs offline on the CPU (trained on generated streams; tiny-random: "
+                                             "random weights); Qwen ids need a GPU and the Hub")
                     policy = gr.Dropdown(UI_POLICIES, value="infinipot-v", label="Policy")
                     with gr.Row():
                         budget = gr.Number(budget0, label="M (max visual tokens)", precision=0, elem_id="budget")
@@ -840,6 +863,9 @@ def build_demo(hub: ModelHub | None = None):
                                           scale=4, elem_id="question")
                     ask_button = gr.Button("Ask", variant="primary", scale=1, elem_id="ask-button")
                     clear_button = gr.Button("New conversation", scale=1)
+                examples = gr.Dataset(components=[question], samples=[[q.text] for q in sample.questions],
+                                      label="Questions about the bundled sample (click to ask both engines)",
+                                      elem_id="examples")
                 with gr.Row():
                     with gr.Column():
                         policy_title = gr.Markdown(policy_label("infinipot-v", budget0, keep0), label="Policy chat title",
@@ -913,6 +939,10 @@ def build_demo(hub: ModelHub | None = None):
             for update in ask(session, question):
                 yield to_components(update)
 
+        def ask_example(session, example):
+            for update in ask(session, example[0]):
+                yield {**to_components(update), question: example[0]}
+
         def new_conversation(session):
             return to_components(reset_chat(session))
 
@@ -948,6 +978,8 @@ def build_demo(hub: ModelHub | None = None):
         ask_button.click(ask_both, [session, question], ask_outputs, api_name="ask", show_progress_on=[status], **questions)
         question.submit(ask_both, [session, question], ask_outputs, api_visibility="private", show_progress_on=[status],
                         **questions)
+        examples.click(ask_example, [session, examples], [*ask_outputs, question], api_visibility="private",
+                       show_progress_on=[status], **questions)
         clear_button.click(new_conversation, [session], [session, policy_chat, full_chat], api_name="new_conversation",
                            concurrency_limit=None)
         chart_button.click(export_chart, [session], chart_file, api_name="export_chart", concurrency_limit=None)
@@ -959,15 +991,23 @@ def build_demo(hub: ModelHub | None = None):
               api_name="check_settings", show_progress="hidden", concurrency_limit=None)
         policy.change(lambda name: [gr.update(visible=name == n) for n in groups], [policy], list(groups.values()),
                       api_visibility="private")
-        model.change(lambda name: gr.update(visible=_is_tiny(name)), [model], banner, api_visibility="private")
+        model.change(lambda name: gr.update(value=banner_html(name), visible=bool(banner_html(name))), [model], banner,
+                     api_visibility="private")
     return demo
 
 
-def _is_tiny(name: str | None) -> bool:
+def banner_html(model_name: str | None) -> str:
+    """The warning shown over the app for an offline tiny model ('' for real models)."""
     try:
-        return resolve_model_name(name) == "tiny"
+        notice = OFFLINE_NOTICES.get(resolve_model_name(model_name))
     except Exception:
-        return False
+        notice = None
+    if not notice:
+        return ""
+    advice = ("Run the bundled sample and ask about it; on other videos its answers mean little."
+              if resolve_model_name(model_name) == TINY_NAME else "")
+    return (f"<div style='padding:8px;border-radius:6px;background:#fff3cd;color:#664d03'>⚠️ {notice} {advice} "
+            "Choose a real Qwen2.5-VL model on a GPU machine for meaningful answers about real videos.</div>")
 
 
 def _param_component(gr, spec, policy: str):

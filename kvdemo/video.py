@@ -1,4 +1,4 @@
-"""Video in: decoding, fps sampling, Qwen's "smart resize", chunking, and the synthetic sample video.
+"""Video in: decoding, fps sampling, Qwen's "smart resize", chunking, and generated clips.
 
 Frames leave this module as uint8 arrays ``[T, H, W, 3]`` already resized to the model's grid
 (sides multiples of 28), so every engine and every view shares one exact pixel grid.
@@ -6,6 +6,7 @@ Frames leave this module as uint8 arrays ``[T, H, W, 3]`` already resized to the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -102,6 +103,30 @@ class Video:
     def describe(self) -> str:
         return _describe(Path(self.source).name, self.num_frames, self.fps, self.size, self.source_size,
                          self.source_fps, self.lost_frames)
+
+    def head(self, max_frames: int | None) -> "Video":
+        """The first ``max_frames`` frames (all of them when ``None``)."""
+        if max_frames is None or max_frames >= self.num_frames:
+            return self
+        if max_frames <= 0:
+            raise VideoError(f"max_frames must be positive, got {max_frames}")
+        return dataclasses.replace(self, frames=self.frames[:max_frames], times_s=self.times_s[:max_frames])
+
+    def sampled(self, fps: float) -> "Video":
+        """The frames shown at times ``k / fps`` (``fps`` below the video's own rate); at or above it the
+        video as it is (it streams at its own rate, as a file does)."""
+        if fps <= 0:
+            raise VideoError(f"sampling fps must be positive, got {fps}")
+        if fps >= self.fps:
+            return self
+        count = sample_count(self.num_frames / self.fps, fps)
+        index = np.minimum(np.floor(np.arange(count) / fps * self.fps + 1e-9).astype(int), self.num_frames - 1)
+        return dataclasses.replace(self, frames=self.frames[index], times_s=self.times_s[index], fps=float(fps))
+
+    def resized(self, min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS) -> "Video":
+        """The frames resized into ``[min_pixels, max_pixels]`` by Qwen's rule (itself when already there)."""
+        frames = resize_frames(self.frames, min_pixels, max_pixels)
+        return self if frames is self.frames else dataclasses.replace(self, frames=frames)
 
     def chunks(self, frames_per_chunk: int = 2) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         """Yield ``(first_frame_index, frames [T, H, W, 3], times_s [T])`` chunks of at most ``frames_per_chunk``."""
@@ -343,69 +368,18 @@ def synthetic_video(
     fps: float = 2.0,
     seed: int = 0,
 ) -> Video:
-    """Moving, appearing and disappearing shapes on a textured background (no file, no download).
+    """``num_frames`` frames of a generated stream (:mod:`kvdemo.synthetic`: shapes appearing, moving and
+    leaving on a textured background) at ``height`` x ``width`` (multiples of 28); no file, no download.
 
-    Deterministic for a given ``seed``; already a multiple of 28 for the default size.
+    Deterministic for a given ``seed``.
     """
+    from .synthetic import StreamSpec, generate_episode
+
     if num_frames <= 0:
         raise VideoError(f"a synthetic video needs at least one frame, got {num_frames}")
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
-    background = np.stack(
-        [
-            110 + 40 * np.sin(xx / 17.0) * np.cos(yy / 23.0),
-            120 + 30 * np.sin((xx + yy) / 29.0),
-            100 + 35 * np.cos(xx / 41.0 - yy / 13.0),
-        ],
-        axis=-1,
-    )
-    background += rng.normal(0, 6, size=background.shape)
-    shapes = []
-    colours = [(230, 60, 50), (40, 200, 90), (60, 90, 240), (240, 220, 40), (220, 60, 220)]
-    for k in range(5):
-        shapes.append(
-            dict(
-                kind=k % 3,
-                colour=np.array(colours[k], dtype=np.float32),
-                radius=rng.uniform(0.07, 0.14) * min(height, width),
-                start=rng.uniform(0.1, 0.9, size=2) * (height, width),
-                velocity=rng.uniform(-0.035, 0.035, size=2) * (height, width),
-                birth=int(rng.integers(0, max(1, num_frames // 2))),
-                life=int(rng.integers(max(2, num_frames // 3), num_frames + 1)),
-            )
-        )
-    frames = np.empty((num_frames, height, width, 3), dtype=np.uint8)
-    for t in range(num_frames):
-        canvas = background.copy()
-        for shape in shapes:
-            if not shape["birth"] <= t < shape["birth"] + shape["life"]:
-                continue
-            cy, cx = shape["start"] + shape["velocity"] * (t - shape["birth"])
-            cy, cx = _bounce(cy, height), _bounce(cx, width)
-            r = shape["radius"]
-            if shape["kind"] == 0:
-                mask = (yy - cy) ** 2 + (xx - cx) ** 2 <= r**2
-            elif shape["kind"] == 1:
-                mask = (np.abs(yy - cy) <= r) & (np.abs(xx - cx) <= r)
-            else:
-                mask = (yy - cy + r >= 0) & (np.abs(xx - cx) <= (yy - cy + r) / 2) & (yy - cy <= r)
-            canvas[mask] = shape["colour"]
-        frames[t] = np.clip(canvas, 0, 255).astype(np.uint8)
-    return Video(
-        frames=frames,
-        times_s=np.arange(num_frames, dtype=np.float64) / fps,
-        fps=float(fps),
-        source=f"synthetic(seed={seed})",
-        source_fps=float(fps),
-        source_frames=num_frames,
-        source_size=(height, width),
-    )
-
-
-def _bounce(value: float, size: int) -> float:
-    period = 2 * size
-    value = value % period
-    return period - value if value > size else value
+    pairs = -(-num_frames // 2)
+    spec = StreamSpec(pairs=(pairs, pairs), size=(height, width), fps=fps)
+    return generate_episode(seed, spec).video.head(num_frames)
 
 
 def write_video(path: str | Path, frames: np.ndarray, fps: float) -> Path:
@@ -425,19 +399,3 @@ def write_video(path: str | Path, frames: np.ndarray, fps: float) -> Path:
         for packet in stream.encode():
             container.mux(packet)
     return path
-
-
-SAMPLE_VIDEO = Path(__file__).resolve().parent.parent / "assets" / "sample.mp4"
-
-
-def sample_video_path() -> Path:
-    """The bundled sample (a synthetic clip made by :func:`make_sample_video`)."""
-    if not SAMPLE_VIDEO.exists():
-        make_sample_video(SAMPLE_VIDEO)
-    return SAMPLE_VIDEO
-
-
-def make_sample_video(path: str | Path = SAMPLE_VIDEO) -> Path:
-    """Write the bundled sample: 24 s of synthetic shapes at 8 fps, 392x280 (on Qwen's grid as it is)."""
-    clip = synthetic_video(num_frames=192, height=280, width=392, fps=8.0, seed=7)
-    return write_video(path, clip.frames, fps=8.0)

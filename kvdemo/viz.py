@@ -19,9 +19,14 @@ NEW_COLOUR = (170, 170, 170)
 REASON_COLOURS = [(66, 133, 244), (251, 140, 0), (52, 168, 83), (171, 71, 188), (0, 172, 193)]
 
 
-def thumbnail(frame: np.ndarray, max_width: int = 320) -> np.ndarray:
-    """Downscale an RGB frame ``[H, W, 3]`` to at most ``max_width`` wide (aspect kept)."""
+def thumbnail(frame: np.ndarray, max_width: int = 320, min_width: int = 224) -> np.ndarray:
+    """Downscale an RGB frame ``[H, W, 3]`` to at most ``max_width`` wide (aspect kept); a frame narrower
+    than ``min_width`` (the tiny model's 112 x 112) is enlarged by a whole factor, pixels repeated, so its
+    patches stay crisp and the captions above it fit."""
     height, width = frame.shape[:2]
+    if width < min_width:
+        factor = max(1, min(-(-min_width // width), max_width // width))
+        return np.ascontiguousarray(frame.repeat(factor, axis=0).repeat(factor, axis=1))
     if width <= max_width:
         return np.ascontiguousarray(frame)
     new_size = (max_width, max(1, round(height * max_width / width)))

@@ -10,6 +10,8 @@ from gradio_client import Client, handle_file
 
 from conftest import APP_MAX_SESSIONS
 
+from kvdemo.ui import default_budget
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Outputs of /run and /run_sample, and of /ask, by position.
@@ -59,8 +61,9 @@ def test_upload_run_ask_and_read_the_report(client, media):
     assert "20/20 frames" in final[STATUS]
     report = fetch_json(final[REPORT])
     assert report["frames"] == 20 and report["policy"] == "infinipot-v"
-    assert report["peak_visual_tokens"] <= report["budget"] == 1024
-    assert report["baseline"]["peak_visual_tokens"] == 1350
+    budget, _, _ = default_budget("tiny")
+    assert report["peak_visual_tokens"] <= report["budget"] == budget
+    assert report["baseline"]["peak_visual_tokens"] == 10 * 15  # 140 x 84 frames: the trained tiny model's pixel range
     answer = client.submit("What is cooking?", api_name="/ask").result()
     for chat in (answer[ASK_POLICY_CHAT], answer[ASK_FULL_CHAT]):
         assert chat[0]["role"] == "user" and chat[1]["role"] == "assistant"
@@ -111,7 +114,7 @@ def test_as_you_type_check_applies_runs_rule_to_the_uploaded_video(client, media
     assert client.predict("infinipot-v", 1024, 889, 2, 200704, pancake, api_name="/check_settings").startswith("✓")
     verdict = client.predict("infinipot-v", 1024, 890, 2, 200704, pancake, api_name="/check_settings")
     assert verdict.startswith("⚠️") and "M - C = 134 leaves no room for one chunk (135 visual tokens" in verdict
-    run = client.predict(pancake, budget=1024, keep=890, api_name="/run")
+    run = client.predict(pancake, budget=1024, keep=890, max_pixels=200704, api_name="/run")
     assert "M - C = 134 leaves no room for one chunk (135 visual tokens" in run[STATUS]
     # Without a video: a chunk at max pixels (200704 / 28^2 = 256 tokens).
     assert "smaller than one chunk (256" in client.predict("infinipot-v", 100, 50, 2, 200704, None, api_name="/check_settings")
@@ -149,15 +152,15 @@ def test_a_question_during_the_stream_is_answered_before_it_ends(client):
     answer = client.submit("What is there now?", api_name="/ask").result()
     seen = visual_tokens_seen(answer_text(answer[ASK_FULL_CHAT]))
     final = run.result()
-    assert "48/48 frames" in final[STATUS]
-    assert 0 < seen < 48 // 2 * 140, "the baseline answered from the stream so far, mid-run"
+    assert "80/80 frames" in final[STATUS]
+    assert 0 < seen < 80 // 2 * 16, "the baseline answered from the stream so far, mid-run"
 
 
 def test_a_question_is_served_while_three_sessions_stream(app_url):
     """Three sessions stream at once (more than the stream slots); one asks mid-stream and is answered from
     its memory so far while all three still stream: questions never wait for other sessions' streams."""
     clients = [new_client(app_url) for _ in range(3)]
-    runs = [c.submit(*sample_settings(8), api_name="/run_sample") for c in clients]  # 192 frames each
+    runs = [c.submit(*sample_settings(8), api_name="/run_sample") for c in clients]  # 80 frames each (its own 2 fps)
     for update in runs[0]:
         if frames_done(update[STATUS]) > 0:
             break
@@ -170,7 +173,7 @@ def test_a_question_is_served_while_three_sessions_stream(app_url):
                 break
         other.predict(api_name="/stop")
     final = runs[0].result()
-    assert "192/192 frames" in final[STATUS]
+    assert "80/80 frames" in final[STATUS]
     full_at_end = fetch_json(final[REPORT])["baseline"]["peak_visual_tokens"]
     assert 0 < seen < full_at_end, "answered from the memory so far, not after the stream ended"
     assert still_streaming[0] and any(still_streaming[1:]), "answered while its own and another session's streams ran"
@@ -186,10 +189,10 @@ def test_stop_ends_the_run_with_a_status_and_a_report_of_what_ran(client):
     client.predict(api_name="/stop")
     final = run.result()
     done = frames_done(final[STATUS])
-    assert "stopped at" in final[STATUS] and 4 <= done < 192
+    assert "stopped at" in final[STATUS] and 4 <= done < 80
     report = fetch_json(final[REPORT])
     assert report["frames"] == done and "stopped by the user" in report["stopped"]["run"]
-    assert "48/48" not in final[STATUS]
+    assert "80/80" not in final[STATUS]
 
 
 def test_the_apps_report_has_the_clis_format(client, media, tmp_path):
@@ -199,7 +202,7 @@ def test_the_apps_report_has_the_clis_format(client, media, tmp_path):
     app_report = fetch_json(final[REPORT])
     out = tmp_path / "cli.json"
     assert main(["run", "--video", str(media / "corrupted.mp4"), "--budget", "1024", "--keep", "768", "--quiet",
-                 "--max-pixels", "200704", "--min-pixels", "100352", "--json", str(out)]) == 0
+                 "--json", str(out)]) == 0  # the model's pixel range in both
     cli_report = json.loads(out.read_text())
     assert set(cli_report) <= set(app_report), f"missing in the app's report: {set(cli_report) - set(app_report)}"
     assert app_report["lost_frames"] == cli_report["lost_frames"] > 0

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("policy, budget, keep", [("full", None, None), ("uniform", 540, 405), ("sliding-window", 405, 270)])
 def test_run_writes_a_report_that_respects_the_budget(media, tmp_path, capsys, policy, budget, keep):
     out = tmp_path / "report.json"
-    args = ["run", "--video", str(media / "flipping_a_pancake.mkv"), "--policy", policy, "--json", str(out), "--quiet"]
+    args = ["run", "--video", str(media / "flipping_a_pancake.mkv"), "--policy", policy, "--json", str(out), "--quiet",
+            "--max-pixels", str(256 * 28 * 28)]
     if budget:
         args += ["--budget", str(budget), "--keep", str(keep)]
     args += ["--ask", "What is cooking?", "--max-new-tokens", "6"]
@@ -31,19 +32,35 @@ def test_run_writes_a_report_that_respects_the_budget(media, tmp_path, capsys, p
     assert report["answers"][0]["question"] == "What is cooking?"
     printed = capsys.readouterr()
     assert "peak visual tokens" in printed.out
-    assert "random weights" in printed.err
+    assert "trained on synthetic streams" in printed.err and "mean little" in printed.err
+
+
+def test_real_videos_reach_the_trained_tiny_model_at_its_own_resolution(media, tmp_path):
+    """By default frames are resized into the model's declared pixel range: the trained tiny model saw
+    112 x 112 frames, so the 426 x 240 clip becomes 140 x 84 (3 x 5 tokens per frame pair)."""
+    out = tmp_path / "report.json"
+    assert main(["run", "--video", str(media / "flipping_a_pancake.mkv"), "--policy", "full", "--quiet",
+                 "--ask", "What colour was the circle?", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["tokens_per_grid"] == 15 and report["frames"] == 20 and not report["random_weights"]
+    assert report["answers"][0]["answer"].strip()
 
 
 def test_run_without_video_uses_the_bundled_sample(capsys):
-    assert main(["run", "--max-frames", "8", "--quiet", "--policy", "full"]) == 0
-    assert "sample.mp4" in capsys.readouterr().err
+    from kvdemo.synthetic import sample_episode
+
+    question = next(q for q in sample_episode().questions if q.kind == "colour")
+    assert main(["run", "--quiet", "--policy", "full", "--ask", question.text]) == 0
+    printed = capsys.readouterr()
+    assert "generated(seed=7): 80 frames" in printed.err
+    assert f"A: {question.answer}" in printed.out and "✓ matches the ground truth" in printed.out
 
 
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["--policy", "uniform", "--budget", "100", "--keep", "200"], "C must be smaller than M"),
-        (["--policy", "uniform", "--budget", "100", "--keep", "50"], "smaller than one chunk"),
+        (["--policy", "uniform", "--budget", "100", "--keep", "50", "--max-pixels", str(256 * 28 * 28)], "smaller than one chunk"),
         (["--policy", "nope"], "unknown policy"),
         (["--policy", "uniform", "--param", "alpha=1"], "no parameter"),
         (["--fps", "0"], "fps must be positive"),
@@ -143,7 +160,8 @@ def test_a_missing_file_fails_before_torch_is_imported(tmp_path):
 
 
 def test_a_budget_error_comes_before_the_model_loads_on_its_own_line(media):
-    done, imported = run_cli_in_a_fresh_process("run", "--video", str(media / "flipping_a_pancake.mkv"), "--budget", "100", "--keep", "50")
+    done, imported = run_cli_in_a_fresh_process("run", "--video", str(media / "flipping_a_pancake.mkv"), "--budget", "100", "--keep", "50",
+                                                "--max-pixels", "200704")
     assert done.returncode == 2
     # No progress bar, no model line: the one line is the error (426x240 -> 252x420 -> 9x15 = 135 tokens per chunk).
     assert done.stderr.strip().splitlines() == [
@@ -185,4 +203,4 @@ def test_help_is_plain_text_with_descriptions_and_examples():
         assert "examples:" in text and f"python -m kvdemo {command}" in text.split("examples:")[1]
         assert "infinipot-v" in text and "cords" in text, "the policies are listed"
     run_help = subprocess.run([sys.executable, "-m", "kvdemo", "run", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
-    assert "default infinipot-v" in " ".join(run_help.split())  # wrapped wherever the terminal width puts it
+    assert "default infinipot-v" in " ".join(run_help.split())  # argparse wraps lines at the terminal's width

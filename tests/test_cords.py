@@ -157,7 +157,7 @@ def test_cli_coverage_compares_with_full(media, tmp_path):
 
     out = tmp_path / "r.json"
     assert main(["run", "--video", str(media / "flipping_a_pancake.mkv"), "--policy", "cords", "--budget", "540",
-                 "--keep", "405", "--coverage", "--quiet", "--json", str(out)]) == 0
+                 "--keep", "405", "--max-pixels", "200704", "--coverage", "--quiet", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["coverage"]) == {"cords", "full"}
     assert report["coverage"]["full"]["joint"]["mean"] < 1e-5 < report["coverage"]["cords"]["joint"]["mean"]

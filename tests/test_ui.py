@@ -78,7 +78,22 @@ def test_errors_are_messages_and_keep_the_previous_stream(hub, media, tmp_path):
 
 def test_the_bundled_sample_runs_without_a_file(hub):
     updates, session = run(hub, None, None, budget=1024, keep=768)
-    assert "48/48 frames" in updates[-1]["status"]
+    assert "80/80 frames" in updates[-1]["status"] and "generated(seed=7)" in updates[-1]["status"]
+    assert session.policy.memory.grid_shape == (4, 4), "the trained tiny model gets its 112 x 112 frames"
+
+
+def test_answers_on_the_sample_are_graded_against_the_ground_truth(hub):
+    from kvdemo.synthetic import sample_episode
+
+    _, session = run(hub, None, None, budget=128, keep=96)
+    question = next(q for q in sample_episode().questions if q.kind == "colour")
+    final = list(ask(session, question.text))[-1]
+    for chat in (final["policy_chat"], final["full_chat"]):
+        note = chat[1]["content"]
+        assert "✓ matches the ground truth" in note or f"✗ the ground truth is {question.answer}" in note
+    assert "✓ matches the ground truth" in final["full_chat"][1]["content"], "the full cache answers the sample right"
+    unknown = list(ask(session, "What is cooking?"))[-1]
+    assert "no ground truth" in unknown["full_chat"][-1]["content"]
 
 
 def test_asking_before_any_frame_is_a_message(hub):
@@ -93,7 +108,7 @@ def test_ask_streams_both_answers_and_keeps_memory(hub, media):
     final = updates[-1]
     for chat in (final["policy_chat"], final["full_chat"]):
         assert chat[0] == {"role": "user", "content": "What is cooking?"}
-        assert "first token" in chat[1]["content"] and "random weights" in chat[1]["content"]
+        assert "first token" in chat[1]["content"] and "its answers mean little" in chat[1]["content"]
     assert session.policy.memory.nbytes == before
     list(ask(session, "And then?"))
     assert len(session.chat["policy"]) == 4 and len(session.policy.history) == 2
@@ -119,7 +134,7 @@ def test_webcam_frames_are_buffered_into_chunks(hub):
         fed.append(session.policy.frames_fed)
     assert fed == [0, 2, 2, 4, 4, 6]  # one model call per pair of frames, never per frame
     assert "status" in update and len(session.thumbnails) == 3
-    bad = webcam_frame(hub, session, frame, settings(budget=100, keep=50))
+    bad = webcam_frame(hub, session, frame, settings(budget=90, keep=50))  # a grid of 252 x 308 px is 99 tokens
     assert "smaller than one chunk" in bad["status"] and bad["session"] is session
 
 
@@ -200,7 +215,7 @@ def test_the_session_pool_frees_the_least_recently_used_session(media):
     final = list(ask(sessions[1], "still there?"))[-1]
     assert "freed to make room: the app keeps at most 2 sessions" in final["status"]
     updates, again = run(small, sessions[1], None, fps=0.5, budget=1024, keep=768)
-    assert "12/12 frames" in updates[-1]["status"] and again.policy is not None
+    assert "20/20 frames" in updates[-1]["status"] and again.policy is not None  # the 40 s sample at 0.5 fps
 
 
 def test_a_new_run_replaces_the_previous_session_only_once_it_streams(hub, media, tmp_path):
@@ -266,8 +281,17 @@ def test_sessions_are_independent(hub, media):
     _, first = run(hub, None, media / "flipping_a_pancake.mkv")
     _, second = run(hub, None, None, budget=1024, keep=768)
     assert first.policy is not second.policy
-    assert first.policy.memory.num_grids == 10 and second.policy.memory.num_grids == 24
+    assert first.policy.memory.num_grids == 10 and second.policy.memory.num_grids == 40
     assert first.policy.model is second.policy.model  # one model per process
+
+
+def test_small_frames_get_enlarged_thumbnails_with_crisp_patches():
+    frame = np.arange(112 * 112 * 3, dtype=np.uint32).reshape(112, 112, 3).astype(np.uint8)
+    thumb = viz.thumbnail(frame)
+    assert thumb.shape == (224, 224, 3)
+    np.testing.assert_array_equal(thumb[::2, ::2], frame)
+    np.testing.assert_array_equal(thumb[1::2, 1::2], frame)
+    assert viz.thumbnail(np.zeros((240, 426, 3), np.uint8)).shape == (180, 320, 3)  # large frames still shrink
 
 
 def test_policies_declare_their_views_and_viz_draws_them(tiny, pancake):

@@ -73,6 +73,9 @@ class VideoLM(Protocol):
 
     name: str
     random_weights: bool
+    notice: str | None  # what its answers are worth, when that needs saying (offline tiny models)
+    min_pixels: int  # the pixel range frames are resized into for this model
+    max_pixels: int
     num_layers: int
     num_kv_heads: int
     head_dim: int

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..video import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 from .base import VisualChunk
 
 #: OPENAI_CLIP_MEAN / OPENAI_CLIP_STD, Qwen's pixel normalisation.
@@ -37,15 +38,15 @@ def pixel_values(
     Mirrors ``Qwen2VLVideoProcessor``: rescale 1/255, normalise with CLIP mean/std, pad an odd tail with
     the last frame, and lay patches out merge-block by merge-block.
     """
-    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float()  # [T, 3, H, W]
-    mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
-    video = (video * (1.0 / 255.0) - mean) / std
+    # Normalise channels-last (a broadcast over the contiguous last dim is ~7x faster than over dim 1).
+    video = torch.from_numpy(np.ascontiguousarray(frames)).float()  # [T, H, W, 3]
+    mean, std = torch.tensor(CLIP_MEAN), torch.tensor(CLIP_STD)
+    video = video.mul_(1.0 / 255.0).sub_(mean).div_(std).permute(0, 3, 1, 2)  # [T, 3, H, W]
     if pad := -video.shape[0] % temporal_patch_size:
         video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)], dim=0)
     num_frames, channels, height, width = video.shape
     grid_t, grid_h, grid_w = num_frames // temporal_patch_size, height // patch_size, width // patch_size
-    patches = video.view(
+    patches = video.reshape(
         grid_t,
         temporal_patch_size,
         channels,
@@ -98,11 +99,23 @@ class MRopeRotation:
 class QwenVL:
     """A Qwen2-VL / Qwen2.5-VL model behind the :class:`~kvdemo.models.base.VideoLM` protocol."""
 
-    def __init__(self, model: Any, tokenizer: Any, name: str, random_weights: bool = False) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        name: str,
+        random_weights: bool = False,
+        notice: str | None = None,
+        pixel_range: tuple[int, int] = (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS),
+    ) -> None:
         self.hf = model.eval()
         self.tokenizer = tokenizer
         self.name = name
         self.random_weights = random_weights
+        #: What its answers are worth, when that needs saying (the offline tiny models); shown by the CLI and UI.
+        self.notice = notice
+        #: The pixel range frames are resized into for this model (Qwen's defaults; the trained tiny model's own).
+        self.min_pixels, self.max_pixels = pixel_range
         config = model.config
         text, vision = config.text_config, config.vision_config
         self.family = config.model_type  # "qwen2_5_vl" or "qwen2_vl"
@@ -254,14 +267,26 @@ def resolve_model_name(name: str | None = None) -> str:
     return name
 
 
+def preferred_pixel_range(name: str | None = None) -> tuple[int, int]:
+    """The pixel range the model ``name`` declares (``QwenVL.min_pixels/max_pixels``), known without loading
+    it: the trained tiny model's own, Qwen's defaults for every other model."""
+    from .tiny import TINY_NAME, TRAINED_MAX_PIXELS, TRAINED_MIN_PIXELS
+
+    if resolve_model_name(name) == TINY_NAME:
+        return TRAINED_MIN_PIXELS, TRAINED_MAX_PIXELS
+    return DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS
+
+
 def load_model(name: str | None = None) -> QwenVL:
-    """Load ``tiny``, ``auto`` or a Hugging Face model id / local path."""
+    """Load ``tiny`` (trained), ``tiny-random``, ``auto`` or a Hugging Face model id / local path."""
+    from .tiny import TINY_NAME, TINY_RANDOM_NAME, build_tiny_model, load_trained_tiny
+
     resolved = resolve_model_name(name)
     log.info("loading model %s%s", resolved, f" ({name} resolves to it)" if name and name != resolved else "")
     start = time.perf_counter()
-    if resolved == "tiny":
-        from .tiny import build_tiny_model
-
+    if resolved == TINY_NAME:
+        model = load_trained_tiny()
+    elif resolved == TINY_RANDOM_NAME:
         model = build_tiny_model()
     else:
         model = load_qwen(resolved)

@@ -1,22 +1,38 @@
-"""The offline tiny model: transformers' own ``Qwen2_5_VLForConditionalGeneration`` built from a small
-config with a fixed seed, and a byte-level tokenizer made in code with Qwen's chat special tokens.
+"""The offline tiny models: transformers' own ``Qwen2_5_VLForConditionalGeneration`` at 0.92M parameters
+with the real vision geometry, and a byte-level tokenizer made in code with Qwen's chat special tokens.
 
-It runs the whole pipeline on a CPU with no download. Its weights are random, so its answers are
-noise: everything that shows them says so (``QwenVL.random_weights``).
+- ``tiny``: trained by the project on generated streams (``python -m kvdemo train-tiny``, weights in
+  ``assets/tiny``). It knows the shapes and colours of its own kind of stream and nothing else, and saw
+  112 x 112 frames (16 visual tokens per frame pair): it declares that pixel range, so videos are
+  resized to it.
+- ``tiny-random``: the same class with random weights (seeded), for mechanics tests; its answers are noise.
+
+Both run the whole pipeline on a CPU with no download; each says what its answers are worth
+(``QwenVL.notice``).
 """
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import torch
 
-from .qwen_vl import QwenVL
+from .qwen_vl import ModelError, QwenVL
 
 TINY_NAME = "tiny"
+TINY_RANDOM_NAME = "tiny-random"
+TRAINED_DIR = Path(__file__).resolve().parents[2] / "assets" / "tiny"
 RANDOM_WEIGHTS_NOTICE = (
     "Answers come from the offline tiny model with random weights: they show the mechanics, not understanding."
 )
+TRAINED_NOTICE = "A tiny model trained on synthetic streams: it knows shapes and colours, nothing else."
+OFFLINE_NOTICES = {TINY_NAME: TRAINED_NOTICE, TINY_RANDOM_NAME: RANDOM_WEIGHTS_NOTICE}
+#: The trained model's pixel range: 112 x 112 frames stay as they are (16 tokens per pair); other aspect
+#: ratios resize to about as many pixels (e.g. 16:9 and 4:3 -> 84 x 140, 15 tokens).
+TRAINED_MIN_PIXELS = 112 * 112
+TRAINED_MAX_PIXELS = 20 * 28 * 28
 SPECIAL_TOKENS = (
     "<|endoftext|>",
     "<|im_start|>",
@@ -31,11 +47,20 @@ SPECIAL_TOKENS = (
 class ByteTokenizer:
     """Bytes 0-255 are ids 0-255; Qwen's chat special tokens follow. ``encode``/``decode`` like a HF tokenizer."""
 
-    def __init__(self) -> None:
-        self.special_to_id = {token: 256 + i for i, token in enumerate(SPECIAL_TOKENS)}
+    def __init__(self, special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> None:
+        self.special_tokens = tuple(special_tokens)
+        self.special_to_id = {token: 256 + i for i, token in enumerate(self.special_tokens)}
         self.id_to_special = {i: token for token, i in self.special_to_id.items()}
-        self.vocab_size = 256 + len(SPECIAL_TOKENS)
-        self._split = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
+        self.vocab_size = 256 + len(self.special_tokens)
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in self.special_tokens) + ")")
+
+    @classmethod
+    def from_spec(cls, path: str | Path) -> "ByteTokenizer":
+        """The tokenizer described by a spec written by :func:`save_tokenizer_spec`."""
+        spec = json.loads(Path(path).read_text())
+        if spec.get("kind") != "bytes":
+            raise ModelError(f"{path}: not a byte-level tokenizer spec")
+        return cls(tuple(spec["special_tokens"]))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids: list[int] = []
@@ -61,8 +86,20 @@ class ByteTokenizer:
         return "".join(out)
 
 
-def tiny_config():
-    """A 4-layer, 2-KV-head Qwen2.5-VL with the real vision geometry (patch 14, merge 2, temporal 2)."""
+def save_tokenizer_spec(folder: str | Path) -> Path:
+    """Write ``tokenizer.json``: bytes 0-255 are ids 0-255, the special tokens follow in order."""
+    path = Path(folder) / "tokenizer.json"
+    path.write_text(json.dumps({"kind": "bytes", "special_tokens": list(SPECIAL_TOKENS)}, indent=1) + "\n")
+    return path
+
+
+def tiny_config(initializer_range: float = 0.1):
+    """A 4-layer, 2-KV-head Qwen2.5-VL with the real vision geometry (patch 14, merge 2, temporal 2).
+
+    ``initializer_range`` 0.1 (the random model) is wider than the usual 0.02 so that random answers
+    depend on what the cache holds (with 0.02 every context decodes to the same repeated byte), which
+    makes compression visible in the chat; training starts from 0.02.
+    """
     from transformers import Qwen2_5_VLConfig
 
     tokenizer = ByteTokenizer()
@@ -78,7 +115,7 @@ def tiny_config():
             max_position_embeddings=32768,
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 6, 6]},
             rms_norm_eps=1e-6,
-            initializer_range=0.1,
+            initializer_range=initializer_range,
             bos_token_id=ids["<|endoftext|>"],
             eos_token_id=ids["<|im_end|>"],
             pad_token_id=ids["<|endoftext|>"],
@@ -96,16 +133,14 @@ def tiny_config():
             out_hidden_size=128,
             fullatt_block_indexes=[1],
             tokens_per_second=2,
-            initializer_range=0.1,
+            initializer_range=initializer_range,
         ),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
-        # Wider than the usual 0.02 so that random answers depend on what the cache holds (with 0.02
-        # every context decodes to the same repeated byte), which makes compression visible in the chat.
-        initializer_range=0.1,
+        initializer_range=initializer_range,
     )
 
 
@@ -120,10 +155,29 @@ def build_tiny_model(seed: int = 0) -> QwenVL:
         torch.manual_seed(seed)
         model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
     tokenizer = ByteTokenizer()
-    adapter = QwenVL(model.float().eval(), tokenizer, name=TINY_NAME, random_weights=True)
+    adapter = QwenVL(model.float().eval(), tokenizer, name=TINY_RANDOM_NAME, random_weights=True, notice=RANDOM_WEIGHTS_NOTICE)
     # Random weights pick arbitrary bytes; keep answers to printable ASCII (and the stop token) so they stay legible.
     bias = torch.full((config.text_config.vocab_size,), float("-inf"))
     bias[32:127] = 0.0
     bias[tokenizer.special_to_id["<|im_end|>"]] = 0.0
     adapter.logit_bias = bias
     return adapter
+
+
+def load_trained_tiny(folder: str | Path = TRAINED_DIR) -> QwenVL:
+    """The trained tiny model from ``folder`` (``assets/tiny``) through transformers' ``from_pretrained``."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    folder = Path(folder)
+    if not (folder / "model.safetensors").exists():
+        raise ModelError(f"no trained tiny model in {folder}: run `python -m kvdemo train-tiny` (or use --model tiny-random)")
+    from ..attention import ATTN_IMPLEMENTATION
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
+    return QwenVL(
+        model.eval(),
+        ByteTokenizer.from_spec(folder / "tokenizer.json"),
+        name=TINY_NAME,
+        notice=TRAINED_NOTICE,
+        pixel_range=(TRAINED_MIN_PIXELS, TRAINED_MAX_PIXELS),
+    )

@@ -1,0 +1,264 @@
+"""``python -m kvdemo eval``: accuracy vs query delay on held-out generated streams (ProtoKV's protocol).
+
+Every episode is one generated stream (:mod:`kvdemo.synthetic`) fed frame pair by frame pair through
+one :class:`~kvdemo.engine.FrameStream` (one vision encoding per chunk) into one engine per policy.
+Each question is asked of every engine at every delay ``d`` after its evidence left view: once the
+frame pair starting at ``left_s + d`` (or the first one after it) has been fed, so even at ``d = 0``
+the newest frames no longer show the evidence. Asking never changes the memory, and the dialogue is
+reset after each question, so every answer comes from the memory alone.
+
+ProtoKV's protocol (its Sec. 4 and App. C.1): delays in seconds of stream time; only questions with
+invariant ground truth (both kinds here are: shapes are unique per stream, and the first object
+stays first); only questions that can be asked at every delay of the sweep inside the stream, so every
+delay is measured on the same questions. An answer is right when the greedy answer is the expected word.
+Chance is the mean over questions of 1 / (size of the answer vocabulary): 1/7 for colours, 1/6 for
+shapes. The interval is Wilson's 95% score interval over questions (questions of one stream are not
+independent, so it is a little optimistic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .synthetic import COLOURS, SHAPES, Episode, Question, StreamSpec, generate_episode, grade_answer
+
+if TYPE_CHECKING:  # the engine imports torch: loaded when an evaluation runs, not with the CLI's defaults
+    from .engine import StreamEngine
+    from .models.base import VideoLM
+
+#: Seed-sequence tag of evaluation streams (training uses another, so these streams are held out).
+EVAL_STREAMS = 2
+DEFAULT_DELAYS = (0, 4, 8, 16, 32)
+DEFAULT_POLICIES = ("full", "sliding-window", "uniform", "infinipot-v", "cords")
+#: Longest answer word ("triangle", "diamond", "purple", ...) plus the stop token, with room to spare.
+ANSWER_TOKENS = 12
+
+
+@dataclass(frozen=True)
+class Item:
+    """One question of one episode, asked after each grid in ``ask_after`` (one per delay)."""
+
+    episode: int
+    question: Question
+    ask_after: tuple[int, ...]
+
+    @property
+    def chance(self) -> float:
+        return 1.0 / (len(COLOURS) if self.question.kind == "colour" else len(SHAPES))
+
+
+def eval_spec(delays: tuple[float, ...], lead_in: int = 14) -> StreamSpec:
+    """Streams long enough to ask about evidence of the first ``lead_in`` seconds at the longest delay."""
+    pairs = lead_in + int(math.ceil(max(delays))) + 2
+    return StreamSpec(pairs=(pairs, pairs))
+
+
+def ask_grids(question: Question, delays: tuple[float, ...], pair_seconds: float) -> tuple[int, ...]:
+    """For each delay, the grid after which the question is asked: the first grid starting at or after
+    ``left_s + delay``."""
+    return tuple(int(math.ceil((question.left_s + d) / pair_seconds - 1e-9)) for d in delays)
+
+
+def valid_items(episode: Episode, index: int, delays: tuple[float, ...]) -> list[Item]:
+    """The episode's questions that can be asked at every delay before the stream ends."""
+    items = []
+    for question in episode.questions:
+        grids = ask_grids(question, delays, episode.pair_seconds)
+        if max(grids) < episode.pairs:
+            items.append(Item(index, question, grids))
+    return items
+
+
+def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's score interval for ``correct`` successes out of ``total``."""
+    if total == 0:
+        return 0.0, 1.0
+    p = correct / total
+    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def build_engines(model: VideoLM, policies: list[str], budget: int | None, keep: int | None, fps: float) -> dict[str, StreamEngine]:
+    """One engine per policy: a bounded policy gets ``M``, and ``C`` if it takes one (``uses_keep``)."""
+    from .engine import StreamEngine
+    from .policies import BudgetError, make_policy
+
+    engines = {}
+    for name in policies:
+        policy = make_policy(name)
+        if policy.bounded and budget is None:
+            raise BudgetError(f"policy {name!r} needs --budget (M) for the evaluation")
+        bounds = dict(budget=budget, keep=keep if policy.uses_keep else None) if policy.bounded else {}
+        engines[name] = StreamEngine(model, policy, fps=fps, max_new_tokens=ANSWER_TOKENS, **bounds)
+    return engines
+
+
+def run_episode(
+    model: VideoLM, episode: Episode, items: list[Item], policies: list[str], budget: int | None, keep: int | None
+) -> dict[str, list[list[bool]]]:
+    """Stream ``episode`` into one engine per policy and ask every item at each of its grids.
+
+    Returns, per policy, ``[item][delay] -> correct``.
+    """
+    from .engine import FrameStream
+
+    video = episode.video
+    engines = build_engines(model, policies, budget, keep, video.fps)
+    stream = FrameStream(model, video.fps)
+    due: dict[int, list[tuple[int, int]]] = {}
+    for i, item in enumerate(items):
+        for d, grid in enumerate(item.ask_after):
+            due.setdefault(grid, []).append((i, d))
+    results = {name: [[False] * len(item.ask_after) for item in items] for name in engines}
+    last = max(due)
+    for _, frames, times in video.chunks(model.temporal_patch_size):
+        chunk = stream.push(frames, times)
+        if chunk is None:
+            continue
+        for engine in engines.values():
+            engine.feed_chunk(chunk)
+        for i, d in due.get(chunk.first_grid + chunk.num_grids - 1, []):
+            question = items[i].question
+            for name, engine in engines.items():
+                answer = engine.answer(question.text, ANSWER_TOKENS)
+                engine.reset_dialogue()
+                results[name][i][d] = grade_answer(question.answer, answer.answer)
+        if chunk.first_grid + chunk.num_grids - 1 >= last:
+            break
+    return results
+
+
+def evaluate(
+    model: VideoLM,
+    policies: list[str],
+    delays: tuple[float, ...] = DEFAULT_DELAYS,
+    episodes: int = 200,
+    seed: int = 0,
+    budget: int | None = None,
+    keep: int | None = None,
+    spec: StreamSpec | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Accuracy per policy and delay on ``episodes`` held-out streams (see the module docstring).
+
+    Returns the JSON report: ``chance``, ``episodes``, ``budget``, ``keep``, ``accuracy[policy][delay]``,
+    plus ``interval`` (95%), ``by_kind``, ``questions`` and the engines' actual ``budgets``.
+    """
+    from .policies import BudgetError
+
+    if not policies:
+        raise BudgetError("name at least one policy")
+    if episodes <= 0:
+        raise BudgetError(f"--episodes must be positive, got {episodes}")
+    if not delays or min(delays) < 0:
+        raise BudgetError(f"delays must be non-negative seconds, got {list(delays)}")
+    spec = spec or eval_spec(delays)
+    budgets = {name: {"budget": e.budget, "keep": e.keep} for name, e in build_engines(model, policies, budget, keep, spec.fps).items()}
+    items: list[Item] = []
+    correct = {name: [[0] * len(delays) for _ in ("colour", "first")] for name in policies}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=episodes, unit="stream", desc="eval", file=sys.stderr, dynamic_ncols=True)
+    for index in range(episodes):
+        episode = generate_episode((seed, EVAL_STREAMS, index), spec)
+        episode_items = valid_items(episode, index, delays)
+        if episode_items:
+            results = run_episode(model, episode, episode_items, policies, budget, keep)
+            for name, per_item in results.items():
+                for item, row in zip(episode_items, per_item):
+                    kind = ("colour", "first").index(item.question.kind)
+                    for d, right in enumerate(row):
+                        correct[name][kind][d] += int(right)
+            items.extend(episode_items)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(questions=len(items))
+    if bar is not None:
+        bar.close()
+    counts = [sum(item.question.kind == kind for item in items) for kind in ("colour", "first")]
+    total = len(items)
+    accuracy, interval, by_kind = {}, {}, {}
+    for name in policies:
+        accuracy[name], interval[name], by_kind[name] = {}, {}, {}
+        for d, delay in enumerate(delays):
+            right = correct[name][0][d] + correct[name][1][d]
+            key = _delay_key(delay)
+            accuracy[name][key] = right / total if total else 0.0
+            interval[name][key] = list(wilson(right, total))
+            by_kind[name][key] = {
+                kind: correct[name][k][d] / counts[k] for k, kind in enumerate(("colour", "first")) if counts[k]
+            }
+    return {
+        "chance": sum(item.chance for item in items) / total if total else 0.0,
+        "episodes": episodes,
+        "budget": budget,
+        "keep": keep,
+        "accuracy": accuracy,
+        "interval": interval,
+        "by_kind": by_kind,
+        "questions": {"total": total, "colour": counts[0], "first": counts[1]},
+        "delays_s": [_delay_key(d) for d in delays],
+        "stream_pairs": spec.pairs[0],
+        "seed": seed,
+        "model": model.name,
+        "budgets": budgets,
+    }
+
+
+def _delay_key(delay: float) -> str:
+    return f"{delay:g}"
+
+
+def accuracy_table(report: dict[str, Any]) -> str:
+    """Accuracy per policy (rows) and delay (columns) with 95% intervals, chance and the question count."""
+    delays = report["delays_s"]
+    width = max(14, *(len(name) for name in report["accuracy"]))
+    header = f"{'policy':<{width}} {'M / C':>11} " + " ".join(f"{'delay ' + d + ' s':>17}" for d in delays)
+    lines = [header]
+    for name, row in report["accuracy"].items():
+        budget = report["budgets"][name]
+        size = "-" if budget["budget"] is None else f"{budget['budget']}" + (f" / {budget['keep']}" if budget["keep"] else "")
+        cells = []
+        for d in delays:
+            low, high = report["interval"][name][d]
+            cells.append(f"{row[d]:.2f} [{low:.2f},{high:.2f}]".rjust(17))
+        lines.append(f"{name:<{width}} {size:>11} " + " ".join(cells))
+    q = report["questions"]
+    lines.append(
+        f"chance {report['chance']:.3f}; {q['total']} questions ({q['colour']} colour, {q['first']} first-shape) "
+        f"from {report['episodes']} held-out streams of {report['stream_pairs']} s; [95% Wilson interval]"
+    )
+    return "\n".join(lines)
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    """``python -m kvdemo eval`` (arguments checked by the CLI before anything heavy loads)."""
+    import torch
+
+    from .models.qwen_vl import load_model
+    from .policies import make_policy
+
+    for name in args.policies:
+        make_policy(name)  # an unknown name fails here, before the model loads
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model)
+    if model.notice:
+        print(f"note: {model.notice}", file=sys.stderr)
+    report = evaluate(
+        model, args.policies, args.delays, args.episodes, args.seed, args.budget, args.keep, progress=not args.quiet
+    )
+    print(accuracy_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"results written to {args.json}", file=sys.stderr)
+    return 0

@@ -1,0 +1,418 @@
+"""``python -m kvdemo train-tiny``: train the offline tiny model from scratch on generated streams.
+
+The model is transformers' own ``Qwen2_5_VLForConditionalGeneration`` built from
+:func:`~kvdemo.models.tiny.tiny_config` (initializer range 0.02). Each training sequence is exactly what
+the engine feeds at inference: the chat prefix, the stream's visual tokens at the project's M-RoPE
+positions (2 fps), then every question of the stream as a multi-turn dialogue in random order, in the
+adapter's own template. Losses:
+
+- cross-entropy on the answer tokens (answer word + ``<|im_end|>``);
+- per-token colour and shape heads on the vision merger's output (weight 1 each), each token labelled
+  with the item covering most of it (:mod:`kvdemo.synthetic`): they teach the two-block vision encoder
+  shape and colour before the language model can use them;
+- a question head on the language model's hidden state after layer 2, at the question's "?" and the
+  template tokens up to the answer, predicting what is asked (the shape, or "which came first"; weight
+  0.5): it makes the model read the question (three shape names end in "e", so the answer position
+  alone cannot tell them apart).
+
+Curriculum: A) vision heads only on short streams; B) short streams; C) long streams (as long as the
+delay benchmark's). B and C share one learning-rate schedule (linear warm-up, cosine decay). AdamW,
+weight decay on matrices, gradient clipping. Reproducible: every step draws its streams from
+``numpy.random.default_rng((seed, phase, step, item))``, deterministic algorithms, a fixed thread count.
+The heads are training aids and are not saved; the weights, config and tokenizer go to ``assets/tiny``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .models.base import mrope_positions
+from .models.qwen_vl import QwenVL
+from .models.tiny import TINY_NAME, TRAINED_DIR, ByteTokenizer, save_tokenizer_spec, tiny_config
+from .synthetic import COLOURS, SHAPES, Episode, StreamSpec, generate_episode
+
+#: The question head's classes: the shape asked about, or "which shape appeared first".
+QUESTION_CLASSES = (*SHAPES, "first")
+#: Seed-sequence tag of training streams (evaluation uses another, so its streams are held out).
+TRAIN_STREAMS = 1
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One stage of the curriculum: ``steps`` steps of ``batch`` streams of ``pairs`` frame pairs
+    (one length per step, drawn in the range) with ``objects`` objects each."""
+
+    name: str
+    steps: int
+    batch: int
+    pairs: tuple[int, int]
+    objects: tuple[int, int] = (2, 4)
+    vision_only: bool = False
+
+
+PHASES = (
+    Phase("A vision", 200, 16, (3, 3), (4, 4), vision_only=True),
+    Phase("B short", 1200, 8, (2, 10)),
+    Phase("C long", 500, 8, (4, 48)),
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    #: torch threads. One: on a shared 2-core machine two OpenMP threads stall whenever either is
+    #: descheduled (measured here at load 9: 20x slower evaluation); data generation runs on a second
+    #: Python thread meanwhile, so both cores work.
+    threads: int = 1
+    phases: tuple[Phase, ...] = PHASES
+    vision_lr: float = 2e-3
+    vision_warmup: int = 50
+    lr: float = 1.5e-3
+    final_lr: float = 1.5e-4
+    warmup: int = 100
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.98)
+    clip: float = 1.0
+    question_weight: float = 0.5
+    question_layer: int = 2
+
+
+@dataclass
+class Batch:
+    """One training step's tensors.
+
+    pixels ``[N, 3*2*14*14]`` and grid_thw ``[B, 3]`` (the vision encoder's input); input_ids ``[B, L]``
+    (video placeholders at ``visual``), positions ``[3, B, L]``; colour/shape labels ``[B * tokens]``;
+    answer_at/question_at ``[2, n]`` (row, position) with their targets, answer_of ``[n]`` the question
+    each answer token belongs to (for question accuracy), first_kind ``[questions]`` True for "which shape
+    appeared first?".
+    """
+
+    pixels: torch.Tensor
+    grid_thw: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    visual: slice
+    colour_labels: torch.Tensor
+    shape_labels: torch.Tensor
+    answer_at: torch.Tensor
+    answer_targets: torch.Tensor
+    answer_of: torch.Tensor
+    question_at: torch.Tensor
+    question_targets: torch.Tensor
+    questions: int
+    first_kind: torch.Tensor
+
+
+@dataclass
+class StepStats:
+    loss: float
+    colour_acc: float
+    shape_acc: float
+    answer_acc: float = float("nan")
+    first_acc: float = float("nan")
+    question_acc: float = float("nan")
+
+
+class Heads(torch.nn.Module):
+    """The training-only heads (not saved): colour and shape per visual token, what the question asks."""
+
+    def __init__(self, vision_dim: int, text_dim: int) -> None:
+        super().__init__()
+        self.colour = torch.nn.Linear(vision_dim, len(COLOURS) + 1)
+        self.shape = torch.nn.Linear(vision_dim, len(SHAPES) + 2)
+        self.question = torch.nn.Linear(text_dim, len(QUESTION_CLASSES))
+
+
+def dialogue(adapter: QwenVL, episode: Episode, order: np.ndarray) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int, int]]]:
+    """Token ids after the video for every question of ``episode`` in ``order``, as the engine would
+    encode the dialogue (the adapter's own ``question_text``), with the answers filled in.
+
+    Returns ``(ids, answers, questions)``: ``answers`` are ``(start, length)`` spans of the answer tokens
+    (word + ``<|im_end|>``); ``questions`` are ``(start, stop, class)`` spans from the question's "?" to the
+    last token before its answer. Each turn's text is a prefix of the next one's, so spans are found
+    by tokenizing the prefixes.
+    """
+    asked = [episode.questions[i] for i in order]
+    history: list[tuple[str, str]] = []
+    answers, questions = [], []
+    question_mark = adapter.tokenize("?")[0]
+    for question in asked:
+        prompt = adapter.tokenize(adapter.question_text(history, question.text))
+        mark = len(prompt) - 1 - prompt[::-1].index(question_mark)
+        target = QUESTION_CLASSES.index("first" if question.kind == "first" else question.subject)
+        questions.append((mark, len(prompt), target))
+        answers.append((len(prompt), len(adapter.tokenize(question.answer)) + 1))
+        history.append((question.text, question.answer))
+    last = asked[-1]
+    ids = adapter.tokenize(adapter.question_text(history[:-1], last.text) + last.answer + "<|im_end|>")
+    return ids, answers, questions
+
+
+def build_batch(adapter: QwenVL, episodes: list[Episode], rng: np.random.Generator, with_text: bool = True) -> Batch:
+    """Tensors for ``episodes`` (all of the same length): text right-padded, positions by the engine's rule."""
+    pairs = episodes[0].pairs
+    if any(e.pairs != pairs for e in episodes):
+        raise ValueError("a batch holds streams of one length")
+    flats, grids = zip(*(adapter.pixel_values(e.video.frames) for e in episodes))
+    grid_t, grid_h, grid_w = grids[0]
+    rows, cols = grid_h // adapter.merge_size, grid_w // adapter.merge_size
+    tokens = pairs * rows * cols
+    prefix = adapter.tokenize(adapter.prefix_text())
+    local = torch.arange(tokens)
+    visual_positions = mrope_positions(
+        local // (rows * cols),
+        (local % (rows * cols)) // cols,
+        local % cols,
+        len(prefix),
+        adapter.temporal_patch_size / episodes[0].video.fps,
+        adapter.tokens_per_second,
+    )
+    text_start = max(len(prefix) - 1, int(visual_positions.max())) + 1
+    texts, answer_at, answer_targets, answer_of, question_at, question_targets, first_kind = [], [], [], [], [], [], []
+    questions = 0
+    if with_text:
+        for row, episode in enumerate(episodes):
+            ids, answers, spans = dialogue(adapter, episode, rng.permutation(len(episode.questions)))
+            offset = len(prefix) + tokens
+            for (start, length), (mark, stop, target) in zip(answers, spans):
+                for k in range(length):
+                    answer_at.append((row, offset + start + k - 1))  # the logits at j-1 predict token j
+                    answer_targets.append(ids[start + k])
+                    answer_of.append(questions)
+                for position in range(mark, stop):
+                    question_at.append((row, offset + position))
+                    question_targets.append(target)
+                first_kind.append(QUESTION_CLASSES[target] == "first")
+                questions += 1
+            texts.append(ids)
+    length = len(prefix) + tokens + max((len(t) for t in texts), default=0)
+    pad = adapter.tokenizer.special_to_id["<|endoftext|>"]
+    video_pad = adapter.tokenizer.special_to_id["<|video_pad|>"]
+    input_ids = torch.full((len(episodes), length), pad, dtype=torch.long)
+    input_ids[:, : len(prefix)] = torch.tensor(prefix)
+    input_ids[:, len(prefix) : len(prefix) + tokens] = video_pad
+    for row, ids in enumerate(texts):
+        input_ids[row, len(prefix) + tokens : len(prefix) + tokens + len(ids)] = torch.tensor(ids)
+    text_len = length - len(prefix) - tokens
+    positions = torch.cat(
+        [torch.arange(len(prefix)).expand(3, -1), visual_positions, torch.arange(text_start, text_start + text_len).expand(3, -1)],
+        dim=1,
+    )
+    return Batch(
+        pixels=torch.cat(flats),
+        grid_thw=torch.tensor([[grid_t, grid_h, grid_w]] * len(episodes)),
+        input_ids=input_ids,
+        positions=positions[:, None, :].expand(3, len(episodes), -1),
+        visual=slice(len(prefix), len(prefix) + tokens),
+        colour_labels=torch.from_numpy(np.concatenate([e.colour_labels.ravel() for e in episodes])),
+        shape_labels=torch.from_numpy(np.concatenate([e.shape_labels.ravel() for e in episodes])),
+        answer_at=torch.tensor(answer_at, dtype=torch.long).reshape(-1, 2).t(),
+        answer_targets=torch.tensor(answer_targets, dtype=torch.long),
+        answer_of=torch.tensor(answer_of, dtype=torch.long),
+        question_at=torch.tensor(question_at, dtype=torch.long).reshape(-1, 2).t(),
+        question_targets=torch.tensor(question_targets, dtype=torch.long),
+        questions=questions,
+        first_kind=torch.tensor(first_kind, dtype=torch.bool),
+    )
+
+
+class TinyTrainer:
+    """Builds the model and its heads from ``config.seed`` and runs the curriculum step by step."""
+
+    def __init__(self, config: TrainConfig = TrainConfig()) -> None:
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        self.config = config
+        model_config = tiny_config(initializer_range=0.02)
+        model_config._attn_implementation = "sdpa"
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            model = Qwen2_5_VLForConditionalGeneration(model_config).float()
+            self.heads = Heads(model_config.vision_config.out_hidden_size, model_config.text_config.hidden_size)
+        self.adapter = QwenVL(model, ByteTokenizer(), name=TINY_NAME)
+        self.model = model.train()
+        parameters = [p for p in (*model.parameters(), *self.heads.parameters())]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": [p for p in parameters if p.ndim >= 2], "weight_decay": config.weight_decay},
+                {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0},
+            ],
+            lr=config.lr,
+            betas=config.betas,
+        )
+        self.parameters = parameters
+        self.steps_done = 0
+
+    # --- schedule -------------------------------------------------------------------------------
+    def learning_rate(self, phase_index: int, step: int) -> float:
+        """Vision-only phases: linear warm-up to ``vision_lr`` then constant. The other phases share one
+        schedule: linear warm-up to ``lr``, cosine decay to ``final_lr`` over their steps together."""
+        config = self.config
+        if config.phases[phase_index].vision_only:
+            return config.vision_lr * min(1.0, (step + 1) / config.vision_warmup)
+        joint = [p for p in config.phases if not p.vision_only]
+        done = sum(p.steps for i, p in enumerate(config.phases[:phase_index]) if not p.vision_only) + step
+        total = sum(p.steps for p in joint)
+        if done < config.warmup:
+            return config.lr * (done + 1) / config.warmup
+        progress = (done - config.warmup) / max(1, total - config.warmup)
+        return config.final_lr + (config.lr - config.final_lr) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    # --- data -----------------------------------------------------------------------------------
+    def batch(self, phase_index: int, step: int) -> Batch:
+        """The streams of one step, a pure function of ``(seed, phase, step)``."""
+        phase = self.config.phases[phase_index]
+        step_rng = np.random.default_rng((self.config.seed, TRAIN_STREAMS, phase_index, step))
+        pairs = int(step_rng.integers(phase.pairs[0], phase.pairs[1] + 1))
+        spec = StreamSpec(pairs=(pairs, pairs), objects=phase.objects)
+        episodes = [
+            generate_episode((self.config.seed, TRAIN_STREAMS, phase_index, step, item), spec) for item in range(phase.batch)
+        ]
+        return build_batch(self.adapter, episodes, step_rng, with_text=not phase.vision_only)
+
+    # --- losses ---------------------------------------------------------------------------------
+    def losses(self, batch: Batch, vision_only: bool) -> tuple[torch.Tensor, StepStats]:
+        """The weighted training loss of ``batch`` and its accuracies."""
+        hf = self.model
+        merged = torch.cat(list(hf.model.get_video_features(batch.pixels, batch.grid_thw, return_dict=True).pooler_output))
+        colour_logits, shape_logits = self.heads.colour(merged), self.heads.shape(merged)
+        loss = F.cross_entropy(colour_logits, batch.colour_labels) + F.cross_entropy(shape_logits, batch.shape_labels)
+        stats = StepStats(
+            0.0,
+            (colour_logits.argmax(-1) == batch.colour_labels).float().mean().item(),
+            (shape_logits.argmax(-1) == batch.shape_labels).float().mean().item(),
+        )
+        if not vision_only:
+            embeds = hf.get_input_embeddings()(batch.input_ids)
+            rows = batch.input_ids.shape[0]
+            embeds = torch.cat(
+                [embeds[:, : batch.visual.start], merged.view(rows, -1, merged.shape[-1]), embeds[:, batch.visual.stop :]], dim=1
+            )
+            output = hf.model.language_model(
+                inputs_embeds=embeds, position_ids=batch.positions, use_cache=False, output_hidden_states=True
+            )
+            logits = hf.lm_head(output.last_hidden_state[batch.answer_at[0], batch.answer_at[1]])
+            loss = loss + F.cross_entropy(logits, batch.answer_targets)
+            question_hidden = output.hidden_states[self.config.question_layer][batch.question_at[0], batch.question_at[1]]
+            question_logits = self.heads.question(question_hidden)
+            loss = loss + self.config.question_weight * F.cross_entropy(question_logits, batch.question_targets)
+            right = (logits.argmax(-1) == batch.answer_targets).float()
+            wrong_per_question = torch.zeros(batch.questions).index_add_(0, batch.answer_of, 1 - right)
+            right_per_question = wrong_per_question == 0
+            stats.answer_acc = right_per_question.float().mean().item()
+            if batch.first_kind.any():
+                stats.first_acc = right_per_question[batch.first_kind].float().mean().item()
+            stats.question_acc = (question_logits.argmax(-1) == batch.question_targets).float().mean().item()
+        stats.loss = loss.item()
+        return loss, stats
+
+    def step(self, phase_index: int, step: int, batch: Batch | None = None) -> StepStats:
+        """One optimiser step on the streams of ``(phase_index, step)`` (``batch``: those, made in advance)."""
+        batch = batch if batch is not None else self.batch(phase_index, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate(phase_index, step)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, stats = self.losses(batch, self.config.phases[phase_index].vision_only)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.parameters, self.config.clip)
+        self.optimizer.step()
+        self.steps_done += 1
+        return stats
+
+    def run(self, progress: bool = True) -> list[dict[str, Any]]:
+        """Every phase of the curriculum; returns per-phase summaries (mean stats over the last 50 steps).
+
+        The next step's streams are generated on a second thread while this step trains (numpy and torch
+        release the GIL), so data generation uses the other core; each batch is a pure function of its
+        step, so this changes nothing in the result.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tqdm import tqdm
+
+        plan = [(index, step) for index, phase in enumerate(self.config.phases) for step in range(phase.steps)]
+        bar = tqdm(total=len(plan), unit="step", desc="train-tiny", disable=not progress, dynamic_ncols=True)
+        summaries, recent = [], []
+        start = time.perf_counter()
+        try:
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                upcoming = pool.submit(self.batch, *plan[0]) if plan else None
+                for position, (index, step) in enumerate(plan):
+                    batch = upcoming.result()
+                    if position + 1 < len(plan):
+                        upcoming = pool.submit(self.batch, *plan[position + 1])
+                    recent = (recent + [self.step(index, step, batch)])[-50:]
+                    phase = self.config.phases[index]
+                    bar.update(1)
+                    bar.set_postfix_str(_postfix(phase.name, recent), refresh=False)
+                    if step == phase.steps - 1:
+                        summaries.append({"phase": phase.name, "steps": phase.steps, "seconds": time.perf_counter() - start, **_mean(recent)})
+                        start, recent = time.perf_counter(), []
+        finally:
+            bar.close()
+        return summaries
+
+    def adapter_for_inference(self) -> QwenVL:
+        self.model.eval()
+        return self.adapter
+
+    def save(self, folder: Path, record: dict[str, Any]) -> Path:
+        """Weights (safetensors) and config through transformers' ``save_pretrained``, the tokenizer spec,
+        and ``training.json`` (the configuration and what the run measured)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(folder, safe_serialization=True)
+        save_tokenizer_spec(folder)
+        (folder / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+        return folder
+
+
+def _mean(stats: list[StepStats]) -> dict[str, float]:
+    values = {key: [getattr(s, key) for s in stats if not math.isnan(getattr(s, key))] for key in asdict(stats[0])}
+    return {key: float(np.mean(v)) for key, v in values.items() if v}
+
+
+def _postfix(phase: str, recent: list[StepStats]) -> str:
+    mean = _mean(recent)
+    text = f"{phase} loss {mean['loss']:.3f} colour {mean['colour_acc']:.2f} shape {mean['shape_acc']:.2f}"
+    if "answer_acc" in mean:
+        text += f" answers {mean['answer_acc']:.2f} (first {mean.get('first_acc', float('nan')):.2f}) question {mean['question_acc']:.2f}"
+    return text
+
+
+def train_tiny(
+    config: TrainConfig = TrainConfig(), out: Path | None = TRAINED_DIR, progress: bool = True
+) -> tuple[TinyTrainer, dict[str, Any]]:
+    """Train from scratch under deterministic algorithms and ``config.threads`` threads; save to ``out``
+    (unless ``None``). Global torch settings are restored afterwards."""
+    deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(config.threads)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    try:
+        trainer = TinyTrainer(config)
+        phases = trainer.run(progress)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(threads)
+    record = {
+        "config": asdict(config),
+        "phases": phases,
+        "train_seconds": time.perf_counter() - start,
+        "train_cpu_seconds": time.process_time() - cpu_start,
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+    }
+    trainer.adapter_for_inference()
+    if out is not None:
+        trainer.save(out, record)
+    return trainer, record

@@ -1,0 +1,89 @@
+"""Training the tiny model: sequences are what the engine feeds, the schedule, a few steps lower the loss,
+and the same seed trains the same weights."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvdemo.synthetic import StreamSpec, generate_episode
+from kvdemo.training import QUESTION_CLASSES, Phase, TinyTrainer, TrainConfig, build_batch
+
+TINY_PHASES = (Phase("A", 2, 4, (2, 2), (3, 3), vision_only=True), Phase("B", 3, 2, (2, 3)))
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    return TinyTrainer(TrainConfig(phases=TINY_PHASES))
+
+
+def test_a_sequence_is_what_the_engine_feeds(trainer):
+    """Text: the chat prefix, one placeholder per visual token, then the dialogue in the adapter's own
+    template. Positions: the project's M-RoPE rule, restated here for 3 pairs of 4 x 4 tokens."""
+    adapter = trainer.adapter
+    episode = generate_episode(21, StreamSpec(pairs=(3, 3), objects=(2, 2)))
+    batch = build_batch(adapter, [episode], np.random.default_rng(0))
+    ids = batch.input_ids[0].tolist()
+    text = adapter.tokenizer.decode(ids)
+    prefix = adapter.prefix_text()
+    assert text.startswith(prefix + "<|video_pad|>" * 48 + "<|vision_end|>")
+    asked = [q for q in episode.questions]
+    # Every question appears once, each followed by its answer and <|im_end|>, in the template.
+    for q in asked:
+        assert f"{q.text}<|im_end|>\n<|im_start|>assistant\n{q.answer}<|im_end|>" in text
+    assert text.endswith("<|im_end|>")
+    p = len(adapter.tokenize(prefix))
+    positions = batch.positions[:, 0]
+    assert positions[:, :p].tolist() == [list(range(p))] * 3
+    grid, row, col = np.meshgrid(np.arange(3), np.arange(4), np.arange(4), indexing="ij")
+    assert positions[0, p : p + 48].tolist() == (p + 2 * grid.ravel()).tolist()  # 2 positions per second, 1 s per pair
+    assert positions[1, p : p + 48].tolist() == (p + row.ravel()).tolist()
+    assert positions[2, p : p + 48].tolist() == (p + col.ravel()).tolist()
+    first_text = p + max(2 * 2, 3) + 1  # after the largest position so far
+    assert positions[:, p + 48].tolist() == [first_text] * 3
+    # Answer targets spell the answers (+ <|im_end|>) in the order asked; question targets name what is asked.
+    targets = adapter.tokenizer.decode(batch.answer_targets.tolist())
+    im_end = "<|im_end|>"
+    order = [q for q in sorted(asked, key=lambda q: text.index(q.text + im_end))]
+    assert targets == "".join(q.answer + im_end for q in order)
+    assert (batch.input_ids[0, batch.answer_at[1] + 1] == batch.answer_targets).all()
+    classes = {QUESTION_CLASSES[int(t)] for t in batch.question_targets}
+    assert classes == {("first" if q.kind == "first" else q.subject) for q in asked}
+    assert batch.input_ids[0, batch.question_at[1][0]].item() == ord("?")
+
+
+def test_the_schedule_warms_up_then_decays(trainer):
+    config = TrainConfig(phases=(Phase("A", 10, 2, (1, 1), vision_only=True), Phase("B", 300, 2, (1, 1)), Phase("C", 100, 2, (1, 1))))
+    probe = TinyTrainer.__new__(TinyTrainer)
+    probe.config = config
+    assert probe.learning_rate(0, 0) == pytest.approx(2e-3 / 50)
+    assert probe.learning_rate(0, 9) == pytest.approx(2e-3 * 10 / 50)
+    assert probe.learning_rate(1, 0) == pytest.approx(1.5e-3 / 100)
+    assert probe.learning_rate(1, 99) == pytest.approx(1.5e-3)
+    assert probe.learning_rate(2, 99) == pytest.approx(1.5e-4 + 1.35e-3 * 0.5 * (1 + np.cos(np.pi * 299 / 300)))
+    # B and C share one schedule: C continues where B stopped.
+    assert probe.learning_rate(2, 0) < probe.learning_rate(1, 299)
+
+
+def test_a_few_steps_lower_the_loss():
+    torch.set_num_threads(2)
+    trainer = TinyTrainer(TrainConfig(phases=(Phase("B", 8, 4, (2, 2)),), lr=3e-3, warmup=1))
+    batch = trainer.batch(0, 0)
+    with torch.no_grad():
+        before, _ = trainer.losses(batch, vision_only=False)
+    for _ in range(8):
+        trainer.step(0, 0)  # the same streams each time: the loss on them must fall
+    with torch.no_grad():
+        after, _ = trainer.losses(batch, vision_only=False)
+    assert after.item() < 0.8 * before.item()
+
+
+def test_the_same_seed_trains_the_same_weights():
+    from kvdemo.training import train_tiny
+
+    config = TrainConfig(phases=TINY_PHASES)
+    first, record = train_tiny(config, out=None, progress=False)
+    second, _ = train_tiny(config, out=None, progress=False)
+    for a, b in zip(first.model.parameters(), second.model.parameters()):
+        assert torch.equal(a, b)
+    assert [p["phase"] for p in record["phases"]] == ["A", "B"] and record["parameters"] > 900_000
+    assert not torch.are_deterministic_algorithms_enabled()  # global settings restored
