@@ -9,7 +9,6 @@ exactly as it was.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -94,6 +93,10 @@ class FrameStream:
         self.frames_seen = 0
         self._pending: list[tuple[np.ndarray, float]] = []
         self._size: tuple[int, int] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles without its model (a ZeroGPU worker sets ``model`` again)."""
+        return {**self.__dict__, "model": None}
 
     def push(self, frames: np.ndarray, times_s: np.ndarray | None = None) -> VisualChunk | None:
         """Add frames ``[T, H, W, 3]`` (uint8, already resized); encode every complete temporal grid."""
@@ -234,16 +237,18 @@ class StreamEngine:
         state = self.__dict__.copy()
         state["model"] = None
         state["model_name"] = self.model.name if self.model is not None else state.get("model_name")
-        if self._stream is not None:
-            state["_stream"] = copy.copy(self._stream)
-            state["_stream"].model = None
         return state
 
-    def bind(self, model: VideoLM) -> "StreamEngine":
-        """Attach ``model`` (after unpickling) and move the memory and the policy's state to its device."""
+    def attach(self, model: VideoLM) -> "StreamEngine":
+        """Attach ``model`` after unpickling, leaving the memory where it is (e.g. on the CPU between GPU calls)."""
         self.model = model
         if self._stream is not None:
             self._stream.model = model
+        return self
+
+    def bind(self, model: VideoLM) -> "StreamEngine":
+        """Attach ``model`` (after unpickling) and move the memory and the policy's state to its device."""
+        self.attach(model)
         self.memory.to(model.device)
         self.policy.to(model.device)
         return self
@@ -434,6 +439,20 @@ class StreamEngine:
 
     def reset_dialogue(self) -> None:
         self.history.clear()
+
+    def answer_state(self) -> dict[str, Any]:
+        """What answering changes (the memory never does): the dialogue, the answers, and which offloaded
+        chunks each head retrieved. Small, so a question answered elsewhere (a ZeroGPU worker) sends back
+        only this; :meth:`load_answer_state` applies it."""
+        retrieved = [store.offload.retrieved.cpu() if store.offload is not None else None for store in self.memory.layers]
+        return {"history": list(self.history), "answers": list(self.answers), "retrieved": retrieved}
+
+    def load_answer_state(self, state: dict[str, Any]) -> None:
+        self.history[:] = state["history"]
+        self.answers[:] = state["answers"]
+        for store, retrieved in zip(self.memory.layers, state["retrieved"]):
+            if retrieved is not None and store.offload is not None:
+                store.offload.retrieved = retrieved.to(store.offload.retrieved.device)
 
     # --- report ---------------------------------------------------------------------------
     @property

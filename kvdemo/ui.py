@@ -41,7 +41,7 @@ from .video import (
     resize_frames,
     tokens_per_grid,
 )
-from . import viz
+from . import viz, zerogpu
 
 log = logging.getLogger("kvdemo")
 
@@ -64,7 +64,9 @@ PLOT_EVERY_S = 0.5
 CSS = "#policy-chat button[aria-label='Clear'], #full-chat button[aria-label='Clear'] { display: none; }"
 HEATMAP_EVERY_S = 0.35
 GALLERY_EVERY_S = 3.0
-UI_POLICIES = ["infinipot-v", "cords", "uniform", "sliding-window"]
+UI_POLICIES = ["infinipot-v", "cords", "protokv", "hybridkv", "uniform", "sliding-window"]
+#: Panel slots for the views a policy declares (``Policy.panels``, drawn by viz): as many as any policy has.
+MAX_PANELS = 2
 USER_ERRORS = (VideoError, BudgetError, EngineError, ModelError)
 
 HOW_TO_READ = """
@@ -91,6 +93,20 @@ reports, charts) are deleted after an hour.
 # --- process-wide models and sessions ------------------------------------------------------------------
 
 
+_MODELS: dict[str, Any] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def model_by_name(name: str):
+    """The model called ``name``, loaded once per process. A GPU call resolves its model here by name
+    (a ZeroGPU worker is a fork of this process, so a model loaded at start-up is already there)."""
+    name = resolve_model_name(name)
+    with _MODELS_LOCK:
+        if name not in _MODELS:
+            _MODELS[name] = load_model(name)
+        return _MODELS[name]
+
+
 class ModelHub:
     """Process-wide resources: each model loaded once (sessions share it; engines never write to model
     weights), and the :class:`SessionPool` that bounds how many sessions keep engines."""
@@ -98,15 +114,9 @@ class ModelHub:
     def __init__(self, default: str | None = None, max_sessions: int = MAX_SESSIONS) -> None:
         self.default = resolve_model_name(default)
         self.sessions = SessionPool(max_sessions)
-        self._models: dict[str, Any] = {}
-        self._lock = threading.Lock()
 
     def get(self, name: str | None = None):
-        name = resolve_model_name(name or self.default)
-        with self._lock:
-            if name not in self._models:
-                self._models[name] = load_model(name)
-            return self._models[name]
+        return model_by_name(name or self.default)
 
     def choices(self) -> list[str]:
         names = [self.default, TINY_NAME, TINY_RANDOM_NAME, DEFAULT_REAL_MODEL, "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-2B-Instruct"]
@@ -218,6 +228,8 @@ class Session:
     frame_size: tuple[int, int] | None = None
     chunk_ms: float = 0.0
     coverage: dict[str, Any] | None = None
+    #: Webcam frames (resized) waiting to make a segment (one GPU call per segment, never per frame).
+    webcam_frames: list[np.ndarray] = field(default_factory=list)
     #: A file run is streaming; ``stop_requested`` ends it after the current chunk.
     running: bool = False
     stop_requested: bool = False
@@ -305,10 +317,13 @@ def chunk_tokens(size: tuple[int, int] | None, max_pixels: int, temporal_patch_s
     return grids * (int(max_pixels) // RESIZE_FACTOR**2), f"{FRAMES_PER_CHUNK} frames at max pixels"
 
 
-def check_settings(policy: str, budget: Any, keep: Any, fps: Any, max_pixels: Any) -> tuple[int, int]:
-    """The settings' numbers as the engine will see them; :class:`BudgetError` with a one-line reason if not."""
-    if budget is None or keep is None:
-        raise BudgetError("set both M and C")
+def check_settings(policy: str, budget: Any, keep: Any, fps: Any, max_pixels: Any) -> tuple[int, int | None]:
+    """The settings' numbers as the engine will see them; :class:`BudgetError` with a one-line reason if not.
+    A policy sized by ``M`` alone (ProtoKV) ignores ``C``."""
+    uses_keep = make_policy(policy).uses_keep
+    keep = keep if uses_keep else None
+    if budget is None or (uses_keep and keep is None):
+        raise BudgetError("set both M and C" if uses_keep else "set M")
     if fps is None or float(fps) <= 0:
         raise BudgetError(f"sampling fps must be positive, got {fps}")
     if max_pixels is None or int(max_pixels) < RESIZE_FACTOR**2:
@@ -336,6 +351,12 @@ def validate_settings(
     except (TypeError, ValueError) as exc:
         return f"⚠️ not a number: {exc}"
     up_to = "" if size else "up to "
+    chosen = make_policy(policy)
+    if not chosen.uses_keep and hasattr(chosen, "split"):
+        near, prototypes = chosen.split(budget_)
+        return (f"✓ M={budget_} = a near window of {near} exact tokens + {prototypes} prototypes × "
+                f"{chosen.pseudo_tokens} pseudo-tokens (C does not apply); one chunk{name} is {up_to}{tokens} "
+                f"visual tokens and must fit the near window")
     return (f"✓ M={budget_}, C={keep_}: one chunk{name} is {up_to}{tokens} visual tokens; "
             f"M and M − C must each hold one chunk (≥ {tokens})")
 
@@ -386,9 +407,9 @@ def commit(hub: ModelHub, previous: Session | None, new: Session) -> None:
 
 
 def fresh_views(state: Session) -> dict[str, Any]:
-    """What a newly started stream clears or relabels: legend, chat panes and their titles, the previous
-    run's coverage and downloads."""
-    return {"legend": legend(state), "policy_title": chat_title(state, "policy"), "full_title": chat_title(state, "full"),
+    """What a newly started stream clears or relabels: chat panes and their titles, the previous run's
+    coverage and downloads."""
+    return {"policy_title": chat_title(state, "policy"), "full_title": chat_title(state, "full"),
             "policy_chat": [], "full_chat": [], "coverage": None, "report": None, "chart": None}
 
 
@@ -421,6 +442,128 @@ def feed_frames(session: Session, frames: np.ndarray, times_s: np.ndarray | None
     return True
 
 
+# --- model work: GPU calls that take and return the session's state explicitly ---------------------------
+
+#: Frames per GPU call when calls cross a process boundary (a ZeroGPU Space, or its emulation): every call
+#: pickles the session's engines in and out and waits for a GPU, so one call streams a segment of frames
+#: (a question waits for at most one segment). Elsewhere a call is one chunk (a question waits at most one).
+ZEROGPU_SEGMENT_FRAMES = 16
+#: Thumbnails a stream segment sends along: what the live heatmap shows.
+SEGMENT_THUMBNAILS = 4
+
+
+def segment_frames() -> int:
+    return ZEROGPU_SEGMENT_FRAMES if zerogpu.active() else FRAMES_PER_CHUNK
+
+
+@dataclass
+class Segment:
+    """Everything one stream-segment call needs, and what it changes (see :func:`stream_segment`).
+
+    ``thumbnails`` holds the newest :data:`SEGMENT_THUMBNAILS` thumbnails at their grid index (older ones
+    are None); the call appends the new grids' thumbnails.
+    """
+
+    model: str
+    engines: dict[str, StreamEngine]
+    stream: FrameStream
+    stopped: dict[str, str]
+    frames: np.ndarray
+    times: np.ndarray | None
+    flush: bool
+    thumbnails: list[np.ndarray | None]
+    view: tuple[str, str, bool]
+    done: int
+    total: int | None
+    source: str
+    chunk_ms: float = 0.0
+    fed: int = 0
+
+    @classmethod
+    def of(cls, state: Session, frames: np.ndarray, times: np.ndarray | None, flush: bool,
+           view: tuple[str, str, bool], total: int | None) -> "Segment":
+        old = len(state.thumbnails)
+        recent = [None] * max(0, old - SEGMENT_THUMBNAILS) + state.thumbnails[-SEGMENT_THUMBNAILS:]
+        return cls(state.settings.model, state.engines, state.stream, state.stopped, frames, times, flush, recent, view,
+                   state.stream.frames_seen, total, state.source)
+
+    def apply_to(self, state: Session, old_thumbnails: int) -> int:
+        """Adopt what the call changed (the same objects when it ran in place, new ones from a worker, which
+        come back without their model: it is attached again here, the memory stays on the CPU); returns the
+        chunks the call fed."""
+        model = model_by_name(self.model)
+        for engine in self.engines.values():
+            engine.attach(model)
+        self.stream.model = model
+        state.engines, state.stream, state.stopped = self.engines, self.stream, self.stopped
+        state.thumbnails.extend(self.thumbnails[old_thumbnails:])
+        state.chunk_ms = self.chunk_ms or state.chunk_ms
+        state.last_used = time.monotonic()
+        return self.fed
+
+
+def segment_duration(segment: Segment) -> int:
+    """Seconds a ZeroGPU call may hold the GPU for ``segment``: a start-up allowance plus ~1 s per frame
+    (vision encoding, prefill and compression of a Qwen2.5-VL at video resolution take well under that on
+    ZeroGPU's hardware), within ZeroGPU's per-request cap."""
+    return int(min(120, 20 + len(segment.frames)))
+
+
+@zerogpu.gpu(duration=segment_duration)
+def stream_segment(segment: Segment) -> Iterator[dict[str, Any]]:
+    """Stream the segment's frames into its engines chunk by chunk; after each chunk yield a light live update
+    (status, occupancy chart, newest-frames heatmap), and finally ``{"segment": segment}``.
+
+    On ZeroGPU (or its emulation) this runs in a forked worker: the engines arrive pickled without their
+    model, the model is resolved here by name, and the engines go back on the CPU.
+    """
+    model = model_by_name(segment.model)
+    for engine in segment.engines.values():
+        engine.bind(model)
+    segment.stream.model = model
+    state = Session(engines=segment.engines, stream=segment.stream, thumbnails=segment.thumbnails,
+                    stopped=segment.stopped, source=segment.source)
+    count = len(segment.frames)
+    for start in range(0, max(count, 1), FRAMES_PER_CHUNK):
+        last = start + FRAMES_PER_CHUNK >= count
+        times = segment.times[start : start + FRAMES_PER_CHUNK] if segment.times is not None else None
+        if feed_frames(state, segment.frames[start : start + FRAMES_PER_CHUNK], times, flush=last and segment.flush):
+            segment.fed += 1
+            # The gallery is drawn by the caller, which holds every thumbnail.
+            update = live_update(state, segment.view, segment.stream.frames_seen, segment.total, force=segment.fed == 1,
+                                 gallery=False)
+            update.pop("session", None)
+            yield update
+    segment.chunk_ms = state.chunk_ms  # the thumbnails of the new grids were appended to segment.thumbnails
+    if zerogpu.active():
+        for engine in segment.engines.values():
+            engine.to("cpu")
+    yield {"segment": segment}
+
+
+def answer_duration(model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int) -> int:
+    """Seconds a ZeroGPU call may hold the GPU for one question to every engine (~0.1 s per token each)."""
+    return int(min(120, 15 + 0.1 * max_new_tokens * len(engines)))
+
+
+@zerogpu.gpu(duration=answer_duration)
+def answer_question(model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int) -> Iterator[dict[str, Any]]:
+    """Ask every engine; yields ``{"piece": (engine name, text)}`` as tokens come, interleaved, and finally
+    ``{"answered": {name: answer state}}``: what answering changed (the memory never changes), which is all
+    a ZeroGPU worker sends back."""
+    resolved = model_by_name(model)
+    for engine in engines.values():
+        engine.bind(resolved)
+    generators = {name: engine.ask(question, max_new_tokens) for name, engine in engines.items()}
+    while generators:
+        for name in list(generators):
+            try:
+                yield {"piece": (name, next(generators[name]))}
+            except StopIteration:
+                del generators[name]
+    yield {"answered": {name: engine.answer_state() for name, engine in engines.items()}}
+
+
 def status_text(
     session: Session, done: int | None = None, total: int | None = None, error: str = "", stopped: bool = False
 ) -> str:
@@ -437,10 +580,13 @@ def status_text(
         progress = f"{done}/{total} frames" if total else f"{engine.frames_fed} frames"
         if stopped:
             progress = f"stopped at {progress}"
+        sizes = f"M={engine.budget}" + (f", C={engine.keep}" if engine.keep is not None else "")
+        offloaded = engine.memory.offloaded_bytes
         lines.append(
             f"**{progress}** · {engine.policy.name}: {engine.memory.visual_tokens} visual tokens "
-            f"(M={engine.budget}, C={engine.keep}), {engine.memory.nbytes / 2**20:.2f} MB · "
-            f"{session.chunk_ms:.0f} ms/chunk · {stats.compressions} compressions, overhead {overhead} of prefill"
+            f"({sizes}), {engine.memory.nbytes / 2**20:.2f} MB"
+            + (f" + {offloaded / 2**20:.2f} MB offloaded" if offloaded else "")
+            + f" · {session.chunk_ms:.0f} ms/chunk · {stats.compressions} compressions, overhead {overhead} of prefill"
         )
         full = session.engines.get("full")
         if full is not None:
@@ -464,8 +610,10 @@ def kept_previous(previous: Session | None, error: str) -> dict[str, Any]:
 
 
 def policy_label(policy: str, budget: Any, keep: Any, bounded: bool = True) -> str:
-    """"**infinipot-v**, M=1024 C=768" (Markdown)."""
-    return f"**{policy}**" + (f", M={budget} C={keep}" if bounded else "")
+    """"**infinipot-v**, M=1024 C=768" (Markdown; "**protokv**, M=1024" for a policy sized by M alone)."""
+    if not bounded:
+        return f"**{policy}**"
+    return f"**{policy}**, M={budget}" + (f" C={keep}" if keep is not None and make_policy(policy).uses_keep else "")
 
 
 def chat_title(state: Session, name: str) -> str:
@@ -505,18 +653,26 @@ def heatmap_image(session: Session, layer: str = "all", head: str = "all", by_re
     engine = session.policy
     if engine is None or engine.memory.num_grids == 0:
         return None
-    layer_index = None if layer in (None, "all") else int(layer)
-    head_index = None if head in (None, "all") else int(head)
-    return viz.survivor_strip(
-        engine.memory, session.thumbnails, layer_index, head_index, by_reason=by_reason
-    )
+    return viz.engine_strip(engine, session.thumbnails, *_layer_head(layer, head), by_reason=by_reason)
+
+
+def _layer_head(layer: str | None, head: str | None) -> tuple[int | None, int | None]:
+    return (None if layer in (None, "all") else int(layer)), (None if head in (None, "all") else int(head))
+
+
+def policy_panels(session: Session, layer: str = "all", head: str = "all") -> list[viz.Panel]:
+    """The views the session's policy declares, drawn for the chosen layer and KV head."""
+    engine = session.policy
+    if engine is None or engine.memory.num_grids == 0:
+        return []
+    return viz.policy_panels(engine, session.thumbnails, *_layer_head(layer, head))
 
 
 def gallery_items(session: Session) -> list[tuple[np.ndarray, str]]:
     engine = session.policy
     if engine is None:
         return []
-    return viz.survivor_gallery(engine.memory, session.thumbnails)
+    return viz.engine_gallery(engine, session.thumbnails)
 
 
 def write_report(session: Session) -> str | None:
@@ -580,15 +736,22 @@ def run_video(
     committed = False
     try:
         yield {"session": state, "status": f"⏳ starting {video.describe()}"}
-        chunks = video.chunks(FRAMES_PER_CHUNK)  # decoded lazily, batch by batch, outside the session's turn
+        chunks = video.chunks(segment_frames())  # decoded lazily, batch by batch, outside the session's turn
         current = next(chunks, None)
         while current is not None and not state.stop_requested:
             following = next(chunks, None)
             _, frames, times = current
+            fed = False
             with state.turns.chunk():
                 if state.freed:
                     break
-                fed = feed_frames(state, frames, times, flush=following is None)
+                segment = Segment.of(state, frames, times, following is None, view, total)
+                old = len(segment.thumbnails)
+                for update in stream_segment(segment):
+                    if "segment" in update:
+                        fed = update["segment"].apply_to(state, old) > 0
+                    elif committed and zerogpu.active():  # a segment of many chunks: show each as it comes
+                        yield {"session": state, **update}
             current = following
             if fed and not committed:
                 commit(hub, previous, state)
@@ -631,8 +794,9 @@ def request_stop(session: Session | None) -> None:
         session.stop_requested = True
 
 
-def live_update(state: Session, view: tuple[str, str, bool], done: int | None = None, total: int | None = None, force: bool = False) -> dict[str, Any]:
-    """Status every chunk; plot, heatmap and gallery at most a few times per second."""
+def live_update(state: Session, view: tuple[str, str, bool], done: int | None = None, total: int | None = None,
+                force: bool = False, gallery: bool = True) -> dict[str, Any]:
+    """Status every chunk; plot, heatmap and (``gallery``) the gallery at most a few times per second."""
     now = time.monotonic()
     update: dict[str, Any] = {"session": state, "status": status_text(state, done, total)}
     if force or now - state.last_plot >= PLOT_EVERY_S:
@@ -640,8 +804,10 @@ def live_update(state: Session, view: tuple[str, str, bool], done: int | None = 
         state.last_plot = now
     if force or now - state.last_heatmap >= HEATMAP_EVERY_S:
         update["heatmap"] = heatmap_image(state, *view)
+        update["panels"] = policy_panels(state, *view[:2])
+        update["legend"] = legend(state, view)
         state.last_heatmap = now
-    if force or now - state.last_gallery >= GALLERY_EVERY_S:
+    if gallery and (force or now - state.last_gallery >= GALLERY_EVERY_S):
         update["gallery"] = gallery_items(state)
         state.last_gallery = now
     return update
@@ -658,10 +824,20 @@ def finish(state: Session, view: tuple[str, str, bool]) -> dict[str, Any]:
     return update
 
 
-def legend(state: Session) -> str:
+def legend(state: Session, view: tuple[str, str, bool] = ("all", "all", False)) -> str:
+    """What the newest-frames view's colours mean for this policy and view."""
     engine = state.policy
+    layer, head = _layer_head(*view[:2])
+    if engine is not None and not (view[2] and layer is not None and head is not None) and engine.memory.num_grids:
+        fractions = viz.status_fractions(engine, layer, head)
+        if fractions is not None:
+            present = np.array([code for code, share in zip(viz.STATUS_COLOURS, fractions) if share.any()])
+            return viz.status_legend(present) + " (tint = share of the (layer, KV head) copies in each state)"
     names = engine.policy.reason_names if engine else {}
-    return viz.legend_text(names) if names else "Tint = share of (layer, KV head) copies held; dark = evicted."
+    if names and view[2]:
+        return viz.legend_text(names)
+    note = " Pick a layer and a KV head to see what one head holds" + (", and colour by reason." if names else ".")
+    return "Tint = share of (layer, KV head) copies held; dark = evicted." + (note if engine is not None else "")
 
 
 # --- webcam ---------------------------------------------------------------------------------------------
@@ -689,8 +865,17 @@ def webcam_frame(
             state = start_session(hub, settings, "webcam (live)", size)
             commit(hub, session, state)
             started = True
-        with state.turns.chunk():
-            fed = feed_frames(state, resized, None) if not state.freed else False
+        state.webcam_frames.append(resized[0])
+        fed = False
+        if len(state.webcam_frames) >= segment_frames():
+            frames, state.webcam_frames = np.stack(state.webcam_frames), []
+            with state.turns.chunk():
+                if not state.freed:
+                    segment = Segment.of(state, frames, None, False, view, None)
+                    old = len(segment.thumbnails)
+                    for item in stream_segment(segment):
+                        if "segment" in item:
+                            fed = item["segment"].apply_to(state, old) > 0
     except USER_ERRORS as exc:
         return {"session": state, "status": status_text(state, error=str(exc))}
     update = live_update(state, view) if fed else {"session": state}
@@ -721,27 +906,26 @@ def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Ite
             yield {"session": state, "status": status_text(state, error="type a question first")}
             return
         state.last_used = time.monotonic()
-        generators = {}
+        asked = {}
         for name, engine in state.engines.items():
             state.chat[name].append({"role": "user", "content": question})
             if name in state.stopped:
                 state.chat[name].append({"role": "assistant", "content": f"*{state.stopped[name]}; no answer.*"})
                 continue
             state.chat[name].append({"role": "assistant", "content": ""})
-            generators[name] = engine.ask(question, max_new_tokens)
-        texts = {name: "" for name in generators}
+            asked[name] = engine
+        texts = {name: "" for name in asked}
         last_yield = 0.0
-        while generators:
-            for name in list(generators):
-                try:
-                    texts[name] += next(generators[name])
-                except StopIteration:
-                    del generators[name]
-                    answer = state.engines[name].answers[-1]
-                    state.chat[name][-1]["content"] = _answer_markdown(state, name, answer)
-                    continue
-                state.chat[name][-1]["content"] = texts[name]
-            if time.monotonic() - last_yield > 0.1 or not generators:
+        for item in answer_question(state.settings.model, asked, question, max_new_tokens):
+            if "answered" in item:
+                for name, answered in item["answered"].items():
+                    state.engines[name].load_answer_state(answered)
+                    state.chat[name][-1]["content"] = _answer_markdown(state, name, state.engines[name].answers[-1])
+                break
+            name, piece = item["piece"]
+            texts[name] += piece
+            state.chat[name][-1]["content"] = texts[name]
+            if time.monotonic() - last_yield > 0.1:
                 last_yield = time.monotonic()
                 yield {"session": state, "policy_chat": list(state.chat["policy"]), "full_chat": list(state.chat["full"])}
         report = write_report(state)
@@ -783,10 +967,11 @@ def reset_chat(session: Session | None) -> dict[str, Any]:
 def default_budget(model_name: str) -> tuple[int, int, int]:
     """(M, C, max pixels) defaults: the paper's 6144/4608 at Qwen's video resolution on a real model;
     budgets that compress visibly within a short clip on the tiny models (the trained one at the 112 x 112
-    frames it was trained on, 16 tokens per frame pair; M - C = 20 holds a chunk at its max pixels, 20 tokens)."""
+    frames it was trained on, 16 tokens per frame pair: M = 96 holds 12 s of the 40 s sample, and M - C = 24,
+    like ProtoKV's near window at M = 96, holds a chunk at its max pixels, 20 tokens)."""
     name = resolve_model_name(model_name)
     if name == TINY_NAME:
-        return 64, 44, TRAINED_MAX_PIXELS
+        return 96, 72, TRAINED_MAX_PIXELS
     if name == TINY_RANDOM_NAME:
         return 1024, 768, 256 * 28 * 28
     return 6144, 4608, 768 * 28 * 28
@@ -825,7 +1010,7 @@ def build_demo(hub: ModelHub | None = None):
                     model = gr.Dropdown(hub.choices(), value=hub.default, label="Model", allow_custom_value=True, elem_id="model",
                                         info="tiny runs offline on the CPU (trained on generated streams; tiny-random: "
                                              "random weights); Qwen ids need a GPU and the Hub")
-                    policy = gr.Dropdown(UI_POLICIES, value="infinipot-v", label="Policy")
+                    policy = gr.Dropdown(UI_POLICIES, value="infinipot-v", label="Policy", elem_id="policy")
                     with gr.Row():
                         budget = gr.Number(budget0, label="M (max visual tokens)", precision=0, elem_id="budget")
                         keep = gr.Number(keep0, label="C (kept by a compression)", precision=0, elem_id="keep")
@@ -836,11 +1021,13 @@ def build_demo(hub: ModelHub | None = None):
                         max_pixels = gr.Number(pixels0, label="Max pixels per frame", precision=0,
                                                info="frames are resized like Qwen: sides multiples of 28")
                     param_inputs, groups = {}, {}
-                    for name in UI_POLICIES:
-                        with gr.Group(visible=name == "infinipot-v") as group:
-                            for spec in policy_params(name):
-                                param_inputs[f"{name}_{spec.name}".replace("-", "_")] = (name, spec.name, _param_component(gr, spec, name))
-                        groups[name] = group
+                    with gr.Accordion("Policy parameters (the papers' defaults)", open=False, elem_id="policy-params"):
+                        for name in UI_POLICIES:
+                            with gr.Group(visible=name == "infinipot-v") as group:
+                                for spec in policy_params(name):
+                                    key = f"{name}_{spec.name}".replace("-", "_")
+                                    param_inputs[key] = (name, spec.name, _param_component(gr, spec, name))
+                            groups[name] = group
                     with gr.Row():
                         baseline = gr.Checkbox(True, label="Full-cache baseline")
                         cap_mb = gr.Number(2048, label="Baseline memory cap (MB)", precision=0, info="0 = no cap")
@@ -855,6 +1042,15 @@ def build_demo(hub: ModelHub | None = None):
                 heatmap = gr.Image(label="Newest frames: what survives", show_label=False, format="jpeg", type="numpy",
                                    interactive=False, elem_id="heatmap")
                 legend_box = gr.Markdown(legend(Session()), label="Legend")
+                # The views the chosen policy declares (Policy.panels), drawn by viz: slots filled in order.
+                panel_slots = []
+                for index in range(MAX_PANELS):
+                    with gr.Column(visible=False, elem_id=f"panel-{index}") as panel_box:
+                        panel_text = gr.Markdown(label=f"Policy view {index + 1}")
+                        panel_image = gr.Image(show_label=False, format="jpeg", type="numpy", interactive=False,
+                                               visible=False, elem_id=f"panel-{index}-image")
+                        panel_plot = gr.Plot(show_label=False, visible=False, elem_id=f"panel-{index}-plot")
+                    panel_slots.append((panel_box, panel_text, panel_image, panel_plot))
                 with gr.Accordion("Every frame so far", open=False):
                     gallery = gr.Gallery(label="What survives of each frame", columns=6, height=300, format="jpeg")
                 coverage_plot = gr.Plot(label="Coverage of the full cache (CDF)", visible=False)
@@ -896,10 +1092,26 @@ def build_demo(hub: ModelHub | None = None):
                            **{key: component for key, (_, _, component) in param_inputs.items()},
                            "view_layer": view_layer, "view_head": view_head, "colour_by_reason": by_reason}
 
+        panel_components = [component for slot in panel_slots for component in slot]
+        run_outputs += panel_components
+
+        def panel_updates(panels: list[viz.Panel]) -> dict[Any, Any]:
+            out = {}
+            for index, (box, text, image, plot) in enumerate(panel_slots):
+                panel = panels[index] if index < len(panels) else None
+                out[box] = gr.update(visible=panel is not None)
+                if panel is not None:
+                    out[text] = f"**{panel.title}** — {panel.caption}"
+                    out[image] = gr.update(value=panel.value if panel.kind == "image" else None, visible=panel.kind == "image")
+                    out[plot] = gr.update(value=panel.value if panel.kind == "plot" else None, visible=panel.kind == "plot")
+            return out
+
         def to_components(update: dict[str, Any]) -> dict[Any, Any]:
             out = {names[key]: value for key, value in update.items() if key in names}
             if "coverage" in update:
                 out[coverage_plot] = gr.update(value=update["coverage"], visible=update["coverage"] is not None)
+            if "panels" in update:
+                out.update(panel_updates(update["panels"]))
             return out
 
         def settings_from(values: dict[str, Any]) -> tuple[RunSettings, tuple[str, str, bool]]:
@@ -907,7 +1119,8 @@ def build_demo(hub: ModelHub | None = None):
             form = {field_name: values[key] for key, (owner, field_name, _) in param_inputs.items() if owner == chosen}
             settings = RunSettings(
                 model=values["model"] or hub.default, policy=chosen, params=parse_params(chosen, form),
-                budget=values["budget"], keep=values["keep"], fps=float(values["fps"] or 0),
+                budget=values["budget"], keep=values["keep"] if make_policy(chosen).uses_keep else None,
+                fps=float(values["fps"] or 0),
                 max_pixels=int(values["max_pixels"] or 0), baseline=bool(values["baseline"]),
                 cap_mb=float(values["baseline_cap_mb"] or 0),
             )
@@ -949,10 +1162,12 @@ def build_demo(hub: ModelHub | None = None):
         def export_chart(session):
             return write_chart(session)
 
-        def redraw_heatmap(session, layer, head, by_reason):
+        def redraw_views(session, layer, head, by_reason):
             if session is None:
-                return None
-            return heatmap_image(session, layer, head, by_reason)
+                return {heatmap: None}
+            view = (layer, head, by_reason)
+            return {heatmap: heatmap_image(session, *view), legend_box: legend(session, view),
+                    **panel_updates(policy_panels(session, layer, head))}
 
         def view_choices(state):
             engine = state.policy if state else None
@@ -975,25 +1190,40 @@ def build_demo(hub: ModelHub | None = None):
         stop_button.click(stop, [session], None, api_name="stop", concurrency_limit=None, show_progress="hidden")
         webcam.stream(webcam_stream, [session, webcam], run_outputs, inputs_kwargs=settings_inputs, stream_every=0.5,
                       time_limit=600, show_progress="hidden", api_visibility="private", **streams)
-        ask_button.click(ask_both, [session, question], ask_outputs, api_name="ask", show_progress_on=[status], **questions)
-        question.submit(ask_both, [session, question], ask_outputs, api_visibility="private", show_progress_on=[status],
-                        **questions)
-        examples.click(ask_example, [session, examples], [*ask_outputs, question], api_visibility="private",
-                       show_progress_on=[status], **questions)
+        view_inputs = [view_layer, view_head, by_reason]
+        view_outputs = [heatmap, legend_box, *panel_components]
+        asked = [
+            ask_button.click(ask_both, [session, question], ask_outputs, api_name="ask", show_progress_on=[status], **questions),
+            question.submit(ask_both, [session, question], ask_outputs, api_visibility="private", show_progress_on=[status],
+                            **questions),
+            examples.click(ask_example, [session, examples], [*ask_outputs, question], api_visibility="private",
+                           show_progress_on=[status], **questions),
+        ]
+        for event in asked:  # answering changes what some heads hold (HybridKV retrieves): redraw the views
+            event.then(redraw_views, [session, *view_inputs], view_outputs, api_visibility="private", show_progress="hidden")
         clear_button.click(new_conversation, [session], [session, policy_chat, full_chat], api_name="new_conversation",
                            concurrency_limit=None)
         chart_button.click(export_chart, [session], chart_file, api_name="export_chart", concurrency_limit=None)
-        view_inputs = [view_layer, view_head, by_reason]
         for control in view_inputs:
-            control.change(redraw_heatmap, [session, *view_inputs], heatmap, show_progress="hidden", api_visibility="private")
+            control.change(redraw_views, [session, *view_inputs], view_outputs, show_progress="hidden", api_visibility="private")
         check_inputs = [policy, budget, keep, fps, max_pixels, video]
         gr.on([control.change for control in check_inputs], validate_settings, check_inputs, budget_check,
               api_name="check_settings", show_progress="hidden", concurrency_limit=None)
         policy.change(lambda name: [gr.update(visible=name == n) for n in groups], [policy], list(groups.values()),
                       api_visibility="private")
+        policy.change(keep_field, [policy], keep, api_visibility="private", show_progress="hidden")
         model.change(lambda name: gr.update(value=banner_html(name), visible=bool(banner_html(name))), [model], banner,
                      api_visibility="private")
     return demo
+
+
+def keep_field(policy: str):
+    """The C field: a number for policies that keep C tokens, greyed out for one sized by M alone."""
+    import gradio as gr
+
+    if make_policy(policy).uses_keep:
+        return gr.update(interactive=True, label="C (kept by a compression)")
+    return gr.update(interactive=False, label=f"C (not used: {policy} splits M itself)")
 
 
 def banner_html(model_name: str | None) -> str:

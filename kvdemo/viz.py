@@ -452,16 +452,88 @@ def status_legend(codes: np.ndarray) -> str:
     return " &nbsp; ".join(parts + ["dark = evicted"])
 
 
+def status_fractions(engine, layer: int | None = None, head: int | None = None) -> np.ndarray | None:
+    """``[statuses, grids, rows, cols]``: the share of (layer, KV head) copies of each patch in each
+    :func:`patch_status` (held, summarised, offloaded, retrieved), over all layers/heads or the chosen ones;
+    None for a policy that only selects. Counted with one ``bincount`` per layer, like the survival map."""
+    memory = engine.memory
+    if memory.grid_shape is None or not memory.layers:
+        return None
+    layers = range(memory.num_layers) if layer is None else [layer]
+    heads = list(range(memory.num_kv_heads)) if head is None else [head]
+    summarises = bool(memory.summary_slots)
+    offloads = any(memory.layers[l].offload is not None for l in layers)
+    if not (summarises or offloads):
+        return None
+    rows, cols = memory.grid_shape
+    size = memory.num_grids * rows * cols
+    copies = len(layers) * len(heads)
+    held = memory.survival_counts(layer, head).numpy().reshape(-1).astype(np.float64)
+    out = np.zeros((len(STATUS_COLOURS), size))
+    out[HELD] = held
+    if summarises:  # ProtoKV absorbs everything it evicts, except what sits in since-recycled prototypes
+        lost = np.zeros(size)
+        for l in layers:
+            for h in heads:
+                data = engine.policy.assignments(l, h, memory.num_kv_heads)
+                for grid, ids in zip(data["grids"], data["prototype"]) if data else ():
+                    lost[grid * rows * cols : (grid + 1) * rows * cols] += (ids == LOST).reshape(-1)
+        out[SUMMARISED] = copies - held - lost
+    for l in layers:
+        store = memory.layers[l].offload
+        if store is None:
+            continue
+        flat = ((store.provenance["frame"] * rows + store.provenance["row"]) * cols + store.provenance["col"])[heads]
+        valid = store.valid[heads]
+        retrieved = store.retrieved[heads].cpu()[..., None] & valid
+        out[RETRIEVED] += np.bincount(flat[retrieved].numpy(), minlength=size)
+        out[OFFLOADED] += np.bincount(flat[valid & ~retrieved].numpy(), minlength=size)
+    return (out / copies).reshape(len(STATUS_COLOURS), memory.num_grids, rows, cols)
+
+
+def overlay_status_fractions(frame: np.ndarray, fractions: np.ndarray) -> np.ndarray:
+    """Tint each patch by the shares of its statuses (``fractions [statuses, rows, cols]``); dark = evicted."""
+    height, width = frame.shape[:2]
+    colours = np.array([STATUS_COLOURS[code] for code in STATUS_COLOURS], dtype=np.float32)  # [S, 3]
+    shares = np.stack([_upsample(f, (height, width)) for f in fractions], axis=-1)  # [h, w, S]
+    shown = shares.sum(-1, keepdims=True).clip(0, 1)
+    tint = (shares @ colours) / np.maximum(shown, 1e-6)
+    image = frame.astype(np.float32) * (0.25 + 0.75 * shown)
+    image = image * (1 - 0.4 * shown) + tint * 0.4 * shown
+    return _grid_lines(np.clip(image, 0, 255).astype(np.uint8), fractions.shape[1:])
+
+
+def _status_caption(fractions: np.ndarray) -> str:
+    held, summarised, offloaded, retrieved = (float(f.mean()) for f in fractions)
+    parts = [f"{100 * held:.0f}% exact"]
+    if summarised:
+        parts.append(f"{100 * summarised:.0f}% summarised")
+    if offloaded or retrieved:
+        parts.append(f"{100 * (offloaded + retrieved):.0f}% offloaded")
+    return " · ".join(parts)
+
+
 def engine_strip(engine, thumbnails: list[np.ndarray], layer: int | None = None, head: int | None = None,
                  by_reason: bool = False, last: int = 4) -> np.ndarray:
-    """What survives of the newest grids for ``engine``: :func:`survivor_strip`, or, for one layer and KV head
-    of a policy that summarises or offloads, each patch coloured by :func:`patch_status`."""
+    """What survives of the newest grids for ``engine``: :func:`survivor_strip`, or, for a policy that
+    summarises (ProtoKV) or offloads (HybridKV), each patch tinted by its statuses (:func:`patch_status`)
+    over the chosen layer/KV head or all of them, so that a summarised patch never reads as evicted."""
     memory = engine.memory
-    if layer is not None and head is not None and not by_reason:
-        status = patch_status(engine, layer, head)
-        if status is not None:
+    if not by_reason or layer is None or head is None:
+        fractions = status_fractions(engine, layer, head)
+        if fractions is not None:
             grids = list(range(max(0, memory.num_grids - last), memory.num_grids))
-            tiles = [overlay_status(thumbnails[g], status[g]) for g in grids]
-            captions = [f"t={memory.grid_times_s[g]:.1f}s  {100 * (status[g] == HELD).mean():.0f}% exact" for g in grids]
+            tiles = [overlay_status_fractions(thumbnails[g], fractions[:, g]) for g in grids]
+            captions = [f"t={memory.grid_times_s[g]:.1f}s  {_status_caption(fractions[:, g])}" for g in grids]
             return frame_strip(tiles, captions)
     return survivor_strip(memory, thumbnails, layer, head, last=last, by_reason=by_reason)
+
+
+def engine_gallery(engine, thumbnails: list[np.ndarray], max_width: int = 160) -> list[tuple[np.ndarray, str]]:
+    """Every grid so far with what survives of it (aggregated; statuses for summarising/offloading policies)."""
+    fractions = status_fractions(engine)
+    if fractions is None:
+        return survivor_gallery(engine.memory, thumbnails, max_width)
+    memory = engine.memory
+    return [(overlay_status_fractions(thumbnail(thumbnails[g], max_width), fractions[:, g]),
+             f"t={memory.grid_times_s[g]:.1f}s · {_status_caption(fractions[:, g])}") for g in range(memory.num_grids)]

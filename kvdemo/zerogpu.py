@@ -9,10 +9,10 @@ engine state on the CPU in the main process between calls and passes it in and o
 :func:`gpu` is the decorator kvdemo uses:
 
 - on a ZeroGPU Space (the ``spaces`` package importable and ``SPACES_ZERO_GPU`` set): ``spaces.GPU``;
-- with ``KVDEMO_ZEROGPU_EMULATE=1``: every call runs in a forked child process, with arguments and
-  results pickled exactly as ZeroGPU does (whatever device the machine has; the CPU here), so the boundary
-  is exercised on any machine; the pickled bytes of each call are recorded (:data:`TRANSFERS`);
-- elsewhere: the function itself.
+- with ``KVDEMO_ZEROGPU_EMULATE=1`` (read at each call): every call runs in a forked child process, with
+  arguments and results pickled exactly as ZeroGPU does (whatever device the machine has; the CPU here), so
+  the boundary is exercised on any machine; the pickled bytes of each call are recorded (:data:`TRANSFERS`);
+- elsewhere: the function itself, in place.
 """
 
 from __future__ import annotations
@@ -69,11 +69,14 @@ def gpu(duration: int | Callable[..., int] = 60) -> Callable[[Callable], Callabl
             import spaces
 
             return spaces.GPU(duration=duration)(fn)
-        if not emulating():
-            return fn
-        return _emulated(fn)
+        return _emulated(fn)  # decides at each call: in a forked child when emulating, else in place
 
     return decorate
+
+
+def active() -> bool:
+    """True when GPU calls cross a process boundary (on a ZeroGPU Space, or emulating one)."""
+    return on_zerogpu() or emulating()
 
 
 def _record(transfer: Transfer) -> None:
@@ -142,12 +145,17 @@ def _emulated(fn: Callable) -> Callable:
 
         @functools.wraps(fn)
         def generator(*args, **kwargs):
+            if not emulating():
+                yield from fn(*args, **kwargs)
+                return
             yield from _run(fn, args, kwargs, generator=True)
 
         return generator
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if not emulating():
+            return fn(*args, **kwargs)
         return next(_run(fn, args, kwargs, generator=False))
 
     return call

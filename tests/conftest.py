@@ -56,9 +56,9 @@ class LaunchedApp:
     cache: Path  # Gradio's cache folder (GRADIO_TEMP_DIR): uploads and every file the app served
 
 
-@pytest.fixture(scope="session")
-def app(tmp_path_factory) -> LaunchedApp:
-    """The real app (``python app.py``) on a free local port with the tiny model; stopped at the end."""
+def launch_app(folder: Path, **env_extra: str):
+    """The real app (``python app.py``) on a free local port with the tiny model; yields a :class:`LaunchedApp`
+    and stops it afterwards."""
     import os
     import socket
     import subprocess
@@ -69,11 +69,10 @@ def app(tmp_path_factory) -> LaunchedApp:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    folder = tmp_path_factory.mktemp("app")
     log, cache = folder / "app.log", folder / "gradio-cache"
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", GRADIO_TEMP_DIR=str(cache),
-               KVDEMO_MAX_SESSIONS=str(APP_MAX_SESSIONS))
+               KVDEMO_MAX_SESSIONS=str(APP_MAX_SESSIONS), **env_extra)
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "app.py", "--port", str(port), "--model", "tiny"], cwd=root, stdout=out, stderr=subprocess.STDOUT, env=env
@@ -98,5 +97,21 @@ def app(tmp_path_factory) -> LaunchedApp:
 
 
 @pytest.fixture(scope="session")
+def app(tmp_path_factory) -> LaunchedApp:
+    yield from launch_app(tmp_path_factory.mktemp("app"))
+
+
+@pytest.fixture(scope="session")
+def emulated_app(tmp_path_factory) -> LaunchedApp:
+    """The app with every GPU call in a forked child with pickled arguments and results, as on ZeroGPU."""
+    yield from launch_app(tmp_path_factory.mktemp("emulated-app"), KVDEMO_ZEROGPU_EMULATE="1")
+
+
+@pytest.fixture(scope="session")
 def app_url(app) -> str:
     return app.url
+
+
+@pytest.fixture(scope="session")
+def emulated_app_url(emulated_app) -> str:
+    return emulated_app.url

@@ -167,7 +167,7 @@ def test_chat_panes_are_labelled_with_the_policy_and_nothing_covers_the_question
     page.fill("#question textarea", "What moves?")
     page.click("#ask-button")
     page.wait_for_function("document.querySelector('#full-chat').innerText.includes('first token')", timeout=120_000)
-    assert page.locator("#policy-chat-title").inner_text().strip() == "infinipot-v, M=1036 C=44"
+    assert page.locator("#policy-chat-title").inner_text().strip() == "infinipot-v, M=1036 C=72"
     assert page.locator("#full-chat-title").inner_text().strip().startswith("full cache")
     for chat in ("#policy-chat", "#full-chat"):
         bubble = page.locator(f"{chat} .message.user").first
@@ -177,3 +177,21 @@ def test_chat_panes_are_labelled_with_the_policy_and_nothing_covers_the_question
         covered = bubble.evaluate("(el, points) => points.filter(([x, y]) => !el.contains(document.elementFromPoint(x, y))).length", points)
         assert covered == 0, f"something covers the question in {chat}"
     page.screenshot(path=str(artifacts / "chat.png"), full_page=True)
+
+
+def test_the_app_under_zerogpu_emulation_in_chromium(browser, emulated_app_url, artifacts):
+    """Every GPU call in a forked child with pickled state, as on ZeroGPU: the sample streams, a question is
+    answered by both engines and graded, and the policy's own views show (ProtoKV's assignment map)."""
+    page = new_page(browser, emulated_app_url)
+    page.locator("#policy input").fill("protokv")
+    page.keyboard.press("Enter")
+    page.click("#sample-button")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
+    page.wait_for_selector("#panel-0-image img", timeout=30_000)
+    assert "Prototype assignments" in page.locator("#panel-0").inner_text()
+    page.fill("#question textarea", "What colour was the circle?")
+    page.click("#ask-button")
+    for chat in ("#policy-chat", "#full-chat"):
+        page.wait_for_function(f"document.querySelector('{chat}').innerText.includes('first token')", timeout=120_000)
+    assert "ground truth" in page.locator("#full-chat").inner_text()
+    page.screenshot(path=str(artifacts / "zerogpu-emulated.png"), full_page=True)

@@ -15,13 +15,18 @@ def emulate(monkeypatch):
     zerogpu.TRANSFERS.clear()
 
 
-def test_off_spaces_and_without_emulation_the_decorator_is_the_function(monkeypatch):
+def test_off_spaces_and_without_emulation_a_call_runs_in_place(monkeypatch):
     monkeypatch.delenv(zerogpu.EMULATE_ENV, raising=False)
+    zerogpu.TRANSFERS.clear()
+    state = {"frames": [1]}
 
-    def work(x):
-        return x + 1
+    @zerogpu.gpu(duration=10)
+    def work(state):
+        state["frames"].append(2)
+        return state
 
-    assert zerogpu.gpu(duration=10)(work) is work
+    assert work(state) is state and state == {"frames": [1, 2]} and not zerogpu.TRANSFERS
+    assert not zerogpu.active()
 
 
 def test_a_call_runs_elsewhere_so_what_it_changes_does_not_persist(emulate):
