@@ -459,6 +459,51 @@ def hybridkv_table(decode: dict[str, Any], tiny: dict[str, Any] | None, name: st
     return "\n".join(lines)
 
 
+#: Qwen2.5-VL-3B's language model cache geometry (the default real model) and the app's defaults for it.
+QWEN3B_SHAPE = dict(num_layers=36, num_kv_heads=2, head_dim=128, budget=6144, keep=4608, grid=(24, 32))
+
+
+def zerogpu_transfer_benchmark(seconds: tuple[int, ...] = (10, 30, 60), repeats: int = 3) -> dict[str, Any]:
+    """What crosses the ZeroGPU boundary per call at Qwen2.5-VL-3B's cache shape in bf16 and the app's
+    defaults (M=6144, one temporal grid of 768 tokens per second of video at 2 fps): the pickled KV memory of
+    the policy engine and of the full-cache baseline after ``seconds`` of video, with the time to pickle and
+    unpickle it here. A stream-segment call carries the state in and out, a question carries it in and
+    returns only the dialogue (a few KB)."""
+    import pickle
+
+    shape = QWEN3B_SHAPE
+    per_second = shape["grid"][0] * shape["grid"][1]
+    rows = []
+
+    def measure(label: str, tokens: int, budget: int) -> None:
+        memory = synthetic_memory(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], budget, shape["grid"],
+                                  torch.bfloat16, visual_tokens=tokens)
+        dumps, loads, size = [], [], 0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            blob = pickle.dumps(memory, protocol=pickle.HIGHEST_PROTOCOL)
+            middle = time.perf_counter()
+            pickle.loads(blob)
+            dumps.append((middle - start) * 1000)
+            loads.append((time.perf_counter() - middle) * 1000)
+            size = len(blob)
+        rows.append({"state": label, "tokens": tokens, "mb": size / 2**20, "pickle_ms": statistics.median(dumps),
+                     "unpickle_ms": statistics.median(loads)})
+
+    measure(f"policy engine at M={shape['budget']}", shape["budget"], shape["budget"])
+    for second in seconds:
+        measure(f"full-cache baseline after {second} s", second * per_second, second * per_second)
+    return {"shape": {**shape, "grid": list(shape["grid"])}, "dtype": "bfloat16", "rows": rows}
+
+
+def zerogpu_table(result: dict[str, Any]) -> str:
+    lines = [f"{'state (Qwen2.5-VL-3B, bf16)':<40} {'tokens':>7} {'MB':>8} {'pickle ms':>10} {'unpickle ms':>12}"]
+    for row in result["rows"]:
+        lines.append(f"{row['state']:<40} {row['tokens']:>7} {row['mb']:>8.0f} {row['pickle_ms']:>10.0f} {row['unpickle_ms']:>12.0f}")
+    lines.append("a stream-segment call carries its session's state in and out; a question carries it in (a few KB back)")
+    return "\n".join(lines)
+
+
 def stream_benchmark(policy: Policy, frames: int, budget: int, keep: int) -> dict[str, Any]:
     """Stream a synthetic video through ``full`` and ``policy`` on the tiny model (one shared encoding)."""
     model = build_tiny_model()
@@ -504,6 +549,10 @@ def bench_command(args: argparse.Namespace) -> int:
     stream = stream_benchmark(policy, args.frames, args.budget, keep)
     results["stream"] = stream
     print(stream_table(stream, policy.name, args.every))
+    if getattr(args, "zerogpu", False):
+        print("\nwhat a ZeroGPU call pickles at Qwen2.5-VL-3B's defaults...", file=sys.stderr)
+        results["zerogpu"] = zerogpu_transfer_benchmark()
+        print(zerogpu_table(results["zerogpu"]))
     if not args.skip_pass and policy.name == "protokv":
         print("\nProtoKV's update at 7B shape over a simulated stream (random keys/values, no model)...", file=sys.stderr)
         results["protokv_7b"] = protokv_benchmark(make_policy(policy.name, **policy.params()), factor=args.stream_factor)

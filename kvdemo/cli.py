@@ -145,6 +145,8 @@ def build_parser(policies: list[str] | None = None) -> argparse.ArgumentParser:
     bench.add_argument("--keep", "-C", type=int, default=1152, help="C for the streaming run (default 1152)")
     bench.add_argument("--pass-repeats", type=int, default=3, help="repeats of the 7B-shape pass timing (default 3)")
     bench.add_argument("--skip-pass", action="store_true", help="skip the 7B-shape compression pass timing")
+    bench.add_argument("--zerogpu", action="store_true",
+                       help="also measure what a ZeroGPU call pickles at Qwen2.5-VL-3B's defaults")
     bench.add_argument("--stream-factor", type=int, default=20,
                        help="protokv: also time the update on a stream this many times longer (default 20)")
     bench.add_argument("--every", type=int, default=1, help="print every Nth chunk of the table (default: all)")

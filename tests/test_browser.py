@@ -171,6 +171,7 @@ def test_chat_panes_are_labelled_with_the_policy_and_nothing_covers_the_question
     assert page.locator("#full-chat-title").inner_text().strip().startswith("full cache")
     for chat in ("#policy-chat", "#full-chat"):
         bubble = page.locator(f"{chat} .message.user").first
+        bubble.scroll_into_view_if_needed()
         box = bubble.bounding_box()
         # Whatever is drawn at the bubble's corners and centre belongs to the bubble itself.
         points = [(box["x"] + dx, box["y"] + dy) for dx in (3, box["width"] / 2, box["width"] - 3) for dy in (3, box["height"] - 3)]

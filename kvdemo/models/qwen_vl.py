@@ -228,6 +228,8 @@ def load_qwen(model_id: str, device: str | None = None) -> QwenVL:
 
     bf16 and ``device_map="auto"`` (accelerate) on CUDA, float32 on the CPU; kvdemo's attention function
     (SDPA plus what the memory supplies, :mod:`kvdemo.attention`) in the language model, ``sdpa`` in the vision tower.
+    On a ZeroGPU Space the model is loaded at start-up and moved with ``.to("cuda")`` (ZeroGPU's own pattern:
+    there is no GPU to map onto until a ``@spaces.GPU`` call runs).
     """
     from transformers import (
         AutoConfig,
@@ -246,12 +248,19 @@ def load_qwen(model_id: str, device: str | None = None) -> QwenVL:
     use_cuda = torch.cuda.is_available() and device != "cpu"
     from ..attention import ATTN_IMPLEMENTATION
 
+    from ..zerogpu import on_zerogpu
+
     kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPLEMENTATION, "trust_remote_code": False}
-    if use_cuda:
+    zerogpu = on_zerogpu()
+    if zerogpu:
+        kwargs.update(dtype=torch.bfloat16)
+    elif use_cuda:
         kwargs.update(dtype=torch.bfloat16, device_map=device or "auto")
     else:
         kwargs.update(dtype=torch.float32)
     model = classes[config.model_type].from_pretrained(model_id, **kwargs)
+    if zerogpu:
+        model = model.to("cuda")
     tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=False)
     return QwenVL(model, tokenizer, name=model_id)
 
