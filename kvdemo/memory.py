@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .models.base import VisualChunk
-from .policies.base import LayerView, OffloadUpdate, Selection, SummaryUpdate
+from .policies.base import LayerView, OffloadUpdate, Selection, SummaryUpdate, as_words
 
 #: Reason code of a visual slot appended since the last compression (no policy reason yet).
 REASON_NEW = -2
@@ -587,7 +587,7 @@ class KVMemory:
         both = torch.tensor([0, heads], device=device)[:, None]
         kv_dst = ((head_of_hole[None] + both) * capacity + start + slot_of_hole[None]).flatten()
         kv_src = ((head_of_mover[None] + both) * capacity + start + slot_of_mover[None]).flatten()
-        flat = store.kv.view(2 * heads * capacity, store.kv.shape[-1])
+        flat = as_words(store.kv.view(2 * heads * capacity, store.kv.shape[-1]))
         flat.index_copy_(0, kv_dst, flat.index_select(0, kv_src))
         new_len = int(counts.max()) if heads else 0
         if bool((counts == new_len).all()):
@@ -697,5 +697,4 @@ class KVMemory:
         counts = self.survival_counts().sum(dim=(1, 2)).double()
         total = self.grid_shape[0] * self.grid_shape[1] * self.num_layers * self.num_kv_heads
         return (counts / total).tolist()
-
 

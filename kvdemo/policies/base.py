@@ -257,6 +257,18 @@ def make_policy(name: str, **params: Any) -> Policy:
 # --- shared helpers for policies ---------------------------------------------------------
 
 
+def as_words(rows: torch.Tensor) -> torch.Tensor:
+    """``rows [N, D]`` viewed as int64 words (same bytes) when a row is a whole number of 8-byte words.
+
+    Moving rows is a copy of bytes: PyTorch's CPU ``index_select`` / ``index_copy_`` are several times faster
+    on int64 than on float32 or bfloat16 rows (measured here: 0.26 vs 1.4 ms to gather 8800 rows of 128
+    floats, 0.26 vs 0.49 ms to scatter 8800 bfloat16 rows).
+    """
+    if rows.dim() != 2 or rows.shape[-1] * rows.element_size() % 8 or not rows.is_contiguous():
+        return rows
+    return rows.view(torch.int64)
+
+
 def move_tensors(value: Any, device: torch.device | str) -> Any:
     """``value`` with every tensor inside it (dataclass fields, dicts, lists, tuples) moved to ``device``."""
     if isinstance(value, torch.Tensor):
@@ -307,6 +319,8 @@ def top_k_mask(scores: torch.Tensor, k: int | torch.Tensor, order: torch.Tensor 
     k = min(int(k.flatten()[0]) if isinstance(k, torch.Tensor) else int(k), length)
     if k <= 0:
         return mask
+    if 2 * k > length:  # cheaper to find the (distinct, thanks to the ramp) L - k lowest and keep the rest
+        return mask.fill_(True).scatter_(1, torch.topk(key, length - k, dim=-1, largest=False, sorted=False).indices, False)
     return mask.scatter_(1, torch.topk(key, k, dim=-1, sorted=False).indices, True)
 
 

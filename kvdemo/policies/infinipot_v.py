@@ -44,7 +44,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .base import BudgetError, LayerView, Policy, Selection, minmax, recent_window, register, top_k_mask, top_k_sorted
+from .base import (
+    BudgetError,
+    LayerView,
+    Policy,
+    Selection,
+    as_words,
+    minmax,
+    recent_window,
+    register,
+    top_k_mask,
+    top_k_sorted,
+)
 
 KERNELS = (7, 5, 3, 1)
 #: Reason codes reported per kept token (``Selection.info["reason"]``).
@@ -290,7 +301,7 @@ def patch_similarity(keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor
     step = length if device.type == "cuda" else SIMILARITY_BLOCK
     for start in range(0, length, step):
         block = keys[:, start : start + step].float()  # [H, b, D], in cache
-        gathered = reference.index_select(0, row[:, start : start + step].reshape(-1)).view(block.shape)
+        gathered = as_words(reference).index_select(0, row[:, start : start + step].reshape(-1)).view(torch.float32).view(block.shape)
         norms = torch.linalg.vector_norm(block, dim=-1).clamp_min(1e-12)
         similarity[:, start : start + step] = (block * gathered).sum(-1) / norms
     return similarity / count[row].clamp_min(1.0)
