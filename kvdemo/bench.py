@@ -156,19 +156,25 @@ def time_pass(policy: Policy, memory: KVMemory, keep: int, repeats: int) -> dict
 
 
 def time_floor(memory: KVMemory, keep: int, repeats: int) -> dict[str, float]:
-    """The memory-bound floor of any selection pass: read every visual key and value once (a reduction)
-    and write ``keep`` tokens' keys and values (a fill of preallocated buffers); median and min ms."""
+    """The memory-bound floor of any selection pass: read every visual key and value once and write ``keep``
+    tokens' keys and values; median and min ms. Both are raw byte streams, whatever the dtype: the read is a
+    sum over the buffers viewed as int64 words (a bfloat16 sum would time the conversion, not the memory), the
+    write a fill of preallocated buffers."""
     views = memory.views()
     targets = [torch.empty(v.num_heads, keep, v.keys.shape[-1], dtype=v.keys.dtype) for v in views for _ in range(2)]
+
+    def words(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int64) if t.shape[-1] * t.element_size() % 8 == 0 else t
+
     times = []
     with torch.inference_mode():
         for run in range(repeats + 1):
             start = time.perf_counter()
             for view in views:
-                view.keys.sum()
-                view.values.sum()
+                words(view.keys).sum()
+                words(view.values).sum()
             for target in targets:
-                target.fill_(1.0)
+                words(target).fill_(1)
             if run:
                 times.append((time.perf_counter() - start) * 1000)
     s = _summary(times)
