@@ -359,14 +359,17 @@ def test_aging_merging_and_recycling():
 # --- residuals ------------------------------------------------------------------------------------
 
 
-def test_beam_search_finds_the_brute_force_top_tuples():
+@pytest.mark.parametrize("groups,codewords,modes,beam", [(3, 4, 6, 64), (4, 5, 8, 32), (5, 3, 4, 4)])
+def test_beam_search_finds_the_brute_force_top_tuples(groups, codewords, modes, beam):
     g = torch.Generator().manual_seed(3)
-    hist = torch.randint(0, 9, (5, 3, 4), generator=g)  # 5 prototypes, G = 3, C = 4
-    codes = beam_search(hist, modes=6, beam=64, smoothing=0.1)
+    hist = torch.randint(0, 9, (5, groups, codewords), generator=g)  # 5 prototypes
+    codes = beam_search(hist, modes=modes, beam=beam, smoothing=0.1)
+    assert codes.shape == (5, modes, groups)
     for p in range(5):
-        logp = torch.log((hist[p].double() + 0.1) / (hist[p].sum(-1, keepdim=True).double() + 0.4))
-        tuples = sorted(itertools.product(range(4), repeat=3), key=lambda z: -sum(float(logp[i, c]) for i, c in enumerate(z)))
-        best = [sum(float(logp[i, c]) for i, c in enumerate(z)) for z in tuples[:6]]
+        logp = torch.log((hist[p].double() + 0.1) / (hist[p].sum(-1, keepdim=True).double() + 0.1 * codewords))
+        tuples = sorted(itertools.product(range(codewords), repeat=groups),
+                        key=lambda z: -sum(float(logp[i, c]) for i, c in enumerate(z)))
+        best = [sum(float(logp[i, c]) for i, c in enumerate(z)) for z in tuples[:modes]]
         found = [sum(float(logp[i, c]) for i, c in enumerate(z)) for z in codes[p].tolist()]
         np.testing.assert_allclose(found, best, atol=1e-5)
 

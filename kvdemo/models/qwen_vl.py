@@ -65,7 +65,8 @@ def pixel_values(
 class MRopeRotation:
     """The language model's M-RoPE rotation as a function of 3-D positions, computed by the model's own
     rotary module: ``rotate(x, p) = x cos(p) + rotate_half(x) sin(p)`` and its inverse (rotations are
-    orthogonal, so ``unrotate(rotate(x, p), p) == x`` up to rounding). ``x [..., D]``, ``p [..., 3]``."""
+    orthogonal, so ``unrotate(rotate(x, p), p) == x`` up to rounding). ``x [..., D]``, ``p [..., 3]`` (broadcastable
+    against ``x``'s leading dimensions: one position for all pseudo-tokens of a prototype is ``[..., 1, 3]``)."""
 
     def __init__(self, rotary_emb: torch.nn.Module) -> None:
         self.rotary_emb = rotary_emb
@@ -84,8 +85,12 @@ class MRopeRotation:
         cos, sin = cos.to(x.device), sin.to(x.device)
         half = x.shape[-1] // 2
         xf = x.float()
-        rotated_half = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * cos + sign * rotated_half * sin).to(x.dtype)
+        # x cos + sign * rotate_half(x) sin, with rotate_half(x) = [-x2, x1] added half by half in place
+        # (no concatenated copy); cos/sin broadcast, so positions shared along a dimension can stay size 1.
+        out = xf * cos
+        out[..., :half].addcmul_(xf[..., half:], sin[..., :half], value=-sign)
+        out[..., half:].addcmul_(xf[..., :half], sin[..., half:], value=sign)
+        return out.to(x.dtype)
 
     def rotate(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Keys before RoPE -> rotated at ``position`` (as the model caches them)."""

@@ -355,14 +355,18 @@ class ProtoKV(Policy):
     def assignment_cost(self, bank: ProtoBank, keys: torch.Tensor, spatial: torch.Tensor, t: int) -> torch.Tensor:
         """Eq. 1 for every token and prototype, ``[B, E, K]``: ``-cos(K, c_k) + lambda_sp d_Mah(s; mu_k,
         Sigma_k) + lambda_idle 1(t - tau_k > T_idle)``; empty slots cost ``+inf``."""
-        cosine = F.normalize(keys, dim=-1) @ F.normalize(bank.centre_k, dim=-1).transpose(1, 2)
-        cost = -cosine
-        if self.lambda_sp:
-            cost = cost + self.lambda_sp * mahalanobis(spatial, bank.mu, bank.sigma)
+        unit_keys, unit_centres = F.normalize(keys, dim=-1), F.normalize(bank.centre_k, dim=-1)
+        # Per-prototype terms in one [B, 1, K] row: the idle penalty, and +inf on empty slots.
+        per_prototype = torch.zeros(bank.mass.shape, dtype=unit_keys.dtype, device=keys.device)
         if self.lambda_idle:
-            idle = (t - bank.tau_time) > self.t_idle
-            cost = cost + self.lambda_idle * idle.to(cost.dtype)[:, None, :]
-        return cost.masked_fill(~bank.active[:, None, :], float("inf"))
+            per_prototype += self.lambda_idle * ((t - bank.tau_time) > self.t_idle).to(per_prototype.dtype)
+        per_prototype.masked_fill_(~bank.active, float("inf"))
+        if self.lambda_sp:
+            cost = mahalanobis(spatial, bank.mu, bank.sigma).mul_(self.lambda_sp)
+            cost.baddbmm_(unit_keys, unit_centres.transpose(1, 2), alpha=-1.0)  # - cos, fused into the sum
+        else:
+            cost = -(unit_keys @ unit_centres.transpose(1, 2))
+        return cost.add_(per_prototype[:, None, :])  # [B, E, K], written in place (no [B, E, K] temporaries)
 
     def _update(
         self,
@@ -505,16 +509,18 @@ class ProtoKV(Policy):
         real = torch.gather(candidates, 1, chosen)
         unit_k, unit_v = F.normalize(bank.centre_k, dim=-1), F.normalize(bank.centre_v, dim=-1)
         pick = lambda unit: torch.gather(unit, 1, chosen[..., None].expand(-1, -1, unit.shape[-1]))  # noqa: E731
-        # ||a - b||^2 = 2 - 2 cos for unit vectors
-        close = (2 - 2 * pick(unit_k) @ unit_k.transpose(1, 2)) < self.merge_k**2
-        close &= (2 - 2 * pick(unit_v) @ unit_v.transpose(1, 2)) < self.merge_v**2
+        # ||a - b||^2 = 2 - 2 cos for unit vectors, so ||a - b|| < eps  <=>  cos > 1 - eps^2 / 2
+        close = (pick(unit_k) @ unit_k.transpose(1, 2)) > 1 - self.merge_k**2 / 2
+        close &= (pick(unit_v) @ unit_v.transpose(1, 2)) > 1 - self.merge_v**2 / 2
         slots = torch.arange(capacity, device=device)
         close &= real[..., None] & active[:, None, :] & (chosen[..., None] != slots)  # [B, U, K]
         # partner(j) = lowest i < j with close(i, j); close is symmetric, so a pair appears from a candidate side.
-        big = torch.tensor(capacity, device=device)
-        from_candidates = torch.where(close & (chosen[..., None] < slots), chosen[..., None], big).min(dim=1).values
-        own = torch.where(close & (slots < chosen[..., None]), slots, big).min(dim=2).values  # candidate j's lower partners
-        partner = from_candidates.scatter_reduce(1, chosen, torch.where(real, own, big), reduce="amin")
+        # int32 slot ids: the [B, U, K] temporaries are the largest tensors of a pass.
+        big = torch.tensor(capacity, dtype=torch.int32, device=device)
+        chosen32, slots32 = chosen.to(torch.int32)[..., None], slots.to(torch.int32)
+        from_candidates = torch.where(close & (chosen32 < slots32), chosen32, big).amin(dim=1)
+        own = torch.where(close & (slots32 < chosen32), slots32, big).amin(dim=2)  # candidate j's lower partners
+        partner = from_candidates.long().scatter_reduce(1, chosen, torch.where(real, own, big).long(), reduce="amin")
         has_partner = partner < capacity
         root = ~has_partner
         merging = has_partner & torch.gather(torch.cat([root, root.new_zeros(rows, 1)], 1), 1, partner)
@@ -523,16 +529,18 @@ class ProtoKV(Policy):
             return torch.zeros_like(active)
         r, j = torch.nonzero(merging, as_tuple=True)
         i = partner[r, j]
+        # Mass-weighted means, computed for the merge targets only (not the whole bank).
         target = r * capacity + i
-        weight_j = bank.mass[r, j].double()
-        total = bank.mass.double().view(-1).index_add(0, target, weight_j)
+        targets, slot_of = torch.unique(target, return_inverse=True)
+        source = r * capacity + j
+        weight_j = bank.mass.view(-1)[source].double()
+        weight_i = bank.mass.view(-1)[targets].double()
+        total = weight_i.index_add(0, slot_of, weight_j)
         for name in ("centre_k", "centre_v", "mu"):
-            state = getattr(bank, name)
-            flat = state.view(rows * capacity, -1).double() * bank.mass.double().view(-1, 1)
-            flat.index_add_(0, target, state[r, j].view(r.numel(), -1).double() * weight_j[:, None])
-            merged = (flat / total.clamp_min(1)[:, None]).to(state.dtype).view_as(state)
-            keep_old = (total == 0).view(rows, capacity, *([1] * (state.dim() - 2)))
-            setattr(bank, name, torch.where(keep_old, state, merged))
+            flat = getattr(bank, name).view(rows * capacity, -1)
+            summed = (flat[targets].double() * weight_i[:, None]).index_add_(0, slot_of, flat[source].double() * weight_j[:, None])
+            merged = (summed / total.clamp_min(1)[:, None]).to(flat.dtype)
+            flat[targets] = torch.where((total == 0)[:, None], flat[targets], merged)
         for name in ("hist_k", "hist_v", "n_res"):
             state = getattr(bank, name)
             flat = state.view(rows * capacity, -1)
@@ -590,11 +598,10 @@ class ProtoKV(Policy):
         valid = torch.gather(touched, 1, order)
         order = torch.where(valid, order, order[:, :1])
         rows_idx = torch.arange(rows, device=order.device)[:, None].expand_as(order)
-        residual_k, residual_v = self.residual_modes(bank, rows_idx, order)  # [B, U, S, D]
-        keys = bank.centre_k[rows_idx, order][:, :, None] + residual_k
-        values = bank.centre_v[rows_idx, order][:, :, None] + residual_v
-        position = bank.tau_pos[rows_idx, order][:, :, None].expand(-1, -1, s, -1)
-        keys = rotary.rotate(keys, position)
+        residual_k, residual_v = self.residual_modes(bank, rows_idx, order)  # [B, U, S, D], fresh tensors
+        keys = residual_k.add_(bank.centre_k[rows_idx, order][:, :, None])
+        values = residual_v.add_(bank.centre_v[rows_idx, order][:, :, None])
+        keys = rotary.rotate(keys, bank.tau_pos[rows_idx, order][:, :, None])  # one position per prototype [B, U, 1, 3]
         slots = (order[:, :, None] * s + torch.arange(s, device=order.device)).flatten(1)  # [B, U*S]
         mass = bank.mass.double()
         bias = torch.where(mass > 0, mass.clamp_min(1).log() if self.mass_bias else torch.zeros_like(mass), float("-inf"))
@@ -619,14 +626,12 @@ class ProtoKV(Policy):
         dim = bank.centre_k.shape[-1]
         shape = (*protos.shape, self.pseudo_tokens, dim)
         if bank.codebook_k is None or not self.residuals:
-            zero = torch.zeros(shape, device=protos.device)
-            return zero, zero
+            return torch.zeros(shape, device=protos.device), torch.zeros(shape, device=protos.device)
         out = []
+        empty = (bank.n_res[rows, protos] == 0)[:, :, None, None]
         for hist, codebook in ((bank.hist_k, bank.codebook_k), (bank.hist_v, bank.codebook_v)):
             codes = beam_search(hist[rows, protos], self.pseudo_tokens, self.beam or 4 * self.pseudo_tokens, self.smoothing)
-            decoded = pq_decode(codes, codebook[rows[:, 0]])  # [B, U, S, D]
-            has = (bank.n_res[rows, protos] > 0)[:, :, None, None]
-            out.append(torch.where(has, decoded, torch.zeros_like(decoded)))
+            out.append(pq_decode(codes, codebook[rows[:, 0]]).masked_fill_(empty, 0.0))  # [B, U, S, D]
         return out[0], out[1]
 
     # --- what it shows ----------------------------------------------------------------------
@@ -709,7 +714,7 @@ def mahalanobis(spatial: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) ->
     )  # [B, K, 6]
     x, y = spatial[..., 0], spatial[..., 1]
     features = torch.stack([x * x, x * y, y * y, x, y, torch.ones_like(x)], dim=-1)  # [B, E, 6]
-    return (features.double() @ coef.double().transpose(1, 2)).clamp_min(0).sqrt().float()
+    return (features.double() @ coef.double().transpose(1, 2)).clamp_min_(0).sqrt_().float()
 
 
 def train_codebooks(reservoir: torch.Tensor, groups: int, codewords: int, iterations: int = 20) -> torch.Tensor:
@@ -755,7 +760,11 @@ def beam_search(hist: torch.Tensor, modes: int, beam: int, smoothing: float) -> 
 
     Each sub-quantiser contributes only its ``modes`` most likely codewords (a tuple with a lower-ranked
     code cannot be among the top ``modes``: swapping that code for any of the ``modes`` better ones gives
-    ``modes`` better tuples), which shrinks every step's candidates without changing the result. Ties go
+    ``modes`` better tuples), which shrinks every step's candidates without changing the result. For the same
+    reason the beam never needs to be wider than ``modes``: a prefix outside the best ``modes`` prefixes has
+    ``modes`` better ones, each of which completes with the same suffix to a better tuple. So ``beam`` (the
+    paper's B = 4S) is honoured as an upper bound and the search runs ``min(beam, modes)`` wide, with the
+    same tuples as a ``beam``-wide search. Ties go
     to lower codewords (a ramp far below the log-probability resolution), so the search is deterministic.
     """
     *lead, groups, codewords = hist.shape
@@ -765,14 +774,20 @@ def beam_search(hist: torch.Tensor, modes: int, beam: int, smoothing: float) -> 
     top = min(modes, codewords)
     logp, code_ids = torch.topk(logp, top, dim=-1)  # [..., G, top], best first
     scores = torch.zeros(*lead, 1, device=hist.device)
-    codes = torch.zeros(*lead, 1, 0, dtype=torch.long, device=hist.device)
+    parents, picked = [], []  # per sub-quantiser: each beam's parent beam and its codeword [..., width]
     for g in range(groups):
         candidates = (scores[..., :, None] + logp[..., None, g, :]).flatten(-2)  # [..., width * top]
-        width = min(beam, candidates.shape[-1])
-        scores, pick = torch.topk(candidates, width, dim=-1)
-        parent = torch.div(pick, top, rounding_mode="floor")
-        code = torch.gather(code_ids[..., g, :], -1, pick % top)
-        codes = torch.cat([torch.gather(codes, -2, parent[..., None].expand(*parent.shape, g)), code[..., None]], dim=-1)
+        width = min(beam, modes, candidates.shape[-1])
+        scores, pick = torch.topk(candidates, width, dim=-1)  # sorted, best first
+        parents.append(torch.div(pick, top, rounding_mode="floor"))
+        picked.append(torch.gather(code_ids[..., g, :], -1, pick % top))
+    # Backtrack the best beams through their parents (instead of copying every beam's tuple at every step).
+    beams = torch.arange(min(modes, width), device=hist.device).expand(*lead, -1).contiguous()
+    tuple_codes = []
+    for g in reversed(range(groups)):
+        tuple_codes.append(torch.gather(picked[g], -1, beams))
+        beams = torch.gather(parents[g], -1, beams)
+    codes = torch.stack(tuple_codes[::-1], dim=-1)  # [..., n, G]
     if codes.shape[-2] < modes:  # fewer distinct tuples than modes (tiny codebooks): repeat the best
         codes = torch.cat([codes, codes[..., :1, :].expand(*codes.shape[:-2], modes - codes.shape[-2], groups)], dim=-2)
     return codes[..., :modes, :]
