@@ -177,20 +177,38 @@ def _grid_lines(image: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
     return out
 
 
+def wrap_caption(caption: str, width: float, measure) -> list[str]:
+    """``caption`` broken at spaces into lines no wider than ``width`` (``measure(text)`` -> pixels); a
+    single word wider than that keeps its own line."""
+    lines: list[str] = []
+    for word in caption.split():
+        if lines and measure(f"{lines[-1]} {word}") <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(word)
+    return lines or [""]
+
+
 def frame_strip(tiles: list[np.ndarray], captions: list[str], gap: int = 6) -> np.ndarray:
-    """Tiles side by side with a caption above each (one JPEG-friendly image)."""
+    """Tiles side by side with a caption above each (one JPEG-friendly image); a caption wider than its
+    tile wraps onto more lines instead of running into the next tile's."""
     if not tiles:
         return np.full((60, 320, 3), 245, dtype=np.uint8)
     height = max(t.shape[0] for t in tiles)
     width = sum(t.shape[1] for t in tiles) + gap * (len(tiles) - 1)
-    band = 26
+    font = ImageFont.load_default(size=16)
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1))).textlength
+    wrapped = [wrap_caption(caption, tile.shape[1] - 6, lambda text: measure(text, font=font))
+               for tile, caption in zip(tiles, captions)]
+    line_height = 20
+    band = 6 + line_height * max(len(lines) for lines in wrapped)
     canvas = Image.new("RGB", (width, height + band), (250, 250, 250))
     draw = ImageDraw.Draw(canvas)
-    font = ImageFont.load_default(size=16)
     x = 0
-    for tile, caption in zip(tiles, captions):
+    for tile, lines in zip(tiles, wrapped):
         canvas.paste(Image.fromarray(tile), (x, band))
-        draw.text((x + 3, 4), caption, fill=(20, 20, 20), font=font)
+        for i, line in enumerate(lines):
+            draw.text((x + 3, 4 + i * line_height), line, fill=(20, 20, 20), font=font)
         x += tile.shape[1] + gap
     return np.asarray(canvas)
 

@@ -318,3 +318,22 @@ def test_policies_declare_their_views_and_viz_draws_them(tiny, pancake):
     status = viz.patch_status(hybrid, layer, head)
     assert (status == viz.RETRIEVED).any() and (status == viz.HELD).any()
     assert viz.patch_status(StreamEngine(tiny, "uniform", budget=540, keep=405), 0, 0) is None
+
+
+def test_a_caption_wider_than_its_tile_wraps_instead_of_running_into_the_next():
+    from PIL import Image, ImageDraw, ImageFont
+
+    measure = lambda text: 10 * len(text)  # noqa: E731 (10 px per character)
+    assert viz.wrap_caption("t=36.0s 0% exact · 100% summarised", 120, measure) == ["t=36.0s 0%", "exact · 100%", "summarised"]
+    assert viz.wrap_caption("short", 120, measure) == ["short"]
+    assert viz.wrap_caption("unbreakablewordthatislong", 50, measure) == ["unbreakablewordthatislong"]
+    tiles = [np.zeros((40, 120, 3), dtype=np.uint8)] * 2
+    font = ImageFont.load_default(size=16)
+    textlength = ImageDraw.Draw(Image.new("RGB", (1, 1))).textlength
+    long_caption = "t=36.0s  0% exact · 100% summarised"
+    assert textlength(long_caption, font=font) > 120  # would overflow one line
+    one_line, wrapped = viz.frame_strip(tiles, ["a", "b"]), viz.frame_strip(tiles, [long_caption, "b"])
+    assert wrapped.shape[0] > one_line.shape[0] and wrapped.shape[1] == one_line.shape[1]
+    # Nothing is drawn in the 6-px gap between the tiles: the caption stayed over its own tile.
+    gap = wrapped[:, 120:126]
+    assert (gap == 250).all()
