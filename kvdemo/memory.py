@@ -128,9 +128,12 @@ class OffloadStore:
         pad = capacity - self.capacity
 
         def grown(t: torch.Tensor) -> torch.Tensor:
-            extra = t.new_zeros(t.shape[0], pad, *t.shape[2:])
-            out = torch.cat([t, extra], dim=1)
-            return out.pin_memory() if t.is_pinned() else out
+            # One copy of the old chunks and one zeroing of the new ones (not a zero tensor then a cat).
+            out = torch.empty(t.shape[0], capacity, *t.shape[2:], dtype=t.dtype, device=t.device,
+                              pin_memory=t.is_pinned())
+            out[:, : t.shape[1]] = t
+            out[:, t.shape[1] :] = 0
+            return out
 
         self.keys, self.values, self.valid = grown(self.keys), grown(self.values), grown(self.valid)
         self.provenance = {name: grown(t) for name, t in self.provenance.items()}
@@ -140,27 +143,46 @@ class OffloadStore:
         """Store ``keys/values [H, E, D]`` (``valid [H, E]``, arrival order) as new chunks per head; returns
         the key/value bytes copied."""
         heads, tokens, dim = keys.shape
+        rows = torch.cat([keys.reshape(heads * tokens, dim), values.reshape(heads * tokens, dim)])
+        index = torch.arange(heads * tokens, device=keys.device).view(heads, tokens)
+        return self.add_rows(rows, index, index + heads * tokens, valid, provenance)
+
+    def add_rows(self, rows: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor, valid: torch.Tensor,
+                 provenance: dict[str, torch.Tensor]) -> int:
+        """:meth:`add` reading the tokens straight from ``rows [N, D]`` (a memory's key/value buffer as rows):
+        token ``e`` of head ``h`` is ``rows[key_rows[h, e]]`` / ``rows[value_rows[h, e]]`` (``[H, E]``), so each
+        offloaded byte is read once and written once. Returns the key/value bytes copied."""
+        heads, tokens = key_rows.shape
+        dim = rows.shape[-1]
         valid = valid.cpu()
         rank = torch.cumsum(valid.long(), dim=1) - 1  # position among the head's valid tokens
         new_chunks = (valid.sum(dim=1) + self.chunk - 1) // self.chunk
         self._grow(int((self.count + new_chunks).max()) if heads else 0)
         h, e = torch.nonzero(valid, as_tuple=True)
-        chunk_ids = self.count[h] + rank[h, e] // self.chunk
-        slots = rank[h, e] % self.chunk
-        self.keys[h, chunk_ids, slots] = keys.cpu()[h, e]
-        self.values[h, chunk_ids, slots] = values.cpu()[h, e]
-        self.valid[h, chunk_ids, slots] = True
-        for name, source in provenance.items():
-            self.provenance[name][h, chunk_ids, slots] = source.cpu()[h, e].long()
-        # Mean keys of the new chunks (float32), on the model's device.
-        device = self.mean_keys.device
-        sums = torch.zeros(heads, self.capacity, dim, dtype=torch.float32)
-        sums.index_put_((h, chunk_ids), keys.cpu()[h, e].float(), accumulate=True)
-        counts = torch.zeros(heads, self.capacity).index_put_((h, chunk_ids), torch.ones(h.numel()), accumulate=True)
+        new_chunk = rank[h, e] // self.chunk  # 0.. among the head's new chunks
+        dest = (h * self.capacity + self.count[h] + new_chunk) * self.chunk + rank[h, e] % self.chunk
+        source_words = as_words(rows)
+        moved = {}
+        for name, store, index in (("keys", self.keys, key_rows), ("values", self.values, value_rows)):
+            # int64-word rows with index_select / index_copy_ (see as_words)
+            moved[name] = source_words.index_select(0, index.cpu()[h, e].to(rows.device)).cpu()
+            as_words(store.view(-1, dim)).index_copy_(0, dest, moved[name])
+        self.valid.view(-1)[dest] = True
+        for name, values_of in provenance.items():
+            self.provenance[name].view(-1).index_copy_(0, dest, values_of.cpu()[h, e].long())
+        # Mean keys of the new chunks only (float32), on the model's device.
+        width = int(new_chunks.max()) if heads else 0
+        cell = h * width + new_chunk
+        new_keys = moved["keys"].view(rows.dtype).view(-1, dim).float()
+        sums = torch.zeros(heads * width, dim, dtype=torch.float32).index_add_(0, cell, new_keys)
+        counts = torch.bincount(cell, minlength=heads * width)
         fresh = counts > 0
-        self.mean_keys[fresh.to(device)] = (sums[fresh] / counts[fresh][:, None]).to(device)
+        head_of, chunk_of = torch.nonzero(fresh.view(heads, width), as_tuple=True)
+        device = self.mean_keys.device
+        means = (sums[fresh] / counts[fresh][:, None]).to(device)
+        self.mean_keys[head_of.to(device), (self.count[head_of] + chunk_of).to(device)] = means
         self.count += new_chunks
-        return 2 * int(h.numel()) * dim * keys.element_size()
+        return 2 * int(h.numel()) * dim * rows.element_size()
 
     def fetch(self, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Retrieval for one forward while answering: each head scores its chunks by the forward's queries
@@ -607,15 +629,16 @@ class KVMemory:
         store.offload.retrieve = update.retrieve.cpu().long()
         if update.tokens.numel() == 0:
             return 0
-        start = self.visual_start
-        index = update.tokens.to(store.keys.device)
-        gather = index[..., None].expand(-1, -1, dim)
-        keys = torch.gather(store.keys[0, :, start : start + store.visual_len], 1, gather)
-        values = torch.gather(store.values[0, :, start : start + store.visual_len], 1, gather)
+        index = update.tokens.to(store.kv.device)
+        capacity = store.capacity
+        # Rows of the buffer kv [1, 2H, capacity, D]: key (h, slot) is row h * capacity + slot, its value H rows of
+        # heads later.
+        key_rows = torch.arange(heads, device=index.device)[:, None] * capacity + self.visual_start + index
         provenance = {
             name: torch.gather(store.provenance[name][:, : store.visual_len], 1, index) for name in ("frame", "row", "col", "order")
         }
-        return store.offload.add(keys, values, update.valid, provenance)
+        rows = store.kv.view(2 * heads * capacity, dim)
+        return store.offload.add_rows(rows, key_rows, key_rows + heads * capacity, update.valid, provenance)
 
     def _refresh_visual_bias(self, store: LayerMemory, new_len: int) -> None:
         """Visual slots: 0 where a head holds a token, ``-inf`` on ragged padding; the slack back to 0."""

@@ -99,6 +99,37 @@ def test_offload_store_retrieves_the_chunks_whose_mean_keys_score_highest():
     torch.testing.assert_close(v[0, :2], 10 * keys[0, 4:6])
 
 
+def test_offload_store_lays_out_ragged_adds_in_chunks_as_a_plain_loop_does():
+    """Two passes with different valid tokens per head (partial last chunks): every head's valid tokens go,
+    in arrival order, into fresh chunks of 3 after its earlier ones; mean keys are per chunk."""
+    g = torch.Generator().manual_seed(5)
+    store = OffloadStore.empty(heads=2, dim=4, chunk=3, dtype=torch.bfloat16, device=torch.device("cpu"))
+    expected = {h: [] for h in range(2)}  # per head: list of chunks, each a list of (key, value, order)
+    for step, length in enumerate((7, 5)):
+        keys = torch.randn(2, length, 4, generator=g).to(torch.bfloat16)
+        values = torch.randn(2, length, 4, generator=g).to(torch.bfloat16)
+        valid = torch.rand(2, length, generator=g) < 0.7
+        valid[0, 0] = True
+        order = (100 * step + torch.arange(length)).expand(2, -1)
+        prov = {"frame": order, "row": order + 1, "col": order + 2, "order": order}
+        store.add(keys, values, valid, prov)
+        for h in range(2):
+            tokens = [e for e in range(length) if valid[h, e]]
+            for start in range(0, len(tokens), 3):
+                expected[h].append([(keys[h, e], values[h, e], int(order[h, e])) for e in tokens[start : start + 3]])
+    for h in range(2):
+        assert int(store.count[h]) == len(expected[h])
+        for c, chunk in enumerate(expected[h]):
+            n = len(chunk)
+            assert store.valid[h, c].tolist() == [True] * n + [False] * (3 - n)
+            torch.testing.assert_close(store.keys[h, c, :n], torch.stack([k for k, _, _ in chunk]), rtol=0, atol=0)
+            torch.testing.assert_close(store.values[h, c, :n], torch.stack([v for _, v, _ in chunk]), rtol=0, atol=0)
+            assert store.provenance["order"][h, c, :n].tolist() == [o for _, _, o in chunk]
+            assert store.provenance["col"][h, c, :n].tolist() == [o + 2 for _, _, o in chunk]
+            mean = torch.stack([k.float() for k, _, _ in chunk]).mean(0)
+            torch.testing.assert_close(store.mean_keys[h, c], mean)
+
+
 def test_ragged_budgets_are_real_bytes_and_the_memory_survives_a_question(tiny, pancake):
     engine = StreamEngine(tiny, "hybridkv", budget=540, keep=405, fps=pancake.fps, max_new_tokens=6)
     list(stream_video(tiny, pancake, {"p": engine}))
