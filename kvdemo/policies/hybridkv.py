@@ -145,7 +145,7 @@ class HybridKV(Policy):
         attention = torch.softmax(logits, dim=-1)
         held = valid_counts(view)
         k = max(1, int(torch.ceil(self.top_k * held.max().float())))
-        sparsity = torch.topk(attention, min(k, length), dim=-1).values.sum(-1).mean(-1)  # [H]
+        sparsity = torch.topk(attention, min(k, length), dim=-1, sorted=False).values.sum(-1).mean(-1)  # [H]
         prior = attention.sum(dim=1)  # [H, L]
         if self.pool_kernel > 1:
             rank, _ = frame_rank(view.frame)

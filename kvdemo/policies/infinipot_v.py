@@ -286,7 +286,10 @@ def patch_similarity(keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor
 
     The keys are read once, block by block (on a CPU): each block's norms and its dot products with the
     gathered references are computed while the block sits in cache, instead of materialising a gathered
-    ``[H, L, D]`` reference tensor the size of the cache. Half-precision blocks are upcast in cache.
+    ``[H, L, D]`` reference tensor the size of the cache. The products are taken in the cache's dtype (a
+    bfloat16 cache: products and norms rounded to bfloat16, both accumulated in float32; the reference is
+    summed in float32 and rounded once), as the authors' code computes in the cache dtype; upcasting every
+    block to float32 first cost about a tenth of a bfloat16 pass on this CPU (204 -> 179 ms at 7B shape).
     """
     heads, length, dim = keys.shape
     device = keys.device
@@ -297,11 +300,12 @@ def patch_similarity(keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor
     recent_rows = row[h_recent, l_recent]
     reference = torch.zeros(heads * per_frame, dim, dtype=torch.float32, device=device).index_add_(0, recent_rows, recent_keys)
     count = torch.bincount(recent_rows, minlength=heads * per_frame).to(torch.float32)
+    reference = as_words(reference.to(keys.dtype))
     similarity = torch.empty(heads, length, dtype=torch.float32, device=device)
     step = length if device.type == "cuda" else SIMILARITY_BLOCK
     for start in range(0, length, step):
-        block = keys[:, start : start + step].float()  # [H, b, D], in cache
-        gathered = as_words(reference).index_select(0, row[:, start : start + step].reshape(-1)).view(torch.float32).view(block.shape)
-        norms = torch.linalg.vector_norm(block, dim=-1).clamp_min(1e-12)
-        similarity[:, start : start + step] = (block * gathered).sum(-1) / norms
+        block = keys[:, start : start + step]  # [H, b, D], in cache
+        gathered = reference.index_select(0, row[:, start : start + step].reshape(-1)).view(keys.dtype).view(block.shape)
+        norms = torch.linalg.vector_norm(block, dim=-1).float().clamp_min(1e-12)  # accumulated in float32
+        similarity[:, start : start + step] = (block * gathered).sum(-1, dtype=torch.float32) / norms
     return similarity / count[row].clamp_min(1.0)
