@@ -54,7 +54,8 @@ then time one compression pass on caches of Qwen2.5-VL-7B shape (M=6144 -> C=460
 BENCH_EXAMPLES = """\
 examples:
   python -m kvdemo bench
-  python -m kvdemo bench --policy infinipot-v --frames 100 --skip-pass --json bench.json"""
+  python -m kvdemo bench --policy infinipot-v --frames 100 --skip-pass --json bench.json
+  python -m kvdemo bench --policy infinipot-v --reference ../InfiniPot-V --pass-repeats 7"""
 
 EVAL_DESCRIPTION = """\
 Accuracy vs query delay on held-out generated streams (ProtoKV's protocol): every episode streams once
@@ -149,6 +150,9 @@ def build_parser(policies: list[str] | None = None) -> argparse.ArgumentParser:
                        help="also measure what a ZeroGPU call pickles at Qwen2.5-VL-3B's defaults")
     bench.add_argument("--stream-factor", type=int, default=20,
                        help="protokv: also time the update on a stream this many times longer (default 20)")
+    bench.add_argument("--reference", metavar="PATH",
+                       help="the authors' InfiniPot-V kvcache_utils.py (or a clone of aiha-lab/InfiniPot-V): time kvdemo's "
+                            "pass against theirs on the same 7B-shape tensors and compare the kept tokens")
     bench.add_argument("--every", type=int, default=1, help="print every Nth chunk of the table (default: all)")
     bench.add_argument("--json", metavar="OUT", help="write the benchmark results here")
 

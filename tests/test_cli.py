@@ -138,6 +138,54 @@ def test_protokv_and_hybridkv_benchmarks_on_a_small_shape():
     assert "decode-step attention" in hybridkv_table(decode, None, "hybridkv")
 
 
+FAKE_REFERENCE = """
+import torch
+
+def process_kv_cache(past_key_values, model, system_size, inst_size, token_per_frame, compress_frame_num,
+                     method="uniform", tar_ratio=0.5, query_ratio=0.25, adaptive_pooling=False, **unused):
+    # A stand-in for the authors' kvcache_utils.py with their signature: keeps the {which} compress_frame_num frames.
+    assert method == "swa" and inst_size == 0 and not adaptive_pooling
+    assert len(model.model.language_model.layers) == len(past_key_values.layers) and model.config.height_width == 2
+    keep = compress_frame_num * token_per_frame
+    for layer in past_key_values.layers:
+        for name in ("keys", "values"):
+            cache = getattr(layer, name)
+            visual = cache[:, :, system_size:]
+            kept = visual[:, :, -keep:] if "{which}" == "newest" else visual[:, :, :keep]
+            setattr(layer, name, torch.cat([cache[:, :, :system_size], kept], dim=2))
+    return past_key_values
+"""
+
+
+@pytest.mark.parametrize("which,identical,shared", [("newest", 4, 1.0), ("oldest", 0, 0.5)])
+def test_reference_comparison_loads_the_users_file_and_compares_kept_tokens(tmp_path, which, identical, shared):
+    """``bench --reference``'s harness on a stand-in with the authors' signature: kvdemo's sliding window
+    against a reference keeping the newest 4 of 6 frames (the same tokens in every layer-head) or the oldest
+    4 (2 of 4 frames in common)."""
+    from kvdemo.bench import load_reference, reference_benchmark, reference_table
+    from kvdemo.policies import make_policy
+
+    (tmp_path / "kvcache_utils.py").write_text(FAKE_REFERENCE.replace("{which}", which))
+    shape = dict(num_layers=2, num_kv_heads=2, head_dim=8, budget=24, keep=16, grid=(2, 2))  # 6 frames of 4, keep 4
+    result = reference_benchmark(load_reference(tmp_path), repeats=1, policy=make_policy("sliding-window"),
+                                 method="swa", shape=shape)
+    for dtype in ("float32", "bfloat16"):
+        row = result[dtype]
+        assert (row["identical_rows"], row["rows"]) == (identical, 4)
+        assert row["shared_token_fraction"] == pytest.approx(shared)
+        assert row["ratio"] == pytest.approx(row["kvdemo_ms"] / row["reference_ms"])
+    assert f"{identical}/4 layer-heads identical" in reference_table(result)
+
+
+def test_bench_reference_errors_before_streaming(tmp_path, capsys):
+    assert main(["bench", "--policy", "infinipot-v", "--reference", str(tmp_path)]) == 2
+    assert "no kvcache_utils.py" in capsys.readouterr().err
+    (tmp_path / "kvcache_utils.py").write_text("x = 1\n")
+    assert main(["bench", "--policy", "infinipot-v", "--reference", str(tmp_path / "kvcache_utils.py")]) == 2
+    err = capsys.readouterr().err
+    assert "has no process_kv_cache" in err and "streaming" not in err
+
+
 def run_cli_in_a_fresh_process(*args: str) -> tuple[subprocess.CompletedProcess, dict[str, bool]]:
     """``python -m kvdemo`` in a new interpreter; also says which heavy modules it had imported at exit."""
     probe = (
