@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import BudgetError, LayerView, PhaseTimer, Policy, Selection, SummaryUpdate, register
+from .base import BudgetError, LayerView, PhaseTimer, Policy, Selection, SummaryUpdate, as_words, register
 
 REASON_NEAR = 0
 REASON_NAMES = {REASON_NEAR: "near window (exact)"}
@@ -748,10 +748,12 @@ def pq_encode(residual: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
 def pq_decode(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """``codes [B, U, S, G]`` with per-row ``codebook [B, G, C, D/G]`` -> residuals ``[B, U, S, D]``."""
     rows, protos, modes, groups = codes.shape
-    sub = codebook.shape[-1]
-    group_ids = torch.arange(groups, device=codes.device)
-    picked = codebook[torch.arange(rows, device=codes.device)[:, None, None, None], group_ids, codes]  # [B, U, S, G, sub]
-    return picked.reshape(rows, protos, modes, groups * sub)
+    codewords, sub = codebook.shape[-2:]
+    row_ids = torch.arange(rows, device=codes.device)[:, None, None, None]
+    flat = ((row_ids * groups + torch.arange(groups, device=codes.device)) * codewords + codes).reshape(-1)
+    # One index_select of codeword rows (as int64 words when they are whole words: see as_words).
+    picked = as_words(codebook.reshape(-1, sub).contiguous()).index_select(0, flat).view(codebook.dtype)
+    return picked.view(rows, protos, modes, groups * sub)
 
 
 def beam_search(hist: torch.Tensor, modes: int, beam: int, smoothing: float) -> torch.Tensor:
