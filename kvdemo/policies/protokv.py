@@ -39,7 +39,8 @@ and values separately) are trained by k-means on a warm-up reservoir of the firs
 (kvdemo's ``T_warm``: 256 residuals per row; Lloyd iterations on the whole reservoir, which is one mini-batch)
 and fixed; residuals before that count in no histogram. **Pseudo-tokens (Alg. 3-4):** the top-``S`` code tuples
 by beam search (``B = 4S``, run ``min(B, S)`` wide: the same tuples, see :func:`beam_search`) over the smoothed
-histograms (kvdemo's ``epsilon = 0.1``), key and value modes paired by rank; ``n_res = 0`` gives zero residuals. Each of the ``S`` pseudo-tokens carries bias ``log n_k``.
+histograms (kvdemo's ``epsilon = 0.1``), key and value modes paired by rank; ``n_res = 0`` gives zero residuals.
+Each of the ``S`` pseudo-tokens carries bias ``log n_k``.
 
 Time ``t`` (idleness, ``T_idle``) counts temporal grids (the unit a Qwen chunk adds: two sampled frames):
 kvdemo's reading of the paper's "steps".
