@@ -308,12 +308,13 @@ class StreamEngine:
         return events
 
     @torch.inference_mode()
-    def compress(self, incoming: int = 0) -> OccupancyEvent:
+    def compress(self, incoming: int = 0, probe_text: str | None = None) -> OccupancyEvent:
         """Run the policy on the current memory, keeping ``C`` visual tokens per layer and KV head (the
-        policy's own count when it is sized by ``M`` alone and ``incoming`` tokens are about to arrive)."""
+        policy's own count when it is sized by ``M`` alone and ``incoming`` tokens are about to arrive).
+        A policy that ``needs_probe`` reads the memory with ``probe_text`` (its own proxy by default)."""
         start = time.perf_counter()
         keep = self.policy.keep_for(self.budget, self.keep, incoming)
-        probe = self._probe(self.policy.probe_text) if self.policy.needs_probe else None
+        probe = self._probe(probe_text or self.policy.probe_text) if self.policy.needs_probe else None
         selection = self.policy.compress(self.memory.views(self.model.rotary, probe), keep)
         moved = self.memory.apply(selection)
         ms = self._elapsed_ms(start)
@@ -375,7 +376,9 @@ class StreamEngine:
         """Answer ``question`` from the memory; yields text pieces as tokens are generated.
 
         The question and answer tokens are written into the memory's slack and never committed, so the
-        memory afterwards is bit-identical (no copy, no rollback).
+        memory afterwards is bit-identical (no copy, no rollback). The one exception is a policy that
+        ``compresses_on_question`` (HybridKV's ``classify_with=question``): the question first runs one pass
+        with itself as the probe, when the memory holds more than ``C``; that pass is on the timeline.
         The question and the answer join the dialogue, re-encoded as text before the next question.
         """
         if self.memory.num_grids == 0:
@@ -383,6 +386,8 @@ class StreamEngine:
         question = (question or "").strip()
         if not question:
             raise EngineError("the question is empty")
+        if self.policy.compresses_on_question and self._held_under_budget() > self.policy.keep_for(self.budget, self.keep, 0):
+            self.compress(probe_text=question)
         return self._generate(question, max_new_tokens or self.max_new_tokens)
 
     def answer(self, question: str, max_new_tokens: int | None = None) -> Answer:

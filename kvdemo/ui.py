@@ -549,11 +549,14 @@ def answer_duration(model: str, engines: dict[str, StreamEngine], question: str,
 @zerogpu.gpu(duration=answer_duration)
 def answer_question(model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int) -> Iterator[dict[str, Any]]:
     """Ask every engine; yields ``{"piece": (engine name, text)}`` as tokens come, interleaved, and finally
-    ``{"answered": {name: answer state}}``: what answering changed (the memory never changes), which is all
-    a ZeroGPU worker sends back."""
+    ``{"answered": {name: answer state}, "engines": {name: engine}}``: what answering changed (the memory
+    never changes), which is all a ZeroGPU worker sends back, plus the whole engine of a policy whose
+    question ran a compression pass first (HybridKV's ``classify_with=question``)."""
     resolved = model_by_name(model)
-    for engine in engines.values():
+    passes = {}
+    for name, engine in engines.items():
         engine.bind(resolved)
+        passes[name] = engine.stats.compressions
     generators = {name: engine.ask(question, max_new_tokens) for name, engine in engines.items()}
     while generators:
         for name in list(generators):
@@ -561,7 +564,11 @@ def answer_question(model: str, engines: dict[str, StreamEngine], question: str,
                 yield {"piece": (name, next(generators[name]))}
             except StopIteration:
                 del generators[name]
-    yield {"answered": {name: engine.answer_state() for name, engine in engines.items()}}
+    changed = {name: engine for name, engine in engines.items() if engine.stats.compressions != passes[name]}
+    if zerogpu.active():
+        for engine in changed.values():
+            engine.to("cpu")
+    yield {"answered": {name: engine.answer_state() for name, engine in engines.items()}, "engines": changed}
 
 
 def status_text(
@@ -918,6 +925,8 @@ def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Ite
         last_yield = 0.0
         for item in answer_question(state.settings.model, asked, question, max_new_tokens):
             if "answered" in item:
+                for name, engine in item["engines"].items():  # its question ran a pass: the memory changed
+                    state.engines[name] = engine.attach(state.engines[name].model)
                 for name, answered in item["answered"].items():
                     state.engines[name].load_answer_state(answered)
                     state.chat[name][-1]["content"] = _answer_markdown(state, name, state.engines[name].answers[-1])

@@ -130,6 +130,47 @@ def test_offload_store_lays_out_ragged_adds_in_chunks_as_a_plain_loop_does():
             torch.testing.assert_close(store.mean_keys[h, c], mean)
 
 
+def test_classify_with_question_runs_one_pass_with_the_question_as_the_probe(tiny, pancake):
+    """``classify_with=question``: asking first compresses with the question itself as the probe, so the
+    classes, budgets and kept tokens equal a pass computed by hand on a copy with that probe; the default
+    leaves the memory alone."""
+    import copy
+
+    question = "What is in the pan?"
+    engines = {mode: StreamEngine(tiny, make_policy("hybridkv", classify_with=mode), budget=540, keep=405,
+                                  fps=pancake.fps, max_new_tokens=3) for mode in ("probe", "question")}
+    list(stream_video(tiny, pancake, engines))
+    engine = engines["question"]
+    assert engine.memory.visual_tokens > 405  # a chunk arrived after the last compression
+
+    def pass_on_a_copy(text):
+        twin = copy.deepcopy(engine).attach(tiny)  # pickles without the model
+        selection = twin.policy.compress(twin.memory.views(tiny.rotary, twin._probe(text)), 405)
+        twin.memory.apply(selection)
+        return twin, selection
+
+    twin, selection = pass_on_a_copy(question)
+    _, proxy = pass_on_a_copy(engine.policy.probe_text)
+    # the two probes score the heads differently (else this test could not tell them apart)
+    assert not torch.equal(selection.info["sparsity"], proxy.info["sparsity"])
+    passes = engine.stats.compressions
+    engine.answer(question)
+    assert engine.stats.compressions == passes + 1 and engine.memory.timeline[-1].event == "compress"
+    assert torch.equal(engine.last_selection_info["sparsity"], selection.info["sparsity"])
+    assert torch.equal(engine.last_selection_info["static"], selection.info["static"])
+    assert torch.equal(engine.last_selection_info["budget"], selection.info["budget"])
+    for a, b in zip(engine.memory.keys + engine.memory.values, twin.memory.keys + twin.memory.values):
+        assert torch.equal(a, b)
+    default = engines["probe"]
+    before = [t.clone() for t in default.memory.keys]
+    passes = default.stats.compressions
+    default.answer(question)
+    assert default.stats.compressions == passes
+    assert all(torch.equal(a, b) for a, b in zip(before, default.memory.keys))
+    with pytest.raises(Exception, match="classify_with"):
+        make_policy("hybridkv", classify_with="answer")
+
+
 def test_ragged_budgets_are_real_bytes_and_the_memory_survives_a_question(tiny, pancake):
     engine = StreamEngine(tiny, "hybridkv", budget=540, keep=405, fps=pancake.fps, max_new_tokens=6)
     list(stream_video(tiny, pancake, {"p": engine}))

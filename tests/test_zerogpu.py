@@ -105,3 +105,28 @@ def test_an_engine_continues_a_stream_in_the_worker_exactly(emulate, tiny, panca
     for a, b in zip(here.memory.keys + here.memory.values, travelled.memory.keys + travelled.memory.values):
         assert torch.equal(a, b)
     assert len(travelled.memory.timeline) == len(here.memory.timeline)
+
+
+def test_a_question_that_runs_a_pass_sends_its_engine_back(emulate, pancake):
+    """HybridKV with ``classify_with=question`` compresses when asked: answered in an emulated GPU call, the
+    engine comes back and equals one that answered in this process (memory, timeline, classes)."""
+    from kvdemo.engine import StreamEngine, stream_video
+    from kvdemo.policies import make_policy
+    from kvdemo.ui import answer_question, model_by_name
+
+    model = model_by_name("tiny-random")
+    engines = {name: StreamEngine(model, make_policy("hybridkv", classify_with="question"), budget=540, keep=405,
+                                  fps=pancake.fps, max_new_tokens=3) for name in ("here", "travelled")}
+    list(stream_video(model, pancake, engines))
+    here, travelled = engines["here"], engines["travelled"]
+    answer = here.answer("What is in the pan?")
+    *pieces, last = answer_question("tiny-random", {"policy": travelled}, "What is in the pan?", 3)
+    returned = last["engines"]["policy"].attach(model)
+    assert returned is not travelled  # it crossed the process boundary and came back
+    returned.load_answer_state(last["answered"]["policy"])
+    assert returned.answers[-1].answer == answer.answer
+    assert returned.stats.compressions == here.stats.compressions
+    assert torch.equal(returned.last_selection_info["static"], here.last_selection_info["static"])
+    for a, b in zip(here.memory.keys + here.memory.values, returned.memory.keys + returned.memory.values):
+        assert torch.equal(a, b)
+    assert [e.event for e in returned.memory.timeline] == [e.event for e in here.memory.timeline]

@@ -147,6 +147,12 @@ class Policy(abc.ABC):
     needs_probe: ClassVar[bool] = False
     probe_text: ClassVar[str] = ""
 
+    @property
+    def compresses_on_question(self) -> bool:
+        """True when a question first runs one more pass with itself as the probe (HybridKV's
+        ``classify_with=question``); answering alone never changes the memory."""
+        return False
+
     @abc.abstractmethod
     def compress(self, views: list[LayerView], keep: int) -> Selection:
         """Choose ``keep`` tokens per layer and KV head from ``views`` (one per layer)."""

@@ -15,7 +15,12 @@ The paper compresses once, at prefill, with the user's prompt present. kvdemo's 
   head's score is the mean over the query heads of its group (kvdemo's). Heads with ``S > cutoff`` are
   static, the others dynamic; ``cutoff`` is the ``theta``-quantile of all heads' scores (``cutoff=quantile``,
   the issue's reading of the paper's "quantile-based cutoff") or ``theta`` itself (``cutoff=score``, the
-  reading of the paper's App. D). Re-classified at every compression.
+  reading of the paper's App. D). Re-classified at every compression. ``classify_with=question`` (off by
+  default) also runs one pass when a question arrives, with the question itself as the probe (the paper's
+  own setting: classification with the user's prompt present), before answering it; that pass changes the
+  memory like any compression (it is on the timeline), so the question's answer and later chunks see the
+  re-classified, re-budgeted heads. By default heads keep the classes of the last compression and
+  answering leaves the memory bit-identical.
 - **Top-down budgets (Sec. 3.2, Eq. 4-5).** ``M``/``C`` bound each layer's visual tokens averaged over its KV
   heads, so a compression gives a layer ``C * H_kv`` in all: ``B_dyn = r * C * N_dyn`` shared uniformly by
   dynamic heads, ``B_stat`` the rest, each static head ``alpha * B_stat / N_stat + (1 - alpha) * B_stat *
@@ -49,6 +54,7 @@ REASON_LOCAL, REASON_SALIENT, REASON_RESIDENT = 0, 1, 2
 REASON_NAMES = {REASON_LOCAL: "static: local (newest)", REASON_SALIENT: "static: text-prior salient",
                 REASON_RESIDENT: "dynamic: resident (newest)"}
 CUTOFFS = ("quantile", "score")
+CLASSIFY_WITH = ("probe", "question")
 
 
 def capped_allocation(desired: torch.Tensor, cap: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -74,7 +80,7 @@ class HybridKV(Policy):
     name = "hybridkv"
     needs_probe = True
     reason_names = REASON_NAMES
-    choices = {"cutoff": CUTOFFS}
+    choices = {"cutoff": CUTOFFS, "classify_with": CLASSIFY_WITH}
     summary = "Heads classified static/dynamic by text-centric sparsity; static heads pruned, dynamic heads retrieve chunks while decoding."
     #: The proxy instruction each compression probes the memory with (see the module docstring).
     probe_text: ClassVar[str] = "What happens in the video?"
@@ -87,6 +93,8 @@ class HybridKV(Policy):
         "local_ratio": "static heads: share of their budget kept for the newest tokens",
         "pool_kernel": "static heads: spatial pooling kernel of the text-prior scores (1 = none)",
         "chunk": "dynamic heads: tokens per offloaded chunk (one mean key each)",
+        "classify_with": "probe: classify at each compression with the proxy probe; question: also run a pass with "
+                         "the question itself as the probe when one arrives (changes the memory)",
     }
 
     theta: float = 0.9
@@ -97,16 +105,23 @@ class HybridKV(Policy):
     local_ratio: float = 0.125
     pool_kernel: int = 3
     chunk: int = 8
+    classify_with: str = "probe"
     _last: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.cutoff not in CUTOFFS:
             raise BudgetError(f"cutoff must be one of {', '.join(CUTOFFS)}, got {self.cutoff!r}")
+        if self.classify_with not in CLASSIFY_WITH:
+            raise BudgetError(f"classify_with must be one of {', '.join(CLASSIFY_WITH)}, got {self.classify_with!r}")
         for name in ("theta", "alpha", "top_k", "local_ratio"):
             if not 0.0 <= float(getattr(self, name)) <= 1.0:
                 raise BudgetError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.share < 0 or self.chunk < 1 or self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise BudgetError("share must be >= 0, chunk >= 1 and pool_kernel an odd number >= 1")
+
+    @property
+    def compresses_on_question(self) -> bool:
+        return self.classify_with == "question"
 
     def compress(self, views: list[LayerView], keep: int) -> Selection:
         if any(view.probe is None for view in views):
