@@ -446,7 +446,8 @@ class StreamEngine:
         self.history.clear()
 
     def answer_state(self) -> dict[str, Any]:
-        """What answering changes (the memory never does): the dialogue, the answers, and which offloaded
+        """What answering changes (never the memory; a question-time pass of HybridKV's ``classify_with=question``
+        is a compression, before answering): the dialogue, the answers, and which offloaded
         chunks each head retrieved. Small, so a question answered elsewhere (a ZeroGPU worker) sends back
         only this; :meth:`load_answer_state` applies it."""
         retrieved = [store.offload.retrieved.cpu() if store.offload is not None else None for store in self.memory.layers]

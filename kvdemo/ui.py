@@ -549,9 +549,9 @@ def answer_duration(model: str, engines: dict[str, StreamEngine], question: str,
 @zerogpu.gpu(duration=answer_duration)
 def answer_question(model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int) -> Iterator[dict[str, Any]]:
     """Ask every engine; yields ``{"piece": (engine name, text)}`` as tokens come, interleaved, and finally
-    ``{"answered": {name: answer state}, "engines": {name: engine}}``: what answering changed (the memory
-    never changes), which is all a ZeroGPU worker sends back, plus the whole engine of a policy whose
-    question ran a compression pass first (HybridKV's ``classify_with=question``)."""
+    ``{"answered": {name: answer state}, "engines": {name: engine}}``: what answering changed (answering
+    never changes the memory), which is all a ZeroGPU worker sends back for most engines, and the whole
+    engine of a policy whose question ran a compression pass first (HybridKV's ``classify_with=question``)."""
     resolved = model_by_name(model)
     passes = {}
     for name, engine in engines.items():

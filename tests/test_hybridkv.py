@@ -9,7 +9,7 @@ import torch
 
 from kvdemo.engine import StreamEngine, stream_video
 from kvdemo.memory import OffloadStore
-from kvdemo.policies import LayerView, make_policy
+from kvdemo.policies import BudgetError, LayerView, make_policy
 from kvdemo.policies.hybridkv import capped_allocation
 
 
@@ -167,7 +167,7 @@ def test_classify_with_question_runs_one_pass_with_the_question_as_the_probe(tin
     default.answer(question)
     assert default.stats.compressions == passes
     assert all(torch.equal(a, b) for a, b in zip(before, default.memory.keys))
-    with pytest.raises(Exception, match="classify_with"):
+    with pytest.raises(BudgetError, match="classify_with"):
         make_policy("hybridkv", classify_with="answer")
 
 
