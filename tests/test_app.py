@@ -2,6 +2,7 @@
 
 import json
 import re
+import time
 import urllib.request
 from pathlib import Path
 
@@ -156,22 +157,38 @@ def test_a_question_during_the_stream_is_answered_before_it_ends(client):
     assert 0 < seen < 80 // 2 * 16, "the baseline answered from the stream so far, mid-run"
 
 
+def streaming(job) -> bool:
+    """Whether ``job`` (a /run or /run_sample job) has streamed a chunk and not ended."""
+    return not job.done() and any(frames_done(output[STATUS]) > 0 for output in job.outputs())
+
+
+def wait_for(condition, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
 def test_a_question_is_served_while_three_sessions_stream(app_url):
-    """Three sessions stream at once (more than the stream slots); one asks mid-stream and is answered from
-    its memory so far while all three still stream: questions never wait for other sessions' streams."""
+    """Three sessions stream at once (more than the stream slots: one waits in the queue); one asks
+    mid-stream and is answered from its memory so far while its own and another session's streams run:
+    questions never wait for other sessions' streams."""
     clients = [new_client(app_url) for _ in range(3)]
-    runs = [c.submit(*sample_settings(8), api_name="/run_sample") for c in clients]  # 80 frames each (its own 2 fps)
-    for update in runs[0]:
-        if frames_done(update[STATUS]) > 0:
-            break
+    # The asking session streams first (the queue's order among simultaneous submits is not fixed), then two
+    # more sessions arrive: one takes the other stream slot, one waits.
+    runs = [clients[0].submit(*sample_settings(8), api_name="/run_sample")]  # 80 frames (its own 2 fps)
+    wait_for(lambda: streaming(runs[0]))
+    runs += [c.submit(*sample_settings(8), api_name="/run_sample") for c in clients[1:]]
+    wait_for(lambda: any(streaming(run) for run in runs[1:]))
     answer = clients[0].submit("What is there now?", api_name="/ask").result()
-    still_streaming = [not run.done() for run in runs]
+    still_streaming = [streaming(run) for run in runs]
     seen = visual_tokens_seen(answer_text(answer[ASK_FULL_CHAT]))
-    for other, run in zip(clients[1:], runs[1:]):  # they have shown what they had to: stop them once they stream
-        for update in run:
-            if frames_done(update[STATUS]) > 0:
-                break
-        other.predict(api_name="/stop")
+    for _ in runs[1:]:  # they have shown what they had to: stop each once it streams (the waiting one then starts)
+        wait_for(lambda: any(streaming(run) for run in runs[1:]) or all(run.done() for run in runs[1:]))
+        for other, run in zip(clients[1:], runs[1:]):
+            if streaming(run):
+                other.predict(api_name="/stop")
+                run.result()
     final = runs[0].result()
     assert "80/80 frames" in final[STATUS]
     full_at_end = fetch_json(final[REPORT])["baseline"]["peak_visual_tokens"]
