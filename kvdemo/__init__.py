@@ -24,12 +24,12 @@ _EXPORTS = {
     "VideoError": ".video",
     "evaluate": ".evaluation",
     "generate_episode": ".synthetic",
-    "load_model": ".models.qwen_vl",
+    "load_model": ".models.loading",
     "load_video": ".video",
     "make_policy": ".policies",
     "policy_names": ".policies",
     "stream_video": ".engine",
-    "synthetic_video": ".video",
+    "synthetic_video": ".synthetic",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -134,12 +134,12 @@ class MemoryLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.memory._ensure_layer(self.layer, key_states)
+        self.memory.ensure_layer(self.layer, key_states)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.memory._ensure_layer(self.layer, key_states)
+        self.memory.ensure_layer(self.layer, key_states)
         n = key_states.shape[-2]
-        self.memory._reserve(self.layer, self.end + n)
+        self.memory.reserve(self.layer, self.end + n)
         store = self.memory.layers[self.layer]
         store.keys[:, :, self.end : self.end + n] = key_states
         store.values[:, :, self.end : self.end + n] = value_states

@@ -10,22 +10,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from .evaluation import DEFAULT_DELAYS, DEFAULT_POLICIES  # light: torch loads when an evaluation runs
+from .evaluation import DEFAULT_DELAYS  # light: torch loads when an evaluation runs
 from .synthetic import grade, sample_episode  # light: numpy
 from .video import (  # light: numpy and, when a file is opened, PyAV
     DEFAULT_MAX_PIXELS,
     DEFAULT_MIN_PIXELS,
     RESIZE_FACTOR,
     TEMPORAL_PATCH_SIZE,
+    VideoError,
     open_video,
     tokens_per_grid,
 )
-
-DEFAULT_POLICY = "infinipot-v"
 
 DESCRIPTION = """\
 Stream a video into a vision-language model frame chunk by frame chunk, keep its KV cache under a hard
@@ -80,11 +80,9 @@ class UsageError(ValueError):
 def user_errors() -> tuple[type[Exception], ...]:
     """The exceptions a user can cause, from the kvdemo modules loaded so far (an error class of a
     module that is not loaded cannot have been raised, and loading one here would cost seconds)."""
-    from .video import VideoError
-
     errors: list[type[Exception]] = [UsageError, VideoError]
     for module, name in (("kvdemo.policies.base", "BudgetError"), ("kvdemo.engine", "EngineError"),
-                         ("kvdemo.models.qwen_vl", "ModelError")):
+                         ("kvdemo.models.base", "ModelError")):
         if module in sys.modules:
             errors.append(getattr(sys.modules[module], name))
     return tuple(errors)
@@ -102,10 +100,18 @@ def parse_param(text: str) -> tuple[str, Any]:
     return key.strip().replace("-", "_"), value
 
 
-def build_parser(policies: list[str] | None = None) -> argparse.ArgumentParser:
-    """The argument parser; ``policies`` (the registered names) only for the help text, which is the one
-    place that needs them before the arguments are checked (listing them imports torch)."""
-    listed = f"one of: {', '.join(policies)}; " if policies else ""
+def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
+    """The argument parser; ``catalog`` (the :mod:`kvdemo.policies` module: the registered classes and the
+    defaults) only for the help text, which is the one place that needs them before the arguments are checked
+    (importing the policies imports torch)."""
+    policies = dict(catalog.REGISTRY) if catalog is not None else {}
+    named = (lambda text, default: f"{text}; default {default}") if catalog is not None else (lambda text, default: text)
+    listed = f"one of: {', '.join(policies)}" if policies else "a registered name"
+    sized_by_m = [name for name, cls in (policies or {}).items() if cls.bounded and not cls.takes_keep()]
+    no_keep = f"{', '.join(sized_by_m)} take{'s' if len(sized_by_m) == 1 else ''} none: sized by M alone" if sized_by_m else \
+        "a policy sized by M alone takes none"
+    updating = [name for name, cls in (policies or {}).items() if "update" in cls.benchmarks]
+    update_owner = ", ".join(updating) if updating else "a policy with an update benchmark"
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog="python -m kvdemo", description=DESCRIPTION, formatter_class=formatter,
@@ -116,10 +122,10 @@ def build_parser(policies: list[str] | None = None) -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="stream a video through one policy (and optionally ask questions)",
                               description=RUN_DESCRIPTION, epilog=RUN_EXAMPLES, formatter_class=formatter)
     run.add_argument("--video", help="video file (mp4, mkv, mov, webm, avi...); default: the bundled sample (a generated stream)")
-    run.add_argument("--policy", default=DEFAULT_POLICY, help=f"compression policy, {listed}default {DEFAULT_POLICY}")
+    run.add_argument("--policy", help=named(f"compression policy, {listed}", catalog and catalog.DEFAULT_POLICY))
     run.add_argument("--budget", "-M", type=int, help="M: max visual tokens held (default: about a third of the stream's, at most 6144)")
     run.add_argument("--keep", "-C", type=int,
-                     help="C: visual tokens kept by a compression (default 0.75 M; protokv takes none: it splits M itself)")
+                     help=f"C: visual tokens kept by a compression (default 0.75 M; {no_keep})")
     run.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                      help="policy parameter, value read as JSON (repeatable), e.g. --param alpha=0.3")
     run.add_argument("--model", help="tiny, tiny-random, auto, or a Hugging Face id / local path (default: $KVDEMO_MODEL or auto)")
@@ -139,7 +145,7 @@ def build_parser(policies: list[str] | None = None) -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmark a bounded policy against the full cache",
                                 description=BENCH_DESCRIPTION, epilog=BENCH_EXAMPLES, formatter_class=formatter)
-    bench.add_argument("--policy", default="sliding-window", help=f"the bounded policy, {listed}default sliding-window")
+    bench.add_argument("--policy", help=named(f"the bounded policy, {listed}", catalog and catalog.BENCH_POLICY))
     bench.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy parameter (repeatable)")
     bench.add_argument("--frames", type=int, default=400, help="synthetic frames to stream (default 400)")
     bench.add_argument("--budget", "-M", type=int, default=1536, help="M for the streaming run (default 1536)")
@@ -149,7 +155,7 @@ def build_parser(policies: list[str] | None = None) -> argparse.ArgumentParser:
     bench.add_argument("--zerogpu", action="store_true",
                        help="also measure what a ZeroGPU call pickles at Qwen2.5-VL-3B's defaults")
     bench.add_argument("--stream-factor", type=int, default=20,
-                       help="protokv: also time the update on a stream this many times longer (default 20)")
+                       help=f"{update_owner}: also time the update on a stream this many times longer (default 20)")
     bench.add_argument("--reference", metavar="PATH",
                        help="the authors' InfiniPot-V kvcache_utils.py (or a clone of aiha-lab/InfiniPot-V): time kvdemo's "
                             "pass against theirs on the same 7B-shape tensors and compare the kept tokens")
@@ -158,7 +164,7 @@ def build_parser(policies: list[str] | None = None) -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser("eval", help="accuracy vs query delay on held-out generated streams",
                                    description=EVAL_DESCRIPTION, epilog=EVAL_EXAMPLES, formatter_class=formatter)
-    evaluate.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policy names")
+    evaluate.add_argument("--policies", help=named("comma-separated policy names", catalog and ",".join(catalog.EVAL_POLICIES)))
     evaluate.add_argument("--delays", default=",".join(str(d) for d in DEFAULT_DELAYS),
                           help="query delays in seconds of stream time, comma-separated (default 0,4,8,16,32)")
     evaluate.add_argument("--episodes", type=int, default=200, help="held-out streams (default 200)")
@@ -184,25 +190,25 @@ def build_parser(policies: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    policies = None
+    catalog = None
     if "-h" in argv or "--help" in argv:
-        from .policies import policy_names
-
-        policies = policy_names()
-    args = build_parser(policies).parse_args(argv)
+        from . import policies as catalog  # deferred on purpose: listing the policies imports torch
+    args = build_parser(catalog).parse_args(argv)
     try:
         if args.command == "run":
             return run_command(args)
         if args.command == "eval":
-            from .evaluation import eval_command
+            from .evaluation import eval_command  # deferred on purpose: it loads torch and the model
 
             check_eval_arguments(args)
             return eval_command(args)
         if args.command == "train-tiny":
             return train_command(args)
-        from .bench import bench_command
+        from .bench.command import bench_command  # deferred: the benchmarks import torch and transformers
+        from .policies import BENCH_POLICY  # deferred with it
 
-        return bench_command(args)
+        args.policy = args.policy or BENCH_POLICY
+        return bench_command(args, dict(parse_param(p) for p in args.param))
     except Exception as exc:
         if not isinstance(exc, user_errors()):
             raise
@@ -235,8 +241,8 @@ def run_command(args: argparse.Namespace) -> int:
     params = check_run_arguments(args)
     if args.video:
         open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
-    from .engine import auto_budget, check_chunk_fits, validate_budget
-    from .models.qwen_vl import preferred_pixel_range
+    from .budget import Budget  # deferred from here on: torch loads only once the file is known to be good
+    from .models.catalog import preferred_pixel_range  # deferred with Budget (torch)
 
     # The model's own pixel range where not given (the trained tiny model saw 112 x 112 frames).
     default_min, default_max = preferred_pixel_range(args.model)
@@ -248,37 +254,32 @@ def run_command(args: argparse.Namespace) -> int:
                            max_pixels=max_pixels)
     else:
         video = episode.video.sampled(args.fps).head(args.max_frames).resized(min_pixels, max_pixels)
-    from .policies import make_policy
+    from .policies import DEFAULT_POLICY, make_policy  # deferred with Budget
 
-    policy = make_policy(args.policy, **params)
+    policy = make_policy(args.policy or DEFAULT_POLICY, **params)
     if args.keep is not None and args.budget is None and policy.bounded:
         raise UsageError("--keep needs --budget")
     per_grid = tokens_per_grid(video.size)
     grids_per_chunk = -(-args.frames_per_chunk // TEMPORAL_PATCH_SIZE)
     chunk_tokens = per_grid * grids_per_chunk
-    budget, keep = args.budget, args.keep
     note = ""
-    if policy.bounded and budget is None:
-        total = -(-video.num_frames // TEMPORAL_PATCH_SIZE) * per_grid
-        budget, keep = auto_budget(chunk_tokens, total)
-        keep = keep if policy.uses_keep else None
+    if policy.bounded and args.budget is None:
+        budget = Budget.auto(policy, chunk_tokens, -(-video.num_frames // TEMPORAL_PATCH_SIZE) * per_grid)
         note = " (auto: about a third of this stream's visual tokens)"
-    elif policy.bounded and policy.uses_keep and keep is None:
-        keep = int(budget * 0.75)
-    budget, keep = validate_budget(policy, budget, keep)
+    else:
+        budget = Budget.resolve(policy, args.budget, args.keep, default_ratio=0.75)
     rows, cols = video.size[0] // RESIZE_FACTOR, video.size[1] // RESIZE_FACTOR
-    check_chunk_fits(policy, budget, keep, chunk_tokens, f"{grids_per_chunk} temporal grid(s) of {rows}x{cols} tokens")
+    budget.check_chunk(chunk_tokens, f"{grids_per_chunk} temporal grid(s) of {rows}x{cols} tokens")
 
-    from .coverage import coverage, coverage_table
-    from .engine import StreamEngine, stream_video
-    from .models.qwen_vl import load_model
+    from .coverage import coverage, coverage_table  # deferred on purpose: the budget is good, the model comes now
+    from .engine import StreamEngine, stream_video  # deferred with it
+    from .models.loading import load_model  # deferred with it (transformers)
 
     model = load_model(args.model)
-    engine = StreamEngine(model, policy, budget=budget, keep=keep, fps=video.fps, max_new_tokens=args.max_new_tokens)
+    engine = StreamEngine(model, policy, budget=budget, fps=video.fps, max_new_tokens=args.max_new_tokens)
 
     print(video.describe(), file=sys.stderr)
-    sizes = f", M={budget}" + (f", C={keep}" if keep is not None else "") + note
-    print(f"model {model.name}; policy {policy.name}" + (sizes if policy.bounded else ""), file=sys.stderr)
+    print(f"model {model.name}; policy {policy.name}" + (f", {budget.describe()}{note}" if budget.bounded else ""), file=sys.stderr)
     if model.notice:
         elsewhere = " Its answers about this video mean little." if episode is None and not model.random_weights else ""
         print(f"note: {model.notice}{elsewhere}", file=sys.stderr)
@@ -325,7 +326,7 @@ def run_command(args: argparse.Namespace) -> int:
 def _progress(total: int, quiet: bool):
     if quiet:
         return None
-    from tqdm import tqdm
+    from tqdm import tqdm  # deferred on purpose: only a run with a progress bar needs it
 
     return tqdm(total=total, unit="frame", desc="streaming", file=sys.stderr, dynamic_ncols=True)
 
@@ -366,6 +367,10 @@ def _percent(part: float, whole: float) -> str:
 
 def check_eval_arguments(args: argparse.Namespace) -> None:
     """Plain checks of ``eval``'s arguments; ``--policies``/``--delays`` become lists. Raises :class:`UsageError`."""
+    if args.policies is None:
+        from .policies import EVAL_POLICIES  # deferred on purpose: the policies import torch
+
+        args.policies = ",".join(EVAL_POLICIES)
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not args.policies:
         raise UsageError("--policies names no policy")
@@ -382,13 +387,11 @@ def check_eval_arguments(args: argparse.Namespace) -> None:
 
 def train_command(args: argparse.Namespace) -> int:
     """Train the tiny model, check it on held-out streams (full cache, every default delay), save it."""
-    import os
+    import torch  # deferred on purpose (as every heavy import of the CLI): training loads torch and transformers
 
-    import torch
-
-    from .evaluation import evaluate
-    from .models.tiny import TRAINED_DIR
-    from .training import TrainConfig, train_tiny
+    from .evaluation import evaluate  # deferred with torch
+    from .models.tiny import TRAINED_DIR  # deferred with torch
+    from .training import TrainConfig, train_tiny  # deferred with torch
 
     if args.threads <= 0 or args.check_episodes < 0:
         raise UsageError("--threads must be positive and --check-episodes non-negative")

@@ -17,9 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from .attention import MemoryCache
 from .memory import KVMemory, OccupancyEvent
 from .models.base import VideoLM, VisualChunk, mrope_positions
-from .policies import BudgetError, Policy, make_policy
+from .budget import Budget
+from .policies import BudgetError, Policy, Probed, make_policy
+from .survival import survival_fraction
+from .views import View, ViewContext
 from .video import RESIZE_FACTOR, Video, VideoFile
 
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -42,40 +46,6 @@ class Answer:
     tokens: int
     cache_bytes: int
     visual_tokens: int
-
-
-def validate_budget(policy: Policy, budget: int | None, keep: int | None) -> tuple[int | None, int | None]:
-    """Check ``M`` (budget) and ``C`` (keep) for ``policy``; returns them as ints (``None`` where unused:
-    ``full`` takes neither, a policy sized by ``M`` alone takes no ``C``)."""
-    if not policy.bounded:
-        return (int(budget) if budget else None), None
-    needed = "a budget M and a keep size C" if policy.uses_keep else "a budget M"
-    if budget is None or (policy.uses_keep and keep is None):
-        raise BudgetError(f"policy {policy.name!r} needs {needed} (visual tokens)")
-    if not policy.uses_keep and keep is not None:
-        raise BudgetError(f"policy {policy.name!r} is sized by M alone; C does not apply (leave it out)")
-    values = (budget,) if keep is None else (budget, keep)
-    if any(int(v) != v for v in values):
-        raise BudgetError(f"M and C are token counts (whole numbers), got M={budget}, C={keep}")
-    if any(int(v) <= 0 for v in values):
-        raise BudgetError(f"M and C must be positive, got M={budget}, C={keep}")
-    budget = int(budget)
-    if keep is None:
-        policy.summary_slots(budget)  # raises if M cannot be split as the policy needs
-        return budget, None
-    keep = int(keep)
-    if keep >= budget:
-        raise BudgetError(f"C must be smaller than M (a compression keeps C of the M tokens), got M={budget}, C={keep}")
-    return budget, keep
-
-
-def check_chunk_fits(policy: Policy, budget: int | None, keep: int | None, tokens: int, shape: str = "") -> None:
-    """Raise :class:`BudgetError` if chunks of ``tokens`` visual tokens can never fit ``policy``'s budget
-    (``M`` below one chunk, ``M - C`` too small to take one after a compression, or the policy's own rule:
-    :meth:`Policy.check_fits`). ``shape`` describes the chunk in the message (e.g. "1 temporal grid(s) of
-    9x15 tokens"). The engine, the CLI and the app all check with this one rule."""
-    if budget is not None and policy.bounded:
-        policy.check_fits(budget, keep, tokens, shape)
 
 
 class FrameStream:
@@ -143,13 +113,61 @@ class EngineStats:
 
 @dataclass
 class StreamStep:
-    """Progress of :func:`stream_video` after one chunk."""
+    """What one chunk did to a group of engines (see :class:`EngineGroup`)."""
 
     chunk: VisualChunk
     frames_done: int
-    frames_total: int
+    frames_total: int | None
     events: dict[str, list[OccupancyEvent]]
-    stopped: dict[str, str] = field(default_factory=dict)  # engine name -> why it stopped
+    stopped: dict[str, str] = field(default_factory=dict)  # engine name -> why it stopped (all so far)
+
+
+class EngineGroup:
+    """The engines watching one stream: one :class:`FrameStream` (one vision encoding per chunk) feeds every
+    engine that has not stopped. An engine stops when the next chunk would take it past its memory cap
+    (:class:`MemoryCapError`) or the device runs out of memory; the others go on, and :attr:`stopped` says
+    why. The CLI, the app, the evaluation and the benchmarks all stream through one of these."""
+
+    def __init__(self, model: VideoLM, engines: dict[str, "StreamEngine"], fps: float) -> None:
+        self.engines = engines
+        self.stream = FrameStream(model, fps)
+        self.stopped: dict[str, str] = {}
+
+    @property
+    def frames_seen(self) -> int:
+        return self.stream.frames_seen
+
+    def attach(self, model: VideoLM) -> "EngineGroup":
+        """Attach ``model`` to the stream and every engine after unpickling (the memory stays where it is)."""
+        self.stream.model = model
+        for engine in self.engines.values():
+            engine.attach(model)
+        return self
+
+    def push(self, frames: np.ndarray, times_s: np.ndarray | None = None, flush: bool = False,
+             total: int | None = None) -> list[StreamStep]:
+        """Add frames ``[T, H, W, 3]``; feed every chunk they complete (and, with ``flush``, a last odd frame
+        paired with a copy of itself) to every running engine, one step per chunk. ``total`` (frames the
+        stream will have) goes into the steps."""
+        chunks = [self.stream.push(frames, times_s) if len(frames) else None]
+        if flush:
+            chunks.append(self.stream.flush())
+        return [self.feed_chunk(chunk, total) for chunk in chunks if chunk is not None]
+
+    def feed_chunk(self, chunk: VisualChunk, total: int | None = None) -> StreamStep:
+        events = {}
+        for name, engine in self.engines.items():
+            if name in self.stopped:
+                continue
+            try:
+                events[name] = engine.feed_chunk(chunk)
+            except MemoryCapError as exc:
+                self.stopped[name] = str(exc)
+            except RuntimeError as exc:
+                if "out of memory" not in str(exc).lower():
+                    raise
+                self.stopped[name] = f"stopped: out of memory at {engine.frames_fed} frames"
+        return StreamStep(chunk, self.stream.frames_seen, total, events, dict(self.stopped))
 
 
 def stream_video(
@@ -158,56 +176,31 @@ def stream_video(
     engines: dict[str, "StreamEngine"],
     frames_per_chunk: int = 2,
 ) -> Iterator[StreamStep]:
-    """Stream ``video`` into every engine, encoding each chunk once; yields after each chunk.
-
-    An engine that hits its :class:`MemoryCapError` stops (``StreamStep.stopped`` says why); the
-    others continue.
-    """
-    stream = FrameStream(model, video.fps)
-    chunks = video.chunks(frames_per_chunk)
-    stopped: dict[str, str] = {}
-    pending = True
-    while pending:
-        part = next(chunks, None)
-        if part is None:
-            chunk, pending = stream.flush(), False
-        else:
-            _, frames, times = part
-            chunk = stream.push(frames, times)
-        if chunk is None:
-            continue
-        events = {}
-        for name, engine in engines.items():
-            if name in stopped:
-                continue
-            try:
-                events[name] = engine.feed_chunk(chunk)
-            except MemoryCapError as exc:
-                stopped[name] = str(exc)
-        yield StreamStep(chunk, stream.frames_seen, video.num_frames, events, dict(stopped))
-
-
-def auto_budget(tokens_per_chunk: int, total_tokens: int, ratio: float = 0.75) -> tuple[int, int]:
-    """A budget that makes compression visible on this stream: ``M`` a third of the stream's visual
-    tokens (at most 6144, the paper's budget), at least room for ``C = ratio * M`` plus one chunk."""
-    floor_m = int(np.ceil(tokens_per_chunk / (1 - ratio)))
-    budget = max(floor_m, min(6144, total_tokens // 3))
-    return budget, int(budget * ratio)
+    """Stream ``video`` into every engine through one :class:`EngineGroup`; yields after each chunk."""
+    group = EngineGroup(model, engines, video.fps)
+    parts = video.chunks(frames_per_chunk)
+    current = next(parts, None)
+    while current is not None:
+        following = next(parts, None)  # decoded ahead by one part, so the last one flushes an odd frame
+        _, frames, times = current
+        yield from group.push(frames, times, flush=following is None, total=video.num_frames)
+        current = following
 
 
 class StreamEngine:
     """A model's KV memory kept under budget ``M`` (visual tokens) by ``policy``, compressed to ``C``.
 
-    ``policy`` is a registered name or a :class:`Policy`; ``budget``/``keep`` are ``M``/``C``
-    (ignored by ``full``). ``max_cache_bytes`` (optional) stops the stream with :class:`MemoryCapError`
-    before the cache would exceed it.
+    ``policy`` is a registered name or a :class:`Policy`; ``budget`` a resolved
+    :class:`~kvdemo.budget.Budget`, or ``M`` with ``keep`` = ``C`` as numbers (resolved here, once; ignored by
+    ``full``). ``max_cache_bytes`` (optional) stops the stream with :class:`MemoryCapError` before the cache
+    would exceed it.
     """
 
     def __init__(
         self,
         model: VideoLM,
         policy: str | Policy = "full",
-        budget: int | None = None,
+        budget: Budget | int | None = None,
         keep: int | None = None,
         fps: float = 2.0,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
@@ -216,18 +209,24 @@ class StreamEngine:
     ) -> None:
         self.model = model
         self.policy = make_policy(policy, **(policy_params or {})) if isinstance(policy, str) else policy
-        self.budget, self.keep = validate_budget(self.policy, budget, keep)
+        if isinstance(budget, Budget):
+            if keep is not None:
+                raise BudgetError("give C inside the Budget, not as keep=")
+            self.budget = budget
+        else:
+            self.budget = Budget.resolve(self.policy, budget if self.policy.bounded else None, keep if self.policy.bounded else None)
         self.fps = float(fps)
         self.max_new_tokens = int(max_new_tokens)
         self.max_cache_bytes = max_cache_bytes
-        summary = self.policy.summary_slots(self.budget) if self.budget and self.policy.bounded else 0
-        self.memory = KVMemory(model.num_layers, model.num_kv_heads, visual_capacity=self.budget or 0, summary_slots=summary)
+        self.memory = KVMemory(model.num_layers, model.num_kv_heads, visual_capacity=self.budget.window or 0,
+                               summary_slots=self.budget.summary)
         self.history: list[tuple[str, str]] = []
         self.answers: list[Answer] = []
         self.frames_fed = 0
         self.last_time_s = 0.0
         self.stats = EngineStats()
         self.last_selection_info: dict[str, Any] = {}
+        self.uncompressed_layers: tuple[int, ...] = ()  # layers the last pass left whole (they do not count toward M)
         self._stream: FrameStream | None = None
 
     # --- crossing a process boundary (ZeroGPU) -------------------------------------------------
@@ -279,14 +278,14 @@ class StreamEngine:
         if self.memory.is_empty:
             self._prefill_prefix()
         events = []
-        if self.budget is not None and self.policy.bounded and self._held_under_budget() + chunk.num_tokens > self.budget:
+        if self.budget.bounded and self._held_under_budget() + chunk.num_tokens > self.budget.M:
             events.append(self.compress(incoming=chunk.num_tokens))
         self._check_cap(chunk)
         start = time.perf_counter()
         positions = mrope_positions(
             chunk.grid, chunk.row, chunk.col, self.memory.prefix_len, chunk.second_per_grid, self.model.tokens_per_second
         )
-        self.model.forward(chunk.embeds, positions, self.memory.cache())
+        self.model.forward(chunk.embeds, positions, MemoryCache(self.memory))
         self.memory.commit_append(chunk, positions)
         prefill_ms = self._elapsed_ms(start)
         self.frames_fed += chunk.frames
@@ -309,35 +308,32 @@ class StreamEngine:
 
     @torch.inference_mode()
     def compress(self, incoming: int = 0, probe_text: str | None = None) -> OccupancyEvent:
-        """Run the policy on the current memory, keeping ``C`` visual tokens per layer and KV head (the
-        policy's own count when it is sized by ``M`` alone and ``incoming`` tokens are about to arrive).
-        A policy that ``needs_probe`` reads the memory with ``probe_text`` (its own proxy by default)."""
+        """Run the policy on the current memory, keeping ``C`` visual tokens per layer and KV head (for a
+        policy sized by ``M`` alone, what leaves room for ``incoming`` tokens: :meth:`Budget.keep_for`).
+        A :class:`~kvdemo.policies.base.Probed` policy reads the memory with ``probe_text`` (its own proxy by
+        default)."""
         start = time.perf_counter()
-        keep = self.policy.keep_for(self.budget, self.keep, incoming)
-        probe = self._probe(probe_text or self.policy.probe_text) if self.policy.needs_probe else None
+        keep = self.budget.keep_for(incoming)
+        probe = self._probe(probe_text or self.policy.probe_text) if isinstance(self.policy, Probed) else None
         selection = self.policy.compress(self.memory.views(self.model.rotary, probe), keep)
         moved = self.memory.apply(selection)
         ms = self._elapsed_ms(start)
         self.last_selection_info = selection.info
+        self.uncompressed_layers = tuple(selection.uncompressed)
         self.stats.compress_ms += ms
         self.stats.compressions += 1
         return self.memory.record("compress", self.frames_fed, self.last_time_s, ms, moved)
 
     def _held_under_budget(self) -> int:
-        """Visual tokens of the layers the policy compresses (a policy may leave some layers uncompressed,
-        ``Selection.info["uncompressed_layers"]``, e.g. CoRDS with ``above=keep``: they do not trigger)."""
-        free = set(self.last_selection_info.get("uncompressed_layers", ()))
+        """Visual tokens of the layers the policy compresses (a pass may leave some layers uncompressed,
+        ``Selection.uncompressed``, e.g. CoRDS with ``above=keep``: they do not trigger)."""
+        free = set(self.uncompressed_layers)
         return self.memory.visual_tokens_in([layer for layer in range(self.memory.num_layers) if layer not in free])
 
     def _check_chunk(self, chunk: VisualChunk) -> None:
         if chunk.first_grid != self.memory.num_grids:
             raise EngineError(f"chunk starts at grid {chunk.first_grid} but the engine expects grid {self.memory.num_grids}")
-        self.check_fits(chunk.num_tokens, f"{chunk.num_grids} temporal grid(s) of {chunk.rows}x{chunk.cols} tokens")
-
-    def check_fits(self, tokens: int, shape: str = "") -> None:
-        """Raise :class:`BudgetError` if a chunk of ``tokens`` visual tokens can never fit the budget
-        (see :func:`check_chunk_fits`)."""
-        check_chunk_fits(self.policy, self.budget, self.keep, tokens, shape)
+        self.budget.check_chunk(chunk.num_tokens, f"{chunk.num_grids} temporal grid(s) of {chunk.rows}x{chunk.cols} tokens")
 
     def _check_cap(self, chunk: VisualChunk) -> None:
         if self.max_cache_bytes is None or self.memory.is_empty:
@@ -352,16 +348,16 @@ class StreamEngine:
     def _prefill_prefix(self) -> None:
         ids = self.model.tokenize(self.model.prefix_text())
         positions = torch.arange(len(ids)).expand(3, -1)
-        cache = self.memory.cache()
+        cache = MemoryCache(self.memory)
         self.model.forward(self.model.embed_text(ids), positions, cache)
-        self.memory.commit_prefix(cache, len(ids))
+        self.memory.commit_prefix(len(ids))
 
     def _probe(self, text: str) -> list[torch.Tensor]:
         """Every layer's queries ``[H_q, T, D]`` for ``text`` asked as a question after the memory (written
-        into the slack, never committed): what a policy with ``needs_probe`` reads the memory with."""
+        into the slack, never committed): what a :class:`~kvdemo.policies.base.Probed` policy reads the memory with."""
         ids = self.model.tokenize(self.model.question_text([], text))
         position = self.memory.max_position + 1
-        cache = self.memory.cache()
+        cache = MemoryCache(self.memory)
         cache.capture = {}
         self.model.forward(self.model.embed_text(ids), torch.arange(position, position + len(ids)).expand(3, -1), cache)
         return [cache.capture[layer] for layer in range(self.memory.num_layers)]
@@ -386,7 +382,7 @@ class StreamEngine:
         question = (question or "").strip()
         if not question:
             raise EngineError("the question is empty")
-        if self.policy.compresses_on_question and self._held_under_budget() > self.policy.keep_for(self.budget, self.keep, 0):
+        if isinstance(self.policy, Probed) and self.policy.compresses_on_question and self._held_under_budget() > self.budget.keep_for(0):
             self.compress(probe_text=question)
         return self._generate(question, max_new_tokens or self.max_new_tokens)
 
@@ -401,7 +397,7 @@ class StreamEngine:
         start = time.perf_counter()
         ids = self.model.tokenize(self.model.question_text(self.history, question))
         position = self.memory.max_position + 1
-        cache = self.memory.cache()  # writes go to the slack and are never committed
+        cache = MemoryCache(self.memory)  # writes go to the slack and are never committed
         cache.answering = True  # heads with an offload store retrieve (question prefill and every decode step)
         self.memory.reset_retrieved()
         logits = self.model.forward(
@@ -460,7 +456,19 @@ class StreamEngine:
             if retrieved is not None and store.offload is not None:
                 store.offload.retrieved = retrieved.to(store.offload.retrieved.device)
 
-    # --- report ---------------------------------------------------------------------------
+    # --- views and report -------------------------------------------------------------------
+    def view_context(self) -> ViewContext:
+        """What a declared view may read of this engine besides its own state."""
+        memory = self.memory
+        return ViewContext(memory.num_layers, memory.num_kv_heads,
+                           memory.grid_shape, list(memory.grid_times_s), memory.timeline, memory.summary_slots)
+
+    def policy_views(self, layer: int = 0, head: int = 0) -> list[View]:
+        """The views the policy declares, for one layer and KV head."""
+        if self.memory.num_grids == 0:
+            return []
+        return self.policy.views(self.view_context(), layer, head)
+
     @property
     def tokens_per_grid(self) -> int:
         shape = self.memory.grid_shape
@@ -480,8 +488,8 @@ class StreamEngine:
             "random_weights": bool(self.model.random_weights),
             "policy": self.policy.name,
             "params": self.policy.params(),
-            "budget": self.budget,
-            "keep": self.keep,
+            "budget": self.budget.M,
+            "keep": self.budget.C,
             "fps": self.fps,
             "frames": self.frames_fed,
             "tokens_per_grid": self.tokens_per_grid,
@@ -491,7 +499,7 @@ class StreamEngine:
             "largest_head_tokens": self.memory.largest_head_tokens,
             "survivors": [
                 {"grid": g, "time_s": self.memory.grid_times_s[g], "kept_fraction": fraction}
-                for g, fraction in enumerate(self.memory.survival_fraction())
+                for g, fraction in enumerate(survival_fraction(self.memory))
             ],
             "answers": [{"question": a.question, "answer": a.answer, "ms": a.ms} for a in self.answers],
             "policy_state": self.policy.report(),

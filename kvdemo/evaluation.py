@@ -35,7 +35,6 @@ if TYPE_CHECKING:  # the engine imports torch: loaded when an evaluation runs, n
 #: Seed-sequence tag of evaluation streams (training uses another, so these streams are held out).
 EVAL_STREAMS = 2
 DEFAULT_DELAYS = (0, 4, 8, 16, 32)
-DEFAULT_POLICIES = ("full", "sliding-window", "uniform", "infinipot-v", "cords")
 #: Longest answer word ("triangle", "diamond", "purple", ...) plus the stop token, with room to spare.
 ANSWER_TOKENS = 12
 
@@ -86,17 +85,19 @@ def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def build_engines(model: VideoLM, policies: list[str], budget: int | None, keep: int | None, fps: float) -> dict[str, StreamEngine]:
-    """One engine per policy: a bounded policy gets ``M``, and ``C`` if it takes one (``uses_keep``)."""
-    from .engine import StreamEngine
-    from .policies import BudgetError, make_policy
+    """One engine per policy, each under the :class:`~kvdemo.budget.Budget` its policy takes of ``M`` and
+    ``C`` (a policy sized by ``M`` alone gets no ``C``; ``full`` neither)."""
+    from .budget import Budget  # deferred on purpose: the CLI imports this module for its defaults, before torch
+    from .engine import StreamEngine  # deferred with it
+    from .policies import BudgetError, make_policy  # deferred with it
 
     engines = {}
     for name in policies:
         policy = make_policy(name)
         if policy.bounded and budget is None:
             raise BudgetError(f"policy {name!r} needs --budget (M) for the evaluation")
-        bounds = dict(budget=budget, keep=keep if policy.uses_keep else None) if policy.bounded else {}
-        engines[name] = StreamEngine(model, policy, fps=fps, max_new_tokens=ANSWER_TOKENS, **bounds)
+        bounds = Budget.resolve(policy, budget, keep if type(policy).takes_keep() else None)
+        engines[name] = StreamEngine(model, policy, budget=bounds, fps=fps, max_new_tokens=ANSWER_TOKENS)
     return engines
 
 
@@ -107,11 +108,11 @@ def run_episode(
 
     Returns, per policy, ``[item][delay] -> correct``.
     """
-    from .engine import FrameStream
+    from .engine import EngineGroup  # deferred on purpose (torch), as above
 
     video = episode.video
     engines = build_engines(model, policies, budget, keep, video.fps)
-    stream = FrameStream(model, video.fps)
+    group = EngineGroup(model, engines, video.fps)
     due: dict[int, list[tuple[int, int]]] = {}
     for i, item in enumerate(items):
         for d, grid in enumerate(item.ask_after):
@@ -119,19 +120,16 @@ def run_episode(
     results = {name: [[False] * len(item.ask_after) for item in items] for name in engines}
     last = max(due)
     for _, frames, times in video.chunks(model.temporal_patch_size):
-        chunk = stream.push(frames, times)
-        if chunk is None:
-            continue
-        for engine in engines.values():
-            engine.feed_chunk(chunk)
-        for i, d in due.get(chunk.first_grid + chunk.num_grids - 1, []):
-            question = items[i].question
-            for name, engine in engines.items():
-                answer = engine.answer(question.text, ANSWER_TOKENS)
-                engine.reset_dialogue()
-                results[name][i][d] = grade_answer(question.answer, answer.answer)
-        if chunk.first_grid + chunk.num_grids - 1 >= last:
-            break
+        for step in group.push(frames, times):
+            newest = step.chunk.first_grid + step.chunk.num_grids - 1
+            for i, d in due.get(newest, []):
+                question = items[i].question
+                for name, engine in engines.items():
+                    answer = engine.answer(question.text, ANSWER_TOKENS)
+                    engine.reset_dialogue()
+                    results[name][i][d] = grade_answer(question.answer, answer.answer)
+            if newest >= last:
+                return results
     return results
 
 
@@ -151,7 +149,7 @@ def evaluate(
     Returns the JSON report: ``chance``, ``episodes``, ``budget``, ``keep``, ``accuracy[policy][delay]``,
     plus ``interval`` (95%), ``by_kind``, ``questions`` and the engines' actual ``budgets``.
     """
-    from .policies import BudgetError
+    from .policies import BudgetError  # deferred on purpose (torch), as above
 
     if not policies:
         raise BudgetError("name at least one policy")
@@ -160,12 +158,12 @@ def evaluate(
     if not delays or min(delays) < 0:
         raise BudgetError(f"delays must be non-negative seconds, got {list(delays)}")
     spec = spec or eval_spec(delays)
-    budgets = {name: {"budget": e.budget, "keep": e.keep} for name, e in build_engines(model, policies, budget, keep, spec.fps).items()}
+    budgets = {name: {"budget": e.budget.M, "keep": e.budget.C} for name, e in build_engines(model, policies, budget, keep, spec.fps).items()}
     items: list[Item] = []
     correct = {name: [[0] * len(delays) for _ in ("colour", "first")] for name in policies}
     bar = None
     if progress:
-        from tqdm import tqdm
+        from tqdm import tqdm  # deferred: only with a progress bar
 
         bar = tqdm(total=episodes, unit="stream", desc="eval", file=sys.stderr, dynamic_ncols=True)
     for index in range(episodes):
@@ -242,10 +240,10 @@ def accuracy_table(report: dict[str, Any]) -> str:
 
 def eval_command(args: argparse.Namespace) -> int:
     """``python -m kvdemo eval`` (arguments checked by the CLI before anything heavy loads)."""
-    import torch
+    import torch  # deferred on purpose (as above)
 
-    from .models.qwen_vl import load_model
-    from .policies import make_policy
+    from .models.loading import load_model  # deferred with torch
+    from .policies import make_policy  # deferred with torch
 
     for name in args.policies:
         make_policy(name)  # an unknown name fails here, before the model loads

@@ -23,19 +23,27 @@ come after what it attends to, which the slack guarantees. Buffers grow geometri
 needs more room (the ``full`` policy, a long dialogue). Consequently the visual slots are *not* in stream
 order: ``order`` (arrival number) and ``frame`` say what is older.
 
-What transformers sees is :class:`kvdemo.attention.MemoryCache`, a ``Cache`` whose layers are views of the
-live part, read by kvdemo's attention function (the key bias) in :mod:`kvdemo.attention`.
+What transformers sees is :class:`kvdemo.attention.MemoryCache(memory) <kvdemo.attention.MemoryCache>`, a
+``Cache`` whose layers are views of the live part, built by the memory's users (the engine, the benchmarks)
+and writing through :meth:`KVMemory.ensure_layer` / :meth:`KVMemory.reserve`; kvdemo's attention function
+reads the key bias. HybridKV's offload store is :mod:`kvdemo.offload`; what survives of each frame, which
+only views and reports read, is :mod:`kvdemo.survival`.
+
+Reading order: the timeline event, one layer's buffers, then :class:`KVMemory`: its layout, the layer
+buffers, the writes, what a policy sees and decides (``views``/``apply``), the timeline, pickling.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from .models.base import VisualChunk
-from .policies.base import LayerView, OffloadUpdate, Selection, SummaryUpdate, as_words
+from .offload import OffloadStore
+from .policies.base import LayerView, OffloadUpdate, Selection, SummaryUpdate
+from .tensors import as_words
 
 #: Reason code of a visual slot appended since the last compression (no policy reason yet).
 REASON_NEW = -2
@@ -67,149 +75,6 @@ class OccupancyEvent:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-@dataclass
-class OffloadStore:
-    """One layer's offloaded visual tokens: per KV head, chunks of ``chunk`` tokens in arrival order, kept in
-    host memory (pinned when the model is on CUDA), with a resident index of chunk mean keys (HybridKV).
-
-    keys/values ``[H, chunks, chunk, D]``, ``valid [H, chunks, chunk]`` (a head's last chunk of a pass may be
-    partial), provenance ``frame/row/col/order [H, chunks, chunk]``, ``mean_keys [H, chunks, D]`` on the
-    model's device, ``count [H]`` chunks per head, ``retrieve [H]`` tokens each head brings back per decode
-    step, ``retrieved [H, chunks]`` the chunks a head brought back during the last question.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    valid: torch.Tensor
-    provenance: dict[str, torch.Tensor]
-    mean_keys: torch.Tensor
-    count: torch.Tensor
-    retrieve: torch.Tensor
-    retrieved: torch.Tensor
-    chunk: int = 8
-
-    @classmethod
-    def empty(cls, heads: int, dim: int, chunk: int, dtype: torch.dtype, device: torch.device) -> "OffloadStore":
-        host = torch.device("cpu")
-        pin = device.type == "cuda"
-        return cls(
-            keys=torch.zeros(heads, 0, chunk, dim, dtype=dtype, device=host, pin_memory=pin),
-            values=torch.zeros(heads, 0, chunk, dim, dtype=dtype, device=host, pin_memory=pin),
-            valid=torch.zeros(heads, 0, chunk, dtype=torch.bool),
-            provenance={name: torch.zeros(heads, 0, chunk, dtype=torch.int64) for name in ("frame", "row", "col", "order")},
-            mean_keys=torch.zeros(heads, 0, dim, dtype=torch.float32, device=device),
-            count=torch.zeros(heads, dtype=torch.long),
-            retrieve=torch.zeros(heads, dtype=torch.long),
-            retrieved=torch.zeros(heads, 0, dtype=torch.bool, device=device),
-            chunk=chunk,
-        )
-
-    @property
-    def capacity(self) -> int:
-        return int(self.keys.shape[1])
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        """Tokens stored per head ``[H]``."""
-        return self.valid.sum(dim=(1, 2))
-
-    @property
-    def nbytes(self) -> int:
-        """Real bytes of the stored keys and values (chunks in use)."""
-        per_chunk = 2 * self.chunk * self.keys.shape[-1] * self.keys.element_size()
-        return int(self.count.sum()) * per_chunk
-
-    def _grow(self, chunks: int) -> None:
-        if chunks <= self.capacity:
-            return
-        capacity = max(chunks, int(self.capacity * 1.5) + 4)
-        pad = capacity - self.capacity
-
-        def grown(t: torch.Tensor) -> torch.Tensor:
-            # One copy of the old chunks and one zeroing of the new ones (not a zero tensor then a cat).
-            out = torch.empty(t.shape[0], capacity, *t.shape[2:], dtype=t.dtype, device=t.device,
-                              pin_memory=t.is_pinned())
-            out[:, : t.shape[1]] = t
-            out[:, t.shape[1] :] = 0
-            return out
-
-        self.keys, self.values, self.valid = grown(self.keys), grown(self.values), grown(self.valid)
-        self.provenance = {name: grown(t) for name, t in self.provenance.items()}
-        self.mean_keys, self.retrieved = grown(self.mean_keys), grown(self.retrieved)
-
-    def add(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, provenance: dict[str, torch.Tensor]) -> int:
-        """Store ``keys/values [H, E, D]`` (``valid [H, E]``, arrival order) as new chunks per head; returns
-        the key/value bytes copied."""
-        heads, tokens, dim = keys.shape
-        rows = torch.cat([keys.reshape(heads * tokens, dim), values.reshape(heads * tokens, dim)])
-        index = torch.arange(heads * tokens, device=keys.device).view(heads, tokens)
-        return self.add_rows(rows, index, index + heads * tokens, valid, provenance)
-
-    def add_rows(self, rows: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor, valid: torch.Tensor,
-                 provenance: dict[str, torch.Tensor]) -> int:
-        """:meth:`add` reading the tokens straight from ``rows [N, D]`` (a memory's key/value buffer as rows):
-        token ``e`` of head ``h`` is ``rows[key_rows[h, e]]`` / ``rows[value_rows[h, e]]`` (``[H, E]``), so each
-        offloaded byte is read once and written once. Returns the key/value bytes copied."""
-        heads, tokens = key_rows.shape
-        dim = rows.shape[-1]
-        valid = valid.cpu()
-        rank = torch.cumsum(valid.long(), dim=1) - 1  # position among the head's valid tokens
-        new_chunks = (valid.sum(dim=1) + self.chunk - 1) // self.chunk
-        self._grow(int((self.count + new_chunks).max()) if heads else 0)
-        h, e = torch.nonzero(valid, as_tuple=True)
-        new_chunk = rank[h, e] // self.chunk  # 0.. among the head's new chunks
-        dest = (h * self.capacity + self.count[h] + new_chunk) * self.chunk + rank[h, e] % self.chunk
-        source_words = as_words(rows)
-        moved = {}
-        for name, store, index in (("keys", self.keys, key_rows), ("values", self.values, value_rows)):
-            # int64-word rows with index_select / index_copy_ (see as_words)
-            moved[name] = source_words.index_select(0, index.cpu()[h, e].to(rows.device)).cpu()
-            as_words(store.view(-1, dim)).index_copy_(0, dest, moved[name])
-        self.valid.view(-1)[dest] = True
-        for name, values_of in provenance.items():
-            self.provenance[name].view(-1).index_copy_(0, dest, values_of.cpu()[h, e].long())
-        # Mean keys of the new chunks only (float32), on the model's device.
-        width = int(new_chunks.max()) if heads else 0
-        cell = h * width + new_chunk
-        new_keys = moved["keys"].view(rows.dtype).view(-1, dim).float()
-        sums = torch.zeros(heads * width, dim, dtype=torch.float32).index_add_(0, cell, new_keys)
-        counts = torch.bincount(cell, minlength=heads * width)
-        fresh = counts > 0
-        head_of, chunk_of = torch.nonzero(fresh.view(heads, width), as_tuple=True)
-        device = self.mean_keys.device
-        means = (sums[fresh] / counts[fresh][:, None]).to(device)
-        self.mean_keys[head_of.to(device), (self.count[head_of] + chunk_of).to(device)] = means
-        self.count += new_chunks
-        return 2 * int(h.numel()) * dim * rows.element_size()
-
-    def fetch(self, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Retrieval for one forward while answering: each head scores its chunks by the forward's queries
-        against the mean keys (summed over the head's group of query heads and, for a question's prefill,
-        averaged over its tokens: kvdemo's), brings back its top ``retrieve // chunk`` chunks, and records
-        them. ``query [H_q, q, D]`` -> keys/values ``[H, R, D]`` on the query's device and a key bias
-        ``[H, R]`` (0 for a retrieved token, ``-inf`` for padding), or None if no head retrieves."""
-        wanted = torch.minimum(self.retrieve // self.chunk, self.count)  # chunks per head
-        width = int(wanted.max()) if wanted.numel() else 0
-        if width == 0:
-            return None
-        heads = self.keys.shape[0]
-        grouped = query.float().mean(dim=1).reshape(heads, -1, query.shape[-1])  # [H, group, D]
-        scores = torch.einsum("hgd,hcd->hc", grouped, self.mean_keys[:, : self.capacity]) * scale
-        live = torch.arange(self.capacity, device=scores.device)[None] < self.count.to(scores.device)[:, None]
-        scores = scores.masked_fill(~live, float("-inf"))
-        top = torch.topk(scores, width, dim=1).indices  # [H, width]
-        chosen = torch.arange(width, device=top.device)[None] < wanted.to(top.device)[:, None]
-        self.retrieved[torch.arange(heads, device=top.device)[:, None].expand_as(top)[chosen], top[chosen]] = True
-        top_host = top.cpu()
-        rows = torch.arange(heads)[:, None]
-        keys = self.keys[rows, top_host].to(query.device, non_blocking=True)  # [H, width, chunk, D]
-        values = self.values[rows, top_host].to(query.device, non_blocking=True)
-        ok = (self.valid[rows, top_host] & chosen.cpu()[..., None]).to(query.device)
-        bias = torch.zeros(ok.shape, dtype=query.dtype, device=query.device).masked_fill(~ok, float("-inf"))
-        dim = keys.shape[-1]
-        return keys.reshape(heads, -1, dim), values.reshape(heads, -1, dim), bias.reshape(heads, -1)
 
 
 @dataclass
@@ -256,7 +121,6 @@ class KVMemory:
     ``visual_capacity`` is the number of visual slots to preallocate (``M`` for a bounded policy);
     ``summary_slots`` the size of the summary region a policy owns (0 for a selection policy).
     """
-
     def __init__(self, num_layers: int, num_kv_heads: int, visual_capacity: int = 0, summary_slots: int = 0) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -270,44 +134,7 @@ class KVMemory:
         self.max_position = -1  # largest position ever assigned (text after the memory starts above it)
         self.tokens_seen = 0  # visual tokens ever appended (the next token's ``order``)
 
-    # --- crossing a process boundary --------------------------------------------------------
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickle only the live slots (the slack and unused capacity stay behind; :meth:`__setstate__`
-        restores the capacity), so a memory crosses a process boundary at the size of what it holds."""
-        state = self.__dict__.copy()
-        state["layers"] = [self._trimmed(i, store) for i, store in enumerate(self.layers)]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        for layer, store in enumerate(self.layers):
-            self._resize(layer, self.visual_start + max(self.visual_capacity, store.visual_len) + TEXT_RESERVE)
-
-    def _trimmed(self, layer: int, store: LayerMemory) -> LayerMemory:
-        live = self.live_len(layer) if self.prefix_len else store.capacity
-        visual = store.visual_len
-        return LayerMemory(
-            kv=store.kv[:, :, :live].clone(),
-            packed=store.packed[:, :visual].clone(),
-            bias=None if store.bias is None else store.bias[:, :live].clone(),
-            visual_len=visual,
-            valid=store.valid,
-            offload=store.offload,
-        )
-
-    def to(self, device: torch.device | str) -> "KVMemory":
-        """Move every buffer to ``device`` (the offload stores' chunks stay in host memory, their mean-key
-        index follows the device); returns self."""
-        for store in self.layers:
-            store.kv, store.packed = store.kv.to(device), store.packed.to(device)
-            store.bias = None if store.bias is None else store.bias.to(device)
-            store.valid = None if store.valid is None else store.valid.to(device)
-            if store.offload is not None:
-                store.offload.mean_keys = store.offload.mean_keys.to(device)
-                store.offload.retrieved = store.offload.retrieved.to(device)
-        return self
-
-    # --- state ----------------------------------------------------------------------------
+    # --- layout and what it holds ---------------------------------------------------------
     @property
     def is_empty(self) -> bool:
         return not self.layers
@@ -423,18 +250,8 @@ class KVMemory:
         """Bytes one token takes over all layers (keys and values of every KV head)."""
         return sum(2 * s.keys.element_size() * s.keys.shape[1] * s.keys.shape[3] for s in self.layers)
 
-    # --- what transformers sees ----------------------------------------------------------
-    def cache(self):
-        """A transformers ``Cache`` over the live part; a forward writes its tokens into the slack.
-
-        Commit them with :meth:`commit_prefix` / :meth:`commit_append`, or drop them by not committing
-        (that is how a question is answered without touching the memory).
-        """
-        from .attention import MemoryCache
-
-        return MemoryCache(self)
-
-    def _ensure_layer(self, layer: int, key_states: torch.Tensor) -> None:
+    # --- layer buffers (allocated on a layer's first write, grown geometrically) ---------------
+    def ensure_layer(self, layer: int, key_states: torch.Tensor) -> None:
         """Allocate layer ``layer``'s buffers on its first write (shape, dtype and device from the model)."""
         while len(self.layers) <= layer:
             self.layers.append(None)  # type: ignore[arg-type]
@@ -448,7 +265,7 @@ class KVMemory:
             packed=torch.zeros(heads, capacity, PROVENANCE_WIDTH, dtype=torch.int32, device=device),
         )
 
-    def _reserve(self, layer: int, end: int) -> None:
+    def reserve(self, layer: int, end: int) -> None:
         """Make room for slots ``[0, end)`` in ``layer``: geometric growth, everything written is copied once
         (the slack may hold an uncommitted forward's tokens)."""
         old_capacity = self.layers[layer].capacity
@@ -473,7 +290,7 @@ class KVMemory:
 
     # --- writes ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def commit_prefix(self, cache: "MemoryCache", prefix_len: int) -> None:
+    def commit_prefix(self, prefix_len: int) -> None:
         """Adopt the prefilled text prefix (positions ``0 .. prefix_len-1``) and open the summary region."""
         self.prefix_len = prefix_len
         for store in self.layers:
@@ -513,6 +330,7 @@ class KVMemory:
         self.grid_times_s.extend(chunk.grid_times_s)
         self.max_position = max(self.max_position, int(positions.max()))
 
+    # --- what a policy sees, and what it decides -------------------------------------------
     def views(self, rotary: Any = None, probe: list[torch.Tensor] | None = None) -> list[LayerView]:
         """Per-layer views of the visual slots for a policy (``[H_kv, L, D]`` slices, no copies); ``probe``
         gives each layer's probe queries ``[H_q, T, D]`` (see ``LayerView.probe``)."""
@@ -543,6 +361,7 @@ class KVMemory:
         return views
 
     @torch.inference_mode()
+
     def apply(self, selection: Selection) -> int:
         """Keep, per layer and KV head, the selected visual tokens (and their provenance); returns the
         key/value bytes moved.
@@ -673,6 +492,7 @@ class KVMemory:
         p, s = self.prefix_len, self.visual_start
         return max(round(float(torch.isfinite(store.bias[:, p:s]).sum(dim=1).double().mean())) for store in self.layers)
 
+    # --- the timeline ---------------------------------------------------------------------
     def record(self, event: str, frames_fed: int, time_s: float, ms: float, moved_bytes: int = 0) -> OccupancyEvent:
         entry = OccupancyEvent(
             frame=frames_fed,
@@ -690,34 +510,39 @@ class KVMemory:
         self.timeline.append(entry)
         return entry
 
-    # --- what survives --------------------------------------------------------------------
-    def survival_counts(self, layer: int | None = None, head: int | None = None) -> torch.Tensor:
-        """How many (layer, head) copies of each patch survive: ``[num_grids, rows, cols]`` integer counts.
+    # --- crossing a process boundary, moving devices ----------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle only the live slots (the slack and unused capacity stay behind; :meth:`__setstate__`
+        restores the capacity), so a memory crosses a process boundary at the size of what it holds."""
+        state = self.__dict__.copy()
+        state["layers"] = [self._trimmed(i, store) for i, store in enumerate(self.layers)]
+        return state
 
-        ``layer``/``head`` restrict to one layer and/or one KV head; the maximum count is
-        ``layers * heads`` of the chosen scope.
-        """
-        if self.grid_shape is None:
-            return torch.zeros(0, 0, 0, dtype=torch.int64)
-        rows, cols = self.grid_shape
-        size = self.num_grids * rows * cols
-        layers = range(self.num_layers) if layer is None else [layer]
-        counts = torch.zeros(size, dtype=torch.int64)
-        for l in layers:
-            store = self.layers[l]
-            frame, row, col = (store.provenance[n][:, : store.visual_len] for n in ("frame", "row", "col"))
-            held = store.valid if store.valid is not None else torch.ones_like(frame, dtype=torch.bool)
-            if head is not None:
-                frame, row, col, held = (t[head : head + 1] for t in (frame, row, col, held))
-            flat = ((frame.long() * rows + row.long()) * cols + col.long())[held]
-            counts += torch.bincount(flat.cpu(), minlength=size)
-        return counts.view(self.num_grids, rows, cols)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for layer, store in enumerate(self.layers):
+            self._resize(layer, self.visual_start + max(self.visual_capacity, store.visual_len) + TEXT_RESERVE)
 
-    def survival_fraction(self) -> list[float]:
-        """Per temporal grid: fraction of its tokens, over all layers and KV heads, still held."""
-        if self.grid_shape is None:
-            return []
-        counts = self.survival_counts().sum(dim=(1, 2)).double()
-        total = self.grid_shape[0] * self.grid_shape[1] * self.num_layers * self.num_kv_heads
-        return (counts / total).tolist()
+    def _trimmed(self, layer: int, store: LayerMemory) -> LayerMemory:
+        live = self.live_len(layer) if self.prefix_len else store.capacity
+        visual = store.visual_len
+        return LayerMemory(
+            kv=store.kv[:, :, :live].clone(),
+            packed=store.packed[:, :visual].clone(),
+            bias=None if store.bias is None else store.bias[:, :live].clone(),
+            visual_len=visual,
+            valid=store.valid,
+            offload=store.offload,
+        )
 
+    def to(self, device: torch.device | str) -> "KVMemory":
+        """Move every buffer to ``device`` (the offload stores' chunks stay in host memory, their mean-key
+        index follows the device); returns self."""
+        for store in self.layers:
+            store.kv, store.packed = store.kv.to(device), store.packed.to(device)
+            store.bias = None if store.bias is None else store.bias.to(device)
+            store.valid = None if store.valid is None else store.valid.to(device)
+            if store.offload is not None:
+                store.offload.mean_keys = store.offload.mean_keys.to(device)
+                store.offload.retrieved = store.offload.retrieved.to(device)
+        return self

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
+from PIL import Image, ImageDraw
 
 from .video import RESIZE_FACTOR, Video, VideoError
 
@@ -390,8 +391,6 @@ def _place_clutter(rng: np.random.Generator, spec: StreamSpec, num_frames: int) 
 @lru_cache(maxsize=None)
 def shape_mask(shape: str, side: int) -> np.ndarray:
     """Boolean mask ``[side, side]`` of ``shape`` drawn without antialiasing."""
-    from PIL import Image, ImageDraw
-
     image = Image.new("L", (side, side), 0)
     draw = ImageDraw.Draw(image)
     last = side - 1
@@ -476,3 +475,25 @@ def _token_labels(owners: np.ndarray, objects: list[SceneObject], clutter: list[
     colour_labels = np.where(covered, colour_of[best], NOTHING_COLOUR).astype(np.int64)
     shape_labels = np.where(covered, shape_of[best], NOTHING).astype(np.int64)
     return colour_labels, shape_labels
+
+
+# --- generated clips for the mechanics (benchmarks, tests) --------------------------------------------------
+
+
+def synthetic_video(
+    num_frames: int = 48,
+    height: int = 224,
+    width: int = 336,
+    fps: float = 2.0,
+    seed: int = 0,
+) -> Video:
+    """``num_frames`` frames of a generated stream (:mod:`kvdemo.synthetic`: shapes appearing, moving and
+    leaving on a textured background) at ``height`` x ``width`` (multiples of 28); no file, no download.
+
+    Deterministic for a given ``seed``.
+    """
+    if num_frames <= 0:
+        raise VideoError(f"a synthetic video needs at least one frame, got {num_frames}")
+    pairs = -(-num_frames // 2)
+    spec = StreamSpec(pairs=(pairs, pairs), size=(height, width), fps=fps)
+    return generate_episode(seed, spec).video.head(num_frames)

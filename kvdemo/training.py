@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import Qwen2_5_VLForConditionalGeneration
 
 from .models.base import mrope_positions
 from .models.qwen_vl import QwenVL
-from .models.tiny import TINY_NAME, TRAINED_DIR, ByteTokenizer, save_tokenizer_spec, tiny_config
+from .models.catalog import TINY_NAME
+from .models.tiny import TRAINED_DIR, ByteTokenizer, save_tokenizer_spec, tiny_config
 from .synthetic import COLOURS, SHAPES, Episode, StreamSpec, generate_episode
 
 #: The question head's classes: the shape asked about, or "which shape appeared first".
@@ -230,8 +234,6 @@ class TinyTrainer:
     """Builds the model and its heads from ``config.seed`` and runs the curriculum step by step."""
 
     def __init__(self, config: TrainConfig = TrainConfig()) -> None:
-        from transformers import Qwen2_5_VLForConditionalGeneration
-
         self.config = config
         model_config = tiny_config(initializer_range=0.02)
         model_config._attn_implementation = "sdpa"
@@ -336,10 +338,6 @@ class TinyTrainer:
         release the GIL), so data generation uses the other core; each batch is a pure function of its
         step, so this changes nothing in the result.
         """
-        from concurrent.futures import ThreadPoolExecutor
-
-        from tqdm import tqdm
-
         plan = [(index, step) for index, phase in enumerate(self.config.phases) for step in range(phase.steps)]
         bar = tqdm(total=len(plan), unit="step", desc="train-tiny", disable=not progress, dynamic_ncols=True)
         summaries, recent = [], []

@@ -1,4 +1,4 @@
-"""Video in: decoding, fps sampling, Qwen's "smart resize", chunking, and generated clips.
+"""Video in: decoding, fps sampling, Qwen's "smart resize", chunking; writing a clip (tests, examples).
 
 Frames leave this module as uint8 arrays ``[T, H, W, 3]`` already resized to the model's grid
 (sides multiples of 28), so every engine and every view shares one exact pixel grid.
@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import av
 import numpy as np
 
 #: Qwen2-VL / Qwen2.5-VL defaults (patch 14, spatial merge 2 -> factor 28; 2 frames per temporal grid).
@@ -63,8 +64,8 @@ def resize_frames(
     frames: np.ndarray, min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS
 ) -> np.ndarray:
     """Resize uint8 frames ``[T, H, W, 3]`` exactly as Qwen2VLVideoProcessor does (bicubic, antialiased)."""
-    import torch  # imported here so that opening and checking a file stays quick (the CLI fails fast)
-    import torchvision.transforms.v2.functional as tvF
+    import torch  # deferred on purpose: opening and checking a file stays quick (the CLI fails fast)
+    import torchvision.transforms.v2.functional as tvF  # deferred with torch
 
     height, width = frames.shape[1:3]
     new_h, new_w = smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
@@ -215,8 +216,6 @@ class VideoFile:
         self.decoded_frames = 0
 
     def _open(self):
-        import av
-
         try:
             container = av.open(str(self.path))
         except Exception as exc:  # av.error.* (InvalidDataError...), or undecodable metadata
@@ -268,8 +267,6 @@ class VideoFile:
 
     def _sampled_frames(self) -> Iterator[tuple[np.ndarray, float]]:
         """Decode sequentially; yield the RGB frame (``[H, W, 3]`` uint8) shown at each target time."""
-        import av
-
         every_frame = self.source_fps > 0 and self.fps >= self.source_fps
         tolerance = 0.5 / (self.source_fps if self.source_fps > 0 else self.fps)
         target = 0
@@ -358,34 +355,8 @@ def _first_line(exc: Exception, path: Path | None = None) -> str:
     return line.split("] ")[-1][:160]
 
 
-# --- synthetic video -----------------------------------------------------------------------
-
-
-def synthetic_video(
-    num_frames: int = 48,
-    height: int = 224,
-    width: int = 336,
-    fps: float = 2.0,
-    seed: int = 0,
-) -> Video:
-    """``num_frames`` frames of a generated stream (:mod:`kvdemo.synthetic`: shapes appearing, moving and
-    leaving on a textured background) at ``height`` x ``width`` (multiples of 28); no file, no download.
-
-    Deterministic for a given ``seed``.
-    """
-    from .synthetic import StreamSpec, generate_episode
-
-    if num_frames <= 0:
-        raise VideoError(f"a synthetic video needs at least one frame, got {num_frames}")
-    pairs = -(-num_frames // 2)
-    spec = StreamSpec(pairs=(pairs, pairs), size=(height, width), fps=fps)
-    return generate_episode(seed, spec).video.head(num_frames)
-
-
 def write_video(path: str | Path, frames: np.ndarray, fps: float) -> Path:
     """Encode uint8 frames ``[T, H, W, 3]`` to an H.264 mp4 with PyAV."""
-    import av
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), mode="w") as container:

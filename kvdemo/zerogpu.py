@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 EMULATE_ENV = "KVDEMO_ZEROGPU_EMULATE"
 
 
@@ -54,7 +56,7 @@ def on_zerogpu() -> bool:
     if not os.environ.get("SPACES_ZERO_GPU"):
         return False
     try:
-        import spaces  # noqa: F401
+        import spaces  # noqa: F401  (deferred on purpose: the package exists only on Hugging Face Spaces)
     except ImportError:
         return False
     return True
@@ -66,7 +68,7 @@ def gpu(duration: int | Callable[..., int] = 60) -> Callable[[Callable], Callabl
 
     def decorate(fn: Callable) -> Callable:
         if on_zerogpu():
-            import spaces
+            import spaces  # deferred on purpose: only on a ZeroGPU Space
 
             return spaces.GPU(duration=duration)(fn)
         return _emulated(fn)  # decides at each call: in a forked child when emulating, else in place
@@ -90,8 +92,6 @@ def _child(fn: Callable, payload: bytes, queue, generator: bool) -> None:
     The child runs torch on one intra-op thread: GNU OpenMP's thread pool (PyTorch's CPU backend) does not
     survive a fork once the parent has used it, and a parallel op in the child would wait forever.
     """
-    import torch
-
     torch.set_num_threads(1)
     try:
         args, kwargs = pickle.loads(payload)

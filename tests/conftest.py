@@ -35,7 +35,7 @@ def pancake(media):
 
 @pytest.fixture
 def small_video():
-    from kvdemo.video import synthetic_video
+    from kvdemo.synthetic import synthetic_video
 
     return synthetic_video(num_frames=12, height=112, width=168, fps=2.0, seed=3)
 

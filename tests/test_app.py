@@ -11,7 +11,7 @@ from gradio_client import Client, handle_file
 
 from conftest import APP_MAX_SESSIONS
 
-from kvdemo.ui import default_budget
+from kvdemo.app.settings import default_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 

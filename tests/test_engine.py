@@ -17,14 +17,14 @@ def feed_all(model, video, engines, frames_per_chunk=2):
 @pytest.mark.parametrize("policy", [p for p in policy_names() if p != "full"])
 @pytest.mark.parametrize("budget, keep", [(270, 135), (540, 405), (700, 300)])
 def test_visual_tokens_never_exceed_budget(tiny, pancake, policy, budget, keep):
-    sized_by_m = not make_policy(policy).uses_keep  # ProtoKV: M alone, near window W = M - K_max S
+    sized_by_m = not type(make_policy(policy)).takes_keep()  # ProtoKV: M alone, near window W = M - K_max S
     if sized_by_m and budget < 500:
         budget = 560  # its near window must take a 135-token grid
     engine = StreamEngine(tiny, policy, budget=budget, keep=None if sized_by_m else keep, fps=pancake.fps)
     feed_all(tiny, pancake, {"p": engine})
     timeline = engine.memory.timeline
     assert max(e.visual_tokens for e in timeline) <= budget
-    expected = engine.memory.summary_slots + engine.policy.keep_for(budget, keep, 135) if sized_by_m else keep
+    expected = engine.memory.summary_slots + engine.budget.keep_for(135) if sized_by_m else keep
     assert all(e.visual_tokens == expected for e in timeline if e.event == "compress")
     assert any(e.event == "compress" for e in timeline)
     for layer in range(tiny.num_layers):

@@ -61,7 +61,7 @@ def test_eval_user_errors_are_one_line(capsys, extra, message):
 def test_the_committed_weights_answer_from_the_evidence():
     """On held-out streams the full cache answers >= 90% right; a sliding window of two frame pairs, which
     has lost the evidence 16 s later, cannot."""
-    from kvdemo.models.qwen_vl import load_model
+    from kvdemo.models.loading import load_model
 
     model = load_model("tiny")
     assert not model.random_weights

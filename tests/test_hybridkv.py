@@ -10,6 +10,7 @@ import torch
 from kvdemo.engine import StreamEngine, stream_video
 from kvdemo.memory import OffloadStore
 from kvdemo.policies import BudgetError, LayerView, make_policy
+from kvdemo.policies.base import select_ranked
 from kvdemo.policies.hybridkv import capped_allocation
 
 
@@ -216,16 +217,22 @@ def test_static_heads_keep_local_then_salient_tokens():
     view = hand_view(heads=1, keys=keys, probe=torch.tensor([[[1.0, 0, 0, 0]]]))
     policy = make_policy("hybridkv", pool_kernel=1, local_ratio=0.34)  # ceil(0.34 * 3) = 2 local tokens
     _, prior = policy.text_centric(view)
-    index, valid, reason, offload = policy.select(view, prior, torch.tensor([True]), torch.tensor([3]))
+
+    def select(static: bool):
+        ranking = policy.rank_layer(view, prior, torch.tensor([static]), torch.tensor([3]))
+        selection, kept = select_ranked([view], [ranking], 3)
+        return selection.indices[0], policy.offload(view, kept[0], torch.tensor([static]), torch.tensor([3]))
+
+    index, offload = select(static=True)
     assert sorted(index[0].tolist()) == [6, 10, 11] or sorted(index[0].tolist()) == [1, 10, 11]
     assert int(offload.valid.sum()) == 0 and int(offload.retrieve[0]) == 0  # static heads drop, never retrieve
-    index, valid, reason, offload = policy.select(view, prior, torch.tensor([False]), torch.tensor([3]))
+    index, offload = select(static=False)
     assert index[0].tolist() == [9, 10, 11]  # a dynamic head keeps its newest tokens resident
     assert offload.tokens[0].tolist() == list(range(9)) and int(offload.retrieve[0]) == 3
 
 
 def test_hybridkv_on_a_long_stream_stays_within_m(tiny):
-    from kvdemo.video import synthetic_video
+    from kvdemo.synthetic import synthetic_video
 
     video = synthetic_video(num_frames=80, height=112, width=168, fps=2.0, seed=4)
     engine = StreamEngine(tiny, "hybridkv", budget=96, keep=48, fps=2.0, max_new_tokens=4)

@@ -13,8 +13,8 @@ from kvdemo.policies.infinipot_v import (
     VARIANTS,
     calibrate_cv_thresholds,
     kernel_for_cv,
-    pool_on_grid,
 )
+from kvdemo.policies.grid import pool_on_grid
 
 ROWS, COLS, DIM = 4, 4, 16
 P = ROWS * COLS

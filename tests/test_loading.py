@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvdemo.engine import StreamEngine, stream_video
-from kvdemo.models.qwen_vl import load_model
+from kvdemo.models.loading import load_model
 from kvdemo.models.tiny import SPECIAL_TOKENS, tiny_config
 
 

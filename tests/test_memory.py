@@ -7,12 +7,14 @@ import copy
 import pytest
 import torch
 
-from kvdemo.bench import synthetic_chunk, synthetic_memory
+from kvdemo.attention import MemoryCache
+from kvdemo.testing import synthetic_chunk, synthetic_memory
 from kvdemo.engine import StreamEngine, stream_video
 from kvdemo.memory import REASON_NEW, KVMemory
 from kvdemo.models.base import mrope_positions
 from kvdemo.policies import Selection
 from kvdemo.policies.base import SummaryUpdate
+from kvdemo.survival import survival_counts
 
 GRID = (2, 3)  # 6 tokens per temporal grid, non-square
 
@@ -21,10 +23,10 @@ def small_memory(grids: int = 4, heads: int = 2, dim: int = 8, layers: int = 2, 
     """A memory whose key for token ``t`` of head ``h`` in layer ``l`` is ``(t, h, l, 0, ...)`` (values the
     negative), so every slot says which token it holds (exact in bfloat16 too)."""
     memory = KVMemory(layers, heads, visual_capacity=capacity)
-    cache = memory.cache()
+    cache = MemoryCache(memory)
     for layer in cache.layers:
         layer.update(torch.full((1, heads, 3, dim), -7.0, dtype=dtype), torch.full((1, heads, 3, dim), 7.0, dtype=dtype))
-    memory.commit_prefix(cache, 3)
+    memory.commit_prefix(3)
     for g in range(grids):
         append_grid(memory, g, dim, dtype)
     return memory
@@ -41,7 +43,7 @@ def token_kv(memory: KVMemory, layer: int, first: int, n: int, dim: int, dtype):
 
 def append_grid(memory: KVMemory, g: int, dim: int = 8, dtype=torch.float32):
     chunk = synthetic_chunk(g, 1, GRID)
-    cache = memory.cache()
+    cache = MemoryCache(memory)
     for index, layer in enumerate(cache.layers):
         layer.update(*token_kv(memory, index, memory.tokens_seen, chunk.num_tokens, dim, dtype))
     memory.commit_append(chunk, mrope_positions(chunk.grid, chunk.row, chunk.col, memory.prefix_len, 1.0, 2.0))
@@ -123,7 +125,7 @@ def test_ragged_selection_pads_with_a_minus_infinity_bias():
     start = memory.visual_start
     assert torch.isinf(bias[1, start + 2 : start + 5]).all() and (bias[0, start : start + 5] == 0).all()
     assert (bias[:, start + 5 :] == 0).all()  # the slack stays plain for the next forward
-    counts = memory.survival_counts(layer=0)
+    counts = survival_counts(memory, layer=0)
     assert int(counts.sum()) == 7
 
 
@@ -140,9 +142,9 @@ def test_the_buffers_grow_geometrically_and_keep_their_content():
 
 def test_a_summary_region_sits_between_prefix_and_visual_tokens():
     memory = KVMemory(1, 2, visual_capacity=12, summary_slots=4)
-    cache = memory.cache()
+    cache = MemoryCache(memory)
     cache.layers[0].update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
-    memory.commit_prefix(cache, 3)
+    memory.commit_prefix(3)
     assert memory.visual_start == 7
     assert torch.isinf(memory.layers[0].bias[:, 3:7]).all()  # invisible until the policy fills it
     append_grid(memory, 0)

@@ -148,7 +148,8 @@ def test_byte_tokenizer_round_trips_text_and_special_tokens():
 def test_unknown_model_family_is_a_clear_error(tmp_path):
     from transformers import GPT2Config
 
-    from kvdemo.models.qwen_vl import ModelError, load_qwen
+    from kvdemo.models.base import ModelError
+    from kvdemo.models.qwen_vl import load_qwen
 
     GPT2Config(n_layer=1).save_pretrained(tmp_path)
     with pytest.raises(ModelError, match="supports Qwen2-VL and Qwen2.5-VL"):
@@ -156,7 +157,7 @@ def test_unknown_model_family_is_a_clear_error(tmp_path):
 
 
 def test_auto_resolves_to_tiny_without_cuda(monkeypatch):
-    from kvdemo.models.qwen_vl import resolve_model_name
+    from kvdemo.models.catalog import resolve_model_name
 
     monkeypatch.delenv("KVDEMO_MODEL", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvdemo.policies import REGISTRY, BudgetError, LayerView, make_policy
-from kvdemo.policies.base import frame_rank, top_k_sorted
+from kvdemo.policies.base import top_k_sorted
+from kvdemo.policies.grid import frame_rank
 
 
 class IdentityRotation:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvdemo.attention import ATTN_IMPLEMENTATION
-from kvdemo.bench import synthetic_chunk
+from kvdemo.testing import synthetic_chunk
 from kvdemo.engine import StreamEngine, stream_video
 from kvdemo.memory import KVMemory
 from kvdemo.models.base import mrope_positions
@@ -19,6 +19,7 @@ from kvdemo.models.tiny import ByteTokenizer, tiny_config
 from kvdemo.policies import BudgetError, Selection, make_policy
 from kvdemo.policies.base import SummaryUpdate
 from kvdemo.policies.protokv import beam_search, mahalanobis, pq_decode, pq_encode, train_codebooks
+from kvdemo.attention import MemoryCache
 
 
 # --- budget ---------------------------------------------------------------------------------------
@@ -36,7 +37,7 @@ def test_budget_split_follows_table_5():
 
 def test_engine_takes_m_alone_and_checks_the_near_window(tiny, pancake):
     engine = StreamEngine(tiny, "protokv", budget=540, fps=2.0)
-    assert engine.keep is None and engine.memory.summary_slots == 400
+    assert engine.budget.C is None and engine.memory.summary_slots == 400
     with pytest.raises(BudgetError, match="C does not apply"):
         StreamEngine(tiny, "protokv", budget=540, keep=400)
     small = StreamEngine(tiny, "protokv", budget=400, fps=2.0)  # W = 104 < one 135-token grid
@@ -107,13 +108,13 @@ def prefill(model, memory: KVMemory, grids: int = 2, seed: int = 0):
     """Prefix and ``grids`` random 3x4 grids through the real model into ``memory``."""
     g = torch.Generator().manual_seed(seed)
     ids = model.tokenize(model.prefix_text())
-    cache = memory.cache()
+    cache = MemoryCache(memory)
     model.forward(model.embed_text(ids), torch.arange(len(ids)).expand(3, -1), cache)
-    memory.commit_prefix(cache, len(ids))
+    memory.commit_prefix(len(ids))
     chunk = synthetic_chunk(0, grids, (3, 4))
     embeds = torch.randn(chunk.num_tokens, model.hf.config.text_config.hidden_size, generator=g)
     positions = mrope_positions(chunk.grid, chunk.row, chunk.col, memory.prefix_len, 1.0, 2.0)
-    model.forward(embeds, positions, memory.cache())
+    model.forward(embeds, positions, MemoryCache(memory))
     memory.commit_append(chunk, positions)
     return embeds
 
@@ -122,7 +123,7 @@ def question_logits(model, memory: KVMemory) -> torch.Tensor:
     ids = model.tokenize("<|vision_end|>What colour?<|im_end|>\n<|im_start|>assistant\n")
     start = memory.max_position + 1
     with torch.inference_mode():
-        return model.forward(model.embed_text(ids), torch.arange(start, start + len(ids)).expand(3, -1), memory.cache())
+        return model.forward(model.embed_text(ids), torch.arange(start, start + len(ids)).expand(3, -1), MemoryCache(memory))
 
 
 def test_the_seam_without_extras_equals_sdpa(tiny):
@@ -168,7 +169,7 @@ def test_a_prototype_of_mass_n_attends_like_n_duplicates(tiny, mass):
     # The duplicate memory: drop the chosen token, then append `mass` copies of it.
     copies = [(update.keys.expand(-1, mass, -1)[None].clone(), update.values.expand(-1, mass, -1)[None].clone()) for update in updates]
     duplicated.apply(Selection([others] * tiny.num_layers))
-    cache = duplicated.cache()
+    cache = MemoryCache(duplicated)
     for layer, (k, v) in zip(cache.layers, copies):
         layer.update(k, v)
     chunk = synthetic_chunk(2, 1, (3, 4))
@@ -418,7 +419,7 @@ def test_protokv_streams_the_real_clip_within_m_and_answers(tiny, pancake):
 
 
 def test_protokv_bookkeeping_stays_bounded_on_a_long_stream(tiny):
-    from kvdemo.video import synthetic_video
+    from kvdemo.synthetic import synthetic_video
 
     video = synthetic_video(num_frames=120, height=112, width=112, fps=2.0, seed=2)
     engine = StreamEngine(tiny, "protokv", budget=96, fps=2.0, policy_params={"warmup": 32, "history": 8})
@@ -428,7 +429,7 @@ def test_protokv_bookkeeping_stays_bounded_on_a_long_stream(tiny):
     assert bank.assign_map.shape == (tiny.num_layers * tiny.num_kv_heads, 8, 4, 4)
     held = set(bank.assign_grid.tolist()) - {-1}
     assert held and max(held) <= 59 and len(held) <= 8
-    assert engine.memory.layers[0].capacity == engine.memory.prefix_len + engine.memory.summary_slots + 96 + 256
+    assert engine.memory.layers[0].capacity == engine.memory.prefix_len + 96 + 256  # summary + window = M, never grown
 
 
 def test_merging_checks_pairs_with_a_changed_prototype_from_either_side():

@@ -112,7 +112,8 @@ def test_a_question_that_runs_a_pass_sends_its_engine_back(emulate, pancake):
     engine comes back and equals one that answered in this process (memory, timeline, classes)."""
     from kvdemo.engine import StreamEngine, stream_video
     from kvdemo.policies import make_policy
-    from kvdemo.ui import answer_question, model_by_name
+    from kvdemo.app.gpu import answer_question
+    from kvdemo.app.sessions import model_by_name
 
     model = model_by_name("tiny-random")
     engines = {name: StreamEngine(model, make_policy("hybridkv", classify_with="question"), budget=540, keep=405,

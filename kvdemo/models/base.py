@@ -13,6 +13,10 @@ import numpy as np
 import torch
 
 
+class ModelError(ValueError):
+    """A model could not be loaded or used; the message says which and why."""
+
+
 @dataclass
 class VisualChunk:
     """The vision encoding of one chunk of frames, shared by every engine watching the stream.

@@ -7,27 +7,21 @@ language-model forward on a given cache with positions we computed (``base.mrope
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..attention import ATTN_IMPLEMENTATION
 from ..video import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
-from .base import VisualChunk
+from ..zerogpu import on_zerogpu
+from .base import ModelError, VisualChunk
 
 #: OPENAI_CLIP_MEAN / OPENAI_CLIP_STD, Qwen's pixel normalisation.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-DEFAULT_REAL_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
-log = logging.getLogger("kvdemo")
 SYSTEM_PROMPT = "You are a helpful assistant."
-
-
-class ModelError(ValueError):
-    """A model could not be loaded or used; the message says which and why."""
 
 
 def pixel_values(
@@ -236,7 +230,7 @@ def load_qwen(model_id: str, device: str | None = None) -> QwenVL:
     On a ZeroGPU Space the model is loaded at start-up and moved with ``.to("cuda")`` (ZeroGPU's own pattern:
     there is no GPU to map onto until a ``@spaces.GPU`` call runs).
     """
-    from transformers import (
+    from transformers import (  # deferred: the CLI checks its arguments before transformers loads
         AutoConfig,
         AutoTokenizer,
         Qwen2_5_VLForConditionalGeneration,
@@ -251,10 +245,6 @@ def load_qwen(model_id: str, device: str | None = None) -> QwenVL:
     if config.model_type not in classes:
         raise ModelError(f"{model_id!r} is a {config.model_type!r} model; kvdemo supports Qwen2-VL and Qwen2.5-VL")
     use_cuda = torch.cuda.is_available() and device != "cpu"
-    from ..attention import ATTN_IMPLEMENTATION
-
-    from ..zerogpu import on_zerogpu
-
     kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPLEMENTATION, "trust_remote_code": False}
     zerogpu = on_zerogpu()
     if zerogpu:
@@ -268,45 +258,3 @@ def load_qwen(model_id: str, device: str | None = None) -> QwenVL:
         model = model.to("cuda")
     tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=False)
     return QwenVL(model, tokenizer, name=model_id)
-
-
-def resolve_model_name(name: str | None = None) -> str:
-    """``auto`` -> a real Qwen2.5-VL on a CUDA machine, the offline ``tiny`` model otherwise.
-
-    ``KVDEMO_MODEL`` overrides the default when no name is given.
-    """
-    name = name or os.environ.get("KVDEMO_MODEL") or "auto"
-    if name == "auto":
-        return DEFAULT_REAL_MODEL if torch.cuda.is_available() else "tiny"
-    return name
-
-
-def preferred_pixel_range(name: str | None = None) -> tuple[int, int]:
-    """The pixel range the model ``name`` declares (``QwenVL.min_pixels/max_pixels``), known without loading
-    it: the trained tiny model's own, Qwen's defaults for every other model."""
-    from .tiny import TINY_NAME, TRAINED_MAX_PIXELS, TRAINED_MIN_PIXELS
-
-    if resolve_model_name(name) == TINY_NAME:
-        return TRAINED_MIN_PIXELS, TRAINED_MAX_PIXELS
-    return DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS
-
-
-def load_model(name: str | None = None) -> QwenVL:
-    """Load ``tiny`` (trained), ``tiny-random``, ``auto`` or a Hugging Face model id / local path."""
-    from .tiny import TINY_NAME, TINY_RANDOM_NAME, build_tiny_model, load_trained_tiny
-
-    resolved = resolve_model_name(name)
-    log.info("loading model %s%s", resolved, f" ({name} resolves to it)" if name and name != resolved else "")
-    start = time.perf_counter()
-    if resolved == TINY_NAME:
-        model = load_trained_tiny()
-    elif resolved == TINY_RANDOM_NAME:
-        model = build_tiny_model()
-    else:
-        model = load_qwen(resolved)
-    log.info(
-        "loaded %s (%s, %d layers, %d KV heads) on %s as %s in %.1f s%s",
-        model.name, model.family, model.num_layers, model.num_kv_heads, model.device, str(model.dtype).replace("torch.", ""),
-        time.perf_counter() - start, "; random weights" if model.random_weights else "",
-    )
-    return model

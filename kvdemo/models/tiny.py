@@ -18,21 +18,14 @@ import re
 from pathlib import Path
 
 import torch
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from .qwen_vl import ModelError, QwenVL
+from ..attention import ATTN_IMPLEMENTATION
+from .base import ModelError
+from .catalog import RANDOM_WEIGHTS_NOTICE, TINY_NAME, TINY_RANDOM_NAME, TRAINED_MAX_PIXELS, TRAINED_MIN_PIXELS, TRAINED_NOTICE
+from .qwen_vl import QwenVL
 
-TINY_NAME = "tiny"
-TINY_RANDOM_NAME = "tiny-random"
 TRAINED_DIR = Path(__file__).resolve().parents[2] / "assets" / "tiny"
-RANDOM_WEIGHTS_NOTICE = (
-    "Answers come from the offline tiny model with random weights: they show the mechanics, not understanding."
-)
-TRAINED_NOTICE = "A tiny model trained on synthetic streams: it knows shapes and colours, nothing else."
-OFFLINE_NOTICES = {TINY_NAME: TRAINED_NOTICE, TINY_RANDOM_NAME: RANDOM_WEIGHTS_NOTICE}
-#: The trained model's pixel range: 112 x 112 frames stay as they are (16 tokens per pair); other aspect
-#: ratios resize to about as many pixels (e.g. 16:9 and 4:3 -> 84 x 140, 15 tokens).
-TRAINED_MIN_PIXELS = 112 * 112
-TRAINED_MAX_PIXELS = 20 * 28 * 28
 SPECIAL_TOKENS = (
     "<|endoftext|>",
     "<|im_start|>",
@@ -100,8 +93,6 @@ def tiny_config(initializer_range: float = 0.1):
     depend on what the cache holds (with 0.02 every context decodes to the same repeated byte), which
     makes compression visible in the chat; training starts from 0.02.
     """
-    from transformers import Qwen2_5_VLConfig
-
     tokenizer = ByteTokenizer()
     ids = tokenizer.special_to_id
     return Qwen2_5_VLConfig(
@@ -146,10 +137,6 @@ def tiny_config(initializer_range: float = 0.1):
 
 def build_tiny_model(seed: int = 0) -> QwenVL:
     """The tiny model on the CPU in float32; identical weights for a given ``seed``."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from ..attention import ATTN_IMPLEMENTATION
-
     config = tiny_config()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -166,13 +153,9 @@ def build_tiny_model(seed: int = 0) -> QwenVL:
 
 def load_trained_tiny(folder: str | Path = TRAINED_DIR) -> QwenVL:
     """The trained tiny model from ``folder`` (``assets/tiny``) through transformers' ``from_pretrained``."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
     folder = Path(folder)
     if not (folder / "model.safetensors").exists():
         raise ModelError(f"no trained tiny model in {folder}: run `python -m kvdemo train-tiny` (or use --model tiny-random)")
-    from ..attention import ATTN_IMPLEMENTATION
-
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
     return QwenVL(
         model.eval(),

@@ -1,27 +1,51 @@
 """KV-cache compression policies, registered by name (``make_policy("uniform")``)."""
 
-from . import cords, full, hybridkv, infinipot_v, protokv, uniform, window  # noqa: F401  (registration)
+# Registration, in the order the CLI's help and the app list them: the papers' policies, then the baselines.
+from . import infinipot_v, cords, protokv, hybridkv, uniform, window, full  # noqa: F401, I001
 from .base import (
     REGISTRY,
     BudgetError,
     LayerView,
     ParamSpec,
     Policy,
+    Probed,
+    Ranking,
+    ScoredPolicy,
     Selection,
+    SummaryRegion,
+    coerce_param,
     make_policy,
+    policy_class,
     policy_names,
     policy_params,
     register,
 )
 
+#: The policy the CLI and the app start with; the ones ``python -m kvdemo eval`` compares by default; the
+#: baselines every pass benchmark is timed next to; the policy ``bench`` measures by default.
+DEFAULT_POLICY = "infinipot-v"
+EVAL_POLICIES = ("full", "sliding-window", "uniform", "infinipot-v", "cords")
+BASELINES = ("uniform", "sliding-window")
+BENCH_POLICY = "sliding-window"
+
 __all__ = [
+    "BASELINES",
+    "BENCH_POLICY",
+    "DEFAULT_POLICY",
+    "EVAL_POLICIES",
     "REGISTRY",
     "BudgetError",
     "LayerView",
     "ParamSpec",
     "Policy",
+    "Probed",
+    "Ranking",
+    "ScoredPolicy",
     "Selection",
+    "SummaryRegion",
+    "coerce_param",
     "make_policy",
+    "policy_class",
     "policy_names",
     "policy_params",
     "register",

@@ -1,8 +1,19 @@
-"""The policy interface: a pure ``compress(views, keep) -> Selection`` over per-layer views of the
-visual part of the KV cache, and a registry by name.
+"""The policy interface: a pure ``compress(views, keep) -> Selection`` over per-layer views of the visual
+part of the KV cache, a scored core shared by the selection policies, opt-in protocols for what only some
+policies do, and a registry by name.
 
 Policies know nothing of models or of the UI; they see keys, values and provenance, and return, per
 layer and KV head, the sorted indices of the tokens to keep.
+
+- :class:`Policy`: the contract. ``compress(views, keep) -> Selection``; its parameters (a dataclass of the
+  paper's defaults); ``report()`` for the run report; ``views(context, layer, head)`` for the views it
+  declares (:mod:`kvdemo.views`, drawn by :mod:`kvdemo.viz`; nothing by default).
+- :class:`ScoredPolicy`: a policy that scores tokens. It returns one :class:`Ranking` per layer (a
+  priority and a reason per token, optionally a per-head count) and the one shared top-k
+  (:func:`select_ranked`) turns rankings into a :class:`Selection` (in the spirit of kvpress's ``ScorerPress``).
+- Opt-in protocols: :class:`SummaryRegion` (the policy owns synthetic entries in the memory's summary
+  region and is sized by ``M`` alone), :class:`Probed` (the engine runs a probe text after the memory before
+  each compression and passes its queries in the views).
 """
 
 from __future__ import annotations
@@ -15,7 +26,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
+
+from ..tensors import move_tensors
+from ..views import View, ViewContext
 
 
 @dataclass
@@ -107,7 +122,9 @@ class Selection:
     ``valid`` (optional, per layer ``[H_kv, keep]`` bool) marks the entries that count when heads keep
     different numbers of tokens (ragged budgets); ``summary`` (optional, per layer) refreshes the memory's
     summary region; ``offload`` (optional, per layer) moves evicted tokens to the memory's offload store
-    instead of dropping them, and sets what each head retrieves from it at decode time.
+    instead of dropping them, and sets what each head retrieves from it at decode time; ``uncompressed``
+    lists the layers this pass left whole (every index kept): they do not count toward ``M`` (CoRDS'
+    ``above=keep``), so the engine does not compress again because of them.
     """
 
     indices: list[torch.Tensor]
@@ -116,6 +133,7 @@ class Selection:
     valid: list[torch.Tensor] | None = None
     summary: list[SummaryUpdate | None] | None = None
     offload: list[OffloadUpdate | None] | None = None
+    uncompressed: tuple[int, ...] = ()
 
 
 class BudgetError(ValueError):
@@ -137,56 +155,34 @@ class Policy(abc.ABC):
     choices: ClassVar[dict[str, tuple[str, ...]]] = {}
     #: Reason codes this policy reports per kept token in ``Selection.info["reason"]`` (code -> name).
     reason_names: ClassVar[dict[int, str]] = {}
-    #: False for a policy sized by ``M`` alone (ProtoKV): it takes no ``C``.
-    uses_keep: ClassVar[bool] = True
-    #: The policy's own views (names :mod:`kvdemo.viz` knows how to draw from the policy's plain-data methods);
-    #: the app lays out whatever the chosen policy declares.
-    panels: ClassVar[tuple[str, ...]] = ()
-    #: True for a policy that needs probe queries in its views: the engine runs ``probe_text`` as a question
-    #: after the memory (uncommitted) before each compression and passes each layer's queries.
-    needs_probe: ClassVar[bool] = False
-    probe_text: ClassVar[str] = ""
-
-    @property
-    def compresses_on_question(self) -> bool:
-        """True when a question first runs one more pass with itself as the probe (HybridKV's
-        ``classify_with=question``); answering alone never changes the memory."""
-        return False
+    #: Titles of the views :meth:`views` may return (the app makes room for as many as any policy declares).
+    view_titles: ClassVar[tuple[str, ...]] = ()
+    #: What ``python -m kvdemo bench`` should measure about this policy beyond its pass (names in
+    #: :data:`kvdemo.bench.policies.BENCHMARKS`), and parameter variants its pass is also timed with.
+    benchmarks: ClassVar[tuple[str, ...]] = ()
+    bench_variants: ClassVar[dict[str, dict[str, Any]]] = {}
 
     @abc.abstractmethod
     def compress(self, views: list[LayerView], keep: int) -> Selection:
         """Choose ``keep`` tokens per layer and KV head from ``views`` (one per layer)."""
 
+    @classmethod
+    def takes_keep(cls) -> bool:
+        """Whether the budget has a ``C`` (a bounded policy that is not sized by ``M`` alone)."""
+        return cls.bounded and not issubclass(cls, SummaryRegion)
+
     def params(self) -> dict[str, Any]:
         """The policy's parameters (its own state, fields starting with ``_``, left out)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
 
-    def summary_slots(self, budget: int) -> int:
-        """Slots of the memory's summary region this policy owns under budget ``M`` (0: a pure selection)."""
-        return 0
-
-    def keep_for(self, budget: int, keep: int | None, incoming: int) -> int:
-        """Real visual tokens a compression keeps when ``incoming`` tokens are about to arrive (``C``)."""
-        return int(keep)
-
-    def check_fits(self, budget: int, keep: int | None, tokens: int, shape: str = "") -> None:
-        """Raise :class:`BudgetError` if chunks of ``tokens`` visual tokens can never fit (``M`` below one
-        chunk, or ``M - C`` too small to take one after a compression)."""
-        shape = f" = {shape}" if shape else ""
-        if tokens > budget:
-            raise BudgetError(
-                f"M={budget} is smaller than one chunk ({tokens} visual tokens{shape}); "
-                "raise M, or lower max pixels / frames per chunk"
-            )
-        if budget - keep < tokens:
-            raise BudgetError(
-                f"M - C = {budget - keep} leaves no room for one chunk ({tokens} visual tokens{shape}); "
-                f"lower C to at most {budget - tokens} or raise M"
-            )
-
     def report(self) -> dict[str, Any]:
         """What the policy's own state looks like now (for the run report); ``{}`` for a stateless policy."""
         return {}
+
+    def views(self, context: ViewContext, layer: int, head: int) -> list[View]:
+        """The policy's own views of its state for one layer and KV head (titles from :attr:`view_titles`);
+        none by default."""
+        return []
 
     def to(self, device: torch.device | str) -> "Policy":
         """Move the policy's own state (its ``_``-fields: tensors, and dataclasses/containers of them) to
@@ -195,6 +191,124 @@ class Policy(abc.ABC):
             if f.name.startswith("_"):
                 setattr(self, f.name, move_tensors(getattr(self, f.name), device))
         return self
+
+
+# --- the scored core -------------------------------------------------------------------------------
+
+
+@dataclass
+class Ranking:
+    """One layer's scores: ``priority [H, L]`` (higher is kept first; exact ties go to the newer token),
+    ``reason [H, L]`` int8 code of each token, and ``keep``: the tokens each head keeps (``None``: the pass's
+    ``keep``; an int; or ``[H]`` per head, a ragged selection)."""
+
+    priority: torch.Tensor
+    reason: torch.Tensor
+    keep: int | torch.Tensor | None = None
+
+
+class ScoredPolicy(Policy):
+    """A policy that scores every token; the shared top-k (:func:`select_ranked`) keeps the best."""
+
+    @abc.abstractmethod
+    def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
+        """One :class:`Ranking` per layer (layers may share one object) and the pass's explanation
+        (``Selection.info``)."""
+
+    def compress(self, views: list[LayerView], keep: int) -> Selection:
+        rankings, info = self.rank(views, keep)
+        selection, _ = select_ranked(views, rankings, keep, info)
+        return selection
+
+
+def select_ranked(
+    views: list[LayerView], rankings: list[Ranking], keep: int, info: dict[str, Any] | None = None
+) -> tuple[Selection, list[torch.Tensor]]:
+    """The shared top-k: per layer, the ``keep`` tokens of highest priority per head (ties to the newer
+    token), as sorted indices with their reasons in ``info["reason"]``; a ranking with a per-head ``keep``
+    gives a ragged selection (indices padded to the largest count, ``valid`` marking the real ones).
+    Layers sharing a ranking object are ranked once; layers of equal length are ranked together as one
+    ``[layers * H, L]`` batch. Returns the selection and each layer's kept mask ``[H, L]``."""
+    info = dict(info or {})
+    unique: dict[int, int] = {}
+    for layer, ranking in enumerate(rankings):
+        unique.setdefault(id(ranking), layer)
+    kept: dict[int, torch.Tensor] = {}
+    batches: dict[tuple[int, int], list[int]] = {}
+    for first in unique.values():
+        ranking = rankings[first]
+        count = keep if ranking.keep is None else ranking.keep
+        if isinstance(count, torch.Tensor) and count.numel() > 1:
+            kept[first] = top_k_mask(ranking.priority, count, views[first].order)
+        else:
+            batches.setdefault((views[first].length, int(count)), []).append(first)
+    for (length, count), members in batches.items():
+        priority = torch.cat([rankings[m].priority for m in members])
+        order = torch.cat([views[m].order.to(priority.device) for m in members])
+        masks = top_k_mask(priority, min(count, length), order).chunk(len(members))
+        kept.update(zip(members, masks))
+    indices, valids, reasons = [], [], []
+    ragged = False
+    for layer, ranking in enumerate(rankings):
+        mask = kept[unique[id(ranking)]]
+        counts = mask.sum(dim=1)
+        width = int(counts.max()) if counts.numel() else 0
+        length = mask.shape[1]
+        slots = torch.arange(length, device=mask.device)
+        index = torch.sort(torch.where(mask, slots, length), dim=1).values[:, :width]
+        valid = index < length
+        ragged |= not bool(valid.all())
+        index = index.masked_fill(~valid, 0)
+        indices.append(index)
+        valids.append(valid)
+        reasons.append(torch.gather(ranking.reason, 1, index))
+    info["reason"] = reasons
+    selection = Selection(indices, info, valid=valids if ragged else None)
+    return selection, [kept[unique[id(r)]] for r in rankings]
+
+
+# --- opt-in protocols --------------------------------------------------------------------------------
+
+
+class SummaryRegion(abc.ABC):
+    """A policy that owns synthetic entries in the memory's summary region (ProtoKV's pseudo-tokens). It is
+    sized by ``M`` alone: ``M`` = its summary slots + the real visual tokens it holds exactly; each
+    compression keeps the newest real tokens that leave room for the incoming chunk
+    (:meth:`kvdemo.budget.Budget.keep_for`)."""
+
+    @abc.abstractmethod
+    def summary_slots(self, budget: int) -> int:
+        """Slots of the memory's summary region this policy owns under budget ``M``; raises
+        :class:`BudgetError` when ``M`` cannot be split as the policy needs."""
+
+    def describe_split(self, budget: int) -> str:
+        """``M``'s split in words (for the settings line and messages)."""
+        slots = self.summary_slots(budget)
+        return f"{budget - slots} exact tokens + {slots} summary slots"
+
+    @abc.abstractmethod
+    def synthesize_all(self, rotary: Any, heads: int) -> None:
+        """Recompute every summary entry at once (what synthesising at read time would cost: the benchmark
+        times it; the policy itself refreshes only what a chunk changed)."""
+
+    def summarised(self, context: ViewContext, layer: int, head: int) -> np.ndarray | None:
+        """``[grids, rows, cols]`` bool: the patches the summary still represents (whether or not they are
+        also held exactly), for the views; None when nothing is summarised yet."""
+        return None
+
+
+class Probed(abc.ABC):
+    """A policy that reads the memory with a probe: before each compression the engine asks
+    :attr:`probe_text` after the memory (uncommitted) and passes each layer's queries as ``LayerView.probe``."""
+
+    #: The text the memory is probed with (a proxy for a question).
+    probe_text: ClassVar[str] = ""
+
+    @property
+    def compresses_on_question(self) -> bool:
+        """True when a question first runs one more pass with itself as the probe (it changes the memory);
+        answering alone never does."""
+        return False
 
 
 @dataclass(frozen=True)
@@ -210,7 +324,7 @@ class ParamSpec:
 
 def policy_params(name: str) -> list[ParamSpec]:
     """The parameters of a registered policy, with their paper defaults and help texts."""
-    cls = REGISTRY[name]
+    cls = policy_class(name)
     specs = []
     for f in dataclasses.fields(cls):
         if not f.init or f.name.startswith("_"):
@@ -245,49 +359,58 @@ def policy_names() -> list[str]:
     return list(REGISTRY)
 
 
-def make_policy(name: str, **params: Any) -> Policy:
-    """Instantiate a registered policy with its defaults overridden by ``params``."""
+def policy_class(name: str) -> type[Policy]:
+    """The registered policy class called ``name`` (:class:`BudgetError` naming the choices if none is)."""
     if name not in REGISTRY:
         raise BudgetError(f"unknown policy {name!r}; choose one of: {', '.join(REGISTRY)}")
-    cls = REGISTRY[name]
-    known = {f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}  # not internal state
-    unknown = set(params) - known
+    return REGISTRY[name]
+
+
+def coerce_param(policy: str, spec: ParamSpec, value: Any) -> Any:
+    """``value`` as parameter ``spec`` of ``policy`` takes it (a number from text, a list of numbers from
+    "0.1, 0.2"; blank numbers mean "none"); :class:`BudgetError` naming the parameter if it cannot be."""
+    try:
+        if spec.kind == "numbers":
+            if value is None or isinstance(value, (list, tuple)):
+                return None if value is None else [float(x) for x in value]
+            text = str(value).strip().strip("[]()")
+            return [float(x) for x in text.replace(";", ",").split(",") if x.strip()] if text else None
+        if spec.kind == "bool":
+            if isinstance(value, str):
+                if value.strip().lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(value)
+                return value.strip().lower() in ("true", "1", "yes")
+            return bool(value)
+        if spec.kind == "int":
+            number = float(value)
+            if number != int(number):
+                raise ValueError(value)
+            return int(number)
+        if spec.kind == "float":
+            return float(value)
+        value = str(value)
+        if spec.choices and value not in spec.choices:
+            raise BudgetError(f"{policy}'s {spec.name} must be one of {', '.join(spec.choices)}, got {value!r}")
+        return value
+    except (TypeError, ValueError, OverflowError):
+        kind = {"numbers": "numbers separated by commas", "bool": "true or false"}.get(spec.kind, f"a number ({spec.kind})")
+        raise BudgetError(f"{policy}'s {spec.name} takes {kind}, got {value!r}") from None
+
+
+def make_policy(name: str, **params: Any) -> Policy:
+    """Instantiate a registered policy with its defaults overridden by ``params`` (each coerced to the
+    parameter's kind, so ``alpha="abc"`` is a one-line :class:`BudgetError`, not a crash later)."""
+    specs = {spec.name: spec for spec in policy_params(policy_class(name).name)}
+    unknown = set(params) - set(specs)
     if unknown:
         raise BudgetError(
             f"policy {name!r} has no parameter(s) {', '.join(sorted(unknown))}"
-            + (f"; it takes: {', '.join(sorted(known))}" if known else "; it takes none")
+            + (f"; it takes: {', '.join(sorted(specs))}" if specs else "; it takes none")
         )
-    return cls(**params)
+    return REGISTRY[name](**{key: coerce_param(name, specs[key], value) for key, value in params.items()})
 
 
-# --- shared helpers for policies ---------------------------------------------------------
-
-
-def as_words(rows: torch.Tensor) -> torch.Tensor:
-    """``rows [N, D]`` viewed as int64 words (same bytes) when a row is a whole number of 8-byte words.
-
-    Moving rows is a copy of bytes: PyTorch's CPU ``index_select`` / ``index_copy_`` are several times faster
-    on int64 than on float32 or bfloat16 rows (measured here: 0.26 vs 1.4 ms to gather 8800 rows of 128
-    floats, 0.26 vs 0.49 ms to scatter 8800 bfloat16 rows).
-    """
-    if rows.dim() != 2 or rows.shape[-1] * rows.element_size() % 8 or not rows.is_contiguous():
-        return rows
-    return rows.view(torch.int64)
-
-
-def move_tensors(value: Any, device: torch.device | str) -> Any:
-    """``value`` with every tensor inside it (dataclass fields, dicts, lists, tuples) moved to ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            setattr(value, f.name, move_tensors(getattr(value, f.name), device))
-        return value
-    if isinstance(value, dict):
-        return {k: move_tensors(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(move_tensors(v, device) for v in value)
-    return value
+# --- shared helpers --------------------------------------------------------------------------
 
 
 class PhaseTimer:
@@ -361,42 +484,3 @@ def tie_ramp(order: torch.Tensor | None, length: int, device: torch.device) -> t
     low = order.min(dim=-1, keepdim=True).values if order.numel() else order
     span = (order.max(dim=-1, keepdim=True).values - low + 1) if order.numel() else order
     return (order - low) * (1e-9 / span)
-
-
-def frame_rank(frame: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense ranks of frame ids ``[H, L]`` per row: ``(rank [H, L], frames_held [H])``; rank 0 is the oldest.
-
-    Each row (head) is ranked among its own frames. The memory keeps tokens in stream order, so frame
-    ids are non-decreasing along a row and the rank is a running count of changes; any other order
-    falls back to a sort.
-    """
-    heads, length = frame.shape
-    if length == 0:
-        return torch.zeros_like(frame, dtype=torch.long), torch.zeros(heads, dtype=torch.long, device=frame.device)
-    change = frame[:, 1:] != frame[:, :-1]
-    if bool((frame[:, 1:] >= frame[:, :-1]).all()):
-        rank = torch.cat([torch.zeros(heads, 1, dtype=torch.long, device=frame.device), change.long().cumsum(1)], 1)
-        return rank, rank[:, -1] + 1
-    order = frame.long()
-    offset = order.max() + 1
-    keyed = order + torch.arange(heads, device=frame.device)[:, None] * offset
-    unique, inverse = torch.unique(keyed, return_inverse=True)
-    counts = torch.bincount(torch.div(unique, offset, rounding_mode="floor"), minlength=heads)
-    starts = torch.cumsum(counts, 0) - counts
-    return inverse - starts[:, None], counts
-
-
-def recent_window(
-    frame: torch.Tensor, tokens_per_frame: int, keep: int, ratio: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The recent window shared by the policies that keep one (InfiniPot-V Sec. 3.1, CoRDS' recent tail).
-
-    ``r = max(1, round(ratio * f))`` newest frames per head, ``f = L / tokens_per_frame`` the frames' worth
-    of tokens held, shrunk to the whole frames that fit in ``keep`` (at least one frame).
-    Returns ``(recent [H, L] bool, rank [H, L], frames_held [H], r)``.
-    """
-    rank, held = frame_rank(frame)
-    length = frame.shape[1]
-    frames = max(1, round(ratio * length / tokens_per_frame))
-    frames = min(frames, max(1, keep // tokens_per_frame))
-    return rank >= (held[:, None] - frames), rank, held, frames

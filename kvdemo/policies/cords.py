@@ -46,11 +46,13 @@ layers (the cache keeps growing there).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .base import BudgetError, LayerView, Policy, Selection, minmax, recent_window, register, top_k_sorted
+from .base import BudgetError, LayerView, Ranking, ScoredPolicy, Selection, minmax, register
+from .grid import recent_window
 
 REASON_RECENT, REASON_COVERAGE, REASON_FILL, REASON_UNCOMPRESSED = 0, 1, 2, 3
 REASON_NAMES = {
@@ -98,12 +100,13 @@ def _pairwise_sq(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @register
 @dataclass
-class CoRDS(Policy):
+class CoRDS(ScoredPolicy):
     """Coreset of old frames in joint K/V space (D2 farthest-first + orthogonal bonus), recent tail kept."""
 
     name = "cords"
     reason_names = REASON_NAMES
     choices = {"layers": SCHEDULES, "above": OUTSIDE_ACTIVE}
+    bench_variants = {"followers=False": {"followers": False}}
     summary = "Coreset selection: old frames chosen farthest-first in joint key/value space, with a diversity bonus."
     help = {
         "beta": "key weight in the bicriteria distance beta*d_K + (1-beta)*d_V (0.25: value-favouring)",
@@ -144,33 +147,37 @@ class CoRDS(Policy):
         if not 0.0 <= float(self.single_depth) <= 1.0:
             raise BudgetError(f"single_depth must be in [0, 1], got {self.single_depth}")
 
-    def compress(self, views: list[LayerView], keep: int) -> Selection:
+    def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
         source = layer_schedule(len(views), self.layers, self.followers, self.single_depth, self.above)
-        chosen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        chosen: dict[int, tuple[Ranking, torch.Tensor]] = {}
         for anchor in sorted({a for a in source if a is not None}):
             chosen[anchor] = self.select(views[anchor], keep)
-        indices, reasons = [], []
+        rankings = []
         for layer, anchor in enumerate(source):
+            view = views[layer]
             if anchor is None:  # above="keep": every token of this layer stays
-                view = views[layer]
-                indices.append(torch.arange(view.length, device=view.keys.device).expand(view.num_heads, -1))
-                reasons.append(torch.full(view.frame.shape, REASON_UNCOMPRESSED, dtype=torch.int8, device=view.keys.device))
+                reason = torch.full(view.frame.shape, REASON_UNCOMPRESSED, dtype=torch.int8, device=view.keys.device)
+                rankings.append(Ranking(torch.zeros(view.frame.shape, dtype=torch.float64, device=view.keys.device), reason, view.length))
                 continue
-            if views[layer].length != views[anchor].length:
-                raise ValueError(f"layer {layer} holds {views[layer].length} tokens but its anchor {anchor} holds {views[anchor].length}")
-            indices.append(chosen[anchor][0])
-            reasons.append(chosen[anchor][1])
+            if view.length != views[anchor].length:
+                raise ValueError(f"layer {layer} holds {view.length} tokens but its anchor {anchor} holds {views[anchor].length}")
+            rankings.append(chosen[anchor][0])  # followers share their anchor's ranking (ranked once)
         info = {
-            "reason": reasons,
             "source_layer": source,
             "anchors": sorted(chosen),
             "uncompressed_layers": [layer for layer, anchor in enumerate(source) if anchor is None],
-            "pick_order": {anchor: picks for anchor, (_, _, picks) in chosen.items()},
+            "pick_order": {anchor: picks for anchor, (_, picks) in chosen.items()},
         }
-        return Selection(indices, info)
+        return rankings, info
 
-    def select(self, view: LayerView, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One layer: indices ``[H, keep]``, reasons ``[H, keep]``, and the frames picked ``[H, picks]`` (ranks)."""
+    def compress(self, views: list[LayerView], keep: int) -> Selection:
+        selection = super().compress(views, keep)
+        selection.uncompressed = tuple(selection.info["uncompressed_layers"])
+        return selection
+
+    def select(self, view: LayerView, keep: int) -> tuple[Ranking, torch.Tensor]:
+        """One layer: its ranking (recent tail, then whole coreset frames, then the partial frame's tokens by
+        distance) and the frames picked ``[H, picks]`` (ranks, in pick order)."""
         heads, length = view.frame.shape
         recent, rank, held, _ = recent_window(view.frame, view.tokens_per_frame, keep, self.recent_ratio)
         keys, values = self._scaled(view.keys, view.values)
@@ -207,11 +214,10 @@ class CoRDS(Policy):
             fill = self._token_distance(keys, values, key_c, value_c, selected)
             scaled = fill / fill.max(dim=1, keepdim=True).values.clamp_min(1e-12)
             priority = priority + token_partial.double() * (1 + scaled.double())
-        chosen = top_k_sorted(priority, keep, view.order)
         reason = torch.full((heads, length), REASON_FILL, dtype=torch.int8, device=device)
         reason[token_whole] = REASON_COVERAGE
         reason[recent] = REASON_RECENT
-        return chosen, torch.gather(reason, 1, chosen), picks
+        return Ranking(priority, reason), picks
 
     @staticmethod
     def _scaled(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,4 +19,4 @@ class FullCache(Policy):
     summary = "No compression: the cache grows with the stream (the reference)."
 
     def compress(self, views: list[LayerView], keep: int) -> Selection:
-        return Selection([torch.arange(v.length).expand(v.num_heads, -1).clone() for v in views])
+        return Selection([torch.arange(v.length, device=v.keys.device).expand(v.num_heads, -1).clone() for v in views])

@@ -47,8 +47,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from .base import BudgetError, LayerView, OffloadUpdate, Policy, Selection, frame_rank, register, top_k_mask
-from .infinipot_v import pool_on_grid
+from ..views import CellGrid, Chart, View, ViewContext
+from .base import BudgetError, LayerView, OffloadUpdate, Policy, Probed, Ranking, Selection, register, select_ranked, top_k_mask
+from .grid import frame_rank, pool_on_grid
 
 REASON_LOCAL, REASON_SALIENT, REASON_RESIDENT = 0, 1, 2
 REASON_NAMES = {REASON_LOCAL: "static: local (newest)", REASON_SALIENT: "static: text-prior salient",
@@ -74,12 +75,12 @@ def capped_allocation(desired: torch.Tensor, cap: torch.Tensor, total: torch.Ten
 
 @register
 @dataclass
-class HybridKV(Policy):
+class HybridKV(Policy, Probed):
     """Static heads pruned by text-prior attention, dynamic heads retrieving chunks at decode time."""
 
     name = "hybridkv"
-    needs_probe = True
     reason_names = REASON_NAMES
+    benchmarks = ("decode",)
     choices = {"cutoff": CUTOFFS, "classify_with": CLASSIFY_WITH}
     summary = "Heads classified static/dynamic by text-centric sparsity; static heads pruned, dynamic heads retrieve chunks while decoding."
     #: The proxy instruction each compression probes the memory with (see the module docstring).
@@ -131,21 +132,19 @@ class HybridKV(Policy):
         static = sparsity > self.threshold(sparsity)
         held = torch.stack([valid_counts(view) for view in views])  # [layers, H]
         budgets = self.budgets(sparsity, static, held, keep)
-        indices, valids, offloads, reasons = [], [], [], []
-        for layer, view in enumerate(views):
-            index, valid, reason, offload = self.select(view, priors[layer], static[layer], budgets[layer])
-            indices.append(index)
-            valids.append(valid)
-            reasons.append(reason)
-            offloads.append(offload)
+        rankings = [self.rank_layer(view, priors[layer], static[layer], budgets[layer]) for layer, view in enumerate(views)]
+        info = {"static": static, "budget": budgets, "sparsity": sparsity}
+        selection, kept = select_ranked(views, rankings, keep, info)
+        selection.offload = [self.offload(view, mask, static[layer], budgets[layer]) for layer, (view, mask) in enumerate(zip(views, kept))]
+        if selection.valid is None:  # every head kept as many tokens: still say which entries count
+            selection.valid = [torch.ones_like(index, dtype=torch.bool) for index in selection.indices]
         self._last = {
             "static": static.cpu(),
             "sparsity": sparsity.float().cpu(),
             "budget": budgets.cpu(),
             "cutoff": float(self.threshold(sparsity)),
         }
-        info = {"reason": reasons, "static": static, "budget": budgets, "sparsity": sparsity}
-        return Selection(indices, info, valid=valids, offload=offloads)
+        return selection
 
     # --- Sec. 3.1 ---------------------------------------------------------------------------
     def text_centric(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +170,7 @@ class HybridKV(Policy):
     def threshold(self, sparsity: torch.Tensor) -> torch.Tensor:
         """The static/dynamic cutoff over all heads' scores ``[layers, H]``."""
         if self.cutoff == "score":
-            return torch.tensor(self.theta)
+            return sparsity.new_tensor(self.theta)
         return torch.quantile(sparsity.double().flatten(), self.theta).to(sparsity.dtype)
 
     # --- Sec. 3.2 ---------------------------------------------------------------------------
@@ -179,7 +178,7 @@ class HybridKV(Policy):
         """Eq. 4-5 per layer: integer budgets ``[layers, H]`` summing to ``keep * H`` (capped by what each
         head holds, see :func:`capped_allocation`)."""
         layers, heads = sparsity.shape
-        total = torch.full((layers,), keep * heads, dtype=torch.long)
+        total = torch.full((layers,), keep * heads, dtype=torch.long, device=sparsity.device)
         n_dyn = (~static).sum(dim=1, keepdim=True).double()
         n_stat = static.sum(dim=1, keepdim=True).double()
         b_dyn = torch.floor(self.share * keep * n_dyn)  # [layers, 1]
@@ -189,13 +188,12 @@ class HybridKV(Policy):
         static_budget = self.alpha * b_stat / n_stat.clamp_min(1) + (1 - self.alpha) * b_stat * weight
         dynamic_budget = (b_dyn / n_dyn.clamp_min(1)).expand(-1, heads)
         desired = torch.where(static, static_budget, dynamic_budget)  # Eq. 4-5 floor; the remainder goes by fraction
-        return capped_allocation(desired, held.cpu(), total)
+        return capped_allocation(desired, held.to(desired.device), total)
 
     # --- Sec. 3.3 ---------------------------------------------------------------------------
-    def select(
-        self, view: LayerView, prior: torch.Tensor, static: torch.Tensor, budget: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, OffloadUpdate]:
-        """One layer: kept indices ``[H, max b]`` (+ valid mask, reasons) and the dynamic heads' offload."""
+    def rank_layer(self, view: LayerView, prior: torch.Tensor, static: torch.Tensor, budget: torch.Tensor) -> Ranking:
+        """One layer's ranking with a per-head budget: static heads keep the newest ``local_ratio`` of their
+        budget, then the probe's most attended tokens; dynamic heads their newest tokens. Padding last."""
         heads, length = view.frame.shape
         device = view.keys.device
         budget, static = budget.to(device), static.to(device)
@@ -206,35 +204,41 @@ class HybridKV(Policy):
         lo, hi = prior.min(dim=1, keepdim=True).values, prior.max(dim=1, keepdim=True).values
         salience = (prior - lo) / (hi - lo).clamp_min(1e-12)  # [0, 1]
         recency = 1.0 - newest_rank.double() / max(length, 1)
-        # static: local first, then salient; dynamic: newest first. Padding last.
         priority = torch.where(static[:, None], local.double() * 2 + salience.double(), recency)
-        priority = priority.masked_fill(~valid, -1.0)
-        kept = top_k_mask(priority, budget, view.order)
-        width = int(budget.max()) if heads else 0
-        index = torch.sort(torch.where(kept, torch.arange(length, device=device), length), dim=1).values[:, :width]
-        index_valid = index < length
-        index = index.masked_fill(~index_valid, 0)
-        reason = torch.where(static[:, None], torch.where(torch.gather(local, 1, index), REASON_LOCAL, REASON_SALIENT), REASON_RESIDENT)
-        # Dynamic heads offload what they evict (arrival order); static heads drop it.
+        reason = torch.where(static[:, None], torch.where(local, REASON_LOCAL, REASON_SALIENT), REASON_RESIDENT)
+        return Ranking(priority.masked_fill(~valid, -1.0), reason.to(torch.int8), budget)
+
+    def offload(self, view: LayerView, kept: torch.Tensor, static: torch.Tensor, budget: torch.Tensor) -> OffloadUpdate:
+        """Dynamic heads move what they evict to the offload store (arrival order); static heads drop it."""
+        heads, length = view.frame.shape
+        device = view.keys.device
+        static, budget = static.to(device), budget.to(device)
+        valid = view.valid if view.valid is not None else torch.ones(heads, length, dtype=torch.bool, device=device)
         evicted = valid & ~kept & ~static[:, None]
         count = evicted.sum(dim=1)
         arrival = torch.where(evicted, view.order.long(), torch.iinfo(torch.int64).max)
         tokens = torch.argsort(arrival, dim=1)[:, : int(count.max()) if heads else 0]
         token_valid = torch.arange(tokens.shape[1], device=device)[None] < count[:, None]
         retrieve = torch.where(static, 0, budget)
-        offload = OffloadUpdate(tokens=tokens, valid=token_valid, retrieve=retrieve, chunk=self.chunk)
-        return index, index_valid, reason.to(torch.int8), offload
+        return OffloadUpdate(tokens=tokens, valid=token_valid, retrieve=retrieve, chunk=self.chunk)
 
     # --- what it shows ----------------------------------------------------------------------
-    #: The views this policy declares (drawn by :mod:`kvdemo.viz`).
-    panels = ("head types",)
+    view_titles = ("Head types",)
 
-    def head_types(self) -> dict[str, Any] | None:
-        """The last pass's classification as plain data: ``static [layers, H]`` bool, ``budget`` and
-        ``sparsity`` ``[layers, H]``, and the cutoff (None before the first compression)."""
+    def views(self, context: ViewContext, layer: int, head: int) -> list[View]:
+        """The layers x KV heads map of the last pass (static / dynamic), each cell's budget written in."""
         if not self._last:
-            return None
-        return {key: (value.numpy() if isinstance(value, torch.Tensor) else value) for key, value in self._last.items()}
+            return []
+        static, budget, sparsity = (self._last[key].numpy() for key in ("static", "budget", "sparsity"))
+        layers, heads = static.shape
+        hover = [[f"layer {l}, KV head {h}: {'static' if static[l, h] else 'dynamic'}, budget {int(budget[l, h])}, "
+                  f"sparsity {float(sparsity[l, h]):.3f}" for h in range(heads)] for l in range(layers)]
+        grid = CellGrid(classes=static.astype(int), class_names={1: "static", 0: "dynamic"}, numbers=budget, hover=hover,
+                        row_names=[f"L{l}" for l in range(layers)], col_names=[f"head {h}" for h in range(heads)])
+        caption = (f"static ({int(static.sum())}: pruned by the probe's attention), dynamic ({int((~static).sum())}: newest "
+                   f"tokens resident, the rest offloaded and retrieved while answering); numbers are each head's budget "
+                   f"(cutoff {float(self._last['cutoff']):.3f}).")
+        return [Chart("Head types", caption, [grid])]
 
     def report(self) -> dict[str, Any]:
         if not self._last:

@@ -40,22 +40,13 @@ kvdemo's own rules (the paper does not state them):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from .base import (
-    BudgetError,
-    LayerView,
-    Policy,
-    Selection,
-    as_words,
-    minmax,
-    recent_window,
-    register,
-    top_k_mask,
-    top_k_sorted,
-)
+from ..tensors import as_words
+from .base import BudgetError, LayerView, Ranking, ScoredPolicy, minmax, register, top_k_mask
+from .grid import pool_on_grid, recent_window
 
 KERNELS = (7, 5, 3, 1)
 #: Reason codes reported per kept token (``Selection.info["reason"]``).
@@ -105,38 +96,9 @@ def coefficient_of_variation(van: torch.Tensor) -> float:
     return float(van.std(unbiased=False) / van.mean().clamp_min(1e-12))
 
 
-def pool_on_grid(
-    score: torch.Tensor, rank: torch.Tensor, pos: torch.Tensor, grid: tuple[int, int], kernel: int
-) -> torch.Tensor:
-    """Average ``score [H, L]`` over each token's ``kernel x kernel`` spatial neighbours in the same frame.
-
-    ``rank [H, L]`` is the token's dense frame index per head, ``pos [H, L]`` its ``row * cols + col``.
-    Only neighbours that are held count: evicted ones and the grid's zero padding are left out of the
-    average (kvdemo's choice; ``count_include_pad`` and the authors' code count padding as zeros).
-    """
-    if kernel <= 1:
-        return score
-    heads, length = score.shape
-    rows, cols = grid
-    frames = int(rank.max()) + 1 if length else 1
-    flat = ((torch.arange(heads, device=score.device)[:, None] * frames + rank) * (rows * cols) + pos).flatten()
-    dense = torch.zeros(heads * frames * rows * cols, dtype=torch.float32, device=score.device)
-    mask = torch.zeros_like(dense)
-    dense[flat] = score.float().flatten()
-    mask[flat] = 1.0
-    # Frames as channels of one channels-last image: the fast layout for CPU pooling. Zero padding
-    # counts alike in values and mask, so the ratio below averages over the neighbours that exist.
-    images = torch.stack([dense, mask]).view(1, 2 * heads * frames, rows, cols)
-    images = images.contiguous(memory_format=torch.channels_last)
-    pooled = F.avg_pool2d(images, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
-    pooled = pooled.contiguous().view(2, -1)
-    sums, counts = pooled[0], pooled[1]
-    return (sums[flat] / counts[flat].clamp_min(1e-12)).view(heads, length).to(score.dtype)
-
-
 @register
 @dataclass
-class InfiniPotV(Policy):
+class InfiniPotV(ScoredPolicy):
     """InfiniPot-V: ``alpha*C`` tokens by TaR (recent window included), the rest by pooled VaN."""
 
     name = "infinipot-v"
@@ -181,42 +143,34 @@ class InfiniPotV(Policy):
             self._calibrated = calibrate_cv_thresholds(cvs)
         return self._calibrated
 
-    def compress(self, views: list[LayerView], keep: int) -> Selection:
+    def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
         vans = [value_norms(view.values) for view in views]
         cvs = [coefficient_of_variation(van) for van in vans]
         thresholds = self.thresholds_for(cvs)
         kernels = [kernel_for_cv(cv, thresholds) if self.van == "pool" else 1 for cv in cvs]
-        indices: list[torch.Tensor] = [torch.empty(0)] * len(views)
-        reasons: list[torch.Tensor] = [torch.empty(0)] * len(views)
+        rankings: list[Ranking] = [None] * len(views)  # type: ignore[list-item]
         recent_frames = [0] * len(views)
-        # Layers of equal length are ranked together ([layers * H, L] at once); only the reads of
-        # keys and values stay per layer.
+        # Layers of equal length are scored together ([layers * H, L] at once); only the reads of keys and
+        # values stay per layer.
         groups: dict[int, list[int]] = {}
         for layer, view in enumerate(views):
             groups.setdefault(view.length, []).append(layer)
         for members in groups.values():
-            index, reason, r = self._select(
+            priority, reason, r = self._score(
                 [views[i] for i in members], [vans[i] for i in members], [kernels[i] for i in members], keep
             )
-            for i, layer_index, layer_reason in zip(members, index.chunk(len(members)), reason.chunk(len(members))):
-                indices[i], reasons[i], recent_frames[i] = layer_index, layer_reason, r
-        info = {
-            "reason": reasons,
-            "kernel": kernels,
-            "cv": cvs,
-            "cv_thresholds": list(thresholds),
-            "recent_frames": recent_frames,
-        }
-        return Selection(indices, info)
+            for i, layer_priority, layer_reason in zip(members, priority.chunk(len(members)), reason.chunk(len(members))):
+                rankings[i], recent_frames[i] = Ranking(layer_priority, layer_reason), r
+        info = {"kernel": kernels, "cv": cvs, "cv_thresholds": list(thresholds), "recent_frames": recent_frames}
+        return rankings, info
 
-    def _select(
+    def _score(
         self, views: list[LayerView], vans: list[torch.Tensor], kernels: list[int], keep: int
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Selection for layers of equal length, stacked as rows ``B = layers * H``.
-
-        Returns indices ``[B, keep]``, reason codes ``[B, keep]`` and the recent window (frames).
-        ``vans`` are the layers' raw VaN maps ``[H, L]``; ``kernels`` their pooling kernels.
-        """
+        """Priorities and reasons ``[B, L]`` for layers of equal length, stacked as rows ``B = layers * H``,
+        and the recent window (frames): TaR picks (the recent window included) rank above every pooled VaN
+        score (Alg. 2 lines 24-25). ``vans`` are the layers' raw VaN maps ``[H, L]``; ``kernels`` their
+        pooling kernels."""
         heads = views[0].num_heads
         grid, per_frame = views[0].grid, views[0].tokens_per_frame
         frame = torch.cat([v.frame for v in views])
@@ -238,12 +192,11 @@ class InfiniPotV(Policy):
             key = torch.where(recent, 2.0 + 1e-3 * van01, score)
             share = torch.clamp(recent.sum(dim=1), max=keep).clamp_min(round(self.alpha * keep))
             tar_pick = top_k_mask(key, share, order)
-        index = top_k_sorted(tar_pick.to(van01.dtype) * 4.0 + van01, keep, order)
         reason = torch.full(recent.shape, REASON_VAN, dtype=torch.int8, device=van.device)
         reason[tar_pick] = REASON_TAR
         if self.alpha > 0:
             reason[recent] = REASON_RECENT
-        return index, torch.gather(reason, 1, index), recent_frames
+        return tar_pick.to(van01.dtype) * 4.0 + van01, reason, recent_frames
 
     def _tar_scores(
         self, views: list[LayerView], recent: torch.Tensor, pos: torch.Tensor, rank: torch.Tensor, per_frame: int

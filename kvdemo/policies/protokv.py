@@ -48,15 +48,17 @@ kvdemo's reading of the paper's "steps".
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .base import BudgetError, LayerView, PhaseTimer, Policy, Selection, SummaryUpdate, as_words, register
+from ..tensors import as_words
+from ..views import LOST, Chart, Histogram, PatchLabels, Series, View, ViewContext
+from .base import BudgetError, LayerView, PhaseTimer, Policy, Selection, SummaryRegion, SummaryUpdate, register
 
 REASON_NEAR = 0
 REASON_NAMES = {REASON_NEAR: "near window (exact)"}
@@ -108,12 +110,12 @@ class ProtoBank:
 
 @register
 @dataclass
-class ProtoKV(Policy):
+class ProtoKV(Policy, SummaryRegion):
     """An exact near window of ``W`` tokens plus ``K_max`` prototypes exposed as ``S`` pseudo-tokens each."""
 
     name = "protokv"
-    uses_keep = False
     reason_names = REASON_NAMES
+    benchmarks = ("update",)
     summary = "Exact near window + a prototype bank summarising evicted tokens, read through log-mass-biased pseudo-tokens."
     help = {
         "near_share": "W / M: the exact near window's share of the budget (paper: W : K_max*S = 1 : 3)",
@@ -186,24 +188,11 @@ class ProtoKV(Policy):
     def summary_slots(self, budget: int) -> int:
         return self.split(budget)[1] * self.pseudo_tokens
 
-    def keep_for(self, budget: int, keep: int | None, incoming: int) -> int:
-        """The near window keeps its newest ``W - incoming`` tokens (Alg. 1: evict while ``|B_near| > W``)."""
-        return max(0, self.split(budget)[0] - incoming)
+    window_name = "near window"
 
-    def check_fits(self, budget: int, keep: int | None, tokens: int, shape: str = "") -> None:
+    def describe_split(self, budget: int) -> str:
         near, prototypes = self.split(budget)
-        if tokens > near:
-            shape = f" = {shape}" if shape else ""
-            raise BudgetError(
-                f"ProtoKV's near window W={near} (M={budget} = W + {prototypes} prototypes x {self.pseudo_tokens}) "
-                f"is smaller than one chunk ({tokens} visual tokens{shape}); raise M to at least {self._budget_for(tokens)}"
-            )
-
-    def _budget_for(self, near: int) -> int:
-        budget = math.ceil(near / self.near_share)
-        while self.split(budget)[0] < near:
-            budget += 1
-        return budget
+        return f"a near window of {near} exact tokens + {prototypes} prototypes x {self.pseudo_tokens} pseudo-tokens"
 
     # --- the pass -------------------------------------------------------------------------
     def compress(self, views: list[LayerView], keep: int) -> Selection:
@@ -243,7 +232,11 @@ class ProtoKV(Policy):
             "pending_merges": int(bank.pending.sum()),
             "ms": {name: round(ms, 3) for name, ms in timer.ms.items()},
         }
-        return Selection(indices, {"reason": reasons, "touched": touched}, summary=summary)
+        return Selection(indices, {"reason": reasons, "touched": touched, "phase_ms": dict(self._last["ms"])}, summary=summary)
+
+    def synthesize_all(self, rotary: Any, heads: int) -> None:
+        if self._bank is not None:
+            self.synthesize(self._bank, torch.ones_like(self._bank.used), rotary, heads)
 
     def _new_bank(self, rows: int, prototypes: int, dim: int, grid: tuple[int, int], device) -> ProtoBank:
         g, c = self.subquantizers, self.codewords
@@ -636,13 +629,12 @@ class ProtoKV(Policy):
         return out[0], out[1]
 
     # --- what it shows ----------------------------------------------------------------------
-    #: The views this policy declares (drawn by :mod:`kvdemo.viz`).
-    panels = ("prototype assignments", "prototype bank")
+    view_titles = ("Prototype assignments", "Prototype bank")
 
     def assignments(self, layer: int, head: int, heads: int) -> dict[str, Any] | None:
         """The last absorbed grids of one (layer, KV head) as plain data: ``grids`` (oldest first),
-        ``prototype [n, rows, cols]`` (-1 = not absorbed: still exact in the near window, or never held;
-        -2 = absorbed into a prototype since recycled, so no longer represented) and ``mass [K]``."""
+        ``prototype [n, rows, cols]`` (``UNLABELLED`` = not absorbed: still exact in the near window, or never
+        held; ``LOST`` = absorbed into a prototype since recycled, so no longer represented) and ``mass [K]``."""
         bank = self._bank
         if bank is None:
             return None
@@ -653,8 +645,50 @@ class ProtoKV(Policy):
         proto = bank.assign_map[row, ring].long().cpu()
         born = bank.assign_generation[row, ring].cpu()
         current = torch.gather(bank.generation[row].cpu(), 0, proto.clamp_min(0).flatten()).view_as(proto)
-        proto = torch.where((proto >= 0) & (born != current), -2, proto)
+        proto = torch.where((proto >= 0) & (born != current), LOST, proto)
         return {"grids": grids[ring].tolist(), "prototype": proto.numpy(), "mass": bank.mass[row].cpu().numpy()}
+
+    def summarised(self, context: ViewContext, layer: int, head: int) -> np.ndarray | None:
+        """Every patch is represented (exactly in the near window, or by the prototype it was absorbed into)
+        except those absorbed into a prototype since recycled."""
+        if context.grid_shape is None:
+            return None
+        represented = np.ones((context.num_grids, *context.grid_shape), dtype=bool)
+        data = self.assignments(layer, head, context.num_kv_heads)
+        for grid, ids in zip(data["grids"], data["prototype"]) if data else ():
+            if grid < context.num_grids:
+                represented[grid][ids == LOST] = False
+        return represented
+
+    def views(self, context: ViewContext, layer: int, head: int, last: int = 4) -> list[View]:
+        """The prototype each patch of the newest absorbed grids went to, and the bank: its mass histogram
+        and the pseudo-tokens attention can see over stream time."""
+        data = self.assignments(layer, head, context.num_kv_heads)
+        if data is None:
+            return []
+        views: list[View] = []
+        shown = [(g, ids) for g, ids in zip(data["grids"][-last:], data["prototype"][-last:]) if g < context.num_grids]
+        mass = data["mass"]
+        if shown:
+            labels = np.stack([ids for _, ids in shown])
+            ids = np.unique(labels[labels >= 0])
+            top = sorted(ids.tolist(), key=lambda k: -int(mass[k]))[:8]
+            listed = ", ".join(f"<b>{k}</b> (mass {int(mass[k])})" for k in top)
+            caption = (f"Layer {layer}, KV head {head}: each patch of these absorbed frames is represented by the prototype "
+                       f"whose id it shows (same colour = same prototype); dimmed = still exact in the near window"
+                       + ("; dark red = its prototype was recycled since" if (labels == LOST).any() else "")
+                       + (f". Heaviest here: {listed}." if listed else "."))
+            frame_captions = [f"t={context.grid_times_s[g]:.1f}s  {100 * (ids >= 0).mean():.0f}% in the bank" for g, ids in shown]
+            views.append(PatchLabels("Prototype assignments", caption, [g for g, _ in shown], labels, frame_captions))
+        active = mass[mass > 0]
+        events = context.timeline
+        occupancy = Series([e.time_s for e in events], {"pseudo-tokens visible": [e.summary_active for e in events]},
+                           "stream time (s)", "pseudo-tokens", limit=context.summary_slots)
+        histogram = Histogram(active, f"mass n_k (layer {layer}, head {head})", "prototypes")
+        caption = (f"{int(active.size)} of {len(mass)} prototypes active in this bank, total mass {int(active.sum())}; "
+                   f"right: pseudo-tokens attention can see (capacity {context.summary_slots}, dashed).")
+        views.append(Chart("Prototype bank", caption, [histogram, occupancy]))
+        return views
 
     def report(self) -> dict[str, Any]:
         bank = self._bank

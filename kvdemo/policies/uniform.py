@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from .base import LayerView, Policy, Selection, frame_rank, register, top_k_mask, mask_to_indices
+from .base import LayerView, Ranking, ScoredPolicy, register
+from .grid import frame_rank
 
 REASON_FRAME, REASON_FILL = 0, 1
 
 
 @register
 @dataclass
-class UniformFrames(Policy):
+class UniformFrames(ScoredPolicy):
     """Of the ``F`` frames a head holds, keep ``k = keep // tokens_per_frame`` whole frames evenly spaced
     from the oldest to the newest (ranks ``round(i (F-1) / (k-1))``; the newest alone when ``k = 1``).
     Tokens left over when ``keep`` is not a whole number of frames go to the newest unchosen tokens.
@@ -23,16 +25,11 @@ class UniformFrames(Policy):
     summary = "Keep whole frames at regular intervals over the stream so far."
     reason_names = {REASON_FRAME: "evenly spaced frame", REASON_FILL: "newest leftover tokens"}
 
-    def compress(self, views: list[LayerView], keep: int) -> Selection:
-        indices, reasons = [], []
-        for view in views:
-            index, reason = self._select(view, keep)
-            indices.append(index)
-            reasons.append(reason)
-        return Selection(indices, {"reason": reasons})
+    def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
+        return [self._rank(view, keep) for view in views], {}
 
     @staticmethod
-    def _select(view: LayerView, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rank(view: LayerView, keep: int) -> Ranking:
         rank, frames_held = frame_rank(view.frame)  # [H, L], [H]
         k = keep // view.tokens_per_frame
         is_chosen = torch.zeros_like(rank, dtype=torch.bool)
@@ -41,8 +38,6 @@ class UniformFrames(Policy):
             last = (frames_held - 1).double()[:, None]
             chosen = (steps[None] * last / max(k - 1, 1)).round().long() if k > 1 else last.long()
             is_chosen = (rank[:, :, None] == chosen[:, None, :]).any(-1)
-        # Chosen frames first; the rest ranks by recency (ties in score go to the newer token).
-        mask = top_k_mask(is_chosen.double(), min(keep, view.length), view.order)
-        index = mask_to_indices(mask)
-        reason = torch.where(torch.gather(is_chosen, 1, index), REASON_FRAME, REASON_FILL).to(torch.int8)
-        return index, reason
+        # Chosen frames first; the rest ranks by recency (ties in priority go to the newer token).
+        reason = torch.where(is_chosen, REASON_FRAME, REASON_FILL).to(torch.int8)
+        return Ranking(is_chosen.double(), reason)

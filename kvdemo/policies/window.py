@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from .base import LayerView, Policy, Selection, register, top_k_sorted
+from .base import LayerView, Ranking, ScoredPolicy, register
 
 REASON_RECENT = 0
 
 
 @register
 @dataclass
-class SlidingWindow(Policy):
+class SlidingWindow(ScoredPolicy):
     """The newest ``keep`` tokens of every head by arrival order (the memory's slots are not in stream order)."""
 
     name = "sliding-window"
     summary = "Keep the newest C visual tokens; older ones are dropped."
     reason_names = {REASON_RECENT: "newest C tokens"}
 
-    def compress(self, views: list[LayerView], keep: int) -> Selection:
-        indices = [top_k_sorted(view.order.double(), keep) for view in views]
-        reasons = [torch.full_like(index, REASON_RECENT, dtype=torch.int8) for index in indices]
-        return Selection(indices, {"reason": reasons})
+    def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
+        return [Ranking(view.order.double(), torch.full_like(view.frame, REASON_RECENT, dtype=torch.int8)) for view in views], {}

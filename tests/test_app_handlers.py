@@ -6,25 +6,17 @@ import numpy as np
 import pytest
 
 from kvdemo import viz
-from kvdemo.ui import (
-    CACHE_CLEANUP,
-    ModelHub,
-    RunSettings,
-    Session,
-    Turns,
-    ask,
-    build_demo,
-    parse_params,
-    run_video,
-    validate_settings,
-    webcam_frame,
-    write_chart,
-)
+from kvdemo.memory import REASON_NEW
+from kvdemo.app.handlers import ask, run_video, webcam_frame
+from kvdemo.app.layout import CACHE_CLEANUP, build_demo
+from kvdemo.app.sessions import AppServices, RunSettings, Session, Turns
+from kvdemo.app.settings import parse_params, validate_settings
+from kvdemo.app.views import write_chart
 
 
 @pytest.fixture(scope="module")
 def hub():
-    return ModelHub("tiny")
+    return AppServices.create("tiny")
 
 
 def settings(**overrides):
@@ -56,7 +48,7 @@ def test_a_run_streams_live_updates_and_ends_with_everything(hub, media):
     assert "chart" not in final, "the chart HTML is made on demand"
     chart = open(write_chart(session)).read()
     assert "<html>" in chart and "plotly" in chart and "visual tokens" in chart
-    assert session.policy.memory.visual_tokens <= 540
+    assert session.engine.memory.visual_tokens <= 540
 
 
 def test_errors_are_messages_and_keep_the_previous_stream(hub, media, tmp_path):
@@ -65,21 +57,21 @@ def test_errors_are_messages_and_keep_the_previous_stream(hub, media, tmp_path):
     junk.write_text("not a video")
     updates, after = run(hub, session, junk)
     assert "not a readable video" in updates[-1]["status"]
-    assert after is session and session.policy.frames_fed == 20
+    assert after is session and session.engine.frames_fed == 20
     updates, after = run(hub, session, media / "flipping_a_pancake.mkv", budget=300, keep=200)
     assert "leaves no room for one chunk" in updates[-1]["status"]
-    assert after.policy.frames_fed == 20
+    assert after.engine.frames_fed == 20
     updates, after = run(hub, session, media / "flipping_a_pancake.mkv", budget=100, keep=200)
     assert "C must be smaller than M" in updates[-1]["status"]
     updates, after = run(hub, session, media / "corrupted.mp4", budget=1024, keep=768)
     assert "damaged frame(s)" in updates[-1]["status"]  # decoded what it could, said what was lost
-    assert after.policy.frames_fed > 0
+    assert after.engine.frames_fed > 0
 
 
 def test_the_bundled_sample_runs_without_a_file(hub):
     updates, session = run(hub, None, None, budget=1024, keep=768)
     assert "80/80 frames" in updates[-1]["status"] and "generated(seed=7)" in updates[-1]["status"]
-    assert session.policy.memory.grid_shape == (4, 4), "the trained tiny model gets its 112 x 112 frames"
+    assert session.engine.memory.grid_shape == (4, 4), "the trained tiny model gets its 112 x 112 frames"
 
 
 def test_answers_on_the_sample_are_graded_against_the_ground_truth(hub):
@@ -103,21 +95,21 @@ def test_asking_before_any_frame_is_a_message(hub):
 
 def test_ask_streams_both_answers_and_keeps_memory(hub, media):
     _, session = run(hub, None, media / "flipping_a_pancake.mkv")
-    before = session.policy.memory.nbytes
+    before = session.engine.memory.nbytes
     updates = list(ask(session, "What is cooking?"))
     final = updates[-1]
     for chat in (final["policy_chat"], final["full_chat"]):
         assert chat[0] == {"role": "user", "content": "What is cooking?"}
         assert "first token" in chat[1]["content"] and "its answers mean little" in chat[1]["content"]
-    assert session.policy.memory.nbytes == before
+    assert session.engine.memory.nbytes == before
     list(ask(session, "And then?"))
-    assert len(session.chat["policy"]) == 4 and len(session.policy.history) == 2
+    assert len(session.chat["policy"]) == 4 and len(session.engine.history) == 2
 
 
 def test_baseline_over_its_memory_cap_stops_with_a_message(hub, media):
     updates, session = run(hub, None, media / "flipping_a_pancake.mkv", cap_mb=1)
     assert "MB cap" in updates[-1]["status"]
-    assert session.policy.frames_fed == 20
+    assert session.engine.frames_fed == 20
     final = list(ask(session, "What?"))[-1]
     assert "no answer" in final["full_chat"][-1]["content"]
     assert "first token" in final["policy_chat"][-1]["content"]
@@ -131,7 +123,7 @@ def test_webcam_frames_are_buffered_into_chunks(hub):
         frame = rng.integers(0, 255, (240, 320, 3), dtype=np.uint8)
         update = webcam_frame(hub, session, frame, settings(budget=1024, keep=768))
         session = update["session"]
-        fed.append(session.policy.frames_fed)
+        fed.append(session.engine.frames_fed)
     assert fed == [0, 2, 2, 4, 4, 6]  # one model call per pair of frames, never per frame
     assert "status" in update and len(session.thumbnails) == 3
     bad = webcam_frame(hub, session, frame, settings(budget=90, keep=50))  # a grid of 252 x 308 px is 99 tokens
@@ -140,12 +132,12 @@ def test_webcam_frames_are_buffered_into_chunks(hub):
 
 def test_single_layer_head_view_colours_by_reason(hub, media):
     _, session = run(hub, None, media / "flipping_a_pancake.mkv")
-    memory = session.policy.memory
+    memory = session.engine.memory
     codes = viz.reason_map(memory, layer=1, head=0)
     assert codes.shape == (10, 9, 15)
     held = (codes != viz.EVICTED).sum()
     assert held == memory.frame[1].shape[1]
-    assert set(np.unique(codes)) <= {viz.EVICTED, viz.REASON_NEW, 0, 1, 2}
+    assert set(np.unique(codes)) <= {viz.EVICTED, REASON_NEW, 0, 1, 2}
     image = viz.survivor_strip(memory, session.thumbnails, layer=1, head=0, by_reason=True)
     assert image.ndim == 3 and image.shape[0] > 100
 
@@ -159,8 +151,8 @@ def test_baselines_colour_by_their_own_reasons(tiny, pancake, policy, names):
     list(stream_video(tiny, pancake, {"p": engine}))
     codes = viz.reason_map(engine.memory, layer=0, head=1)
     held = codes[codes != viz.EVICTED]
-    assert set(np.unique(held)) <= names | {viz.REASON_NEW}
-    assert (held == viz.REASON_NEW).sum() == 135  # the last grid arrived after the last compression
+    assert set(np.unique(held)) <= names | {REASON_NEW}
+    assert (held == REASON_NEW).sum() == 135  # the last grid arrived after the last compression
     assert 0 in held
     legend = viz.legend_text(engine.policy.reason_names)
     assert all(name in legend for name in engine.policy.reason_names.values()) and "new since" in legend
@@ -194,28 +186,28 @@ def test_throwaway_sessions_make_no_temp_folders(hub, media, tmp_path, monkeypat
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    Session().close()
+    Session().free()
     list(ask(None, "hello?"))
     assert not list(tmp_path.glob("kvdemo-*")), "no folder until a report is written"
     _, session = run(hub, None, media / "flipping_a_pancake.mkv")
     assert len(list(tmp_path.glob("kvdemo-*"))) == 1
-    session.close()
+    session.free()
     assert not list(tmp_path.glob("kvdemo-*")), "closing a session removes its folder"
 
 
 def test_the_session_pool_frees_the_least_recently_used_session(media):
-    small = ModelHub("tiny", max_sessions=2)
+    small = AppServices.create("tiny", max_sessions=2)
     sessions = [run(small, None, None, fps=0.5, budget=1024, keep=768)[1] for _ in range(2)]
-    assert len(small.sessions) == 2 and all(s.policy is not None for s in sessions)
+    assert len(small.sessions) == 2 and all(s.engine is not None for s in sessions)
     list(ask(sessions[0], "keep me"))  # the first session is now the more recently used one
     third = run(small, None, None, fps=0.5, budget=1024, keep=768)[1]
     assert len(small.sessions) == 2
-    assert sessions[0].policy is not None and third.policy is not None
-    assert sessions[1].policy is None and not sessions[1].thumbnails
+    assert sessions[0].engine is not None and third.engine is not None
+    assert sessions[1].engine is None and not sessions[1].thumbnails
     final = list(ask(sessions[1], "still there?"))[-1]
     assert "freed to make room: the app keeps at most 2 sessions" in final["status"]
     updates, again = run(small, sessions[1], None, fps=0.5, budget=1024, keep=768)
-    assert "20/20 frames" in updates[-1]["status"] and again.policy is not None  # the 40 s sample at 0.5 fps
+    assert "20/20 frames" in updates[-1]["status"] and again.engine is not None  # the 40 s sample at 0.5 fps
 
 
 def test_a_new_run_replaces_the_previous_session_only_once_it_streams(hub, media, tmp_path):
@@ -223,12 +215,12 @@ def test_a_new_run_replaces_the_previous_session_only_once_it_streams(hub, media
     header_only = tmp_path / "header_only.mkv"  # opens, but no frame decodes
     header_only.write_bytes((media / "flipping_a_pancake.mkv").read_bytes()[:2000])
     updates, after = run(hub, first, header_only)
-    assert after is first and first.policy.frames_fed == 20 and first.policy.memory.num_grids == 10
+    assert after is first and first.engine.frames_fed == 20 and first.engine.memory.num_grids == 10
     assert "none of the sampled frames could be decoded" in updates[-1]["status"]
     assert "Still showing the previous run: flipping_a_pancake.mkv" in updates[-1]["status"]
     assert set(updates[-1]) == {"session", "status"}, "no view changes"
     updates, second = run(hub, first, None, budget=1024, keep=768)
-    assert second is not first and first.policy is None, "the previous engines are freed once the new run streams"
+    assert second is not first and first.engine is None, "the previous engines are freed once the new run streams"
     started = next(u for u in updates if "legend" in u)
     assert started["policy_chat"] == [] and started["report"] is None and started["coverage"] is None
     assert "**infinipot-v**, M=1024 C=768" == started["policy_title"]
@@ -280,9 +272,9 @@ def test_policy_form_values_are_parsed():
 def test_sessions_are_independent(hub, media):
     _, first = run(hub, None, media / "flipping_a_pancake.mkv")
     _, second = run(hub, None, None, budget=1024, keep=768)
-    assert first.policy is not second.policy
-    assert first.policy.memory.num_grids == 10 and second.policy.memory.num_grids == 40
-    assert first.policy.model is second.policy.model  # one model per process
+    assert first.engine is not second.engine
+    assert first.engine.memory.num_grids == 10 and second.engine.memory.num_grids == 40
+    assert first.engine.model is second.engine.model  # one model per process
 
 
 def test_small_frames_get_enlarged_thumbnails_with_crisp_patches():
@@ -304,16 +296,17 @@ def test_policies_declare_their_views_and_viz_draws_them(tiny, pancake):
     list(stream_video(tiny, pancake, {"p": proto, "h": hybrid}))
     hybrid.answer("What is it?")
     thumbs = [viz.thumbnail(frame) for frame in pancake.frames[::2]]
-    titles = {engine.policy.name: [p.title for p in viz.policy_panels(engine, thumbs, 1, 0)] for engine in (proto, hybrid)}
+    panels = {engine.policy.name: viz.draw_views(engine.policy_views(1, 0), thumbs) for engine in (proto, hybrid)}
+    titles = {name: [p.title for p in drawn] for name, drawn in panels.items()}
     assert titles == {"protokv": ["Prototype assignments", "Prototype bank"], "hybridkv": ["Head types"]}
-    assignment = viz.policy_panels(proto, thumbs, 1, 0)[0]
+    assignment = panels["protokv"][0]
     assert assignment.kind == "image" and assignment.value.shape[0] > 100 and "mass" in assignment.caption
     status = viz.patch_status(proto, 1, 0)
     assert set(np.unique(status)) <= {viz.HELD, viz.SUMMARISED, viz.EVICTED} and (status == viz.SUMMARISED).any()
     # the near window holds the newest tokens exactly; every older patch is represented in the bank
     assert (status[-1] == viz.HELD).sum() > 0 and (status[0] != viz.HELD).all()
     dynamic = [(l, h) for l in range(tiny.num_layers) for h in range(tiny.num_kv_heads)
-               if not hybrid.policy.head_types()["static"][l, h]]
+               if not hybrid.policy.report()["head_class"][l][h] == "static"]
     layer, head = dynamic[0]
     status = viz.patch_status(hybrid, layer, head)
     assert (status == viz.RETRIEVED).any() and (status == viz.HELD).any()

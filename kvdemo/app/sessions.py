@@ -1,0 +1,237 @@
+"""Process-wide models and per-session state: each model loaded once (:class:`ModelHub`), at most so many
+sessions holding engines (:class:`SessionPool`), one session's engines, thumbnails and dialogue
+(:class:`Session`), and whose turn it is to use them (:class:`Turns`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..engine import EngineGroup, StreamEngine
+from ..models.catalog import DEFAULT_REAL_MODEL, TINY_NAME, TINY_RANDOM_NAME, resolve_model_name
+from ..models.loading import load_model
+from ..synthetic import Episode
+
+log = logging.getLogger("kvdemo")
+
+#: Sessions whose engines are kept (``KVDEMO_MAX_SESSIONS``); starting one more frees the least recently used.
+MAX_SESSIONS = int(os.environ.get("KVDEMO_MAX_SESSIONS", "8"))
+#: A session's engines are freed this long after its browser tab goes away.
+SESSION_TTL_S = 3600
+
+_MODELS: dict[str, Any] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def model_by_name(name: str):
+    """The model called ``name``, loaded once per process. A GPU call resolves its model here by name
+    (a ZeroGPU worker is a fork of this process, so a model loaded at start-up is already there)."""
+    name = resolve_model_name(name)
+    with _MODELS_LOCK:
+        if name not in _MODELS:
+            _MODELS[name] = load_model(name)
+        return _MODELS[name]
+
+
+class ModelHub:
+    """The process's models: each loaded once and shared by every session (engines never write to model
+    weights); ``default`` is the model the app starts with."""
+
+    def __init__(self, default: str | None = None) -> None:
+        self.default = resolve_model_name(default)
+
+    def get(self, name: str | None = None):
+        return model_by_name(name or self.default)
+
+    def choices(self) -> list[str]:
+        names = [self.default, TINY_NAME, TINY_RANDOM_NAME, DEFAULT_REAL_MODEL, "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-2B-Instruct"]
+        return list(dict.fromkeys(names))
+
+
+class Turns:
+    """Who uses one session's engines now: one stream chunk or one question at a time. A waiting
+    question goes before the stream's next chunk, so it waits at most one chunk."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._busy = False
+        self._questions_waiting = 0
+
+    @contextmanager
+    def chunk(self) -> Iterator[None]:
+        with self._condition:
+            self._condition.wait_for(lambda: not self._busy and not self._questions_waiting)
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    @contextmanager
+    def question(self) -> Iterator[None]:
+        with self._condition:
+            self._questions_waiting += 1
+            try:
+                self._condition.wait_for(lambda: not self._busy)
+            finally:
+                self._questions_waiting -= 1
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._condition:
+            self._busy = False
+            self._condition.notify_all()
+
+
+@dataclass
+class RunSettings:
+    """What the user chose: the model, the policy and its parameters, ``M``/``C`` as typed (resolved into a
+    :class:`~kvdemo.budget.Budget` when a run starts), sampling and the baseline."""
+
+    model: str
+    policy: str
+    params: dict[str, Any]
+    budget: Any
+    keep: Any
+    fps: float
+    max_pixels: int
+    baseline: bool
+    cap_mb: float
+
+
+@dataclass(eq=False)  # sessions are compared by identity (the pool holds them in a list)
+class Session:
+    """One browser session's stream: its engines behind one :class:`~kvdemo.engine.EngineGroup`, thumbnails
+    and chat (freed when the session ends, or earlier by the :class:`SessionPool`)."""
+
+    settings: RunSettings | None = None
+    group: EngineGroup | None = None
+    thumbnails: list[np.ndarray] = field(default_factory=list)
+    chat: dict[str, list[dict[str, str]]] = field(default_factory=lambda: {"policy": [], "full": []})
+    source: str = ""
+    #: The generated stream being played (its ground truth grades the answers); None for files and the webcam.
+    episode: Episode | None = None
+    lost_frames: int = 0
+    frame_size: tuple[int, int] | None = None
+    chunk_ms: float = 0.0
+    coverage: dict[str, Any] | None = None
+    #: Webcam frames (resized) waiting to make a segment (one GPU call per segment, never per frame).
+    webcam_frames: list[np.ndarray] = field(default_factory=list)
+    #: A file run is streaming; ``stop_requested`` ends it after the current chunk.
+    running: bool = False
+    stop_requested: bool = False
+    #: Why the engines were freed early ("" while they are held).
+    freed: str = ""
+    last_used: float = field(default_factory=time.monotonic)
+    turns: Turns = field(default_factory=Turns)
+    last_plot: float = 0.0
+    last_heatmap: float = 0.0
+    last_gallery: float = 0.0
+    _report_dir: str | None = None
+
+    @property
+    def engines(self) -> dict[str, StreamEngine]:
+        return self.group.engines if self.group is not None else {}
+
+    @property
+    def stopped(self) -> dict[str, str]:
+        """Engine name (or "run") -> why it stopped."""
+        return self.group.stopped if self.group is not None else {}
+
+    @property
+    def engine(self) -> StreamEngine | None:
+        """The policy's engine (the one under study; "full" is the baseline)."""
+        return self.engines.get("policy")
+
+    @property
+    def model(self):
+        engine = self.engine
+        return engine.model if engine else None
+
+    @property
+    def report_dir(self) -> Path:
+        """The folder for this session's downloads, created on first use (most sessions never need one)."""
+        if self._report_dir is None:
+            self._report_dir = tempfile.mkdtemp(prefix="kvdemo-")
+        return Path(self._report_dir)
+
+    def free(self, reason: str = "") -> None:
+        self.group = None
+        self.thumbnails.clear()
+        self.freed = reason
+        if self._report_dir is not None:
+            shutil.rmtree(self._report_dir, ignore_errors=True)
+            self._report_dir = None
+
+
+class SessionPool:
+    """The sessions holding engines in this process, at most ``limit``: admitting one more frees the
+    engines of the least recently used other session (its next question or run says why)."""
+
+    def __init__(self, limit: int = MAX_SESSIONS) -> None:
+        if limit < 1:
+            raise ValueError(f"the session limit must be at least 1, got {limit}")
+        self.limit = limit
+        self._sessions: list[Session] = []
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def admit(self, session: Session) -> None:
+        with self._lock:
+            if session not in self._sessions:
+                self._sessions.append(session)
+            others = sorted((s for s in self._sessions if s is not session), key=lambda s: s.last_used)
+            victims = others[: max(0, len(self._sessions) - self.limit)]
+            self._sessions = [s for s in self._sessions if s not in victims]
+        for victim in victims:  # outside the pool's lock: a victim may be mid-chunk or mid-answer
+            with victim.turns.question():
+                victim.free(f"this session's engines were freed to make room: the app keeps at most {self.limit} "
+                            "sessions and this one was the least recently used; run the video again")
+            log.info("freed the least recently used session (%d sessions at most)", self.limit)
+
+    def release(self, session: Session) -> None:
+        with self._lock:
+            self._sessions = [s for s in self._sessions if s is not session]
+
+    def replace(self, previous: Session | None, new: Session) -> None:
+        """``new`` replaces ``previous`` as a browser session's stream: the previous engines are freed and the
+        new ones count against the limit."""
+        if previous is not None and previous is not new:
+            self.free(previous)
+        self.admit(new)
+
+    def free(self, session: Session | None) -> None:
+        """Free a session's engines (between its chunks and after its answer, if one is running)."""
+        if session is not None:
+            self.release(session)
+            with session.turns.question():
+                session.free()
+
+
+@dataclass
+class AppServices:
+    """What every handler shares: the models and the session pool."""
+
+    models: ModelHub
+    sessions: SessionPool
+
+    @classmethod
+    def create(cls, model: str | None = None, max_sessions: int = MAX_SESSIONS) -> "AppServices":
+        return cls(ModelHub(model), SessionPool(max_sessions))

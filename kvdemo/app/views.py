@@ -1,0 +1,248 @@
+"""What the app shows of a session: the status line, the occupancy chart, the newest frames and gallery, the
+views the policy declares (drawn by :mod:`kvdemo.viz`), the legend, chat titles, the run report and the chart
+file. Pure functions of a :class:`~kvdemo.app.sessions.Session`; no Gradio here."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import viz
+from ..coverage import coverage
+from ..policies import REGISTRY
+from ..models.catalog import OFFLINE_NOTICES, TINY_NAME, resolve_model_name
+from .sessions import Session
+from .settings import policy_label
+
+PLOT_EVERY_S = 0.5
+HEATMAP_EVERY_S = 0.35
+GALLERY_EVERY_S = 3.0
+
+HOW_TO_READ = """
+**Occupancy** (top chart): visual tokens and real KV-cache megabytes over stream time. The policy engine
+grows to its budget `M`, compresses to `C` (▼ marks), and grows again: a sawtooth under the dashed line.
+The full-cache baseline grows without bound.
+
+**What survives**: the newest frames with the patches the cache still holds; dark patches were evicted.
+*Aggregate* tints each patch by the share of (layer, KV head) copies still held. Pick one layer and
+head and *colour by reason* to see why the policy kept each patch ({reasons}). Grey patches arrived after
+the last compression.
+Every heatmap is drawn from the provenance the engine gathers with the same indices as the keys and
+values, so it shows exactly what the cache holds.
+
+**Chat**: one question goes to both engines; the dialogue is replayed as text after the video memory,
+and the memory is unchanged by answering. Under each answer: time to first token and the cache size.
+
+**Limits**: this app keeps the engines of at most {max_sessions} sessions (starting another frees the least
+recently used one) and frees a session's engines an hour after its tab closes; files it serves (uploads,
+reports, charts) are deleted after an hour.
+"""
+
+
+def how_to_read(max_sessions: int) -> str:
+    """The page's reading guide, with every registered policy's reasons for keeping a token."""
+    reasons = "; ".join(f"{name}: {', '.join(cls.reason_names.values())}" for name, cls in REGISTRY.items() if cls.reason_names)
+    return HOW_TO_READ.format(max_sessions=max_sessions, reasons=reasons)
+
+
+def status_text(
+    session: Session, done: int | None = None, total: int | None = None, error: str = "", stopped: bool = False
+) -> str:
+    """The status line: frames, tokens, MB, ms per chunk, compression overhead."""
+    lines = []
+    if error:
+        lines.append(f"⚠️ **{error}**")
+    engine = session.engine
+    if engine is None and session.freed and not error:
+        lines.append(f"⚠️ **{session.freed}**")
+    if engine is not None:
+        stats = engine.stats
+        overhead = f"{100 * stats.compress_ms / stats.prefill_ms:.1f}%" if stats.prefill_ms else "n/a"
+        progress = f"{done}/{total} frames" if total else f"{engine.frames_fed} frames"
+        if stopped:
+            progress = f"stopped at {progress}"
+        offloaded = engine.memory.offloaded_bytes
+        lines.append(
+            f"**{progress}** · {engine.policy.name}: {engine.memory.visual_tokens} visual tokens "
+            f"({engine.budget.describe()}), {engine.memory.nbytes / 2**20:.2f} MB"
+            + (f" + {offloaded / 2**20:.2f} MB offloaded" if offloaded else "")
+            + f" · {session.chunk_ms:.0f} ms/chunk · {stats.compressions} compressions, overhead {overhead} of prefill"
+        )
+        full = session.engines.get("full")
+        if full is not None:
+            state = session.stopped.get("full")
+            lines.append(
+                f"full cache: {full.memory.visual_tokens} visual tokens, {full.memory.nbytes / 2**20:.2f} MB"
+                + (f" — {state}" if state else "")
+            )
+        if session.source:
+            lines.append(f"<small>{session.source}</small>")
+    return "\n\n".join(lines) if lines else "Ready: upload a video or pick the sample, then Run."
+
+
+def kept_previous(previous: Session | None, error: str) -> dict[str, Any]:
+    """A run that failed before its first chunk: the previous session and its views stay as they were;
+    the status says what failed (and, if there is one, that the previous run is what is shown)."""
+    status = f"⚠️ **{error}**"
+    if previous is not None and previous.engine is not None:
+        status += f"\n\n<small>Still showing the previous run: {previous.source}</small>"
+    return {"session": previous or Session(), "status": status}
+
+
+def chat_title(state: Session, name: str) -> str:
+    """The label over a chat pane: the policy and its numbers, or the full cache (and whether it runs)."""
+    settings = state.settings
+    if name == "policy":
+        engine = state.engine
+        if engine is None:
+            return "**policy engine**"
+        return policy_label(engine.policy.name, engine.budget)
+    if settings is not None and not settings.baseline:
+        return "**full cache** (baseline off)"
+    cap = f", stops at {settings.cap_mb:g} MB" if settings is not None and settings.cap_mb and settings.cap_mb > 0 else ""
+    return f"**full cache**{cap}"
+
+
+def fresh_views(state: Session) -> dict[str, Any]:
+    """What a newly started stream clears or relabels: chat panes and their titles, the previous run's
+    coverage and downloads."""
+    return {"policy_title": chat_title(state, "policy"), "full_title": chat_title(state, "full"),
+            "policy_chat": [], "full_chat": [], "coverage": None, "report": None, "chart": None}
+
+
+def occupancy_plot(session: Session):
+    engine = session.engine
+    if engine is None:
+        return None
+    series = {_series_label(engine.policy.name, engine.budget.M): engine.memory.timeline}
+    if "full" in session.engines:
+        series["full cache"] = session.engines["full"].memory.timeline
+    return viz.occupancy_figure(series, engine.budget.M)
+
+
+def empty_occupancy_plot(policy: str, budget: int):
+    """The chart before any run (drawn at page load, so the browser has plotly.js ready for the first run)."""
+    return viz.occupancy_figure({_series_label(policy, budget): [], "full cache": []}, budget)
+
+
+def _series_label(policy: str, budget: int | None) -> str:
+    return f"{policy} at M={budget}"
+
+
+def layer_head(layer: str | None, head: str | None) -> tuple[int | None, int | None]:
+    """The view's layer and KV head choices ("all" or a number) as indices (None = all)."""
+    return (None if layer in (None, "all") else int(layer)), (None if head in (None, "all") else int(head))
+
+
+def heatmap_image(session: Session, layer: str = "all", head: str = "all", by_reason: bool = False) -> np.ndarray | None:
+    engine = session.engine
+    if engine is None or engine.memory.num_grids == 0:
+        return None
+    return viz.engine_strip(engine, session.thumbnails, *layer_head(layer, head), by_reason=by_reason)
+
+
+def policy_panels(session: Session, layer: str = "all", head: str = "all") -> list[viz.Panel]:
+    """The views the session's policy declares, drawn for the chosen layer and KV head (0 and 0 when the view
+    is aggregated over all)."""
+    engine = session.engine
+    if engine is None or engine.memory.num_grids == 0:
+        return []
+    chosen_layer, chosen_head = layer_head(layer, head)
+    return viz.draw_views(engine.policy_views(chosen_layer or 0, chosen_head or 0), session.thumbnails)
+
+
+def gallery_items(session: Session) -> list[tuple[np.ndarray, str]]:
+    engine = session.engine
+    if engine is None:
+        return []
+    return viz.engine_gallery(engine, session.thumbnails)
+
+
+def legend(state: Session, view: tuple[str, str, bool] = ("all", "all", False)) -> str:
+    """What the newest-frames view's colours mean for this policy and view."""
+    engine = state.engine
+    layer, head = layer_head(*view[:2])
+    if engine is not None and not (view[2] and layer is not None and head is not None) and engine.memory.num_grids:
+        fractions = viz.status_fractions(engine, layer, head)
+        if fractions is not None:
+            present = np.array([code for code, share in zip(viz.STATUS_COLOURS, fractions) if share.any()])
+            return viz.status_legend(present) + " (tint = share of the (layer, KV head) copies in each state)"
+    names = engine.policy.reason_names if engine else {}
+    if names and view[2]:
+        return viz.legend_text(names)
+    note = " Pick a layer and a KV head to see what one head holds" + (", and colour by reason." if names else ".")
+    return "Tint = share of (layer, KV head) copies held; dark = evicted." + (note if engine is not None else "")
+
+
+def live_update(state: Session, view: tuple[str, str, bool], done: int | None = None, total: int | None = None,
+                force: bool = False, gallery: bool = True) -> dict[str, Any]:
+    """Status every chunk; plot, heatmap and (``gallery``) the gallery at most a few times per second."""
+    now = time.monotonic()
+    update: dict[str, Any] = {"session": state, "status": status_text(state, done, total)}
+    if force or now - state.last_plot >= PLOT_EVERY_S:
+        update["plot"] = occupancy_plot(state)
+        state.last_plot = now
+    if force or now - state.last_heatmap >= HEATMAP_EVERY_S:
+        update["heatmap"] = heatmap_image(state, *view)
+        update["panels"] = policy_panels(state, *view[:2])
+        update["legend"] = legend(state, view)
+        state.last_heatmap = now
+    if gallery and (force or now - state.last_gallery >= GALLERY_EVERY_S):
+        update["gallery"] = gallery_items(state)
+        state.last_gallery = now
+    return update
+
+
+def write_report(session: Session) -> str | None:
+    """The run report (the CLI's JSON format, plus the baseline's report) as a file to download."""
+    engine = session.engine
+    if engine is None:
+        return None
+    report = engine.report(video=session.source, lost_frames=session.lost_frames)
+    if "full" in session.engines:
+        report["baseline"] = session.engines["full"].report(video=session.source, lost_frames=session.lost_frames)
+    if session.stopped:
+        report["stopped"] = dict(session.stopped)
+    if session.coverage:
+        report["coverage"] = session.coverage
+    report_path = session.report_dir / "kvdemo-report.json"
+    report_path.write_text(json.dumps(report, indent=1))
+    return str(report_path)
+
+
+def write_chart(session: Session | None) -> str | None:
+    """The occupancy chart as a self-contained HTML file (plotly.js inside, ~5 MB: it opens offline), made
+    only when asked for."""
+    if session is None or session.engine is None:
+        return None
+    chart_path = session.report_dir / "kvdemo-occupancy.html"
+    occupancy_plot(session).write_html(str(chart_path), include_plotlyjs=True)
+    return str(chart_path)
+
+
+def finish(state: Session, view: tuple[str, str, bool]) -> dict[str, Any]:
+    """Final update of a run: everything redrawn, the coverage CDF (with a baseline), the report."""
+    update = live_update(state, view, force=True)
+    full = state.engines.get("full")
+    if full is not None and "full" not in state.stopped and state.engine is not None and state.engine.memory.num_grids:
+        state.coverage = {state.engine.policy.name: coverage(full.memory, state.engine.memory)}
+        update["coverage"] = viz.coverage_figure(state.coverage)
+    update["report"] = write_report(state)
+    return update
+
+
+def banner_html(model_name: str | None) -> str:
+    """The warning shown over the app for an offline tiny model ('' for real models)."""
+    try:
+        notice = OFFLINE_NOTICES.get(resolve_model_name(model_name))
+    except Exception:
+        notice = None
+    if not notice:
+        return ""
+    advice = ("Run the bundled sample and ask about it; on other videos its answers mean little."
+              if resolve_model_name(model_name) == TINY_NAME else "")
+    return (f"<div style='padding:8px;border-radius:6px;background:#fff3cd;color:#664d03'>⚠️ {notice} {advice} "
+            "Choose a real Qwen2.5-VL model on a GPU machine for meaningful answers about real videos.</div>")

@@ -1,0 +1,73 @@
+"""``python -m kvdemo bench``: the command (the CLI parses the arguments and the policy parameters)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..budget import Budget
+from ..policies import make_policy
+from ..testing import QWEN7B_SHAPE
+from .passes import append_table, pass_benchmark, pass_table, stream_benchmark, stream_table
+from .policies import BENCHMARKS
+from .reference import load_reference, reference_benchmark, reference_table
+from .zerogpu import zerogpu_table, zerogpu_transfer_benchmark
+
+def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
+    """Run the benchmark for ``args.policy`` with its parsed ``params`` (see :mod:`kvdemo.bench`)."""
+    policy = make_policy(args.policy, **params)
+    if not policy.bounded:
+        print("error: bench compares a bounded policy with full; pick one other than 'full'", file=sys.stderr)
+        return 2
+    reference = None
+    if getattr(args, "reference", None):
+        try:
+            reference = load_reference(args.reference)
+        except (OSError, AttributeError, ImportError, SyntaxError) as error:
+            print(f"error: --reference: {error}", file=sys.stderr)
+            return 2
+    budget = Budget.resolve(policy, args.budget, args.keep, default_ratio=0.75)
+    results: dict[str, Any] = {
+        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "policy": policy.name,
+        "params": policy.params(),
+    }
+    print(f"streaming {args.frames} synthetic frames through full and {policy.name} ({budget.describe()})", file=sys.stderr)
+    stream = stream_benchmark(policy, args.frames, budget)
+    results["stream"] = stream
+    print(stream_table(stream, policy.name, args.every))
+    if getattr(args, "zerogpu", False):
+        print("\nwhat a ZeroGPU call pickles at Qwen2.5-VL-3B's defaults...", file=sys.stderr)
+        results["zerogpu"] = zerogpu_transfer_benchmark()
+        print(zerogpu_table(results["zerogpu"]))
+    for name in policy.benchmarks if not args.skip_pass else ():
+        what, runner = BENCHMARKS[name]
+        print(f"\n{policy.name}: {what}...", file=sys.stderr)
+        parts, table = runner(policy, args.stream_factor)
+        results.update({f"{policy.name}_{suffix}": value for suffix, value in parts.items()})
+        print(table)
+    if not args.skip_pass:
+        shape = QWEN7B_SHAPE
+        print(
+            f"\none compression pass at Qwen2.5-VL-7B shape ({shape['num_layers']} layers, {shape['num_kv_heads']} KV heads,"
+            f" head dim {shape['head_dim']}, M={shape['budget']} -> C={shape['keep']}), median of {args.pass_repeats}:",
+            file=sys.stderr,
+        )
+        results.update(pass_benchmark(policy, args.pass_repeats))
+        print(pass_table(results["pass_7b"]))
+        print(append_table(results["append_7b"]))
+    if reference is not None:
+        print("\nkvdemo's InfiniPot-V against the authors' code at 7B shape...", file=sys.stderr)
+        results["reference_7b"] = reference_benchmark(reference, args.pass_repeats)
+        print(reference_table(results["reference_7b"]))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+        print(f"results written to {args.json}", file=sys.stderr)
+    return 0

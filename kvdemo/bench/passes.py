@@ -1,0 +1,241 @@
+"""One compression pass at Qwen2.5-VL-7B's cache shape against the memory-bound floor, the append cost
+against transformers' ``DynamicCache``, and a long synthetic stream through ``full`` and a policy on the tiny
+model. Prints tables and writes JSON; asserts nothing about speed."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from ..attention import MemoryCache
+from ..budget import Budget
+from ..engine import StreamEngine, stream_video
+from ..memory import KVMemory
+from ..models.base import mrope_positions
+from ..models.tiny import build_tiny_model
+from ..policies import BASELINES, Policy, Probed, make_policy
+from ..synthetic import synthetic_video
+from ..testing import QWEN7B_SHAPE, synthetic_chunk, synthetic_memory, synthetic_probe
+
+
+
+def _summary(times: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(times), "min": min(times)}
+
+
+def time_pass(policy: Policy, memory: KVMemory, keep: int, repeats: int) -> dict[str, Any]:
+    """The whole compression pass on fresh copies of ``memory``: ``policy.compress`` (selection) and
+    :meth:`KVMemory.apply` (the memory's compaction), medians and minima in ms over ``repeats`` runs
+    after one warm-up, and the key/value bytes ``apply`` moved."""
+    select, apply, total = [], [], []
+    moved = 0
+    shape = QWEN7B_SHAPE
+    probe = None
+    if isinstance(policy, Probed):
+        heads = memory.num_kv_heads * (shape["num_heads"] // shape["num_kv_heads"])
+        probe = synthetic_probe(memory.num_layers, heads, memory.layers[0].keys.shape[-1], memory.layers[0].keys.dtype)
+    with torch.inference_mode():
+        for run in range(repeats + 1):
+            fresh = copy.deepcopy(memory)
+            start = time.perf_counter()
+            selection = policy.compress(fresh.views(probe=probe), keep)
+            middle = time.perf_counter()
+            moved = fresh.apply(selection)
+            end = time.perf_counter()
+            if run:
+                select.append((middle - start) * 1000)
+                apply.append((end - middle) * 1000)
+                total.append((end - start) * 1000)
+    s, a, t = _summary(select), _summary(apply), _summary(total)
+    return {
+        "select_ms": s["median"], "apply_ms": a["median"], "total_ms": t["median"],
+        "select_min_ms": s["min"], "apply_min_ms": a["min"], "total_min_ms": t["min"],
+        "moved_bytes": moved,
+    }
+
+
+def time_floor(memory: KVMemory, keep: int, repeats: int) -> dict[str, float]:
+    """The memory-bound floor of any selection pass: read every visual key and value once and write ``keep``
+    tokens' keys and values; median and min ms. Both are raw byte streams, whatever the dtype: the read is a
+    sum over the buffers viewed as int64 words (a bfloat16 sum would time the conversion, not the memory), the
+    write a fill of preallocated buffers."""
+    views = memory.views()
+    targets = [torch.empty(v.num_heads, keep, v.keys.shape[-1], dtype=v.keys.dtype) for v in views for _ in range(2)]
+
+    def words(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int64) if t.shape[-1] * t.element_size() % 8 == 0 else t
+
+    times = []
+    with torch.inference_mode():
+        for run in range(repeats + 1):
+            start = time.perf_counter()
+            for view in views:
+                words(view.keys).sum()
+                words(view.values).sum()
+            for target in targets:
+                words(target).fill_(1)
+            if run:
+                times.append((time.perf_counter() - start) * 1000)
+    s = _summary(times)
+    return {"floor_ms": s["median"], "floor_min_ms": s["min"]}
+
+
+def time_append(memory: KVMemory, grid: tuple[int, int], repeats: int) -> dict[str, Any]:
+    """One chunk (one temporal grid) appended to ``memory`` (which has room for it) versus transformers'
+    ``DynamicCache`` (``torch.cat``: every append copies the whole cache); ms and bytes copied."""
+    from transformers import DynamicCache  # deferred: only this comparison needs it
+
+    chunk = synthetic_chunk(memory.num_grids, 1, grid)
+    n = chunk.num_tokens
+    views = memory.views()
+    keys = [torch.randn(1, v.num_heads, n, v.keys.shape[-1]).to(v.keys.dtype) for v in views]
+    positions = mrope_positions(chunk.grid, chunk.row, chunk.col, memory.prefix_len, 1.0, 2.0)
+    ours, theirs = [], []
+    full = [(k[None], v[None]) for k, v in zip(memory.keys, memory.values)]
+    with torch.inference_mode():
+        for run in range(repeats + 1):
+            fresh = copy.deepcopy(memory)
+            dynamic = DynamicCache(ddp_cache_data=[(k[0], v[0]) for k, v in full])
+            start = time.perf_counter()
+            cache = MemoryCache(fresh)
+            for layer, k in zip(cache.layers, keys):
+                layer.update(k, k)
+            fresh.commit_append(chunk, positions)
+            middle = time.perf_counter()
+            for index, k in enumerate(keys):
+                dynamic.update(k, k, index)
+            end = time.perf_counter()
+            if run:
+                ours.append((middle - start) * 1000)
+                theirs.append((end - middle) * 1000)
+    chunk_bytes = n * memory.token_bytes()
+    return {
+        "chunk_tokens": n,
+        "kvdemo": {**{f"{k}_ms": v for k, v in _summary(ours).items()}, "bytes_copied": chunk_bytes},
+        "dynamic_cache": {**{f"{k}_ms": v for k, v in _summary(theirs).items()},
+                          "bytes_copied": memory.nbytes + chunk_bytes},
+    }
+
+
+def pass_benchmark(policy: Policy, repeats: int, shape: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole compression pass at Qwen2.5-VL-7B shape for ``policy`` and the reference policies, in fp32
+    and bf16, next to the memory-bound floor, and the append cost at a full-size memory.
+
+    Returns ``{"shape", "pass_7b": {policy: {dtype: {...}}}, "append_7b": {dtype: {...}}}``. A policy's
+    declared variants (``Policy.bench_variants``, e.g. CoRDS without its cross-layer followers) are timed too.
+    ``shape`` defaults to :data:`QWEN7B_SHAPE`; a policy sized by ``M`` alone is timed in its own benchmark.
+    """
+    shape = shape or QWEN7B_SHAPE
+    policies = {policy.name: policy} if type(policy).takes_keep() else {}
+    if policies:
+        for label, change in type(policy).bench_variants.items():
+            policies[f"{policy.name} ({label})"] = dataclasses.replace(policy, **change)
+    for name in BASELINES:
+        policies.setdefault(name, make_policy(name))
+    args = (shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], shape["budget"], shape["grid"])
+    results: dict[str, Any] = {"pass_7b": {name: {} for name in policies}, "append_7b": {}}
+    for dtype in (torch.float32, torch.bfloat16):
+        label = str(dtype).replace("torch.", "")
+        memory = synthetic_memory(*args, dtype)
+        floor = time_floor(memory, shape["keep"], repeats)
+        for name, candidate in policies.items():
+            timing = time_pass(candidate, memory, shape["keep"], repeats)
+            timing.update(floor)
+            timing["total_over_floor"] = timing["total_ms"] / floor["floor_ms"]
+            results["pass_7b"][name][label] = timing
+        per_grid = shape["grid"][0] * shape["grid"][1]
+        almost_full = synthetic_memory(*args, dtype, visual_tokens=shape["budget"] - per_grid)
+        results["append_7b"][label] = time_append(almost_full, shape["grid"], repeats)
+        del memory, almost_full
+    results["shape"] = {**shape, "grid": list(shape["grid"])}
+    return results
+
+
+def pass_table(passes: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """One row per (policy, dtype): selection, apply, total, floor (medians, ms), total/floor, bytes moved."""
+    width = max(18, *(len(name) for name in passes))
+    lines = [
+        f"{'policy':<{width}} {'dtype':<9} {'select ms':>9} {'apply ms':>9} {'total ms':>9} {'(min)':>7} "
+        f"{'floor ms':>9} {'total/floor':>11} {'apply moved MB':>14}"
+    ]
+    for name, by_dtype in passes.items():
+        for dtype, row in by_dtype.items():
+            lines.append(
+                f"{name:<{width}} {dtype:<9} {row['select_ms']:>9.1f} {row['apply_ms']:>9.1f} {row['total_ms']:>9.1f} "
+                f"{row['total_min_ms']:>7.1f} {row['floor_ms']:>9.1f} {row['total_over_floor']:>10.2f}x "
+                f"{row['moved_bytes'] / 2**20:>14.1f}"
+            )
+    lines.append("floor: one read of every visual key and value + one write of the C kept tokens (memory-bound limit)")
+    return "\n".join(lines)
+
+
+def append_table(appends: dict[str, dict[str, Any]]) -> str:
+    """Appending one chunk to a full-size memory: kvdemo's in-place write vs DynamicCache's torch.cat."""
+    lines = [f"append one chunk at a full-size memory:  {'dtype':<9} {'ms':>8} {'copied MB':>10}"]
+    for dtype, row in appends.items():
+        for name in ("kvdemo", "dynamic_cache"):
+            entry = row[name]
+            lines.append(f"  {name:<38} {dtype:<9} {entry['median_ms']:>8.2f} {entry['bytes_copied'] / 2**20:>10.1f}")
+    return "\n".join(lines)
+
+
+def stream_benchmark(policy: Policy, frames: int, budget: Budget) -> dict[str, Any]:
+    """Stream a synthetic video through ``full`` and ``policy`` under ``budget`` on the tiny model (one shared
+    encoding)."""
+    model = build_tiny_model()
+    video = synthetic_video(num_frames=frames, height=224, width=336, fps=2.0, seed=1)
+    engines = {
+        "full": StreamEngine(model, "full", fps=video.fps),
+        policy.name: StreamEngine(model, policy, budget=budget, fps=video.fps),
+    }
+    encode_ms = 0.0
+    for step in stream_video(model, video, engines, frames_per_chunk=2):
+        encode_ms += step.chunk.encode_ms
+    result: dict[str, Any] = {"frames": frames, "budget": budget.M, "keep": budget.C, "encode_ms": encode_ms, "engines": {}}
+    for name, engine in engines.items():
+        stats = engine.stats
+        result["engines"][name] = {
+            "per_chunk": stats.per_chunk,
+            "peak_cache_bytes": max(row["cache_bytes"] for row in stats.per_chunk),
+            "final_cache_bytes": stats.per_chunk[-1]["cache_bytes"],
+            "peak_visual_tokens": max(row["visual_tokens"] for row in stats.per_chunk),
+            "prefill_ms": stats.prefill_ms,
+            "compress_ms": stats.compress_ms,
+            "compressions": stats.compressions,
+            "compress_pct_of_prefill": 100 * stats.compress_ms / stats.prefill_ms if stats.prefill_ms else 0.0,
+        }
+    return result
+
+
+def stream_table(stream: dict[str, Any], name: str, every: int = 1) -> str:
+    full, bounded = stream["engines"]["full"], stream["engines"][name]
+    lines = [
+        f"{'frame':>6} | {'full prefill ms':>15} {'full tokens':>11} {'full MB':>8} | "
+        f"{name + ' prefill ms':>22} {'compress ms':>11} {'tokens':>7} {'MB':>6}"
+    ]
+    rows = list(zip(full["per_chunk"], bounded["per_chunk"]))
+    step = max(1, every)
+    for index, (f, b) in enumerate(rows):
+        if index % step and index != len(rows) - 1:
+            continue
+        lines.append(
+            f"{f['frame']:>6} | {f['prefill_ms']:>15.1f} {f['visual_tokens']:>11} {f['cache_bytes'] / 2**20:>8.2f} | "
+            f"{b['prefill_ms']:>22.1f} {b['compress_ms']:>11.1f} {b['visual_tokens']:>7} {b['cache_bytes'] / 2**20:>6.2f}"
+        )
+    if step > 1:
+        lines.append(f"(every {step}th of {len(rows)} chunks shown; the JSON has all)")
+    lines.append("summary:")
+    for label, engine in (("full", full), (name, bounded)):
+        lines.append(
+            f"  {label:<16} peak cache {engine['peak_cache_bytes'] / 2**20:8.2f} MB, peak visual tokens "
+            f"{engine['peak_visual_tokens']:6}, prefill {engine['prefill_ms']:8.0f} ms, compression "
+            f"{engine['compress_ms']:7.0f} ms ({engine['compress_pct_of_prefill']:.1f}% of prefill, {engine['compressions']} passes)"
+        )
+    ratio = full["peak_cache_bytes"] / bounded["peak_cache_bytes"] if bounded["peak_cache_bytes"] else 0
+    lines.append(f"  full's peak cache is {ratio:.1f}x {name}'s; vision encoding (shared) {stream['encode_ms']:.0f} ms")
+    return "\n".join(lines)

@@ -1,0 +1,251 @@
+"""What a policy declares worth measuring about itself (``Policy.benchmarks``), at Qwen2.5-VL-7B's cache
+shape with random keys and values through the real memory: ``update``, the per-chunk cost over a simulated
+stream and a much longer one (a policy whose pass runs at every chunk), split by the phases the policy
+reports; ``decode``, one decode step's attention through kvdemo's attention function against the full
+cache's, and decode per token on the tiny model."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from ..attention import MemoryCache, kvdemo_attention
+from ..budget import Budget
+from ..engine import StreamEngine, stream_video
+from ..memory import KVMemory
+from ..models.tiny import build_tiny_model
+from ..policies import DEFAULT_POLICY, Policy, Probed, SummaryRegion, make_policy
+from ..synthetic import synthetic_video
+from ..testing import PREFIX_TOKENS, QWEN7B_SHAPE, append_random, qwen7b_rotation, synthetic_chunk, synthetic_memory, synthetic_probe
+
+
+def simulated_stream(
+    policy: Policy, grids: int, shape: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> tuple[KVMemory, list[dict[str, Any]]]:
+    """Stream ``grids`` temporal grids of random keys/values into a memory managed by ``policy`` exactly as
+    the engine does (compress when the next grid would overflow ``M``, then append), with no model.
+
+    Returns the memory and one record per compression: grid, selection ms (and the policy's own phase
+    split when it reports one), apply ms.
+    """
+    shape = shape or QWEN7B_SHAPE
+    budget = Budget.resolve(policy, shape["budget"], shape["keep"], default_ratio=0.75)
+    generator = torch.Generator().manual_seed(seed)
+    memory = KVMemory(shape["num_layers"], shape["num_kv_heads"], visual_capacity=budget.window, summary_slots=budget.summary)
+    cache = MemoryCache(memory)
+    for layer in cache.layers:
+        prefix = torch.randn(1, shape["num_kv_heads"], PREFIX_TOKENS, shape["head_dim"], generator=generator).to(dtype)
+        layer.update(prefix, prefix)
+    memory.commit_prefix(PREFIX_TOKENS)
+    rotary = qwen7b_rotation(shape["head_dim"])
+    heads = shape.get("num_heads", shape["num_kv_heads"])
+    per_grid = shape["grid"][0] * shape["grid"][1]
+    passes = []
+    with torch.inference_mode():
+        for grid in range(grids):
+            if memory.visual_tokens + per_grid > budget.M:
+                probe = synthetic_probe(shape["num_layers"], heads, shape["head_dim"], dtype, grid) if isinstance(policy, Probed) else None
+                start = time.perf_counter()
+                selection = policy.compress(memory.views(rotary, probe), budget.keep_for(per_grid))
+                middle = time.perf_counter()
+                memory.apply(selection)
+                end = time.perf_counter()
+                record = {"grid": grid, "select_ms": (middle - start) * 1000, "apply_ms": (end - middle) * 1000}
+                phases = selection.info.get("phase_ms")
+                if phases:
+                    record["phases_ms"] = dict(phases)
+                passes.append(record)
+            append_random(memory, synthetic_chunk(grid, 1, shape["grid"]), generator)
+    return memory, passes
+
+
+def _mean_phases(passes: list[dict[str, Any]]) -> dict[str, float]:
+    names = sorted({name for p in passes for name in p.get("phases_ms", {})})
+    out = {name: statistics.fmean(p["phases_ms"].get(name, 0.0) for p in passes) for name in names}
+    out["apply"] = statistics.fmean(p["apply_ms"] for p in passes)
+    out["total"] = statistics.fmean(p["select_ms"] + p["apply_ms"] for p in passes)
+    return out
+
+
+def update_benchmark(policy: Policy, grids: int = 48, factor: int = 20, window: int = 16,
+                     shape: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A policy's per-chunk update at 7B shape (for one sized by ``M`` alone, one pass per temporal grid once
+    its window is full), split by the phases it reports, averaged over the last ``window`` passes of a
+    ``grids``-grid stream and of a ``factor`` times longer one; next to InfiniPot-V's pass amortised per grid
+    on the same stream shape, and, for a policy with a summary region, the cost of synthesising every summary
+    entry at once (what a read-time synthesis would cost; the policy refreshes during ingestion)."""
+    shape = shape or QWEN7B_SHAPE
+    out: dict[str, Any] = {"shape": {**shape, "grid": list(shape["grid"])}, "grids": grids, "factor": factor}
+    for label, length in (("1x", grids), (f"{factor}x", grids * factor)):
+        fresh = dataclasses.replace(policy)
+        memory, passes = simulated_stream(fresh, length, shape)
+        tail = passes[-window:]
+        per_grid = _mean_phases(tail)
+        out[label] = {"per_grid_ms": per_grid, "per_frame_ms": {k: v / 2 for k, v in per_grid.items()},
+                      "passes": len(passes), "bank": fresh.report()}
+        if label == "1x" and isinstance(fresh, SummaryRegion):
+            with torch.inference_mode():
+                start = time.perf_counter()
+                fresh.synthesize_all(qwen7b_rotation(shape["head_dim"]), shape["num_kv_heads"])
+                out["synthesis_all_ms"] = (time.perf_counter() - start) * 1000
+    reference = make_policy(DEFAULT_POLICY)  # the project's default policy, InfiniPot-V
+    ref_shape = {**shape, "keep": shape["keep"]}
+    _, passes = simulated_stream(reference, grids, ref_shape)
+    spent = sum(p["select_ms"] + p["apply_ms"] for p in passes)
+    first = passes[0]["grid"] if passes else grids
+    out["infinipot_v"] = {"passes": len(passes), "per_grid_ms": spent / max(1, grids - first),
+                          "per_frame_ms": spent / max(1, grids - first) / 2, "pass_ms": spent / max(1, len(passes))}
+    return out
+
+
+def update_table(result: dict[str, Any], name: str) -> str:
+    factor = f"{result['factor']}x"
+    phases = [k for k in result["1x"]["per_frame_ms"] if k != "total"] + ["total"]
+    shape = result["shape"]
+    lines = [f"{name} update per frame ({shape['num_layers']} layers x {shape['num_kv_heads']} KV heads x {shape['head_dim']}, "
+             f"M={shape['budget']}), ms, mean of the last passes:", f"  {'phase':<12} {'1x':>9} {factor:>9}"]
+    for name in phases:
+        a, b = result["1x"]["per_frame_ms"].get(name, 0.0), result[factor]["per_frame_ms"].get(name, 0.0)
+        lines.append(f"  {name:<12} {a:>9.1f} {b:>9.1f}")
+    ref = result["infinipot_v"]
+    lines.append(f"  InfiniPot-V pass amortised per frame: {ref['per_frame_ms']:.1f} ms ({ref['passes']} passes of {ref['pass_ms']:.0f} ms)")
+    lines.append(f"  {name} / InfiniPot-V per frame: {result['1x']['per_frame_ms']['total'] / max(ref['per_frame_ms'], 1e-9):.2f}x"
+                 f" ({result['grids']} grids), {result[factor]['per_frame_ms']['total'] / max(ref['per_frame_ms'], 1e-9):.2f}x"
+                 f" ({result['grids'] * result['factor']} grids)")
+    if "synthesis_all_ms" in result:
+        lines.append(f"  synthesising every summary entry at once: {result['synthesis_all_ms']:.1f} ms "
+                     "(refreshed only where a chunk changed them, included above; a question adds nothing)")
+    return "\n".join(lines)
+
+
+class _LayerStub(torch.nn.Module):
+    """What the attention function reads of a transformers attention module: its layer index."""
+
+    def __init__(self, layer: int) -> None:
+        super().__init__()
+        self.layer_idx = layer
+
+
+def decode_attention_ms(memory: KVMemory, num_heads: int, repeats: int, answering: bool) -> float:
+    """Median ms of one decode step's attention over every layer of ``memory`` through kvdemo's attention
+    function (the new token's key/value written into the slack, nothing committed)."""
+    generator = torch.Generator().manual_seed(9)
+    stubs = [_LayerStub(layer) for layer in range(memory.num_layers)]
+    dim = memory.layers[0].keys.shape[-1]
+    dtype = memory.layers[0].keys.dtype
+    query = torch.randn(1, num_heads, 1, dim, generator=generator).to(dtype)
+    new = torch.randn(1, memory.num_kv_heads, 1, dim, generator=generator).to(dtype)
+    times = []
+    with torch.inference_mode():
+        for run in range(repeats + 1):
+            cache = MemoryCache(memory)
+            cache.answering = answering
+            start = time.perf_counter()
+            for stub, layer in zip(stubs, cache.layers):
+                keys, values = layer.update(new, new)
+                kvdemo_attention(stub, query, keys[:, :, :], values, None, scaling=dim**-0.5, kvdemo=cache)
+            if run:
+                times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def decode_benchmark(policy: Policy, stream_tokens: int = 24576, budget_share: float = 0.1, repeats: int = 5,
+                     shape: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Decode-step attention at 7B shape with random tensors: the full cache holding ``stream_tokens`` visual
+    tokens against ``policy`` after one pass to ``budget_share`` of them (what it holds, plus what it
+    retrieves from the offload store while answering), through kvdemo's attention function; and the pass
+    itself. Keys name the policy (``{name}_decode_attention_ms``...)."""
+    shape = shape or QWEN7B_SHAPE
+    keep = int(stream_tokens * budget_share)
+    args = (shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], stream_tokens, shape["grid"], torch.float32)
+    full = synthetic_memory(*args)
+    compressed = copy.deepcopy(full)
+    heads = shape.get("num_heads", shape["num_kv_heads"])
+    probe = synthetic_probe(shape["num_layers"], heads, shape["head_dim"], torch.float32) if isinstance(policy, Probed) else None
+    with torch.inference_mode():
+        start = time.perf_counter()
+        selection = policy.compress(compressed.views(probe=probe), keep)
+        middle = time.perf_counter()
+        compressed.apply(selection)
+        end = time.perf_counter()
+    name = policy.name
+    return {
+        "stream_tokens": stream_tokens,
+        "keep": keep,
+        "layers": shape["num_layers"],
+        "pass_ms": {"classify_and_prune": (middle - start) * 1000, "apply_and_offload": (end - middle) * 1000},
+        "full_decode_attention_ms": decode_attention_ms(full, heads, repeats, answering=True),
+        f"{name}_decode_attention_ms": decode_attention_ms(compressed, heads, repeats, answering=True),
+        "full_cache_bytes": full.nbytes,
+        f"{name}_resident_bytes": compressed.nbytes - compressed.padding_bytes,
+        f"{name}_padding_bytes": compressed.padding_bytes,
+        f"{name}_offloaded_bytes": compressed.offloaded_bytes,
+        "report": policy.report(),
+    }
+
+
+def tiny_decode_benchmark(policy: Policy, frames: int = 240, budget_share: float = 0.1, tokens: int = 32) -> dict[str, Any]:
+    """The tiny model end to end: a synthetic stream into ``full`` and ``policy`` at ``budget_share`` of the
+    stream's visual tokens, then one answer each; decode ms per token (after the first token)."""
+    model = build_tiny_model()
+    video = synthetic_video(num_frames=frames, height=224, width=336, fps=2.0, seed=1)
+    per_grid = (224 // 28) * (336 // 28)
+    total = frames // 2 * per_grid
+    budget = Budget.resolve(policy, max(4 * per_grid, int(total * budget_share)), None, default_ratio=0.75)
+    engines = {"full": StreamEngine(model, "full", fps=2.0, max_new_tokens=tokens),
+               policy.name: StreamEngine(model, policy, budget=budget, fps=2.0, max_new_tokens=tokens)}
+    for _ in stream_video(model, video, engines):
+        pass
+    model.logit_bias = None  # let answers run to the token cap (random weights stop anywhere otherwise)
+    out = {"frames": frames, "stream_tokens": total, "budget": budget.M, "keep": budget.C}
+    for name, engine in engines.items():
+        answer = engine.answer("What moved?", max_new_tokens=tokens)
+        per_token = (answer.ms - answer.ttft_ms) / max(1, answer.tokens - 1)
+        out[name] = {"ttft_ms": answer.ttft_ms, "decode_ms_per_token": per_token, "tokens": answer.tokens,
+                     "cache_bytes": engine.memory.nbytes, "offloaded_bytes": engine.memory.offloaded_bytes}
+    return out
+
+
+def decode_table(decode: dict[str, Any], tiny: dict[str, Any] | None, name: str) -> str:
+    lines = [
+        f"{name}, {decode['layers']} layers, {decode['stream_tokens']} visual tokens -> {decode['keep']} per head on average:",
+        f"  pass: classification + budgets + pruning {decode['pass_ms']['classify_and_prune']:.0f} ms, "
+        f"apply + offload {decode['pass_ms']['apply_and_offload']:.0f} ms",
+        f"  decode-step attention over {decode['layers']} layers: full {decode['full_decode_attention_ms']:.1f} ms, "
+        f"{name} {decode[f'{name}_decode_attention_ms']:.1f} ms (resident + retrieved chunks)",
+        f"  bytes: full {decode['full_cache_bytes'] / 2**20:.0f} MB; {name} resident "
+        f"{decode[f'{name}_resident_bytes'] / 2**20:.0f} MB + padding {decode[f'{name}_padding_bytes'] / 2**20:.1f} MB, "
+        f"offloaded {decode[f'{name}_offloaded_bytes'] / 2**20:.0f} MB (host)",
+    ]
+    if tiny:
+        lines.append(f"tiny model, {tiny['frames']} frames ({tiny['stream_tokens']} visual tokens), M={tiny['budget']}:")
+        for engine in ("full", name):
+            row = tiny[engine]
+            lines.append(f"  {engine:<10} decode {row['decode_ms_per_token']:.1f} ms/token, first token {row['ttft_ms']:.0f} ms, "
+                         f"cache {row['cache_bytes'] / 2**20:.2f} MB, offloaded {row['offloaded_bytes'] / 2**20:.2f} MB")
+    return "\n".join(lines)
+
+
+def run_update(policy: Policy, factor: int) -> tuple[dict[str, Any], str]:
+    result = update_benchmark(make_policy(policy.name, **policy.params()), factor=factor)
+    return {"7b": result}, update_table(result, policy.name)
+
+
+def run_decode(policy: Policy, factor: int) -> tuple[dict[str, Any], str]:
+    decode = decode_benchmark(make_policy(policy.name, **policy.params()))
+    tiny = tiny_decode_benchmark(make_policy(policy.name, **policy.params()))
+    return {"7b": decode, "tiny": tiny}, decode_table(decode, tiny, policy.name)
+
+
+#: The benchmarks a policy may declare (``Policy.benchmarks``): name -> (what it measures, runner). A runner
+#: takes the policy and ``--stream-factor`` and returns its JSON parts (``{suffix: result}``, written as
+#: ``{policy}_{suffix}``) and its table.
+BENCHMARKS = {
+    "update": ("its per-chunk update at 7B shape over a simulated stream (random keys/values, no model)", run_update),
+    "decode": ("its pass and decode-step attention at 7B shape, and decode on the tiny model", run_decode),
+}

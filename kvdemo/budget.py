@@ -1,0 +1,156 @@
+"""The budget of one engine, resolved once: ``M`` (visual tokens held at most) and ``C`` (kept by a
+compression), from a policy and the user's numbers, with the one rule that says whether chunks fit.
+
+Who takes what: ``full`` takes neither (unbounded); a selection policy takes ``M`` and ``C`` with ``C < M``;
+a policy with a summary region (:class:`~kvdemo.policies.base.SummaryRegion`, e.g. ProtoKV) takes ``M``
+alone and splits it into its summary slots and a window of real tokens held exactly. The engine, the CLI,
+the app, the evaluation and the benchmarks all hold a :class:`Budget` and never decide this again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .policies.base import BudgetError, Policy, SummaryRegion
+
+#: The largest M or C accepted: token counts are int32 in the memory's provenance, and no stream reaches it
+#: (a larger M would never compress: that is the ``full`` policy).
+MAX_TOKENS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Budget:
+    """``M`` and ``C`` of one engine (see the module docstring). ``M`` is None for an unbounded policy; ``C``
+    is None for one sized by ``M`` alone, whose ``summary`` slots come out of ``M``."""
+
+    M: int | None = None
+    C: int | None = None
+    summary: int = 0
+    #: The policy's split of ``M`` in words, and its rule (``M -> summary slots``), for the messages.
+    split_text: str = ""
+    window_name: str = "window"
+    summary_of: Callable[[int], int] | None = field(default=None, compare=False, repr=False)
+
+    # --- resolving ------------------------------------------------------------------------
+    @classmethod
+    def resolve(
+        cls, policy: Policy | type[Policy], budget: Any = None, keep: Any = None, default_ratio: float | None = None
+    ) -> "Budget":
+        """Check the user's ``budget`` (M) and ``keep`` (C) for ``policy`` (a class or an instance: an
+        instance's parameters may change how ``M`` splits) and resolve them; :class:`BudgetError` with a
+        one-line reason otherwise. ``default_ratio`` sets ``C = ratio * M`` when a policy that takes ``C`` got
+        ``M`` alone (the CLI's default); numbers given to a policy that does not use them are ignored
+        (``full``'s ``M``, ProtoKV's ``C`` when ``default_ratio`` is given)."""
+        policy_cls = policy if isinstance(policy, type) else type(policy)
+        if not policy_cls.bounded:
+            return cls()
+        takes_keep = policy_cls.takes_keep()
+        if default_ratio is not None:
+            if not takes_keep:
+                keep = None
+            elif keep is None and budget is not None:
+                keep = int(_token_count("M", budget) * default_ratio)
+        if budget is None or (takes_keep and keep is None):
+            needed = "a budget M and a keep size C" if takes_keep else "a budget M"
+            raise BudgetError(f"policy {policy_cls.name!r} needs {needed} (visual tokens)")
+        if not takes_keep and keep is not None:
+            raise BudgetError(f"policy {policy_cls.name!r} is sized by M alone; C does not apply (leave it out)")
+        M = _token_count("M", budget)
+        if not takes_keep:
+            splitter = policy if isinstance(policy, SummaryRegion) else policy_cls()
+            summary = splitter.summary_slots(M)  # raises if M cannot be split as the policy needs
+            return cls(M, None, summary, splitter.describe_split(M), getattr(splitter, "window_name", "window"),
+                       splitter.summary_slots)
+        C = _token_count("C", keep)
+        if C >= M:
+            raise BudgetError(f"C must be smaller than M (a compression keeps C of the M tokens), got M={M}, C={C}")
+        return cls(M, C)
+
+    @classmethod
+    def auto(cls, policy: Policy | type[Policy], chunk_tokens: int, stream_tokens: int, ratio: float = 0.75) -> "Budget":
+        """A budget that makes compression visible on a stream of ``stream_tokens`` visual tokens: ``M`` a third
+        of them (at most 6144, InfiniPot-V's budget), at least ``chunk_tokens / (1 - ratio)`` so that ``M - C``
+        takes a chunk, and ``C = ratio * M`` for a policy that takes one."""
+        floor_m = int(math.ceil(chunk_tokens / (1 - ratio)))
+        return cls.resolve(policy, max(floor_m, min(6144, stream_tokens // 3)), None, default_ratio=ratio)
+
+    # --- what it says -------------------------------------------------------------------------
+    @property
+    def bounded(self) -> bool:
+        return self.M is not None
+
+    @property
+    def window(self) -> int | None:
+        """Real visual tokens held at most: ``M`` less the summary slots."""
+        return None if self.M is None else self.M - self.summary
+
+    def keep_for(self, incoming: int) -> int:
+        """Real visual tokens a compression keeps when ``incoming`` tokens are about to arrive: ``C``, or for a
+        policy sized by ``M`` alone the newest ``window - incoming`` (Alg. 1 of ProtoKV: evict while the
+        near window would exceed ``W``)."""
+        if self.C is not None:
+            return self.C
+        return max(0, self.window - incoming)
+
+    def check_chunk(self, tokens: int, shape: str = "") -> None:
+        """Raise :class:`BudgetError` if chunks of ``tokens`` visual tokens can never fit: ``M`` below one chunk,
+        ``M - C`` too small to take one after a compression, or a window smaller than one chunk. ``shape``
+        describes the chunk (e.g. "1 temporal grid(s) of 9x15 tokens")."""
+        if self.M is None:
+            return
+        shape = f" = {shape}" if shape else ""
+        if self.C is None:
+            if tokens > self.window:
+                raise BudgetError(
+                    f"the {self.window_name} W={self.window} (M={self.M}: {self.split_text}) is smaller than one chunk "
+                    f"({tokens} visual tokens{shape}); raise M to at least {self.smallest_fitting(tokens)}"
+                )
+            return
+        if tokens > self.M:
+            raise BudgetError(
+                f"M={self.M} is smaller than one chunk ({tokens} visual tokens{shape}); "
+                "raise M, or lower max pixels / frames per chunk"
+            )
+        if self.M - self.C < tokens:
+            raise BudgetError(
+                f"M - C = {self.M - self.C} leaves no room for one chunk ({tokens} visual tokens{shape}); "
+                f"lower C to at most {self.M - tokens} or raise M"
+            )
+
+    def smallest_fitting(self, tokens: int) -> int:
+        """The smallest ``M`` whose window holds ``tokens`` (a policy sized by ``M`` alone)."""
+        candidate = max(tokens, 1)
+        while True:
+            try:
+                if candidate - self.summary_of(candidate) >= tokens:
+                    return candidate
+            except BudgetError:
+                pass
+            candidate += 1
+
+    def describe(self) -> str:
+        """``M=96, C=72``, ``M=96`` (sized by M alone) or ``unbounded``."""
+        if self.M is None:
+            return "unbounded"
+        return f"M={self.M}" + (f", C={self.C}" if self.C is not None else "")
+
+
+def _token_count(name: str, value: Any) -> int:
+    """``value`` as a positive whole number of tokens no larger than :data:`MAX_TOKENS`."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise BudgetError(f"{name} is a number of visual tokens, got {value!r}") from None
+    if number != number or number in (float("inf"), float("-inf")):
+        raise BudgetError(f"{name} is a number of visual tokens, got {value!r}")
+    if number != int(number):
+        raise BudgetError(f"M and C are token counts (whole numbers), got {name}={number:g}")
+    if number <= 0:
+        raise BudgetError(f"M and C must be positive, got {name}={number:g}")
+    if number > MAX_TOKENS:
+        raise BudgetError(f"{name}={number:g} is more visual tokens than any stream holds (at most {MAX_TOKENS:,}); "
+                          "for no compression at all choose the full policy")
+    return int(number)

@@ -1,0 +1,76 @@
+"""Helpers on the frame grid that several policies share: dense frame ranks per head, the recent window
+(InfiniPot-V's and CoRDS' recent frames), and pooling a per-token score over each token's spatial
+neighbours in its own frame (InfiniPot-V's VaN pooling, HybridKV's text-prior pooling)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def frame_rank(frame: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense ranks of frame ids ``[H, L]`` per row: ``(rank [H, L], frames_held [H])``; rank 0 is the oldest.
+
+    Each row (head) is ranked among its own frames. The memory keeps tokens in stream order, so frame
+    ids are non-decreasing along a row and the rank is a running count of changes; any other order
+    falls back to a sort.
+    """
+    heads, length = frame.shape
+    if length == 0:
+        return torch.zeros_like(frame, dtype=torch.long), torch.zeros(heads, dtype=torch.long, device=frame.device)
+    change = frame[:, 1:] != frame[:, :-1]
+    if bool((frame[:, 1:] >= frame[:, :-1]).all()):
+        rank = torch.cat([torch.zeros(heads, 1, dtype=torch.long, device=frame.device), change.long().cumsum(1)], 1)
+        return rank, rank[:, -1] + 1
+    order = frame.long()
+    offset = order.max() + 1
+    keyed = order + torch.arange(heads, device=frame.device)[:, None] * offset
+    unique, inverse = torch.unique(keyed, return_inverse=True)
+    counts = torch.bincount(torch.div(unique, offset, rounding_mode="floor"), minlength=heads)
+    starts = torch.cumsum(counts, 0) - counts
+    return inverse - starts[:, None], counts
+
+
+def recent_window(
+    frame: torch.Tensor, tokens_per_frame: int, keep: int, ratio: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The recent window shared by the policies that keep one (InfiniPot-V Sec. 3.1, CoRDS' recent tail).
+
+    ``r = max(1, round(ratio * f))`` newest frames per head, ``f = L / tokens_per_frame`` the frames' worth
+    of tokens held, shrunk to the whole frames that fit in ``keep`` (at least one frame).
+    Returns ``(recent [H, L] bool, rank [H, L], frames_held [H], r)``.
+    """
+    rank, held = frame_rank(frame)
+    length = frame.shape[1]
+    frames = max(1, round(ratio * length / tokens_per_frame))
+    frames = min(frames, max(1, keep // tokens_per_frame))
+    return rank >= (held[:, None] - frames), rank, held, frames
+
+
+def pool_on_grid(
+    score: torch.Tensor, rank: torch.Tensor, pos: torch.Tensor, grid: tuple[int, int], kernel: int
+) -> torch.Tensor:
+    """Average ``score [H, L]`` over each token's ``kernel x kernel`` spatial neighbours in the same frame.
+
+    ``rank [H, L]`` is the token's dense frame index per head, ``pos [H, L]`` its ``row * cols + col``.
+    Only neighbours that are held count: evicted ones and the grid's zero padding are left out of the
+    average (kvdemo's choice; ``count_include_pad`` and the authors' code count padding as zeros).
+    """
+    if kernel <= 1:
+        return score
+    heads, length = score.shape
+    rows, cols = grid
+    frames = int(rank.max()) + 1 if length else 1
+    flat = ((torch.arange(heads, device=score.device)[:, None] * frames + rank) * (rows * cols) + pos).flatten()
+    dense = torch.zeros(heads * frames * rows * cols, dtype=torch.float32, device=score.device)
+    mask = torch.zeros_like(dense)
+    dense[flat] = score.float().flatten()
+    mask[flat] = 1.0
+    # Frames as channels of one channels-last image: the fast layout for CPU pooling. Zero padding
+    # counts alike in values and mask, so the ratio below averages over the neighbours that exist.
+    images = torch.stack([dense, mask]).view(1, 2 * heads * frames, rows, cols)
+    images = images.contiguous(memory_format=torch.channels_last)
+    pooled = F.avg_pool2d(images, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+    pooled = pooled.contiguous().view(2, -1)
+    sums, counts = pooled[0], pooled[1]
+    return (sums[flat] / counts[flat].clamp_min(1e-12)).view(heads, length).to(score.dtype)

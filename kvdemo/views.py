@@ -1,0 +1,109 @@
+"""What a view shows, as plain data: declared by whoever owns the knowledge (a policy's own state, an
+answer's attribution), drawn by :mod:`kvdemo.viz`, laid out by the app. Nothing here draws, and nothing
+here knows a policy, a model or Gradio.
+
+A policy declares its views with :meth:`kvdemo.policies.base.Policy.views`, which receives a
+:class:`ViewContext` (what the memory looked like) and returns a list of :data:`View`: a strip of frames
+whose patches carry integer labels (:class:`PatchLabels`), a strip of frames whose patches carry a value
+(:class:`PatchValues`), or a chart made of parts (:class:`Chart`: histograms, series, a grid of labelled
+cells).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: Label of a patch that carries none (drawn dimmed), and of one whose label no longer holds (dark red).
+UNLABELLED, LOST = -1, -2
+
+
+@dataclass
+class ViewContext:
+    """What a view may read of an engine besides its own state: the memory's shape and timeline."""
+
+    num_layers: int
+    num_kv_heads: int
+    grid_shape: tuple[int, int] | None
+    grid_times_s: list[float]
+    timeline: list[Any] = field(default_factory=list)  # OccupancyEvent, oldest first
+    summary_slots: int = 0
+
+    @property
+    def num_grids(self) -> int:
+        return len(self.grid_times_s)
+
+
+@dataclass
+class PatchLabels:
+    """Frames (temporal grids ``grids``) with every patch coloured by its integer label ``labels [n, rows, cols]``
+    (the same label, the same colour across frames; :data:`UNLABELLED` dimmed, :data:`LOST` dark red), the
+    label written in each patch when it fits; ``frame_captions`` one per frame."""
+
+    title: str
+    caption: str
+    grids: list[int]
+    labels: np.ndarray
+    frame_captions: list[str]
+
+
+@dataclass
+class PatchValues:
+    """Frames (temporal grids ``grids``) with every patch tinted by a value in [0, 1] (``values [n, rows, cols]``),
+    e.g. the attention an answer put on it; ``frame_captions`` one per frame."""
+
+    title: str
+    caption: str
+    grids: list[int]
+    values: np.ndarray
+    frame_captions: list[str]
+
+
+@dataclass
+class Histogram:
+    """A histogram of ``values`` (log-spaced integer bins when ``log_bins``)."""
+
+    values: np.ndarray
+    x_title: str
+    y_title: str
+    log_bins: bool = True
+
+
+@dataclass
+class Series:
+    """Lines over a shared x axis: ``lines`` maps a name to its y values; ``limit`` draws a dashed level;
+    ``log_y`` a logarithmic y axis."""
+
+    x: list[float]
+    lines: dict[str, list[float]]
+    x_title: str
+    y_title: str
+    limit: float | None = None
+    log_y: bool = False
+
+
+@dataclass
+class CellGrid:
+    """A grid of cells (rows x columns, e.g. layers x KV heads), each in one of ``class_names`` (``classes
+    [rows, cols]`` int) with ``numbers [rows, cols]`` written in and a hover line per cell."""
+
+    classes: np.ndarray
+    class_names: dict[int, str]
+    numbers: np.ndarray
+    hover: list[list[str]]
+    row_names: list[str]
+    col_names: list[str]
+
+
+@dataclass
+class Chart:
+    """A chart of one or more parts side by side."""
+
+    title: str
+    caption: str
+    parts: list[Histogram | Series | CellGrid]
+
+
+View = PatchLabels | PatchValues | Chart

@@ -1,0 +1,132 @@
+"""Charts (Plotly figures, each built as one dict: plotly's subplot helpers cost ~100 ms per live update):
+occupancy over stream time, the coverage CDF, and a declared :class:`~kvdemo.views.Chart` of parts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+
+from ..memory import OccupancyEvent
+from ..views import CellGrid, Chart, Histogram, Series
+
+CHART_COLOURS = ["#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#ff7f0e", "#8c564b"]
+
+
+def occupancy_figure(series: dict[str, list[OccupancyEvent]], budget: int | None = None, title: str = ""):
+    """Visual tokens (top) and real cache MB (bottom) over stream time for each engine.
+
+    ``series`` maps a label ("infinipot-v at M=2048", "full cache") to its timeline; compression
+    events are marked. A bounded policy draws a sawtooth under ``budget``; the full cache a line.
+    (Built as one dict: plotly's subplot helpers cost ~100 ms per live update.)
+    """
+    colours = iter(["#d62728", "#1f77b4", "#2ca02c", "#9467bd"])
+    data = []
+    for label, events in series.items():
+        colour = next(colours)
+        x = [e.time_s for e in events]
+        line = dict(color=colour, width=2)
+        data.append(dict(type="scatter", x=x, y=[e.visual_tokens for e in events], mode="lines", name=label,
+                         legendgroup=label, line=line, xaxis="x", yaxis="y"))
+        data.append(dict(type="scatter", x=x, y=[e.cache_bytes / 2**20 for e in events], mode="lines", name=label,
+                         legendgroup=label, showlegend=False, line=line, xaxis="x", yaxis="y2"))
+        if any(e.offloaded_bytes for e in events):  # HybridKV: host-memory store, apart from the resident cache
+            data.append(dict(type="scatter", x=x, y=[e.offloaded_bytes / 2**20 for e in events], mode="lines",
+                             name=f"{label}: offloaded (host)", legendgroup=label, xaxis="x", yaxis="y2",
+                             line=dict(color=colour, width=2, dash="dot")))
+        compressions = [e for e in events if e.event == "compress"]
+        if compressions:
+            data.append(dict(
+                type="scatter", x=[e.time_s for e in compressions], y=[e.visual_tokens for e in compressions],
+                mode="markers", name=f"{label}: compression", legendgroup=label, xaxis="x", yaxis="y",
+                marker=dict(color=colour, symbol="triangle-down", size=8),
+                hovertemplate="compressed to %{y} tokens at %{x:.1f}s<extra></extra>",
+            ))
+    shapes, annotations = [], [
+        dict(text="visual tokens", x=0.5, y=1.0, xref="paper", yref="paper", showarrow=False, yanchor="bottom"),
+        dict(text="KV cache (MB)", x=0.5, y=0.44, xref="paper", yref="paper", showarrow=False, yanchor="bottom"),
+    ]
+    if budget:
+        shapes.append(dict(type="line", xref="paper", x0=0, x1=1, yref="y", y0=budget, y1=budget,
+                           line=dict(color="#555", dash="dash", width=1)))
+        annotations.append(dict(text=f"M = {budget}", xref="paper", x=0, yref="y", y=budget, showarrow=False,
+                                xanchor="left", yanchor="bottom"))
+    layout = dict(
+        title=dict(text=title) if title else None, height=420, margin=dict(l=50, r=20, t=50, b=40),
+        template="plotly_white", hovermode="x unified", shapes=shapes, annotations=annotations,
+        legend=dict(orientation="h", yanchor="bottom", y=1.06, x=0),
+        xaxis=dict(anchor="y2", title=dict(text="stream time (s)")),
+        yaxis=dict(domain=[0.56, 1.0], rangemode="tozero"),
+        yaxis2=dict(domain=[0.0, 0.44], rangemode="tozero"),
+    )
+    return go.Figure(dict(data=data, layout=layout))
+
+
+def coverage_figure(summaries: dict[str, dict[str, Any]]):
+    """CDF of every full-cache token's cosine distance to its nearest kept token (left is better)."""
+    figure = go.Figure()
+    dashes = {"joint": "solid", "key": "dash", "value": "dot"}
+    colours = iter(["#d62728", "#1f77b4", "#2ca02c", "#9467bd"])
+    for name, summary in summaries.items():
+        colour = next(colours)
+        for space, dash in dashes.items():
+            curve = summary[space]["curve"]
+            figure.add_trace(go.Scatter(x=curve["distance"], y=curve["fraction"], mode="lines", name=f"{name} ({space})",
+                                        line=dict(color=colour, dash=dash)))
+    figure.update_layout(
+        title="coverage: distance to the nearest kept token (CDF, left is better)", height=320, template="plotly_white",
+        xaxis_title="cosine distance", yaxis_title="fraction of full-cache tokens", margin=dict(l=50, r=20, t=50, b=40),
+    )
+    return figure
+
+
+def chart_figure(chart: Chart):
+    """A Plotly figure of the chart's parts side by side (one dict: plotly's subplot helpers are slow)."""
+    parts = len(chart.parts)
+    gap = 0.1 if parts > 1 else 0.0
+    width = (1.0 - gap * (parts - 1)) / parts
+    data, layout, shapes = [], {}, []
+    for index, part in enumerate(chart.parts):
+        suffix = "" if index == 0 else str(index + 1)
+        xaxis, yaxis = f"x{suffix}", f"y{suffix}"
+        domain = [index * (width + gap), index * (width + gap) + width]
+        if isinstance(part, Histogram):
+            values = np.asarray(part.values)
+            top = int(values.max()) + 1 if values.size else 2
+            edges = np.unique(np.round(np.geomspace(1, max(2, top), 12)).astype(int)) if part.log_bins else np.linspace(0, max(top, 1), 12)
+            counts, _ = np.histogram(values, bins=edges) if values.size else (np.zeros(len(edges) - 1), edges)
+            labels = [f"{a}-{b - 1}" if b - 1 > a else f"{a}" for a, b in zip(edges[:-1], edges[1:])]
+            data.append(dict(type="bar", x=labels, y=counts.tolist(), marker=dict(color=CHART_COLOURS[0]), xaxis=xaxis,
+                             yaxis=yaxis, hovertemplate="%{x}: %{y}<extra></extra>"))
+            axis_type = "category"
+        elif isinstance(part, Series):
+            for colour, (name, ys) in zip(CHART_COLOURS[1:] + CHART_COLOURS[:1], part.lines.items()):
+                data.append(dict(type="scatter", x=part.x, y=ys, mode="lines", name=name, line=dict(color=colour, width=2),
+                                 xaxis=xaxis, yaxis=yaxis))
+            if part.limit is not None:
+                shapes.append(dict(type="line", xref=f"{xaxis} domain", x0=0, x1=1, yref=yaxis, y0=part.limit, y1=part.limit,
+                                   line=dict(color="#555", dash="dash", width=1)))
+            axis_type = "linear"
+        else:  # CellGrid
+            data.append(dict(type="heatmap", z=part.classes.tolist(), text=[[f"{int(n)}" for n in row] for row in part.numbers],
+                             texttemplate="%{text}", customdata=part.hover, hovertemplate="%{customdata}<extra></extra>",
+                             colorscale=[[0, "#ffbb78"], [1, "#1f77b4"]], zmin=0, zmax=max(1, len(part.class_names) - 1),
+                             showscale=False, x=part.col_names, y=part.row_names, xaxis=xaxis, yaxis=yaxis))
+            axis_type = None
+        x_title = getattr(part, "x_title", "")
+        layout[f"xaxis{suffix}"] = dict(domain=domain, anchor=yaxis, **({"type": axis_type} if axis_type else {}),
+                                        **({"title": dict(text=x_title)} if x_title else {}))
+        y_axis = dict(anchor=xaxis)
+        if isinstance(part, CellGrid):
+            y_axis["autorange"] = "reversed"
+        else:
+            y_axis.update(rangemode="tozero", title=dict(text=getattr(part, "y_title", "")))
+            if getattr(part, "log_y", False):
+                y_axis["type"] = "log"
+        layout[f"yaxis{suffix}"] = y_axis
+    rows = max((len(p.row_names) for p in chart.parts if isinstance(p, CellGrid)), default=0)
+    height = max(280, 22 * rows + 80) if rows else 280
+    layout.update(height=height, margin=dict(l=50, r=20, t=30, b=40), template="plotly_white", shapes=shapes,
+                  showlegend=any(isinstance(p, Series) and len(p.lines) > 1 for p in chart.parts))
+    return go.Figure(dict(data=data, layout=layout))

@@ -1,0 +1,80 @@
+"""The benchmarks' harnesses on small shapes: the pass against its floor, what policies declare worth
+measuring (update, decode), and the comparison with the authors' code on a stand-in with their signature."""
+
+import pytest
+
+
+def test_pass_benchmark_times_selection_apply_and_the_floor_on_a_small_shape():
+    from kvdemo.bench.passes import pass_benchmark, pass_table
+    from kvdemo.policies import make_policy
+
+    shape = dict(num_layers=3, num_kv_heads=2, head_dim=16, budget=96, keep=72, grid=(3, 4))
+    results = pass_benchmark(make_policy("infinipot-v"), repeats=2, shape=shape)
+    for policy in ("infinipot-v", "uniform", "sliding-window"):
+        for dtype in ("float32", "bfloat16"):
+            row = results["pass_7b"][policy][dtype]
+            assert row["total_ms"] == pytest.approx(row["select_ms"] + row["apply_ms"], rel=0.5)
+            assert row["floor_ms"] > 0 and row["total_over_floor"] > 0
+            # apply moves at most M - C tokens per head: 24 x K and V x 2 heads x 16 dims x 3 layers
+            assert 0 < row["moved_bytes"] <= 24 * 2 * 2 * 16 * 3 * (4 if dtype == "float32" else 2)
+    append = results["append_7b"]["float32"]
+    assert append["kvdemo"]["bytes_copied"] == 12 * 2 * 2 * 16 * 3 * 4  # one 3x4 grid, all layers
+    assert append["dynamic_cache"]["bytes_copied"] > append["kvdemo"]["bytes_copied"]
+    assert "total/floor" in pass_table(results["pass_7b"])
+
+
+def test_protokv_and_hybridkv_benchmarks_on_a_small_shape():
+    """The simulated streams run the engine's trigger: ProtoKV passes once per grid after its near window
+    fills and reports its phases; HybridKV's pass offloads and its decode-step attention runs."""
+    from kvdemo.bench.policies import decode_benchmark, decode_table, update_benchmark, update_table
+    from kvdemo.policies import make_policy
+
+    shape = dict(num_layers=2, num_kv_heads=2, num_heads=4, head_dim=16, budget=256, keep=192, grid=(2, 8))
+    result = update_benchmark(make_policy("protokv", warmup=16), grids=20, factor=2, window=4, shape=shape)
+    near = make_policy("protokv").split(256)[0]  # 64 tokens = 4 grids
+    assert result["1x"]["passes"] == 20 - near // 16 and result["2x"]["passes"] == 40 - near // 16
+    assert {"assignment", "update", "residuals", "maintenance", "synthesis", "total"} <= set(result["1x"]["per_frame_ms"])
+    assert result["infinipot_v"]["passes"] >= 1 and "InfiniPot-V" in update_table(result, "protokv")
+    assert result["synthesis_all_ms"] > 0, "a policy with a summary region times synthesising every entry at once"
+    decode = decode_benchmark(make_policy("hybridkv"), stream_tokens=512, shape=shape, repeats=1)
+    assert decode["hybridkv_offloaded_bytes"] > 0 and decode["hybridkv_resident_bytes"] < decode["full_cache_bytes"]
+    assert "decode-step attention" in decode_table(decode, None, "hybridkv")
+
+
+FAKE_REFERENCE = """
+import torch
+
+def process_kv_cache(past_key_values, model, system_size, inst_size, token_per_frame, compress_frame_num,
+                     method="uniform", tar_ratio=0.5, query_ratio=0.25, adaptive_pooling=False, **unused):
+    # A stand-in for the authors' kvcache_utils.py with their signature: keeps the {which} compress_frame_num frames.
+    assert method == "swa" and inst_size == 0 and not adaptive_pooling
+    assert len(model.model.language_model.layers) == len(past_key_values.layers) and model.config.height_width == 2
+    keep = compress_frame_num * token_per_frame
+    for layer in past_key_values.layers:
+        for name in ("keys", "values"):
+            cache = getattr(layer, name)
+            visual = cache[:, :, system_size:]
+            kept = visual[:, :, -keep:] if "{which}" == "newest" else visual[:, :, :keep]
+            setattr(layer, name, torch.cat([cache[:, :, :system_size], kept], dim=2))
+    return past_key_values
+"""
+
+
+@pytest.mark.parametrize("which,identical,shared", [("newest", 4, 1.0), ("oldest", 0, 0.5)])
+def test_reference_comparison_loads_the_users_file_and_compares_kept_tokens(tmp_path, which, identical, shared):
+    """``bench --reference``'s harness on a stand-in with the authors' signature: kvdemo's sliding window
+    against a reference keeping the newest 4 of 6 frames (the same tokens in every layer-head) or the oldest
+    4 (2 of 4 frames in common)."""
+    from kvdemo.bench.reference import load_reference, reference_benchmark, reference_table
+    from kvdemo.policies import make_policy
+
+    (tmp_path / "kvcache_utils.py").write_text(FAKE_REFERENCE.replace("{which}", which))
+    shape = dict(num_layers=2, num_kv_heads=2, head_dim=8, budget=24, keep=16, grid=(2, 2))  # 6 frames of 4, keep 4
+    result = reference_benchmark(load_reference(tmp_path), repeats=1, policy=make_policy("sliding-window"),
+                                 method="swa", shape=shape)
+    for dtype in ("float32", "bfloat16"):
+        row = result[dtype]
+        assert (row["identical_rows"], row["rows"]) == (identical, 4)
+        assert row["shared_token_fraction"] == pytest.approx(shared)
+        assert row["ratio"] == pytest.approx(row["kvdemo_ms"] / row["reference_ms"])
+    assert f"{identical}/4 layer-heads identical" in reference_table(result)

@@ -1,0 +1,61 @@
+"""The run report on the bundled sample, for every policy, equals the one recorded before the restructure of
+issue 17 (timings aside): moving code changed no result. ``python tests/test_reports.py`` re-records it; do that
+only with a change that is meant to change results (a retrained model, a policy whose rule changed), and say
+which in the commit."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+RECORDED = Path(__file__).resolve().parent / "data" / "bundled_sample_reports.json"
+POLICIES = ("full", "sliding-window", "uniform", "infinipot-v", "cords", "protokv", "hybridkv")
+#: Timings differ from run to run; everything else must not.
+TIMING_KEYS = {"ms", "ttft_ms"}
+
+
+def strip_timings(value):
+    if isinstance(value, dict):
+        return {k: strip_timings(v) for k, v in value.items() if k not in TIMING_KEYS and not k.endswith("_ms")}
+    if isinstance(value, list):
+        return [strip_timings(v) for v in value]
+    return value
+
+
+def report_of(policy: str, folder: Path) -> dict:
+    """``python -m kvdemo run`` on the bundled sample at the tiny model's app budget (M=96, C=72), asking every
+    question the sample has a ground truth for."""
+    from kvdemo.cli import main
+    from kvdemo.synthetic import sample_episode
+
+    out = folder / f"{policy}.json"
+    args = ["run", "--policy", policy, "--quiet", "--json", str(out)]
+    if policy != "full":
+        args += ["-M", "96"] + (["-C", "72"] if policy != "protokv" else [])
+    for question in sample_episode().questions:
+        args += ["--ask", question.text]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(args) == 0
+    return strip_timings(json.loads(out.read_text()))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_report_on_the_bundled_sample_is_unchanged(policy, tmp_path):
+    recorded = json.loads(RECORDED.read_text())[policy]
+    assert report_of(policy, tmp_path) == recorded
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    sys.path.insert(0, str(RECORDED.parents[2]))  # run as a script from the checkout
+
+    with tempfile.TemporaryDirectory() as folder:
+        reports = {policy: report_of(policy, Path(folder)) for policy in POLICIES}
+    RECORDED.write_text(json.dumps(reports, indent=0, sort_keys=True))
+    print(f"recorded {', '.join(POLICIES)} in {RECORDED}", file=sys.stderr)
