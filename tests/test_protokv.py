@@ -18,7 +18,8 @@ from kvdemo.models.qwen_vl import QwenVL
 from kvdemo.models.tiny import ByteTokenizer, tiny_config
 from kvdemo.policies import BudgetError, Selection, make_policy
 from kvdemo.policies.base import SummaryUpdate
-from kvdemo.policies.protokv import beam_search, mahalanobis, pq_decode, pq_encode, train_codebooks
+from kvdemo.policies.protokv.ema import mahalanobis
+from kvdemo.policies.protokv.pq import beam_search, pq_decode, pq_encode, train_codebooks
 from kvdemo.attention import MemoryCache
 
 
