@@ -55,6 +55,10 @@ PROVENANCE = {"frame": 0, "row": 1, "col": 2, "order": 3, "position": slice(4, 7
 PROVENANCE_WIDTH = 8
 #: Slots kept free after the live part for a question and its answer (grown on demand beyond that).
 TEXT_RESERVE = 256
+#: The key bias is kept in float32 whatever the cache dtype: a bfloat16 ``log n_k`` is off by up to half an ulp
+#: (0.0156 for n_k in [55, 2980], an effective mass 1.6% off). The attention seam decides what the kernel gets
+#: (:func:`kvdemo.attention.mask_dtype`).
+BIAS_DTYPE = torch.float32
 
 
 @dataclass
@@ -87,7 +91,7 @@ class LayerMemory:
 
     kv: torch.Tensor
     packed: torch.Tensor  # [H, capacity - P - S, 8] int32 provenance, see PROVENANCE
-    bias: torch.Tensor | None = None  # [H, capacity] additive key bias (0 = plain attention), None if never used
+    bias: torch.Tensor | None = None  # [H, capacity] float32 additive key bias (0 = plain attention), None if never used
     visual_len: int = 0  # L: visual slots in use (the fullest head's count when ragged)
     valid: torch.Tensor | None = None  # [H, L] bool when heads hold different numbers of tokens
     offload: OffloadStore | None = None  # tokens some heads keep off the device, retrieved at decode time
@@ -155,17 +159,23 @@ class KVMemory:
             return torch.full((self.num_kv_heads,), store.visual_len, dtype=torch.long)
         return store.valid.sum(dim=1).cpu()
 
+    def budget_counts(self, layer: int) -> torch.Tensor:
+        """``[H]`` visual tokens the budget bounds: held, plus retrievable if retrieval counts (``OffloadStore.counted``)."""
+        held, offload = self.head_counts(layer), self.layers[layer].offload
+        return held + offload.reserved() if offload is not None and offload.counted else held
+
     @property
     def visual_tokens(self) -> int:
         """Visual tokens held, the number the budget bounds: per layer, the summary slots plus the mean
-        visual tokens per KV head (equal heads: just the count); the fullest layer counts."""
+        visual tokens per KV head (equal heads: just the count; retrieval that counts toward the budget
+        included, :meth:`budget_counts`); the fullest layer counts."""
         return self.visual_tokens_in(range(self.num_layers))
 
     def visual_tokens_in(self, layers) -> int:
         """:attr:`visual_tokens` over the given layers only (0 if none or empty)."""
         if not self.layers:
             return 0
-        return max((self.summary_slots + round(float(self.head_counts(i).double().mean())) for i in layers), default=0)
+        return max((self.summary_slots + round(float(self.budget_counts(i).double().mean())) for i in layers), default=0)
 
     @property
     def largest_head_tokens(self) -> int:
@@ -298,7 +308,7 @@ class KVMemory:
             store.packed = store.packed[:, :rows].clone()
             if self.summary_slots:
                 # Summary slots exist from the start but stay invisible until a policy fills them.
-                store.bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=store.keys.dtype, device=store.keys.device)
+                store.bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=BIAS_DTYPE, device=store.keys.device)
                 store.bias[:, prefix_len : self.visual_start] = float("-inf")
         self.max_position = prefix_len - 1
 
@@ -356,12 +366,12 @@ class KVMemory:
                     rotary=rotary,
                     summary_slots=self.summary_slots,
                     probe=probe[layer] if probe is not None else None,
+                    offloaded=None if store.offload is None else store.offload.tokens.to(store.keys.device),
                 )
             )
         return views
 
     @torch.inference_mode()
-
     def apply(self, selection: Selection) -> int:
         """Keep, per layer and KV head, the selected visual tokens (and their provenance); returns the
         key/value bytes moved.
@@ -446,6 +456,7 @@ class KVMemory:
         if store.offload is None:
             store.offload = OffloadStore.empty(heads, dim, update.chunk, store.keys.dtype, store.keys.device)
         store.offload.retrieve = update.retrieve.cpu().long()
+        store.offload.counted = bool(update.counted)
         if update.tokens.numel() == 0:
             return 0
         index = update.tokens.to(store.kv.device)
@@ -462,7 +473,7 @@ class KVMemory:
     def _refresh_visual_bias(self, store: LayerMemory, new_len: int) -> None:
         """Visual slots: 0 where a head holds a token, ``-inf`` on ragged padding; the slack back to 0."""
         if store.bias is None:
-            store.bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=store.keys.dtype, device=store.keys.device)
+            store.bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=BIAS_DTYPE, device=store.keys.device)
         start = self.visual_start
         store.bias[:, start:].zero_()
         if store.valid is not None:

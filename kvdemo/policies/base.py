@@ -50,6 +50,8 @@ class LayerView:
     probe: ``[H_q, T, D]`` post-RoPE queries of a probe text run after the memory (for policies with
     ``needs_probe``, e.g. HybridKV's text-centric head classification); query head ``h`` reads KV head
     ``h // (H_q / H_kv)``.
+    offloaded: ``[H_kv]`` tokens each head keeps in the memory's offload store (retrievable while answering);
+    None when the layer has no store.
     """
 
     layer: int
@@ -67,6 +69,7 @@ class LayerView:
     rotary: Any = None
     summary_slots: int = 0
     probe: torch.Tensor | None = None
+    offloaded: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.order is None:
@@ -107,12 +110,16 @@ class OffloadUpdate:
     tokens: ``[H_kv, E]`` indices into the layer's view (arrival order), ``valid [H_kv, E]`` which count;
     they are stored in chunks of ``chunk`` tokens per head with a resident mean-key index.
     retrieve: ``[H_kv]`` visual tokens each head brings back per decode step (0: it does not retrieve).
+    counted: whether those retrieved tokens count toward the budget ``M`` (the memory's visual tokens include
+    them, so a head's query-time context, resident + retrieved, stays within what the budget bounds) or come on
+    top of it.
     """
 
     tokens: torch.Tensor
     valid: torch.Tensor
     retrieve: torch.Tensor
     chunk: int = 8
+    counted: bool = False
 
 
 @dataclass

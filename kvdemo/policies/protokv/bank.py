@@ -3,12 +3,26 @@ prototype slots, and the operations that change them.
 
 - :meth:`ProtoBank.seed`: (re)initialise slots from tokens (Alg. 1 line 5 for a never-used slot, Alg. 2 line 17
   for a recycled one): the one place a slot starts over;
+- :meth:`ProtoBank.credit_seeds`: a recycled slot's seed token counts in its mass when it leaves the near window
+  (once; see "Every token counts once" below);
 - :meth:`ProtoBank.update`: Alg. 1 lines 8-12 for a chunk of assigned tokens, in closed form per prototype;
 - :meth:`ProtoBank.record_residuals`: Alg. 1 line 13 (PQ histograms, or the warm-up reservoir until the
   codebooks are trained);
 - :meth:`ProtoBank.age`, :meth:`ProtoBank.merge`, :meth:`ProtoBank.recycle`: Alg. 2;
 - :meth:`ProtoBank.record_assignment` / :meth:`ProtoBank.assignments`: which prototype each absorbed patch of
   the last grids went to (for the views), kept true across merges and recycling.
+
+**Every token counts once (kvdemo's reading of ``n_k``).** The paper defines ``n_k`` as the number of tokens a
+prototype summarises, and recycling seeds a slot from a token that is still exact in the near window (Alg. 2
+line 17, ``n_k <- 1``). Counted at seeding, that token would count again when it leaves the window and is
+absorbed (and attention would see it twice: exactly, and through the pseudo-tokens of a prototype that is only
+that token). So a recycled slot starts with its seed's centre, spatial state and recency but ``n_k = 0``: it can
+take evicted tokens (Eq. 1 considers it) and stays hidden from attention (``log 0 = -inf``) until it holds any.
+The seed token's arrival number is recorded (``seed_order`` / ``seed_slot``); when it leaves the window it adds
+1 to its slot's mass (or to the prototype that slot merged into) without a second EMA step or a residual: its
+key, value and position are the slot's initial state already. Hence, with aging off, the bank's total mass
+equals the tokens that left the near window (``tests/test_protokv.py`` checks it on a stream with merges and
+recycling). A token already seeding a slot does not seed another.
 
 Nothing here loops over tokens, heads or prototypes; every tensor is created on the bank's device.
 """
@@ -17,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +40,28 @@ from ...views import LOST
 from .ema import ema_closed_form, running_mean_before
 from .pq import pq_encode, train_codebooks
 
-#: What ``near(count)`` returns: the newest ``count`` near-window tokens of every row, as
-#: :meth:`kvdemo.policies.protokv.policy.ProtoKV.gather` does (keys before RoPE, values, spatial, positions, ...).
-NearTokens = Callable[[int], tuple[torch.Tensor, ...]]
+#: Padding of :attr:`ProtoBank.seed_order` (sorts after every arrival number).
+NO_SEED = torch.iinfo(torch.int64).max
+
+
+class Tokens(NamedTuple):
+    """Tokens of every bank row, ``[B, E, ...]`` (as :meth:`kvdemo.policies.protokv.policy.ProtoKV._gather` returns
+    them): keys before RoPE and values ``[B, E, D]`` float32, normalised spatial coordinates ``[B, E, 2]``, M-RoPE
+    positions ``[B, E, 3]``, temporal grid, row and column ``[B, E]``, arrival number ``order [B, E]`` int64."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    spatial: torch.Tensor
+    position: torch.Tensor
+    frame: torch.Tensor
+    row: torch.Tensor
+    col: torch.Tensor
+    order: torch.Tensor
+
+
+#: ``near(count)``: the newest ``count`` near-window tokens of every row, newest first (fewer if the window holds
+#: fewer).
+NearTokens = Callable[[int], Tokens]
 
 
 @dataclass
@@ -56,7 +89,13 @@ class ProtoBank:
     # recycled reads as lost, not as represented by the slot's new occupant.
     generation: torch.Tensor  # [B, K] int32
     assign_generation: torch.Tensor  # [B, history, rows, cols] int32
+    # Recycled slots' seed tokens still in the near window: arrival number (ascending, NO_SEED padding) and the
+    # slot their mass goes to when they leave (-1 padding); see "Every token counts once".
+    seed_order: torch.Tensor  # [B, P] int64
+    seed_slot: torch.Tensor  # [B, P] int64
     reservoir_len: int = 0
+    recycled: int = 0  # slots recycled so far (all rows)
+    merged: int = 0  # prototypes merged away so far (all rows)
     codebook_k: torch.Tensor | None = None  # [B, G, C, D/G]
     codebook_v: torch.Tensor | None = None
 
@@ -87,6 +126,8 @@ class ProtoBank:
             assign_grid=torch.full((history,), -1, dtype=torch.int64, device=device),
             generation=zeros(rows, prototypes, dtype=torch.int32),
             assign_generation=zeros(rows, history, *grid, dtype=torch.int32),
+            seed_order=zeros(rows, 0, dtype=torch.int64),
+            seed_slot=zeros(rows, 0, dtype=torch.int64),
         )
 
     @property
@@ -103,19 +144,33 @@ class ProtoBank:
 
     @property
     def active(self) -> torch.Tensor:
+        """``[B, K]``: prototypes holding mass (visible to attention, merged, aged)."""
         return self.mass > 0
+
+    @property
+    def seeded(self) -> torch.Tensor:
+        """``[B, K]``: slots a seed token still in the near window will credit."""
+        slot = torch.where(self.seed_slot >= 0, self.seed_slot, self.capacity)
+        count = torch.zeros(self.rows, self.capacity + 1, dtype=torch.int64, device=slot.device)
+        return count.scatter_add_(1, slot, torch.ones_like(slot))[:, : self.capacity] > 0
+
+    @property
+    def open(self) -> torch.Tensor:
+        """``[B, K]``: slots Eq. 1 may assign a token to (holding mass, or seeded and waiting for it)."""
+        return self.active | self.seeded
 
     # --- Alg. 1 line 5, Alg. 2 line 17 ------------------------------------------------------
     def seed(
         self, r: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, spatial: torch.Tensor,
-        position: torch.Tensor, t: int,
+        position: torch.Tensor, t: int, mass: int = 1,
     ) -> None:
         """(Re)initialise slots ``(r, k)`` (``[N]`` each) from one token each (``keys/values [N, D]``, ``spatial
-        [N, 2]``, ``position [N, 3]``): ``c, p <- K, V; n <- 1; mu <- s; Sigma <- I; tau <- t; R <- 0``; the
-        slot's generation advances (patches absorbed into its previous occupant are lost)."""
+        [N, 2]``, ``position [N, 3]``): ``c, p <- K, V; n <- mass; mu <- s; Sigma <- I; tau <- t; R <- 0``; the
+        slot's generation advances (patches absorbed into its previous occupant are lost). ``mass`` is 1 for a
+        token that has left the near window, 0 for a seed still in it (see "Every token counts once")."""
         self.centre_k[r, k] = keys
         self.centre_v[r, k] = values
-        self.mass[r, k] = 1
+        self.mass[r, k] = mass
         self.used[r, k] = True
         self.generation[r, k] += 1
         self.tau_time[r, k] = t
@@ -125,6 +180,49 @@ class ProtoBank:
         self.hist_k[r, k] = 0
         self.hist_v[r, k] = 0
         self.n_res[r, k] = 0
+
+    # --- seeds still in the near window -------------------------------------------------------
+    def _find_seeds(self, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For arrival numbers ``order [B, E]`` (int64): the column of each in :attr:`seed_order` and whether it is
+        a pending seed there (``[B, E]`` each)."""
+        if self.seed_order.shape[1] == 0:
+            zero = torch.zeros(order.shape, dtype=torch.int64, device=order.device)
+            return zero, zero.bool()
+        column = torch.searchsorted(self.seed_order, order.contiguous()).clamp_max_(self.seed_order.shape[1] - 1)
+        return column, torch.gather(self.seed_order, 1, column) == order
+
+    def add_seeds(self, r: torch.Tensor, k: torch.Tensor, order: torch.Tensor) -> None:
+        """Record that slot ``(r, k)`` was seeded by the near-window token of arrival number ``order`` (``[N]``)."""
+        rank = torch.zeros_like(r)
+        if r.numel():  # position of each new seed among its row's new seeds
+            first = torch.searchsorted(r, r, right=False)  # r is row-major sorted (nonzero order)
+            rank = torch.arange(r.numel(), device=r.device) - first
+        width = int(rank.max()) + 1 if r.numel() else 0
+        new_order = torch.full((self.rows, width), NO_SEED, dtype=torch.int64, device=r.device)
+        new_slot = torch.full((self.rows, width), -1, dtype=torch.int64, device=r.device)
+        new_order[r, rank] = order
+        new_slot[r, rank] = k
+        self._set_seeds(torch.cat([self.seed_order, new_order], 1), torch.cat([self.seed_slot, new_slot], 1))
+
+    def credit_seeds(self, order: torch.Tensor) -> torch.Tensor:
+        """Tokens ``order [B, E]`` leave the near window: each that seeded a slot adds 1 to that slot's mass (the
+        seed's deferred ``n_k <- 1``) and leaves the record. Returns each token's credited slot, -1 if none."""
+        column, hit = self._find_seeds(order)
+        slot = torch.where(hit, torch.gather(self.seed_slot, 1, column) if self.seed_slot.shape[1] else column, -1)
+        if bool(hit.any()):
+            r, e = torch.nonzero(hit, as_tuple=True)
+            self.mass.index_put_((r, slot[r, e]), torch.ones_like(r), accumulate=True)
+            keep = torch.ones_like(self.seed_slot, dtype=torch.bool)
+            keep[r, column[r, e]] = False
+            self._set_seeds(torch.where(keep, self.seed_order, NO_SEED), torch.where(keep, self.seed_slot, -1))
+        return slot
+
+    def _set_seeds(self, order: torch.Tensor, slot: torch.Tensor) -> None:
+        """Keep the seed records sorted by arrival number per row, padding last, no all-padding columns."""
+        order, sort = torch.sort(order, dim=1)
+        slot = torch.gather(slot, 1, sort)
+        width = int((order != NO_SEED).sum(dim=1).max()) if order.numel() else 0
+        self.seed_order, self.seed_slot = order[:, :width].contiguous(), slot[:, :width].contiguous()
 
     # --- Alg. 1 lines 8-13 --------------------------------------------------------------------
     def update(
@@ -187,11 +285,14 @@ class ProtoBank:
         the codebooks can be trained (App. A.1), then train them."""
         groups, codewords = self.hist_k.shape[-2:]
         if self.codebook_k is None:
-            # Take each row's first assigned tokens (arrival order), as many as every row has.
+            # Take each row's first assigned tokens (arrival order), as many as every row has. A residual that is
+            # exactly zero (the token equals its prototype's centre) says nothing about the spread the codebooks
+            # must cover, and would pull several codewords onto zero: it stays out of the reservoir.
+            usable = mask & (residual_k != 0).any(dim=-1) & (residual_v != 0).any(dim=-1)
             warmup = self.reservoir_k.shape[1]
-            take = min(int(mask.sum(dim=1).min()), warmup - self.reservoir_len)
+            take = min(int(usable.sum(dim=1).min()), warmup - self.reservoir_len)
             if take > 0:
-                first = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :take]
+                first = torch.argsort((~usable).to(torch.int8), dim=1, stable=True)[:, :take]
                 dest = slice(self.reservoir_len, self.reservoir_len + take)
                 dim = residual_k.shape[-1]
                 self.reservoir_k[:, dest] = torch.gather(residual_k, 1, first[..., None].expand(-1, -1, dim))
@@ -302,16 +403,20 @@ class ProtoBank:
             flat.index_add_(0, target, state[r, j].view(r.numel(), -1))
         self.mass.view(-1).index_add_(0, target, self.mass[r, j])
         self.mass[r, j] = 0
-        self._follow_merges(r, j, i)
+        successor = torch.arange(capacity, device=device).repeat(rows, 1)
+        successor[r, j] = i
+        self._follow_merges(successor)
+        # A merged-away slot's pending seeds credit its partner when they leave the window.
+        self.seed_slot = torch.where(self.seed_slot >= 0, torch.gather(successor, 1, self.seed_slot.clamp_min(0)), -1)
+        self.merged += int(r.numel())
         touched = torch.zeros_like(active)
         touched[r, i] = True
         touched[r, j] = True
         return touched
 
-    def _follow_merges(self, r: torch.Tensor, j: torch.Tensor, i: torch.Tensor) -> None:
-        """Patches absorbed into a merged-away prototype ``(r, j)`` are now represented by its partner ``(r, i)``."""
-        successor = torch.arange(self.capacity, device=r.device).repeat(self.rows, 1)
-        successor[r, j] = i
+    def _follow_merges(self, successor: torch.Tensor) -> None:
+        """Patches absorbed into a merged-away prototype are now represented by its partner (``successor [B, K]``:
+        each slot's partner, itself if it did not merge)."""
         lookup = self.assign_map.long().clamp_min(0).flatten(1)
         moved = torch.gather(successor, 1, lookup).view_as(self.assign_map)
         was_merged = (self.assign_map >= 0) & (moved != self.assign_map.long())
@@ -320,16 +425,21 @@ class ProtoBank:
         self.assign_generation = torch.where(was_merged, current, self.assign_generation)
 
     def recycle(self, near: NearTokens, t: int) -> torch.Tensor:
-        """Refill used slots that became empty from the newest near-window tokens (Alg. 2 lines 14-19): the
-        ``k``-th empty slot of a row takes the row's ``k``-th newest token. Returns the refilled slots ``[B, K]``."""
-        empty = self.used & ~self.active
+        """Refill used slots that became empty from the newest near-window tokens (Alg. 2 lines 14-19): the ``k``-th
+        empty slot of a row takes the row's ``k``-th newest token that is not already a seed. The slot starts at
+        ``n_k = 0`` and its token is recorded; the token's mass comes when it leaves the window (see "Every token
+        counts once"). A slot waiting for its seed is not empty. Returns the refilled slots ``[B, K]``."""
+        empty = self.used & ~self.active & ~self.seeded
         if not bool(empty.any()):
             return torch.zeros_like(empty)
-        keys, values, spatial, position = near(int(empty.sum(dim=1).max()))[:4]
-        available = keys.shape[1]
-        rank = torch.cumsum(empty.long(), dim=1) - 1  # k-th empty slot of its row takes the k-th newest token
-        refill = empty & (rank < available)
+        tokens = near(int(empty.sum(dim=1).max()) + self.seed_order.shape[1])
+        free = ~self._find_seeds(tokens.order)[1]  # [B, n]: not seeding a slot already
+        newest_free = torch.argsort((~free).to(torch.int8), dim=1, stable=True)  # free ones first, newest first
+        rank = torch.cumsum(empty.long(), dim=1) - 1  # k-th empty slot of its row takes the k-th newest free token
+        refill = empty & (rank < free.sum(dim=1, keepdim=True))
         r, k = torch.nonzero(refill, as_tuple=True)
-        e = rank[r, k]
-        self.seed(r, k, keys[r, e], values[r, e], spatial[r, e], position[r, e], t)
+        e = newest_free[r, rank[r, k]]
+        self.seed(r, k, tokens.keys[r, e], tokens.values[r, e], tokens.spatial[r, e], tokens.position[r, e], t, mass=0)
+        self.add_seeds(r, k, tokens.order[r, e])
+        self.recycled += int(r.numel())
         return refill

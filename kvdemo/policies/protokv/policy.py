@@ -14,8 +14,9 @@ bank (Alg. 1), runs maintenance (Alg. 2), and refreshes the pseudo-tokens of the
 prototypes.
 
 **Keys before RoPE** (Sec. 3.3, D.1). Centres average keys from different positions, so they are kept
-pre-RoPE: evicted keys are un-rotated with their known 3-D M-RoPE positions (exact: a rotation), and a
-prototype's pseudo-tokens are rotated at ``tau_k``, the position of its most recently absorbed token.
+pre-RoPE: evicted keys are un-rotated with their known 3-D M-RoPE positions (exact: a rotation, computed in
+float32 from the cached keys, so a bfloat16 cache's keys are not rounded again), and a prototype's pseudo-tokens
+are rotated at ``tau_k``, the position of its most recently absorbed token.
 
 **Batching (kvdemo's).** Alg. 1 absorbs one token at a time. Here one chunk's evicted tokens (in arrival
 order) are absorbed together: first, never-used slots take the first tokens, one each (as Alg. 1 would);
@@ -34,15 +35,20 @@ with all others, on L2-normalised centres (kvdemo's choice: the paper's threshol
 (0.20, 0.25)`` give no scale, and raw key norms vary by orders of magnitude across models and layers); a
 prototype merges into the lowest-index partner that is not itself merging. Recycling refills slots that
 were used and became empty (merged away, or decayed to zero mass) from the newest near-window tokens;
-never-used slots wait for evicted tokens (Sec. 3.1, "Initialization").
+never-used slots wait for evicted tokens (Sec. 3.1, "Initialization"). ``n_k`` counts the tokens a prototype
+summarises, each once: a recycled slot's seed token is still exact in the near window, so the slot starts at
+``n_k = 0`` (hidden from attention, open to assignment) and the seed adds its 1 when it leaves the window
+(kvdemo's reading of Alg. 2 line 17; :mod:`.bank`, "Every token counts once").
 
 **Residuals (Alg. 1 line 13, App. A.1).** Per row, PQ codebooks (``G`` sub-quantisers of ``C`` codewords, keys
 and values separately) are trained by k-means on a warm-up reservoir of the first ``warmup`` residuals
 (kvdemo's ``T_warm``: 256 residuals per row; Lloyd iterations on the whole reservoir, which is one mini-batch)
 and fixed; residuals before that count in no histogram. **Pseudo-tokens (Alg. 3-4):** the top-``S`` code tuples
-by beam search (``B = 4S``, run ``min(B, S)`` wide: the same tuples, see :func:`beam_search`) over the smoothed
-histograms (kvdemo's ``epsilon = 0.1``), key and value modes paired by rank; ``n_res = 0`` gives zero residuals.
-Each of the ``S`` pseudo-tokens carries bias ``log n_k``.
+by beam search (``B = 4S``, run ``min(B, S)`` wide: the same tuples, see :func:`.pq.beam_search`, which also
+states how tied tuples are ordered) over the smoothed histograms (kvdemo's ``epsilon = 0.1``), key and value modes
+paired by rank; ``n_res = 0`` gives zero residuals. Residuals that are exactly zero stay out of the warm-up
+reservoir. Each of the ``S`` pseudo-tokens carries bias ``log n_k``, computed in float64 and kept in float32 by
+the memory whatever the cache dtype (see :func:`kvdemo.attention.mask_dtype` for what the kernel receives).
 
 Time ``t`` (idleness, ``T_idle``) counts temporal grids (the unit a Qwen chunk adds: two sampled frames):
 kvdemo's reading of the paper's "steps".
@@ -59,7 +65,7 @@ import torch.nn.functional as F
 
 from ...views import LOST, Chart, Histogram, PatchLabels, Series, View, ViewContext
 from ..base import BudgetError, LayerView, PhaseTimer, Policy, Selection, SummaryRegion, SummaryUpdate, register
-from .bank import NearTokens, ProtoBank
+from .bank import NearTokens, ProtoBank, Tokens
 from .ema import mahalanobis
 from .pq import beam_search, pq_decode
 
@@ -179,7 +185,7 @@ class ProtoKV(Policy, SummaryRegion):
         if evict.shape[-1]:
             with timer.phase("gather", device):
                 tokens = self._gather(views, evict)
-            touched |= self.absorb(bank, *tokens, t, timer)
+            touched |= self.absorb(bank, *tokens[:7], t, timer, order=tokens.order)
         with timer.phase("maintenance", device):
             touched |= self.maintain(bank, lambda count: self._gather(views, near_newest[..., :count]), t, touched)
         with timer.phase("synthesis", device):
@@ -204,10 +210,11 @@ class ProtoKV(Policy, SummaryRegion):
         return ProtoBank.empty(rows, prototypes, dim, grid, self.subquantizers, self.codewords, self.warmup, self.history, device)
 
     @staticmethod
-    def _gather(views: list[LayerView], index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Tokens ``index [layers, H, E]`` of every row: keys before RoPE and values ``[B, E, D]`` (float32),
-        normalised spatial coordinates ``[B, E, 2]``, positions ``[B, E, 3]``, grid and (row, col) ``[B, E]``."""
-        keys, values, position, frame, row, col = [], [], [], [], [], []
+    def _gather(views: list[LayerView], index: torch.Tensor) -> Tokens:
+        """Tokens ``index [layers, H, E]`` of every row (:class:`~.bank.Tokens`, ``[B, E, ...]``). Keys are
+        un-rotated in float32 (a bfloat16 cache's keys are widened first, so the key before RoPE is not rounded
+        back to bfloat16: Sec. 3.3 keeps centres before RoPE, and their EMA is float32)."""
+        keys, values, position, frame, row, col, order = [], [], [], [], [], [], []
         for view, idx in zip(views, index):
             expand = idx[..., None].expand(-1, -1, view.keys.shape[-1])
             keys.append(torch.gather(view.keys, 1, expand))
@@ -216,16 +223,18 @@ class ProtoKV(Policy, SummaryRegion):
             frame.append(torch.gather(view.frame, 1, idx))
             row.append(torch.gather(view.row, 1, idx))
             col.append(torch.gather(view.col, 1, idx))
+            order.append(torch.gather(view.order, 1, idx))
         position = torch.cat(position).long()
         keys = torch.cat(keys)
         rotary = views[0].rotary
         if rotary is None:
             raise BudgetError("ProtoKV needs the model's rotation to keep keys before RoPE (views without rotary)")
-        keys = rotary.unrotate(keys, position).float()
+        keys = rotary.unrotate(keys.float(), position)
         rows, cols = views[0].grid
         row, col = torch.cat(row).float(), torch.cat(col).float()
         spatial = torch.stack([(row + 0.5) / rows, (col + 0.5) / cols], dim=-1)
-        return keys, torch.cat(values).float(), spatial, position, torch.cat(frame).long(), row.long(), col.long()
+        return Tokens(keys, torch.cat(values).float(), spatial, position, torch.cat(frame).long(), row.long(), col.long(),
+                      torch.cat(order).long())
 
     # --- Alg. 1 -----------------------------------------------------------------------------
     def absorb(
@@ -240,27 +249,31 @@ class ProtoKV(Policy, SummaryRegion):
         col: torch.Tensor,
         t: int,
         timer: PhaseTimer | None = None,
+        order: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Absorb evicted tokens ``[B, E, ...]`` (arrival order along ``E``) into the bank; returns the
-        prototypes touched ``[B, K]``. See the module docstring for the batching. ``timer`` splits the time
-        into assignment / update / residuals."""
+        """Absorb evicted tokens ``[B, E, ...]`` (arrival order along ``E``, arrival numbers ``order [B, E]``) into the
+        bank; returns the prototypes touched ``[B, K]``. See the module docstring for the batching. A token that
+        seeded a recycled slot only adds its deferred mass there (:meth:`ProtoBank.credit_seeds`); ``order`` None
+        (hand-made tokens) means none did. ``timer`` splits the time into assignment / update / residuals."""
         rows, tokens = keys.shape[:2]
         device = keys.device
         timer = timer or PhaseTimer()
         arange_rows = torch.arange(rows, device=device)[:, None]
-        # 1. Never-used slots take the first tokens, one each, in slot order.
+        credited = bank.credit_seeds(order) if order is not None else torch.full((rows, tokens), -1, device=device)
+        seeds = credited >= 0
+        # 1. Never-used slots take the first other tokens, one each, in slot order.
         fresh = ~bank.used
         fresh_count = fresh.sum(dim=1)  # [B]
         slot_of_rank = torch.argsort((~fresh).to(torch.int8), dim=1, stable=True)  # fresh slots first, in order
-        token_rank = torch.arange(tokens, device=device)[None].expand(rows, -1)
-        initialise = token_rank < fresh_count[:, None]  # [B, E]
-        init_slot = torch.gather(slot_of_rank, 1, token_rank.clamp(max=bank.capacity - 1))
-        r_i, e_i = arange_rows.expand(-1, tokens)[initialise], token_rank[initialise]
-        s_i = init_slot[initialise]
+        token_rank = torch.cumsum((~seeds).long(), dim=1) - 1  # rank among the tokens that are not seeds
+        initialise = ~seeds & (token_rank < fresh_count[:, None])  # [B, E]
+        init_slot = torch.gather(slot_of_rank, 1, token_rank.clamp(0, bank.capacity - 1))
+        r_i, e_i = torch.nonzero(initialise, as_tuple=True)
+        s_i = init_slot[r_i, e_i]
         bank.seed(r_i, s_i, keys[r_i, e_i], values[r_i, e_i], spatial[r_i, e_i], position[r_i, e_i], t)
-        assigned = torch.where(initialise, init_slot, -1)
+        assigned = torch.where(initialise, init_slot, credited)
         # 2. The others: Eq. 1 against the bank after those initialisations.
-        rest = ~initialise
+        rest = ~initialise & ~seeds
         if bool(rest.any()):
             with timer.phase("assignment", device):
                 choice = self.assignment_cost(bank, keys, spatial, t).argmin(dim=-1)  # [B, E]
@@ -277,13 +290,13 @@ class ProtoKV(Policy, SummaryRegion):
 
     def assignment_cost(self, bank: ProtoBank, keys: torch.Tensor, spatial: torch.Tensor, t: int) -> torch.Tensor:
         """Eq. 1 for every token and prototype, ``[B, E, K]``: ``-cos(K, c_k) + lambda_sp d_Mah(s; mu_k,
-        Sigma_k) + lambda_idle 1(t - tau_k > T_idle)``; empty slots cost ``+inf``."""
+        Sigma_k) + lambda_idle 1(t - tau_k > T_idle)``; slots that are not open (:attr:`ProtoBank.open`) cost ``+inf``."""
         unit_keys, unit_centres = F.normalize(keys, dim=-1), F.normalize(bank.centre_k, dim=-1)
         # Per-prototype terms in one [B, 1, K] row: the idle penalty, and +inf on empty slots.
         per_prototype = torch.zeros(bank.mass.shape, dtype=unit_keys.dtype, device=keys.device)
         if self.lambda_idle:
             per_prototype += self.lambda_idle * ((t - bank.tau_time) > self.t_idle).to(per_prototype.dtype)
-        per_prototype.masked_fill_(~bank.active, float("inf"))
+        per_prototype.masked_fill_(~bank.open, float("inf"))
         if self.lambda_sp:
             cost = mahalanobis(spatial, bank.mu, bank.sigma).mul_(self.lambda_sp)
             cost.baddbmm_(unit_keys, unit_centres.transpose(1, 2), alpha=-1.0)  # - cos, fused into the sum
@@ -425,5 +438,8 @@ class ProtoKV(Policy, SummaryRegion):
             "mass_quantiles": {q: float(torch.quantile(mass.double(), q / 100)) for q in (10, 50, 90, 100)} if mass.numel() else {},
             "codebooks_trained": bank.codebook_k is not None,
             "residual_updates": int(bank.n_res.sum()),
+            "merged": bank.merged,
+            "recycled": bank.recycled,
+            "seeds_in_window": int((bank.seed_slot >= 0).sum()),
             "last_pass": dict(self._last),
         }

@@ -51,31 +51,51 @@ def pq_decode(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     return picked.view(rows, protos, modes, groups * sub)
 
 
+#: Beam-search scores are fixed point: each log-probability is rounded to a multiple of 1 / SCORE_SCALE and tuples
+#: are scored by exact int64 sums (kvdemo's; see :func:`beam_search`).
+SCORE_SCALE = 2**32
+
+
 def beam_search(hist: torch.Tensor, modes: int, beam: int, smoothing: float) -> torch.Tensor:
     """Alg. 3: the top-``modes`` code tuples of the factorised distribution of ``hist [..., G, C]``
-    (Eq. 3 smoothing), by beam search over sub-quantisers -> codes ``[..., modes, G]``.
+    (Eq. 3 smoothing), by beam search over sub-quantisers -> codes ``[..., modes, G]``, best first.
 
-    Each sub-quantiser contributes only its ``modes`` most likely codewords (a tuple with a lower-ranked
-    code cannot be among the top ``modes``: swapping that code for any of the ``modes`` better ones gives
-    ``modes`` better tuples), which shrinks every step's candidates without changing the result. For the same
-    reason the beam never needs to be wider than ``modes``: a prefix outside the best ``modes`` prefixes has
-    ``modes`` better ones, each of which completes with the same suffix to a better tuple. So ``beam`` (the
-    paper's B = 4S) is honoured as an upper bound and the search runs ``min(beam, modes)`` wide, with the
-    same tuples as a ``beam``-wide search. Ties go
-    to lower codewords (a ramp far below the log-probability resolution), so the search is deterministic.
+    **The order (kvdemo's, the paper gives none for ties).** A tuple's score is ``sum_g round(2^32 log P(g, z_g))``,
+    summed exactly in int64 (log-probabilities closer than 2^-32 count as equal); higher scores come first, and equal
+    scores go to the lexicographically smaller tuple (the lower codeword in the first sub-quantiser where they
+    differ). Ties are common: codewords with equal counts have equal probabilities.
+
+    Each sub-quantiser contributes only its ``modes`` best codewords under that order (a tuple with a lower-ranked
+    code cannot be among the top ``modes``: swapping that code for any of the ``modes`` better ones gives ``modes``
+    better tuples), which shrinks every step's candidates without changing the result. For the same reason the
+    beam never needs to be wider than ``modes``: a prefix outside the best ``modes`` prefixes has ``modes`` better
+    ones, each of which completes with the same suffix to a better tuple (integer sums are exact, and a tie between
+    prefixes is decided by the prefixes, whatever follows). So ``beam`` (the paper's B = 4S) is honoured as an upper
+    bound and the search runs ``min(beam, modes)`` wide, returning exactly the top ``modes`` tuples of the order.
     """
     *lead, groups, codewords = hist.shape
-    counts = hist.float()
+    counts = hist.double()
     logp = torch.log((counts + smoothing) / (counts.sum(-1, keepdim=True) + codewords * smoothing))
-    logp = logp - torch.arange(codewords, device=hist.device, dtype=torch.float32) * 1e-6
+    score = torch.round(logp * SCORE_SCALE).long()  # [..., G, C]
+    code = torch.arange(codewords, device=hist.device)
     top = min(modes, codewords)
-    logp, code_ids = torch.topk(logp, top, dim=-1)  # [..., G, top], best first
-    scores = torch.zeros(*lead, 1, device=hist.device)
+    width_max = min(beam, modes)
+    if (int(score.abs().max()) * groups + 1) * max(width_max, 1) * codewords >= 2**62:
+        raise ValueError("beam search scores would overflow int64: fewer pseudo-tokens or codewords")
+    # Per sub-quantiser, its best codewords (score first, then the lower codeword): one unique int64 key each.
+    code_ids = torch.topk(score * codewords + (codewords - 1 - code), top, dim=-1).indices  # [..., G, top], best first
+    code_score = torch.gather(score, -1, code_ids)
+    scores = torch.zeros(*lead, 1, dtype=torch.long, device=hist.device)
+    lex = torch.zeros_like(scores)  # each beam's rank in lexicographic order of its prefix
     parents, picked = [], []  # per sub-quantiser: each beam's parent beam and its codeword [..., width]
     for g in range(groups):
-        candidates = (scores[..., :, None] + logp[..., None, g, :]).flatten(-2)  # [..., width * top]
+        candidates = (scores[..., :, None] + code_score[..., None, g, :]).flatten(-2)  # [..., width * top]
+        order = (lex[..., :, None] * codewords + code_ids[..., None, g, :]).flatten(-2)  # lexicographic rank of prefix+code
+        span = scores.shape[-1] * codewords  # order < span
         width = min(beam, modes, candidates.shape[-1])
-        scores, pick = torch.topk(candidates, width, dim=-1)  # sorted, best first
+        pick = torch.topk(candidates * span + (span - 1 - order), width, dim=-1).indices  # unique keys, best first
+        scores = torch.gather(candidates, -1, pick)
+        lex = torch.argsort(torch.argsort(torch.gather(order, -1, pick), dim=-1), dim=-1)
         parents.append(torch.div(pick, top, rounding_mode="floor"))
         picked.append(torch.gather(code_ids[..., g, :], -1, pick % top))
     # Backtrack the best beams through their parents (instead of copying every beam's tuple at every step).
