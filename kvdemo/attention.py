@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 from .memory import KVMemory
 
@@ -69,10 +69,11 @@ def kvdemo_attention(
     kv_heads, kv_len = key.shape[1], key.shape[2]
     past = kv_len - q_len
     scale = scaling if scaling is not None else dim**-0.5
+    layer = kvdemo.memory.layer_map[module.layer_idx] if kvdemo is not None else None  # the memory's layer
     if kvdemo is not None and kvdemo.capture is not None:
-        kvdemo.capture[module.layer_idx] = query[0].detach().clone()
-    bias = kvdemo.key_bias(module.layer_idx, past) if kvdemo is not None else None
-    extra = kvdemo.retrieval(module.layer_idx, query[0], scale) if kvdemo is not None else None
+        kvdemo.capture[layer] = query[0].detach().clone()
+    bias = kvdemo.key_bias(layer, past) if kvdemo is not None else None
+    extra = kvdemo.retrieval(layer, query[0], scale) if kvdemo is not None else None
     if extra is not None:
         return retrieval_attention(query, key, value, bias, extra, scale), None
     if bias is None:
@@ -189,23 +190,58 @@ class MemoryLayer(CacheLayerMixin):
         return -1
 
 
+class LinearStateLayer(LinearAttentionLayer):
+    """A layer without keys and values (Qwen3.5's Gated DeltaNet) on a copy-on-write fork of the memory's committed
+    state: the forward reads the committed recurrent state and rebinds its own result instead of writing into it;
+    only the convolution state, which the one-token decode kernel updates in place, is cloned (a few hundred KB).
+    A chunk's prefill commits the new state (:meth:`MemoryCache.commit_linear_state`); a question never does, so
+    the memory's state after it is the same tensors, bit for bit."""
+
+    def __init__(self, memory: KVMemory, model_layer: int) -> None:
+        super().__init__()
+        self.model_layer = model_layer
+        committed = memory.linear_state.get(model_layer)
+        if committed is not None:
+            conv, recurrent = committed["conv"], committed["recurrent"]
+            self.conv_states[0], self.recurrent_states[0] = conv.clone(), recurrent
+            self.conv_kernel_size[0] = int(conv.shape[-1])
+            self.dtype, self.device = conv.dtype, conv.device
+            self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+            self.has_previous_state[0] = True
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        self.recurrent_states[state_idx] = recurrent_states
+        self.is_recurrent_states_initialized[state_idx] = True
+        return recurrent_states
+
+
 class MemoryCache(Cache):
-    """A transformers ``Cache`` over a :class:`KVMemory`'s live part (see :meth:`KVMemory.cache`).
+    """A transformers ``Cache`` over a :class:`KVMemory`'s live part, one layer per model layer: a
+    :class:`MemoryLayer` over the memory's layer for an attention layer, a :class:`LinearStateLayer` for a layer
+    without keys and values (``memory.layer_map``).
 
     ``answering`` (set by the engine while it answers a question: the question's prefill and every decode
     step) turns on retrieval from the memory's offload stores; ``capture`` (a dict) makes the attention
-    function record each layer's queries ``[H_q, q, D]`` (post-RoPE), which is how a probe text is read.
+    function record each memory layer's queries ``[H_q, q, D]`` (post-RoPE), which is how a probe text is read.
     """
 
     def __init__(self, memory: KVMemory) -> None:
-        super().__init__(layers=[MemoryLayer(memory, layer) for layer in range(memory.num_layers)])
+        layers = [MemoryLayer(memory, layer) if layer is not None else LinearStateLayer(memory, index)
+                  for index, layer in enumerate(memory.layer_map)]
+        super().__init__(layers=layers)
         self.memory = memory
         self.answering = False
         self.capture: dict[int, torch.Tensor] | None = None
 
+    def commit_linear_state(self) -> None:
+        """Make the state this forward left in the layers without keys and values the memory's committed state."""
+        for layer in self.layers:
+            if isinstance(layer, LinearStateLayer) and layer.has_previous_state[0]:
+                self.memory.commit_linear(layer.model_layer, layer.conv_states[0], layer.recurrent_states[0])
+
     def retrieval(self, layer: int, query: torch.Tensor, scale: float):
-        """Keys/values/bias the forward of ``query [H_q, q, D]`` brings back from ``layer``'s offload store,
-        or None (not answering, or nothing offloaded)."""
+        """Keys/values/bias the forward of ``query [H_q, q, D]`` brings back from memory layer ``layer``'s offload
+        store, or None (not answering, or nothing offloaded)."""
         if not self.answering or layer >= len(self.memory.layers):
             return None
         store = self.memory.layers[layer].offload

@@ -3,14 +3,18 @@ visual token, an optional per-head key bias, real bytes, and the occupancy timel
 
 Layout of one layer's buffers ``keys/values [1, H_kv, capacity, D]`` (slots, not stream order)::
 
-    | prefix (P) | summary (S) | visual (L) | slack ... |
-    0            P             P+S          P+S+L = end  capacity
+    | prefix (P) | summary (S) | visual (L) | stream text (T) | slack ... |
+    0            P             P+S          P+S+L             P+S+L+T = end   capacity
 
 - prefix: the system text, never evicted;
 - summary: synthetic entries a policy owns (ProtoKV's pseudo-tokens), refreshed by a compression;
 - visual: real visual tokens with provenance ``frame/row/col/order/position/reason [H_kv, L]`` per slot.
   Heads may hold different numbers of tokens (ragged budgets): then ``valid [H_kv, L]`` marks real slots
   and the others carry a ``-inf`` key bias;
+- stream text: text tokens the stream itself carries between grids (Qwen3-VL's ``<t seconds><|vision_start|>``
+  and ``<|vision_end|>`` around every temporal grid), with provenance (their grid); they count against ``M`` and
+  leave with their grid's last visual token in that layer and head (:meth:`KVMemory.apply`). Policies never see
+  them: their views hold the visual slots only, and ``LayerView.grid_text`` says what keeping a grid costs;
 - slack: where a forward writes new tokens. A chunk's prefill writes there and is committed
   (:meth:`KVMemory.commit_append`); a question writes there and is simply not committed, so the memory
   after :meth:`~kvdemo.engine.StreamEngine.ask` is bit-identical without any copy or rollback.
@@ -95,6 +99,8 @@ class LayerMemory:
     visual_len: int = 0  # L: visual slots in use (the fullest head's count when ragged)
     valid: torch.Tensor | None = None  # [H, L] bool when heads hold different numbers of tokens
     offload: OffloadStore | None = None  # tokens some heads keep off the device, retrieved at decode time
+    text_len: int = 0  # T: stream-text slots after the visual ones (the fullest head's count when ragged)
+    text_valid: torch.Tensor | None = None  # [H, T] bool when heads hold different numbers of text slots
 
     @property
     def heads(self) -> int:
@@ -125,7 +131,14 @@ class KVMemory:
     ``visual_capacity`` is the number of visual slots to preallocate (``M`` for a bounded policy);
     ``summary_slots`` the size of the summary region a policy owns (0 for a selection policy).
     """
-    def __init__(self, num_layers: int, num_kv_heads: int, visual_capacity: int = 0, summary_slots: int = 0) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        visual_capacity: int = 0,
+        summary_slots: int = 0,
+        layer_map: list[int | None] | None = None,
+    ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.visual_capacity = int(visual_capacity)
@@ -135,8 +148,15 @@ class KVMemory:
         self.grid_times_s: list[float] = []  # stream time of each temporal grid ever fed
         self.grid_shape: tuple[int, int] | None = None
         self.timeline: list[OccupancyEvent] = []
-        self.max_position = -1  # largest position ever assigned (text after the memory starts above it)
         self.tokens_seen = 0  # visual tokens ever appended (the next token's ``order``)
+        #: model layer -> memory layer; None for a layer that holds no keys and values (Qwen3.5's linear
+        #: attention): the memory covers the attention layers only.
+        self.layer_map: list[int | None] = list(layer_map) if layer_map is not None else list(range(num_layers))
+        #: The committed state of the layers without KV (model layer -> {"conv": ..., "recurrent": ...}): fixed
+        #: size whatever the stream, overwritten by every committed chunk, never by a question.
+        self.linear_state: dict[int, dict[str, torch.Tensor]] = {}
+        #: The model family's position cursor after the last committed token (opaque here; pickles with the memory).
+        self.cursor: Any = None
 
     # --- layout and what it holds ---------------------------------------------------------
     @property
@@ -149,15 +169,16 @@ class KVMemory:
         return self.prefix_len + self.summary_slots
 
     def live_len(self, layer: int) -> int:
-        """Slots attention reads in ``layer``: prefix + summary + visual."""
-        return self.visual_start + self.layers[layer].visual_len
+        """Slots attention reads in ``layer``: prefix + summary + visual + stream text."""
+        store = self.layers[layer]
+        return self.visual_start + store.visual_len + store.text_len
 
     def head_counts(self, layer: int) -> torch.Tensor:
-        """Visual tokens each KV head of ``layer`` holds, ``[H]`` (all equal unless ragged)."""
+        """Stream tokens (visual and stream text) each KV head of ``layer`` holds, ``[H]`` (equal unless ragged)."""
         store = self.layers[layer]
-        if store.valid is None:
-            return torch.full((self.num_kv_heads,), store.visual_len, dtype=torch.long)
-        return store.valid.sum(dim=1).cpu()
+        visual = store.visual_len if store.valid is None else store.valid.sum(dim=1).cpu()
+        text = store.text_len if store.text_valid is None else store.text_valid.sum(dim=1).cpu()
+        return torch.zeros(self.num_kv_heads, dtype=torch.long) + visual + text
 
     def budget_counts(self, layer: int) -> torch.Tensor:
         """``[H]`` visual tokens the budget bounds: held, plus retrievable if retrieval counts (``OffloadStore.counted``)."""
@@ -167,8 +188,8 @@ class KVMemory:
     @property
     def visual_tokens(self) -> int:
         """Visual tokens held, the number the budget bounds: per layer, the summary slots plus the mean
-        visual tokens per KV head (equal heads: just the count; retrieval that counts toward the budget
-        included, :meth:`budget_counts`); the fullest layer counts."""
+        stream tokens per KV head (visual and stream text; equal heads: just the count; retrieval that
+        counts toward the budget included, :meth:`budget_counts`); the fullest layer counts."""
         return self.visual_tokens_in(range(self.num_layers))
 
     def visual_tokens_in(self, layers) -> int:
@@ -239,11 +260,23 @@ class KVMemory:
     def padding_bytes(self) -> int:
         """Live bytes in the padding slots of ragged heads (a padded layout's waste)."""
         total = 0
-        for layer, store in enumerate(self.layers):
-            if store.valid is not None:
-                empty = store.valid.numel() - int(store.valid.sum())
-                total += empty * 2 * store.keys.element_size() * store.keys.shape[-1]
+        for store in self.layers:
+            for mask in (store.valid, store.text_valid):
+                if mask is not None:
+                    total += (mask.numel() - int(mask.sum())) * 2 * store.keys.element_size() * store.keys.shape[-1]
         return total
+
+    @property
+    def text_tokens(self) -> int:
+        """Stream-text slots held (mean over KV heads, fullest layer); part of :attr:`visual_tokens`."""
+        counts = [s.text_len if s.text_valid is None else round(float(s.text_valid.sum(dim=1).double().mean()))
+                  for s in self.layers]
+        return max(counts, default=0)
+
+    @property
+    def linear_state_bytes(self) -> int:
+        """Real bytes of the layers without KV (their state's size does not depend on the stream)."""
+        return sum(t.element_size() * t.nelement() for state in self.linear_state.values() for t in state.values())
 
     def reset_retrieved(self) -> None:
         """Forget which offloaded chunks were retrieved (a new question starts)."""
@@ -310,35 +343,70 @@ class KVMemory:
                 # Summary slots exist from the start but stay invisible until a policy fills them.
                 store.bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=BIAS_DTYPE, device=store.keys.device)
                 store.bias[:, prefix_len : self.visual_start] = float("-inf")
-        self.max_position = prefix_len - 1
+
+    def commit_linear(self, model_layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Adopt the state a chunk's forward left in model layer ``model_layer`` (one without keys and values)."""
+        self.linear_state[model_layer] = {"conv": conv, "recurrent": recurrent}
 
     @torch.inference_mode()
     def commit_append(self, chunk: VisualChunk, positions: torch.Tensor) -> None:
         """Adopt the ``chunk.num_tokens`` tokens a forward wrote after the live part, with their provenance.
 
-        ``positions [3, n]`` are the M-RoPE positions the keys were rotated at.
+        ``positions [3, n]`` are the positions the keys were rotated at (3-D M-RoPE; three equal rows for 1-D
+        RoPE). A chunk's stream text (``chunk.text``) joins the stream-text region after the visual tokens: the
+        rows of that region and of the chunk are reordered once (visual tokens of the chunk, then the text held,
+        then the chunk's text), so the visual slots stay one contiguous block a view can slice.
         """
         if self.grid_shape is None:
             self.grid_shape = (chunk.rows, chunk.cols)
         elif self.grid_shape != (chunk.rows, chunk.cols):
             raise ValueError(f"frame grid changed mid-stream: {self.grid_shape} -> {(chunk.rows, chunk.cols)}")
         n = chunk.num_tokens
+        text = chunk.text.cpu() if chunk.text is not None else torch.zeros(n, dtype=torch.bool)
+        visual_count = n - int(text.sum())
         rows = torch.zeros(n, PROVENANCE_WIDTH, dtype=torch.int32)
         rows[:, PROVENANCE["frame"]] = chunk.grid.cpu().int()
         rows[:, PROVENANCE["row"]] = chunk.row.cpu().int()
         rows[:, PROVENANCE["col"]] = chunk.col.cpu().int()
-        rows[:, PROVENANCE["order"]] = torch.arange(self.tokens_seen, self.tokens_seen + n, dtype=torch.int32)
+        order = torch.full((n,), -1, dtype=torch.int32)
+        order[~text] = torch.arange(self.tokens_seen, self.tokens_seen + visual_count, dtype=torch.int32)
+        rows[:, PROVENANCE["order"]] = order
         rows[:, PROVENANCE["position"]] = positions.t().cpu().int()
         rows[:, PROVENANCE["reason"]] = REASON_NEW
         for store in self.layers:
-            start = store.visual_len
+            start = store.visual_len + store.text_len
             store.packed[:, start : start + n] = rows.to(store.packed.device)
+            if text.any() or store.text_len:
+                self._reorder_stream_text(store, text)
             if store.valid is not None:
-                store.valid = torch.cat([store.valid, store.valid.new_ones(store.valid.shape[0], n)], dim=1)
-            store.visual_len += n
-        self.tokens_seen += n
+                store.valid = torch.cat([store.valid, store.valid.new_ones(store.valid.shape[0], visual_count)], dim=1)
+            if store.text_valid is not None:
+                store.text_valid = torch.cat([store.text_valid, store.text_valid.new_ones(store.text_valid.shape[0], n - visual_count)], dim=1)
+            store.visual_len += visual_count
+            store.text_len += n - visual_count
+            if store.bias is not None or store.valid is not None or store.text_valid is not None:
+                self._refresh_bias(store)
+        self.tokens_seen += visual_count
         self.grid_times_s.extend(chunk.grid_times_s)
-        self.max_position = max(self.max_position, int(positions.max()))
+
+    def _reorder_stream_text(self, store: LayerMemory, text: torch.Tensor) -> None:
+        """Rows ``[L, L + T + n)`` after the visual slots hold the stream text ``T`` then a new chunk of ``n``
+        tokens (``text [n]`` marks its text); reorder them to the chunk's visual tokens, the text held, the
+        chunk's text (keys, values and provenance, every head alike: one gather each)."""
+        held, device = store.text_len, store.kv.device
+        new_visual = torch.nonzero(~text).squeeze(1) + held
+        new_text = torch.nonzero(text).squeeze(1) + held
+        order = torch.cat([new_visual, torch.arange(held), new_text]).to(device)  # source row of each target row
+        width = int(order.numel())
+        base = self.visual_start + store.visual_len
+        heads2, capacity = store.kv.shape[1], store.capacity
+        flat = as_words(store.kv.view(heads2 * capacity, store.kv.shape[-1]))
+        offsets = torch.arange(heads2, device=device)[:, None] * capacity + base
+        flat.index_copy_(0, (offsets + torch.arange(width, device=device)).flatten(), flat.index_select(0, (offsets + order).flatten()))
+        heads, rows = store.packed.shape[:2]
+        packed = store.packed.view(heads * rows, PROVENANCE_WIDTH)
+        offsets = torch.arange(heads, device=device)[:, None] * rows + store.visual_len
+        packed.index_copy_(0, (offsets + torch.arange(width, device=device)).flatten(), packed.index_select(0, (offsets + order).flatten()))
 
     # --- what a policy sees, and what it decides -------------------------------------------
     def views(self, rotary: Any = None, probe: list[torch.Tensor] | None = None) -> list[LayerView]:
@@ -367,9 +435,20 @@ class KVMemory:
                     summary_slots=self.summary_slots,
                     probe=probe[layer] if probe is not None else None,
                     offloaded=None if store.offload is None else store.offload.tokens.to(store.keys.device),
+                    grid_text=self._grid_text(store),
                 )
             )
         return views
+
+    def _grid_text(self, store: LayerMemory) -> torch.Tensor | None:
+        """Stream-text slots each head holds per temporal grid ``[H, grids]`` (None without stream text)."""
+        if not store.text_len:
+            return None
+        heads, size = store.packed.shape[0], max(self.num_grids, 1)
+        frame = store.packed[:, store.visual_len : store.visual_len + store.text_len, PROVENANCE["frame"]].long()
+        held = store.text_valid if store.text_valid is not None else torch.ones_like(frame, dtype=torch.bool)
+        cell = (torch.arange(heads, device=frame.device)[:, None] * size + frame)[held]
+        return torch.bincount(cell, minlength=heads * size).view(heads, size)
 
     @torch.inference_mode()
     def apply(self, selection: Selection) -> int:
@@ -393,7 +472,12 @@ class KVMemory:
                 moved += self._offload(store, selection.offload[layer])
             valid = selection.valid[layer] if selection.valid is not None else None
             reason = reasons[layer] if reasons is not None else None
+            held = store.visual_len
             moved += self._compact(layer, store, index, valid, reason)
+            if store.text_len:
+                moved += self._compact_stream_text(store, held)
+            if store.bias is not None or store.valid is not None or store.text_valid is not None:
+                self._refresh_bias(store)
             if selection.summary is not None and selection.summary[layer] is not None:
                 self._write_summary(store, selection.summary[layer])
         return moved
@@ -445,8 +529,6 @@ class KVMemory:
             store.valid = None
         else:
             store.valid = slot[None, :new_len] < counts[:, None]
-        if store.bias is not None or store.valid is not None:
-            self._refresh_visual_bias(store, new_len)
         store.visual_len = new_len
         return int(kv_src.numel()) * store.kv.shape[-1] * store.kv.element_size()
 
@@ -470,14 +552,51 @@ class KVMemory:
         rows = store.kv.view(2 * heads * capacity, dim)
         return store.offload.add_rows(rows, key_rows, key_rows + heads * capacity, update.valid, provenance)
 
-    def _refresh_visual_bias(self, store: LayerMemory, new_len: int) -> None:
-        """Visual slots: 0 where a head holds a token, ``-inf`` on ragged padding; the slack back to 0."""
+    def _compact_stream_text(self, store: LayerMemory, held: int) -> int:
+        """After a visual compaction (``held`` visual slots before it): per head, keep the stream text of the grids
+        that still have a visual token in that head, moved down to follow the visual slots; returns the
+        key/value bytes moved."""
+        heads, device = store.packed.shape[0], store.kv.device
+        frame_of = store.packed[..., PROVENANCE["frame"]]
+        size = max(self.num_grids, 1)
+        visual = frame_of[:, : store.visual_len].long()
+        shown = store.valid if store.valid is not None else torch.ones_like(visual, dtype=torch.bool)
+        has_visual = torch.zeros(heads, size + 1, dtype=torch.bool, device=device)
+        has_visual.scatter_(1, torch.where(shown, visual, size), True)
+        text_frame = frame_of[:, held : held + store.text_len].long()
+        keep = torch.gather(has_visual, 1, text_frame)
+        if store.text_valid is not None:
+            keep &= store.text_valid
+        counts = keep.sum(dim=1)
+        h, j = torch.nonzero(keep, as_tuple=True)
+        target = torch.cumsum(keep.long(), dim=1)[h, j] - 1
+        capacity, rows = store.capacity, store.packed.shape[1]
+        both = torch.tensor([0, heads], device=device)[:, None]
+        start = self.visual_start
+        flat = as_words(store.kv.view(2 * heads * capacity, store.kv.shape[-1]))
+        kv_src = ((h[None] + both) * capacity + start + held + j[None]).flatten()
+        kv_dst = ((h[None] + both) * capacity + start + store.visual_len + target[None]).flatten()
+        flat.index_copy_(0, kv_dst, flat.index_select(0, kv_src))
+        packed = store.packed.view(heads * rows, PROVENANCE_WIDTH)
+        packed.index_copy_(0, h * rows + store.visual_len + target, packed.index_select(0, h * rows + held + j))
+        new_len = int(counts.max()) if heads else 0
+        slot = torch.arange(new_len, device=device)
+        store.text_valid = None if bool((counts == new_len).all()) else slot[None] < counts[:, None]
+        store.text_len = new_len
+        return int(kv_src.numel()) * store.kv.shape[-1] * store.kv.element_size()
+
+    def _refresh_bias(self, store: LayerMemory) -> None:
+        """Visual and stream-text slots: 0 where a head holds a token, ``-inf`` on ragged padding; the slack
+        back to 0."""
         if store.bias is None:
             store.bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=BIAS_DTYPE, device=store.keys.device)
         start = self.visual_start
         store.bias[:, start:].zero_()
         if store.valid is not None:
-            store.bias[:, start : start + new_len].masked_fill_(~store.valid, float("-inf"))
+            store.bias[:, start : start + store.visual_len].masked_fill_(~store.valid, float("-inf"))
+        if store.text_valid is not None:
+            text = start + store.visual_len
+            store.bias[:, text : text + store.text_len].masked_fill_(~store.text_valid, float("-inf"))
 
     def _write_summary(self, store: LayerMemory, summary: SummaryUpdate) -> None:
         """Write a policy's summary entries: keys/values at their slots, the bias of every slot."""
@@ -532,18 +651,19 @@ class KVMemory:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         for layer, store in enumerate(self.layers):
-            self._resize(layer, self.visual_start + max(self.visual_capacity, store.visual_len) + TEXT_RESERVE)
+            self._resize(layer, self.visual_start + max(self.visual_capacity, store.visual_len + store.text_len) + TEXT_RESERVE)
 
     def _trimmed(self, layer: int, store: LayerMemory) -> LayerMemory:
         live = self.live_len(layer) if self.prefix_len else store.capacity
-        visual = store.visual_len
         return LayerMemory(
             kv=store.kv[:, :, :live].clone(),
-            packed=store.packed[:, :visual].clone(),
+            packed=store.packed[:, : store.visual_len + store.text_len].clone(),
             bias=None if store.bias is None else store.bias[:, :live].clone(),
-            visual_len=visual,
+            visual_len=store.visual_len,
             valid=store.valid,
             offload=store.offload,
+            text_len=store.text_len,
+            text_valid=store.text_valid,
         )
 
     def to(self, device: torch.device | str) -> "KVMemory":
@@ -553,7 +673,9 @@ class KVMemory:
             store.kv, store.packed = store.kv.to(device), store.packed.to(device)
             store.bias = None if store.bias is None else store.bias.to(device)
             store.valid = None if store.valid is None else store.valid.to(device)
+            store.text_valid = None if store.text_valid is None else store.text_valid.to(device)
             if store.offload is not None:
                 store.offload.mean_keys = store.offload.mean_keys.to(device)
                 store.offload.retrieved = store.offload.retrieved.to(device)
+        self.linear_state = {layer: {name: t.to(device) for name, t in state.items()} for layer, state in self.linear_state.items()}
         return self

@@ -11,7 +11,7 @@ from gradio_client import Client, handle_file
 
 from conftest import APP_MAX_SESSIONS
 
-from kvdemo.app.settings import default_budget
+from kvdemo.models.catalog import default_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -275,4 +275,4 @@ def test_the_app_logs_its_start_and_the_model_it_loaded(app, client):
     steps = ["importing torch and gradio", "loading model tiny", "loaded tiny", "starting the web server"]
     positions = [log.find(step) for step in steps]
     assert -1 not in positions and positions == sorted(positions), log[:2000]
-    assert re.search(r"loaded tiny \(qwen2_5_vl, \d+ layers, \d+ KV heads\) on cpu as float32", log)
+    assert re.search(r"loaded tiny \(qwen2_5_vl, \d+ attention layers, \d+ KV heads\) on cpu as float32", log)

@@ -13,8 +13,7 @@ from kvdemo.attention import ATTN_IMPLEMENTATION
 from kvdemo.testing import synthetic_chunk
 from kvdemo.engine import StreamEngine, stream_video
 from kvdemo.memory import KVMemory
-from kvdemo.models.base import mrope_positions
-from kvdemo.models.qwen_vl import QwenVL
+from kvdemo.models.qwen2_vl import Qwen2VL, RegionCursor, mrope_positions
 from kvdemo.models.tiny import ByteTokenizer, tiny_config
 from kvdemo.policies import BudgetError, Selection, make_policy
 from kvdemo.policies.base import SummaryUpdate
@@ -68,7 +67,7 @@ def qwen2_vl_model():
 
     ids = ByteTokenizer().special_to_id
     model = Qwen2VLForConditionalGeneration._from_config(qwen2_config(ids), attn_implementation=ATTN_IMPLEMENTATION)
-    return QwenVL(model.eval(), ByteTokenizer(), name="tiny-qwen2-vl", random_weights=True)
+    return Qwen2VL(model.eval(), ByteTokenizer(), name="tiny-qwen2-vl", random_weights=True)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
@@ -118,12 +117,13 @@ def prefill(model, memory: KVMemory, grids: int = 2, seed: int = 0):
     positions = mrope_positions(chunk.grid, chunk.row, chunk.col, memory.prefix_len, 1.0, 2.0)
     model.forward(embeds, positions, MemoryCache(memory))
     memory.commit_append(chunk, positions)
+    memory.cursor = RegionCursor(int(positions.max()) + 1, memory.prefix_len)
     return embeds
 
 
 def question_logits(model, memory: KVMemory) -> torch.Tensor:
     ids = model.tokenize("<|vision_end|>What colour?<|im_end|>\n<|im_start|>assistant\n")
-    start = memory.max_position + 1
+    start = memory.cursor.next
     with torch.inference_mode():
         return model.forward(model.embed_text(ids), torch.arange(start, start + len(ids)).expand(3, -1), MemoryCache(memory))
 
@@ -177,7 +177,7 @@ def test_a_prototype_of_mass_n_attends_like_n_duplicates(tiny, mass):
     chunk = synthetic_chunk(2, 1, (3, 4))
     chunk.embeds, chunk.grid, chunk.row, chunk.col = chunk.embeds[:mass], chunk.grid[:mass], chunk.row[:mass], chunk.col[:mass]
     duplicated.commit_append(chunk, torch.zeros(3, mass, dtype=torch.long))
-    duplicated.max_position = summarised.max_position
+    duplicated.cursor = summarised.cursor
     torch.testing.assert_close(question_logits(tiny, summarised), question_logits(tiny, duplicated), atol=1e-4, rtol=1e-4)
 
 

@@ -13,7 +13,8 @@ from ..synthetic import sample_episode, sample_manifest
 from .. import viz
 from .handlers import ask, request_stop, reset_chat, run_video, webcam_frame
 from .sessions import SESSION_TTL_S, AppServices, RunSettings, Session
-from .settings import USER_ERRORS, baseline_cap_default, default_budget, parse_params, policy_label, takes_keep, validate_settings
+from ..models.catalog import default_budget
+from .settings import USER_ERRORS, baseline_cap_default, parse_params, policy_label, takes_keep, validate_settings
 from .views import (
     banner_html,
     chat_title,
@@ -97,13 +98,14 @@ class Demo:
         with gr.Accordion("Settings", open=True):
             self.model = gr.Dropdown(self.services.models.choices(), value=self.services.models.default, label="Model",
                                      allow_custom_value=True, elem_id="model",
-                                     info="tiny runs offline on the CPU (trained on generated streams; tiny-random: "
-                                          "random weights); Qwen ids need a GPU and the Hub")
+                                     info="tiny runs offline on the CPU (trained on generated streams; tiny-random*: "
+                                          "random weights of each family); Hub ids need a GPU and the Hub")
             self.policy = gr.Dropdown(UI_POLICIES, value=DEFAULT_POLICY, label="Policy", elem_id="policy")
             with gr.Row():
                 self.budget = gr.Number(self.budget0, label="M (max visual tokens)", precision=0, elem_id="budget")
                 self.keep = gr.Number(self.keep0, label="C (kept by a compression)", precision=0, elem_id="keep")
-            self.budget_check = gr.Markdown(validate_settings(DEFAULT_POLICY, self.budget0, self.keep0, 2.0, self.pixels0),
+            self.budget_check = gr.Markdown(validate_settings(DEFAULT_POLICY, self.budget0, self.keep0, 2.0, self.pixels0, None,
+                                                              self.services.models.default),
                                             label="Settings check", elem_id="budget-check")
             with gr.Row():
                 self.fps = gr.Slider(0.5, 8, value=2, step=0.5, label="Sampling fps")
@@ -315,7 +317,7 @@ class Demo:
         for control in view_inputs:
             control.change(self.on_redraw, [self.session, *view_inputs], view_outputs, show_progress="hidden",
                            api_visibility="private")
-        check_inputs = [self.policy, self.budget, self.keep, self.fps, self.max_pixels, self.video]
+        check_inputs = [self.policy, self.budget, self.keep, self.fps, self.max_pixels, self.video, self.model]
         gr.on([control.change for control in check_inputs], validate_settings, check_inputs, self.budget_check,
               api_name="check_settings", show_progress="hidden", concurrency_limit=None)
         self.policy.change(self.on_policy, [self.policy], [self.keep, *self.param_groups.values()], api_visibility="private",

@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from ...views import LOST, Chart, Histogram, PatchLabels, Series, View, ViewContext
-from ..base import BudgetError, LayerView, PhaseTimer, Policy, Selection, SummaryRegion, SummaryUpdate, register
+from ..base import BudgetError, LayerView, PhaseTimer, Policy, Selection, SummaryRegion, SummaryUpdate, register, select_with_text
 from .bank import NearTokens, ProtoBank, Tokens
 from .ema import mahalanobis
 from .pq import beam_search, pq_decode
@@ -161,9 +161,13 @@ class ProtoKV(Policy, SummaryRegion):
 
     # --- the pass -------------------------------------------------------------------------
     def compress(self, views: list[LayerView], keep: int) -> Selection:
-        """Keep the newest ``keep`` near tokens of every row, absorb the others, refresh the summary."""
+        """Keep the newest ``keep`` near tokens of every row, absorb the others, refresh the summary.
+
+        Where the stream carries its own text (Qwen3-VL's timestamps), that text counts against the near
+        window (:func:`select_with_text`): the window keeps the newest tokens whose grids' text fits too."""
         heads, dim = views[0].num_heads, views[0].keys.shape[-1]
         device = views[0].keys.device
+        keep = min(self._near_with_text(view, keep) for view in views)
         indices, evicted, newest = [], [], []
         for view in views:
             ranked = torch.argsort(view.order, dim=1)  # oldest first
@@ -198,6 +202,14 @@ class ProtoKV(Policy, SummaryRegion):
             "ms": {name: round(ms, 3) for name, ms in timer.ms.items()},
         }
         return Selection(indices, {"reason": reasons, "touched": touched, "phase_ms": dict(self._last["ms"])}, summary=summary)
+
+    @staticmethod
+    def _near_with_text(view: LayerView, keep: int) -> int:
+        """Newest tokens every head of ``view`` can keep within ``keep`` once their grids' text is charged."""
+        if view.grid_text is None:
+            return keep
+        kept = select_with_text(view.order.double(), keep, view.order, view.frame, view.grid_text)
+        return int(kept.sum(dim=1).min())
 
     def synthesize_all(self, rotary: Any, heads: int) -> None:
         if self._bank is not None:
