@@ -276,3 +276,20 @@ def test_the_app_logs_its_start_and_the_model_it_loaded(app, client):
     positions = [log.find(step) for step in steps]
     assert -1 not in positions and positions == sorted(positions), log[:2000]
     assert re.search(r"loaded tiny \(qwen2_5_vl, \d+ layers, \d+ KV heads\) on cpu as float32", log)
+
+
+def test_a_huge_budget_costs_what_the_stream_holds_and_absurd_ones_are_one_line(client, app, media):
+    """M = 1,000,000 reserved ~2.2 GB for a 150-token stream; 10^12 and 10^25 are one-line messages everywhere."""
+    before = app.log.read_text().count("Traceback")
+    clip = handle_file(str(media / "flipping_a_pancake.mkv"))
+    final = client.predict(clip, budget=1_000_000, keep=750_000, api_name="/run")
+    report = fetch_json(final[REPORT])
+    allocated = max(event["allocated_bytes"] for event in report["timeline"])
+    baseline = max(event["allocated_bytes"] for event in report["baseline"]["timeline"])
+    assert allocated <= baseline, "an M the stream never reaches allocates no more than the full cache"
+    for budget in (10**12, 1e25):
+        run = client.predict(clip, budget=budget, keep=768, api_name="/run")[STATUS]
+        check = client.predict("infinipot-v", budget, 768, 2, 12544, None, api_name="/check_settings")
+        assert check.startswith("⚠️") and "more visual tokens than any stream holds" in check and "\n" not in check
+        assert "more visual tokens than any stream holds" in run.splitlines()[0], run
+    assert app.log.read_text().count("Traceback") == before
