@@ -27,6 +27,10 @@ from .views import View, ViewContext
 from .video import RESIZE_FACTOR, Video, VideoFile
 
 DEFAULT_MAX_NEW_TOKENS = 64
+#: The longest question (tokens), and the most tokens of earlier turns replayed before a question: the oldest
+#: turns past it are left out (the answer says how many), so a long chat neither grows without bound nor spoils.
+MAX_QUESTION_TOKENS = 512
+MAX_DIALOGUE_TOKENS = 1024
 
 
 class EngineError(ValueError):
@@ -46,6 +50,7 @@ class Answer:
     tokens: int
     cache_bytes: int
     visual_tokens: int
+    dropped_turns: int = 0  # earlier turns left out of the replayed dialogue (MAX_DIALOGUE_TOKENS)
 
 
 class FrameStream:
@@ -377,14 +382,33 @@ class StreamEngine:
         with itself as the probe, when the memory holds more than ``C``; that pass is on the timeline.
         The question and the answer join the dialogue, re-encoded as text before the next question.
         """
+        question = self.check_question(question)
+        if isinstance(self.policy, Probed) and self.policy.compresses_on_question and self._held_under_budget() > self.budget.keep_for(0):
+            self.compress(probe_text=question)
+        return self._generate(question, max_new_tokens or self.max_new_tokens)
+
+    def check_question(self, question: str) -> str:
+        """``question`` stripped, or :class:`EngineError` saying why it cannot be asked (no video yet, empty,
+        longer than :data:`MAX_QUESTION_TOKENS`)."""
         if self.memory.num_grids == 0:
             raise EngineError("no video yet: feed at least one frame before asking")
         question = (question or "").strip()
         if not question:
             raise EngineError("the question is empty")
-        if isinstance(self.policy, Probed) and self.policy.compresses_on_question and self._held_under_budget() > self.budget.keep_for(0):
-            self.compress(probe_text=question)
-        return self._generate(question, max_new_tokens or self.max_new_tokens)
+        tokens = len(self.model.tokenize(question))
+        if tokens > MAX_QUESTION_TOKENS:
+            raise EngineError(f"the question is {tokens} tokens long; at most {MAX_QUESTION_TOKENS} (shorten it)")
+        return question
+
+    def replayed_dialogue(self, question: str) -> tuple[list[int], int]:
+        """The prompt's token ids for ``question`` after the newest earlier turns that fit in
+        :data:`MAX_DIALOGUE_TOKENS`, and how many older turns were left out."""
+        alone = len(self.model.tokenize(self.model.question_text([], question)))
+        dropped, ids = 0, self.model.tokenize(self.model.question_text(self.history, question))
+        while len(ids) - alone > MAX_DIALOGUE_TOKENS:  # ends: with every turn left out the excess is 0
+            dropped += 1
+            ids = self.model.tokenize(self.model.question_text(self.history[dropped:], question))
+        return ids, dropped
 
     def answer(self, question: str, max_new_tokens: int | None = None) -> Answer:
         """:meth:`ask`, collected."""
@@ -395,7 +419,7 @@ class StreamEngine:
     @torch.inference_mode()
     def _generate(self, question: str, max_new_tokens: int) -> Iterator[str]:
         start = time.perf_counter()
-        ids = self.model.tokenize(self.model.question_text(self.history, question))
+        ids, dropped = self.replayed_dialogue(question)
         position = self.memory.max_position + 1
         cache = MemoryCache(self.memory)  # writes go to the slack and are never committed
         cache.answering = True  # heads with an offload store retrieve (question prefill and every decode step)
@@ -435,6 +459,7 @@ class StreamEngine:
                     tokens=len(generated),
                     cache_bytes=self.memory.nbytes,
                     visual_tokens=self.memory.visual_tokens,
+                    dropped_turns=dropped,
                 )
             )
 

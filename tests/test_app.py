@@ -293,3 +293,27 @@ def test_a_huge_budget_costs_what_the_stream_holds_and_absurd_ones_are_one_line(
         assert check.startswith("⚠️") and "more visual tokens than any stream holds" in check and "\n" not in check
         assert "more visual tokens than any stream holds" in run.splitlines()[0], run
     assert app.log.read_text().count("Traceback") == before
+
+
+def test_questions_and_the_replayed_dialogue_are_bounded(client, app):
+    """A 100,000-character question tried to allocate 48.5 GB; a few long turns spoiled every later answer
+    (the whole dialogue is replayed before each question). Now: a one-line message beside the question box,
+    and the oldest turns leave the replay, which the answer says."""
+    from kvdemo.engine import MAX_QUESTION_TOKENS
+    from kvdemo.synthetic import sample_episode
+
+    client.predict(*sample_settings(2), api_name="/run_sample")
+    before = app.log.read_text().count("Traceback")
+    start = time.monotonic()
+    status, policy_chat, full_chat, _ = client.predict("x" * 100_000, api_name="/ask")
+    assert status == f"⚠️ the question is 100000 tokens long; at most {MAX_QUESTION_TOKENS} (shorten it)"
+    assert policy_chat == [] and full_chat == [] and time.monotonic() - start < 15
+    long_turn = "Describe every object you saw in the video, in order, with its colour. " * 6  # 426 tokens
+    for _ in range(5):
+        client.predict(long_turn, api_name="/ask")
+    question = next(q for q in sample_episode().questions if q.kind == "colour")
+    status, _, full_chat, _ = client.predict(question.text, api_name="/ask")
+    answer = answer_text(full_chat)
+    assert status.startswith("✓ answered by") and "oldest turn(s) were left out of the replayed dialogue" in answer
+    assert "✓ matches the ground truth" in answer, answer
+    assert app.log.read_text().count("Traceback") == before

@@ -90,7 +90,7 @@ def test_answers_on_the_sample_are_graded_against_the_ground_truth(hub):
 
 def test_asking_before_any_frame_is_a_message(hub):
     update = list(ask(None, "hello?"))[-1]
-    assert "no video yet" in update["status"]
+    assert "no video yet" in update["ask_status"]
 
 
 def test_ask_streams_both_answers_and_keeps_memory(hub, media):
@@ -205,7 +205,7 @@ def test_the_session_pool_frees_the_least_recently_used_session(media):
     assert sessions[0].engine is not None and third.engine is not None
     assert sessions[1].engine is None and not sessions[1].thumbnails
     final = list(ask(sessions[1], "still there?"))[-1]
-    assert "freed to make room: the app keeps at most 2 sessions" in final["status"]
+    assert "freed to make room: the app keeps at most 2 sessions" in final["ask_status"]
     updates, again = run(small, sessions[1], None, fps=0.5, budget=1024, keep=768)
     assert "20/20 frames" in updates[-1]["status"] and again.engine is not None  # the 40 s sample at 0.5 fps
 

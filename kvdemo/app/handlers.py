@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import EngineGroup, StreamEngine
+from ..engine import MAX_DIALOGUE_TOKENS, EngineError, EngineGroup, StreamEngine
 from ..synthetic import grade, sample_episode
 from ..video import open_video, resize_frames
 from .. import zerogpu
@@ -180,7 +180,8 @@ def webcam_frame(
 
 
 def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Iterator[dict[str, Any]]:
-    """Ask both engines; yields {policy_chat, full_chat, status}. Answers stream interleaved.
+    """Ask both engines; yields {ask_status, policy_chat, full_chat} (the chats always as lists of messages, the
+    status a line beside the question box: why it was not asked, or that it was). Answers stream interleaved.
 
     The question takes the session's turn before the stream's next chunk (the stream pauses meanwhile,
     and nothing frees the engines until the answer is done).
@@ -188,14 +189,16 @@ def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Ite
     state = session or Session()
     question = (question or "").strip()
     with state.turns.question():
-        if state.freed and state.engine is None:
-            yield {"session": state, "status": status_text(state, error=state.freed)}
-            return
-        if state.engine is None or state.engine.memory.num_grids == 0:
-            yield {"session": state, "status": status_text(state, error="no video yet: run a video or the webcam first, then ask")}
-            return
-        if not question:
-            yield {"session": state, "status": status_text(state, error="type a question first")}
+        try:
+            if state.freed and state.engine is None:
+                raise EngineError(state.freed)
+            if state.engine is None or state.engine.memory.num_grids == 0:
+                raise EngineError("no video yet: run a video or the webcam first, then ask")
+            if not question:
+                raise EngineError("type a question first")
+            state.engine.check_question(question)
+        except EngineError as exc:
+            yield {"session": state, "ask_status": f"⚠️ {exc}", **chats(state)}
             return
         state.last_used = time.monotonic()
         asked = {}
@@ -221,16 +224,27 @@ def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Ite
             state.chat[name][-1]["content"] = texts[name]
             if time.monotonic() - last_yield > 0.1:
                 last_yield = time.monotonic()
-                yield {"session": state, "policy_chat": list(state.chat["policy"]), "full_chat": list(state.chat["full"])}
+                yield {"session": state, "ask_status": "⏳ answering…", **chats(state)}
         report = write_report(state)
-    yield {"session": state, "policy_chat": list(state.chat["policy"]), "full_chat": list(state.chat["full"]), "report": report}
+    answered = " and ".join("the full cache" if name == "full" else engine.policy.name for name, engine in asked.items())
+    status = f"✓ answered by {answered}" if asked else "⚠️ no engine answered: every engine has stopped"
+    yield {"session": state, "ask_status": status, **chats(state), "report": report}
+
+
+def chats(state: Session) -> dict[str, list[dict[str, str]]]:
+    """Both chat panes as lists of messages (copies: Gradio keeps what it is given)."""
+    return {"policy_chat": list(state.chat["policy"]), "full_chat": list(state.chat["full"])}
 
 
 def _answer_markdown(state: Session, name: str, answer) -> str:
     text = answer.answer or "(empty answer)"
+    tokens = f"{answer.tokens} token{'' if answer.tokens == 1 else 's'}"
+    dropped = (f" · the {answer.dropped_turns} oldest turn(s) were left out of the replayed dialogue (it keeps at most "
+               f"{MAX_DIALOGUE_TOKENS} tokens)") if answer.dropped_turns else ""
     return (
-        f"{text}\n\n<small>first token {answer.ttft_ms:.0f} ms · {answer.tokens} tokens in {answer.ms:.0f} ms · "
-        f"cache {answer.cache_bytes / 2**20:.2f} MB, {answer.visual_tokens} visual tokens{answer_note(state, answer)}</small>"
+        f"{text}\n\n<small>first token {answer.ttft_ms:.0f} ms · {tokens} in {answer.ms:.0f} ms · "
+        f"cache {answer.cache_bytes / 2**20:.2f} MB, {answer.visual_tokens} visual tokens{dropped}"
+        f"{answer_note(state, answer)}</small>"
     )
 
 

@@ -155,6 +155,8 @@ class Demo:
                                        elem_id="question")
             self.ask_button = gr.Button("Ask", variant="primary", scale=1, elem_id="ask-button")
             self.clear_button = gr.Button("New conversation", scale=1)
+        # What became of the last question (why it was not asked, or that it was), beside the box, not off-screen.
+        self.ask_status = gr.Markdown("", label="Question status", elem_id="ask-status")
         self.examples = gr.Dataset(components=[self.question], samples=[[q.text] for q in self.sample.questions],
                                    label="Questions about the bundled sample (click to ask both engines)", elem_id="examples")
         with gr.Row():
@@ -180,7 +182,7 @@ class Demo:
         return {"session": self.session, "status": self.status, "plot": self.plot, "heatmap": self.heatmap,
                 "gallery": self.gallery, "report": self.report_file, "chart": self.chart_file, "coverage": self.coverage_plot,
                 "legend": self.legend, "policy_title": self.policy_title, "full_title": self.full_title,
-                "policy_chat": self.policy_chat, "full_chat": self.full_chat}
+                "policy_chat": self.policy_chat, "full_chat": self.full_chat, "ask_status": self.ask_status}
 
     def panel_components(self) -> list[Any]:
         return [component for slot in self.panel_slots for component in slot]
@@ -277,7 +279,7 @@ class Demo:
     def wire(self) -> None:
         gr = self.gr
         run_outputs = [*self.outputs().values(), *self.panel_components()]
-        ask_outputs = [self.session, self.status, self.policy_chat, self.full_chat, self.report_file]
+        ask_outputs = [self.session, self.ask_status, self.policy_chat, self.full_chat, self.report_file]
         settings_inputs = {"model": self.model, "policy": self.policy, "budget": self.budget, "keep": self.keep,
                            "fps": self.fps, "max_pixels": self.max_pixels, "baseline": self.baseline,
                            "baseline_cap_mb": self.cap_mb,
