@@ -188,7 +188,7 @@ class VideoFile:
         if path.is_dir():
             raise VideoError(f"{path}: is a directory, not a video file")
         if path.stat().st_size == 0:
-            raise VideoError(f"{path}: the file is empty")
+            raise VideoError(f"{path.name}: the file is empty")
         if fps <= 0:
             raise VideoError(f"sampling fps must be positive, got {fps}")
         self.path, self.min_pixels, self.max_pixels = path, min_pixels, max_pixels

@@ -14,10 +14,10 @@ import numpy as np
 
 from ..engine import MAX_DIALOGUE_TOKENS, EngineError, EngineGroup, StreamEngine
 from ..synthetic import grade, sample_episode
-from ..video import open_video, resize_frames
+from ..video import VideoError, open_video, resize_frames
 from .. import zerogpu
 from .gpu import Segment, answer_question, segment_frames, stream_segment
-from .sessions import AppServices, RunSettings, Session
+from .sessions import CACHE_TTL_S, AppServices, RunSettings, Session
 from .settings import USER_ERRORS, chunk_tokens, resolve_settings
 from .views import finish, fresh_views, kept_previous, live_update, status_text, write_report
 
@@ -68,6 +68,9 @@ def run_video(
         min_pixels = min(settings.max_pixels, services.models.get(settings.model).min_pixels)
         episode = None if video_path else sample_episode()
         if episode is None:
+            if not Path(video_path).exists():
+                raise VideoError(f"{Path(video_path).name}: the upload is no longer on the server (uploads are kept "
+                                 f"{CACHE_TTL_S:g} s); upload it again")
             video = open_video(Path(video_path), fps=settings.fps, max_pixels=settings.max_pixels, min_pixels=min_pixels)
         else:
             video = episode.video.sampled(settings.fps).resized(min_pixels, settings.max_pixels)

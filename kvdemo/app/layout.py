@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from ..budget import Budget
@@ -12,7 +14,7 @@ from ..policies import DEFAULT_POLICY, REGISTRY, policy_class, policy_params
 from ..synthetic import sample_episode, sample_manifest
 from .. import viz
 from .handlers import ask, request_stop, reset_chat, run_video, webcam_frame
-from .sessions import SESSION_TTL_S, AppServices, RunSettings, Session
+from .sessions import SESSION_TTL_S, AppServices, CacheSweeper, RunSettings, Session
 from .settings import USER_ERRORS, baseline_cap_default, default_budget, parse_params, policy_label, takes_keep, validate_settings
 from .views import (
     banner_html,
@@ -34,8 +36,8 @@ STREAM_SLOTS = 2
 #: Questions served at once, in their own slots: a question never waits for other sessions' streams,
 #: and its own session's stream pauses between chunks while it is answered.
 QUESTION_SLOTS = 2
-#: Gradio's cache (uploads, reports, images sent to the browser): checked every 10 minutes, files
-#: older than an hour deleted.
+#: Gradio's own cleanup of its cache (every 10 minutes, files older than an hour); it misses the files of
+#: components updated with gr.update, which :class:`~kvdemo.app.sessions.CacheSweeper` deletes.
 CACHE_CLEANUP = (600, 3600)
 #: The chat panes' own "Clear" button would clear the view but not the engines' dialogue (and it sits on
 #: the first question's bubble): "New conversation" does both.
@@ -346,6 +348,9 @@ def launch(host: str | None = None, port: int | None = None, model: str | None =
     """Build and launch the app (model loaded before the first request)."""
     import gradio as gr  # deferred on purpose, as in Demo.build
 
+    # A cache folder of the app's own (unless one is set), so that sweeping it touches no other app's files.
+    os.environ.setdefault("GRADIO_TEMP_DIR", str(Path(tempfile.gettempdir()) / "kvdemo-gradio"))
+    CacheSweeper(os.environ["GRADIO_TEMP_DIR"]).start()
     services = AppServices.create(model)
     services.models.get()
     log.info("building the app (%d stream and %d question slots; engines of at most %d sessions kept)",

@@ -1,6 +1,7 @@
 """Process-wide models and per-session state: each model loaded once (:class:`ModelHub`), at most so many
 sessions holding engines (:class:`SessionPool`), one session's engines, thumbnails and dialogue
-(:class:`Session`), and whose turn it is to use them (:class:`Turns`)."""
+(:class:`Session`), whose turn it is to use them (:class:`Turns`), and the files served to them, deleted
+after an hour (:class:`CacheSweeper`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ log = logging.getLogger("kvdemo")
 MAX_SESSIONS = int(os.environ.get("KVDEMO_MAX_SESSIONS", "8"))
 #: A session's engines are freed this long after its browser tab goes away.
 SESSION_TTL_S = 3600
+#: Files the app served (uploads, heatmaps, reports, charts) are deleted this long after they were last written
+#: (``KVDEMO_CACHE_TTL_S``).
+CACHE_TTL_S = float(os.environ.get("KVDEMO_CACHE_TTL_S", "3600"))
 
 _MODELS: dict[str, Any] = {}
 _MODELS_LOCK = threading.Lock()
@@ -223,6 +227,43 @@ class SessionPool:
             self.release(session)
             with session.turns.question():
                 session.free()
+
+
+class CacheSweeper:
+    """Deletes the files in Gradio's cache folder (uploads and every image, report and chart served) that were
+    last written more than ``max_age_s`` ago, every ``max_age_s / 6`` seconds (at most 10 minutes), on a daemon
+    thread. Gradio's own ``delete_cache`` misses most of them: a component updated with ``gr.update`` serves
+    its files from a per-session copy of itself that Gradio never registers for deletion."""
+
+    def __init__(self, folder: str | Path, max_age_s: float = CACHE_TTL_S) -> None:
+        self.folder, self.max_age_s = Path(folder), float(max_age_s)
+        self.every_s = min(600.0, self.max_age_s / 6)
+        self._thread: threading.Thread | None = None
+
+    def sweep(self) -> int:
+        """Delete what is too old now (and the folders that leaves empty); returns the files deleted."""
+        deleted, oldest = 0, time.time() - self.max_age_s
+        for path in sorted(self.folder.rglob("*"), key=lambda p: -len(p.parts)):  # files before their folders
+            try:
+                if path.is_file() and path.stat().st_mtime < oldest:
+                    path.unlink()
+                    deleted += 1
+                elif path.is_dir() and not any(path.iterdir()):
+                    path.rmdir()
+            except OSError:  # written or removed meanwhile
+                continue
+        return deleted
+
+    def start(self) -> "CacheSweeper":
+        def loop() -> None:
+            while True:
+                time.sleep(self.every_s)
+                if self.folder.exists() and (count := self.sweep()):
+                    log.info("deleted %d served file(s) older than %g s from %s", count, self.max_age_s, self.folder)
+
+        self._thread = threading.Thread(target=loop, name="kvdemo-cache-sweeper", daemon=True)
+        self._thread.start()
+        return self
 
 
 @dataclass

@@ -14,7 +14,7 @@ from .. import viz
 from ..coverage import coverage
 from ..policies import REGISTRY
 from ..models.catalog import OFFLINE_NOTICES, TINY_NAME, resolve_model_name
-from .sessions import Session
+from .sessions import CACHE_TTL_S, Session
 from .settings import policy_label
 
 PLOT_EVERY_S = 0.5
@@ -38,14 +38,15 @@ and the memory is unchanged by answering. Under each answer: time to first token
 
 **Limits**: this app keeps the engines of at most {max_sessions} sessions (starting another frees the least
 recently used one) and frees a session's engines an hour after its tab closes; files it serves (uploads,
-reports, charts) are deleted after an hour.
+heatmaps, reports, charts) are deleted {cache_age} after they were written.
 """
 
 
 def how_to_read(max_sessions: int) -> str:
     """The page's reading guide, with every registered policy's reasons for keeping a token."""
     reasons = "; ".join(f"{name}: {', '.join(cls.reason_names.values())}" for name, cls in REGISTRY.items() if cls.reason_names)
-    return HOW_TO_READ.format(max_sessions=max_sessions, reasons=reasons)
+    cache_age = "an hour" if CACHE_TTL_S == 3600 else f"{CACHE_TTL_S:g} s"
+    return HOW_TO_READ.format(max_sessions=max_sessions, reasons=reasons, cache_age=cache_age)
 
 
 def status_text(
