@@ -330,3 +330,50 @@ def test_a_caption_wider_than_its_tile_wraps_instead_of_running_into_the_next():
     # Nothing is drawn in the 6-px gap between the tiles: the caption stayed over its own tile.
     gap = wrapped[:, 120:126]
     assert (gap == 250).all()
+
+
+def test_a_redraw_while_a_webcam_chunk_is_fed_waits_for_it(hub, monkeypatch):
+    """Asking while the webcam streams redraws the views afterwards; the redraw ran while a chunk was half-fed
+    (the memory had the new grid, the session not yet its thumbnail) and failed with an IndexError in
+    viz.survivor_strip. A redraw takes the session's turn like a question, so it sees a whole chunk."""
+    import threading
+
+    from kvdemo.app import gpu
+    from kvdemo.app.layout import Demo
+
+    demo = Demo(hub)
+    demo.build()
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 255, (240, 320, 3), dtype=np.uint8) for _ in range(4)]
+    session = None
+    for frame in frames[:2]:
+        session = webcam_frame(hub, session, frame, settings(budget=1024, keep=768))["session"]
+    half_fed, go = threading.Event(), threading.Event()
+    real = gpu.live_update
+
+    def paused(*args, **kwargs):  # inside the segment: the memory holds the new grid, the session not its thumbnail
+        half_fed.set()
+        go.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gpu, "live_update", paused)
+    feeder = threading.Thread(target=lambda: [webcam_frame(hub, session, f, settings(budget=1024, keep=768)) for f in frames[2:]])
+    feeder.start()
+    assert half_fed.wait(30)
+    outcome = {}
+
+    def redraw():
+        try:
+            outcome["views"] = demo.on_redraw(session, "all", "all", False)
+        except Exception as exc:  # the failure being tested for
+            outcome["error"] = exc
+
+    redrawing = threading.Thread(target=redraw)
+    redrawing.start()
+    redrawing.join(1.0)
+    go.set()
+    feeder.join(30)
+    redrawing.join(30)
+    assert "error" not in outcome, repr(outcome.get("error"))
+    image = outcome["views"][demo.heatmap]
+    assert image.ndim == 3 and len(session.thumbnails) == session.engine.memory.num_grids == 2

@@ -19,7 +19,8 @@ from .. import zerogpu
 from .gpu import Segment, answer_question, segment_frames, stream_segment
 from .sessions import CACHE_TTL_S, AppServices, RunSettings, Session
 from .settings import USER_ERRORS, chunk_tokens, resolve_settings
-from .views import finish, fresh_views, kept_previous, live_update, status_text, write_report
+from .views import (finish, fresh_views, heatmap_image, kept_previous, legend, live_update, policy_panels, status_text,
+                    write_report)
 
 
 def start_session(
@@ -262,6 +263,17 @@ def answer_note(state: Session, answer) -> str:
     if model is not None and model.notice:
         return " · the tiny model knows only its generated streams: on this video its answers mean little"
     return ""
+
+
+def redraw(session: Session | None, view: tuple[str, str, bool]) -> dict[str, Any]:
+    """The newest-frames view, its legend and the policy's views for ``view`` (layer, KV head, by reason), drawn
+    in the session's turn: between two chunks, never while one is half-fed (its grid in the memory, its
+    thumbnail not yet in the session)."""
+    if session is None:
+        return {"heatmap": None}
+    with session.turns.question():
+        return {"heatmap": heatmap_image(session, *view), "legend": legend(session, view),
+                "panels": policy_panels(session, *view[:2])}
 
 
 def reset_chat(session: Session | None) -> dict[str, Any]:

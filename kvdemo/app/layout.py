@@ -13,18 +13,16 @@ from ..budget import Budget
 from ..policies import DEFAULT_POLICY, REGISTRY, policy_class, policy_params
 from ..synthetic import sample_episode, sample_manifest
 from .. import viz
-from .handlers import ask, request_stop, reset_chat, run_video, webcam_frame
+from .handlers import ask, redraw, request_stop, reset_chat, run_video, webcam_frame
 from .sessions import SESSION_TTL_S, AppServices, CacheSweeper, RunSettings, Session
 from .settings import USER_ERRORS, baseline_cap_default, default_budget, parse_params, policy_label, takes_keep, validate_settings
 from .views import (
     banner_html,
     chat_title,
     empty_occupancy_plot,
-    heatmap_image,
     how_to_read,
     kept_previous,
     legend,
-    policy_panels,
     status_text,
     write_chart,
 )
@@ -252,11 +250,7 @@ class Demo:
         return self.to_components(reset_chat(session))
 
     def on_redraw(self, session, layer, head, by_reason):
-        if session is None:
-            return {self.heatmap: None}
-        view = (layer, head, by_reason)
-        return {self.heatmap: heatmap_image(session, *view), self.legend: legend(session, view),
-                **self.panel_updates(policy_panels(session, layer, head))}
+        return self.to_components(redraw(session, (layer, head, by_reason)))
 
     def on_view_choices(self, state):
         gr = self.gr
