@@ -377,3 +377,41 @@ def test_a_redraw_while_a_webcam_chunk_is_fed_waits_for_it(hub, monkeypatch):
     assert "error" not in outcome, repr(outcome.get("error"))
     image = outcome["views"][demo.heatmap]
     assert image.ndim == 3 and len(session.thumbnails) == session.engine.memory.num_grids == 2
+
+
+def test_live_updates_of_gpu_calls_draw_the_policys_views_over_every_thumbnail(hub, monkeypatch):
+    """On ZeroGPU (emulated: each segment of 16 frames in a forked child) the live updates while a segment runs
+    draw the policy's views where every thumbnail is: ProtoKV's assignment map shows absorbed grids older than
+    the four newest thumbnails a segment carries, so at M=512 it was missing until the run ended (and before
+    issue 17 crashed the run). Once it shows, it stays."""
+    monkeypatch.setenv("KVDEMO_ZEROGPU_EMULATE", "1")
+    updates = run_video(hub, None, None, settings(policy="protokv", budget=512, keep=None, fps=1.0, baseline=False))
+    shown = [[panel.title for panel in update["panels"]] for update in updates if "panels" in update]
+    first = next((i for i, titles in enumerate(shown) if "Prototype assignments" in titles), len(shown))
+    assert len(shown) - first >= 3, shown
+    assert all("Prototype assignments" in titles for titles in shown[first:]), shown
+
+
+def test_a_bug_in_a_handler_is_a_logged_one_line_message_not_a_bare_error_badge(hub, monkeypatch, caplog):
+    from kvdemo.app import layout
+
+    demo = layout.Demo(hub)
+    demo.build()
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'NoneType' object has no attribute 'shape'\nsecond line")
+
+    monkeypatch.setattr(layout, "run_video", broken)
+    monkeypatch.setattr(layout, "ask", broken)
+    values = dict(model="tiny", policy="infinipot-v", budget=96, keep=72, fps=2, max_pixels=12544, baseline=False,
+                  baseline_cap_mb=0, view_layer="all", view_head="all", colour_by_reason=False,
+                  **{key: component.value for key, (_, _, component) in demo.param_inputs.items()})
+    with caplog.at_level("ERROR", logger="kvdemo"):
+        status = list(demo.on_run_sample(None, **values))[-1][demo.status]
+        asked = list(demo.on_ask(None, "hi"))[-1][demo.ask_status]
+    for message in (status, asked):
+        assert message.startswith("⚠️ **internal error** (AttributeError: 'NoneType' object has no attribute 'shape')")
+        assert "\n" not in message and "keeps serving" in message
+    assert "Traceback" in caplog.text
+    nothing = list(demo.on_run(None, None, **values))[-1][demo.status]
+    assert "upload a video first (or click Run the bundled sample)" in nothing, "Run with no upload runs nothing"

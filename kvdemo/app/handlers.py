@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import viz
 from ..engine import MAX_DIALOGUE_TOKENS, EngineError, EngineGroup, StreamEngine
 from ..synthetic import grade, sample_episode
 from ..video import VideoError, open_video, resize_frames
@@ -100,7 +101,7 @@ def run_video(
                     if "segment" in update:
                         fed = update["segment"].apply_to(state, old) > 0
                     elif committed and zerogpu.active():  # a segment of many chunks: show each as it comes
-                        yield {"session": state, **update}
+                        yield {"session": state, **drawn(update, state)}
             current = following
             if fed and not committed:
                 services.sessions.replace(previous, state)
@@ -135,6 +136,14 @@ def run_video(
     final = finish(state, view)
     final["status"] = status_text(state, done, total if stopped else total - video.lost_frames, stopped=stopped)
     yield final
+
+
+def drawn(update: dict[str, Any], state: Session) -> dict[str, Any]:
+    """A GPU call's live update with the policy's declared views drawn here, where every thumbnail is."""
+    if "views" in update:
+        update = {**update, "panels": viz.draw_views(update["views"], state.thumbnails)}
+        del update["views"]
+    return update
 
 
 def request_stop(session: Session | None) -> None:
@@ -281,4 +290,4 @@ def reset_chat(session: Session | None) -> dict[str, Any]:
     for engine in state.engines.values():
         engine.reset_dialogue()
     state.chat = {"policy": [], "full": []}
-    return {"session": state, "policy_chat": [], "full_chat": []}
+    return {"session": state, "policy_chat": [], "full_chat": [], "ask_status": ""}

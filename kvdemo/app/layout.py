@@ -219,38 +219,63 @@ class Demo:
         return settings, (values["view_layer"], values["view_head"], values["colour_by_reason"])
 
     # --- handlers (bound to components in wire) --------------------------------------------------
+    # Every handler ends in a message, never in Gradio's bare "Error" badge: a user's mistake is a one-line
+    # message from the handlers, anything else (a bug) is logged with its traceback and said in one line.
+    def internal_error(self, exc: Exception, key: str = "status") -> dict[Any, Any]:
+        log.exception("unexpected error in a handler")
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return self.to_components({key: f"⚠️ **internal error** ({type(exc).__name__}: {first}); it is logged, and the "
+                                        "app keeps serving"})
+
     def on_run(self, session, video, **settings):
+        if not video:
+            yield self.to_components(kept_previous(session, "upload a video first (or click Run the bundled sample)"))
+            return
+        yield from self.on_run_sample(session, video=video, **settings)
+
+    def on_run_sample(self, session, video=None, **settings):
         try:
             run_settings, view = self.settings_from(settings)
+            for update in run_video(self.services, session, video, run_settings, view):
+                yield self.to_components(update)
         except USER_ERRORS as exc:
             yield self.to_components(kept_previous(session, str(exc)))
-            return
-        for update in run_video(self.services, session, video, run_settings, view):
-            yield self.to_components(update)
-
-    def on_run_sample(self, session, **settings):
-        yield from self.on_run(session, None, **settings)
+        except Exception as exc:
+            yield self.internal_error(exc)
 
     def on_webcam(self, session, frame, **settings):
         try:
             run_settings, view = self.settings_from(settings)
+            return self.to_components(webcam_frame(self.services, session, frame, run_settings, view))
         except USER_ERRORS as exc:
             return self.to_components({"session": session, "status": status_text(session or Session(), error=str(exc))})
-        return self.to_components(webcam_frame(self.services, session, frame, run_settings, view))
+        except Exception as exc:
+            return self.internal_error(exc)
 
     def on_ask(self, session, question):
-        for update in ask(session, question):
-            yield self.to_components(update)
+        yield from self._ask(session, question, {})
 
     def on_example(self, session, example):
-        for update in ask(session, example[0]):
-            yield {**self.to_components(update), self.question: example[0]}
+        yield from self._ask(session, example[0], {self.question: example[0]})
+
+    def _ask(self, session, question, extra):
+        try:
+            for update in ask(session, question):
+                yield {**self.to_components(update), **extra}
+        except Exception as exc:
+            yield self.internal_error(exc, "ask_status")
 
     def on_new_conversation(self, session):
-        return self.to_components(reset_chat(session))
+        try:
+            return self.to_components(reset_chat(session))
+        except Exception as exc:
+            return self.internal_error(exc, "ask_status")
 
     def on_redraw(self, session, layer, head, by_reason):
-        return self.to_components(redraw(session, (layer, head, by_reason)))
+        try:
+            return self.to_components(redraw(session, (layer, head, by_reason)))
+        except Exception as exc:
+            return self.internal_error(exc, "legend")
 
     def on_view_choices(self, state):
         gr = self.gr
@@ -307,7 +332,7 @@ class Demo:
         for event in asked:  # answering changes what some heads hold (retrieval): redraw the views
             event.then(self.on_redraw, [self.session, *view_inputs], view_outputs, api_visibility="private",
                        show_progress="hidden")
-        self.clear_button.click(self.on_new_conversation, [self.session], [self.session, self.policy_chat, self.full_chat],
+        self.clear_button.click(self.on_new_conversation, [self.session], [self.session, self.policy_chat, self.full_chat, self.ask_status],
                                 api_name="new_conversation", concurrency_limit=None)
         self.chart_button.click(write_chart, [self.session], self.chart_file, api_name="export_chart", concurrency_limit=None)
         for control in view_inputs:

@@ -14,6 +14,7 @@ from .. import viz
 from ..coverage import coverage
 from ..policies import REGISTRY
 from ..models.catalog import OFFLINE_NOTICES, TINY_NAME, resolve_model_name
+from ..views import View
 from .sessions import CACHE_TTL_S, Session
 from .settings import policy_label
 
@@ -145,14 +146,19 @@ def heatmap_image(session: Session, layer: str = "all", head: str = "all", by_re
     return viz.engine_strip(engine, session.thumbnails, *layer_head(layer, head), by_reason=by_reason)
 
 
-def policy_panels(session: Session, layer: str = "all", head: str = "all") -> list[viz.Panel]:
-    """The views the session's policy declares, drawn for the chosen layer and KV head (0 and 0 when the view
-    is aggregated over all)."""
+def declared_views(session: Session, layer: str = "all", head: str = "all") -> list[View]:
+    """The views the session's policy declares for the chosen layer and KV head (0 and 0 when the view is
+    aggregated over all), as plain data."""
     engine = session.engine
     if engine is None or engine.memory.num_grids == 0:
         return []
     chosen_layer, chosen_head = layer_head(layer, head)
-    return viz.draw_views(engine.policy_views(chosen_layer or 0, chosen_head or 0), session.thumbnails)
+    return engine.policy_views(chosen_layer or 0, chosen_head or 0)
+
+
+def policy_panels(session: Session, layer: str = "all", head: str = "all") -> list[viz.Panel]:
+    """:func:`declared_views`, drawn."""
+    return viz.draw_views(declared_views(session, layer, head), session.thumbnails)
 
 
 def gallery_items(session: Session) -> list[tuple[np.ndarray, str]]:
@@ -179,8 +185,10 @@ def legend(state: Session, view: tuple[str, str, bool] = ("all", "all", False)) 
 
 
 def live_update(state: Session, view: tuple[str, str, bool], done: int | None = None, total: int | None = None,
-                force: bool = False, gallery: bool = True) -> dict[str, Any]:
-    """Status every chunk; plot, heatmap and (``gallery``) the gallery at most a few times per second."""
+                force: bool = False, gallery: bool = True, draw_views: bool = True) -> dict[str, Any]:
+    """Status every chunk; plot, heatmap and (``gallery``) the gallery at most a few times per second. Without
+    ``draw_views`` the policy's views go out declared (``"views"``, plain data) for a caller that holds more
+    thumbnails than this session (a GPU worker carries only the newest) to draw."""
     now = time.monotonic()
     update: dict[str, Any] = {"session": state, "status": status_text(state, done, total)}
     if force or now - state.last_plot >= PLOT_EVERY_S:
@@ -188,7 +196,10 @@ def live_update(state: Session, view: tuple[str, str, bool], done: int | None = 
         state.last_plot = now
     if force or now - state.last_heatmap >= HEATMAP_EVERY_S:
         update["heatmap"] = heatmap_image(state, *view)
-        update["panels"] = policy_panels(state, *view[:2])
+        if draw_views:
+            update["panels"] = policy_panels(state, *view[:2])
+        else:
+            update["views"] = declared_views(state, *view[:2])
         update["legend"] = legend(state, view)
         state.last_heatmap = now
     if gallery and (force or now - state.last_gallery >= GALLERY_EVERY_S):
