@@ -28,7 +28,7 @@ _EXPORTS = {
     "load_video": ".video",
     "make_policy": ".policies",
     "policy_names": ".policies",
-    "stream_video": ".engine",
+    "stream_video": ".streaming",
     "synthetic_video": ".synthetic",
 }
 

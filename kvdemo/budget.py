@@ -52,19 +52,19 @@ class Budget:
             if not takes_keep:
                 keep = None
             elif keep is None and budget is not None:
-                keep = int(_token_count("M", budget) * default_ratio)
+                keep = int(token_count("M", budget) * default_ratio)
         if budget is None or (takes_keep and keep is None):
             needed = "a budget M and a keep size C" if takes_keep else "a budget M"
             raise BudgetError(f"policy {policy_cls.name!r} needs {needed} (visual tokens)")
         if not takes_keep and keep is not None:
             raise BudgetError(f"policy {policy_cls.name!r} is sized by M alone; C does not apply (leave it out)")
-        M = _token_count("M", budget)
+        M = token_count("M", budget)
         if not takes_keep:
             splitter = policy if isinstance(policy, SummaryRegion) else policy_cls()
             summary = splitter.summary_slots(M)  # raises if M cannot be split as the policy needs
             return cls(M, None, summary, splitter.describe_split(M), getattr(splitter, "window_name", "window"),
                        splitter.summary_slots)
-        C = _token_count("C", keep)
+        C = token_count("C", keep)
         if C >= M:
             raise BudgetError(f"C must be smaller than M (a compression keeps C of the M tokens), got M={M}, C={C}")
         return cls(M, C)
@@ -138,7 +138,7 @@ class Budget:
         return f"M={self.M}" + (f", C={self.C}" if self.C is not None else "")
 
 
-def _token_count(name: str, value: Any) -> int:
+def token_count(name: str, value: Any) -> int:
     """``value`` as a positive whole number of tokens no larger than :data:`MAX_TOKENS`."""
     try:
         number = float(value)

@@ -115,9 +115,9 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
                               description=RUN_DESCRIPTION, epilog=RUN_EXAMPLES, formatter_class=formatter)
     run.add_argument("--video", help="video file (mp4, mkv, mov, webm, avi...); default: the bundled sample (a generated stream)")
     run.add_argument("--policy", help=named(f"compression policy, {listed}", catalog and catalog.DEFAULT_POLICY))
-    run.add_argument("--budget", "-M", type=int, help="M: max visual tokens held (default: about a third of the stream's, at most 6144)")
-    run.add_argument("--keep", "-C", type=int,
-                     help=f"C: visual tokens kept by a compression (default 0.75 M; {no_keep})")
+    # M and C are read as text and checked by the budget's one rule (1e25 is a one-line error, not argparse's).
+    run.add_argument("--budget", "-M", help="M: max visual tokens held (default: about a third of the stream's, at most 6144)")
+    run.add_argument("--keep", "-C", help=f"C: visual tokens kept by a compression (default 0.75 M; {no_keep})")
     run.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                      help="policy parameter, value read as JSON (repeatable), e.g. --param alpha=0.3")
     run.add_argument("--model", help="tiny, tiny-random, auto, or a Hugging Face id / local path (default: $KVDEMO_MODEL or auto)")
@@ -161,8 +161,9 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
                           help="query delays in seconds of stream time, comma-separated (default 0,4,8,16,32)")
     evaluate.add_argument("--episodes", type=int, default=200, help="held-out streams (default 200)")
     evaluate.add_argument("--seed", type=int, default=0, help="seed of the held-out streams (default 0)")
-    evaluate.add_argument("--budget", "-M", type=int, help="M for the bounded policies (visual tokens)")
-    evaluate.add_argument("--keep", "-C", type=int, help="C for the policies that take one (visual tokens)")
+    evaluate.add_argument("--budget", "-M", default="64",
+                          help="M for the bounded policies (visual tokens; default 64: 4 s of a generated stream)")
+    evaluate.add_argument("--keep", "-C", help="C for the policies that take one (visual tokens; default 0.75 M)")
     evaluate.add_argument("--model", default="tiny", help="the model (default: the trained tiny model)")
     evaluate.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the tiny model's matrices "
                           "are small, and on a busy machine more threads stall each other)")
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 def check_run_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """Plain checks of ``run``'s numbers; returns the policy parameters. Raises :class:`UsageError`."""
     positive = {"--fps": args.fps, "--frames-per-chunk": args.frames_per_chunk, "--max-frames": args.max_frames,
-                "--max-new-tokens": args.max_new_tokens, "--budget": args.budget, "--keep": args.keep}
+                "--max-new-tokens": args.max_new_tokens}  # M and C: the budget's rule, once the policy is known
     for flag, value in positive.items():
         if value is not None and value <= 0:
             raise UsageError(f"{flag} must be positive, got {value}")
@@ -232,6 +233,13 @@ def run_command(args: argparse.Namespace) -> int:
         open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
     from .budget import Budget  # deferred from here on: torch loads only once the file is known to be good
     from .models.catalog import geometry_for  # deferred with Budget (torch)
+    from .policies import DEFAULT_POLICY, make_policy  # deferred with Budget
+
+    policy = make_policy(args.policy or DEFAULT_POLICY, **params)
+    if args.keep is not None and args.budget is None and policy.bounded:
+        raise UsageError("--keep needs --budget")
+    if args.budget is not None:
+        Budget.resolve(policy, args.budget, args.keep, default_ratio=0.75)  # its own rule, before frames are sized
 
     # How the model sizes frames, with the user's pixel range where given (the trained tiny model saw 112 x 112).
     geometry = geometry_for(args.model)
@@ -247,11 +255,6 @@ def run_command(args: argparse.Namespace) -> int:
         video = open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames, geometry=geometry)
     else:
         video = episode.video.sampled(args.fps).head(args.max_frames).resized(geometry)
-    from .policies import DEFAULT_POLICY, make_policy  # deferred with Budget
-
-    policy = make_policy(args.policy or DEFAULT_POLICY, **params)
-    if args.keep is not None and args.budget is None and policy.bounded:
-        raise UsageError("--keep needs --budget")
     chunk_tokens, shape = geometry.chunk_tokens(video.size, args.frames_per_chunk)
     note = ""
     if policy.bounded and args.budget is None:
@@ -263,7 +266,8 @@ def run_command(args: argparse.Namespace) -> int:
     budget.check_chunk(chunk_tokens, shape)
 
     from .coverage import coverage, coverage_table  # deferred on purpose: the budget is good, the model comes now
-    from .engine import StreamEngine, stream_video  # deferred with it
+    from .engine import StreamEngine  # deferred with it
+    from .streaming import stream_video  # deferred with it
     from .models.loading import load_model  # deferred with it (transformers)
 
     model = load_model(args.model)
@@ -371,7 +375,7 @@ def check_eval_arguments(args: argparse.Namespace) -> None:
         raise UsageError(f"--delays takes seconds separated by commas, got {args.delays!r}") from None
     if not args.delays or min(args.delays) < 0:
         raise UsageError(f"--delays must be non-negative seconds, got {args.delays}")
-    for flag, value in {"--episodes": args.episodes, "--threads": args.threads, "--budget": args.budget, "--keep": args.keep}.items():
+    for flag, value in {"--episodes": args.episodes, "--threads": args.threads}.items():
         if value is not None and value <= 0:
             raise UsageError(f"{flag} must be positive, got {value}")
 

@@ -1,7 +1,7 @@
 """The streaming engine: frames in, a KV memory under a hard budget, answers from a fork of it.
 
 ``FrameStream`` turns incoming frames into vision-encoded chunks (one encoding per chunk, shared by
-every engine watching the stream). ``StreamEngine.feed_chunk`` prefills a chunk on the current
+every engine watching the stream: :mod:`kvdemo.streaming`). ``StreamEngine.feed_chunk`` prefills a chunk on the current
 memory and compresses with the policy whenever the next chunk would push visual tokens past ``M``,
 so visual tokens never exceed ``M``. ``StreamEngine.ask`` answers on a fork and leaves the memory
 exactly as it was.
@@ -24,9 +24,12 @@ from .budget import Budget
 from .policies import BudgetError, Policy, Probed, make_policy
 from .survival import survival_fraction
 from .views import View, ViewContext
-from .video import Video, VideoFile
 
 DEFAULT_MAX_NEW_TOKENS = 64
+#: The longest question (tokens), and the most tokens of earlier turns replayed before a question: the oldest
+#: turns past it are left out (the answer says how many), so a long chat neither grows without bound nor spoils.
+MAX_QUESTION_TOKENS = 512
+MAX_DIALOGUE_TOKENS = 1024
 
 
 class EngineError(ValueError):
@@ -59,6 +62,7 @@ class Answer:
     tokens: int
     cache_bytes: int
     visual_tokens: int
+    dropped_turns: int = 0  # earlier turns left out of the replayed dialogue (MAX_DIALOGUE_TOKENS)
 
 
 class FrameStream:
@@ -124,82 +128,6 @@ class EngineStats:
     compressions: int = 0
     encode_ms: float = 0.0
     per_chunk: list[dict[str, float]] = field(default_factory=list)
-
-
-@dataclass
-class StreamStep:
-    """What one chunk did to a group of engines (see :class:`EngineGroup`)."""
-
-    chunk: VisualChunk
-    frames_done: int
-    frames_total: int | None
-    events: dict[str, list[OccupancyEvent]]
-    stopped: dict[str, str] = field(default_factory=dict)  # engine name -> why it stopped (all so far)
-
-
-class EngineGroup:
-    """The engines watching one stream: one :class:`FrameStream` (one vision encoding per chunk) feeds every
-    engine that has not stopped. An engine stops when the next chunk would take it past its memory cap
-    (:class:`MemoryCapError`) or the device runs out of memory; the others go on, and :attr:`stopped` says
-    why. The CLI, the app, the evaluation and the benchmarks all stream through one of these."""
-
-    def __init__(self, model: VideoLM, engines: dict[str, "StreamEngine"], fps: float) -> None:
-        self.engines = engines
-        self.stream = FrameStream(model, fps)
-        self.stopped: dict[str, str] = {}
-
-    @property
-    def frames_seen(self) -> int:
-        return self.stream.frames_seen
-
-    def attach(self, model: VideoLM) -> "EngineGroup":
-        """Attach ``model`` to the stream and every engine after unpickling (the memory stays where it is)."""
-        self.stream.model = model
-        for engine in self.engines.values():
-            engine.attach(model)
-        return self
-
-    def push(self, frames: np.ndarray, times_s: np.ndarray | None = None, flush: bool = False,
-             total: int | None = None) -> list[StreamStep]:
-        """Add frames ``[T, H, W, 3]``; feed every chunk they complete (and, with ``flush``, a last odd frame
-        paired with a copy of itself) to every running engine, one step per chunk. ``total`` (frames the
-        stream will have) goes into the steps."""
-        chunks = [self.stream.push(frames, times_s) if len(frames) else None]
-        if flush:
-            chunks.append(self.stream.flush())
-        return [self.feed_chunk(chunk, total) for chunk in chunks if chunk is not None]
-
-    def feed_chunk(self, chunk: VisualChunk, total: int | None = None) -> StreamStep:
-        events = {}
-        for name, engine in self.engines.items():
-            if name in self.stopped:
-                continue
-            try:
-                events[name] = engine.feed_chunk(chunk)
-            except EngineStop as exc:
-                self.stopped[name] = str(exc)
-            except RuntimeError as exc:
-                if "out of memory" not in str(exc).lower():
-                    raise
-                self.stopped[name] = f"stopped: out of memory at {engine.frames_fed} frames"
-        return StreamStep(chunk, self.stream.frames_seen, total, events, dict(self.stopped))
-
-
-def stream_video(
-    model: VideoLM,
-    video: Video | VideoFile,
-    engines: dict[str, "StreamEngine"],
-    frames_per_chunk: int = 2,
-) -> Iterator[StreamStep]:
-    """Stream ``video`` into every engine through one :class:`EngineGroup`; yields after each chunk."""
-    group = EngineGroup(model, engines, video.fps)
-    parts = video.chunks(frames_per_chunk)
-    current = next(parts, None)
-    while current is not None:
-        following = next(parts, None)  # decoded ahead by one part, so the last one flushes an odd frame
-        _, frames, times = current
-        yield from group.push(frames, times, flush=following is None, total=video.num_frames)
-        current = following
 
 
 class StreamEngine:
@@ -405,14 +333,34 @@ class StreamEngine:
         with itself as the probe, when the memory holds more than ``C``; that pass is on the timeline.
         The question and the answer join the dialogue, re-encoded as text before the next question.
         """
+        question = self.check_question(question)
+        if isinstance(self.policy, Probed) and self.policy.compresses_on_question and self._held_under_budget() > self.budget.keep_for(0):
+            self.compress(probe_text=question)
+        return self._generate(question, max_new_tokens or self.max_new_tokens)
+
+    def check_question(self, question: str) -> str:
+        """``question`` stripped, or :class:`EngineError` saying why it cannot be asked (no video yet, empty,
+        longer than :data:`MAX_QUESTION_TOKENS`)."""
         if self.memory.num_grids == 0:
             raise EngineError("no video yet: feed at least one frame before asking")
         question = (question or "").strip()
         if not question:
             raise EngineError("the question is empty")
-        if isinstance(self.policy, Probed) and self.policy.compresses_on_question and self._held_under_budget() > self.budget.keep_for(0):
-            self.compress(probe_text=question)
-        return self._generate(question, max_new_tokens or self.max_new_tokens)
+        tokens = len(self.model.tokenize(question))
+        if tokens > MAX_QUESTION_TOKENS:
+            raise EngineError(f"the question is {tokens} tokens long; at most {MAX_QUESTION_TOKENS} (shorten it)")
+        return question
+
+    def replayed_dialogue(self, question: str) -> tuple[list[tuple[str, str]], int]:
+        """The newest earlier turns that fit in :data:`MAX_DIALOGUE_TOKENS` before ``question``, and how many
+        older turns were left out."""
+        def length(turns: list[tuple[str, str]]) -> int:
+            return len(self.model.tokenize(self.model.question_text(turns, question)))
+
+        alone, dropped = length([]), 0
+        while length(self.history[dropped:]) - alone > MAX_DIALOGUE_TOKENS:  # ends: with every turn left out the excess is 0
+            dropped += 1
+        return self.history[dropped:], dropped
 
     def answer(self, question: str, max_new_tokens: int | None = None) -> Answer:
         """:meth:`ask`, collected."""
@@ -426,19 +374,21 @@ class StreamEngine:
         (the memory is unchanged, as when answering)."""
         return self._question_prefill(question)[0]
 
-    def _question_prefill(self, question: str) -> tuple[torch.Tensor, MemoryCache, Any]:
-        """The question's prefill on a fork: its last logits, the cache to decode on, the cursor after it."""
-        embeds = self.model.question_embeds(self.history, question)
+    def _question_prefill(self, question: str) -> tuple[torch.Tensor, MemoryCache, Any, int]:
+        """The question's prefill on a fork: its last logits, the cache to decode on, the cursor after it, and how
+        many older turns were left out of the replayed dialogue."""
+        turns, dropped = self.replayed_dialogue(question)
+        embeds = self.model.question_embeds(turns, question)
         positions, cursor = self.model.text_positions(self.memory.cursor, int(embeds.shape[0]))
         cache = MemoryCache(self.memory)  # writes go to the slack and are never committed
         cache.answering = True  # heads with an offload store retrieve (question prefill and every decode step)
         self.memory.reset_retrieved()
-        return self.model.forward(embeds, positions, cache), cache, cursor
+        return self.model.forward(embeds, positions, cache), cache, cursor, dropped
 
     @torch.inference_mode()
     def _generate(self, question: str, max_new_tokens: int) -> Iterator[str]:
         start = time.perf_counter()
-        logits, cache, cursor = self._question_prefill(question)
+        logits, cache, cursor, dropped = self._question_prefill(question)
         generated: list[int] = []
         text, ttft_ms = "", 0.0
         try:
@@ -468,6 +418,7 @@ class StreamEngine:
                     tokens=len(generated),
                     cache_bytes=self.memory.nbytes,
                     visual_tokens=self.memory.visual_tokens,
+                    dropped_turns=dropped,
                 )
             )
 

@@ -108,7 +108,7 @@ def run_episode(
 
     Returns, per policy, ``[item][delay] -> correct``.
     """
-    from .engine import EngineGroup  # deferred on purpose (torch), as above
+    from .streaming import EngineGroup  # deferred on purpose (torch), as above
 
     video = episode.video
     engines = build_engines(model, policies, budget, keep, video.fps)
@@ -242,17 +242,20 @@ def eval_command(args: argparse.Namespace) -> int:
     """``python -m kvdemo eval`` (arguments checked by the CLI before anything heavy loads)."""
     import torch  # deferred on purpose (as above)
 
+    from .budget import token_count  # deferred with torch
     from .models.loading import load_model  # deferred with torch
     from .policies import make_policy  # deferred with torch
 
     for name in args.policies:
         make_policy(name)  # an unknown name fails here, before the model loads
+    budget = token_count("M", args.budget)  # M and C are checked by the budget's rule before the model loads
+    keep = token_count("C", args.keep) if args.keep is not None else int(budget * 0.75)
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
     if model.notice:
         print(f"note: {model.notice}", file=sys.stderr)
     report = evaluate(
-        model, args.policies, args.delays, args.episodes, args.seed, args.budget, args.keep, progress=not args.quiet
+        model, args.policies, args.delays, args.episodes, args.seed, budget, keep, progress=not args.quiet
     )
     print(accuracy_table(report))
     if args.json:

@@ -1,5 +1,5 @@
-"""The KV memory: preallocated per-layer key/value buffers written in place, per-head provenance of every
-visual token, an optional per-head key bias, real bytes, and the occupancy timeline.
+"""The KV memory: per-layer key/value buffers written in place, per-head provenance of every visual token,
+an optional per-head key bias, real bytes, and the occupancy timeline.
 
 Layout of one layer's buffers ``keys/values [1, H_kv, capacity, D]`` (slots, not stream order)::
 
@@ -7,31 +7,26 @@ Layout of one layer's buffers ``keys/values [1, H_kv, capacity, D]`` (slots, not
     0            P             P+S          P+S+L             P+S+L+T = end   capacity
 
 - prefix: the system text, never evicted;
-- summary: synthetic entries a policy owns (ProtoKV's pseudo-tokens), refreshed by a compression;
+- summary: synthetic entries a policy owns (ProtoKV's pseudo-tokens), laid out when first written;
 - visual: real visual tokens with provenance ``frame/row/col/order/position/reason [H_kv, L]`` per slot.
-  Heads may hold different numbers of tokens (ragged budgets): then ``valid [H_kv, L]`` marks real slots
-  and the others carry a ``-inf`` key bias;
-- stream text: text tokens the stream itself carries between grids (Qwen3-VL's ``<t seconds><|vision_start|>``
-  and ``<|vision_end|>`` around every temporal grid), with provenance (their grid); they count against ``M`` and
-  leave with their grid's last visual token in that layer and head (:meth:`KVMemory.apply`). Policies never see
-  them: their views hold the visual slots only, and ``LayerView.grid_text`` says what keeping a grid costs;
-- slack: where a forward writes new tokens. A chunk's prefill writes there and is committed
-  (:meth:`KVMemory.commit_append`); a question writes there and is simply not committed, so the memory
-  after :meth:`~kvdemo.engine.StreamEngine.ask` is bit-identical without any copy or rollback.
+  Ragged heads (different counts) have ``valid [H_kv, L]``; their padding carries a ``-inf`` key bias;
+- stream text: text the stream itself carries between grids (Qwen3-VL's ``<t seconds><|vision_start|>``
+  and ``<|vision_end|>`` around every temporal grid), with provenance (their grid); it counts against ``M`` and
+  leaves with its grid's last visual token in that layer and head (:meth:`KVMemory.apply`). Policies never
+  see it: their views hold the visual slots only, and ``LayerView.grid_text`` says what keeping a grid costs;
+  Ragged heads (different counts) have ``valid [H_kv, L]``; their padding carries a ``-inf`` key bias;
+- slack: where a forward writes new tokens: a chunk's prefill is committed (:meth:`KVMemory.commit_append`),
+  a question's never is, so the memory after :meth:`~kvdemo.engine.StreamEngine.ask` is bit-identical.
 
 Every byte moves once: an append copies the chunk into the slack; a compression moves only the kept tokens
-that sit at or beyond slot ``C`` into the evicted slots below ``C`` (at most ``M - C`` tokens per head,
-``index_select``/``index_copy_`` on the flattened ``[H * capacity, D]`` buffer), never the prefix. Keys
-carry their rotation (post-RoPE), so attention does not care where a token sits: only a new chunk must
-come after what it attends to, which the slack guarantees. Buffers grow geometrically only when a stream
-needs more room (the ``full`` policy, a long dialogue). Consequently the visual slots are *not* in stream
-order: ``order`` (arrival number) and ``frame`` say what is older.
+at or beyond slot ``C`` into the evicted slots below ``C`` (one ``index_select``/``index_copy_`` on the
+flattened buffer), never the prefix. Keys carry their rotation (post-RoPE), so slots need no stream order
+(``order`` and ``frame`` say what is older). Buffers follow what the stream holds: they grow geometrically
+as chunks arrive, never past what ``M`` needs, so an ``M`` the stream never reaches costs nothing.
 
 What transformers sees is :class:`kvdemo.attention.MemoryCache(memory) <kvdemo.attention.MemoryCache>`, a
-``Cache`` whose layers are views of the live part, built by the memory's users (the engine, the benchmarks)
-and writing through :meth:`KVMemory.ensure_layer` / :meth:`KVMemory.reserve`; kvdemo's attention function
-reads the key bias. HybridKV's offload store is :mod:`kvdemo.offload`; what survives of each frame, which
-only views and reports read, is :mod:`kvdemo.survival`.
+``Cache`` of views of the live part writing through :meth:`KVMemory.ensure_layer` / :meth:`KVMemory.reserve`.
+HybridKV's offload store is :mod:`kvdemo.offload`; what survives of each frame is :mod:`kvdemo.survival`.
 
 Reading order: the timeline event, one layer's buffers, then :class:`KVMemory`: its layout, the layer
 buffers, the writes, what a policy sees and decides (``views``/``apply``), the timeline, pickling.
@@ -126,11 +121,10 @@ class LayerMemory:
 
 
 class KVMemory:
-    """A model's KV cache under our control (see the module docstring for the layout).
-
-    ``visual_capacity`` is the number of visual slots to preallocate (``M`` for a bounded policy);
-    ``summary_slots`` the size of the summary region a policy owns (0 for a selection policy).
-    """
+    """A model's KV cache (layout: the module docstring). ``visual_capacity``: the most visual slots it holds
+    (``M``'s window; 0 = no bound); ``summary_slots``: the region a policy owns, counted in :attr:`visual_tokens`
+    from the start, laid out when first written; ``layer_map``: model layer -> memory layer (None for a layer
+    without keys and values, e.g. Qwen3.5's linear attention; default: one memory layer per model layer)."""
     def __init__(
         self,
         num_layers: int,
@@ -143,6 +137,7 @@ class KVMemory:
         self.num_kv_heads = num_kv_heads
         self.visual_capacity = int(visual_capacity)
         self.summary_slots = int(summary_slots)
+        self.summary_open = False  # the summary region is laid out in the buffers
         self.layers: list[LayerMemory] = []
         self.prefix_len = 0
         self.grid_times_s: list[float] = []  # stream time of each temporal grid ever fed
@@ -165,8 +160,8 @@ class KVMemory:
 
     @property
     def visual_start(self) -> int:
-        """First visual slot: after the prefix and the summary region."""
-        return self.prefix_len + self.summary_slots
+        """First visual slot: after the prefix and the summary region (once it is laid out)."""
+        return self.prefix_len + (self.summary_slots if self.summary_open else 0)
 
     def live_len(self, layer: int) -> int:
         """Slots attention reads in ``layer``: prefix + summary + visual + stream text."""
@@ -301,7 +296,7 @@ class KVMemory:
         if self.layers[layer] is not None:
             return
         _, heads, n, dim = key_states.shape
-        capacity = n + self.summary_slots + self.visual_capacity + TEXT_RESERVE
+        capacity = n + TEXT_RESERVE  # grown as chunks arrive (reserve)
         device = key_states.device
         self.layers[layer] = LayerMemory(
             kv=torch.zeros(1, 2 * heads, capacity, dim, dtype=key_states.dtype, device=device),
@@ -309,11 +304,14 @@ class KVMemory:
         )
 
     def reserve(self, layer: int, end: int) -> None:
-        """Make room for slots ``[0, end)`` in ``layer``: geometric growth, everything written is copied once
-        (the slack may hold an uncommitted forward's tokens)."""
+        """Make room for slots ``[0, end)`` in ``layer``: geometric growth up to what ``M`` needs (its window and
+        a question), copying everything written (the slack may hold an uncommitted forward's tokens)."""
         old_capacity = self.layers[layer].capacity
         if end > old_capacity:
-            self._resize(layer, max(end + TEXT_RESERVE, int(old_capacity * 1.5)))
+            capacity = max(end + TEXT_RESERVE, int(old_capacity * 1.5))
+            if self.visual_capacity:
+                capacity = max(end, min(capacity, self.visual_start + self.visual_capacity + TEXT_RESERVE))
+            self._resize(layer, capacity)
 
     def _resize(self, layer: int, capacity: int) -> None:
         """Reallocate ``layer``'s buffers with ``capacity`` slots (>= what they hold), copying their content."""
@@ -324,7 +322,8 @@ class KVMemory:
         store.kv = kv
         rows = capacity - (self.visual_start if self.prefix_len else 0)
         packed = store.packed.new_zeros(store.packed.shape[0], rows, PROVENANCE_WIDTH)
-        packed[:, : store.packed.shape[1]] = store.packed
+        kept = min(rows, store.packed.shape[1])  # rows past the visual tokens hold nothing
+        packed[:, :kept] = store.packed[:, :kept]
         store.packed = packed
         if store.bias is not None:
             bias = store.bias.new_zeros(store.bias.shape[0], capacity)
@@ -334,15 +333,11 @@ class KVMemory:
     # --- writes ---------------------------------------------------------------------------
     @torch.inference_mode()
     def commit_prefix(self, prefix_len: int) -> None:
-        """Adopt the prefilled text prefix (positions ``0 .. prefix_len-1``) and open the summary region."""
+        """Adopt the prefilled text prefix (positions ``0 .. prefix_len-1``); visual tokens follow it."""
         self.prefix_len = prefix_len
         for store in self.layers:
             rows = store.capacity - self.visual_start
             store.packed = store.packed[:, :rows].clone()
-            if self.summary_slots:
-                # Summary slots exist from the start but stay invisible until a policy fills them.
-                store.bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=BIAS_DTYPE, device=store.keys.device)
-                store.bias[:, prefix_len : self.visual_start] = float("-inf")
 
     def commit_linear(self, model_layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Adopt the state a chunk's forward left in model layer ``model_layer`` (one without keys and values)."""
@@ -466,6 +461,8 @@ class KVMemory:
             raise ValueError(f"selection covers {len(selection.indices)} layers, memory has {self.num_layers}")
         reasons = selection.info.get("reason")
         moved = 0
+        if selection.summary is not None and not self.summary_open:
+            moved += self._open_summary()
         for layer, index in enumerate(selection.indices):
             store = self.layers[layer]
             if selection.offload is not None and selection.offload[layer] is not None:
@@ -598,6 +595,22 @@ class KVMemory:
             text = start + store.visual_len
             store.bias[:, text : text + store.text_len].masked_fill_(~store.text_valid, float("-inf"))
 
+    def _open_summary(self) -> int:
+        """Lay out the summary region (invisible until written) after the prefix: the visual tokens move up once."""
+        p, size, moved = self.prefix_len, self.summary_slots, 0
+        for layer, store in enumerate(self.layers):
+            length = store.visual_len + store.text_len
+            self.reserve(layer, p + size + length + TEXT_RESERVE)
+            store.kv[:, :, p + size : p + size + length] = store.kv[:, :, p : p + length].clone()
+            bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=BIAS_DTYPE, device=store.keys.device)
+            if store.bias is not None:
+                bias[:, p + size : p + size + length] = store.bias[:, p : p + length]
+            bias[:, p : p + size] = float("-inf")
+            store.bias = bias
+            moved += store.kv[:, :, :length].nbytes
+        self.summary_open = True
+        return moved
+
     def _write_summary(self, store: LayerMemory, summary: SummaryUpdate) -> None:
         """Write a policy's summary entries: keys/values at their slots, the bias of every slot."""
         if summary.bias.shape[1] != self.summary_slots:
@@ -617,7 +630,7 @@ class KVMemory:
     @property
     def summary_active(self) -> int:
         """Summary slots attention can see (finite bias), mean over KV heads, in the fullest layer."""
-        if not self.summary_slots or not self.layers or self.layers[0].bias is None:
+        if not self.summary_open or not self.layers or self.layers[0].bias is None:
             return 0
         p, s = self.prefix_len, self.visual_start
         return max(round(float(torch.isfinite(store.bias[:, p:s]).sum(dim=1).double().mean())) for store in self.layers)
@@ -646,12 +659,14 @@ class KVMemory:
         restores the capacity), so a memory crosses a process boundary at the size of what it holds."""
         state = self.__dict__.copy()
         state["layers"] = [self._trimmed(i, store) for i, store in enumerate(self.layers)]
+        state["capacities"] = [store.capacity for store in self.layers]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        capacities = state.pop("capacities", [])
         self.__dict__.update(state)
-        for layer, store in enumerate(self.layers):
-            self._resize(layer, self.visual_start + max(self.visual_capacity, store.visual_len + store.text_len) + TEXT_RESERVE)
+        for layer, capacity in enumerate(capacities):
+            self._resize(layer, capacity)
 
     def _trimmed(self, layer: int, store: LayerMemory) -> LayerMemory:
         live = self.live_len(layer) if self.prefix_len else store.capacity

@@ -155,7 +155,7 @@ class VideoFile:
         if path.is_dir():
             raise VideoError(f"{path}: is a directory, not a video file")
         if path.stat().st_size == 0:
-            raise VideoError(f"{path}: the file is empty")
+            raise VideoError(f"{path.name}: the file is empty")
         if fps <= 0:
             raise VideoError(f"sampling fps must be positive, got {fps}")
         self.path, self.geometry = path, geometry
@@ -236,43 +236,75 @@ class VideoFile:
         return list(zip(resized, (t for _, t in frames)))
 
     def _sampled_frames(self) -> Iterator[tuple[np.ndarray, float]]:
-        """Decode sequentially; yield the RGB frame (``[H, W, 3]`` uint8) shown at each target time."""
-        every_frame = self.source_fps > 0 and self.fps >= self.source_fps
-        tolerance = 0.5 / (self.source_fps if self.source_fps > 0 else self.fps)
-        target = 0
+        """Decode sequentially; yield the RGB frame (``[H, W, 3]`` uint8) shown at each target time ``k / fps``.
+
+        The frame shown at ``T`` is the newest decoded frame that starts at or before ``T`` (1 ms of slack, at
+        most a quarter of a source frame, absorbs rounded timestamps: Matroska stores milliseconds), so it is
+        only known once the next frame arrives. A target is lost only where frames could not be decoded: it falls in a
+        gap between decoded frames after the decoder reported damage, or after the last frame of a stream
+        that ended early. A gap without damage (variable frame rate) shows the frame before it.
+        """
+        period = 1.0 / (self.source_fps if self.source_fps > 0 else self.fps)
+        slack = min(0.25 * period, 1e-3)
+        target, damage = 0, 0
+        previous: tuple[av.VideoFrame, float] | None = None
+
+        def due() -> bool:
+            return self.planned is None or target < self.planned
+
+        for frame, time_s, errors in self._decoded(period):
+            damage += errors
+            # Targets before this frame: shown by the previous frame, unless they fall in a damaged gap.
+            gap = previous is not None and time_s - previous[1] > 1.5 * period
+            while due() and target / self.fps < time_s - slack:
+                covered = previous is not None and target / self.fps < previous[1] + period - slack
+                if previous is None and not damage:
+                    shown = frame  # the stream starts a little after 0: its first frame is what shows
+                elif covered or (previous is not None and not (gap and damage)):
+                    shown = previous[0]
+                else:
+                    shown = None
+                target += 1
+                if shown is None:
+                    self.lost_frames += 1
+                else:
+                    self.decoded_frames += 1
+                    yield shown.to_ndarray(format="rgb24"), time_s if shown is frame else previous[1]
+            if gap or previous is None:
+                damage = 0  # a damaged gap (or start) accounted for
+            previous = (frame, time_s)
+            if not due():
+                return
+        # After the last decoded frame: it shows until one source frame later; past that the stream ended early.
+        while due() and previous is not None and target / self.fps < previous[1] + 1.5 * period:
+            target += 1
+            self.decoded_frames += 1
+            yield previous[0].to_ndarray(format="rgb24"), previous[1]
+        if self.planned is not None and target < self.planned:
+            self.lost_frames += self.planned - target  # the stream ended early (truncated file)
+
+    def _decoded(self, period: float) -> Iterator[tuple[av.VideoFrame, float, int]]:
+        """Every frame the decoder delivers, with its time (s) and the decode errors reported since the
+        previous one (a damaged packet is skipped; its frames never come)."""
+        errors, index = 0, 0
         with self._open() as container:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
             packets = container.demux(stream)
-            index = 0
-            while self.planned is None or target < self.planned:
+            while True:
                 try:
                     packet = next(packets)
                     frames = packet.decode()
                 except StopIteration:
-                    break
+                    return
                 except av.error.FFmpegError:
-                    continue  # a damaged packet: its frame is missing below, and counted as lost
+                    errors += 1
+                    continue
                 for frame in frames:
-                    time_s = float(frame.time) if frame.time is not None else index / (self.source_fps or self.fps)
+                    time_s = float(frame.time) if frame.time is not None else index * period
                     index += 1
-                    if every_frame:
-                        if self.planned is not None and target >= self.planned:
-                            break
-                        target += 1
-                        self.decoded_frames += 1
-                        yield frame.to_ndarray(format="rgb24"), time_s
-                        continue
-                    # Targets whose frame is missing (skipped past) are lost.
-                    while (self.planned is None or target < self.planned) and time_s > target / self.fps + tolerance:
-                        target += 1
-                        self.lost_frames += 1
-                    if (self.planned is None or target < self.planned) and time_s >= target / self.fps - tolerance:
-                        target += 1
-                        self.decoded_frames += 1
-                        yield frame.to_ndarray(format="rgb24"), time_s
-        if self.planned is not None and target < self.planned:
-            self.lost_frames += self.planned - target  # the stream ended early (truncated file)
+                    yield frame, time_s, errors
+                    errors = 0
 
     def describe(self) -> str:
         frames = self.decoded_frames or self.num_frames

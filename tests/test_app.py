@@ -276,3 +276,44 @@ def test_the_app_logs_its_start_and_the_model_it_loaded(app, client):
     positions = [log.find(step) for step in steps]
     assert -1 not in positions and positions == sorted(positions), log[:2000]
     assert re.search(r"loaded tiny \(qwen2_5_vl, \d+ attention layers, \d+ KV heads\) on cpu as float32", log)
+
+
+def test_a_huge_budget_costs_what_the_stream_holds_and_absurd_ones_are_one_line(client, app, media):
+    """M = 1,000,000 reserved ~2.2 GB for a 150-token stream; 10^12 and 10^25 are one-line messages everywhere."""
+    before = app.log.read_text().count("Traceback")
+    clip = handle_file(str(media / "flipping_a_pancake.mkv"))
+    final = client.predict(clip, budget=1_000_000, keep=750_000, api_name="/run")
+    report = fetch_json(final[REPORT])
+    allocated = max(event["allocated_bytes"] for event in report["timeline"])
+    baseline = max(event["allocated_bytes"] for event in report["baseline"]["timeline"])
+    assert allocated <= baseline, "an M the stream never reaches allocates no more than the full cache"
+    for budget in (10**12, 1e25):
+        run = client.predict(clip, budget=budget, keep=768, api_name="/run")[STATUS]
+        check = client.predict("infinipot-v", budget, 768, 2, 12544, None, api_name="/check_settings")
+        assert check.startswith("⚠️") and "more visual tokens than any stream holds" in check and "\n" not in check
+        assert "more visual tokens than any stream holds" in run.splitlines()[0], run
+    assert app.log.read_text().count("Traceback") == before
+
+
+def test_questions_and_the_replayed_dialogue_are_bounded(client, app):
+    """A 100,000-character question tried to allocate 48.5 GB; a few long turns spoiled every later answer
+    (the whole dialogue is replayed before each question). Now: a one-line message beside the question box,
+    and the oldest turns leave the replay, which the answer says."""
+    from kvdemo.engine import MAX_QUESTION_TOKENS
+    from kvdemo.synthetic import sample_episode
+
+    client.predict(*sample_settings(2), api_name="/run_sample")
+    before = app.log.read_text().count("Traceback")
+    start = time.monotonic()
+    status, policy_chat, full_chat, _ = client.predict("x" * 100_000, api_name="/ask")
+    assert status == f"⚠️ the question is 100000 tokens long; at most {MAX_QUESTION_TOKENS} (shorten it)"
+    assert policy_chat == [] and full_chat == [] and time.monotonic() - start < 15
+    long_turn = "Describe every object you saw in the video, in order, with its colour. " * 6  # 426 tokens
+    for _ in range(5):
+        client.predict(long_turn, api_name="/ask")
+    question = next(q for q in sample_episode().questions if q.kind == "colour")
+    status, _, full_chat, _ = client.predict(question.text, api_name="/ask")
+    answer = answer_text(full_chat)
+    assert status.startswith("✓ answered by") and "oldest turn(s) were left out of the replayed dialogue" in answer
+    assert "✓ matches the ground truth" in answer, answer
+    assert app.log.read_text().count("Traceback") == before

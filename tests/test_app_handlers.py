@@ -90,7 +90,7 @@ def test_answers_on_the_sample_are_graded_against_the_ground_truth(hub):
 
 def test_asking_before_any_frame_is_a_message(hub):
     update = list(ask(None, "hello?"))[-1]
-    assert "no video yet" in update["status"]
+    assert "no video yet" in update["ask_status"]
 
 
 def test_ask_streams_both_answers_and_keeps_memory(hub, media):
@@ -145,7 +145,8 @@ def test_single_layer_head_view_colours_by_reason(hub, media):
 @pytest.mark.parametrize("policy, names", [("uniform", {0, 1}), ("sliding-window", {0})])
 def test_baselines_colour_by_their_own_reasons(tiny, pancake, policy, names):
     """Uniform and sliding-window say why they kept a token; tokens appended since the last pass are 'new'."""
-    from kvdemo.engine import StreamEngine, stream_video
+    from kvdemo.engine import StreamEngine
+    from kvdemo.streaming import stream_video
 
     engine = StreamEngine(tiny, policy, budget=540, keep=405, fps=pancake.fps)
     list(stream_video(tiny, pancake, {"p": engine}))
@@ -205,7 +206,7 @@ def test_the_session_pool_frees_the_least_recently_used_session(media):
     assert sessions[0].engine is not None and third.engine is not None
     assert sessions[1].engine is None and not sessions[1].thumbnails
     final = list(ask(sessions[1], "still there?"))[-1]
-    assert "freed to make room: the app keeps at most 2 sessions" in final["status"]
+    assert "freed to make room: the app keeps at most 2 sessions" in final["ask_status"]
     updates, again = run(small, sessions[1], None, fps=0.5, budget=1024, keep=768)
     assert "20/20 frames" in updates[-1]["status"] and again.engine is not None  # the 40 s sample at 0.5 fps
 
@@ -289,7 +290,8 @@ def test_small_frames_get_enlarged_thumbnails_with_crisp_patches():
 def test_policies_declare_their_views_and_viz_draws_them(tiny, pancake):
     """ProtoKV's assignment map and bank, HybridKV's head map: declared by the policy, drawn by viz; per-head
     views show summarised (ProtoKV) and offloaded / retrieved (HybridKV) patches."""
-    from kvdemo.engine import StreamEngine, stream_video
+    from kvdemo.engine import StreamEngine
+    from kvdemo.streaming import stream_video
 
     proto = StreamEngine(tiny, "protokv", budget=560, fps=pancake.fps, policy_params={"warmup": 64})
     hybrid = StreamEngine(tiny, "hybridkv", budget=540, keep=405, fps=pancake.fps, max_new_tokens=4)
@@ -330,3 +332,88 @@ def test_a_caption_wider_than_its_tile_wraps_instead_of_running_into_the_next():
     # Nothing is drawn in the 6-px gap between the tiles: the caption stayed over its own tile.
     gap = wrapped[:, 120:126]
     assert (gap == 250).all()
+
+
+def test_a_redraw_while_a_webcam_chunk_is_fed_waits_for_it(hub, monkeypatch):
+    """Asking while the webcam streams redraws the views afterwards; the redraw ran while a chunk was half-fed
+    (the memory had the new grid, the session not yet its thumbnail) and failed with an IndexError in
+    viz.survivor_strip. A redraw takes the session's turn like a question, so it sees a whole chunk."""
+    import threading
+
+    from kvdemo.app import gpu
+    from kvdemo.app.layout import Demo
+
+    demo = Demo(hub)
+    demo.build()
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 255, (240, 320, 3), dtype=np.uint8) for _ in range(4)]
+    session = None
+    for frame in frames[:2]:
+        session = webcam_frame(hub, session, frame, settings(budget=1024, keep=768))["session"]
+    half_fed, go = threading.Event(), threading.Event()
+    real = gpu.live_update
+
+    def paused(*args, **kwargs):  # inside the segment: the memory holds the new grid, the session not its thumbnail
+        half_fed.set()
+        go.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gpu, "live_update", paused)
+    feeder = threading.Thread(target=lambda: [webcam_frame(hub, session, f, settings(budget=1024, keep=768)) for f in frames[2:]])
+    feeder.start()
+    assert half_fed.wait(30)
+    outcome = {}
+
+    def redraw():
+        try:
+            outcome["views"] = demo.on_redraw(session, "all", "all", False)
+        except Exception as exc:  # the failure being tested for
+            outcome["error"] = exc
+
+    redrawing = threading.Thread(target=redraw)
+    redrawing.start()
+    redrawing.join(1.0)
+    go.set()
+    feeder.join(30)
+    redrawing.join(30)
+    assert "error" not in outcome, repr(outcome.get("error"))
+    image = outcome["views"][demo.heatmap]
+    assert image.ndim == 3 and len(session.thumbnails) == session.engine.memory.num_grids == 2
+
+
+def test_live_updates_of_gpu_calls_draw_the_policys_views_over_every_thumbnail(hub, monkeypatch):
+    """On ZeroGPU (emulated: each segment of 16 frames in a forked child) the live updates while a segment runs
+    draw the policy's views where every thumbnail is: ProtoKV's assignment map shows absorbed grids older than
+    the four newest thumbnails a segment carries, so at M=512 it was missing until the run ended (and before
+    issue 17 crashed the run). Once it shows, it stays."""
+    monkeypatch.setenv("KVDEMO_ZEROGPU_EMULATE", "1")
+    updates = run_video(hub, None, None, settings(policy="protokv", budget=512, keep=None, fps=1.0, baseline=False))
+    shown = [[panel.title for panel in update["panels"]] for update in updates if "panels" in update]
+    first = next((i for i, titles in enumerate(shown) if "Prototype assignments" in titles), len(shown))
+    assert len(shown) - first >= 3, shown
+    assert all("Prototype assignments" in titles for titles in shown[first:]), shown
+
+
+def test_a_bug_in_a_handler_is_a_logged_one_line_message_not_a_bare_error_badge(hub, monkeypatch, caplog):
+    from kvdemo.app import layout
+
+    demo = layout.Demo(hub)
+    demo.build()
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'NoneType' object has no attribute 'shape'\nsecond line")
+
+    monkeypatch.setattr(layout, "run_video", broken)
+    monkeypatch.setattr(layout, "ask", broken)
+    values = dict(model="tiny", policy="infinipot-v", budget=96, keep=72, fps=2, max_pixels=12544, baseline=False,
+                  baseline_cap_mb=0, view_layer="all", view_head="all", colour_by_reason=False,
+                  **{key: component.value for key, (_, _, component) in demo.param_inputs.items()})
+    with caplog.at_level("ERROR", logger="kvdemo"):
+        status = list(demo.on_run_sample(None, **values))[-1][demo.status]
+        asked = list(demo.on_ask(None, "hi"))[-1][demo.ask_status]
+    for message in (status, asked):
+        assert message.startswith("⚠️ **internal error** (AttributeError: 'NoneType' object has no attribute 'shape')")
+        assert "\n" not in message and "keeps serving" in message
+    assert "Traceback" in caplog.text
+    nothing = list(demo.on_run(None, None, **values))[-1][demo.status]
+    assert "upload a video first (or click Run the bundled sample)" in nothing, "Run with no upload runs nothing"

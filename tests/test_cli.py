@@ -1,6 +1,7 @@
 """The command line: reports read back, user errors as one line with exit status 2, the benchmark."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,3 +189,23 @@ def test_min_pixels_beyond_the_models_own_maximum_is_one_line(media):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["error: --min-pixels (900000) must not exceed --max-pixels (the model's 15680)"]
     assert not imported["kvdemo.models.loading"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-M", "1e25"], "M=1e+25 is more visual tokens than any stream holds"),
+    (["-M", "1000000000000"], "M=1e+12 is more visual tokens than any stream holds"),
+    (["-M", "abc"], "M is a number of visual tokens, got 'abc'"),
+    (["-M", "96", "-C", "-3"], "M and C must be positive, got C=-3"),
+    (["--param", "alpha=abc"], "infinipot-v's alpha takes a number (float), got 'abc'"),
+])
+def test_absurd_budgets_and_parameters_are_one_line_and_exit_2(args, message):
+    done, imported = run_cli_in_a_fresh_process("run", "--quiet", *args)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"error: {message}" + done.stderr.strip().split(message, 1)[-1]]
+    assert not imported["transformers"], "found before the model loads"
+
+
+def test_eval_runs_without_options_its_help_calls_optional(capsys):
+    assert main(["eval", "--episodes", "1", "--delays", "0", "--quiet", "--policies", "full,sliding-window,protokv"]) == 0
+    table = capsys.readouterr().out
+    assert "64 / 48" in table and re.search(r"protokv\s+64 ", table), table

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvdemo.engine import EngineError, FrameStream, MemoryCapError, StreamEngine, stream_video
+from kvdemo.engine import EngineError, FrameStream, MemoryCapError, StreamEngine
+from kvdemo.streaming import stream_video
 from kvdemo.policies import BudgetError, make_policy, policy_names
 
 

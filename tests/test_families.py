@@ -22,7 +22,8 @@ from transformers import (
 )
 from transformers.video_utils import VideoMetadata
 
-from kvdemo.engine import EngineGroup, StreamEngine, stream_video
+from kvdemo.engine import StreamEngine
+from kvdemo.streaming import EngineGroup, stream_video
 from kvdemo.models.catalog import OFFLINE_MODELS
 from kvdemo.models.tiny_random import TOKEN_ID, build_random_model, byte_tokenizer
 from kvdemo.policies import policy_names

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from kvdemo.engine import StreamEngine, stream_video
+from kvdemo.engine import StreamEngine
+from kvdemo.streaming import stream_video
 from kvdemo.memory import OffloadStore
 from kvdemo.policies import BudgetError, LayerView, make_policy
 from kvdemo.policies.base import select_ranked

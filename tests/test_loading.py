@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from kvdemo.engine import StreamEngine, stream_video
+from kvdemo.engine import StreamEngine
+from kvdemo.streaming import stream_video
 from kvdemo.models.loading import load_model
 from kvdemo.models.tiny import SPECIAL_TOKENS, tiny_config
 

@@ -9,7 +9,8 @@ import torch
 
 from kvdemo.attention import MemoryCache
 from kvdemo.testing import synthetic_chunk, synthetic_memory
-from kvdemo.engine import StreamEngine, stream_video
+from kvdemo.engine import StreamEngine
+from kvdemo.streaming import stream_video
 from kvdemo.memory import REASON_NEW, KVMemory
 from kvdemo.models.qwen2_vl import mrope_positions
 from kvdemo.policies import Selection
@@ -145,12 +146,14 @@ def test_a_summary_region_sits_between_prefix_and_visual_tokens():
     cache = MemoryCache(memory)
     cache.layers[0].update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
     memory.commit_prefix(3)
-    assert memory.visual_start == 7
-    assert torch.isinf(memory.layers[0].bias[:, 3:7]).all()  # invisible until the policy fills it
     append_grid(memory, 0)
-    assert memory.visual_tokens == 4 + 6
+    # Counted from the start (the budget's split), laid out only when the policy first fills it.
+    assert memory.visual_tokens == 4 + 6 and memory.visual_start == 3 and memory.nbytes == 2 * 2 * 9 * 8 * 4
+    visual = memory.keys[0][0, :, 3:9].clone()
     summary = SummaryUpdate(torch.ones(2, 4, 8), 2 * torch.ones(2, 4, 8), torch.tensor([[0.0, 1.0, float("-inf"), 2.0]] * 2))
     memory.apply(Selection([torch.arange(3, 6).expand(2, -1)], summary=[summary]))
+    assert memory.visual_start == 7
+    assert torch.equal(memory.keys[0][0, :, 7:10], visual[:, 3:6])  # the kept visual tokens moved up with the region
     assert torch.equal(memory.keys[0][0, :, 3:7], torch.ones(2, 4, 8))
     assert memory.layers[0].bias[0, 3:7].tolist() == [0.0, 1.0, float("-inf"), 2.0]
     assert held_tokens(memory, 0, 0) == [3, 4, 5]
@@ -160,7 +163,7 @@ def test_engine_memory_holds_m_slots_and_questions_use_the_slack(tiny, pancake):
     engine = StreamEngine(tiny, "sliding-window", budget=540, keep=405, fps=pancake.fps, max_new_tokens=4)
     list(stream_video(tiny, pancake, {"p": engine}))
     store = engine.memory.layers[0]
-    assert store.capacity <= engine.memory.prefix_len + 540 + 256  # preallocated once for M and a question
+    assert store.capacity <= engine.memory.prefix_len + 540 + 256  # grown to M and a question, never past
     pointers = [s.keys.data_ptr() for s in engine.memory.layers]
     engine.answer("What is it?")
     assert [s.keys.data_ptr() for s in engine.memory.layers] == pointers
@@ -212,3 +215,18 @@ def test_an_engine_pickles_without_its_model_and_continues_identically(tiny, pan
     assert moved.memory.layers[0].capacity == stay.memory.layers[0].capacity
     assert stay.answer("What is it?").answer == moved.answer("What is it?").answer
     assert [e.visual_tokens for e in stay.memory.timeline] == [e.visual_tokens for e in moved.memory.timeline]
+
+
+@pytest.mark.parametrize("policy, params", [("infinipot-v", {"budget": 1_000_000, "keep": 750_000}),
+                                             ("protokv", {"budget": 1_000_000}), ("sliding-window", {"budget": 540, "keep": 405})])
+def test_buffers_follow_what_the_stream_holds_not_the_budget_typed(tiny, pancake, policy, params):
+    """An M the stream never reaches allocates nothing for it (it reserved 2.2 GB for a 640-token stream); a
+    reachable M grows the buffers geometrically up to what it needs and no further."""
+    engine = StreamEngine(tiny, policy, fps=pancake.fps, max_new_tokens=4, **params)
+    list(stream_video(tiny, pancake, {"p": engine}))
+    engine.answer("What is it?")
+    memory = engine.memory
+    streamed = (memory.prefix_len + memory.tokens_seen) * memory.token_bytes()  # everything the stream brought
+    assert memory.allocated_bytes <= 1.5 * streamed + 256 * memory.token_bytes(), (memory.allocated_bytes, streamed)
+    if params["budget"] < 1000:
+        assert all(s.capacity <= memory.prefix_len + params["budget"] + 256 for s in memory.layers)

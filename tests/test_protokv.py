@@ -11,7 +11,8 @@ import torch
 
 from kvdemo.attention import ATTN_IMPLEMENTATION
 from kvdemo.testing import synthetic_chunk
-from kvdemo.engine import StreamEngine, stream_video
+from kvdemo.engine import StreamEngine
+from kvdemo.streaming import stream_video
 from kvdemo.memory import KVMemory
 from kvdemo.models.qwen2_vl import Qwen2VL, RegionCursor, mrope_positions
 from kvdemo.models.tiny import ByteTokenizer, tiny_config
@@ -470,7 +471,7 @@ def test_protokv_bookkeeping_stays_bounded_on_a_long_stream(tiny):
     assert bank.assign_map.shape == (tiny.num_layers * tiny.num_kv_heads, 8, 4, 4)
     held = set(bank.assign_grid.tolist()) - {-1}
     assert held and max(held) <= 59 and len(held) <= 8
-    assert engine.memory.layers[0].capacity == engine.memory.prefix_len + 96 + 256  # summary + window = M, never grown
+    assert engine.memory.layers[0].capacity <= engine.memory.prefix_len + 96 + 256  # summary + window = M, never past it
 
 
 def test_merging_checks_pairs_with_a_changed_prototype_from_either_side():

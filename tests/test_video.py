@@ -141,3 +141,31 @@ def test_streamed_decoding_matches_loading_and_counts_damage(media):
     frames = sum(len(f) for _, f, _ in damaged.chunks(2))
     assert damaged.lost_frames > 0 and frames + damaged.lost_frames == damaged.num_frames
     assert "damaged" in damaged.describe()
+
+
+@pytest.mark.parametrize("container", ["mkv", "mp4"])
+def test_every_sampled_frame_is_delivered_at_any_rate(tmp_path, container):
+    """A healthy 30 fps clip whose frames show their own index (in binary, one 8-px block per bit): at every rate each target time
+    ``k / fps`` gets the frame shown then (source index ``floor(k * 30 / fps)``) and nothing counts as damaged.
+    Matroska stores milliseconds, so a target half-way between two frames (0.25 s at 30 fps) sits at the
+    rounding edge: it was reported lost at 4 and 8 fps."""
+    source_fps, count = 30, 93
+    bits = (np.arange(count)[:, None] >> np.arange(7)) & 1  # [count, 7]
+    frames = np.kron(bits[:, None, :], np.ones((56, 8), dtype=np.int64))[..., None].repeat(3, axis=-1) * 255
+    path = write_video(tmp_path / f"index.{container}", frames.astype(np.uint8), fps=source_fps)
+    for fps in (1, 2, 3, 4, 5, 6, 7.5, 8, 10, 12, 30):
+        video = load_video(path, fps=fps, geometry=QWEN2_GEOMETRY.with_pixels(min_pixels=56 * 56))
+        expected = np.floor(np.arange(sample_count(count / source_fps, fps)) * source_fps / fps + 1e-9).astype(int)
+        blocks = video.frames[:, :, :, 0].reshape(video.num_frames, 56, 7, 8).mean(axis=(1, 3)) > 127  # [n, 7]
+        shown = (blocks * (1 << np.arange(7))).sum(axis=1)
+        assert video.lost_frames == 0 and "damaged" not in video.describe(), fps
+        np.testing.assert_array_equal(shown, np.minimum(expected, count - 1), err_msg=f"{fps} fps")
+
+
+def test_the_real_clip_loses_no_frame_at_the_apps_rates(media):
+    from kvdemo.video import open_video
+
+    for fps in (0.5, 1, 2, 4, 6, 8):
+        source = open_video(media / "flipping_a_pancake.mkv", fps=fps)
+        delivered = sum(len(f) for _, f, _ in source.chunks(2))
+        assert delivered == source.num_frames and source.lost_frames == 0, (fps, source.describe())

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from .. import viz, zerogpu
-from ..engine import EngineGroup, StreamEngine
+from ..engine import StreamEngine
+from ..streaming import EngineGroup
 from .sessions import Session, model_by_name
 from .settings import FRAMES_PER_CHUNK
 from .views import live_update
@@ -111,9 +112,9 @@ def stream_segment(segment: Segment) -> Iterator[dict[str, Any]]:
         times = segment.times[start : start + FRAMES_PER_CHUNK] if segment.times is not None else None
         if feed_frames(state, segment.frames[start : start + FRAMES_PER_CHUNK], times, flush=last and segment.flush):
             segment.fed += 1
-            # The gallery is drawn by the caller, which holds every thumbnail.
+            # The gallery and the policy's views are drawn by the caller, which holds every thumbnail.
             update = live_update(state, segment.view, segment.group.frames_seen, segment.total, force=segment.fed == 1,
-                                 gallery=False)
+                                 gallery=False, draw_views=False)
             update.pop("session", None)
             yield update
     segment.chunk_ms = state.chunk_ms  # the thumbnails of the new grids were appended to segment.thumbnails

@@ -12,14 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import EngineGroup, StreamEngine
+from .. import viz
+from ..engine import MAX_DIALOGUE_TOKENS, EngineError, StreamEngine
+from ..streaming import EngineGroup
 from ..synthetic import grade, sample_episode
-from ..video import open_video, resize_frames
+from ..video import VideoError, open_video, resize_frames
 from .. import zerogpu
 from .gpu import Segment, answer_question, segment_frames, stream_segment
-from .sessions import AppServices, RunSettings, Session
+from .sessions import CACHE_TTL_S, AppServices, RunSettings, Session
 from .settings import FRAMES_PER_CHUNK, USER_ERRORS, resolve_settings, within_max_pixels
-from .views import finish, fresh_views, kept_previous, live_update, status_text, write_report
+from .views import (finish, fresh_views, heatmap_image, kept_previous, legend, live_update, policy_panels, status_text,
+                    write_report)
 
 
 def start_session(
@@ -68,6 +71,9 @@ def run_video(
         geometry = within_max_pixels(services.models.get(settings.model).geometry, settings.max_pixels)
         episode = None if video_path else sample_episode()
         if episode is None:
+            if not Path(video_path).exists():
+                raise VideoError(f"{Path(video_path).name}: the upload is no longer on the server (uploads are kept "
+                                 f"{CACHE_TTL_S:g} s); upload it again")
             video = open_video(Path(video_path), fps=settings.fps, geometry=geometry)
         else:
             video = episode.video.sampled(settings.fps).resized(geometry)
@@ -96,7 +102,7 @@ def run_video(
                     if "segment" in update:
                         fed = update["segment"].apply_to(state, old) > 0
                     elif committed and zerogpu.active():  # a segment of many chunks: show each as it comes
-                        yield {"session": state, **update}
+                        yield {"session": state, **drawn(update, state)}
             current = following
             if fed and not committed:
                 services.sessions.replace(previous, state)
@@ -131,6 +137,14 @@ def run_video(
     final = finish(state, view)
     final["status"] = status_text(state, done, total if stopped else total - video.lost_frames, stopped=stopped)
     yield final
+
+
+def drawn(update: dict[str, Any], state: Session) -> dict[str, Any]:
+    """A GPU call's live update with the policy's declared views drawn here, where every thumbnail is."""
+    if "views" in update:
+        update = {**update, "panels": viz.draw_views(update["views"], state.thumbnails)}
+        del update["views"]
+    return update
 
 
 def request_stop(session: Session | None) -> None:
@@ -180,7 +194,8 @@ def webcam_frame(
 
 
 def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Iterator[dict[str, Any]]:
-    """Ask both engines; yields {policy_chat, full_chat, status}. Answers stream interleaved.
+    """Ask both engines; yields {ask_status, policy_chat, full_chat} (the chats always as lists of messages, the
+    status a line beside the question box: why it was not asked, or that it was). Answers stream interleaved.
 
     The question takes the session's turn before the stream's next chunk (the stream pauses meanwhile,
     and nothing frees the engines until the answer is done).
@@ -188,14 +203,16 @@ def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Ite
     state = session or Session()
     question = (question or "").strip()
     with state.turns.question():
-        if state.freed and state.engine is None:
-            yield {"session": state, "status": status_text(state, error=state.freed)}
-            return
-        if state.engine is None or state.engine.memory.num_grids == 0:
-            yield {"session": state, "status": status_text(state, error="no video yet: run a video or the webcam first, then ask")}
-            return
-        if not question:
-            yield {"session": state, "status": status_text(state, error="type a question first")}
+        try:
+            if state.freed and state.engine is None:
+                raise EngineError(state.freed)
+            if state.engine is None or state.engine.memory.num_grids == 0:
+                raise EngineError("no video yet: run a video or the webcam first, then ask")
+            if not question:
+                raise EngineError("type a question first")
+            state.engine.check_question(question)
+        except EngineError as exc:
+            yield {"session": state, "ask_status": f"⚠️ {exc}", **chats(state)}
             return
         state.last_used = time.monotonic()
         asked = {}
@@ -221,16 +238,27 @@ def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Ite
             state.chat[name][-1]["content"] = texts[name]
             if time.monotonic() - last_yield > 0.1:
                 last_yield = time.monotonic()
-                yield {"session": state, "policy_chat": list(state.chat["policy"]), "full_chat": list(state.chat["full"])}
+                yield {"session": state, "ask_status": "⏳ answering…", **chats(state)}
         report = write_report(state)
-    yield {"session": state, "policy_chat": list(state.chat["policy"]), "full_chat": list(state.chat["full"]), "report": report}
+    answered = " and ".join("the full cache" if name == "full" else engine.policy.name for name, engine in asked.items())
+    status = f"✓ answered by {answered}" if asked else "⚠️ no engine answered: every engine has stopped"
+    yield {"session": state, "ask_status": status, **chats(state), "report": report}
+
+
+def chats(state: Session) -> dict[str, list[dict[str, str]]]:
+    """Both chat panes as lists of messages (copies: Gradio keeps what it is given)."""
+    return {"policy_chat": list(state.chat["policy"]), "full_chat": list(state.chat["full"])}
 
 
 def _answer_markdown(state: Session, name: str, answer) -> str:
     text = answer.answer or "(empty answer)"
+    tokens = f"{answer.tokens} token{'' if answer.tokens == 1 else 's'}"
+    dropped = (f" · the {answer.dropped_turns} oldest turn(s) were left out of the replayed dialogue (it keeps at most "
+               f"{MAX_DIALOGUE_TOKENS} tokens)") if answer.dropped_turns else ""
     return (
-        f"{text}\n\n<small>first token {answer.ttft_ms:.0f} ms · {answer.tokens} tokens in {answer.ms:.0f} ms · "
-        f"cache {answer.cache_bytes / 2**20:.2f} MB, {answer.visual_tokens} visual tokens{answer_note(state, answer)}</small>"
+        f"{text}\n\n<small>first token {answer.ttft_ms:.0f} ms · {tokens} in {answer.ms:.0f} ms · "
+        f"cache {answer.cache_bytes / 2**20:.2f} MB, {answer.visual_tokens} visual tokens{dropped}"
+        f"{answer_note(state, answer)}</small>"
     )
 
 
@@ -247,9 +275,20 @@ def answer_note(state: Session, answer) -> str:
     return ""
 
 
+def redraw(session: Session | None, view: tuple[str, str, bool]) -> dict[str, Any]:
+    """The newest-frames view, its legend and the policy's views for ``view`` (layer, KV head, by reason), drawn
+    in the session's turn: between two chunks, never while one is half-fed (its grid in the memory, its
+    thumbnail not yet in the session)."""
+    if session is None:
+        return {"heatmap": None}
+    with session.turns.question():
+        return {"heatmap": heatmap_image(session, *view), "legend": legend(session, view),
+                "panels": policy_panels(session, *view[:2])}
+
+
 def reset_chat(session: Session | None) -> dict[str, Any]:
     state = session or Session()
     for engine in state.engines.values():
         engine.reset_dialogue()
     state.chat = {"policy": [], "full": []}
-    return {"session": state, "policy_chat": [], "full_chat": []}
+    return {"session": state, "policy_chat": [], "full_chat": [], "ask_status": ""}

@@ -5,25 +5,25 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from ..budget import Budget
 from ..policies import DEFAULT_POLICY, REGISTRY, policy_class, policy_params
 from ..synthetic import sample_episode, sample_manifest
 from .. import viz
-from .handlers import ask, request_stop, reset_chat, run_video, webcam_frame
-from .sessions import SESSION_TTL_S, AppServices, RunSettings, Session
+from .handlers import ask, redraw, request_stop, reset_chat, run_video, webcam_frame
+from .sessions import SESSION_TTL_S, AppServices, CacheSweeper, RunSettings, Session
 from ..models.catalog import default_budget
 from .settings import USER_ERRORS, baseline_cap_default, parse_params, policy_label, takes_keep, validate_settings
 from .views import (
     banner_html,
     chat_title,
     empty_occupancy_plot,
-    heatmap_image,
     how_to_read,
     kept_previous,
     legend,
-    policy_panels,
     status_text,
     write_chart,
 )
@@ -35,8 +35,8 @@ STREAM_SLOTS = 2
 #: Questions served at once, in their own slots: a question never waits for other sessions' streams,
 #: and its own session's stream pauses between chunks while it is answered.
 QUESTION_SLOTS = 2
-#: Gradio's cache (uploads, reports, images sent to the browser): checked every 10 minutes, files
-#: older than an hour deleted.
+#: Gradio's own cleanup of its cache (every 10 minutes, files older than an hour); it misses the files of
+#: components updated with gr.update, which :class:`~kvdemo.app.sessions.CacheSweeper` deletes.
 CACHE_CLEANUP = (600, 3600)
 #: The chat panes' own "Clear" button would clear the view but not the engines' dialogue (and it sits on
 #: the first question's bubble): "New conversation" does both.
@@ -157,6 +157,8 @@ class Demo:
                                        elem_id="question")
             self.ask_button = gr.Button("Ask", variant="primary", scale=1, elem_id="ask-button")
             self.clear_button = gr.Button("New conversation", scale=1)
+        # What became of the last question (why it was not asked, or that it was), beside the box, not off-screen.
+        self.ask_status = gr.Markdown("", label="Question status", elem_id="ask-status")
         self.examples = gr.Dataset(components=[self.question], samples=[[q.text] for q in self.sample.questions],
                                    label="Questions about the bundled sample (click to ask both engines)", elem_id="examples")
         with gr.Row():
@@ -182,7 +184,7 @@ class Demo:
         return {"session": self.session, "status": self.status, "plot": self.plot, "heatmap": self.heatmap,
                 "gallery": self.gallery, "report": self.report_file, "chart": self.chart_file, "coverage": self.coverage_plot,
                 "legend": self.legend, "policy_title": self.policy_title, "full_title": self.full_title,
-                "policy_chat": self.policy_chat, "full_chat": self.full_chat}
+                "policy_chat": self.policy_chat, "full_chat": self.full_chat, "ask_status": self.ask_status}
 
     def panel_components(self) -> list[Any]:
         return [component for slot in self.panel_slots for component in slot]
@@ -219,42 +221,63 @@ class Demo:
         return settings, (values["view_layer"], values["view_head"], values["colour_by_reason"])
 
     # --- handlers (bound to components in wire) --------------------------------------------------
+    # Every handler ends in a message, never in Gradio's bare "Error" badge: a user's mistake is a one-line
+    # message from the handlers, anything else (a bug) is logged with its traceback and said in one line.
+    def internal_error(self, exc: Exception, key: str = "status") -> dict[Any, Any]:
+        log.exception("unexpected error in a handler")
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return self.to_components({key: f"⚠️ **internal error** ({type(exc).__name__}: {first}); it is logged, and the "
+                                        "app keeps serving"})
+
     def on_run(self, session, video, **settings):
+        if not video:
+            yield self.to_components(kept_previous(session, "upload a video first (or click Run the bundled sample)"))
+            return
+        yield from self.on_run_sample(session, video=video, **settings)
+
+    def on_run_sample(self, session, video=None, **settings):
         try:
             run_settings, view = self.settings_from(settings)
+            for update in run_video(self.services, session, video, run_settings, view):
+                yield self.to_components(update)
         except USER_ERRORS as exc:
             yield self.to_components(kept_previous(session, str(exc)))
-            return
-        for update in run_video(self.services, session, video, run_settings, view):
-            yield self.to_components(update)
-
-    def on_run_sample(self, session, **settings):
-        yield from self.on_run(session, None, **settings)
+        except Exception as exc:
+            yield self.internal_error(exc)
 
     def on_webcam(self, session, frame, **settings):
         try:
             run_settings, view = self.settings_from(settings)
+            return self.to_components(webcam_frame(self.services, session, frame, run_settings, view))
         except USER_ERRORS as exc:
             return self.to_components({"session": session, "status": status_text(session or Session(), error=str(exc))})
-        return self.to_components(webcam_frame(self.services, session, frame, run_settings, view))
+        except Exception as exc:
+            return self.internal_error(exc)
 
     def on_ask(self, session, question):
-        for update in ask(session, question):
-            yield self.to_components(update)
+        yield from self._ask(session, question, {})
 
     def on_example(self, session, example):
-        for update in ask(session, example[0]):
-            yield {**self.to_components(update), self.question: example[0]}
+        yield from self._ask(session, example[0], {self.question: example[0]})
+
+    def _ask(self, session, question, extra):
+        try:
+            for update in ask(session, question):
+                yield {**self.to_components(update), **extra}
+        except Exception as exc:
+            yield self.internal_error(exc, "ask_status")
 
     def on_new_conversation(self, session):
-        return self.to_components(reset_chat(session))
+        try:
+            return self.to_components(reset_chat(session))
+        except Exception as exc:
+            return self.internal_error(exc, "ask_status")
 
     def on_redraw(self, session, layer, head, by_reason):
-        if session is None:
-            return {self.heatmap: None}
-        view = (layer, head, by_reason)
-        return {self.heatmap: heatmap_image(session, *view), self.legend: legend(session, view),
-                **self.panel_updates(policy_panels(session, layer, head))}
+        try:
+            return self.to_components(redraw(session, (layer, head, by_reason)))
+        except Exception as exc:
+            return self.internal_error(exc, "legend")
 
     def on_view_choices(self, state):
         gr = self.gr
@@ -279,7 +302,7 @@ class Demo:
     def wire(self) -> None:
         gr = self.gr
         run_outputs = [*self.outputs().values(), *self.panel_components()]
-        ask_outputs = [self.session, self.status, self.policy_chat, self.full_chat, self.report_file]
+        ask_outputs = [self.session, self.ask_status, self.policy_chat, self.full_chat, self.report_file]
         settings_inputs = {"model": self.model, "policy": self.policy, "budget": self.budget, "keep": self.keep,
                            "fps": self.fps, "max_pixels": self.max_pixels, "baseline": self.baseline,
                            "baseline_cap_mb": self.cap_mb,
@@ -311,7 +334,7 @@ class Demo:
         for event in asked:  # answering changes what some heads hold (retrieval): redraw the views
             event.then(self.on_redraw, [self.session, *view_inputs], view_outputs, api_visibility="private",
                        show_progress="hidden")
-        self.clear_button.click(self.on_new_conversation, [self.session], [self.session, self.policy_chat, self.full_chat],
+        self.clear_button.click(self.on_new_conversation, [self.session], [self.session, self.policy_chat, self.full_chat, self.ask_status],
                                 api_name="new_conversation", concurrency_limit=None)
         self.chart_button.click(write_chart, [self.session], self.chart_file, api_name="export_chart", concurrency_limit=None)
         for control in view_inputs:
@@ -346,6 +369,9 @@ def launch(host: str | None = None, port: int | None = None, model: str | None =
     """Build and launch the app (model loaded before the first request)."""
     import gradio as gr  # deferred on purpose, as in Demo.build
 
+    # A cache folder of the app's own (unless one is set), so that sweeping it touches no other app's files.
+    os.environ.setdefault("GRADIO_TEMP_DIR", str(Path(tempfile.gettempdir()) / "kvdemo-gradio"))
+    CacheSweeper(os.environ["GRADIO_TEMP_DIR"]).start()
     services = AppServices.create(model)
     services.models.get()
     log.info("building the app (%d stream and %d question slots; engines of at most %d sessions kept)",

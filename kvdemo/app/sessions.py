@@ -1,6 +1,7 @@
 """Process-wide models and per-session state: each model loaded once (:class:`ModelHub`), at most so many
 sessions holding engines (:class:`SessionPool`), one session's engines, thumbnails and dialogue
-(:class:`Session`), and whose turn it is to use them (:class:`Turns`)."""
+(:class:`Session`), whose turn it is to use them (:class:`Turns`), and the files served to them, deleted
+after an hour (:class:`CacheSweeper`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import EngineGroup, StreamEngine
+from ..engine import StreamEngine
+from ..streaming import EngineGroup
 from ..models.catalog import OFFLINE_MODELS, REAL_MODELS, resolve_model_name
 from ..models.loading import load_model
 from ..synthetic import Episode
@@ -29,6 +31,9 @@ log = logging.getLogger("kvdemo")
 MAX_SESSIONS = int(os.environ.get("KVDEMO_MAX_SESSIONS", "8"))
 #: A session's engines are freed this long after its browser tab goes away.
 SESSION_TTL_S = 3600
+#: Files the app served (uploads, heatmaps, reports, charts) are deleted this long after they were last written
+#: (``KVDEMO_CACHE_TTL_S``).
+CACHE_TTL_S = float(os.environ.get("KVDEMO_CACHE_TTL_S", "3600"))
 
 _MODELS: dict[str, Any] = {}
 _MODELS_LOCK = threading.Lock()
@@ -115,7 +120,7 @@ class RunSettings:
 
 @dataclass(eq=False)  # sessions are compared by identity (the pool holds them in a list)
 class Session:
-    """One browser session's stream: its engines behind one :class:`~kvdemo.engine.EngineGroup`, thumbnails
+    """One browser session's stream: its engines behind one :class:`~kvdemo.streaming.EngineGroup`, thumbnails
     and chat (freed when the session ends, or earlier by the :class:`SessionPool`)."""
 
     settings: RunSettings | None = None
@@ -222,6 +227,43 @@ class SessionPool:
             self.release(session)
             with session.turns.question():
                 session.free()
+
+
+class CacheSweeper:
+    """Deletes the files in Gradio's cache folder (uploads and every image, report and chart served) that were
+    last written more than ``max_age_s`` ago, every ``max_age_s / 6`` seconds (at most 10 minutes), on a daemon
+    thread. Gradio's own ``delete_cache`` misses most of them: a component updated with ``gr.update`` serves
+    its files from a per-session copy of itself that Gradio never registers for deletion."""
+
+    def __init__(self, folder: str | Path, max_age_s: float = CACHE_TTL_S) -> None:
+        self.folder, self.max_age_s = Path(folder), float(max_age_s)
+        self.every_s = min(600.0, self.max_age_s / 6)
+        self._thread: threading.Thread | None = None
+
+    def sweep(self) -> int:
+        """Delete what is too old now (and the folders that leaves empty); returns the files deleted."""
+        deleted, oldest = 0, time.time() - self.max_age_s
+        for path in sorted(self.folder.rglob("*"), key=lambda p: -len(p.parts)):  # files before their folders
+            try:
+                if path.is_file() and path.stat().st_mtime < oldest:
+                    path.unlink()
+                    deleted += 1
+                elif path.is_dir() and not any(path.iterdir()):
+                    path.rmdir()
+            except OSError:  # written or removed meanwhile
+                continue
+        return deleted
+
+    def start(self) -> "CacheSweeper":
+        def loop() -> None:
+            while True:
+                time.sleep(self.every_s)
+                if self.folder.exists() and (count := self.sweep()):
+                    log.info("deleted %d served file(s) older than %g s from %s", count, self.max_age_s, self.folder)
+
+        self._thread = threading.Thread(target=loop, name="kvdemo-cache-sweeper", daemon=True)
+        self._thread.start()
+        return self
 
 
 @dataclass

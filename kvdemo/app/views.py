@@ -14,7 +14,8 @@ from .. import viz
 from ..coverage import coverage
 from ..policies import REGISTRY
 from ..models.catalog import TRAINED_NOTICE, VERIFIED, offline_model
-from .sessions import Session
+from ..views import View
+from .sessions import CACHE_TTL_S, Session
 from .settings import policy_label
 
 PLOT_EVERY_S = 0.5
@@ -38,14 +39,15 @@ and the memory is unchanged by answering. Under each answer: time to first token
 
 **Limits**: this app keeps the engines of at most {max_sessions} sessions (starting another frees the least
 recently used one) and frees a session's engines an hour after its tab closes; files it serves (uploads,
-reports, charts) are deleted after an hour.
+heatmaps, reports, charts) are deleted {cache_age} after they were written.
 """
 
 
 def how_to_read(max_sessions: int) -> str:
     """The page's reading guide, with every registered policy's reasons for keeping a token."""
     reasons = "; ".join(f"{name}: {', '.join(cls.reason_names.values())}" for name, cls in REGISTRY.items() if cls.reason_names)
-    return HOW_TO_READ.format(max_sessions=max_sessions, reasons=reasons)
+    cache_age = "an hour" if CACHE_TTL_S == 3600 else f"{CACHE_TTL_S:g} s"
+    return HOW_TO_READ.format(max_sessions=max_sessions, reasons=reasons, cache_age=cache_age)
 
 
 def status_text(
@@ -144,14 +146,19 @@ def heatmap_image(session: Session, layer: str = "all", head: str = "all", by_re
     return viz.engine_strip(engine, session.thumbnails, *layer_head(layer, head), by_reason=by_reason)
 
 
-def policy_panels(session: Session, layer: str = "all", head: str = "all") -> list[viz.Panel]:
-    """The views the session's policy declares, drawn for the chosen layer and KV head (0 and 0 when the view
-    is aggregated over all)."""
+def declared_views(session: Session, layer: str = "all", head: str = "all") -> list[View]:
+    """The views the session's policy declares for the chosen layer and KV head (0 and 0 when the view is
+    aggregated over all), as plain data."""
     engine = session.engine
     if engine is None or engine.memory.num_grids == 0:
         return []
     chosen_layer, chosen_head = layer_head(layer, head)
-    return viz.draw_views(engine.policy_views(chosen_layer or 0, chosen_head or 0), session.thumbnails)
+    return engine.policy_views(chosen_layer or 0, chosen_head or 0)
+
+
+def policy_panels(session: Session, layer: str = "all", head: str = "all") -> list[viz.Panel]:
+    """:func:`declared_views`, drawn."""
+    return viz.draw_views(declared_views(session, layer, head), session.thumbnails)
 
 
 def gallery_items(session: Session) -> list[tuple[np.ndarray, str]]:
@@ -178,8 +185,10 @@ def legend(state: Session, view: tuple[str, str, bool] = ("all", "all", False)) 
 
 
 def live_update(state: Session, view: tuple[str, str, bool], done: int | None = None, total: int | None = None,
-                force: bool = False, gallery: bool = True) -> dict[str, Any]:
-    """Status every chunk; plot, heatmap and (``gallery``) the gallery at most a few times per second."""
+                force: bool = False, gallery: bool = True, draw_views: bool = True) -> dict[str, Any]:
+    """Status every chunk; plot, heatmap and (``gallery``) the gallery at most a few times per second. Without
+    ``draw_views`` the policy's views go out declared (``"views"``, plain data) for a caller that holds more
+    thumbnails than this session (a GPU worker carries only the newest) to draw."""
     now = time.monotonic()
     update: dict[str, Any] = {"session": state, "status": status_text(state, done, total)}
     if force or now - state.last_plot >= PLOT_EVERY_S:
@@ -187,7 +196,10 @@ def live_update(state: Session, view: tuple[str, str, bool], done: int | None = 
         state.last_plot = now
     if force or now - state.last_heatmap >= HEATMAP_EVERY_S:
         update["heatmap"] = heatmap_image(state, *view)
-        update["panels"] = policy_panels(state, *view[:2])
+        if draw_views:
+            update["panels"] = policy_panels(state, *view[:2])
+        else:
+            update["views"] = declared_views(state, *view[:2])
         update["legend"] = legend(state, view)
         state.last_heatmap = now
     if gallery and (force or now - state.last_gallery >= GALLERY_EVERY_S):

@@ -14,7 +14,8 @@ import torch
 
 from ..attention import MemoryCache
 from ..budget import Budget
-from ..engine import StreamEngine, stream_video
+from ..engine import StreamEngine
+from ..streaming import stream_video
 from ..memory import KVMemory
 from ..models.qwen2_vl import mrope_positions
 from ..models.tiny import build_tiny_model

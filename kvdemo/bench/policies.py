@@ -16,7 +16,8 @@ import torch
 
 from ..attention import MemoryCache, kvdemo_attention
 from ..budget import Budget
-from ..engine import StreamEngine, stream_video
+from ..engine import StreamEngine
+from ..streaming import stream_video
 from ..memory import KVMemory
 from ..models.tiny import build_tiny_model
 from ..policies import DEFAULT_POLICY, Policy, Probed, SummaryRegion, make_policy

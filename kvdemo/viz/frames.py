@@ -30,6 +30,12 @@ def thumbnail(frame: np.ndarray, max_width: int = 320, min_width: int = 224) -> 
     return np.asarray(Image.fromarray(frame).resize(new_size, Image.BILINEAR))
 
 
+def drawable(grids, thumbnails: list[np.ndarray | None]) -> list[int]:
+    """The grids of ``grids`` that have a thumbnail (a caller may hold fewer thumbnails than the memory grids:
+    older ones left behind by a GPU call, or a chunk still being fed)."""
+    return [g for g in grids if g < len(thumbnails) and thumbnails[g] is not None]
+
+
 def _upsample(values: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     rows, cols = values.shape
     ys = np.minimum((np.arange(size[0]) * rows) // size[0], rows - 1)
@@ -166,7 +172,7 @@ def survivor_strip(
     Aggregated over layers/heads (tint = fraction of copies held) unless ``layer`` and ``head`` are
     given; then ``by_reason`` colours each kept patch by the policy's reason.
     """
-    grids = list(range(max(0, memory.num_grids - last), memory.num_grids))
+    grids = drawable(range(max(0, memory.num_grids - last), memory.num_grids), thumbnails)
     if not grids:
         return frame_strip([], [])
     single = layer is not None and head is not None
@@ -188,7 +194,7 @@ def survivor_gallery(
     """Every temporal grid so far with what survives of it (aggregated), captioned with time and share."""
     fraction = survival_fraction_map(memory)
     items = []
-    for g in range(memory.num_grids):
+    for g in drawable(range(memory.num_grids), thumbnails):
         tile = overlay_fraction(thumbnail(thumbnails[g], max_width), fraction[g])
         items.append((tile, f"t={memory.grid_times_s[g]:.1f}s · {100 * fraction[g].mean():.0f}% kept"))
     return items

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..policies.base import SummaryRegion
 from ..survival import survival_counts
-from .frames import EVICTED, _grid_lines, _upsample, frame_strip, survivor_gallery, survivor_strip, thumbnail
+from .frames import EVICTED, _grid_lines, _upsample, drawable, frame_strip, survivor_gallery, survivor_strip, thumbnail
 
 #: Per-patch status codes of :func:`patch_status`.
 HELD, SUMMARISED, OFFLOADED, RETRIEVED = 0, 1, 2, 3
@@ -139,7 +139,7 @@ def engine_strip(engine, thumbnails: list[np.ndarray], layer: int | None = None,
     if not by_reason or layer is None or head is None:
         fractions = status_fractions(engine, layer, head)
         if fractions is not None:
-            grids = list(range(max(0, memory.num_grids - last), memory.num_grids))
+            grids = drawable(range(max(0, memory.num_grids - last), memory.num_grids), thumbnails)
             tiles = [overlay_status_fractions(thumbnails[g], fractions[:, g]) for g in grids]
             captions = [f"t={memory.grid_times_s[g]:.1f}s  {_status_caption(fractions[:, g])}" for g in grids]
             return frame_strip(tiles, captions)
@@ -153,4 +153,5 @@ def engine_gallery(engine, thumbnails: list[np.ndarray], max_width: int = 160) -
         return survivor_gallery(engine.memory, thumbnails, max_width)
     memory = engine.memory
     return [(overlay_status_fractions(thumbnail(thumbnails[g], max_width), fractions[:, g]),
-             f"t={memory.grid_times_s[g]:.1f}s · {_status_caption(fractions[:, g])}") for g in range(memory.num_grids)]
+             f"t={memory.grid_times_s[g]:.1f}s · {_status_caption(fractions[:, g])}")
+            for g in drawable(range(memory.num_grids), thumbnails)]

@@ -11,7 +11,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from ..views import LOST, UNLABELLED, Chart, PatchLabels, View
 from .charts import chart_figure
-from .frames import _grid_lines, _upsample, frame_strip, overlay_values
+from .frames import _grid_lines, _upsample, drawable, frame_strip, overlay_values
 
 @dataclass
 class Panel:
@@ -39,7 +39,8 @@ def draw_view(view: View, thumbnails: list[np.ndarray]) -> Panel | None:
     frame this session has."""
     if isinstance(view, Chart):
         return Panel(view.title, "plot", chart_figure(view), view.caption)
-    shown = [i for i, g in enumerate(view.grids) if 0 <= g < len(thumbnails) and thumbnails[g] is not None]
+    have = set(drawable([g for g in view.grids if g >= 0], thumbnails))
+    shown = [i for i, g in enumerate(view.grids) if g in have]
     if not shown:
         return None
     if isinstance(view, PatchLabels):

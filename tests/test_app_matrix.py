@@ -1,0 +1,55 @@
+"""Every policy the app offers, through gradio_client, at several budgets on the bundled sample and on the real
+clip: each run ends with its status and report, every view the policy declares is drawn, a question is answered,
+and the server logs no traceback. (ProtoKV broke in the app at budgets its tests
+never used: a view drew a grid whose thumbnail the stream segment did not carry.)"""
+
+import pytest
+from gradio_client import handle_file
+
+from test_app import FULL_CHAT, POLICY_CHAT, REPORT, STATUS, answer_text, fetch_json, new_client
+
+from kvdemo.app.layout import UI_POLICIES
+from kvdemo.policies import policy_class
+
+#: Outputs of /run and /run_sample after the named ones: each policy-view slot's text, image and chart.
+FIRST_PANEL = 13
+#: Budgets (visual tokens): the sample's chunk is 16 tokens, the clip's 15 (the tiny model's pixel range); 512 is
+#: more than either stream holds (the clip: 150, the sample at 1 fps: 320).
+BUDGETS = (64, 192, 512)
+
+
+def panel_titles(outputs) -> list[str]:
+    """The titles of the policy views an update drew (a slot's text is '**title** — caption')."""
+    texts = outputs[FIRST_PANEL::3]
+    return [text.split("**")[1] for text in texts if isinstance(text, str) and text.startswith("**")]
+
+
+@pytest.fixture(scope="module")
+def client(app_url):
+    return new_client(app_url)
+
+
+@pytest.mark.parametrize("source", ["sample", "clip"])
+@pytest.mark.parametrize("policy", UI_POLICIES)
+def test_every_policy_runs_in_the_app_at_several_budgets(client, app, media, policy, source):
+    before = app.log.read_text().count("Traceback")
+    takes_keep = policy_class(policy).takes_keep()
+    for budget in BUDGETS:
+        keep = budget * 3 // 4 if takes_keep else None
+        settings = dict(model="tiny", policy=policy, budget=budget, keep=keep, baseline=budget == 192)
+        if source == "sample":
+            job = client.submit(**settings, fps=1, api_name="/run_sample")
+        else:
+            job = client.submit(handle_file(str(media / "flipping_a_pancake.mkv")), **settings, api_name="/run")
+        final = job.result()
+        frames = "40/40 frames" if source == "sample" else "20/20 frames"
+        assert final[STATUS].startswith(f"**{frames}**"), (budget, final[STATUS])
+        report = fetch_json(final[REPORT])
+        assert report["policy"] == policy and report["peak_visual_tokens"] <= budget
+        drawn = set(panel_titles(final))
+        if policy_class(policy).view_titles and any(event["event"] == "compress" for event in report["timeline"]):
+            assert drawn == set(policy_class(policy).view_titles), f"{policy} at M={budget}: drew {drawn}"
+        if budget == 192:
+            _, policy_chat, full_chat, _ = client.predict("What colour was the circle?", api_name="/ask")
+            assert "first token" in answer_text(policy_chat) and "first token" in answer_text(full_chat)
+    assert app.log.read_text().count("Traceback") == before, app.log.read_text()[-3000:]
