@@ -36,6 +36,13 @@ class FrameGeometry:
         min_pixels = self.min_pixels if min_pixels is None else int(min_pixels)
         return dataclasses.replace(self, min_pixels=min(min_pixels, max_pixels), max_pixels=max_pixels)
 
+    def describe(self) -> str:
+        """How frames are resized, in a phrase (the app's pixel field says it)."""
+        if self.rule == "fixed" and self.fixed_size:
+            return (f"every frame is resized to {self.fixed_size[0]} x {self.fixed_size[1]} "
+                    f"({self.fixed_grid[0] * self.fixed_grid[1] if self.fixed_grid else '?'} tokens); this field does not apply")
+        return f"frames are resized like the family's processor: sides multiples of {self.factor}"
+
     @property
     def smallest_frame(self) -> int:
         """The fewest pixels a frame may be given (one token)."""

@@ -9,6 +9,7 @@ from gradio_client import handle_file
 from test_app import FULL_CHAT, POLICY_CHAT, REPORT, STATUS, answer_text, fetch_json, new_client
 
 from kvdemo.app.layout import UI_POLICIES
+from kvdemo.models.catalog import OFFLINE_MODELS, default_budget
 from kvdemo.policies import policy_class
 
 #: Outputs of /run and /run_sample after the named ones: each policy-view slot's text, image and chart.
@@ -52,4 +53,26 @@ def test_every_policy_runs_in_the_app_at_several_budgets(client, app, media, pol
         if budget == 192:
             _, policy_chat, full_chat, _ = client.predict("What colour was the circle?", api_name="/ask")
             assert "first token" in answer_text(policy_chat) and "first token" in answer_text(full_chat)
+    assert app.log.read_text().count("Traceback") == before, app.log.read_text()[-3000:]
+
+
+@pytest.mark.parametrize("model", [name for name in OFFLINE_MODELS if name.startswith("tiny-random-")])
+def test_every_family_runs_in_the_app(client, app, media, model):
+    """Each family's offline model streams the real clip in the app at its own default budget (the one choosing it
+    in the list sets), stays under M, reports its stream text and linear state, and answers on both engines."""
+    before = app.log.read_text().count("Traceback")
+    budget, keep, pixels = default_budget(model)
+    family = OFFLINE_MODELS[model].family
+    for policy in ("infinipot-v", "protokv"):
+        final = client.predict(handle_file(str(media / "flipping_a_pancake.mkv")), model=model, policy=policy, budget=budget,
+                               keep=keep if policy_class(policy).takes_keep() else None, max_pixels=pixels, baseline=True,
+                               api_name="/run")
+        assert final[STATUS].startswith("**20/20 frames**"), final[STATUS]
+        report = fetch_json(final[REPORT])
+        assert report["model"] == model and report["peak_visual_tokens"] <= budget
+        assert any(event["event"] == "compress" for event in report["timeline"]), "the default budget compresses the clip"
+        assert (report["text_tokens"] > 0) == family.startswith("qwen3"), "Qwen3-VL/3.5 streams carry their timestamps"
+        assert (report["linear_state_bytes"] > 0) == (family == "qwen3_5")
+        _, policy_chat, full_chat, _ = client.predict("What is in the video?", api_name="/ask")
+        assert "first token" in answer_text(policy_chat) and "first token" in answer_text(full_chat)
     assert app.log.read_text().count("Traceback") == before, app.log.read_text()[-3000:]

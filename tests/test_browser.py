@@ -196,3 +196,23 @@ def test_the_app_under_zerogpu_emulation_in_chromium(browser, emulated_app_url, 
         page.wait_for_function(f"document.querySelector('{chat}').innerText.includes('first token')", timeout=120_000)
     assert "ground truth" in page.locator("#full-chat").inner_text()
     page.screenshot(path=str(artifacts / "zerogpu-emulated.png"), full_page=True)
+
+
+def test_choosing_a_model_sets_its_familys_budget_and_caveat(browser, app_url, artifacts):
+    """Choosing LLaVA-OneVision's offline model sets M, C and the pixel range to its family's defaults (frames of
+    196 tokens) and the banner says how its positions end; choosing tiny again puts tiny's back."""
+    from kvdemo.models.catalog import default_budget
+
+    page = new_page(browser, app_url)
+    for model in ("tiny-random-llava-ov", "tiny-random-qwen3.5", "tiny"):
+        page.locator("#model input").fill(model)
+        page.get_by_role("option", name=model, exact=True).click()  # "tiny" + Enter would keep the first match
+        budget, keep, pixels = default_budget(model)
+        page.wait_for_function(f"document.querySelector('#budget input').value == '{budget}'", timeout=30_000)
+        assert page.locator("#keep input").input_value() == str(keep)
+        if model == "tiny-random-llava-ov":
+            page.wait_for_function("document.querySelector('#banner').innerText.includes('positions grow by 196')", timeout=30_000)
+            page.screenshot(path=str(artifacts / "model-llava.png"))
+        if model == "tiny-random-qwen3.5":
+            page.wait_for_function("document.querySelector('#banner').innerText.includes('recurrent state')", timeout=30_000)
+    assert "trained on synthetic streams" in page.locator("#banner").inner_text()

@@ -15,7 +15,7 @@ from ..synthetic import sample_episode, sample_manifest
 from .. import viz
 from .handlers import ask, redraw, request_stop, reset_chat, run_video, webcam_frame
 from .sessions import SESSION_TTL_S, AppServices, CacheSweeper, RunSettings, Session
-from ..models.catalog import default_budget
+from ..models.catalog import default_budget, geometry_for
 from .settings import USER_ERRORS, baseline_cap_default, parse_params, policy_label, takes_keep, validate_settings
 from .views import (
     banner_html,
@@ -110,7 +110,7 @@ class Demo:
             with gr.Row():
                 self.fps = gr.Slider(0.5, 8, value=2, step=0.5, label="Sampling fps")
                 self.max_pixels = gr.Number(self.pixels0, label="Max pixels per frame", precision=0,
-                                            info="frames are resized like Qwen: sides multiples of 28")
+                                            info=geometry_for(self.services.models.default).describe())
             self.param_inputs, self.param_groups = {}, {}
             with gr.Accordion("Policy parameters (the papers' defaults)", open=False, elem_id="policy-params"):
                 for name in UI_POLICIES:
@@ -295,8 +295,16 @@ class Demo:
         return [keep, *(gr.update(visible=name == n) for n in self.param_groups)]
 
     def on_model(self, name: str):
+        """A model chosen: its banner, and its family's budget and pixel range (unchanged if its config cannot be
+        read; running it then says why)."""
+        gr = self.gr
         banner = banner_html(name)
-        return self.gr.update(value=banner, visible=bool(banner))
+        try:
+            budget, keep, pixels = default_budget(name)
+        except USER_ERRORS:
+            return gr.update(value=banner, visible=bool(banner)), gr.update(), gr.update(), gr.update()
+        pixels_field = gr.update(value=pixels, info=geometry_for(name).describe())
+        return gr.update(value=banner, visible=bool(banner)), gr.update(value=budget), gr.update(value=keep), pixels_field
 
     # --- wiring ---------------------------------------------------------------------------
     def wire(self) -> None:
@@ -345,7 +353,8 @@ class Demo:
               api_name="check_settings", show_progress="hidden", concurrency_limit=None)
         self.policy.change(self.on_policy, [self.policy], [self.keep, *self.param_groups.values()], api_visibility="private",
                            show_progress="hidden")
-        self.model.change(self.on_model, [self.model], self.banner, api_visibility="private")
+        self.model.change(self.on_model, [self.model], [self.banner, self.budget, self.keep, self.max_pixels],
+                          api_visibility="private")
 
 
 def param_component(gr, spec, policy: str):

@@ -13,7 +13,7 @@ import numpy as np
 from .. import viz
 from ..coverage import coverage
 from ..policies import REGISTRY
-from ..models.catalog import TRAINED_NOTICE, VERIFIED, offline_model
+from ..models.catalog import FAMILY_CAVEATS, TRAINED_NOTICE, VERIFIED, family_of, offline_model
 from ..views import View
 from .sessions import CACHE_TTL_S, Session
 from .settings import policy_label
@@ -247,11 +247,20 @@ def finish(state: Session, view: tuple[str, str, bool]) -> dict[str, Any]:
 
 
 def banner_html(model_name: str | None) -> str:
-    """The warning shown over the app for an offline tiny model ('' for real models)."""
+    """What the page says over the settings about model ``name``: for an offline tiny model what its answers are
+    worth, and for a family with a caveat in a streaming memory (Qwen3.5, LLaVA-OneVision) that caveat ('' if
+    neither)."""
     offline = offline_model(model_name)
-    if offline is None:
+    caveat = FAMILY_CAVEATS.get(family_of(model_name) or "")
+    lines = []
+    if offline is not None:
+        advice = ("Run the bundled sample and ask about it; on other videos its answers mean little."
+                  if offline.notice == TRAINED_NOTICE else f"Its family ({offline.family}) is verified here on {VERIFIED[offline.family]}.")
+        lines.append(f"⚠️ {offline.notice} {advice} Choose a real checkpoint on a GPU machine for meaningful answers "
+                     "about real videos.")
+    if caveat:
+        lines.append(f"ℹ️ {caveat}")
+    if not lines:
         return ""
-    advice = ("Run the bundled sample and ask about it; on other videos its answers mean little."
-              if offline.notice == TRAINED_NOTICE else f"Its family ({offline.family}) is verified here on {VERIFIED[offline.family]}.")
-    return (f"<div style='padding:8px;border-radius:6px;background:#fff3cd;color:#664d03'>⚠️ {offline.notice} {advice} "
-            "Choose a real checkpoint on a GPU machine for meaningful answers about real videos.</div>")
+    return ("<div style='padding:8px;border-radius:6px;background:#fff3cd;color:#664d03'>"
+            + "<br>".join(lines) + "</div>")

@@ -91,6 +91,17 @@ VERIFIED = {
 }
 
 
+#: What a user must know about a family in a streaming memory (the app's banner and the CLI say it).
+FAMILY_CAVEATS = {
+    "qwen3_5": "Qwen3.5: only its full-attention layers (one in four) hold tokens, so the budget, eviction and "
+               "heatmaps cover those layers; frames evicted from them keep influencing answers through the "
+               "linear-attention layers' recurrent state.",
+    "llava_onevision": "LLaVA-OneVision: positions grow by 196 a frame and eviction does not give them back, so the "
+                       "stream stops with a message where the model's trained positions end (about 166 frames with "
+                       "a 32K range; kvdemo's rule: kept keys are never re-rotated).",
+}
+
+
 def resolve_model_name(name: str | None = None) -> str:
     """``auto`` -> a real Qwen2.5-VL on a CUDA machine, the offline ``tiny`` model otherwise.
 
@@ -130,6 +141,17 @@ def family_module(model_type: str) -> ModuleType:
         raise ModelError(f"a {model_type!r} model is not supported; kvdemo supports the families "
                          f"{', '.join(sorted(FAMILY_MODULES))}")
     return importlib.import_module(FAMILY_MODULES[model_type])
+
+
+def family_of(name: str | None) -> str | None:
+    """The family (``config.model_type``) of model ``name``; None when a real checkpoint's config cannot be read."""
+    offline = offline_model(name)
+    if offline is not None:
+        return offline.family
+    try:
+        return checkpoint_config(resolve_model_name(name)).model_type
+    except ModelError:
+        return None
 
 
 def checkpoint_config(model_id: str) -> Any:
