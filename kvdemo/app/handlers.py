@@ -20,8 +20,8 @@ from .. import zerogpu
 from .gpu import Segment, answer_question, segment_frames, stream_segment
 from .sessions import CACHE_TTL_S, AppServices, RunSettings, Session
 from .settings import USER_ERRORS, chunk_tokens, resolve_settings
-from .views import (finish, fresh_views, heatmap_image, kept_previous, legend, live_update, policy_panels, status_text,
-                    write_report)
+from .views import (ViewChoice, finish, fresh_views, heatmap_image, kept_previous, legend, live_update, occupancy_plot,
+                    policy_panels, status_text, write_report)
 
 
 def start_session(
@@ -54,7 +54,7 @@ def run_video(
     session: Session | None,
     video_path: str | None,
     settings: RunSettings,
-    view: tuple[str, str, bool] = ("all", "all", False),
+    view: ViewChoice = ViewChoice(),
 ) -> Iterator[dict[str, Any]]:
     """Stream a file (the bundled sample when ``video_path`` is None) into a fresh session; yields update dicts
     (keys: session, status, plot, heatmap, gallery, report, chart, coverage, legend, panels, chat panes and
@@ -157,7 +157,7 @@ def webcam_frame(
     session: Session | None,
     frame: np.ndarray | None,
     settings: RunSettings,
-    view: tuple[str, str, bool] = ("all", "all", False),
+    view: ViewChoice = ViewChoice(),
 ) -> dict[str, Any]:
     """One webcam frame: buffered into segments for the engines (never one model call per frame). Starts a
     fresh session on the first frame or when the settings changed."""
@@ -274,15 +274,15 @@ def answer_note(state: Session, answer) -> str:
     return ""
 
 
-def redraw(session: Session | None, view: tuple[str, str, bool]) -> dict[str, Any]:
-    """The newest-frames view, its legend and the policy's views for ``view`` (layer, KV head, by reason), drawn
-    in the session's turn: between two chunks, never while one is half-fed (its grid in the memory, its
-    thumbnail not yet in the session)."""
+def redraw(session: Session | None, view: ViewChoice) -> dict[str, Any]:
+    """The chart, the newest-frames view, its legend and the policy's views as ``view`` chooses, drawn in the
+    session's turn: between two chunks, never while one is half-fed (its grid in the memory, its thumbnail not
+    yet in the session)."""
     if session is None:
         return {"heatmap": None}
     with session.turns.question():
-        return {"heatmap": heatmap_image(session, *view), "legend": legend(session, view),
-                "panels": policy_panels(session, *view[:2])}
+        return {"plot": occupancy_plot(session, view.log_scale), "heatmap": heatmap_image(session, view),
+                "legend": legend(session, view), "panels": policy_panels(session, view)}
 
 
 def reset_chat(session: Session | None) -> dict[str, Any]:

@@ -8,9 +8,10 @@ from typing import Any
 
 from ..budget import Budget
 from ..models.base import ModelError
-from ..models.catalog import TINY_NAME, TINY_RANDOM_NAME, TRAINED_MAX_PIXELS, resolve_model_name
+from ..models.catalog import TINY_NAME, TINY_RANDOM_NAME, TRAINED_MAX_PIXELS, preferred_pixel_range, resolve_model_name
 from ..policies import BudgetError, Policy, coerce_param, make_policy, policy_class, policy_params
-from ..video import DEFAULT_MIN_PIXELS, RESIZE_FACTOR, TEMPORAL_PATCH_SIZE, VideoError, open_video, tokens_per_grid
+from ..synthetic import sample_episode
+from ..video import RESIZE_FACTOR, TEMPORAL_PATCH_SIZE, VideoError, open_video, smart_resize, tokens_per_grid
 from .. import zerogpu
 from ..engine import EngineError
 from .sessions import RunSettings
@@ -53,30 +54,34 @@ def resolve_settings(settings: RunSettings) -> tuple[Policy, Budget]:
 
 
 def validate_settings(
-    policy: str, budget: Any, keep: Any, fps: Any = 2.0, max_pixels: Any = 200704, video: str | None = None
+    policy: str, budget: Any, keep: Any, fps: Any = 2.0, max_pixels: Any = 200704, video: str | None = None,
+    model: str | None = None,
 ) -> str:
-    """A one-line verdict on the settings, shown as the user types: the same checks as Run, with one chunk
-    of the uploaded ``video`` (resized) when there is one, else a chunk at ``max_pixels``."""
+    """A one-line verdict on the settings, shown as the user types: the same checks as the run they lead to,
+    with one chunk of the uploaded ``video`` (resized into ``model``'s pixel range) when there is one, else of
+    the bundled sample (what runs without an upload)."""
     try:
         settings = RunSettings("", policy, {}, budget, keep, fps, max_pixels, False, 0)
         _, resolved = resolve_settings(settings)
-        size, name = None, ""
+        min_pixels = min(int(max_pixels), preferred_pixel_range(model)[0])
         if video:
-            opened = open_video(video, fps=float(fps), max_pixels=int(max_pixels),
-                                min_pixels=min(int(max_pixels), DEFAULT_MIN_PIXELS))
-            size, name = opened.size, f" of {Path(video).name} ({opened.size[1]}x{opened.size[0]})"
+            size = open_video(video, fps=float(fps), max_pixels=int(max_pixels), min_pixels=min_pixels).size
+            name = f" of {Path(video).name} ({size[1]}x{size[0]})"
+        else:
+            size = smart_resize(*sample_episode().video.size, min_pixels=min_pixels, max_pixels=int(max_pixels))
+            name = " of the bundled sample"
         tokens, shape = chunk_tokens(size, max_pixels)
         resolved.check_chunk(tokens, shape)
     except USER_ERRORS as exc:
         return f"⚠️ {exc}"
     except (TypeError, ValueError) as exc:
         return f"⚠️ not a number: {exc}"
-    up_to = "" if size else "up to "
+    upload = "" if video else f" (an upload's: up to {chunk_tokens(None, max_pixels)[0]} at max pixels)"
     if resolved.C is None:
-        return (f"✓ M={resolved.M} = {resolved.split_text} (C does not apply); one chunk{name} is {up_to}{tokens} "
-                f"visual tokens and must fit the {resolved.window_name}")
-    return (f"✓ M={resolved.M}, C={resolved.C}: one chunk{name} is {up_to}{tokens} visual tokens; "
-            f"M and M − C must each hold one chunk (≥ {tokens})")
+        return (f"✓ M={resolved.M} = {resolved.split_text} (C does not apply); one chunk{name} is {tokens} visual "
+                f"tokens{upload} and must fit the {resolved.window_name}")
+    return (f"✓ M={resolved.M}, C={resolved.C}: one chunk{name} is {tokens} visual tokens{upload}; "
+            f"M and M − C must each hold one chunk")
 
 
 def policy_label(policy: str, budget: Budget) -> str:
