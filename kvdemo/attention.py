@@ -24,13 +24,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 from .memory import KVMemory
 
 ATTENTION_NAME = "kvdemo"
 #: ``attn_implementation`` for ``from_pretrained``/``_from_config``: our function in the language model.
 ATTN_IMPLEMENTATION = {"text_config": ATTENTION_NAME, "vision_config": "sdpa", "": "sdpa"}
+
+
+def mask_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype of the additive mask kvdemo hands SDPA with ``query``: at least float32 on the CPU, whose kernels take a
+    float32 mask with bfloat16/float16 queries (so ProtoKV's ``log n_k`` and the ``-inf`` padding reach the softmax
+    unrounded); the query's own dtype elsewhere, because CUDA's memory-efficient kernel rejects any other ("invalid
+    dtype for bias - should match query's dtype"). There a bfloat16 bias is off by at most half an ulp of bfloat16 at
+    ``log n_k`` (at most 2^-8 |log n_k|; 0.0156 for n_k below 2981, an effective mass within 1.6%)."""
+    if query.device.type == "cpu":
+        return torch.promote_types(query.dtype, torch.float32)
+    return query.dtype
 
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -58,10 +69,11 @@ def kvdemo_attention(
     kv_heads, kv_len = key.shape[1], key.shape[2]
     past = kv_len - q_len
     scale = scaling if scaling is not None else dim**-0.5
+    layer = kvdemo.memory.layer_map[module.layer_idx] if kvdemo is not None else None  # the memory's layer
     if kvdemo is not None and kvdemo.capture is not None:
-        kvdemo.capture[module.layer_idx] = query[0].detach().clone()
-    bias = kvdemo.key_bias(module.layer_idx, past) if kvdemo is not None else None
-    extra = kvdemo.retrieval(module.layer_idx, query[0], scale) if kvdemo is not None else None
+        kvdemo.capture[layer] = query[0].detach().clone()
+    bias = kvdemo.key_bias(layer, past) if kvdemo is not None else None
+    extra = kvdemo.retrieval(layer, query[0], scale) if kvdemo is not None else None
     if extra is not None:
         return retrieval_attention(query, key, value, bias, extra, scale), None
     if bias is None:
@@ -72,8 +84,8 @@ def kvdemo_attention(
     # group: query [H_kv, group, q, D] against key/value [H_kv, 1, kv, D], mask [H_kv, 1, q, kv].
     group = q_heads // kv_heads
     grouped = query.reshape(kv_heads, group, q_len, dim)
-    mask = query.new_zeros(kv_heads, 1, q_len, kv_len)
-    mask[:, 0, :, :past] = bias[:, None, :].to(query.dtype)
+    mask = torch.zeros(kv_heads, 1, q_len, kv_len, dtype=mask_dtype(query), device=query.device)
+    mask[:, 0, :, :past] = bias[:, None, :].to(mask.dtype)
     if q_len > 1:
         mask[:, 0, :, past:].masked_fill_(~causal_mask(q_len, q_len, query.device), float("-inf"))
     out = F.scaled_dot_product_attention(
@@ -178,23 +190,58 @@ class MemoryLayer(CacheLayerMixin):
         return -1
 
 
+class LinearStateLayer(LinearAttentionLayer):
+    """A layer without keys and values (Qwen3.5's Gated DeltaNet) on a copy-on-write fork of the memory's committed
+    state: the forward reads the committed recurrent state and rebinds its own result instead of writing into it;
+    only the convolution state, which the one-token decode kernel updates in place, is cloned (a few hundred KB).
+    A chunk's prefill commits the new state (:meth:`MemoryCache.commit_linear_state`); a question never does, so
+    the memory's state after it is the same tensors, bit for bit."""
+
+    def __init__(self, memory: KVMemory, model_layer: int) -> None:
+        super().__init__()
+        self.model_layer = model_layer
+        committed = memory.linear_state.get(model_layer)
+        if committed is not None:
+            conv, recurrent = committed["conv"], committed["recurrent"]
+            self.conv_states[0], self.recurrent_states[0] = conv.clone(), recurrent
+            self.conv_kernel_size[0] = int(conv.shape[-1])
+            self.dtype, self.device = conv.dtype, conv.device
+            self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+            self.has_previous_state[0] = True
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        self.recurrent_states[state_idx] = recurrent_states
+        self.is_recurrent_states_initialized[state_idx] = True
+        return recurrent_states
+
+
 class MemoryCache(Cache):
-    """A transformers ``Cache`` over a :class:`KVMemory`'s live part (see :meth:`KVMemory.cache`).
+    """A transformers ``Cache`` over a :class:`KVMemory`'s live part, one layer per model layer: a
+    :class:`MemoryLayer` over the memory's layer for an attention layer, a :class:`LinearStateLayer` for a layer
+    without keys and values (``memory.layer_map``).
 
     ``answering`` (set by the engine while it answers a question: the question's prefill and every decode
     step) turns on retrieval from the memory's offload stores; ``capture`` (a dict) makes the attention
-    function record each layer's queries ``[H_q, q, D]`` (post-RoPE), which is how a probe text is read.
+    function record each memory layer's queries ``[H_q, q, D]`` (post-RoPE), which is how a probe text is read.
     """
 
     def __init__(self, memory: KVMemory) -> None:
-        super().__init__(layers=[MemoryLayer(memory, layer) for layer in range(memory.num_layers)])
+        layers = [MemoryLayer(memory, layer) if layer is not None else LinearStateLayer(memory, index)
+                  for index, layer in enumerate(memory.layer_map)]
+        super().__init__(layers=layers)
         self.memory = memory
         self.answering = False
         self.capture: dict[int, torch.Tensor] | None = None
 
+    def commit_linear_state(self) -> None:
+        """Make the state this forward left in the layers without keys and values the memory's committed state."""
+        for layer in self.layers:
+            if isinstance(layer, LinearStateLayer) and layer.has_previous_state[0]:
+                self.memory.commit_linear(layer.model_layer, layer.conv_states[0], layer.recurrent_states[0])
+
     def retrieval(self, layer: int, query: torch.Tensor, scale: float):
-        """Keys/values/bias the forward of ``query [H_q, q, D]`` brings back from ``layer``'s offload store,
-        or None (not answering, or nothing offloaded)."""
+        """Keys/values/bias the forward of ``query [H_q, q, D]`` brings back from memory layer ``layer``'s offload
+        store, or None (not answering, or nothing offloaded)."""
         if not self.answering or layer >= len(self.memory.layers):
             return None
         store = self.memory.layers[layer].offload

@@ -17,15 +17,7 @@ from typing import Any
 
 from .evaluation import DEFAULT_DELAYS  # light: torch loads when an evaluation runs
 from .synthetic import grade, sample_episode  # light: numpy
-from .video import (  # light: numpy and, when a file is opened, PyAV
-    DEFAULT_MAX_PIXELS,
-    DEFAULT_MIN_PIXELS,
-    RESIZE_FACTOR,
-    TEMPORAL_PATCH_SIZE,
-    VideoError,
-    open_video,
-    tokens_per_grid,
-)
+from .video import VideoError, open_video  # light: numpy and, when a file is opened, PyAV
 
 DESCRIPTION = """\
 Stream a video into a vision-language model frame chunk by frame chunk, keep its KV cache under a hard
@@ -132,9 +124,9 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     run.add_argument("--fps", type=float, default=2.0, help="sampling fps (default 2)")
     run.add_argument("--max-frames", type=int, help="stop after this many sampled frames")
     run.add_argument("--max-pixels", type=int,
-                     help=f"max pixels per frame after resize (default: the model's; Qwen {DEFAULT_MAX_PIXELS})")
+                     help="max pixels per frame after resize (default: the model's own range)")
     run.add_argument("--min-pixels", type=int,
-                     help=f"min pixels per frame after resize (default: the model's; Qwen {DEFAULT_MIN_PIXELS})")
+                     help="min pixels per frame after resize (default: the model's own range)")
     run.add_argument("--frames-per-chunk", type=int, default=2, help="frames per prefill chunk (default 2)")
     run.add_argument("--ask", action="append", default=[], metavar="QUESTION", help="question asked after the stream (repeatable)")
     run.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap (default 64)")
@@ -227,12 +219,9 @@ def check_run_arguments(args: argparse.Namespace) -> dict[str, Any]:
     for flag, value in positive.items():
         if value is not None and value <= 0:
             raise UsageError(f"{flag} must be positive, got {value}")
-    # Without --max-pixels the model's own applies (Qwen's at most); smart_resize checks the rest.
-    max_pixels = args.max_pixels if args.max_pixels is not None else DEFAULT_MAX_PIXELS
-    if args.min_pixels is not None and args.min_pixels > max_pixels:
-        raise UsageError(f"--min-pixels ({args.min_pixels}) must not exceed --max-pixels ({max_pixels})")
-    if args.max_pixels is not None and args.max_pixels < RESIZE_FACTOR**2:
-        raise UsageError(f"--max-pixels must be at least {RESIZE_FACTOR**2} (one 28x28 patch), got {args.max_pixels}")
+    # The model's pixel range applies where none is given (checked once the model's family is known).
+    if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
+        raise UsageError(f"--min-pixels ({args.min_pixels}) must not exceed --max-pixels ({args.max_pixels})")
     return dict(parse_param(p) for p in args.param)
 
 
@@ -243,34 +232,36 @@ def run_command(args: argparse.Namespace) -> int:
     if args.video:
         open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
     from .budget import Budget  # deferred from here on: torch loads only once the file is known to be good
-    from .models.catalog import preferred_pixel_range  # deferred with Budget (torch)
+    from .models.catalog import geometry_for  # deferred with Budget (torch)
 
-    # The model's own pixel range where not given (the trained tiny model saw 112 x 112 frames).
-    default_min, default_max = preferred_pixel_range(args.model)
-    max_pixels = args.max_pixels or default_max
-    min_pixels = args.min_pixels or min(default_min, max_pixels)
+    # How the model sizes frames, with the user's pixel range where given (the trained tiny model saw 112 x 112).
+    geometry = geometry_for(args.model)
+    max_pixels = args.max_pixels or geometry.max_pixels
+    if max_pixels < geometry.smallest_frame:
+        raise UsageError(f"--max-pixels must be at least {geometry.smallest_frame} (one token of "
+                         f"{geometry.factor}x{geometry.factor} pixels), got {max_pixels}")
+    if args.min_pixels is not None and args.min_pixels > max_pixels:
+        raise UsageError(f"--min-pixels ({args.min_pixels}) must not exceed --max-pixels (the model's {max_pixels})")
+    geometry = geometry.with_pixels(args.min_pixels or min(geometry.min_pixels, max_pixels), max_pixels)
     episode = None if args.video else sample_episode()
     if episode is None:
-        video = open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames, min_pixels=min_pixels,
-                           max_pixels=max_pixels)
+        video = open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames, geometry=geometry)
     else:
-        video = episode.video.sampled(args.fps).head(args.max_frames).resized(min_pixels, max_pixels)
+        video = episode.video.sampled(args.fps).head(args.max_frames).resized(geometry)
     from .policies import DEFAULT_POLICY, make_policy  # deferred with Budget
 
     policy = make_policy(args.policy or DEFAULT_POLICY, **params)
     if args.keep is not None and args.budget is None and policy.bounded:
         raise UsageError("--keep needs --budget")
-    per_grid = tokens_per_grid(video.size)
-    grids_per_chunk = -(-args.frames_per_chunk // TEMPORAL_PATCH_SIZE)
-    chunk_tokens = per_grid * grids_per_chunk
+    chunk_tokens, shape = geometry.chunk_tokens(video.size, args.frames_per_chunk)
     note = ""
     if policy.bounded and args.budget is None:
-        budget = Budget.auto(policy, chunk_tokens, -(-video.num_frames // TEMPORAL_PATCH_SIZE) * per_grid)
+        stream_tokens, _ = geometry.chunk_tokens(video.size, video.num_frames)
+        budget = Budget.auto(policy, chunk_tokens, stream_tokens)
         note = " (auto: about a third of this stream's visual tokens)"
     else:
         budget = Budget.resolve(policy, args.budget, args.keep, default_ratio=0.75)
-    rows, cols = video.size[0] // RESIZE_FACTOR, video.size[1] // RESIZE_FACTOR
-    budget.check_chunk(chunk_tokens, f"{grids_per_chunk} temporal grid(s) of {rows}x{cols} tokens")
+    budget.check_chunk(chunk_tokens, shape)
 
     from .coverage import coverage, coverage_table  # deferred on purpose: the budget is good, the model comes now
     from .engine import StreamEngine, stream_video  # deferred with it

@@ -18,27 +18,37 @@ import numpy as np
 import torch
 
 from .attention import MemoryCache
+from .dialogue import QuestionError, check_question, replayed_dialogue
 from .memory import KVMemory, OccupancyEvent
-from .models.base import VideoLM, VisualChunk, mrope_positions
+from .models.base import VideoLM, VisualChunk
 from .budget import Budget
 from .policies import BudgetError, Policy, Probed, make_policy
 from .survival import survival_fraction
 from .views import View, ViewContext
-from .video import RESIZE_FACTOR, Video, VideoFile
+from .video import Video, VideoFile
 
 DEFAULT_MAX_NEW_TOKENS = 64
-#: The longest question (tokens), and the most tokens of earlier turns replayed before a question: the oldest
-#: turns past it are left out (the answer says how many), so a long chat neither grows without bound nor spoils.
-MAX_QUESTION_TOKENS = 512
-MAX_DIALOGUE_TOKENS = 1024
 
 
 class EngineError(ValueError):
     """A request the engine cannot serve (asking before any frame, an empty question...)."""
 
 
-class MemoryCapError(EngineError):
+class EngineStop(EngineError):
+    """An engine cannot take the stream's next chunk (its group stops it and goes on with the others)."""
+
+
+class MemoryCapError(EngineStop):
     """The next chunk would take the cache past its configured byte cap."""
+
+
+class PositionLimitError(EngineStop):
+    """The next chunk would take positions past the range the model was trained with (eviction does not give
+    positions back: a position, once used, stays used)."""
+
+
+#: Positions kept free after the stream for a question, the dialogue and an answer (a stream stops before).
+QUESTION_ROOM = 1024
 
 
 @dataclass
@@ -50,7 +60,7 @@ class Answer:
     tokens: int
     cache_bytes: int
     visual_tokens: int
-    dropped_turns: int = 0  # earlier turns left out of the replayed dialogue (MAX_DIALOGUE_TOKENS)
+    dropped_turns: int = 0  # earlier turns left out of the replayed dialogue (kvdemo.dialogue)
 
 
 class FrameStream:
@@ -78,8 +88,10 @@ class FrameStream:
         if frames.ndim != 4 or frames.shape[-1] != 3:
             raise EngineError(f"frames must be [T, H, W, 3] RGB, got shape {tuple(frames.shape)}")
         size = (int(frames.shape[1]), int(frames.shape[2]))
-        if size[0] % RESIZE_FACTOR or size[1] % RESIZE_FACTOR:
-            raise EngineError(f"frame sides must be multiples of {RESIZE_FACTOR} (use video.resize_frames), got {size}")
+        try:
+            self.model.geometry.check_size(size)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
         if self._size is None:
             self._size = size
         elif size != self._size:
@@ -87,7 +99,7 @@ class FrameStream:
         if times_s is None:
             times_s = (self.frames_seen + len(self._pending) + np.arange(len(frames))) / self.fps
         self._pending.extend(zip(frames, (float(t) for t in times_s)))
-        usable = len(self._pending) - len(self._pending) % self.model.temporal_patch_size
+        usable = len(self._pending) - len(self._pending) % self.model.geometry.frames_per_grid
         return self._encode(usable)
 
     def flush(self) -> VisualChunk | None:
@@ -166,7 +178,7 @@ class EngineGroup:
                 continue
             try:
                 events[name] = engine.feed_chunk(chunk)
-            except MemoryCapError as exc:
+            except EngineStop as exc:
                 self.stopped[name] = str(exc)
             except RuntimeError as exc:
                 if "out of memory" not in str(exc).lower():
@@ -224,7 +236,7 @@ class StreamEngine:
         self.max_new_tokens = int(max_new_tokens)
         self.max_cache_bytes = max_cache_bytes
         self.memory = KVMemory(model.num_layers, model.num_kv_heads, visual_capacity=self.budget.window or 0,
-                               summary_slots=self.budget.summary)
+                               summary_slots=self.budget.summary, layer_map=model.layer_map)
         self.history: list[tuple[str, str]] = []
         self.answers: list[Answer] = []
         self.frames_fed = 0
@@ -287,11 +299,13 @@ class StreamEngine:
             events.append(self.compress(incoming=chunk.num_tokens))
         self._check_cap(chunk)
         start = time.perf_counter()
-        positions = mrope_positions(
-            chunk.grid, chunk.row, chunk.col, self.memory.prefix_len, chunk.second_per_grid, self.model.tokens_per_second
-        )
-        self.model.forward(chunk.embeds, positions, MemoryCache(self.memory))
+        positions, cursor = self.model.chunk_positions(chunk, self.memory.cursor)
+        self._check_positions(cursor)
+        cache = MemoryCache(self.memory)
+        self.model.forward(chunk.embeds, positions, cache, chunk)
         self.memory.commit_append(chunk, positions)
+        self.memory.cursor = cursor
+        cache.commit_linear_state()
         prefill_ms = self._elapsed_ms(start)
         self.frames_fed += chunk.frames
         self.last_time_s = chunk.end_time_s
@@ -350,21 +364,32 @@ class StreamEngine:
                 f"{projected / 2**20:.1f} MB, above the {self.max_cache_bytes / 2**20:.1f} MB cap"
             )
 
+    def _check_positions(self, cursor: Any) -> None:
+        limit = self.model.position_limit
+        if limit is not None and cursor.next + QUESTION_ROOM > limit:
+            raise PositionLimitError(
+                f"stopped at {self.frames_fed} frames: {self.model.name} was trained with positions up to {limit:,}, and "
+                f"the next chunk would take the stream to {cursor.next:,} (plus {QUESTION_ROOM} kept for a question); "
+                "evicted tokens do not give their positions back, so kvdemo stops here rather than re-rotate kept keys"
+            )
+
     def _prefill_prefix(self) -> None:
-        ids = self.model.tokenize(self.model.prefix_text())
-        positions = torch.arange(len(ids)).expand(3, -1)
+        embeds = self.model.prefix_embeds()
+        positions, cursor = self.model.text_positions(self.model.new_cursor(), int(embeds.shape[0]))
         cache = MemoryCache(self.memory)
-        self.model.forward(self.model.embed_text(ids), positions, cache)
-        self.memory.commit_prefix(len(ids))
+        self.model.forward(embeds, positions, cache)
+        self.memory.commit_prefix(int(embeds.shape[0]))
+        self.memory.cursor = cursor
+        cache.commit_linear_state()
 
     def _probe(self, text: str) -> list[torch.Tensor]:
         """Every layer's queries ``[H_q, T, D]`` for ``text`` asked as a question after the memory (written
         into the slack, never committed): what a :class:`~kvdemo.policies.base.Probed` policy reads the memory with."""
-        ids = self.model.tokenize(self.model.question_text([], text))
-        position = self.memory.max_position + 1
+        embeds = self.model.question_embeds([], text)
+        positions, _ = self.model.text_positions(self.memory.cursor, int(embeds.shape[0]))
         cache = MemoryCache(self.memory)
         cache.capture = {}
-        self.model.forward(self.model.embed_text(ids), torch.arange(position, position + len(ids)).expand(3, -1), cache)
+        self.model.forward(embeds, positions, cache)
         return [cache.capture[layer] for layer in range(self.memory.num_layers)]
 
     def _elapsed_ms(self, start: float) -> float:
@@ -388,27 +413,13 @@ class StreamEngine:
         return self._generate(question, max_new_tokens or self.max_new_tokens)
 
     def check_question(self, question: str) -> str:
-        """``question`` stripped, or :class:`EngineError` saying why it cannot be asked (no video yet, empty,
-        longer than :data:`MAX_QUESTION_TOKENS`)."""
+        """``question`` stripped, or :class:`EngineError` saying why it cannot be asked (:mod:`kvdemo.dialogue`)."""
         if self.memory.num_grids == 0:
             raise EngineError("no video yet: feed at least one frame before asking")
-        question = (question or "").strip()
-        if not question:
-            raise EngineError("the question is empty")
-        tokens = len(self.model.tokenize(question))
-        if tokens > MAX_QUESTION_TOKENS:
-            raise EngineError(f"the question is {tokens} tokens long; at most {MAX_QUESTION_TOKENS} (shorten it)")
-        return question
-
-    def replayed_dialogue(self, question: str) -> tuple[list[int], int]:
-        """The prompt's token ids for ``question`` after the newest earlier turns that fit in
-        :data:`MAX_DIALOGUE_TOKENS`, and how many older turns were left out."""
-        alone = len(self.model.tokenize(self.model.question_text([], question)))
-        dropped, ids = 0, self.model.tokenize(self.model.question_text(self.history, question))
-        while len(ids) - alone > MAX_DIALOGUE_TOKENS:  # ends: with every turn left out the excess is 0
-            dropped += 1
-            ids = self.model.tokenize(self.model.question_text(self.history[dropped:], question))
-        return ids, dropped
+        try:
+            return check_question(self.model, question)
+        except QuestionError as exc:
+            raise EngineError(str(exc)) from None
 
     def answer(self, question: str, max_new_tokens: int | None = None) -> Answer:
         """:meth:`ask`, collected."""
@@ -417,17 +428,25 @@ class StreamEngine:
         return self.answers[-1]
 
     @torch.inference_mode()
-    def _generate(self, question: str, max_new_tokens: int) -> Iterator[str]:
-        start = time.perf_counter()
-        ids, dropped = self.replayed_dialogue(question)
-        position = self.memory.max_position + 1
+    def question_logits(self, question: str) -> torch.Tensor:
+        """The logits ``[vocab]`` of the first answer token to ``question`` after the dialogue so far, on a fork
+        (the memory is unchanged, as when answering)."""
+        return self._question_prefill(question)[0]
+
+    def _question_prefill(self, question: str) -> tuple[torch.Tensor, MemoryCache, Any, int]:
+        """The question's prefill on a fork: its last logits, the cache to decode on, the cursor after it, and
+        the earlier turns left out of the replayed dialogue."""
+        embeds, dropped = replayed_dialogue(self.model, self.history, question)
+        positions, cursor = self.model.text_positions(self.memory.cursor, int(embeds.shape[0]))
         cache = MemoryCache(self.memory)  # writes go to the slack and are never committed
         cache.answering = True  # heads with an offload store retrieve (question prefill and every decode step)
         self.memory.reset_retrieved()
-        logits = self.model.forward(
-            self.model.embed_text(ids), torch.arange(position, position + len(ids)).expand(3, -1), cache
-        )
-        position += len(ids)
+        return self.model.forward(embeds, positions, cache), cache, cursor, dropped
+
+    @torch.inference_mode()
+    def _generate(self, question: str, max_new_tokens: int) -> Iterator[str]:
+        start = time.perf_counter()
+        logits, cache, cursor, dropped = self._question_prefill(question)
         generated: list[int] = []
         text, ttft_ms = "", 0.0
         try:
@@ -443,10 +462,8 @@ class StreamEngine:
                 if not decoded.endswith("\ufffd") and len(decoded) > len(text):
                     piece, text = decoded[len(text) :], decoded
                     yield piece
-                logits = self.model.forward(
-                    self.model.embed_text([token]), torch.full((3, 1), position, dtype=torch.long), cache
-                )
-                position += 1
+                positions, cursor = self.model.text_positions(cursor, 1)
+                logits = self.model.forward(self.model.embed_text([token]), positions, cache)
         finally:
             text = self.model.detokenize(generated)
             self.history.append((question, text))
@@ -522,6 +539,8 @@ class StreamEngine:
             "peak_visual_tokens": max((e["visual_tokens"] for e in timeline), default=0),
             "peak_cache_bytes": max((e["cache_bytes"] for e in timeline), default=0),
             "largest_head_tokens": self.memory.largest_head_tokens,
+            "text_tokens": self.memory.text_tokens,
+            "linear_state_bytes": self.memory.linear_state_bytes,
             "survivors": [
                 {"grid": g, "time_s": self.memory.grid_times_s[g], "kept_fraction": fraction}
                 for g, fraction in enumerate(survival_fraction(self.memory))

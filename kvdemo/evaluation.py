@@ -119,7 +119,7 @@ def run_episode(
             due.setdefault(grid, []).append((i, d))
     results = {name: [[False] * len(item.ask_after) for item in items] for name in engines}
     last = max(due)
-    for _, frames, times in video.chunks(model.temporal_patch_size):
+    for _, frames, times in video.chunks(model.geometry.frames_per_grid):
         for step in group.push(frames, times):
             newest = step.chunk.first_grid + step.chunk.num_grids - 1
             for i, d in due.get(newest, []):

@@ -1,27 +1,39 @@
-"""The KV memory: per-layer key/value buffers written in place, per-head provenance of every visual token,
-an optional per-head key bias, real bytes, and the occupancy timeline.
+"""The KV memory: per-layer key/value buffers written in place, per-head provenance of every
+visual token, an optional per-head key bias, real bytes, and the occupancy timeline.
 
 Layout of one layer's buffers ``keys/values [1, H_kv, capacity, D]`` (slots, not stream order)::
 
-    | prefix (P) | summary (S) | visual (L) | slack ... |
-    0            P             P+S          P+S+L = end  capacity
+    | prefix (P) | summary (S) | visual (L) | stream text (T) | slack ... |
+    0            P             P+S          P+S+L             P+S+L+T = end   capacity
 
 - prefix: the system text, never evicted;
-- summary: synthetic entries a policy owns (ProtoKV's pseudo-tokens), laid out when first written;
+- summary: synthetic entries a policy owns (ProtoKV's pseudo-tokens), laid out when the policy first writes them
+  (the visual and stream-text slots move up once) and refreshed by later compressions;
 - visual: real visual tokens with provenance ``frame/row/col/order/position/reason [H_kv, L]`` per slot.
-  Ragged heads (different counts) have ``valid [H_kv, L]``; their padding carries a ``-inf`` key bias;
-- slack: where a forward writes new tokens: a chunk's prefill is committed (:meth:`KVMemory.commit_append`),
-  a question's never is, so the memory after :meth:`~kvdemo.engine.StreamEngine.ask` is bit-identical.
+  Heads may hold different numbers of tokens (ragged budgets): then ``valid [H_kv, L]`` marks real slots
+  and the others carry a ``-inf`` key bias;
+- stream text: text tokens the stream itself carries between grids (Qwen3-VL's ``<t seconds><|vision_start|>``
+  and ``<|vision_end|>`` around every temporal grid), with provenance (their grid); they count against ``M`` and
+  leave with their grid's last visual token in that layer and head (:meth:`KVMemory.apply`). Policies never see
+  them: their views hold the visual slots only, and ``LayerView.grid_text`` says what keeping a grid costs;
+- slack: where a forward writes new tokens. A chunk's prefill writes there and is committed
+  (:meth:`KVMemory.commit_append`); a question writes there and is simply not committed, so the memory
+  after :meth:`~kvdemo.engine.StreamEngine.ask` is bit-identical without any copy or rollback.
 
 Every byte moves once: an append copies the chunk into the slack; a compression moves only the kept tokens
-at or beyond slot ``C`` into the evicted slots below ``C`` (one ``index_select``/``index_copy_`` on the
-flattened buffer), never the prefix. Keys carry their rotation (post-RoPE), so slots need no stream order
-(``order`` and ``frame`` say what is older). Buffers follow what the stream holds: they grow geometrically
-as chunks arrive, never past what ``M`` needs, so an ``M`` the stream never reaches costs nothing.
+that sit at or beyond slot ``C`` into the evicted slots below ``C`` (at most ``M - C`` tokens per head,
+``index_select``/``index_copy_`` on the flattened ``[H * capacity, D]`` buffer), never the prefix. Keys
+carry their rotation (post-RoPE), so attention does not care where a token sits: only a new chunk must
+come after what it attends to, which the slack guarantees. Buffers follow what the stream holds: they grow
+geometrically as chunks arrive, never past what ``M`` (and a question) needs, so an ``M`` the stream never
+reaches costs nothing. The visual slots are *not* in stream order: ``order`` (arrival number) and ``frame``
+say what is older.
 
 What transformers sees is :class:`kvdemo.attention.MemoryCache(memory) <kvdemo.attention.MemoryCache>`, a
-``Cache`` of views of the live part writing through :meth:`KVMemory.ensure_layer` / :meth:`KVMemory.reserve`.
-HybridKV's offload store is :mod:`kvdemo.offload`; what survives of each frame is :mod:`kvdemo.survival`.
+``Cache`` whose layers are views of the live part, built by the memory's users (the engine, the benchmarks)
+and writing through :meth:`KVMemory.ensure_layer` / :meth:`KVMemory.reserve`; kvdemo's attention function
+reads the key bias. HybridKV's offload store is :mod:`kvdemo.offload`; what survives of each frame, which
+only views and reports read, is :mod:`kvdemo.survival`.
 
 Reading order: the timeline event, one layer's buffers, then :class:`KVMemory`: its layout, the layer
 buffers, the writes, what a policy sees and decides (``views``/``apply``), the timeline, pickling.
@@ -49,6 +61,10 @@ PROVENANCE = {"frame": 0, "row": 1, "col": 2, "order": 3, "position": slice(4, 7
 PROVENANCE_WIDTH = 8
 #: Slots kept free after the live part for a question and its answer (grown on demand beyond that).
 TEXT_RESERVE = 256
+#: The key bias is kept in float32 whatever the cache dtype: a bfloat16 ``log n_k`` is off by up to half an ulp
+#: (0.0156 for n_k in [55, 2980], an effective mass 1.6% off). The attention seam decides what the kernel gets
+#: (:func:`kvdemo.attention.mask_dtype`).
+BIAS_DTYPE = torch.float32
 
 
 @dataclass
@@ -81,10 +97,12 @@ class LayerMemory:
 
     kv: torch.Tensor
     packed: torch.Tensor  # [H, capacity - P - S, 8] int32 provenance, see PROVENANCE
-    bias: torch.Tensor | None = None  # [H, capacity] additive key bias (0 = plain attention), None if never used
+    bias: torch.Tensor | None = None  # [H, capacity] float32 additive key bias (0 = plain attention), None if never used
     visual_len: int = 0  # L: visual slots in use (the fullest head's count when ragged)
     valid: torch.Tensor | None = None  # [H, L] bool when heads hold different numbers of tokens
     offload: OffloadStore | None = None  # tokens some heads keep off the device, retrieved at decode time
+    text_len: int = 0  # T: stream-text slots after the visual ones (the fullest head's count when ragged)
+    text_valid: torch.Tensor | None = None  # [H, T] bool when heads hold different numbers of text slots
 
     @property
     def heads(self) -> int:
@@ -110,22 +128,40 @@ class LayerMemory:
 
 
 class KVMemory:
-    """A model's KV cache (layout: the module docstring). ``visual_capacity``: the most visual slots it holds
-    (``M``'s window; 0 = no bound); ``summary_slots``: the region a policy owns, counted in :attr:`visual_tokens`
-    from the start, laid out when first written."""
-    def __init__(self, num_layers: int, num_kv_heads: int, visual_capacity: int = 0, summary_slots: int = 0) -> None:
+    """A model's KV cache under our control (see the module docstring for the layout).
+
+    ``visual_capacity`` is the most stream slots (visual and stream text) it will hold: ``M``'s window for a
+    bounded policy, 0 for no bound; the buffers grow towards it as the stream fills them, never beyond (plus a
+    question's room). ``summary_slots`` is the size of the summary region a policy owns (0 for a selection
+    policy), counted in :attr:`visual_tokens` from the start and laid out when first written.
+    """
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        visual_capacity: int = 0,
+        summary_slots: int = 0,
+        layer_map: list[int | None] | None = None,
+    ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.visual_capacity = int(visual_capacity)
         self.summary_slots = int(summary_slots)
-        self.summary_open = False  # the summary region is laid out in the buffers
+        self.summary_open = False  # the summary region is laid out in the buffers (on the policy's first write)
         self.layers: list[LayerMemory] = []
         self.prefix_len = 0
         self.grid_times_s: list[float] = []  # stream time of each temporal grid ever fed
         self.grid_shape: tuple[int, int] | None = None
         self.timeline: list[OccupancyEvent] = []
-        self.max_position = -1  # largest position ever assigned (text after the memory starts above it)
         self.tokens_seen = 0  # visual tokens ever appended (the next token's ``order``)
+        #: model layer -> memory layer; None for a layer that holds no keys and values (Qwen3.5's linear
+        #: attention): the memory covers the attention layers only.
+        self.layer_map: list[int | None] = list(layer_map) if layer_map is not None else list(range(num_layers))
+        #: The committed state of the layers without KV (model layer -> {"conv": ..., "recurrent": ...}): fixed
+        #: size whatever the stream, overwritten by every committed chunk, never by a question.
+        self.linear_state: dict[int, dict[str, torch.Tensor]] = {}
+        #: The model family's position cursor after the last committed token (opaque here; pickles with the memory).
+        self.cursor: Any = None
 
     # --- layout and what it holds ---------------------------------------------------------
     @property
@@ -138,27 +174,34 @@ class KVMemory:
         return self.prefix_len + (self.summary_slots if self.summary_open else 0)
 
     def live_len(self, layer: int) -> int:
-        """Slots attention reads in ``layer``: prefix + summary + visual."""
-        return self.visual_start + self.layers[layer].visual_len
+        """Slots attention reads in ``layer``: prefix + summary + visual + stream text."""
+        store = self.layers[layer]
+        return self.visual_start + store.visual_len + store.text_len
 
     def head_counts(self, layer: int) -> torch.Tensor:
-        """Visual tokens each KV head of ``layer`` holds, ``[H]`` (all equal unless ragged)."""
+        """Stream tokens (visual and stream text) each KV head of ``layer`` holds, ``[H]`` (equal unless ragged)."""
         store = self.layers[layer]
-        if store.valid is None:
-            return torch.full((self.num_kv_heads,), store.visual_len, dtype=torch.long)
-        return store.valid.sum(dim=1).cpu()
+        visual = store.visual_len if store.valid is None else store.valid.sum(dim=1).cpu()
+        text = store.text_len if store.text_valid is None else store.text_valid.sum(dim=1).cpu()
+        return torch.zeros(self.num_kv_heads, dtype=torch.long) + visual + text
+
+    def budget_counts(self, layer: int) -> torch.Tensor:
+        """``[H]`` visual tokens the budget bounds: held, plus retrievable if retrieval counts (``OffloadStore.counted``)."""
+        held, offload = self.head_counts(layer), self.layers[layer].offload
+        return held + offload.reserved() if offload is not None and offload.counted else held
 
     @property
     def visual_tokens(self) -> int:
         """Visual tokens held, the number the budget bounds: per layer, the summary slots plus the mean
-        visual tokens per KV head (equal heads: just the count); the fullest layer counts."""
+        stream tokens per KV head (visual and stream text; equal heads: just the count; retrieval that
+        counts toward the budget included, :meth:`budget_counts`); the fullest layer counts."""
         return self.visual_tokens_in(range(self.num_layers))
 
     def visual_tokens_in(self, layers) -> int:
         """:attr:`visual_tokens` over the given layers only (0 if none or empty)."""
         if not self.layers:
             return 0
-        return max((self.summary_slots + round(float(self.head_counts(i).double().mean())) for i in layers), default=0)
+        return max((self.summary_slots + round(float(self.budget_counts(i).double().mean())) for i in layers), default=0)
 
     @property
     def largest_head_tokens(self) -> int:
@@ -222,11 +265,23 @@ class KVMemory:
     def padding_bytes(self) -> int:
         """Live bytes in the padding slots of ragged heads (a padded layout's waste)."""
         total = 0
-        for layer, store in enumerate(self.layers):
-            if store.valid is not None:
-                empty = store.valid.numel() - int(store.valid.sum())
-                total += empty * 2 * store.keys.element_size() * store.keys.shape[-1]
+        for store in self.layers:
+            for mask in (store.valid, store.text_valid):
+                if mask is not None:
+                    total += (mask.numel() - int(mask.sum())) * 2 * store.keys.element_size() * store.keys.shape[-1]
         return total
+
+    @property
+    def text_tokens(self) -> int:
+        """Stream-text slots held (mean over KV heads, fullest layer); part of :attr:`visual_tokens`."""
+        counts = [s.text_len if s.text_valid is None else round(float(s.text_valid.sum(dim=1).double().mean()))
+                  for s in self.layers]
+        return max(counts, default=0)
+
+    @property
+    def linear_state_bytes(self) -> int:
+        """Real bytes of the layers without KV (their state's size does not depend on the stream)."""
+        return sum(t.element_size() * t.nelement() for state in self.linear_state.values() for t in state.values())
 
     def reset_retrieved(self) -> None:
         """Forget which offloaded chunks were retrieved (a new question starts)."""
@@ -259,8 +314,8 @@ class KVMemory:
         )
 
     def reserve(self, layer: int, end: int) -> None:
-        """Make room for slots ``[0, end)`` in ``layer``: geometric growth up to what ``M`` needs (its window and
-        a question), copying everything written (the slack may hold an uncommitted forward's tokens)."""
+        """Make room for slots ``[0, end)`` in ``layer``: geometric growth up to what ``M`` needs (its window and a
+        question), copying everything written (the slack may hold an uncommitted forward's tokens)."""
         old_capacity = self.layers[layer].capacity
         if end > old_capacity:
             capacity = max(end + TEXT_RESERVE, int(old_capacity * 1.5))
@@ -277,7 +332,7 @@ class KVMemory:
         store.kv = kv
         rows = capacity - (self.visual_start if self.prefix_len else 0)
         packed = store.packed.new_zeros(store.packed.shape[0], rows, PROVENANCE_WIDTH)
-        kept = min(rows, store.packed.shape[1])  # rows past the visual tokens hold nothing
+        kept = min(rows, store.packed.shape[1])  # rows past the stream's tokens hold nothing
         packed[:, :kept] = store.packed[:, :kept]
         store.packed = packed
         if store.bias is not None:
@@ -288,38 +343,76 @@ class KVMemory:
     # --- writes ---------------------------------------------------------------------------
     @torch.inference_mode()
     def commit_prefix(self, prefix_len: int) -> None:
-        """Adopt the prefilled text prefix (positions ``0 .. prefix_len-1``); visual tokens follow it."""
+        """Adopt the prefilled text prefix (positions ``0 .. prefix_len-1``); the stream follows it (the summary
+        region goes in between when a policy first fills it, :meth:`_open_summary`)."""
         self.prefix_len = prefix_len
         for store in self.layers:
             rows = store.capacity - self.visual_start
             store.packed = store.packed[:, :rows].clone()
-        self.max_position = prefix_len - 1
+
+    def commit_linear(self, model_layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Adopt the state a chunk's forward left in model layer ``model_layer`` (one without keys and values)."""
+        self.linear_state[model_layer] = {"conv": conv, "recurrent": recurrent}
 
     @torch.inference_mode()
     def commit_append(self, chunk: VisualChunk, positions: torch.Tensor) -> None:
-        """Adopt the ``chunk.num_tokens`` tokens a forward wrote after the live part, with their provenance;
-        ``positions [3, n]`` are the M-RoPE positions the keys were rotated at."""
+        """Adopt the ``chunk.num_tokens`` tokens a forward wrote after the live part, with their provenance.
+
+        ``positions [3, n]`` are the positions the keys were rotated at (3-D M-RoPE; three equal rows for 1-D
+        RoPE). A chunk's stream text (``chunk.text``) joins the stream-text region after the visual tokens: the
+        rows of that region and of the chunk are reordered once (visual tokens of the chunk, then the text held,
+        then the chunk's text), so the visual slots stay one contiguous block a view can slice.
+        """
         if self.grid_shape is None:
             self.grid_shape = (chunk.rows, chunk.cols)
         elif self.grid_shape != (chunk.rows, chunk.cols):
             raise ValueError(f"frame grid changed mid-stream: {self.grid_shape} -> {(chunk.rows, chunk.cols)}")
         n = chunk.num_tokens
+        text = chunk.text.cpu() if chunk.text is not None else torch.zeros(n, dtype=torch.bool)
+        visual_count = n - int(text.sum())
         rows = torch.zeros(n, PROVENANCE_WIDTH, dtype=torch.int32)
         rows[:, PROVENANCE["frame"]] = chunk.grid.cpu().int()
         rows[:, PROVENANCE["row"]] = chunk.row.cpu().int()
         rows[:, PROVENANCE["col"]] = chunk.col.cpu().int()
-        rows[:, PROVENANCE["order"]] = torch.arange(self.tokens_seen, self.tokens_seen + n, dtype=torch.int32)
+        order = torch.full((n,), -1, dtype=torch.int32)
+        order[~text] = torch.arange(self.tokens_seen, self.tokens_seen + visual_count, dtype=torch.int32)
+        rows[:, PROVENANCE["order"]] = order
         rows[:, PROVENANCE["position"]] = positions.t().cpu().int()
         rows[:, PROVENANCE["reason"]] = REASON_NEW
         for store in self.layers:
-            start = store.visual_len
+            start = store.visual_len + store.text_len
             store.packed[:, start : start + n] = rows.to(store.packed.device)
+            if text.any() or store.text_len:
+                self._reorder_stream_text(store, text)
             if store.valid is not None:
-                store.valid = torch.cat([store.valid, store.valid.new_ones(store.valid.shape[0], n)], dim=1)
-            store.visual_len += n
-        self.tokens_seen += n
+                store.valid = torch.cat([store.valid, store.valid.new_ones(store.valid.shape[0], visual_count)], dim=1)
+            if store.text_valid is not None:
+                store.text_valid = torch.cat([store.text_valid, store.text_valid.new_ones(store.text_valid.shape[0], n - visual_count)], dim=1)
+            store.visual_len += visual_count
+            store.text_len += n - visual_count
+            if store.bias is not None or store.valid is not None or store.text_valid is not None:
+                self._refresh_bias(store)
+        self.tokens_seen += visual_count
         self.grid_times_s.extend(chunk.grid_times_s)
-        self.max_position = max(self.max_position, int(positions.max()))
+
+    def _reorder_stream_text(self, store: LayerMemory, text: torch.Tensor) -> None:
+        """Rows ``[L, L + T + n)`` after the visual slots hold the stream text ``T`` then a new chunk of ``n``
+        tokens (``text [n]`` marks its text); reorder them to the chunk's visual tokens, the text held, the
+        chunk's text (keys, values and provenance, every head alike: one gather each)."""
+        held, device = store.text_len, store.kv.device
+        new_visual = torch.nonzero(~text).squeeze(1) + held
+        new_text = torch.nonzero(text).squeeze(1) + held
+        order = torch.cat([new_visual, torch.arange(held), new_text]).to(device)  # source row of each target row
+        width = int(order.numel())
+        base = self.visual_start + store.visual_len
+        heads2, capacity = store.kv.shape[1], store.capacity
+        flat = as_words(store.kv.view(heads2 * capacity, store.kv.shape[-1]))
+        offsets = torch.arange(heads2, device=device)[:, None] * capacity + base
+        flat.index_copy_(0, (offsets + torch.arange(width, device=device)).flatten(), flat.index_select(0, (offsets + order).flatten()))
+        heads, rows = store.packed.shape[:2]
+        packed = store.packed.view(heads * rows, PROVENANCE_WIDTH)
+        offsets = torch.arange(heads, device=device)[:, None] * rows + store.visual_len
+        packed.index_copy_(0, (offsets + torch.arange(width, device=device)).flatten(), packed.index_select(0, (offsets + order).flatten()))
 
     # --- what a policy sees, and what it decides -------------------------------------------
     def views(self, rotary: Any = None, probe: list[torch.Tensor] | None = None) -> list[LayerView]:
@@ -347,12 +440,23 @@ class KVMemory:
                     rotary=rotary,
                     summary_slots=self.summary_slots,
                     probe=probe[layer] if probe is not None else None,
+                    offloaded=None if store.offload is None else store.offload.tokens.to(store.keys.device),
+                    grid_text=self._grid_text(store),
                 )
             )
         return views
 
-    @torch.inference_mode()
+    def _grid_text(self, store: LayerMemory) -> torch.Tensor | None:
+        """Stream-text slots each head holds per temporal grid ``[H, grids]`` (None without stream text)."""
+        if not store.text_len:
+            return None
+        heads, size = store.packed.shape[0], max(self.num_grids, 1)
+        frame = store.packed[:, store.visual_len : store.visual_len + store.text_len, PROVENANCE["frame"]].long()
+        held = store.text_valid if store.text_valid is not None else torch.ones_like(frame, dtype=torch.bool)
+        cell = (torch.arange(heads, device=frame.device)[:, None] * size + frame)[held]
+        return torch.bincount(cell, minlength=heads * size).view(heads, size)
 
+    @torch.inference_mode()
     def apply(self, selection: Selection) -> int:
         """Keep, per layer and KV head, the selected visual tokens (and their provenance); returns the
         key/value bytes moved.
@@ -376,7 +480,12 @@ class KVMemory:
                 moved += self._offload(store, selection.offload[layer])
             valid = selection.valid[layer] if selection.valid is not None else None
             reason = reasons[layer] if reasons is not None else None
+            held = store.visual_len
             moved += self._compact(layer, store, index, valid, reason)
+            if store.text_len:
+                moved += self._compact_stream_text(store, held)
+            if store.bias is not None or store.valid is not None or store.text_valid is not None:
+                self._refresh_bias(store)
             if selection.summary is not None and selection.summary[layer] is not None:
                 self._write_summary(store, selection.summary[layer])
         return moved
@@ -428,8 +537,6 @@ class KVMemory:
             store.valid = None
         else:
             store.valid = slot[None, :new_len] < counts[:, None]
-        if store.bias is not None or store.valid is not None:
-            self._refresh_visual_bias(store, new_len)
         store.visual_len = new_len
         return int(kv_src.numel()) * store.kv.shape[-1] * store.kv.element_size()
 
@@ -439,6 +546,7 @@ class KVMemory:
         if store.offload is None:
             store.offload = OffloadStore.empty(heads, dim, update.chunk, store.keys.dtype, store.keys.device)
         store.offload.retrieve = update.retrieve.cpu().long()
+        store.offload.counted = bool(update.counted)
         if update.tokens.numel() == 0:
             return 0
         index = update.tokens.to(store.kv.device)
@@ -452,23 +560,61 @@ class KVMemory:
         rows = store.kv.view(2 * heads * capacity, dim)
         return store.offload.add_rows(rows, key_rows, key_rows + heads * capacity, update.valid, provenance)
 
-    def _refresh_visual_bias(self, store: LayerMemory, new_len: int) -> None:
-        """Visual slots: 0 where a head holds a token, ``-inf`` on ragged padding; the slack back to 0."""
+    def _compact_stream_text(self, store: LayerMemory, held: int) -> int:
+        """After a visual compaction (``held`` visual slots before it): per head, keep the stream text of the grids
+        that still have a visual token in that head, moved down to follow the visual slots; returns the
+        key/value bytes moved."""
+        heads, device = store.packed.shape[0], store.kv.device
+        frame_of = store.packed[..., PROVENANCE["frame"]]
+        size = max(self.num_grids, 1)
+        visual = frame_of[:, : store.visual_len].long()
+        shown = store.valid if store.valid is not None else torch.ones_like(visual, dtype=torch.bool)
+        has_visual = torch.zeros(heads, size + 1, dtype=torch.bool, device=device)
+        has_visual.scatter_(1, torch.where(shown, visual, size), True)
+        text_frame = frame_of[:, held : held + store.text_len].long()
+        keep = torch.gather(has_visual, 1, text_frame)
+        if store.text_valid is not None:
+            keep &= store.text_valid
+        counts = keep.sum(dim=1)
+        h, j = torch.nonzero(keep, as_tuple=True)
+        target = torch.cumsum(keep.long(), dim=1)[h, j] - 1
+        capacity, rows = store.capacity, store.packed.shape[1]
+        both = torch.tensor([0, heads], device=device)[:, None]
+        start = self.visual_start
+        flat = as_words(store.kv.view(2 * heads * capacity, store.kv.shape[-1]))
+        kv_src = ((h[None] + both) * capacity + start + held + j[None]).flatten()
+        kv_dst = ((h[None] + both) * capacity + start + store.visual_len + target[None]).flatten()
+        flat.index_copy_(0, kv_dst, flat.index_select(0, kv_src))
+        packed = store.packed.view(heads * rows, PROVENANCE_WIDTH)
+        packed.index_copy_(0, h * rows + store.visual_len + target, packed.index_select(0, h * rows + held + j))
+        new_len = int(counts.max()) if heads else 0
+        slot = torch.arange(new_len, device=device)
+        store.text_valid = None if bool((counts == new_len).all()) else slot[None] < counts[:, None]
+        store.text_len = new_len
+        return int(kv_src.numel()) * store.kv.shape[-1] * store.kv.element_size()
+
+    def _refresh_bias(self, store: LayerMemory) -> None:
+        """Visual and stream-text slots: 0 where a head holds a token, ``-inf`` on ragged padding; the slack
+        back to 0."""
         if store.bias is None:
-            store.bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=store.keys.dtype, device=store.keys.device)
+            store.bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=BIAS_DTYPE, device=store.keys.device)
         start = self.visual_start
         store.bias[:, start:].zero_()
         if store.valid is not None:
-            store.bias[:, start : start + new_len].masked_fill_(~store.valid, float("-inf"))
+            store.bias[:, start : start + store.visual_len].masked_fill_(~store.valid, float("-inf"))
+        if store.text_valid is not None:
+            text = start + store.visual_len
+            store.bias[:, text : text + store.text_len].masked_fill_(~store.text_valid, float("-inf"))
 
     def _open_summary(self) -> int:
-        """Lay out the summary region (invisible until written) after the prefix: the visual tokens move up once."""
+        """Lay out the summary region (every slot invisible until written) after the prefix: each layer's visual
+        and stream-text slots move up by its size once. Returns the bytes moved."""
         p, size, moved = self.prefix_len, self.summary_slots, 0
         for layer, store in enumerate(self.layers):
-            length = store.visual_len
+            length = store.visual_len + store.text_len
             self.reserve(layer, p + size + length + TEXT_RESERVE)
             store.kv[:, :, p + size : p + size + length] = store.kv[:, :, p : p + length].clone()
-            bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=store.keys.dtype, device=store.keys.device)
+            bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=BIAS_DTYPE, device=store.keys.device)
             if store.bias is not None:
                 bias[:, p + size : p + size + length] = store.bias[:, p : p + length]
             bias[:, p : p + size] = float("-inf")
@@ -536,14 +682,15 @@ class KVMemory:
 
     def _trimmed(self, layer: int, store: LayerMemory) -> LayerMemory:
         live = self.live_len(layer) if self.prefix_len else store.capacity
-        visual = store.visual_len
         return LayerMemory(
             kv=store.kv[:, :, :live].clone(),
-            packed=store.packed[:, :visual].clone(),
+            packed=store.packed[:, : store.visual_len + store.text_len].clone(),
             bias=None if store.bias is None else store.bias[:, :live].clone(),
-            visual_len=visual,
+            visual_len=store.visual_len,
             valid=store.valid,
             offload=store.offload,
+            text_len=store.text_len,
+            text_valid=store.text_valid,
         )
 
     def to(self, device: torch.device | str) -> "KVMemory":
@@ -553,7 +700,9 @@ class KVMemory:
             store.kv, store.packed = store.kv.to(device), store.packed.to(device)
             store.bias = None if store.bias is None else store.bias.to(device)
             store.valid = None if store.valid is None else store.valid.to(device)
+            store.text_valid = None if store.text_valid is None else store.text_valid.to(device)
             if store.offload is not None:
                 store.offload.mean_keys = store.offload.mean_keys.to(device)
                 store.offload.retrieved = store.offload.retrieved.to(device)
+        self.linear_state = {layer: {name: t.to(device) for name, t in state.items()} for layer, state in self.linear_state.items()}
         return self

@@ -22,7 +22,8 @@ class OffloadStore:
     keys/values ``[H, chunks, chunk, D]``, ``valid [H, chunks, chunk]`` (a head's last chunk of a pass may be
     partial), provenance ``frame/row/col/order [H, chunks, chunk]``, ``mean_keys [H, chunks, D]`` on the
     model's device, ``count [H]`` chunks per head, ``retrieve [H]`` tokens each head brings back per decode
-    step, ``retrieved [H, chunks]`` the chunks a head brought back during the last question.
+    step, ``retrieved [H, chunks]`` the chunks a head brought back during the last question; ``counted``: whether
+    the tokens a head may retrieve count toward the budget (see :class:`kvdemo.policies.base.OffloadUpdate`).
     """
 
     keys: torch.Tensor
@@ -34,6 +35,7 @@ class OffloadStore:
     retrieve: torch.Tensor
     retrieved: torch.Tensor
     chunk: int = 8
+    counted: bool = False
 
     @classmethod
     def empty(cls, heads: int, dim: int, chunk: int, dtype: torch.dtype, device: torch.device) -> "OffloadStore":
@@ -59,6 +61,11 @@ class OffloadStore:
     def tokens(self) -> torch.Tensor:
         """Tokens stored per head ``[H]``."""
         return self.valid.sum(dim=(1, 2))
+
+    def reserved(self) -> torch.Tensor:
+        """Tokens each head may bring back while answering ``[H]``: its whole chunks of ``retrieve``, as many as it
+        stores (what a forward's retrieval buffer holds at most)."""
+        return torch.minimum(self.retrieve // self.chunk, self.count) * self.chunk
 
     @property
     def nbytes(self) -> int:

@@ -34,7 +34,7 @@ from functools import lru_cache
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .video import RESIZE_FACTOR, Video, VideoError
+from .video import Video, VideoError
 
 FPS = 2.0
 FRAMES_PER_PAIR = 2
@@ -42,6 +42,8 @@ FRAMES_PER_PAIR = 2
 CELL = 14
 #: A 112 x 112 frame pair is 4 x 4 = 16 visual tokens.
 FRAME_SIDE = 112
+#: Pixels per side of one visual token of the offline model (patch 14 x merge 2): generated frames are cut on it.
+RESIZE_FACTOR = 2 * CELL
 SHAPES = ("circle", "square", "triangle", "cross", "star", "diamond")
 COLOURS = {
     "red": (220, 45, 45),

@@ -8,7 +8,8 @@ import torch
 
 from .attention import MemoryCache
 from .memory import KVMemory
-from .models.base import VisualChunk, mrope_positions
+from .models.base import VisualChunk
+from .models.qwen2_vl import mrope_positions
 
 #: Qwen2.5-VL-7B's language model cache geometry, and InfiniPot-V's budget.
 QWEN7B_SHAPE = dict(num_layers=28, num_kv_heads=4, num_heads=28, head_dim=128, budget=6144, keep=4608, grid=(16, 16))
@@ -25,14 +26,14 @@ def qwen7b_rotation(head_dim: int = 128):
     from transformers import Qwen2_5_VLTextConfig  # deferred: only the rotation needs transformers
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
 
-    from .models.qwen_vl import MRopeRotation  # deferred with it (the model adapters import transformers)
+    from .models.adapter import Rotation  # deferred with it (the model adapters import transformers)
 
     config = Qwen2_5_VLTextConfig(
         hidden_size=head_dim * 28, num_attention_heads=28, num_key_value_heads=4,
         rope_parameters={"rope_type": "default", "rope_theta": QWEN_ROPE_THETA,
                          "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]},
     )
-    return MRopeRotation(Qwen2_5_VLRotaryEmbedding(config))
+    return Rotation(Qwen2_5_VLRotaryEmbedding(config))
 
 
 def synthetic_probe(num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:

@@ -38,8 +38,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from .models.base import mrope_positions
-from .models.qwen_vl import QwenVL
+from .models.qwen2_vl import Qwen2VL, mrope_positions
 from .models.catalog import TINY_NAME
 from .models.tiny import TRAINED_DIR, ByteTokenizer, save_tokenizer_spec, tiny_config
 from .synthetic import COLOURS, SHAPES, Episode, StreamSpec, generate_episode
@@ -137,7 +136,7 @@ class Heads(torch.nn.Module):
         self.question = torch.nn.Linear(text_dim, len(QUESTION_CLASSES))
 
 
-def dialogue(adapter: QwenVL, episode: Episode, order: np.ndarray) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int, int]]]:
+def dialogue(adapter: Qwen2VL, episode: Episode, order: np.ndarray) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int, int]]]:
     """Token ids after the video for every question of ``episode`` in ``order``, as the engine would
     encode the dialogue (the adapter's own ``question_text``), with the answers filled in.
 
@@ -162,7 +161,7 @@ def dialogue(adapter: QwenVL, episode: Episode, order: np.ndarray) -> tuple[list
     return ids, answers, questions
 
 
-def build_batch(adapter: QwenVL, episodes: list[Episode], rng: np.random.Generator, with_text: bool = True) -> Batch:
+def build_batch(adapter: Qwen2VL, episodes: list[Episode], rng: np.random.Generator, with_text: bool = True) -> Batch:
     """Tensors for ``episodes`` (all of the same length): text right-padded, positions by the engine's rule."""
     pairs = episodes[0].pairs
     if any(e.pairs != pairs for e in episodes):
@@ -241,7 +240,7 @@ class TinyTrainer:
             torch.manual_seed(config.seed)
             model = Qwen2_5_VLForConditionalGeneration(model_config).float()
             self.heads = Heads(model_config.vision_config.out_hidden_size, model_config.text_config.hidden_size)
-        self.adapter = QwenVL(model, ByteTokenizer(), name=TINY_NAME)
+        self.adapter = Qwen2VL(model, ByteTokenizer(), name=TINY_NAME)
         self.model = model.train()
         parameters = [p for p in (*model.parameters(), *self.heads.parameters())]
         self.optimizer = torch.optim.AdamW(
@@ -360,7 +359,7 @@ class TinyTrainer:
             bar.close()
         return summaries
 
-    def adapter_for_inference(self) -> QwenVL:
+    def adapter_for_inference(self) -> Qwen2VL:
         self.model.eval()
         return self.adapter
 

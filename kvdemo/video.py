@@ -1,7 +1,8 @@
-"""Video in: decoding, fps sampling, Qwen's "smart resize", chunking; writing a clip (tests, examples).
+"""Video in: decoding, fps sampling, resizing as the model's family does (its :class:`~kvdemo.geometry.FrameGeometry`),
+chunking; writing a clip (tests, examples).
 
-Frames leave this module as uint8 arrays ``[T, H, W, 3]`` already resized to the model's grid
-(sides multiples of 28), so every engine and every view shares one exact pixel grid.
+Frames leave this module as uint8 arrays ``[T, H, W, 3]`` already resized to the model's grid, so every
+engine and every view shares one exact pixel grid.
 """
 
 from __future__ import annotations
@@ -15,11 +16,8 @@ from pathlib import Path
 import av
 import numpy as np
 
-#: Qwen2-VL / Qwen2.5-VL defaults (patch 14, spatial merge 2 -> factor 28; 2 frames per temporal grid).
-RESIZE_FACTOR = 28
-TEMPORAL_PATCH_SIZE = 2
-DEFAULT_MIN_PIXELS = 128 * 28 * 28
-DEFAULT_MAX_PIXELS = 768 * 28 * 28
+from .geometry import QWEN2_GEOMETRY, FrameGeometry
+
 #: Largest decoded frame we accept before resizing (a 16K frame costs ~0.8 GB per frame to decode).
 MAX_SOURCE_PIXELS = 8192 * 8192
 
@@ -28,47 +26,17 @@ class VideoError(ValueError):
     """A video could not be used; the message names the file and says why."""
 
 
-def smart_resize(
-    height: int,
-    width: int,
-    factor: int = RESIZE_FACTOR,
-    min_pixels: int = DEFAULT_MIN_PIXELS,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
-) -> tuple[int, int]:
-    """Qwen's resize rule: sides multiples of ``factor``, pixel count within [min, max], aspect kept."""
-    if height <= 0 or width <= 0:
-        raise VideoError(f"frame size must be positive, got {height}x{width}")
-    if max(height, width) / min(height, width) > 200:
-        raise VideoError(f"aspect ratio must be below 200, got {height}x{width}")
-    if min_pixels > max_pixels:
-        raise VideoError(f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
-def tokens_per_grid(size: tuple[int, int]) -> int:
-    """Visual tokens of one temporal grid for frames of ``size`` (height, width), already on the grid."""
-    return (size[0] // RESIZE_FACTOR) * (size[1] // RESIZE_FACTOR)
-
-
-def resize_frames(
-    frames: np.ndarray, min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS
-) -> np.ndarray:
-    """Resize uint8 frames ``[T, H, W, 3]`` exactly as Qwen2VLVideoProcessor does (bicubic, antialiased)."""
+def resize_frames(frames: np.ndarray, geometry: FrameGeometry = QWEN2_GEOMETRY) -> np.ndarray:
+    """Resize uint8 frames ``[T, H, W, 3]`` to the size ``geometry`` gives them (its family's own rule), bicubic
+    and antialiased as the families' video processors resize."""
     import torch  # deferred on purpose: opening and checking a file stays quick (the CLI fails fast)
     import torchvision.transforms.v2.functional as tvF  # deferred with torch
 
     height, width = frames.shape[1:3]
-    new_h, new_w = smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
+    try:
+        new_h, new_w = geometry.frame_size(height, width)
+    except ValueError as exc:
+        raise VideoError(str(exc)) from None
     if (new_h, new_w) == (height, width):
         return np.ascontiguousarray(frames)
     tensor = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
@@ -124,9 +92,9 @@ class Video:
         index = np.minimum(np.floor(np.arange(count) / fps * self.fps + 1e-9).astype(int), self.num_frames - 1)
         return dataclasses.replace(self, frames=self.frames[index], times_s=self.times_s[index], fps=float(fps))
 
-    def resized(self, min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS) -> "Video":
-        """The frames resized into ``[min_pixels, max_pixels]`` by Qwen's rule (itself when already there)."""
-        frames = resize_frames(self.frames, min_pixels, max_pixels)
+    def resized(self, geometry: FrameGeometry = QWEN2_GEOMETRY) -> "Video":
+        """The frames resized as ``geometry`` sizes them (itself when already there)."""
+        frames = resize_frames(self.frames, geometry)
         return self if frames is self.frames else dataclasses.replace(self, frames=frames)
 
     def chunks(self, frames_per_chunk: int = 2) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
@@ -179,8 +147,7 @@ class VideoFile:
         path: str | Path,
         fps: float = 2.0,
         max_frames: int | None = None,
-        min_pixels: int = DEFAULT_MIN_PIXELS,
-        max_pixels: int = DEFAULT_MAX_PIXELS,
+        geometry: FrameGeometry = QWEN2_GEOMETRY,
     ) -> None:
         path = Path(path)
         if not path.exists():
@@ -191,7 +158,7 @@ class VideoFile:
             raise VideoError(f"{path.name}: the file is empty")
         if fps <= 0:
             raise VideoError(f"sampling fps must be positive, got {fps}")
-        self.path, self.min_pixels, self.max_pixels = path, min_pixels, max_pixels
+        self.path, self.geometry = path, geometry
         with self._open() as container:
             stream = container.streams.video[0]
             self.source_fps = float(stream.average_rate or stream.guessed_rate or 0.0)
@@ -208,7 +175,10 @@ class VideoFile:
         self.source_size = (int(height), int(width))
         if height * width > MAX_SOURCE_PIXELS:
             raise VideoError(f"{path.name}: frames of {width}x{height} are too large (limit {MAX_SOURCE_PIXELS} px)")
-        self.size = smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
+        try:
+            self.size = geometry.frame_size(height, width)
+        except ValueError as exc:
+            raise VideoError(f"{path.name}: {exc}") from None
         self.fps = float(min(fps, self.source_fps) if self.source_fps > 0 else fps)
         self.planned = sample_count(duration, self.fps, max_frames)
         self.max_frames = max_frames
@@ -262,7 +232,7 @@ class VideoFile:
     def _resized(self, frames: list[tuple[np.ndarray, float]]) -> list[tuple[np.ndarray, float]]:
         if not frames:
             return []
-        resized = resize_frames(np.stack([f for f, _ in frames]), self.min_pixels, self.max_pixels)
+        resized = resize_frames(np.stack([f for f, _ in frames]), self.geometry)
         return list(zip(resized, (t for _, t in frames)))
 
     def _sampled_frames(self) -> Iterator[tuple[np.ndarray, float]]:
@@ -359,22 +329,20 @@ def open_video(
     path: str | Path,
     fps: float = 2.0,
     max_frames: int | None = None,
-    min_pixels: int = DEFAULT_MIN_PIXELS,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
+    geometry: FrameGeometry = QWEN2_GEOMETRY,
 ) -> VideoFile:
-    """Open ``path`` for streaming (see :class:`VideoFile`)."""
-    return VideoFile(path, fps, max_frames, min_pixels, max_pixels)
+    """Open ``path`` for streaming (see :class:`VideoFile`); frames are sized as ``geometry`` (a model's) says."""
+    return VideoFile(path, fps, max_frames, geometry)
 
 
 def load_video(
     path: str | Path,
     fps: float = 2.0,
     max_frames: int | None = None,
-    min_pixels: int = DEFAULT_MIN_PIXELS,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
+    geometry: FrameGeometry = QWEN2_GEOMETRY,
 ) -> Video:
-    """Decode ``path``, sample at ``fps``, resize like Qwen, all in memory."""
-    return open_video(path, fps, max_frames, min_pixels, max_pixels).load()
+    """Decode ``path``, sample at ``fps``, resize as ``geometry`` (a model's) says, all in memory."""
+    return open_video(path, fps, max_frames, geometry).load()
 
 
 def _first_line(exc: Exception, path: Path | None = None) -> str:

@@ -167,9 +167,10 @@ def test_budget_validation_as_you_type():
 
 def test_as_you_type_check_is_runs_rule_against_one_chunk(hub, media):
     # No video yet: a chunk of the bundled sample (what runs without an upload), resized into the model's range:
-    # 112 x 112 stays (16 tokens) for the tiny model; Qwen's minimum takes it to 336 x 336 (144 tokens).
-    assert "M=100 is smaller than one chunk (144 visual tokens" in validate_settings("infinipot-v", 100, 50, 2.0, 200704, None, "Qwen/x")
-    assert "M - C = 24 leaves no room for one chunk (144" in validate_settings("infinipot-v", 1024, 1000, 2.0, 200704, None, "Qwen/x")
+    # 112 x 112 stays (16 tokens) for the tiny model; Qwen's minimum (tiny-random's) takes it to 336 x 336 (144 tokens).
+    qwen = "tiny-random"
+    assert "M=100 is smaller than one chunk (144 visual tokens" in validate_settings("infinipot-v", 100, 50, 2.0, 200704, None, qwen)
+    assert "M - C = 24 leaves no room for one chunk (144" in validate_settings("infinipot-v", 1024, 1000, 2.0, 200704, None, qwen)
     ok = validate_settings("infinipot-v", 96, 72, 2.0, 15680, None, "tiny")
     assert ok.startswith("✓") and "one chunk of the bundled sample is 16 visual tokens" in ok and "up to 20" in ok
     sample = list(run_video(hub, None, None, settings(budget=96, keep=80, max_pixels=15680)))[-1]["status"]

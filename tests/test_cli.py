@@ -116,14 +116,15 @@ def run_cli_in_a_fresh_process(*args: str) -> tuple[subprocess.CompletedProcess,
     """``python -m kvdemo`` in a new interpreter; also says which heavy modules it had imported at exit."""
     probe = (
         "import atexit, sys\n"
-        "atexit.register(lambda: sys.stdout.write('\\nimported: ' + ' '.join(m for m in ('torch', 'transformers') if m in sys.modules)))\n"
+        "atexit.register(lambda: sys.stdout.write('\\nimported: ' + ' '.join(m for m in ('torch', 'transformers', "
+        "'kvdemo.models.loading') if m in sys.modules)))\n"
         "import runpy\n"
         f"sys.argv = ['kvdemo', *{list(args)!r}]\n"
         "runpy.run_module('kvdemo', run_name='__main__')\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     imported = done.stdout.rsplit("imported:", 1)[-1].split()
-    return done, {name: name in imported for name in ("torch", "transformers")}
+    return done, {name: name in imported for name in ("torch", "transformers", "kvdemo.models.loading")}
 
 
 def test_a_missing_file_fails_before_torch_is_imported(tmp_path):
@@ -142,12 +143,13 @@ def test_a_budget_error_comes_before_the_model_loads_on_its_own_line(media):
         "error: M=100 is smaller than one chunk (135 visual tokens = 1 temporal grid(s) of 9x15 tokens); "
         "raise M, or lower max pixels / frames per chunk"
     ]
-    assert not imported["transformers"], "the model was not loaded"
+    assert not imported["kvdemo.models.loading"], "no model was loaded (the resize rule may import transformers)"
 
 
 @pytest.mark.parametrize("args, message", [(["--fps", "-1"], "--fps must be positive"),
                                            (["--max-frames", "0"], "--max-frames must be positive"),
-                                           (["--min-pixels", "900000"], "--min-pixels (900000) must not exceed --max-pixels"),
+                                           (["--min-pixels", "900000", "--max-pixels", "602112"],
+                                            "--min-pixels (900000) must not exceed --max-pixels (602112)"),
                                            (["--param", "alpha"], "--param takes key=value")])
 def test_argument_errors_come_before_the_file_is_opened(tmp_path, args, message):
     done, imported = run_cli_in_a_fresh_process("run", "--video", str(tmp_path / "missing.mp4"), *args)
@@ -191,10 +193,19 @@ def test_absurd_budgets_and_parameters_are_one_line_and_exit_2(args, message):
     done, imported = run_cli_in_a_fresh_process("run", "--quiet", *args)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [f"error: {message}" + done.stderr.strip().split(message, 1)[-1]]
-    assert not imported["transformers"], "found before the model loads"
+    assert not imported["kvdemo.models.loading"], "found before the model loads"
 
 
 def test_eval_runs_without_options_its_help_calls_optional(capsys):
     assert main(["eval", "--episodes", "1", "--delays", "0", "--quiet", "--policies", "full,sliding-window,protokv"]) == 0
     table = capsys.readouterr().out
     assert "64 / 48" in table and re.search(r"protokv\s+64 ", table), table
+
+
+def test_min_pixels_beyond_the_models_own_maximum_is_one_line(media):
+    """Without --max-pixels the model's own maximum applies: known once the model is named, still before it loads."""
+    done, imported = run_cli_in_a_fresh_process("run", "--video", str(media / "flipping_a_pancake.mkv"), "--model", "tiny",
+                                                "--min-pixels", "900000")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["error: --min-pixels (900000) must not exceed --max-pixels (the model's 15680)"]
+    assert not imported["kvdemo.models.loading"]

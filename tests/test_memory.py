@@ -11,7 +11,7 @@ from kvdemo.attention import MemoryCache
 from kvdemo.testing import synthetic_chunk, synthetic_memory
 from kvdemo.engine import StreamEngine, stream_video
 from kvdemo.memory import REASON_NEW, KVMemory
-from kvdemo.models.base import mrope_positions
+from kvdemo.models.qwen2_vl import mrope_positions
 from kvdemo.policies import Selection
 from kvdemo.policies.base import SummaryUpdate
 from kvdemo.survival import survival_counts

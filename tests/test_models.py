@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from kvdemo.models.base import VisualChunk, mrope_positions
+from kvdemo.models.base import VisualChunk
+from kvdemo.models.qwen2_vl import mrope_positions
 from kvdemo.models.tiny import ByteTokenizer
 
 
@@ -149,11 +150,11 @@ def test_unknown_model_family_is_a_clear_error(tmp_path):
     from transformers import GPT2Config
 
     from kvdemo.models.base import ModelError
-    from kvdemo.models.qwen_vl import load_qwen
+    from kvdemo.models.loading import load_model
 
     GPT2Config(n_layer=1).save_pretrained(tmp_path)
-    with pytest.raises(ModelError, match="supports Qwen2-VL and Qwen2.5-VL"):
-        load_qwen(str(tmp_path))
+    with pytest.raises(ModelError, match="'gpt2' model is not supported; kvdemo supports the families llava_onevision, qwen2_5_vl"):
+        load_model(str(tmp_path))
 
 
 def test_auto_resolves_to_tiny_without_cuda(monkeypatch):

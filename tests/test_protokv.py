@@ -13,12 +13,13 @@ from kvdemo.attention import ATTN_IMPLEMENTATION
 from kvdemo.testing import synthetic_chunk
 from kvdemo.engine import StreamEngine, stream_video
 from kvdemo.memory import KVMemory
-from kvdemo.models.base import mrope_positions
-from kvdemo.models.qwen_vl import QwenVL
+from kvdemo.models.qwen2_vl import Qwen2VL, RegionCursor, mrope_positions
 from kvdemo.models.tiny import ByteTokenizer, tiny_config
 from kvdemo.policies import BudgetError, Selection, make_policy
 from kvdemo.policies.base import SummaryUpdate
-from kvdemo.policies.protokv import beam_search, mahalanobis, pq_decode, pq_encode, train_codebooks
+from kvdemo.policies.protokv.bank import Tokens
+from kvdemo.policies.protokv.ema import mahalanobis
+from kvdemo.policies.protokv.pq import beam_search, pq_decode, pq_encode, train_codebooks
 from kvdemo.attention import MemoryCache
 
 
@@ -66,7 +67,7 @@ def qwen2_vl_model():
 
     ids = ByteTokenizer().special_to_id
     model = Qwen2VLForConditionalGeneration._from_config(qwen2_config(ids), attn_implementation=ATTN_IMPLEMENTATION)
-    return QwenVL(model.eval(), ByteTokenizer(), name="tiny-qwen2-vl", random_weights=True)
+    return Qwen2VL(model.eval(), ByteTokenizer(), name="tiny-qwen2-vl", random_weights=True)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
@@ -116,12 +117,13 @@ def prefill(model, memory: KVMemory, grids: int = 2, seed: int = 0):
     positions = mrope_positions(chunk.grid, chunk.row, chunk.col, memory.prefix_len, 1.0, 2.0)
     model.forward(embeds, positions, MemoryCache(memory))
     memory.commit_append(chunk, positions)
+    memory.cursor = RegionCursor(int(positions.max()) + 1, memory.prefix_len)
     return embeds
 
 
 def question_logits(model, memory: KVMemory) -> torch.Tensor:
     ids = model.tokenize("<|vision_end|>What colour?<|im_end|>\n<|im_start|>assistant\n")
-    start = memory.max_position + 1
+    start = memory.cursor.next
     with torch.inference_mode():
         return model.forward(model.embed_text(ids), torch.arange(start, start + len(ids)).expand(3, -1), MemoryCache(memory))
 
@@ -175,7 +177,7 @@ def test_a_prototype_of_mass_n_attends_like_n_duplicates(tiny, mass):
     chunk = synthetic_chunk(2, 1, (3, 4))
     chunk.embeds, chunk.grid, chunk.row, chunk.col = chunk.embeds[:mass], chunk.grid[:mass], chunk.row[:mass], chunk.col[:mass]
     duplicated.commit_append(chunk, torch.zeros(3, mass, dtype=torch.long))
-    duplicated.max_position = summarised.max_position
+    duplicated.cursor = summarised.cursor
     torch.testing.assert_close(question_logits(tiny, summarised), question_logits(tiny, duplicated), atol=1e-4, rtol=1e-4)
 
 
@@ -252,6 +254,16 @@ def as_lists(bank):
         "mu": bank.mu[0].tolist(), "sigma": bank.sigma[0].tolist(), "tau": bank.tau_time[0].tolist(),
         "used": bank.used[0].tolist(),
     }
+
+
+def near_tokens(keys, values, spatial, position, order) -> Tokens:
+    """Near-window tokens of one bank row, as ``near(count)`` returns them."""
+    keys, values = torch.as_tensor(keys, dtype=torch.float32), torch.as_tensor(values, dtype=torch.float32)
+    spatial = torch.as_tensor(spatial, dtype=torch.float32).reshape(1, -1, 2)
+    position = torch.as_tensor(position).long().reshape(1, -1, 3)
+    order = torch.as_tensor(order).long().reshape(1, -1)
+    zeros = torch.zeros_like(order)
+    return Tokens(keys, values, spatial, position, zeros, zeros, zeros, order)
 
 
 def random_tokens(rng, count, dim, t, around=None, spread=0.05):
@@ -346,15 +358,24 @@ def test_aging_merging_and_recycling():
     near_key = torch.tensor([[[0.5, 0.5, 0.5, 0.5]]])
 
     def near(count):
-        return near_key, 2 * near_key, torch.tensor([[[0.25, 0.75]]]), torch.tensor([[[4, 5, 6]]])
+        return near_tokens(near_key, 2 * near_key, [[0.25, 0.75]], [[4, 5, 6]], order=[[40]])
 
     touched = policy.maintain(bank, near, t=10)
     # aging: 9 -> floor(4.5) = 4; merging: 1 into 0 (mass 3 + 5), centre weighted 3:5; recycling: slot 1 refilled
-    assert bank.mass[0].tolist() == [8, 1, 4, 1]
+    # from the near token, with no mass until that token leaves the window
+    assert bank.mass[0].tolist() == [8, 0, 4, 1]
     torch.testing.assert_close(bank.centre_k[0, 0], torch.tensor([1.0, 0.05 / 8, 0, 0]))
     torch.testing.assert_close(bank.centre_k[0, 1], near_key[0, 0])
     assert bank.tau_pos[0, 1].tolist() == [4, 5, 6]
     assert touched[0].tolist() == [True, True, False, False]
+    assert bank.seed_order.tolist() == [[40]] and bank.seed_slot.tolist() == [[1]] and bank.open[0].tolist() == [True] * 4
+    # the seed leaves the window: slot 1 gets its mass, and nothing else moves (no second EMA step, no residual)
+    centre = bank.centre_k[0, 1].clone()
+    policy.absorb(bank, near_key, near_key, torch.tensor([[[0.25, 0.75]]]), torch.tensor([[[4, 5, 6]]]),
+                  torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+                  t=11, order=torch.tensor([[40]]))
+    assert bank.mass[0].tolist() == [8, 1, 4, 1] and bank.seed_order.shape == (1, 0)
+    torch.testing.assert_close(bank.centre_k[0, 1], centre)
 
 
 # --- residuals ------------------------------------------------------------------------------------
@@ -373,6 +394,23 @@ def test_beam_search_finds_the_brute_force_top_tuples(groups, codewords, modes, 
         best = [sum(float(logp[i, c]) for i, c in enumerate(z)) for z in tuples[:modes]]
         found = [sum(float(logp[i, c]) for i, c in enumerate(z)) for z in codes[p].tolist()]
         np.testing.assert_allclose(found, best, atol=1e-5)
+
+
+@pytest.mark.parametrize("groups,codewords,modes", [(3, 5, 6), (4, 4, 8), (2, 6, 8)])
+def test_beam_search_orders_tied_tuples_as_its_rule_says(groups, codewords, modes):
+    """Histograms with few counts (many codewords with equal counts, so many tuples with equal scores): the search
+    returns exactly the first ``modes`` tuples of an exhaustive enumeration sorted by the stated rule (the
+    fixed-point score sum_g round(2^32 log P), higher first; equal scores to the lexicographically smaller tuple)."""
+    g = torch.Generator().manual_seed(7)
+    hist = torch.randint(0, 3, (40, groups, codewords), generator=g)
+    codes = beam_search(hist, modes=modes, beam=4 * modes, smoothing=0.1)
+    for p in range(hist.shape[0]):
+        total = [int(hist[p, i].sum()) for i in range(groups)]
+        score = [[round(math.log((int(hist[p, i, c]) + 0.1) / (total[i] + 0.1 * codewords)) * 2**32) for c in range(codewords)]
+                 for i in range(groups)]
+        ranked = sorted(itertools.product(range(codewords), repeat=groups),
+                        key=lambda z: (-sum(score[i][c] for i, c in enumerate(z)), z))
+        assert codes[p].tolist() == [list(z) for z in ranked[:modes]], p
 
 
 def test_pq_codebooks_encode_and_decode_clustered_residuals():
@@ -411,11 +449,14 @@ def test_protokv_streams_the_real_clip_within_m_and_answers(tiny, pancake):
     assert engine.memory.visual_tokens == 400 + 140
     report = engine.report()
     bank = report["policy_state"]
-    assert bank["active"] == 50 * tiny.num_layers * tiny.num_kv_heads and bank["codebooks_trained"]
-    assert bank["mass_total"] >= 9 * 135
+    slots = engine.policy._bank
+    # every slot holds mass or waits for its seed token to leave the window (then hidden from attention)
+    assert int((slots.active | slots.seeded).sum()) == 50 * tiny.num_layers * tiny.num_kv_heads and bank["codebooks_trained"]
+    assert bank["mass_total"] == tiny.num_layers * tiny.num_kv_heads * (engine.memory.tokens_seen - 140)  # decay never ran
     answer = engine.answer("What is in the pan?")
     assert answer.tokens >= 1 and report["keep"] is None
-    assert engine.memory.summary_active == 400
+    visible = slots.active.view(tiny.num_layers, tiny.num_kv_heads, -1).sum(-1).double().mean(-1) * 8
+    assert engine.memory.summary_active == round(float(visible.max()))
 
 
 def test_protokv_bookkeeping_stays_bounded_on_a_long_stream(tiny):
@@ -444,7 +485,7 @@ def test_merging_checks_pairs_with_a_changed_prototype_from_either_side():
     bank.mass[0] = torch.tensor([2, 2, 3, 1, 4])
     bank.tau_time[0] = 5
     changed = torch.tensor([[True, False, False, True, False]])
-    no_near = (torch.zeros(1, 0, 4), torch.zeros(1, 0, 4), torch.zeros(1, 0, 2), torch.zeros(1, 0, 3, dtype=torch.long))
+    no_near = near_tokens(torch.zeros(1, 0, 4), torch.zeros(1, 0, 4), torch.zeros(1, 0, 2), torch.zeros(1, 0, 3), order=torch.zeros(1, 0))
     policy.maintain(bank, lambda count: no_near, t=5, changed=changed)  # nothing to recycle from
     assert bank.mass[0].tolist() == [4, 0, 4, 0, 4]
     torch.testing.assert_close(bank.centre_k[0, 2], (3 * e[1] + (e[1] + 0.01 * e[2])) / 4)
@@ -462,15 +503,121 @@ def test_the_assignment_view_follows_merges_and_marks_recycled_prototypes_lost()
     assert policy.assignments(0, 0, 1)["prototype"].tolist() == [[[0, 1, 2]]]
     bank.centre_k[0, 1] = bank.centre_k[0, 0]  # prototype 1 becomes a copy of 0: they merge
     bank.centre_v[0, 1] = bank.centre_v[0, 0]
-    near_key = torch.tensor([[[0.0, 0, 0, 1]]])
+    near_key = torch.tensor([[[0.0, 0, 0, 1], [0.0, 0, 1, 1]]])
 
-    def near(count):
-        return near_key, near_key, torch.tensor([[[0.5, 0.5]]]), torch.zeros(1, 1, 3, dtype=torch.long)
+    def near(count):  # the two newest near-window tokens, newest first
+        return near_tokens(near_key[:, :count], near_key[:, :count], [[0.5, 0.5], [0.5, 0.6]][:count],
+                           [[0, 0, 0], [0, 0, 0]][:count], order=[[99, 98][:count]])
 
     policy.maintain(bank, near, t=6)
     view = policy.assignments(0, 0, 1)
     assert view["prototype"].tolist() == [[[0, 0, 2]]]  # the merged-away patch reads as its partner
     assert view["mass"].tolist()[0] == 2 and view["grids"] == [5]
-    bank.mass[0, 2] = 0  # prototype 2 empties; recycling refills its slot with the near token
+    bank.mass[0, 2] = 0  # prototype 2 empties; recycling refills its slot with the newest near token not seeding already
     policy.maintain(bank, near, t=7, changed=torch.zeros(1, 3, dtype=torch.bool))
     assert policy.assignments(0, 0, 1)["prototype"].tolist() == [[[0, 0, -2]]]
+    assert bank.seed_slot.tolist() == [[2, 1]] and bank.seed_order.tolist() == [[98, 99]]
+
+
+# --- issue 20: what the paper's quantities mean ----------------------------------------------------
+
+
+def test_every_token_counts_once_in_the_bank_mass(tiny):
+    """``n_k`` counts the tokens a prototype summarises: with aging off, every row's total mass equals the tokens
+    that left its near window (counted from the memory: tokens fed minus tokens held), on the bundled sample at
+    M=128, where prototypes merge and slots are recycled many times."""
+    from kvdemo.synthetic import sample_episode
+
+    video = sample_episode().video
+    engine = StreamEngine(tiny, "protokv", budget=128, fps=video.fps, policy_params={"decay": 0.0})
+    list(stream_video(tiny, video, {"p": engine}))
+    state = engine.report()["policy_state"]
+    assert state["merged"] > 10 and state["recycled"] > 10
+    memory = engine.memory
+    for layer in range(tiny.num_layers):
+        left = memory.tokens_seen - memory.head_counts(layer)  # [H]: tokens fed minus tokens held exactly
+        rows = slice(layer * tiny.num_kv_heads, (layer + 1) * tiny.num_kv_heads)
+        assert engine.policy._bank.mass[rows].sum(dim=1).tolist() == left.tolist()
+    assert state["mass_total"] == sum(int((memory.tokens_seen - memory.head_counts(l)).sum()) for l in range(tiny.num_layers))
+
+
+def test_zero_residuals_stay_out_of_the_codebook_training():
+    """A residual that is exactly zero (a token equal to its prototype's centre) never enters the warm-up
+    reservoir the codebooks are trained on: the reservoir holds each row's nonzero residuals in arrival order."""
+    policy = make_policy("protokv", subquantizers=2, warmup=8)
+    bank = fresh_bank(policy, 2, 4)
+    g = torch.Generator().manual_seed(6)
+    residual_k, residual_v = torch.randn(1, 6, 4, generator=g), torch.randn(1, 6, 4, generator=g)
+    residual_k[0, [1, 3]] = 0.0
+    residual_v[0, [1, 3]] = 0.0
+    bank.record_residuals(torch.zeros(1, 6, dtype=torch.long), torch.ones(1, 6, dtype=torch.bool), residual_k, residual_v)
+    assert bank.reservoir_len == 4
+    assert torch.equal(bank.reservoir_k[0, :4], residual_k[0, [0, 2, 4, 5]])
+    assert torch.equal(bank.reservoir_v[0, :4], residual_v[0, [0, 2, 4, 5]])
+
+
+def test_keys_are_unrotated_in_float32_before_any_rounding():
+    """A bfloat16 cache's keys, un-rotated for the bank, equal the float64 inverse rotation of those bfloat16 keys
+    (computed by hand) to float32 precision: the key before RoPE is not rounded back to bfloat16."""
+    from kvdemo.testing import qwen7b_rotation, synthetic_memory
+
+    rotary = qwen7b_rotation(16)
+    memory = synthetic_memory(1, 2, 16, budget=16, grid=(2, 4), dtype=torch.bfloat16)
+    view = memory.views(rotary)[0]
+    index = torch.arange(16).expand(1, 2, -1)
+    tokens = make_policy("protokv")._gather([view], index)
+    section = [2, 3, 3]
+    expected = rotate_by_hand(view.keys.double(), -view.position.long(), rotary.rotary_emb.inv_freq, section)
+    assert tokens.keys.dtype == torch.float32
+    assert float((tokens.keys.double() - expected.double()).abs().max()) < 1e-5
+
+
+def test_the_bias_of_a_bfloat16_memory_is_log_mass_in_float32():
+    """The summary bias a bfloat16 memory holds for every pseudo-token is float32(log n_k) of its prototype (n_k
+    read from the bank, the log taken here in float64), and -inf on empty slots: not bfloat16(log n_k)."""
+    from kvdemo.bench.policies import simulated_stream
+
+    policy = make_policy("protokv", warmup=8)
+    shape = dict(num_layers=2, num_kv_heads=2, head_dim=16, budget=64, keep=None, grid=(2, 4))
+    memory, passes = simulated_stream(policy, 24, shape, dtype=torch.bfloat16)
+    assert passes and memory.layers[0].keys.dtype == torch.bfloat16
+    mass = policy._bank.mass.view(2, 2, -1)  # [layers, H, K]
+    assert int(mass.max()) > 2  # masses whose log bfloat16 cannot hold
+    for layer in range(2):
+        expected = torch.tensor([[math.log(n) if n > 0 else -math.inf for n in row for _ in range(8)]
+                                 for row in mass[layer].tolist()], dtype=torch.float64).float()
+        store = memory.layers[layer]
+        assert torch.equal(store.bias[:, memory.prefix_len : memory.visual_start], expected)
+
+
+@torch.inference_mode()
+def test_bfloat16_attention_reads_the_log_mass_unrounded():
+    """bfloat16 queries, keys and values through kvdemo's attention function, every logit 0 but the pseudo-token's
+    bias log 838: the pseudo-token's weight (it alone has value 1) equals 838 / (838 + the other tokens), computed
+    here in float64, to within bfloat16's output rounding (5e-4 at 0.2). A bfloat16 bias (838 read as ~828) is
+    2e-3 off."""
+    from kvdemo.attention import kvdemo_attention
+
+    mass, others = 838, 3328
+    memory = KVMemory(1, 1, summary_slots=1)
+    cache = MemoryCache(memory)
+    zeros = lambda n: torch.zeros(1, 1, n, 8, dtype=torch.bfloat16)  # noqa: E731
+    cache.layers[0].update(zeros(1), zeros(1))
+    memory.commit_prefix(1)
+    chunk = synthetic_chunk(0, others // 64, (8, 8))
+    MemoryCache(memory).layers[0].update(zeros(others), zeros(others))
+    memory.commit_append(chunk, torch.zeros(3, others, dtype=torch.long))
+    value = torch.zeros(1, 1, 8)
+    value[..., 0] = 1.0
+    memory.apply(Selection([torch.arange(others)[None]], summary=[SummaryUpdate(torch.zeros(1, 1, 8), value,
+                                                                               torch.tensor([[math.log(mass)]]))]))
+    step = MemoryCache(memory)
+    key, val = step.layers[0].update(zeros(1), zeros(1))
+
+    class Layer(torch.nn.Module):
+        layer_idx = 0
+
+    query = torch.zeros(1, 4, 1, 8, dtype=torch.bfloat16)  # 4 query heads over the one KV head
+    out, _ = kvdemo_attention(Layer(), query, key, val, None, kvdemo=step)
+    expected = mass / (mass + 1 + others + 1)  # prefix, near tokens and the new token each weigh e^0
+    assert float((out[..., 0].double() - expected).abs().max()) < 1e-3

@@ -1,13 +1,16 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from kvdemo.synthetic import synthetic_video
+from kvdemo.geometry import QWEN2_GEOMETRY
 from kvdemo.video import (
     VideoError,
     load_video,
+    resize_frames,
     sample_count,
-    smart_resize,
     write_video,
 )
 
@@ -21,19 +24,18 @@ from kvdemo.video import (
         ((4320, 7680), (560, 1008)),  # 8K: scaled down under max_pixels (768*28*28)
     ],
 )
-def test_smart_resize_matches_transformers(size, expected):
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize as hf_smart_resize
-
-    min_pixels, max_pixels = 128 * 28 * 28, 768 * 28 * 28
-    assert smart_resize(*size, min_pixels=min_pixels, max_pixels=max_pixels) == expected
-    assert hf_smart_resize(*size, factor=28, min_pixels=min_pixels, max_pixels=max_pixels) == expected
+def test_frames_are_sized_by_the_familys_own_rule(size, expected):
+    """A video opened without a model is sized as Qwen2-VL / Qwen2.5-VL's video processor sizes frames."""
+    assert QWEN2_GEOMETRY.frame_size(*size) == expected
 
 
-def test_smart_resize_rejects_impossible_shapes():
+def test_impossible_shapes_are_one_line_errors(tmp_path):
+    with pytest.raises(ValueError, match="aspect ratio"):
+        QWEN2_GEOMETRY.frame_size(10, 5000)
+    with pytest.raises(ValueError, match="min_pixels"):
+        dataclasses.replace(QWEN2_GEOMETRY, min_pixels=10_000, max_pixels=100).frame_size(100, 100)
     with pytest.raises(VideoError, match="aspect ratio"):
-        smart_resize(10, 5000)
-    with pytest.raises(VideoError, match="min_pixels"):
-        smart_resize(100, 100, min_pixels=10_000, max_pixels=100)
+        resize_frames(np.zeros((1, 2, 500, 3), np.uint8))
 
 
 def test_sample_count_follows_duration():
@@ -77,14 +79,14 @@ def test_non_video_and_missing_files_raise_one_clear_error(tmp_path):
 def test_written_video_round_trips_through_decord(tmp_path):
     clip = synthetic_video(10, 112, 168, fps=5.0, seed=2)
     path = write_video(tmp_path / "clip.mp4", clip.frames, fps=5.0)
-    decoded = load_video(path, fps=5.0, min_pixels=56 * 56)
+    decoded = load_video(path, fps=5.0, geometry=QWEN2_GEOMETRY.with_pixels(min_pixels=56 * 56))
     assert decoded.num_frames == 10
     assert decoded.size == (112, 168)
     assert np.abs(decoded.frames.astype(int) - clip.frames.astype(int)).mean() < 12  # lossy codec
 
 
 def test_odd_tail_is_paired_with_itself():
-    from kvdemo.models.qwen_vl import pixel_values
+    from kvdemo.models.qwen2_vl import pixel_values
 
     frames = np.random.default_rng(0).integers(0, 255, (3, 56, 56, 3), dtype=np.uint8)
     odd, grid = pixel_values(frames)
@@ -112,7 +114,7 @@ def test_pixel_values_match_transformers_video_processor(pancake, media):
     """Our decode + resize + normalise + patchify equals Qwen2VLVideoProcessor on the native frames."""
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    from kvdemo.models.qwen_vl import pixel_values
+    from kvdemo.models.qwen2_vl import pixel_values
 
     native = native_frames(media / "flipping_a_pancake.mkv", [0, 15, 30, 45])  # the frames our 2 fps sampler picks
     processor = Qwen2VLVideoProcessor()
@@ -152,7 +154,7 @@ def test_every_sampled_frame_is_delivered_at_any_rate(tmp_path, container):
     frames = np.kron(bits[:, None, :], np.ones((56, 8), dtype=np.int64))[..., None].repeat(3, axis=-1) * 255
     path = write_video(tmp_path / f"index.{container}", frames.astype(np.uint8), fps=source_fps)
     for fps in (1, 2, 3, 4, 5, 6, 7.5, 8, 10, 12, 30):
-        video = load_video(path, fps=fps, min_pixels=56 * 56)
+        video = load_video(path, fps=fps, geometry=QWEN2_GEOMETRY.with_pixels(min_pixels=56 * 56))
         expected = np.floor(np.arange(sample_count(count / source_fps, fps)) * source_fps / fps + 1e-9).astype(int)
         blocks = video.frames[:, :, :, 0].reshape(video.num_frames, 56, 7, 8).mean(axis=(1, 3)) > 127  # [n, 7]
         shown = (blocks * (1 << np.arange(7))).sum(axis=1)
@@ -180,7 +182,7 @@ def test_a_clone_without_the_shared_media_skips_their_tests_with_a_reason(tmp_pa
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "CI"} | {"KVDEMO_MEDIA": str(tmp_path / "absent")}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           "tests/test_video.py::test_real_clip_decodes_at_fps", "tests/test_video.py::test_smart_resize_rejects_impossible_shapes"],
+                           "tests/test_video.py::test_real_clip_decodes_at_fps", "tests/test_video.py::test_sample_count_follows_duration"],
                           cwd=root, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:]
     assert "1 passed, 1 skipped" in done.stdout

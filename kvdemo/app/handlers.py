@@ -13,13 +13,14 @@ from typing import Any
 import numpy as np
 
 from .. import viz
-from ..engine import MAX_DIALOGUE_TOKENS, EngineError, EngineGroup, StreamEngine
+from ..dialogue import MAX_DIALOGUE_TOKENS
+from ..engine import EngineError, EngineGroup, StreamEngine
 from ..synthetic import grade, sample_episode
 from ..video import VideoError, open_video, resize_frames
 from .. import zerogpu
 from .gpu import Segment, answer_question, segment_frames, stream_segment
 from .sessions import CACHE_TTL_S, AppServices, RunSettings, Session
-from .settings import USER_ERRORS, chunk_tokens, resolve_settings
+from .settings import FRAMES_PER_CHUNK, USER_ERRORS, resolve_settings, within_max_pixels
 from .views import (ViewChoice, finish, fresh_views, heatmap_image, kept_previous, legend, live_update, occupancy_plot,
                     policy_panels, status_text, write_report)
 
@@ -41,7 +42,7 @@ def start_session(
     fps = fps or settings.fps
     model = services.models.get(settings.model)
     policy, budget = resolve_settings(settings)
-    budget.check_chunk(*chunk_tokens(frame_size, settings.max_pixels, model.temporal_patch_size))
+    budget.check_chunk(*model.geometry.chunk_tokens(frame_size, FRAMES_PER_CHUNK))
     engines = {"policy": StreamEngine(model, policy, budget=budget, fps=fps)}
     if settings.baseline:
         cap = int(settings.cap_mb * 2**20) if settings.cap_mb and settings.cap_mb > 0 else None
@@ -67,15 +68,15 @@ def run_video(
     previous = session
     try:
         resolve_settings(settings)  # the settings' own errors first, before a file is opened
-        min_pixels = min(settings.max_pixels, services.models.get(settings.model).min_pixels)
+        geometry = within_max_pixels(services.models.get(settings.model).geometry, settings.max_pixels)
         episode = None if video_path else sample_episode()
         if episode is None:
             if not Path(video_path).exists():
                 raise VideoError(f"{Path(video_path).name}: the upload is no longer on the server (uploads are kept "
                                  f"{CACHE_TTL_S:g} s); upload it again")
-            video = open_video(Path(video_path), fps=settings.fps, max_pixels=settings.max_pixels, min_pixels=min_pixels)
+            video = open_video(Path(video_path), fps=settings.fps, geometry=geometry)
         else:
-            video = episode.video.sampled(settings.fps).resized(min_pixels, settings.max_pixels)
+            video = episode.video.sampled(settings.fps).resized(geometry)
         state = start_session(services, settings, video.describe(), video.size, video.fps)
         state.episode = episode
     except USER_ERRORS as exc:
@@ -166,8 +167,8 @@ def webcam_frame(
         return {"session": state}
     started = False
     try:
-        min_pixels = min(settings.max_pixels, services.models.get(settings.model).min_pixels)
-        resized = resize_frames(np.asarray(frame, dtype=np.uint8)[None, ..., :3], min_pixels, settings.max_pixels)
+        geometry = within_max_pixels(services.models.get(settings.model).geometry, settings.max_pixels)
+        resized = resize_frames(np.asarray(frame, dtype=np.uint8)[None, ..., :3], geometry)
         size = tuple(resized.shape[1:3])
         if state.settings != settings or state.group is None or not state.source.startswith("webcam") or state.frame_size != size:
             state = start_session(services, settings, "webcam (live)", size)

@@ -15,7 +15,8 @@ from ..synthetic import sample_episode, sample_manifest
 from .. import viz
 from .handlers import ask, redraw, request_stop, reset_chat, run_video, webcam_frame
 from .sessions import SESSION_TTL_S, AppServices, CacheSweeper, RunSettings, Session
-from .settings import USER_ERRORS, baseline_cap_default, default_budget, parse_params, policy_label, takes_keep, validate_settings
+from ..models.catalog import default_budget
+from .settings import USER_ERRORS, baseline_cap_default, parse_params, policy_label, takes_keep, validate_settings
 from .views import (
     ViewChoice,
     banner_html,
@@ -98,8 +99,8 @@ class Demo:
         with gr.Accordion("Settings", open=True):
             self.model = gr.Dropdown(self.services.models.choices(), value=self.services.models.default, label="Model",
                                      allow_custom_value=True, elem_id="model",
-                                     info="tiny runs offline on the CPU (trained on generated streams; tiny-random: "
-                                          "random weights); Qwen ids need a GPU and the Hub")
+                                     info="tiny runs offline on the CPU (trained on generated streams; tiny-random*: "
+                                          "random weights of each family); Hub ids need a GPU and the Hub")
             self.policy = gr.Dropdown(UI_POLICIES, value=DEFAULT_POLICY, label="Policy", elem_id="policy")
             with gr.Row():
                 self.budget = gr.Number(self.budget0, label="M (max visual tokens)", precision=0, elem_id="budget")

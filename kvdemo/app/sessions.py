@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..engine import EngineGroup, StreamEngine
-from ..models.catalog import DEFAULT_REAL_MODEL, TINY_NAME, TINY_RANDOM_NAME, resolve_model_name
+from ..models.catalog import OFFLINE_MODELS, REAL_MODELS, resolve_model_name
 from ..models.loading import load_model
 from ..synthetic import Episode
 
@@ -59,8 +59,7 @@ class ModelHub:
         return model_by_name(name or self.default)
 
     def choices(self) -> list[str]:
-        names = [self.default, TINY_NAME, TINY_RANDOM_NAME, DEFAULT_REAL_MODEL, "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-2B-Instruct"]
-        return list(dict.fromkeys(names))
+        return list(dict.fromkeys([self.default, *OFFLINE_MODELS, *REAL_MODELS]))
 
 
 class Turns:

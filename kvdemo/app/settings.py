@@ -8,10 +8,11 @@ from typing import Any
 
 from ..budget import Budget
 from ..models.base import ModelError
-from ..models.catalog import TINY_NAME, TINY_RANDOM_NAME, TRAINED_MAX_PIXELS, preferred_pixel_range, resolve_model_name
+from ..models.catalog import geometry_for, resolve_model_name
 from ..policies import BudgetError, Policy, coerce_param, make_policy, policy_class, policy_params
+from ..geometry import FrameGeometry
 from ..synthetic import sample_episode
-from ..video import RESIZE_FACTOR, TEMPORAL_PATCH_SIZE, VideoError, open_video, smart_resize, tokens_per_grid
+from ..video import VideoError, open_video
 from .. import zerogpu
 from ..engine import EngineError
 from .sessions import RunSettings
@@ -26,14 +27,18 @@ def parse_params(policy: str, values: dict[str, Any]) -> dict[str, Any]:
     return {spec.name: coerce_param(policy, spec, values[spec.name]) for spec in policy_params(policy) if spec.name in values}
 
 
-def chunk_tokens(size: tuple[int, int] | None, max_pixels: int, temporal_patch_size: int = TEMPORAL_PATCH_SIZE) -> tuple[int, str]:
-    """Visual tokens of one chunk (``FRAMES_PER_CHUNK`` frames) and its shape in words, for frames resized
-    to ``size`` (height, width) or, when the size is not known yet, the most ``max_pixels`` allows."""
-    grids = -(-FRAMES_PER_CHUNK // temporal_patch_size)
-    if size is not None:
-        rows, cols = size[0] // RESIZE_FACTOR, size[1] // RESIZE_FACTOR
-        return grids * tokens_per_grid(size), f"{grids} temporal grid(s) of {rows}x{cols} tokens"
-    return grids * (int(max_pixels) // RESIZE_FACTOR**2), f"{FRAMES_PER_CHUNK} frames at max pixels"
+def within_max_pixels(geometry: FrameGeometry, max_pixels: Any) -> FrameGeometry:
+    """``geometry`` (how the model sizes frames) within the chosen max pixels (its own minimum, or less if the
+    maximum is below it); :class:`BudgetError` if the maximum is below one token."""
+    if max_pixels is None or int(max_pixels) < geometry.smallest_frame:
+        raise BudgetError(f"max pixels must be at least {geometry.smallest_frame} (one token of {geometry.factor}x"
+                          f"{geometry.factor} pixels), got {max_pixels}")
+    return geometry.with_pixels(min(geometry.min_pixels, int(max_pixels)), int(max_pixels))
+
+
+def settings_geometry(settings: RunSettings) -> FrameGeometry:
+    """How the chosen model sizes frames (known before it loads), within the chosen max pixels."""
+    return within_max_pixels(geometry_for(settings.model), settings.max_pixels)
 
 
 def resolve_settings(settings: RunSettings) -> tuple[Policy, Budget]:
@@ -43,8 +48,7 @@ def resolve_settings(settings: RunSettings) -> tuple[Policy, Budget]:
     policy = make_policy(settings.policy, **settings.params)
     if settings.fps is None or float(settings.fps) <= 0:
         raise BudgetError(f"sampling fps must be positive, got {settings.fps}")
-    if settings.max_pixels is None or int(settings.max_pixels) < RESIZE_FACTOR**2:
-        raise BudgetError(f"max pixels must be at least {RESIZE_FACTOR**2} (one 28x28 patch), got {settings.max_pixels}")
+    settings_geometry(settings)
     if settings.cap_mb is not None and settings.cap_mb < 0:
         raise BudgetError(f"the baseline memory cap must be 0 (no cap) or more MB, got {settings.cap_mb:g}")
     takes_keep = type(policy).takes_keep()
@@ -58,25 +62,24 @@ def validate_settings(
     model: str | None = None,
 ) -> str:
     """A one-line verdict on the settings, shown as the user types: the same checks as the run they lead to,
-    with one chunk of the uploaded ``video`` (resized into ``model``'s pixel range) when there is one, else of
-    the bundled sample (what runs without an upload)."""
+    with one chunk of the uploaded ``video`` (resized as ``model`` sizes frames) when there is one, else of the
+    bundled sample (what runs without an upload)."""
     try:
-        settings = RunSettings("", policy, {}, budget, keep, fps, max_pixels, False, 0)
+        settings = RunSettings(model or resolve_model_name(None), policy, {}, budget, keep, fps, max_pixels, False, 0)
         _, resolved = resolve_settings(settings)
-        min_pixels = min(int(max_pixels), preferred_pixel_range(model)[0])
+        geometry = settings_geometry(settings)
         if video:
-            size = open_video(video, fps=float(fps), max_pixels=int(max_pixels), min_pixels=min_pixels).size
+            size = open_video(video, fps=float(fps), geometry=geometry).size
             name = f" of {Path(video).name} ({size[1]}x{size[0]})"
         else:
-            size = smart_resize(*sample_episode().video.size, min_pixels=min_pixels, max_pixels=int(max_pixels))
-            name = " of the bundled sample"
-        tokens, shape = chunk_tokens(size, max_pixels)
+            size, name = geometry.frame_size(*sample_episode().video.size), " of the bundled sample"
+        tokens, shape = geometry.chunk_tokens(size, FRAMES_PER_CHUNK)
         resolved.check_chunk(tokens, shape)
     except USER_ERRORS as exc:
         return f"⚠️ {exc}"
     except (TypeError, ValueError) as exc:
         return f"⚠️ not a number: {exc}"
-    upload = "" if video else f" (an upload's: up to {chunk_tokens(None, max_pixels)[0]} at max pixels)"
+    upload = "" if video else f" (an upload's: up to {geometry.chunk_tokens(None, FRAMES_PER_CHUNK)[0]} at max pixels)"
     if resolved.C is None:
         return (f"✓ M={resolved.M} = {resolved.split_text} (C does not apply); one chunk{name} is {tokens} visual "
                 f"tokens{upload} and must fit the {resolved.window_name}")
@@ -94,20 +97,6 @@ def policy_label(policy: str, budget: Budget) -> str:
 def takes_keep(policy: str) -> bool:
     """Whether ``policy``'s budget has a ``C`` (the C field is greyed out otherwise)."""
     return policy_class(policy).takes_keep()
-
-
-def default_budget(model_name: str) -> tuple[int, int, int]:
-    """(M, C, max pixels) defaults: the paper's 6144/4608 at Qwen's video resolution on a real model;
-    budgets that compress visibly within a short clip on the tiny models (the trained one at the 112 x 112
-    frames it was trained on, 16 tokens per frame pair: M = 96 holds 12 s of the 40 s sample, and M - C = 24,
-    like a near window of 24 at M = 96 for a policy sized by M alone, holds a chunk at its max pixels, 20
-    tokens)."""
-    name = resolve_model_name(model_name)
-    if name == TINY_NAME:
-        return 96, 72, TRAINED_MAX_PIXELS
-    if name == TINY_RANDOM_NAME:
-        return 1024, 768, 256 * 28 * 28
-    return 6144, 4608, 768 * 28 * 28
 
 
 def baseline_cap_default() -> int:

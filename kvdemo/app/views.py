@@ -14,7 +14,7 @@ import numpy as np
 from .. import viz
 from ..coverage import coverage
 from ..policies import REGISTRY
-from ..models.catalog import OFFLINE_NOTICES, TINY_NAME, resolve_model_name
+from ..models.catalog import TRAINED_NOTICE, VERIFIED, offline_model
 from ..views import View
 from .sessions import CACHE_TTL_S, Session
 from .settings import policy_label
@@ -278,13 +278,10 @@ def finish(state: Session, view: ViewChoice) -> dict[str, Any]:
 
 def banner_html(model_name: str | None) -> str:
     """The warning shown over the app for an offline tiny model ('' for real models)."""
-    try:
-        notice = OFFLINE_NOTICES.get(resolve_model_name(model_name))
-    except Exception:
-        notice = None
-    if not notice:
+    offline = offline_model(model_name)
+    if offline is None:
         return ""
     advice = ("Run the bundled sample and ask about it; on other videos its answers mean little."
-              if resolve_model_name(model_name) == TINY_NAME else "")
-    return (f"<div style='padding:8px;border-radius:6px;background:#fff3cd;color:#664d03'>⚠️ {notice} {advice} "
-            "Choose a real Qwen2.5-VL model on a GPU machine for meaningful answers about real videos.</div>")
+              if offline.notice == TRAINED_NOTICE else f"Its family ({offline.family}) is verified here on {VERIFIED[offline.family]}.")
+    return (f"<div style='padding:8px;border-radius:6px;background:#fff3cd;color:#664d03'>⚠️ {offline.notice} {advice} "
+            "Choose a real checkpoint on a GPU machine for meaningful answers about real videos.</div>")

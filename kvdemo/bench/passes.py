@@ -16,7 +16,7 @@ from ..attention import MemoryCache
 from ..budget import Budget
 from ..engine import StreamEngine, stream_video
 from ..memory import KVMemory
-from ..models.base import mrope_positions
+from ..models.qwen2_vl import mrope_positions
 from ..models.tiny import build_tiny_model
 from ..policies import BASELINES, Policy, Probed, make_policy
 from ..synthetic import synthetic_video

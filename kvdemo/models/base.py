@@ -1,16 +1,22 @@
-"""The small protocol every model family implements, and the M-RoPE position rule.
+"""What the engine needs of a model family, and nothing it must know about one.
 
-Models know nothing of policies: they turn frames into visual embeddings, text into ids, and run
-the language model on a given cache with given positions.
+A family is an adapter file (:mod:`.qwen2_vl`, :mod:`.qwen3_vl`, :mod:`.qwen3_5`, :mod:`.llava_onevision`)
+behind :class:`VideoLM`: it turns frames into a chunk (the tokens a temporal grid puts in the sequence: visual
+tokens, and the text the stream itself carries around them), gives every token its position through a
+cursor (:class:`Cursor`, pickled with the memory), embeds the prefix and a question, runs the language model
+on a given cache, and rotates keys (for policies that keep keys before RoPE). How frames are sized is a
+:class:`FrameGeometry`, known before any weight loads. Models know nothing of policies.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+from ..geometry import FrameGeometry
 
 
 class ModelError(ValueError):
@@ -19,14 +25,18 @@ class ModelError(ValueError):
 
 @dataclass
 class VisualChunk:
-    """The vision encoding of one chunk of frames, shared by every engine watching the stream.
+    """What one chunk of frames puts in the sequence, encoded once and shared by every engine watching the stream.
 
-    embeds: ``[n, d_model]`` visual token embeddings, grid-major then row-major.
-    grid/row/col: ``[n]`` temporal-grid index in the stream and merged-patch row/col of each token.
+    embeds: ``[n, d_model]`` every token of the chunk in sequence order: visual token embeddings (grid-major,
+    then row-major) and, for a family whose stream carries text (Qwen3-VL's timestamps and delimiters), the
+    embeddings of that text around each grid.
+    text: ``[n]`` bool, True for stream-text tokens (None: all visual).
+    grid/row/col: ``[n]`` temporal-grid index in the stream and merged-patch row/col of each token (text: -1).
     grid_times_s: stream time (s) of the first frame of each temporal grid in this chunk.
     frames: real sampled frames in the chunk (a padded copy of an odd last frame is not counted).
-    second_per_grid: temporal_patch_size / sampling fps (seconds one temporal grid spans).
+    second_per_grid: frames per grid / sampling fps (seconds one temporal grid spans).
     end_time_s: stream time (s) of the newest real frame in the chunk.
+    extras: what the family's forward needs besides the embeddings (Qwen3-VL's DeepStack features).
     """
 
     embeds: torch.Tensor
@@ -42,67 +52,67 @@ class VisualChunk:
     second_per_grid: float
     end_time_s: float = 0.0
     encode_ms: float = 0.0
+    text: torch.Tensor | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
+        """Every token of the chunk (visual and stream text): what it adds to the memory."""
         return int(self.embeds.shape[0])
+
+    @property
+    def visual_tokens(self) -> int:
+        return self.num_tokens - (int(self.text.sum()) if self.text is not None else 0)
 
     @property
     def tokens_per_grid(self) -> int:
         return self.rows * self.cols
 
 
-def mrope_positions(
-    grid: torch.Tensor,
-    row: torch.Tensor,
-    col: torch.Tensor,
-    start: int,
-    second_per_grid: float,
-    tokens_per_second: float | None,
-) -> torch.Tensor:
-    """3-D M-RoPE positions ``[3, n]`` of visual tokens whose region starts at position ``start``.
+class Cursor(Protocol):
+    """Where the next token goes (a family's own small, picklable state; see each adapter)."""
 
-    Qwen2.5-VL (``tokens_per_second`` set): ``(s + floor(g * second_per_grid * tokens_per_second), s + row, s + col)``,
-    computed in float and floored at the end. Qwen2-VL (``tokens_per_second=None``): ``(s + g, s + row, s + col)``.
-    """
-    if tokens_per_second is None:
-        temporal = grid.long()
-    else:
-        temporal = torch.floor(grid.double() * float(second_per_grid) * float(tokens_per_second)).long()
-    return torch.stack([temporal + start, row.long() + start, col.long() + start])
+    next: int
 
 
 class VideoLM(Protocol):
-    """What the engine needs from a model (see ``qwen_vl.QwenVL``)."""
+    """What the engine needs from a model family (the adapters implement it; see :mod:`.adapter`)."""
 
     name: str
+    family: str
     random_weights: bool
     notice: str | None  # what its answers are worth, when that needs saying (offline tiny models)
-    min_pixels: int  # the pixel range frames are resized into for this model
-    max_pixels: int
-    num_layers: int
+    geometry: FrameGeometry
+    num_layers: int  # layers that hold keys and values (the memory's layers)
     num_kv_heads: int
     head_dim: int
-    temporal_patch_size: int
-    tokens_per_second: float | None
+    layer_map: list[int | None]  # model layer -> memory layer (None: no keys and values, e.g. linear attention)
+    position_limit: int | None  # the positions the model was trained with end here (None: no limit)
     device: torch.device
     dtype: torch.dtype
-    #: The language model's M-RoPE rotation (``rotate(x, position)`` / ``unrotate``), see ``qwen_vl.MRopeRotation``.
-    rotary: object
+    #: The language model's rotation (``rotate(x, position)`` / ``unrotate``) of positions ``[..., 3]``.
+    rotary: Any
+    logit_bias: torch.Tensor | None
 
     def encode(self, frames: np.ndarray, first_grid: int, times_s: np.ndarray, fps: float) -> VisualChunk: ...
 
+    def new_cursor(self) -> Cursor: ...
+
+    def chunk_positions(self, chunk: VisualChunk, cursor: Cursor) -> tuple[torch.Tensor, Cursor]: ...
+
+    def text_positions(self, cursor: Cursor, count: int) -> tuple[torch.Tensor, Cursor]: ...
+
+    def prefix_embeds(self) -> torch.Tensor: ...
+
+    def question_embeds(self, history: list[tuple[str, str]], question: str) -> torch.Tensor: ...
+
     def embed_text(self, ids: list[int]) -> torch.Tensor: ...
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor: ...
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any, chunk: VisualChunk | None = None) -> torch.Tensor: ...
 
     def tokenize(self, text: str) -> list[int]: ...
 
     def detokenize(self, ids: list[int]) -> str: ...
-
-    def prefix_text(self) -> str: ...
-
-    def question_text(self, history: list[tuple[str, str]], question: str) -> str: ...
 
     @property
     def stop_ids(self) -> set[int]: ...

@@ -1,14 +1,20 @@
-"""What a model name means before anything loads (no transformers here, so the CLI can check a budget
-against a chunk without loading one): the offline models' names, notices and pixel ranges, what ``auto``
-resolves to, and the pixel range a name declares."""
+"""What a model name means before anything loads (no transformers here, so the CLI checks a budget against a
+chunk of the user's video without loading a model): the offline models (their family, how they size frames,
+what their answers are worth), what ``auto`` resolves to, the real checkpoints the app offers, and each name's
+:class:`~kvdemo.models.base.FrameGeometry`.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
 
-from ..video import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+from .base import FrameGeometry, ModelError
 
 #: The real model ``auto`` means on a machine with a CUDA GPU.
 DEFAULT_REAL_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
@@ -18,11 +24,71 @@ RANDOM_WEIGHTS_NOTICE = (
     "Answers come from the offline tiny model with random weights: they show the mechanics, not understanding."
 )
 TRAINED_NOTICE = "A tiny model trained on synthetic streams: it knows shapes and colours, nothing else."
-OFFLINE_NOTICES = {TINY_NAME: TRAINED_NOTICE, TINY_RANDOM_NAME: RANDOM_WEIGHTS_NOTICE}
 #: The trained model's pixel range: 112 x 112 frames stay as they are (16 tokens per pair); other aspect
 #: ratios resize to about as many pixels (e.g. 16:9 and 4:3 -> 84 x 140, 15 tokens).
 TRAINED_MIN_PIXELS = 112 * 112
 TRAINED_MAX_PIXELS = 20 * 28 * 28
+#: Qwen's per-frame video bounds (Qwen2-VL / Qwen2.5-VL: 28-px tokens; Qwen3-VL / Qwen3.5: 32-px tokens).
+QWEN2_PIXELS = (128 * 28 * 28, 768 * 28 * 28)
+QWEN3_PIXELS = (128 * 32 * 32, 768 * 32 * 32)
+#: The offline random-weight models of the new families use small frames (16 to 64 tokens a frame), so a CPU
+#: streams the real clip through them in seconds.
+SMALL_QWEN3_PIXELS = (16 * 32 * 32, 64 * 32 * 32)
+#: At most this many tokens of stream text per grid with the byte tokenizer (``<99999.9 seconds>``, 17 bytes,
+#: plus ``<|vision_start|>`` and ``<|vision_end|>``); real tokenizers need fewer.
+BYTE_TEXT_PER_GRID = 19
+
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """An offline model: its family, how it sizes frames, what its answers are worth, and the budget ``(M, C)``
+    the app starts it with (one that compresses visibly within the bundled sample or the real test clip)."""
+
+    family: str
+    geometry: FrameGeometry
+    notice: str
+    budget: tuple[int, int] = (1024, 768)
+
+
+OFFLINE_MODELS: dict[str, OfflineModel] = {
+    # M = 96 holds 12 s of the 40 s sample (16 tokens per frame pair); M - C = 24 holds a chunk at its max pixels.
+    TINY_NAME: OfflineModel("qwen2_5_vl", FrameGeometry("qwen2-vl", 28, 2, TRAINED_MIN_PIXELS, TRAINED_MAX_PIXELS),
+                            TRAINED_NOTICE, (96, 72)),
+    TINY_RANDOM_NAME: OfflineModel("qwen2_5_vl", FrameGeometry("qwen2-vl", 28, 2, *QWEN2_PIXELS), RANDOM_WEIGHTS_NOTICE),
+    "tiny-random-qwen2-vl": OfflineModel("qwen2_vl", FrameGeometry("qwen2-vl", 28, 2, *QWEN2_PIXELS), RANDOM_WEIGHTS_NOTICE),
+    "tiny-random-qwen3-vl": OfflineModel("qwen3_vl", FrameGeometry("qwen3-vl", 32, 2, *SMALL_QWEN3_PIXELS,
+                                                                    text_per_grid=BYTE_TEXT_PER_GRID), RANDOM_WEIGHTS_NOTICE,
+                                        (320, 224)),
+    "tiny-random-qwen3.5": OfflineModel("qwen3_5", FrameGeometry("qwen3-vl", 32, 2, *SMALL_QWEN3_PIXELS,
+                                                                  text_per_grid=BYTE_TEXT_PER_GRID), RANDOM_WEIGHTS_NOTICE,
+                                       (320, 224)),
+    "tiny-random-llava-ov": OfflineModel("llava_onevision", FrameGeometry("fixed", 27, 1, 384 * 384, 384 * 384, fixed_size=(384, 384),
+                                                                          fixed_grid=(14, 14)), RANDOM_WEIGHTS_NOTICE,
+                                        (1568, 1176)),
+}
+#: The budget ``(M, C)`` the app starts a real checkpoint of each family with (InfiniPot-V's 6144 / 4608; for
+#: LLaVA-OneVision 32 / 24 frames of 196 tokens).
+FAMILY_BUDGETS = {"qwen2_vl": (6144, 4608), "qwen2_5_vl": (6144, 4608), "qwen3_vl": (6144, 4608), "qwen3_5": (6144, 4608),
+                  "llava_onevision": (6272, 4704)}
+#: Real checkpoints the app lists (any other id or local folder of these families loads too).
+REAL_MODELS = (
+    "Qwen/Qwen2.5-VL-3B-Instruct",
+    "Qwen/Qwen2.5-VL-7B-Instruct",
+    "Qwen/Qwen2-VL-2B-Instruct",
+    "Qwen/Qwen3-VL-2B-Instruct",
+    "Qwen/Qwen3-VL-8B-Instruct",
+    "Qwen/Qwen3.5-2B",
+    "llava-hf/llava-onevision-qwen2-0.5b-ov-hf",
+    "llava-hf/llava-onevision-qwen2-7b-ov-hf",
+)
+#: What each family was checked against, and how (the README's table; the tests say the same).
+VERIFIED = {
+    "qwen2_5_vl": "trained tiny model and random weights, CPU: chunked prefill = transformers' forward; real clip",
+    "qwen2_vl": "random weights, CPU: positions, pixels, chunked prefill = transformers' forward; real clip",
+    "qwen3_vl": "random weights, CPU: positions = get_rope_index, pixels, DeepStack, chunked prefill = forward; real clip",
+    "qwen3_5": "random weights, CPU: linear-state fork exact, chunked prefill = forward; real clip",
+    "llava_onevision": "random weights, CPU: pooled provenance, newline once, chunked prefill = forward; real clip",
+}
 
 
 def resolve_model_name(name: str | None = None) -> str:
@@ -32,13 +98,63 @@ def resolve_model_name(name: str | None = None) -> str:
     """
     name = name or os.environ.get("KVDEMO_MODEL") or "auto"
     if name == "auto":
-        return DEFAULT_REAL_MODEL if torch.cuda.is_available() else "tiny"
+        return DEFAULT_REAL_MODEL if torch.cuda.is_available() else TINY_NAME
     return name
 
 
-def preferred_pixel_range(name: str | None = None) -> tuple[int, int]:
-    """The pixel range the model ``name`` declares (``QwenVL.min_pixels/max_pixels``), known without loading
-    it: the trained tiny model's own, Qwen's defaults for every other model."""
-    if resolve_model_name(name) == TINY_NAME:
-        return TRAINED_MIN_PIXELS, TRAINED_MAX_PIXELS
-    return DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS
+def offline_model(name: str | None) -> OfflineModel | None:
+    """The offline model ``name`` resolves to, or None for a real checkpoint."""
+    return OFFLINE_MODELS.get(resolve_model_name(name))
+
+
+def notice_for(name: str | None) -> str | None:
+    """What the answers of model ``name`` are worth, when that needs saying (None for a real checkpoint)."""
+    offline = offline_model(name)
+    return offline.notice if offline else None
+
+
+#: ``config.model_type`` -> the adapter module of its family (imported when a checkpoint of it is used: every
+#: adapter imports transformers). Adding a family is adding an adapter file and its line here.
+FAMILY_MODULES = {
+    "qwen2_vl": "kvdemo.models.qwen2_vl",
+    "qwen2_5_vl": "kvdemo.models.qwen2_vl",
+    "qwen3_vl": "kvdemo.models.qwen3_vl",
+    "qwen3_5": "kvdemo.models.qwen3_5",
+    "llava_onevision": "kvdemo.models.llava_onevision",
+}
+
+
+def family_module(model_type: str) -> ModuleType:
+    """The adapter module of ``model_type``'s family (imported here, on purpose, only when one is used)."""
+    if model_type not in FAMILY_MODULES:
+        raise ModelError(f"a {model_type!r} model is not supported; kvdemo supports the families "
+                         f"{', '.join(sorted(FAMILY_MODULES))}")
+    return importlib.import_module(FAMILY_MODULES[model_type])
+
+
+def checkpoint_config(model_id: str) -> Any:
+    """A checkpoint's config (Hub id or local folder); :class:`ModelError` naming it if it cannot be read."""
+    from transformers import AutoConfig  # deferred on purpose: only real checkpoints need it
+
+    try:
+        return AutoConfig.from_pretrained(model_id, trust_remote_code=False)
+    except Exception as exc:
+        raise ModelError(f"cannot load model {model_id!r}: {str(exc).splitlines()[0][:200]}") from None
+
+
+def default_budget(name: str | None) -> tuple[int, int, int]:
+    """``(M, C, max pixels)`` the app starts model ``name`` with."""
+    offline = offline_model(name)
+    if offline is not None:
+        return (*offline.budget, offline.geometry.max_pixels)
+    config = checkpoint_config(resolve_model_name(name))
+    return (*FAMILY_BUDGETS[config.model_type], family_module(config.model_type).geometry(config).max_pixels)
+
+
+def geometry_for(name: str | None) -> FrameGeometry:
+    """How model ``name`` sizes frames, known without loading its weights (a real checkpoint's config is read)."""
+    offline = offline_model(name)
+    if offline is not None:
+        return offline.geometry
+    config = checkpoint_config(resolve_model_name(name))
+    return family_module(config.model_type).geometry(config)

@@ -8,7 +8,7 @@ with the real vision geometry, and a byte-level tokenizer made in code with Qwen
 - ``tiny-random``: the same class with random weights (seeded), for mechanics tests; its answers are noise.
 
 Both run the whole pipeline on a CPU with no download; each says what its answers are worth
-(``QwenVL.notice``).
+(``Qwen2VL.notice``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from ..attention import ATTN_IMPLEMENTATION
 from .base import ModelError
-from .catalog import RANDOM_WEIGHTS_NOTICE, TINY_NAME, TINY_RANDOM_NAME, TRAINED_MAX_PIXELS, TRAINED_MIN_PIXELS, TRAINED_NOTICE
-from .qwen_vl import QwenVL
+from .catalog import OFFLINE_MODELS, RANDOM_WEIGHTS_NOTICE, TINY_NAME, TINY_RANDOM_NAME, TRAINED_NOTICE
+from .qwen2_vl import Qwen2VL
 
 TRAINED_DIR = Path(__file__).resolve().parents[2] / "assets" / "tiny"
 SPECIAL_TOKENS = (
@@ -135,14 +135,15 @@ def tiny_config(initializer_range: float = 0.1):
     )
 
 
-def build_tiny_model(seed: int = 0) -> QwenVL:
+def build_tiny_model(seed: int = 0) -> Qwen2VL:
     """The tiny model on the CPU in float32; identical weights for a given ``seed``."""
     config = tiny_config()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
     tokenizer = ByteTokenizer()
-    adapter = QwenVL(model.float().eval(), tokenizer, name=TINY_RANDOM_NAME, random_weights=True, notice=RANDOM_WEIGHTS_NOTICE)
+    adapter = Qwen2VL(model.float().eval(), tokenizer, name=TINY_RANDOM_NAME, random_weights=True, notice=RANDOM_WEIGHTS_NOTICE,
+                      geometry_=OFFLINE_MODELS[TINY_RANDOM_NAME].geometry)
     # Random weights pick arbitrary bytes; keep answers to printable ASCII (and the stop token) so they stay legible.
     bias = torch.full((config.text_config.vocab_size,), float("-inf"))
     bias[32:127] = 0.0
@@ -151,16 +152,16 @@ def build_tiny_model(seed: int = 0) -> QwenVL:
     return adapter
 
 
-def load_trained_tiny(folder: str | Path = TRAINED_DIR) -> QwenVL:
+def load_trained_tiny(folder: str | Path = TRAINED_DIR) -> Qwen2VL:
     """The trained tiny model from ``folder`` (``assets/tiny``) through transformers' ``from_pretrained``."""
     folder = Path(folder)
     if not (folder / "model.safetensors").exists():
         raise ModelError(f"no trained tiny model in {folder}: run `python -m kvdemo train-tiny` (or use --model tiny-random)")
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
-    return QwenVL(
+    return Qwen2VL(
         model.eval(),
         ByteTokenizer.from_spec(folder / "tokenizer.json"),
         name=TINY_NAME,
         notice=TRAINED_NOTICE,
-        pixel_range=(TRAINED_MIN_PIXELS, TRAINED_MAX_PIXELS),
+        geometry_=OFFLINE_MODELS[TINY_NAME].geometry,
     )

@@ -47,9 +47,15 @@ class LayerView:
     rotary: the model's rotation (``rotate(x, position)`` / ``unrotate(x, position)``), for policies that
     need keys before RoPE; None when the caller has no model.
     summary_slots: size of the memory's summary region the policy owns (see :meth:`Policy.summary_slots`).
-    probe: ``[H_q, T, D]`` post-RoPE queries of a probe text run after the memory (for policies with
-    ``needs_probe``, e.g. HybridKV's text-centric head classification); query head ``h`` reads KV head
+    probe: ``[H_q, T, D]`` post-RoPE queries of a probe text run after the memory (for a
+    :class:`Probed` policy, e.g. HybridKV's text-centric head classification); query head ``h`` reads KV head
     ``h // (H_q / H_kv)``.
+    offloaded: ``[H_kv]`` tokens each head keeps in the memory's offload store (retrievable while answering);
+    None when the layer has no store.
+    grid_text: ``[H_kv, grids]`` stream-text slots each head holds per temporal grid (Qwen3-VL's timestamps and
+    delimiters), None when the stream carries no text. They are not in the view; they stay while a head keeps
+    at least one visual token of their grid, and count against the budget: keeping the first token of a grid
+    costs ``1 + grid_text`` (:func:`select_with_text`).
     """
 
     layer: int
@@ -67,6 +73,8 @@ class LayerView:
     rotary: Any = None
     summary_slots: int = 0
     probe: torch.Tensor | None = None
+    offloaded: torch.Tensor | None = None
+    grid_text: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.order is None:
@@ -107,12 +115,16 @@ class OffloadUpdate:
     tokens: ``[H_kv, E]`` indices into the layer's view (arrival order), ``valid [H_kv, E]`` which count;
     they are stored in chunks of ``chunk`` tokens per head with a resident mean-key index.
     retrieve: ``[H_kv]`` visual tokens each head brings back per decode step (0: it does not retrieve).
+    counted: whether those retrieved tokens count toward the budget ``M`` (the memory's visual tokens include
+    them, so a head's query-time context, resident + retrieved, stays within what the budget bounds) or come on
+    top of it.
     """
 
     tokens: torch.Tensor
     valid: torch.Tensor
     retrieve: torch.Tensor
     chunk: int = 8
+    counted: bool = False
 
 
 @dataclass
@@ -238,10 +250,13 @@ def select_ranked(
     for first in unique.values():
         ranking = rankings[first]
         count = keep if ranking.keep is None else ranking.keep
-        if isinstance(count, torch.Tensor) and count.numel() > 1:
-            kept[first] = top_k_mask(ranking.priority, count, views[first].order)
+        view = views[first]
+        if view.grid_text is not None:
+            kept[first] = select_with_text(ranking.priority, count, view.order, view.frame, view.grid_text)
+        elif isinstance(count, torch.Tensor) and count.numel() > 1:
+            kept[first] = top_k_mask(ranking.priority, count, view.order)
         else:
-            batches.setdefault((views[first].length, int(count)), []).append(first)
+            batches.setdefault((view.length, int(count)), []).append(first)
     for (length, count), members in batches.items():
         priority = torch.cat([rankings[m].priority for m in members])
         order = torch.cat([views[m].order.to(priority.device) for m in members])
@@ -451,6 +466,38 @@ def top_k_mask(scores: torch.Tensor, k: int | torch.Tensor, order: torch.Tensor 
     if 2 * k > length:  # cheaper to find the (distinct, thanks to the ramp) L - k lowest and keep the rest
         return mask.fill_(True).scatter_(1, torch.topk(key, length - k, dim=-1, largest=False, sorted=False).indices, False)
     return mask.scatter_(1, torch.topk(key, k, dim=-1, sorted=False).indices, True)
+
+
+def select_with_text(
+    priority: torch.Tensor, keep: int | torch.Tensor, order: torch.Tensor, frame: torch.Tensor, grid_text: torch.Tensor
+) -> torch.Tensor:
+    """Kept mask ``[H, L]`` when the stream's own text counts against the budget (kvdemo's rule).
+
+    ``keep`` (an int or ``[H]``) bounds the visual tokens kept plus the stream-text slots of their grids
+    (``grid_text [H, grids]``; ``frame [H, L]`` is each token's grid). In priority order (ties to the newer
+    token, as :func:`top_k_mask`), a token costs 1, plus its grid's text when it is the first of its grid;
+    the longest prefix within ``keep`` is kept, then the room left goes to the next tokens of grids already
+    kept (they cost 1). Without text this is exactly :func:`top_k_mask`.
+    """
+    heads, length = priority.shape
+    device = priority.device
+    budget = (keep.to(device).long() if isinstance(keep, torch.Tensor) else torch.full((heads,), int(keep), device=device))
+    budget = budget.expand(heads)
+    key = priority.double() + tie_ramp(order, length, device)
+    ranked = torch.argsort(key, dim=1, descending=True)  # best first
+    grid = torch.gather(frame.long(), 1, ranked)  # [H, L]
+    grids = grid_text.shape[1]
+    rank = torch.arange(length, device=device).expand(heads, -1)
+    first_rank = torch.full((heads, grids), length, device=device).scatter_reduce(1, grid, rank, reduce="amin")
+    opens = torch.gather(first_rank, 1, grid) == rank
+    cost = 1 + opens.long() * torch.gather(grid_text.to(device).long(), 1, grid)
+    total = torch.cumsum(cost, dim=1)
+    prefix = total <= budget[:, None]
+    opened = torch.zeros(heads, grids + 1, dtype=torch.bool, device=device).scatter_(1, torch.where(prefix, grid, grids), True)
+    room = budget - (cost * prefix).sum(dim=1)
+    later = ~prefix & torch.gather(opened, 1, grid)
+    fill = later & (torch.cumsum(later.long(), dim=1) <= room[:, None])
+    return torch.zeros(heads, length, dtype=torch.bool, device=device).scatter_(1, ranked, prefix | fill)
 
 
 def minmax(x: torch.Tensor, valid: torch.Tensor | None = None, eps: float = 1e-12) -> torch.Tensor:

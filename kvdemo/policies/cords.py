@@ -32,7 +32,11 @@ kvdemo's own rules (the paper does not state them, or its values were lost in ex
   single-layer run, Table 13) and what layers outside the active set do (``above``, below).
 
 Layer schedule (App. B.1, B.7, B.8): selection is *active* on ``layers`` (``bottom25``: the bottom 25%
-of layers; ``all``; ``single``: layer ``floor(single_depth * num_layers)``). With ``followers=True`` only
+of layers; ``all``; ``single``: layer ``floor(single_depth * num_layers)``). Layers are counted over the
+memory's layers, the ones that hold keys and values: every decoder layer of Qwen2/2.5/3-VL and
+LLaVA-OneVision, but only the full-attention layers of Qwen3.5 (its linear-attention layers hold no
+tokens), so ``bottom25`` of a 24-layer Qwen3.5 with 6 attention layers is its first two attention layers
+(model layers 3 and 7), kvdemo's reading where the paper, written for all-attention models, is silent. With ``followers=True`` only
 every other active layer is an anchor (the last active layer of an odd count follows too, e.g. anchors
 0, 2, 4 of 28 layers) and followers reuse their anchor's indices. The paper says both "reuse the most
 recent active-layer selection" (App. B.1) and "leave the remaining layers uncompressed" (Sec. 3, B.7), so
@@ -114,11 +118,12 @@ class CoRDS(ScoredPolicy):
         "bonus": "weight of the orthogonal bonus (0 = bicriteria coverage only)",
         "eps": "epsilon of the min-max normalisation",
         "recent_ratio": "recent tail r = ratio x frames held (at least one frame), always kept",
-        "layers": "where selection is active: bottom25 (paper), all, single (one layer, see single_depth)",
+        "layers": "where selection is active, counted over the attention layers (the memory's): bottom25 (paper), "
+        "all, single (one layer, see single_depth)",
         "followers": "only every other active layer selects; the others reuse their anchor's indices",
         "above": "layers outside the active set: reuse the last active selection, or keep them uncompressed "
         "(keep breaks the budget M on those layers)",
-        "single_depth": "layers=single: the layer at this relative depth, floor(depth x layers) "
+        "single_depth": "layers=single: the attention layer at this relative depth, floor(depth x attention layers) "
         "(0.5 = the middle layer, as the paper's single-layer run; 0 = layer 0)",
     }
 

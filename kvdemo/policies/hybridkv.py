@@ -35,9 +35,20 @@ The paper compresses once, at prefill, with the user's prompt present. kvdemo's 
   kvdemo's streaming choice) and move the rest to the memory's offload store in chunks of ``chunk`` tokens
   with a resident mean-key index. While a question is answered (its prefill, kvdemo's addition: the
   paper's prefill saw the whole context, and every decode step), inside the attention function, each
-  dynamic head scores its chunks with the forward's query and attends to its top chunks, up to its
-  budget, together with its resident tokens (:mod:`kvdemo.attention`). New chunks' prefill during the
-  stream attends to the resident tokens only.
+  dynamic head scores its chunks with the forward's query and attends to its top chunks together with its
+  resident tokens (:mod:`kvdemo.attention`). New chunks' prefill during the stream attends to the resident
+  tokens only.
+- **Query-time accounting.** The paper's retrieval fills a GPU buffer allocated from the head's budget: what a
+  dynamic head attends to while decoding is bounded by its budget. ``accounting=budget`` (the default) keeps
+  that: a dynamic head with budget ``B`` keeps ``B - R`` tokens resident and retrieves at most ``R`` (whole
+  chunks), ``R = floor(retrieve_share * B / chunk) * chunk``, so resident + retrieved <= ``B`` and the memory
+  counts the ``R`` toward ``M`` (the engine compresses when resident + retrievable would pass ``M``): ``M``
+  bounds the query-time context. The split is kvdemo's (the paper offloads a dynamic head entirely after its
+  one prefill and retrieves its whole budget; a stream needs resident tokens for the next chunk's prefill):
+  ``retrieve_share = 0.5`` by default. ``accounting=resident`` is kvdemo's earlier reading: the budget bounds
+  the resident tokens and retrieval adds up to ``B`` more, so a dynamic head attends to up to ``2 B`` and ``M``
+  bounds only what is held between questions. The report and the head map give each head's resident,
+  retrievable and query-time tokens.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ REASON_NAMES = {REASON_LOCAL: "static: local (newest)", REASON_SALIENT: "static:
                 REASON_RESIDENT: "dynamic: resident (newest)"}
 CUTOFFS = ("quantile", "score")
 CLASSIFY_WITH = ("probe", "question")
+ACCOUNTINGS = ("budget", "resident")
 
 
 def capped_allocation(desired: torch.Tensor, cap: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -81,7 +93,7 @@ class HybridKV(Policy, Probed):
     name = "hybridkv"
     reason_names = REASON_NAMES
     benchmarks = ("decode",)
-    choices = {"cutoff": CUTOFFS, "classify_with": CLASSIFY_WITH}
+    choices = {"cutoff": CUTOFFS, "classify_with": CLASSIFY_WITH, "accounting": ACCOUNTINGS}
     summary = "Heads classified static/dynamic by text-centric sparsity; static heads pruned, dynamic heads retrieve chunks while decoding."
     #: The proxy instruction each compression probes the memory with (see the module docstring).
     probe_text: ClassVar[str] = "What happens in the video?"
@@ -96,6 +108,10 @@ class HybridKV(Policy, Probed):
         "chunk": "dynamic heads: tokens per offloaded chunk (one mean key each)",
         "classify_with": "probe: classify at each compression with the proxy probe; question: also run a pass with "
                          "the question itself as the probe when one arrives (changes the memory)",
+        "accounting": "budget: a dynamic head's resident + retrieved tokens fit its budget (the paper's; M bounds what a "
+                      "question attends to); resident: the budget bounds resident tokens, retrieval adds up to as many",
+        "retrieve_share": "accounting=budget: share of a dynamic head's budget kept free for chunks retrieved while "
+                          "answering (whole chunks; the rest stays resident)",
     }
 
     theta: float = 0.9
@@ -107,6 +123,8 @@ class HybridKV(Policy, Probed):
     pool_kernel: int = 3
     chunk: int = 8
     classify_with: str = "probe"
+    accounting: str = "budget"
+    retrieve_share: float = 0.5
     _last: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -114,7 +132,9 @@ class HybridKV(Policy, Probed):
             raise BudgetError(f"cutoff must be one of {', '.join(CUTOFFS)}, got {self.cutoff!r}")
         if self.classify_with not in CLASSIFY_WITH:
             raise BudgetError(f"classify_with must be one of {', '.join(CLASSIFY_WITH)}, got {self.classify_with!r}")
-        for name in ("theta", "alpha", "top_k", "local_ratio"):
+        if self.accounting not in ACCOUNTINGS:
+            raise BudgetError(f"accounting must be one of {', '.join(ACCOUNTINGS)}, got {self.accounting!r}")
+        for name in ("theta", "alpha", "top_k", "local_ratio", "retrieve_share"):
             if not 0.0 <= float(getattr(self, name)) <= 1.0:
                 raise BudgetError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.share < 0 or self.chunk < 1 or self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
@@ -131,20 +151,38 @@ class HybridKV(Policy, Probed):
         sparsity = torch.stack(scores)  # [layers, H]
         static = sparsity > self.threshold(sparsity)
         held = torch.stack([valid_counts(view) for view in views])  # [layers, H]
-        budgets = self.budgets(sparsity, static, held, keep)
-        rankings = [self.rank_layer(view, priors[layer], static[layer], budgets[layer]) for layer, view in enumerate(views)]
-        info = {"static": static, "budget": budgets, "sparsity": sparsity}
+        offloaded = torch.stack([torch.zeros_like(held[0]) if view.offloaded is None else view.offloaded.to(held.device)
+                                 for view in views])
+        # What a head can be given: what it holds, plus (a dynamic head whose retrieval counts) what it can retrieve.
+        cap = held + offloaded if self.accounting == "budget" else held
+        budgets = self.budgets(sparsity, static, torch.where(static, held, cap), keep)
+        resident, retrieve = self.split(static, budgets, held)
+        rankings = [self.rank_layer(view, priors[layer], static[layer], resident[layer]) for layer, view in enumerate(views)]
+        info = {"static": static, "budget": budgets, "sparsity": sparsity, "resident": resident, "retrieve": retrieve}
         selection, kept = select_ranked(views, rankings, keep, info)
-        selection.offload = [self.offload(view, mask, static[layer], budgets[layer]) for layer, (view, mask) in enumerate(zip(views, kept))]
+        selection.offload = [self.offload(view, mask, static[layer], retrieve[layer]) for layer, (view, mask) in enumerate(zip(views, kept))]
         if selection.valid is None:  # every head kept as many tokens: still say which entries count
             selection.valid = [torch.ones_like(index, dtype=torch.bool) for index in selection.indices]
         self._last = {
             "static": static.cpu(),
             "sparsity": sparsity.float().cpu(),
             "budget": budgets.cpu(),
+            "resident": resident.cpu(),
+            "retrieve": retrieve.cpu(),
             "cutoff": float(self.threshold(sparsity)),
         }
         return selection
+
+    def split(self, static: torch.Tensor, budget: torch.Tensor, held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's ``budget [layers, H]`` as ``(resident, retrieve)`` tokens (see "Query-time accounting" in the
+        module docstring): static heads keep their budget resident and retrieve nothing; a dynamic head retrieves
+        ``R = floor(retrieve_share * B / chunk) * chunk`` (more if it holds fewer than ``B - R``: ``R = B - held``)
+        and keeps ``B - R`` (``accounting=budget``), or keeps ``B`` and retrieves ``B`` (``accounting=resident``)."""
+        if self.accounting == "resident":
+            return budget, torch.where(static, 0, budget)
+        share = torch.floor(self.retrieve_share * budget.double() / self.chunk).long() * self.chunk
+        retrieve = torch.where(static, 0, torch.maximum(share, budget - held.to(budget.device)).clamp(min=0).minimum(budget))
+        return budget - retrieve, retrieve
 
     # --- Sec. 3.1 ---------------------------------------------------------------------------
     def text_centric(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,8 +230,9 @@ class HybridKV(Policy, Probed):
 
     # --- Sec. 3.3 ---------------------------------------------------------------------------
     def rank_layer(self, view: LayerView, prior: torch.Tensor, static: torch.Tensor, budget: torch.Tensor) -> Ranking:
-        """One layer's ranking with a per-head budget: static heads keep the newest ``local_ratio`` of their
-        budget, then the probe's most attended tokens; dynamic heads their newest tokens. Padding last."""
+        """One layer's ranking keeping ``budget [H]`` tokens per head (the resident share of each head's budget):
+        static heads keep the newest ``local_ratio`` of it, then the probe's most attended tokens; dynamic heads
+        their newest tokens. Padding last."""
         heads, length = view.frame.shape
         device = view.keys.device
         budget, static = budget.to(device), static.to(device)
@@ -208,42 +247,51 @@ class HybridKV(Policy, Probed):
         reason = torch.where(static[:, None], torch.where(local, REASON_LOCAL, REASON_SALIENT), REASON_RESIDENT)
         return Ranking(priority.masked_fill(~valid, -1.0), reason.to(torch.int8), budget)
 
-    def offload(self, view: LayerView, kept: torch.Tensor, static: torch.Tensor, budget: torch.Tensor) -> OffloadUpdate:
-        """Dynamic heads move what they evict to the offload store (arrival order); static heads drop it."""
+    def offload(self, view: LayerView, kept: torch.Tensor, static: torch.Tensor, retrieve: torch.Tensor) -> OffloadUpdate:
+        """Dynamic heads move what they evict to the offload store (arrival order) and retrieve up to ``retrieve
+        [H]`` tokens while answering; static heads drop what they evict."""
         heads, length = view.frame.shape
         device = view.keys.device
-        static, budget = static.to(device), budget.to(device)
+        static, retrieve = static.to(device), retrieve.to(device)
         valid = view.valid if view.valid is not None else torch.ones(heads, length, dtype=torch.bool, device=device)
         evicted = valid & ~kept & ~static[:, None]
         count = evicted.sum(dim=1)
         arrival = torch.where(evicted, view.order.long(), torch.iinfo(torch.int64).max)
         tokens = torch.argsort(arrival, dim=1)[:, : int(count.max()) if heads else 0]
         token_valid = torch.arange(tokens.shape[1], device=device)[None] < count[:, None]
-        retrieve = torch.where(static, 0, budget)
-        return OffloadUpdate(tokens=tokens, valid=token_valid, retrieve=retrieve, chunk=self.chunk)
+        return OffloadUpdate(tokens=tokens, valid=token_valid, retrieve=torch.where(static, 0, retrieve), chunk=self.chunk,
+                             counted=self.accounting == "budget")
 
     # --- what it shows ----------------------------------------------------------------------
     view_titles = ("Head types",)
 
     def views(self, context: ViewContext, layer: int, head: int) -> list[View]:
-        """The layers x KV heads map of the last pass (static / dynamic), each cell's budget written in."""
+        """The layers x KV heads map of the last pass (static / dynamic), each cell's query-time context written in
+        (resident + retrievable tokens; the hover splits it and gives the budget)."""
         if not self._last:
             return []
-        static, budget, sparsity = (self._last[key].numpy() for key in ("static", "budget", "sparsity"))
+        static, budget, sparsity, resident, retrieve = (self._last[key].numpy() for key in
+                                                        ("static", "budget", "sparsity", "resident", "retrieve"))
+        context_tokens = resident + retrieve
         layers, heads = static.shape
-        hover = [[f"layer {l}, KV head {h}: {'static' if static[l, h] else 'dynamic'}, budget {int(budget[l, h])}, "
-                  f"sparsity {float(sparsity[l, h]):.3f}" for h in range(heads)] for l in range(layers)]
-        grid = CellGrid(classes=static.astype(int), class_names={1: "static", 0: "dynamic"}, numbers=budget, hover=hover,
+        hover = [[f"layer {l}, KV head {h}: {'static' if static[l, h] else 'dynamic'}, budget {int(budget[l, h])}: "
+                  f"{int(resident[l, h])} resident + up to {int(retrieve[l, h])} retrieved while answering = "
+                  f"{int(context_tokens[l, h])}, sparsity {float(sparsity[l, h]):.3f}" for h in range(heads)] for l in range(layers)]
+        grid = CellGrid(classes=static.astype(int), class_names={1: "static", 0: "dynamic"}, numbers=context_tokens, hover=hover,
                         row_names=[f"L{l}" for l in range(layers)], col_names=[f"head {h}" for h in range(heads)])
+        bound = ("within each head's budget" if self.accounting == "budget"
+                 else "a dynamic head's retrieval comes on top of its budget")
         caption = (f"static ({int(static.sum())}: pruned by the probe's attention), dynamic ({int((~static).sum())}: newest "
-                   f"tokens resident, the rest offloaded and retrieved while answering); numbers are each head's budget "
-                   f"(cutoff {float(self._last['cutoff']):.3f}).")
+                   f"tokens resident, the rest offloaded and retrieved while answering); numbers are the visual tokens each "
+                   f"head attends to while answering, resident + retrieved ({bound}; accounting={self.accounting}); "
+                   f"cutoff {float(self._last['cutoff']):.3f}.")
         return [Chart("Head types", caption, [grid])]
 
     def report(self) -> dict[str, Any]:
         if not self._last:
             return {"classified": False}
-        static, budget = self._last["static"], self._last["budget"]
+        static, budget, resident, retrieve = (self._last[key] for key in ("static", "budget", "resident", "retrieve"))
+        context_tokens = resident + retrieve
         return {
             "classified": True,
             "cutoff": self._last["cutoff"],
@@ -252,6 +300,11 @@ class HybridKV(Policy, Probed):
             "head_class": [["static" if s else "dynamic" for s in row] for row in static.tolist()],
             "budget": budget.tolist(),
             "sparsity": [[round(x, 4) for x in row] for row in self._last["sparsity"].tolist()],
+            "accounting": self.accounting,
+            "resident": resident.tolist(),
+            "retrieve": retrieve.tolist(),
+            "query_context": context_tokens.tolist(),
+            "query_context_tokens": round(float(context_tokens.double().mean(dim=1).max())),
         }
 
 

@@ -1,0 +1,162 @@
+"""Qwen3-VL through transformers' own classes (no remote code).
+
+Every temporal grid is ``<{t:.1f} seconds><|vision_start|>`` + its visual tokens + ``<|vision_end|>``, ``t`` the
+mean time of the grid's two frames: the stream carries that text, which lives in the memory's stream-text
+region (it counts against ``M`` and leaves with the grid's last visual token; :mod:`kvdemo.memory`).
+
+kvdemo follows the layout the model was trained with: the per-grid wrappers replace the chat template's video
+placeholder whole, as Qwen's own pipeline (qwen-vl-utils) and transformers' Qwen3-VL processor did at the
+model's release. transformers >= 5.10's processor replaces only ``<|video_pad|>``, so the template's outer
+``<|vision_start|>``/``<|vision_end|>`` stay around the per-grid wrappers (two extra tokens, every later
+position shifted by one); a test shows the two layouts side by side.
+
+Positions (interleaved M-RoPE, ``mrope_section`` e.g. [24, 20, 20]): text advances one position on every axis;
+a grid starting at ``s`` puts its tokens at ``(s, s + row, s + col)`` (temporal index 0: time lives in the
+text) and the next token at ``s + max(rows, cols)``, which equals transformers' ``get_rope_index``. DeepStack:
+the vision tower's intermediate features are added to the language model's hidden states at visual positions
+after its first layers, so each chunk passes its own (``forward_extras``). Frames are sized by the family's
+video processor's ``smart_resize`` for one temporal grid (factor 32); pixels come from that processor
+(mean = std = 0.5).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Qwen3VLForConditionalGeneration, Qwen3VLVideoProcessor
+
+from .adapter import TextCursor, TransformersAdapter, load_checkpoint
+from .base import FrameGeometry, VisualChunk
+
+MODEL_CLASSES: dict[str, Any] = {"qwen3_vl": Qwen3VLForConditionalGeneration}
+#: qwen-vl-utils' per-frame video bounds for Qwen3-VL: 128 to 768 merged tokens of 32 x 32 pixels.
+MIN_PIXELS, MAX_PIXELS = 128 * 32 * 32, 768 * 32 * 32
+#: A stream longer than a day is not expected: its timestamps stay within this many characters.
+LONGEST_TIMESTAMP = "<99999.9 seconds>"
+
+
+def timestamp(seconds: float) -> str:
+    """The text before a grid: ``<{t:.1f} seconds><|vision_start|>`` (Qwen3-VL's processor format)."""
+    return f"<{seconds:.1f} seconds><|vision_start|>"
+
+
+def geometry(config: Any, text_per_grid: int = 0, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> FrameGeometry:
+    """How a Qwen3-VL / Qwen3.5 ``config`` sizes frames (patch x merge = 32 pixels per token side)."""
+    vision = config.vision_config
+    return FrameGeometry("qwen3-vl", int(vision.patch_size) * int(vision.spatial_merge_size), int(vision.temporal_patch_size),
+                         min_pixels, max_pixels, text_per_grid=text_per_grid)
+
+
+def video_processor(config: Any) -> Qwen3VLVideoProcessor:
+    """The family's video processor for ``config`` (kvdemo resizes before it)."""
+    vision = config.vision_config
+    return Qwen3VLVideoProcessor(patch_size=int(vision.patch_size), merge_size=int(vision.spatial_merge_size),
+                                 temporal_patch_size=int(vision.temporal_patch_size))
+
+
+class Qwen3VL(TransformersAdapter):
+    """A Qwen3-VL model behind the :class:`~kvdemo.models.base.VideoLM` protocol (Qwen3.5 subclasses it)."""
+
+    processor_options = {"cap_pixels_per_frame": False}  # kvdemo sizes frames itself (the geometry)
+
+    def __init__(self, model: Any, tokenizer: Any, name: str, processor: Any = None, random_weights: bool = False,
+                 notice: str | None = None, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> None:
+        config = model.config
+        text_per_grid = len(tokenizer.encode(timestamp(99999.9) + "<|vision_end|>", add_special_tokens=False))
+        super().__init__(model, tokenizer, processor or video_processor(config),
+                         geometry(config, text_per_grid, min_pixels, max_pixels), name, random_weights, notice)
+        vision = config.vision_config
+        self.family = config.model_type
+        self.merge_size = int(vision.spatial_merge_size)
+        self.temporal_patch_size = int(vision.temporal_patch_size)
+
+    def prefix_text(self) -> str:
+        """The chat template up to the first grid's timestamp (Qwen3's template has no default system turn)."""
+        return "<|im_start|>user\n"
+
+    # --- vision ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def encode(self, frames: np.ndarray, first_grid: int, times_s: np.ndarray, fps: float) -> VisualChunk:
+        """Vision-encode one chunk ``[T, H, W, 3]``: each grid's timestamp and delimiters around its visual
+        tokens, and the DeepStack features of the visual tokens (an odd tail is paired with a copy of itself)."""
+        start = time.perf_counter()
+        inputs = self.processor_inputs(frames)
+        grid_thw = inputs["video_grid_thw"]
+        visual = self.hf.model.visual
+        output = self.hf.model.get_video_features(inputs["pixel_values_videos"].to(visual.device, visual.dtype),
+                                                  grid_thw.to(visual.device), return_dict=True)
+        embeds = torch.cat(list(output.pooler_output), dim=0).to(self.device, self.dtype)
+        grid_t, grid_h, grid_w = (int(x) for x in grid_thw[0])
+        rows, cols = grid_h // self.merge_size, grid_w // self.merge_size
+        per_grid = rows * cols
+        pad = len(times_s) - 1
+        times = [(float(times_s[min(k * 2, pad)]) + float(times_s[min(k * 2 + self.temporal_patch_size - 1, pad)])) / 2
+                 for k in range(grid_t)]
+        parts, text, grid, row, col = [], [], [], [], []
+        after = self.tokenize("<|vision_end|>")
+        local = torch.arange(per_grid)
+        for k in range(grid_t):  # a chunk holds one or two grids
+            before = self.tokenize(timestamp(times[k]))
+            parts += [self.embed_text(before), embeds[k * per_grid : (k + 1) * per_grid], self.embed_text(after)]
+            text += [torch.ones(len(before), dtype=torch.bool), torch.zeros(per_grid, dtype=torch.bool),
+                     torch.ones(len(after), dtype=torch.bool)]
+            count = len(before) + per_grid + len(after)
+            grid.append(torch.full((count,), first_grid + k))
+            none_before, none_after = torch.full((len(before),), -1), torch.full((len(after),), -1)
+            row.append(torch.cat([none_before, local // cols, none_after]))
+            col.append(torch.cat([none_before, local % cols, none_after]))
+        extras = {}
+        deepstack = getattr(output, "deepstack_features", None)
+        if deepstack:
+            extras["deepstack"] = [torch.cat(list(feature), dim=0).to(self.device, self.dtype) for feature in deepstack]
+        return VisualChunk(
+            embeds=torch.cat(parts),
+            grid=torch.cat(grid),
+            row=torch.cat(row),
+            col=torch.cat(col),
+            first_grid=first_grid,
+            num_grids=grid_t,
+            rows=rows,
+            cols=cols,
+            grid_times_s=[float(times_s[min(k * self.temporal_patch_size, pad)]) for k in range(grid_t)],
+            frames=int(frames.shape[0]),
+            second_per_grid=self.temporal_patch_size / fps,
+            end_time_s=float(times_s[-1]),
+            encode_ms=(time.perf_counter() - start) * 1000,
+            text=torch.cat(text),
+            extras=extras,
+        )
+
+    # --- positions ------------------------------------------------------------------------
+    def chunk_positions(self, chunk: VisualChunk, cursor: TextCursor) -> tuple[torch.Tensor, TextCursor]:
+        """Text one position apart on all axes; a grid at ``(s, s + row, s + col)``, the token after it at
+        ``s + max(rows, cols)`` (see the module docstring)."""
+        text = chunk.text if chunk.text is not None else torch.zeros(chunk.num_tokens, dtype=torch.bool)
+        positions = torch.empty(3, chunk.num_tokens, dtype=torch.long)
+        # Each text token and each grid is one step: how far the step advances, and where it starts.
+        first_visual = ~text & torch.cat([torch.ones(1, dtype=torch.bool), text[:-1] | (chunk.grid[1:] != chunk.grid[:-1])])
+        advance = torch.where(text, 1, 0) + first_visual.long() * max(chunk.rows, chunk.cols)
+        start = cursor.next + torch.cumsum(advance, 0) - advance  # position where each step begins
+        visual_start = torch.cummax(torch.where(first_visual, start, -1), 0).values  # its grid's s, for visual tokens
+        positions[:, text] = start[text].expand(3, -1)
+        s = visual_start[~text]
+        positions[0, ~text] = s
+        positions[1, ~text] = s + chunk.row[~text].long()
+        positions[2, ~text] = s + chunk.col[~text].long()
+        return positions, TextCursor(cursor.next + int(advance.sum()))
+
+    # --- language model -------------------------------------------------------------------
+    def forward_extras(self, chunk: VisualChunk | None, length: int) -> dict[str, Any]:
+        """DeepStack: a chunk's visual positions and its features for the first decoder layers."""
+        if chunk is None or "deepstack" not in chunk.extras:
+            return {}
+        return {"visual_pos_masks": (~chunk.text)[None].to(self.device), "deepstack_visual_embeds": chunk.extras["deepstack"]}
+
+
+def load(model_id: str, config: Any, device: str | None = None) -> Qwen3VL:
+    """Load a Qwen3-VL checkpoint (Hub id or local folder) with transformers' classes."""
+    model, tokenizer, processor = load_checkpoint(MODEL_CLASSES[config.model_type], model_id, device)
+    return Qwen3VL(model, tokenizer, name=model_id, processor=processor)

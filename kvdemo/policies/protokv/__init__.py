@@ -1,0 +1,13 @@
+"""ProtoKV (paper 003) as a package, one room per concern:
+
+- :mod:`.policy`: the policy (Alg. 1-4 orchestrated over every layer and KV head at once, its views, its report);
+- :mod:`.bank`: the prototype bank and its operations (seed, update, residuals, aging, merging, recycling,
+  the assignment record the views read);
+- :mod:`.pq`: product quantisation of residuals (codebooks, encode/decode, Alg. 3's beam search);
+- :mod:`.ema`: running statistics (closed-form EMA over a chunk, running means, the spatial Mahalanobis distance).
+"""
+
+from .bank import ProtoBank
+from .policy import REASON_NAMES, REASON_NEAR, ProtoKV
+
+__all__ = ["REASON_NAMES", "REASON_NEAR", "ProtoBank", "ProtoKV"]

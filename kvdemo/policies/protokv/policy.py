@@ -1,0 +1,457 @@
+"""``protokv``: ProtoKV (paper 003): an exact near window plus a fixed-capacity prototype bank, read at
+attention time through pseudo-tokens carrying a ``log n_k`` key bias. This module orchestrates Alg. 1-4 and
+declares the views and the report; the bank and its operations are :mod:`.bank`, the PQ helpers :mod:`.pq`,
+the running statistics :mod:`.ema`.
+
+Budget (Sec. 3, Table 5): one number ``M = W + K_max * S`` per layer and KV head, split ``W : K_max*S = 1 : 3``
+with ``S = 8`` pseudo-tokens per prototype (``K_max = floor(3M / 4S)``, ``W = M - K_max S``). The memory keeps
+the newest ``W`` visual tokens exactly (the near window) and reserves ``K_max * S`` summary slots.
+
+Each compression (the engine runs one when the next chunk would overflow ``M``, i.e. when the near window
+would exceed ``W``) evicts the oldest near tokens and absorbs them, per layer and KV head, into that row's
+bank (Alg. 1), runs maintenance (Alg. 2), and refreshes the pseudo-tokens of the prototypes that changed
+(Alg. 3-4). All ``B = layers * H_kv`` bank rows are processed at once; nothing loops over tokens, heads or
+prototypes.
+
+**Keys before RoPE** (Sec. 3.3, D.1). Centres average keys from different positions, so they are kept
+pre-RoPE: evicted keys are un-rotated with their known 3-D M-RoPE positions (exact: a rotation, computed in
+float32 from the cached keys, so a bfloat16 cache's keys are not rounded again), and a prototype's pseudo-tokens
+are rotated at ``tau_k``, the position of its most recently absorbed token.
+
+**Batching (kvdemo's).** Alg. 1 absorbs one token at a time. Here one chunk's evicted tokens (in arrival
+order) are absorbed together: first, never-used slots take the first tokens, one each (as Alg. 1 would);
+then every other token is assigned by Eq. 1 against the bank as it stands after those initialisations. Given
+the assignments, centres, mass, recency, spatial mean and covariance follow the sequential updates exactly
+(a token that is the ``r``-th of ``m`` on its prototype weighs ``a (1-a)^(m-1-r)``, the old state ``(1-a)^m``;
+the covariance's deviations use the running mean, a per-prototype prefix). Two things use the chunk-start
+state instead of the running one: the assignment itself, and each token's PQ residual (Alg. 1 line 13 reads
+the centre right after that token's update, ``(1-a)(x - c_before)``; ``c_before`` is taken at the chunk
+start). With at most one token per prototype in a chunk and assignments that do not change mid-chunk, the
+batch equals Alg. 1 token by token; tests measure the drift otherwise.
+
+**Maintenance (Alg. 2), once per chunk.** Aging multiplies the mass of prototypes idle for more than ``T_idle``
+by ``1 - gamma`` (floored). Merging compares the prototypes touched in this chunk (and pairs left pending)
+with all others, on L2-normalised centres (kvdemo's choice: the paper's thresholds ``(eps_K, eps_V) =
+(0.20, 0.25)`` give no scale, and raw key norms vary by orders of magnitude across models and layers); a
+prototype merges into the lowest-index partner that is not itself merging. Recycling refills slots that
+were used and became empty (merged away, or decayed to zero mass) from the newest near-window tokens;
+never-used slots wait for evicted tokens (Sec. 3.1, "Initialization"). ``n_k`` counts the tokens a prototype
+summarises, each once: a recycled slot's seed token is still exact in the near window, so the slot starts at
+``n_k = 0`` (hidden from attention, open to assignment) and the seed adds its 1 when it leaves the window
+(kvdemo's reading of Alg. 2 line 17; :mod:`.bank`, "Every token counts once").
+
+**Residuals (Alg. 1 line 13, App. A.1).** Per row, PQ codebooks (``G`` sub-quantisers of ``C`` codewords, keys
+and values separately) are trained by k-means on a warm-up reservoir of the first ``warmup`` residuals
+(kvdemo's ``T_warm``: 256 residuals per row; Lloyd iterations on the whole reservoir, which is one mini-batch)
+and fixed; residuals before that count in no histogram. **Pseudo-tokens (Alg. 3-4):** the top-``S`` code tuples
+by beam search (``B = 4S``, run ``min(B, S)`` wide: the same tuples, see :func:`.pq.beam_search`, which also
+states how tied tuples are ordered) over the smoothed histograms (kvdemo's ``epsilon = 0.1``), key and value modes
+paired by rank; ``n_res = 0`` gives zero residuals. Residuals that are exactly zero stay out of the warm-up
+reservoir. Each of the ``S`` pseudo-tokens carries bias ``log n_k``, computed in float64 and kept in float32 by
+the memory whatever the cache dtype (see :func:`kvdemo.attention.mask_dtype` for what the kernel receives).
+
+Time ``t`` (idleness, ``T_idle``) counts temporal grids (the unit a Qwen chunk adds: two sampled frames):
+kvdemo's reading of the paper's "steps".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ...views import LOST, Chart, Histogram, PatchLabels, Series, View, ViewContext
+from ..base import BudgetError, LayerView, PhaseTimer, Policy, Selection, SummaryRegion, SummaryUpdate, register, select_with_text
+from .bank import NearTokens, ProtoBank, Tokens
+from .ema import mahalanobis
+from .pq import beam_search, pq_decode
+
+REASON_NEAR = 0
+REASON_NAMES = {REASON_NEAR: "near window (exact)"}
+
+
+@register
+@dataclass
+class ProtoKV(Policy, SummaryRegion):
+    """An exact near window of ``W`` tokens plus ``K_max`` prototypes exposed as ``S`` pseudo-tokens each."""
+
+    name = "protokv"
+    reason_names = REASON_NAMES
+    benchmarks = ("update",)
+    summary = "Exact near window + a prototype bank summarising evicted tokens, read through log-mass-biased pseudo-tokens."
+    help = {
+        "near_share": "W / M: the exact near window's share of the budget (paper: W : K_max*S = 1 : 3)",
+        "pseudo_tokens": "S: pseudo-tokens per prototype at read time (K_max = (1 - near_share) M / S)",
+        "lambda_sp": "weight of the spatial Mahalanobis term in the assignment (0 = no continuity)",
+        "lambda_idle": "penalty for assigning to a prototype idle longer than t_idle",
+        "t_idle": "idle threshold in temporal grids (aging and the idle penalty)",
+        "centre_rate": "EMA rate of the key/value centres (alpha = beta)",
+        "spatial_rate": "EMA rate of the spatial mean and covariance (eta)",
+        "decay": "mass decay of idle prototypes per maintenance (gamma)",
+        "merge_k": "merge threshold on normalised key centres (eps_K)",
+        "merge_v": "merge threshold on normalised value centres (eps_V)",
+        "subquantizers": "G: PQ sub-quantisers of the residual histograms",
+        "codewords": "C: codewords per sub-quantiser",
+        "beam": "beam width of the residual-mode search (0 = 4 S)",
+        "warmup": "residuals per row collected before the PQ codebooks are trained (T_warm)",
+        "smoothing": "epsilon of the smoothed PQ probabilities",
+        "residuals": "decode residual modes (off = pseudo-tokens are the centres: 'w/o residual stats')",
+        "mass_bias": "add log n_k to pseudo-token logits (off = 'w/o mass bias')",
+        "history": "absorbed temporal grids whose prototype assignment is kept for the views",
+    }
+
+    near_share: float = 0.25
+    pseudo_tokens: int = 8
+    lambda_sp: float = 0.1
+    lambda_idle: float = 0.01
+    t_idle: int = 120
+    centre_rate: float = 0.05
+    spatial_rate: float = 0.05
+    decay: float = 0.05
+    merge_k: float = 0.20
+    merge_v: float = 0.25
+    subquantizers: int = 8
+    codewords: int = 16
+    beam: int = 0
+    warmup: int = 256
+    smoothing: float = 0.1
+    residuals: bool = True
+    mass_bias: bool = True
+    history: int = 16
+    _bank: ProtoBank | None = field(default=None, init=False, repr=False, compare=False)
+    _last: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < float(self.near_share) < 1.0:
+            raise BudgetError(f"near_share must be in (0, 1), got {self.near_share}")
+        for name in ("pseudo_tokens", "subquantizers", "codewords", "warmup", "history"):
+            if int(getattr(self, name)) < 1:
+                raise BudgetError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("centre_rate", "decay"):
+            if not 0.0 <= float(getattr(self, name)) <= 1.0:
+                raise BudgetError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0.0 <= float(self.spatial_rate) < 1.0:
+            raise BudgetError(f"spatial_rate must be in [0, 1), got {self.spatial_rate}")
+        if self.beam < 0 or self.t_idle < 0 or self.smoothing <= 0:
+            raise BudgetError("beam and t_idle must be >= 0 and smoothing > 0")
+
+    # --- budget ---------------------------------------------------------------------------
+    def split(self, budget: int) -> tuple[int, int]:
+        """``(W, K_max)`` for budget ``M``: ``K_max = floor((1 - near_share) M / S)``, ``W = M - K_max S``."""
+        prototypes = int((1.0 - self.near_share) * budget) // self.pseudo_tokens
+        near = budget - prototypes * self.pseudo_tokens
+        if prototypes < 1 or near < 1:
+            raise BudgetError(
+                f"M={budget} is too small for ProtoKV: it needs room for a near window and at least one prototype "
+                f"of S={self.pseudo_tokens} pseudo-tokens"
+            )
+        return near, prototypes
+
+    def summary_slots(self, budget: int) -> int:
+        return self.split(budget)[1] * self.pseudo_tokens
+
+    window_name = "near window"
+
+    def describe_split(self, budget: int) -> str:
+        near, prototypes = self.split(budget)
+        return f"a near window of {near} exact tokens + {prototypes} prototypes x {self.pseudo_tokens} pseudo-tokens"
+
+    # --- the pass -------------------------------------------------------------------------
+    def compress(self, views: list[LayerView], keep: int) -> Selection:
+        """Keep the newest ``keep`` near tokens of every row, absorb the others, refresh the summary.
+
+        Where the stream carries its own text (Qwen3-VL's timestamps), that text counts against the near
+        window (:func:`select_with_text`): the window keeps the newest tokens whose grids' text fits too."""
+        heads, dim = views[0].num_heads, views[0].keys.shape[-1]
+        device = views[0].keys.device
+        keep = min(self._near_with_text(view, keep) for view in views)
+        indices, evicted, newest = [], [], []
+        for view in views:
+            ranked = torch.argsort(view.order, dim=1)  # oldest first
+            cut = view.length - keep
+            evicted.append(ranked[:, :cut])
+            indices.append(ranked[:, cut:].sort(dim=1).values)
+            newest.append(ranked[:, cut:].flip(1))
+        evict = torch.stack(evicted)  # [layers, H, E]
+        near_newest = torch.stack(newest)  # [layers, H, keep], newest first
+        if self._bank is None:
+            prototypes = views[0].summary_slots // self.pseudo_tokens
+            if prototypes < 1:
+                raise BudgetError("ProtoKV needs a memory with a summary region (use StreamEngine, which sizes it from M)")
+            self._bank = self._new_bank(len(views) * heads, prototypes, dim, views[0].grid, device)
+        bank = self._bank
+        t = int(views[0].newest_frame)
+        timer = PhaseTimer()
+        touched = torch.zeros(bank.rows, bank.capacity, dtype=torch.bool, device=device)
+        if evict.shape[-1]:
+            with timer.phase("gather", device):
+                tokens = self._gather(views, evict)
+            touched |= self.absorb(bank, *tokens[:7], t, timer, order=tokens.order)
+        with timer.phase("maintenance", device):
+            touched |= self.maintain(bank, lambda count: self._gather(views, near_newest[..., :count]), t, touched)
+        with timer.phase("synthesis", device):
+            summary = self.synthesize(bank, touched, views[0].rotary, heads)
+        reasons = [torch.full_like(index, REASON_NEAR, dtype=torch.int8) for index in indices]
+        self._last = {
+            "evicted": int(evict.shape[-1]),
+            "touched": int(touched.sum()),
+            "pending_merges": int(bank.pending.sum()),
+            "ms": {name: round(ms, 3) for name, ms in timer.ms.items()},
+        }
+        return Selection(indices, {"reason": reasons, "touched": touched, "phase_ms": dict(self._last["ms"])}, summary=summary)
+
+    @staticmethod
+    def _near_with_text(view: LayerView, keep: int) -> int:
+        """Newest tokens every head of ``view`` can keep within ``keep`` once their grids' text is charged."""
+        if view.grid_text is None:
+            return keep
+        kept = select_with_text(view.order.double(), keep, view.order, view.frame, view.grid_text)
+        return int(kept.sum(dim=1).min())
+
+    def synthesize_all(self, rotary: Any, heads: int) -> None:
+        if self._bank is not None:
+            self.synthesize(self._bank, torch.ones_like(self._bank.used), rotary, heads)
+
+    def _new_bank(self, rows: int, prototypes: int, dim: int, grid: tuple[int, int], device: torch.device) -> ProtoBank:
+        """An empty bank of ``rows x prototypes`` slots with this policy's PQ shape, warm-up and view history."""
+        if dim % self.subquantizers:
+            raise BudgetError(f"head dim {dim} is not divisible by {self.subquantizers} PQ sub-quantisers")
+        return ProtoBank.empty(rows, prototypes, dim, grid, self.subquantizers, self.codewords, self.warmup, self.history, device)
+
+    @staticmethod
+    def _gather(views: list[LayerView], index: torch.Tensor) -> Tokens:
+        """Tokens ``index [layers, H, E]`` of every row (:class:`~.bank.Tokens`, ``[B, E, ...]``). Keys are
+        un-rotated in float32 (a bfloat16 cache's keys are widened first, so the key before RoPE is not rounded
+        back to bfloat16: Sec. 3.3 keeps centres before RoPE, and their EMA is float32)."""
+        keys, values, position, frame, row, col, order = [], [], [], [], [], [], []
+        for view, idx in zip(views, index):
+            expand = idx[..., None].expand(-1, -1, view.keys.shape[-1])
+            keys.append(torch.gather(view.keys, 1, expand))
+            values.append(torch.gather(view.values, 1, expand))
+            position.append(torch.gather(view.position, 1, idx[..., None].expand(-1, -1, 3)))
+            frame.append(torch.gather(view.frame, 1, idx))
+            row.append(torch.gather(view.row, 1, idx))
+            col.append(torch.gather(view.col, 1, idx))
+            order.append(torch.gather(view.order, 1, idx))
+        position = torch.cat(position).long()
+        keys = torch.cat(keys)
+        rotary = views[0].rotary
+        if rotary is None:
+            raise BudgetError("ProtoKV needs the model's rotation to keep keys before RoPE (views without rotary)")
+        keys = rotary.unrotate(keys.float(), position)
+        rows, cols = views[0].grid
+        row, col = torch.cat(row).float(), torch.cat(col).float()
+        spatial = torch.stack([(row + 0.5) / rows, (col + 0.5) / cols], dim=-1)
+        return Tokens(keys, torch.cat(values).float(), spatial, position, torch.cat(frame).long(), row.long(), col.long(),
+                      torch.cat(order).long())
+
+    # --- Alg. 1 -----------------------------------------------------------------------------
+    def absorb(
+        self,
+        bank: ProtoBank,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        spatial: torch.Tensor,
+        position: torch.Tensor,
+        frame: torch.Tensor,
+        row: torch.Tensor,
+        col: torch.Tensor,
+        t: int,
+        timer: PhaseTimer | None = None,
+        order: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Absorb evicted tokens ``[B, E, ...]`` (arrival order along ``E``, arrival numbers ``order [B, E]``) into the
+        bank; returns the prototypes touched ``[B, K]``. See the module docstring for the batching. A token that
+        seeded a recycled slot only adds its deferred mass there (:meth:`ProtoBank.credit_seeds`); ``order`` None
+        (hand-made tokens) means none did. ``timer`` splits the time into assignment / update / residuals."""
+        rows, tokens = keys.shape[:2]
+        device = keys.device
+        timer = timer or PhaseTimer()
+        arange_rows = torch.arange(rows, device=device)[:, None]
+        credited = bank.credit_seeds(order) if order is not None else torch.full((rows, tokens), -1, device=device)
+        seeds = credited >= 0
+        # 1. Never-used slots take the first other tokens, one each, in slot order.
+        fresh = ~bank.used
+        fresh_count = fresh.sum(dim=1)  # [B]
+        slot_of_rank = torch.argsort((~fresh).to(torch.int8), dim=1, stable=True)  # fresh slots first, in order
+        token_rank = torch.cumsum((~seeds).long(), dim=1) - 1  # rank among the tokens that are not seeds
+        initialise = ~seeds & (token_rank < fresh_count[:, None])  # [B, E]
+        init_slot = torch.gather(slot_of_rank, 1, token_rank.clamp(0, bank.capacity - 1))
+        r_i, e_i = torch.nonzero(initialise, as_tuple=True)
+        s_i = init_slot[r_i, e_i]
+        bank.seed(r_i, s_i, keys[r_i, e_i], values[r_i, e_i], spatial[r_i, e_i], position[r_i, e_i], t)
+        assigned = torch.where(initialise, init_slot, credited)
+        # 2. The others: Eq. 1 against the bank after those initialisations.
+        rest = ~initialise & ~seeds
+        if bool(rest.any()):
+            with timer.phase("assignment", device):
+                choice = self.assignment_cost(bank, keys, spatial, t).argmin(dim=-1)  # [B, E]
+            assigned = torch.where(rest, choice, assigned)
+            with timer.phase("update", device):
+                cell, residual_k, residual_v = bank.update(keys, values, spatial, position, choice, rest, t,
+                                                           self.centre_rate, self.spatial_rate)
+            with timer.phase("residuals", device):
+                self._record_residuals(bank, cell, rest, residual_k, residual_v)
+        touched = torch.zeros(rows, bank.capacity, dtype=torch.bool, device=device)
+        touched[arange_rows.expand(-1, tokens), assigned] = True
+        bank.record_assignment(assigned, frame, row, col)
+        return touched
+
+    def assignment_cost(self, bank: ProtoBank, keys: torch.Tensor, spatial: torch.Tensor, t: int) -> torch.Tensor:
+        """Eq. 1 for every token and prototype, ``[B, E, K]``: ``-cos(K, c_k) + lambda_sp d_Mah(s; mu_k,
+        Sigma_k) + lambda_idle 1(t - tau_k > T_idle)``; slots that are not open (:attr:`ProtoBank.open`) cost ``+inf``."""
+        unit_keys, unit_centres = F.normalize(keys, dim=-1), F.normalize(bank.centre_k, dim=-1)
+        # Per-prototype terms in one [B, 1, K] row: the idle penalty, and +inf on empty slots.
+        per_prototype = torch.zeros(bank.mass.shape, dtype=unit_keys.dtype, device=keys.device)
+        if self.lambda_idle:
+            per_prototype += self.lambda_idle * ((t - bank.tau_time) > self.t_idle).to(per_prototype.dtype)
+        per_prototype.masked_fill_(~bank.open, float("inf"))
+        if self.lambda_sp:
+            cost = mahalanobis(spatial, bank.mu, bank.sigma).mul_(self.lambda_sp)
+            cost.baddbmm_(unit_keys, unit_centres.transpose(1, 2), alpha=-1.0)  # - cos, fused into the sum
+        else:
+            cost = -(unit_keys @ unit_centres.transpose(1, 2))
+        return cost.add_(per_prototype[:, None, :])  # [B, E, K], written in place (no [B, E, K] temporaries)
+
+    def _record_residuals(
+        self, bank: ProtoBank, cell: torch.Tensor, mask: torch.Tensor, residual_k: torch.Tensor, residual_v: torch.Tensor
+    ) -> None:
+        """Alg. 1 line 13 (:meth:`ProtoBank.record_residuals`); one seam, so a test can read the residuals."""
+        bank.record_residuals(cell, mask, residual_k, residual_v)
+
+    # --- Alg. 2 -----------------------------------------------------------------------------
+    def maintain(self, bank: ProtoBank, near: NearTokens, t: int, changed: torch.Tensor | None = None) -> torch.Tensor:
+        """Aging, merging, recycling (once per chunk); returns the prototypes whose centres changed.
+        ``near(n)`` gathers the newest ``n`` near-window tokens of every row (as :meth:`_gather` returns them);
+        ``changed [B, K]`` marks the prototypes absorption touched (merge candidates; all when None)."""
+        if changed is None:
+            changed = torch.ones_like(bank.used)
+        bank.age(t, self.t_idle, self.decay)
+        touched = bank.merge(changed | bank.pending, self.merge_k, self.merge_v)
+        touched |= bank.recycle(near, t)
+        return touched
+
+    # --- Alg. 3-4 ---------------------------------------------------------------------------
+    def synthesize(self, bank: ProtoBank, touched: torch.Tensor, rotary: Any, heads: int) -> list[SummaryUpdate]:
+        """Pseudo-tokens of the touched prototypes (rotated at ``tau_k``) and the bias of every slot, per layer."""
+        rows, capacity = bank.mass.shape
+        s = self.pseudo_tokens
+        layers = rows // heads
+        count = int(touched.sum(dim=1).max()) if rows else 0
+        # Touched prototypes per row, padded by repeating the row's first touched one (rewriting a slot with
+        # its own value is harmless).
+        order = torch.argsort((~touched).to(torch.int8), dim=1, stable=True)[:, : max(count, 1)]
+        valid = torch.gather(touched, 1, order)
+        order = torch.where(valid, order, order[:, :1])
+        rows_idx = torch.arange(rows, device=order.device)[:, None].expand_as(order)
+        residual_k, residual_v = self.residual_modes(bank, rows_idx, order)  # [B, U, S, D], fresh tensors
+        keys = residual_k.add_(bank.centre_k[rows_idx, order][:, :, None])
+        values = residual_v.add_(bank.centre_v[rows_idx, order][:, :, None])
+        keys = rotary.rotate(keys, bank.tau_pos[rows_idx, order][:, :, None])  # one position per prototype [B, U, 1, 3]
+        slots = (order[:, :, None] * s + torch.arange(s, device=order.device)).flatten(1)  # [B, U*S]
+        mass = bank.mass.double()
+        bias = torch.where(mass > 0, mass.clamp_min(1).log() if self.mass_bias else torch.zeros_like(mass), float("-inf"))
+        bias = bias.float().repeat_interleave(s, dim=1)  # [B, K*S]
+        dim = keys.shape[-1]
+        updates = []
+        for layer in range(layers):
+            part = slice(layer * heads, (layer + 1) * heads)
+            updates.append(
+                SummaryUpdate(
+                    keys=keys[part].reshape(heads, -1, dim),
+                    values=values[part].reshape(heads, -1, dim),
+                    bias=bias[part],
+                    slots=slots[part] if count else slots[part][:, :0],
+                )
+            )
+        return updates
+
+    def residual_modes(self, bank: ProtoBank, rows: torch.Tensor, protos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Alg. 3 for prototypes ``protos [B, U]``: decoded top-S key and value residual modes ``[B, U, S, D]``
+        (zero where ``n_res = 0``, before the codebooks exist, or with ``residuals`` off)."""
+        dim = bank.centre_k.shape[-1]
+        shape = (*protos.shape, self.pseudo_tokens, dim)
+        if bank.codebook_k is None or not self.residuals:
+            return torch.zeros(shape, device=protos.device), torch.zeros(shape, device=protos.device)
+        out = []
+        empty = (bank.n_res[rows, protos] == 0)[:, :, None, None]
+        for hist, codebook in ((bank.hist_k, bank.codebook_k), (bank.hist_v, bank.codebook_v)):
+            codes = beam_search(hist[rows, protos], self.pseudo_tokens, self.beam or 4 * self.pseudo_tokens, self.smoothing)
+            out.append(pq_decode(codes, codebook[rows[:, 0]]).masked_fill_(empty, 0.0))  # [B, U, S, D]
+        return out[0], out[1]
+
+    # --- what it shows ----------------------------------------------------------------------
+    view_titles = ("Prototype assignments", "Prototype bank")
+
+    def assignments(self, layer: int, head: int, heads: int) -> dict[str, Any] | None:
+        """The last absorbed grids of one (layer, KV head) as plain data: ``grids`` (oldest first),
+        ``prototype [n, rows, cols]`` (``UNLABELLED`` = not absorbed: still exact in the near window, or never
+        held; ``LOST`` = absorbed into a prototype since recycled, so no longer represented) and ``mass [K]``."""
+        if self._bank is None:
+            return None
+        return self._bank.assignments(layer * heads + head)
+
+    def summarised(self, context: ViewContext, layer: int, head: int) -> np.ndarray | None:
+        """Every patch is represented (exactly in the near window, or by the prototype it was absorbed into)
+        except those absorbed into a prototype since recycled."""
+        if context.grid_shape is None:
+            return None
+        represented = np.ones((context.num_grids, *context.grid_shape), dtype=bool)
+        data = self.assignments(layer, head, context.num_kv_heads)
+        for grid, ids in zip(data["grids"], data["prototype"]) if data else ():
+            if grid < context.num_grids:
+                represented[grid][ids == LOST] = False
+        return represented
+
+    def views(self, context: ViewContext, layer: int, head: int, last: int = 4) -> list[View]:
+        """The prototype each patch of the newest absorbed grids went to, and the bank: its mass histogram
+        and the pseudo-tokens attention can see over stream time."""
+        data = self.assignments(layer, head, context.num_kv_heads)
+        if data is None:
+            return []
+        views: list[View] = []
+        shown = [(g, ids) for g, ids in zip(data["grids"][-last:], data["prototype"][-last:]) if g < context.num_grids]
+        mass = data["mass"]
+        if shown:
+            labels = np.stack([ids for _, ids in shown])
+            ids = np.unique(labels[labels >= 0])
+            top = sorted(ids.tolist(), key=lambda k: -int(mass[k]))[:8]
+            listed = ", ".join(f"<b>{k}</b> (mass {int(mass[k])})" for k in top)
+            caption = (f"Layer {layer}, KV head {head}: each patch of these absorbed frames is represented by the prototype "
+                       f"whose id it shows (same colour = same prototype); untinted = still exact in the near window"
+                       + ("; dark red = its prototype was recycled since" if (labels == LOST).any() else "")
+                       + (f". Heaviest here: {listed}." if listed else "."))
+            frame_captions = [f"t={context.grid_times_s[g]:.1f}s  {100 * (ids >= 0).mean():.0f}% in the bank" for g, ids in shown]
+            views.append(PatchLabels("Prototype assignments", caption, [g for g, _ in shown], labels, frame_captions))
+        active = mass[mass > 0]
+        events = context.timeline
+        occupancy = Series([e.time_s for e in events], {"pseudo-tokens visible": [e.summary_active for e in events]},
+                           "stream time (s)", "pseudo-tokens", limit=context.summary_slots)
+        histogram = Histogram(active, f"mass n_k (layer {layer}, head {head})", "prototypes")
+        caption = (f"{int(active.size)} of {len(mass)} prototypes active in this bank, total mass {int(active.sum())}; "
+                   f"right: pseudo-tokens attention can see (capacity {context.summary_slots}, dashed).")
+        views.append(Chart("Prototype bank", caption, [histogram, occupancy]))
+        return views
+
+    def report(self) -> dict[str, Any]:
+        bank = self._bank
+        if bank is None:
+            return {"prototypes": 0}
+        mass = bank.mass[bank.active]
+        return {
+            "rows": bank.rows,
+            "capacity": bank.capacity,
+            "active": int(bank.active.sum()),
+            "active_per_row": round(float(bank.active.sum(dim=1).double().mean()), 2),
+            "mass_total": int(mass.sum()),
+            "mass_quantiles": {q: float(torch.quantile(mass.double(), q / 100)) for q in (10, 50, 90, 100)} if mass.numel() else {},
+            "codebooks_trained": bank.codebook_k is not None,
+            "residual_updates": int(bank.n_res.sum()),
+            "merged": bank.merged,
+            "recycled": bank.recycled,
+            "seeds_in_window": int((bank.seed_slot >= 0).sum()),
+            "last_pass": dict(self._last),
+        }
