@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .attention import MemoryCache
+from .dialogue import QuestionError, check_question, replayed_dialogue
 from .memory import KVMemory, OccupancyEvent
 from .models.base import VideoLM, VisualChunk
 from .budget import Budget
@@ -26,10 +27,6 @@ from .survival import survival_fraction
 from .views import View, ViewContext
 
 DEFAULT_MAX_NEW_TOKENS = 64
-#: The longest question (tokens), and the most tokens of earlier turns replayed before a question: the oldest
-#: turns past it are left out (the answer says how many), so a long chat neither grows without bound nor spoils.
-MAX_QUESTION_TOKENS = 512
-MAX_DIALOGUE_TOKENS = 1024
 
 
 class EngineError(ValueError):
@@ -62,7 +59,7 @@ class Answer:
     tokens: int
     cache_bytes: int
     visual_tokens: int
-    dropped_turns: int = 0  # earlier turns left out of the replayed dialogue (MAX_DIALOGUE_TOKENS)
+    dropped_turns: int = 0  # earlier turns left out of the replayed dialogue (kvdemo.dialogue)
 
 
 class FrameStream:
@@ -339,28 +336,13 @@ class StreamEngine:
         return self._generate(question, max_new_tokens or self.max_new_tokens)
 
     def check_question(self, question: str) -> str:
-        """``question`` stripped, or :class:`EngineError` saying why it cannot be asked (no video yet, empty,
-        longer than :data:`MAX_QUESTION_TOKENS`)."""
+        """``question`` stripped, or :class:`EngineError` saying why it cannot be asked (:mod:`kvdemo.dialogue`)."""
         if self.memory.num_grids == 0:
             raise EngineError("no video yet: feed at least one frame before asking")
-        question = (question or "").strip()
-        if not question:
-            raise EngineError("the question is empty")
-        tokens = len(self.model.tokenize(question))
-        if tokens > MAX_QUESTION_TOKENS:
-            raise EngineError(f"the question is {tokens} tokens long; at most {MAX_QUESTION_TOKENS} (shorten it)")
-        return question
-
-    def replayed_dialogue(self, question: str) -> tuple[list[tuple[str, str]], int]:
-        """The newest earlier turns that fit in :data:`MAX_DIALOGUE_TOKENS` before ``question``, and how many
-        older turns were left out."""
-        def length(turns: list[tuple[str, str]]) -> int:
-            return len(self.model.tokenize(self.model.question_text(turns, question)))
-
-        alone, dropped = length([]), 0
-        while length(self.history[dropped:]) - alone > MAX_DIALOGUE_TOKENS:  # ends: with every turn left out the excess is 0
-            dropped += 1
-        return self.history[dropped:], dropped
+        try:
+            return check_question(self.model, question)
+        except QuestionError as exc:
+            raise EngineError(str(exc)) from None
 
     def answer(self, question: str, max_new_tokens: int | None = None) -> Answer:
         """:meth:`ask`, collected."""
@@ -375,10 +357,9 @@ class StreamEngine:
         return self._question_prefill(question)[0]
 
     def _question_prefill(self, question: str) -> tuple[torch.Tensor, MemoryCache, Any, int]:
-        """The question's prefill on a fork: its last logits, the cache to decode on, the cursor after it, and how
-        many older turns were left out of the replayed dialogue."""
-        turns, dropped = self.replayed_dialogue(question)
-        embeds = self.model.question_embeds(turns, question)
+        """The question's prefill on a fork: its last logits, the cache to decode on, the cursor after it, and
+        the earlier turns left out of the replayed dialogue."""
+        embeds, dropped = replayed_dialogue(self.model, self.history, question)
         positions, cursor = self.model.text_positions(self.memory.cursor, int(embeds.shape[0]))
         cache = MemoryCache(self.memory)  # writes go to the slack and are never committed
         cache.answering = True  # heads with an offload store retrieve (question prefill and every decode step)

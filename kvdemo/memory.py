@@ -1,5 +1,5 @@
-"""The KV memory: per-layer key/value buffers written in place, per-head provenance of every visual token,
-an optional per-head key bias, real bytes, and the occupancy timeline.
+"""The KV memory: per-layer key/value buffers written in place, per-head provenance of every
+visual token, an optional per-head key bias, real bytes, and the occupancy timeline.
 
 Layout of one layer's buffers ``keys/values [1, H_kv, capacity, D]`` (slots, not stream order)::
 
@@ -7,26 +7,33 @@ Layout of one layer's buffers ``keys/values [1, H_kv, capacity, D]`` (slots, not
     0            P             P+S          P+S+L             P+S+L+T = end   capacity
 
 - prefix: the system text, never evicted;
-- summary: synthetic entries a policy owns (ProtoKV's pseudo-tokens), laid out when first written;
+- summary: synthetic entries a policy owns (ProtoKV's pseudo-tokens), laid out when the policy first writes them
+  (the visual and stream-text slots move up once) and refreshed by later compressions;
 - visual: real visual tokens with provenance ``frame/row/col/order/position/reason [H_kv, L]`` per slot.
-  Ragged heads (different counts) have ``valid [H_kv, L]``; their padding carries a ``-inf`` key bias;
-- stream text: text the stream itself carries between grids (Qwen3-VL's ``<t seconds><|vision_start|>``
-  and ``<|vision_end|>`` around every temporal grid), with provenance (their grid); it counts against ``M`` and
-  leaves with its grid's last visual token in that layer and head (:meth:`KVMemory.apply`). Policies never
-  see it: their views hold the visual slots only, and ``LayerView.grid_text`` says what keeping a grid costs;
-  Ragged heads (different counts) have ``valid [H_kv, L]``; their padding carries a ``-inf`` key bias;
-- slack: where a forward writes new tokens: a chunk's prefill is committed (:meth:`KVMemory.commit_append`),
-  a question's never is, so the memory after :meth:`~kvdemo.engine.StreamEngine.ask` is bit-identical.
+  Heads may hold different numbers of tokens (ragged budgets): then ``valid [H_kv, L]`` marks real slots
+  and the others carry a ``-inf`` key bias;
+- stream text: text tokens the stream itself carries between grids (Qwen3-VL's ``<t seconds><|vision_start|>``
+  and ``<|vision_end|>`` around every temporal grid), with provenance (their grid); they count against ``M`` and
+  leave with their grid's last visual token in that layer and head (:meth:`KVMemory.apply`). Policies never see
+  them: their views hold the visual slots only, and ``LayerView.grid_text`` says what keeping a grid costs;
+- slack: where a forward writes new tokens. A chunk's prefill writes there and is committed
+  (:meth:`KVMemory.commit_append`); a question writes there and is simply not committed, so the memory
+  after :meth:`~kvdemo.engine.StreamEngine.ask` is bit-identical without any copy or rollback.
 
 Every byte moves once: an append copies the chunk into the slack; a compression moves only the kept tokens
-at or beyond slot ``C`` into the evicted slots below ``C`` (one ``index_select``/``index_copy_`` on the
-flattened buffer), never the prefix. Keys carry their rotation (post-RoPE), so slots need no stream order
-(``order`` and ``frame`` say what is older). Buffers follow what the stream holds: they grow geometrically
-as chunks arrive, never past what ``M`` needs, so an ``M`` the stream never reaches costs nothing.
+that sit at or beyond slot ``C`` into the evicted slots below ``C`` (at most ``M - C`` tokens per head,
+``index_select``/``index_copy_`` on the flattened ``[H * capacity, D]`` buffer), never the prefix. Keys
+carry their rotation (post-RoPE), so attention does not care where a token sits: only a new chunk must
+come after what it attends to, which the slack guarantees. Buffers follow what the stream holds: they grow
+geometrically as chunks arrive, never past what ``M`` (and a question) needs, so an ``M`` the stream never
+reaches costs nothing. The visual slots are *not* in stream order: ``order`` (arrival number) and ``frame``
+say what is older.
 
 What transformers sees is :class:`kvdemo.attention.MemoryCache(memory) <kvdemo.attention.MemoryCache>`, a
-``Cache`` of views of the live part writing through :meth:`KVMemory.ensure_layer` / :meth:`KVMemory.reserve`.
-HybridKV's offload store is :mod:`kvdemo.offload`; what survives of each frame is :mod:`kvdemo.survival`.
+``Cache`` whose layers are views of the live part, built by the memory's users (the engine, the benchmarks)
+and writing through :meth:`KVMemory.ensure_layer` / :meth:`KVMemory.reserve`; kvdemo's attention function
+reads the key bias. HybridKV's offload store is :mod:`kvdemo.offload`; what survives of each frame, which
+only views and reports read, is :mod:`kvdemo.survival`.
 
 Reading order: the timeline event, one layer's buffers, then :class:`KVMemory`: its layout, the layer
 buffers, the writes, what a policy sees and decides (``views``/``apply``), the timeline, pickling.
@@ -137,7 +144,7 @@ class KVMemory:
         self.num_kv_heads = num_kv_heads
         self.visual_capacity = int(visual_capacity)
         self.summary_slots = int(summary_slots)
-        self.summary_open = False  # the summary region is laid out in the buffers
+        self.summary_open = False  # the summary region is laid out in the buffers (on the policy's first write)
         self.layers: list[LayerMemory] = []
         self.prefix_len = 0
         self.grid_times_s: list[float] = []  # stream time of each temporal grid ever fed
@@ -304,8 +311,8 @@ class KVMemory:
         )
 
     def reserve(self, layer: int, end: int) -> None:
-        """Make room for slots ``[0, end)`` in ``layer``: geometric growth up to what ``M`` needs (its window and
-        a question), copying everything written (the slack may hold an uncommitted forward's tokens)."""
+        """Make room for slots ``[0, end)`` in ``layer``: geometric growth up to what ``M`` needs (its window and a
+        question), copying everything written (the slack may hold an uncommitted forward's tokens)."""
         old_capacity = self.layers[layer].capacity
         if end > old_capacity:
             capacity = max(end + TEXT_RESERVE, int(old_capacity * 1.5))
@@ -322,7 +329,7 @@ class KVMemory:
         store.kv = kv
         rows = capacity - (self.visual_start if self.prefix_len else 0)
         packed = store.packed.new_zeros(store.packed.shape[0], rows, PROVENANCE_WIDTH)
-        kept = min(rows, store.packed.shape[1])  # rows past the visual tokens hold nothing
+        kept = min(rows, store.packed.shape[1])  # rows past the stream's tokens hold nothing
         packed[:, :kept] = store.packed[:, :kept]
         store.packed = packed
         if store.bias is not None:
@@ -333,7 +340,8 @@ class KVMemory:
     # --- writes ---------------------------------------------------------------------------
     @torch.inference_mode()
     def commit_prefix(self, prefix_len: int) -> None:
-        """Adopt the prefilled text prefix (positions ``0 .. prefix_len-1``); visual tokens follow it."""
+        """Adopt the prefilled text prefix (positions ``0 .. prefix_len-1``); the stream follows it (the summary
+        region goes in between when a policy first fills it, :meth:`_open_summary`)."""
         self.prefix_len = prefix_len
         for store in self.layers:
             rows = store.capacity - self.visual_start
@@ -596,7 +604,8 @@ class KVMemory:
             store.bias[:, text : text + store.text_len].masked_fill_(~store.text_valid, float("-inf"))
 
     def _open_summary(self) -> int:
-        """Lay out the summary region (invisible until written) after the prefix: the visual tokens move up once."""
+        """Lay out the summary region (every slot invisible until written) after the prefix: each layer's visual
+        and stream-text slots move up by its size once. Returns the bytes moved."""
         p, size, moved = self.prefix_len, self.summary_slots, 0
         for layer, store in enumerate(self.layers):
             length = store.visual_len + store.text_len

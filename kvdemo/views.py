@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-#: Label of a patch that carries none (drawn dimmed), and of one whose label no longer holds (dark red).
+#: Label of a patch that carries none (drawn as it is), and of one whose label no longer holds (dark red).
 UNLABELLED, LOST = -1, -2
 
 
@@ -39,7 +39,7 @@ class ViewContext:
 @dataclass
 class PatchLabels:
     """Frames (temporal grids ``grids``) with every patch coloured by its integer label ``labels [n, rows, cols]``
-    (the same label, the same colour across frames; :data:`UNLABELLED` dimmed, :data:`LOST` dark red), the
+    (the same label, the same colour across frames; :data:`UNLABELLED` as it is, :data:`LOST` dark red), the
     label written in each patch when it fits; ``frame_captions`` one per frame."""
 
     title: str

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-MEDIA = Path(__file__).resolve().parents[2] / "shared" / "media"
+#: Real media nobody here made (see the README, "Run the tests"): ``../shared/media`` beside the checkout, or
+#: ``KVDEMO_MEDIA``.
+MEDIA = Path(os.environ.get("KVDEMO_MEDIA") or Path(__file__).resolve().parents[2] / "shared" / "media")
 PANCAKE = MEDIA / "flipping_a_pancake.mkv"
 CORRUPTED = MEDIA / "corrupted.mp4"
 
 
 @pytest.fixture(scope="session")
 def media() -> Path:
-    assert PANCAKE.exists(), f"the real test clip is expected at {PANCAKE} (../shared beside the checkout)"
+    """The real media folder; the tests that need it are skipped with a one-line reason outside CI when it is
+    absent (in CI it must be there)."""
+    if not PANCAKE.exists():
+        reason = f"the real test media are not at {MEDIA} (../shared/media beside the checkout; see the README)"
+        if os.environ.get("CI"):
+            raise RuntimeError(reason)
+        pytest.skip(reason)
     return MEDIA
 
 

@@ -117,8 +117,8 @@ def test_as_you_type_check_applies_runs_rule_to_the_uploaded_video(client, media
     assert verdict.startswith("⚠️") and "M - C = 134 leaves no room for one chunk (135 visual tokens" in verdict
     run = client.predict(pancake, budget=1024, keep=890, max_pixels=200704, api_name="/run")
     assert "M - C = 134 leaves no room for one chunk (135 visual tokens" in run[STATUS]
-    # Without a video: a chunk at max pixels (200704 / 28^2 = 256 tokens).
-    assert "smaller than one chunk (256" in client.predict("infinipot-v", 100, 50, 2, 200704, None, api_name="/check_settings")
+    # Without a video: a chunk of the bundled sample, what runs without an upload (112 x 112 for the tiny model: 16 tokens).
+    assert "M=10 is smaller than one chunk (16" in client.predict("infinipot-v", 10, 5, 2, 200704, None, "tiny", api_name="/check_settings")
 
 
 def test_a_failed_run_keeps_the_previous_session_and_its_views(client, media, tmp_path):
@@ -266,8 +266,8 @@ def test_the_readme_gradio_client_example_runs(app_url, media, capsys):
     code = code.replace("http://127.0.0.1:7860", app_url).replace('"clip.mp4"', repr(str(media / "flipping_a_pancake.mkv")))
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out
-    assert "20/20 frames" in printed and re.search(r"peak visual tokens \d+ of M = 1024", printed)
-    assert "first token" in printed, "the answer was printed"
+    assert "20/20 frames" in printed and re.search(r"peak visual tokens \d+ of M = 64 after [1-9]\d* compressions", printed)
+    assert "✓ answered by infinipot-v and the full cache" in printed and "first token" in printed, "the answer was printed"
 
 
 def test_the_app_logs_its_start_and_the_model_it_loaded(app, client):
@@ -299,7 +299,7 @@ def test_questions_and_the_replayed_dialogue_are_bounded(client, app):
     """A 100,000-character question tried to allocate 48.5 GB; a few long turns spoiled every later answer
     (the whole dialogue is replayed before each question). Now: a one-line message beside the question box,
     and the oldest turns leave the replay, which the answer says."""
-    from kvdemo.engine import MAX_QUESTION_TOKENS
+    from kvdemo.dialogue import MAX_QUESTION_TOKENS
     from kvdemo.synthetic import sample_episode
 
     client.predict(*sample_settings(2), api_name="/run_sample")
@@ -317,3 +317,27 @@ def test_questions_and_the_replayed_dialogue_are_bounded(client, app):
     assert status.startswith("✓ answered by") and "oldest turn(s) were left out of the replayed dialogue" in answer
     assert "✓ matches the ground truth" in answer, answer
     assert app.log.read_text().count("Traceback") == before
+
+
+def test_what_a_new_user_meets_is_said_where_they_look(client, app, tmp_path):
+    """Issue 23, item 7, through the API: the Ask box's messages come back as its own line (not the page's status,
+    not an update object) with the chats as lists; a 0-byte upload is named, not the server's temp path; Run with
+    no upload asks for one; ProtoKV's count of visual tokens is split in the status line; the chart has
+    logarithmic axes on request."""
+    fresh = new_client(app.url)
+    said, policy_chat, full_chat, _ = fresh.predict("What colour was the circle?", api_name="/ask")
+    assert said == "⚠️ no video yet: run a video or the webcam first, then ask" and policy_chat == full_chat == []
+    nothing = fresh.predict(None, api_name="/run")[STATUS]
+    assert nothing.startswith("⚠️ **upload a video first (or click Run the bundled sample)**")
+    empty = tmp_path / "empty.mp4"
+    empty.write_bytes(b"")
+    status = fresh.predict(handle_file(str(empty)), api_name="/run")[STATUS]
+    assert status.startswith("⚠️ **empty.mp4: the file is empty**") and str(app.cache) not in status
+    final = fresh.predict("tiny", "protokv", 96, None, 2, log_scale=True, api_name="/run_sample")
+    assert re.search(r"96 visual tokens \(M=96: 24 exact \+ 72 summary slots, counted from the first chunk, \d+ in use\)",
+                     final[STATUS]), final[STATUS]
+    assert '"type":"log"' in final[PLOT]["plot"]
+    said, policy_chat, _, _ = fresh.predict("", api_name="/ask")
+    assert said == "⚠️ type a question first" and policy_chat == []
+    said, policy_chat, _, _ = fresh.predict("What colour was the circle?", api_name="/ask")
+    assert said == "✓ answered by protokv and the full cache" and len(policy_chat) == 2, "the warning is gone"

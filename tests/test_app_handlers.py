@@ -167,11 +167,15 @@ def test_budget_validation_as_you_type():
 
 
 def test_as_you_type_check_is_runs_rule_against_one_chunk(hub, media):
-    # No video yet: a chunk at max pixels, 200704 / 28^2 = 256 visual tokens (one temporal grid of 2 frames).
-    assert "M=100 is smaller than one chunk (256 visual tokens" in validate_settings("infinipot-v", 100, 50, 2.0, 200704)
-    assert "M - C = 24 leaves no room for one chunk (256" in validate_settings("infinipot-v", 1024, 1000, 2.0, 200704)
-    ok = validate_settings("infinipot-v", 1024, 768, 2.0, 200704)
-    assert ok.startswith("✓") and "256" in ok, "the line says the chunk size it checked"
+    # No video yet: a chunk of the bundled sample (what runs without an upload), resized into the model's range:
+    # 112 x 112 stays (16 tokens) for the tiny model; Qwen's minimum (tiny-random's) takes it to 336 x 336 (144 tokens).
+    qwen = "tiny-random"
+    assert "M=100 is smaller than one chunk (144 visual tokens" in validate_settings("infinipot-v", 100, 50, 2.0, 200704, None, qwen)
+    assert "M - C = 24 leaves no room for one chunk (144" in validate_settings("infinipot-v", 1024, 1000, 2.0, 200704, None, qwen)
+    ok = validate_settings("infinipot-v", 96, 72, 2.0, 15680, None, "tiny")
+    assert ok.startswith("✓") and "one chunk of the bundled sample is 16 visual tokens" in ok and "up to 20" in ok
+    sample = list(run_video(hub, None, None, settings(budget=96, keep=80, max_pixels=15680)))[-1]["status"]
+    assert validate_settings("infinipot-v", 96, 80, 2.0, 15680, None, "tiny").startswith("✓") and "80/80 frames" in sample
     # With the uploaded video: 426x240 resized within 200704 pixels -> 252x420 = 9x15 = 135 tokens.
     pancake = str(media / "flipping_a_pancake.mkv")
     for keep in (889, 890):
@@ -366,7 +370,7 @@ def test_a_redraw_while_a_webcam_chunk_is_fed_waits_for_it(hub, monkeypatch):
 
     def redraw():
         try:
-            outcome["views"] = demo.on_redraw(session, "all", "all", False)
+            outcome["views"] = demo.on_redraw(session, "all", "all", False, False)
         except Exception as exc:  # the failure being tested for
             outcome["error"] = exc
 
@@ -406,7 +410,7 @@ def test_a_bug_in_a_handler_is_a_logged_one_line_message_not_a_bare_error_badge(
     monkeypatch.setattr(layout, "run_video", broken)
     monkeypatch.setattr(layout, "ask", broken)
     values = dict(model="tiny", policy="infinipot-v", budget=96, keep=72, fps=2, max_pixels=12544, baseline=False,
-                  baseline_cap_mb=0, view_layer="all", view_head="all", colour_by_reason=False,
+                  baseline_cap_mb=0, view_layer="all", view_head="all", colour_by_reason=False, log_scale=False,
                   **{key: component.value for key, (_, _, component) in demo.param_inputs.items()})
     with caplog.at_level("ERROR", logger="kvdemo"):
         status = list(demo.on_run_sample(None, **values))[-1][demo.status]
@@ -417,3 +421,23 @@ def test_a_bug_in_a_handler_is_a_logged_one_line_message_not_a_bare_error_badge(
     assert "Traceback" in caplog.text
     nothing = list(demo.on_run(None, None, **values))[-1][demo.status]
     assert "upload a video first (or click Run the bundled sample)" in nothing, "Run with no upload runs nothing"
+
+
+def test_small_things_a_new_user_saw_are_right():
+    """Issue 23, item 7, in the drawing: "1 token" (not "1 tokens"); the empty chart starts at 0 s; a patch still
+    exact in ProtoKV's prototype map is drawn as it is (dimmed, it read as evicted next to the survivor strip)."""
+    from kvdemo.app.handlers import _answer_markdown
+    from kvdemo.engine import Answer
+    from kvdemo.views import UNLABELLED
+    from kvdemo.viz.views import _label_tile
+
+    one = Answer("q", "a", ms=5.0, ttft_ms=1.0, tokens=1, cache_bytes=2**20, visual_tokens=16)
+    assert "1 token in 5 ms" in _answer_markdown(Session(), "policy", one)
+    empty = viz.occupancy_figure({"policy": [], "full cache": []}, 96)
+    assert list(empty.layout.xaxis.range) == [0, 10]
+    frame = np.random.default_rng(0).integers(0, 255, (112, 112, 3), dtype=np.uint8)
+    labels = np.full((4, 4), UNLABELLED)
+    labels[0, 0] = 3
+    tile = _label_tile(frame, labels).astype(int)
+    np.testing.assert_allclose(tile[60:80, 60:80].mean(), frame[60:80, 60:80].mean(), atol=2)  # untinted, not dimmed
+    assert np.abs(tile[5:20, 5:20] - frame[5:20, 5:20]).mean() > 20  # the labelled patch is tinted

@@ -216,3 +216,47 @@ def test_choosing_a_model_sets_its_familys_budget_and_caveat(browser, app_url, a
         if model == "tiny-random-qwen3.5":
             page.wait_for_function("document.querySelector('#banner').innerText.includes('recurrent state')", timeout=30_000)
     assert "trained on synthetic streams" in page.locator("#banner").inner_text()
+
+
+def no_bare_error(page) -> None:
+    """Gradio shows a failed event as an "Error" badge (and toast); every failure here must be a message instead."""
+    assert page.get_by_text("Error", exact=True).count() == 0, "a bare Error badge"
+
+
+def test_a_new_users_steps_end_in_messages_not_bare_error_badges(browser, app_url, media, artifacts):
+    """Issue 23's steps in Chromium: asking before a video, Run without an upload, ProtoKV at M=192 on the real
+    clip (it stopped at 10/20 frames under a bare "Error" badge) and at M=512 on the sample, logarithmic axes,
+    a question: every outcome is a message where the user looks, and no image toolbar covers a caption."""
+    page = new_page(browser, app_url)
+    page.fill("#question textarea", "What is cooking?")
+    page.click("#ask-button")
+    page.wait_for_function("document.querySelector('#ask-status').innerText.includes('no video yet')", timeout=60_000)
+    gap = page.evaluate("""() => { const q = document.querySelector('#question').getBoundingClientRect();
+        const s = document.querySelector('#ask-status').getBoundingClientRect(); return s.top - q.bottom; }""")
+    assert 0 <= gap < 100, f"the Ask box's message is beside it, not {gap} px away"
+    page.locator("#policy input").fill("protokv")
+    page.keyboard.press("Enter")
+    page.fill("#budget input", "192")
+    page.keyboard.press("Tab")
+    page.click("#run-button")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('upload a video first')", timeout=60_000)
+    page.locator("input[type=file]").first.set_input_files(str(media / "flipping_a_pancake.mkv"))
+    page.wait_for_function("document.querySelector('#budget-check').innerText.includes('flipping_a_pancake.mkv')",
+                           timeout=60_000)
+    page.click("#run-button")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('20/20 frames')", timeout=240_000)
+    page.wait_for_selector("#panel-0-image img", timeout=30_000)
+    no_bare_error(page)
+    page.check("#log-scale input")
+    page.wait_for_function("document.querySelector('#occupancy').textContent.includes('log scale')", timeout=30_000)
+    page.fill("#question textarea", "What is cooking?")
+    page.click("#ask-button")
+    page.wait_for_function("document.querySelector('#ask-status').innerText.includes('answered by protokv')", timeout=120_000)
+    assert page.locator("#heatmap button:not(:has(img))").count() == 0, "no toolbar over the strip's captions"
+    page.screenshot(path=str(artifacts / "protokv-clip.png"), full_page=True)
+    page.fill("#budget input", "512")
+    page.keyboard.press("Tab")
+    page.click("#sample-button")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
+    no_bare_error(page)
+    assert "Prototype assignments" in page.locator("#panel-0").inner_text()

@@ -202,7 +202,7 @@ def test_absurd_budgets_and_parameters_are_one_line_and_exit_2(args, message):
     done, imported = run_cli_in_a_fresh_process("run", "--quiet", *args)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [f"error: {message}" + done.stderr.strip().split(message, 1)[-1]]
-    assert not imported["transformers"], "found before the model loads"
+    assert not imported["kvdemo.models.loading"], "found before the model loads"
 
 
 def test_eval_runs_without_options_its_help_calls_optional(capsys):

@@ -52,6 +52,7 @@ def test_the_eval_command_runs_end_to_end(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, message", [(["--policies", "full,nope"], "unknown policy"),
                                             (["--policies", "uniform", "-C", "80"], "C must be smaller than M"),
+                                            (["--policies", "uniform", "-M", "1e25"], "more visual tokens than any stream holds"),
                                             (["--delays", "0,soon"], "--delays takes seconds")])
 def test_eval_user_errors_are_one_line(capsys, extra, message):
     assert main(["eval", "--episodes", "1", "--quiet", *extra]) == 2

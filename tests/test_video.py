@@ -169,3 +169,21 @@ def test_the_real_clip_loses_no_frame_at_the_apps_rates(media):
         source = open_video(media / "flipping_a_pancake.mkv", fps=fps)
         delivered = sum(len(f) for _, f, _ in source.chunks(2))
         assert delivered == source.num_frames and source.lost_frames == 0, (fps, source.describe())
+
+
+def test_a_clone_without_the_shared_media_skips_their_tests_with_a_reason(tmp_path):
+    """Outside CI a newcomer's clone has no ../shared/media: the tests that need it are skipped, saying where
+    the media are expected, instead of erroring."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "CI"} | {"KVDEMO_MEDIA": str(tmp_path / "absent")}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                           "tests/test_video.py::test_real_clip_decodes_at_fps", "tests/test_video.py::test_sample_count_follows_duration"],
+                          cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "1 passed, 1 skipped" in done.stdout
+    assert f"the real test media are not at {tmp_path / 'absent'} (../shared/media beside the checkout" in done.stdout

@@ -17,7 +17,7 @@ from ..engine import StreamEngine
 from ..streaming import EngineGroup
 from .sessions import Session, model_by_name
 from .settings import FRAMES_PER_CHUNK
-from .views import live_update
+from .views import ViewChoice, live_update
 
 #: Frames per GPU call when calls cross a process boundary (a ZeroGPU Space, or its emulation): every call
 #: pickles the session's engines in and out and waits for a GPU, so one call streams a segment of frames
@@ -62,7 +62,7 @@ class Segment:
     times: np.ndarray | None
     flush: bool
     thumbnails: list[np.ndarray | None]
-    view: tuple[str, str, bool]
+    view: ViewChoice
     total: int | None
     source: str
     chunk_ms: float = 0.0
@@ -70,7 +70,7 @@ class Segment:
 
     @classmethod
     def of(cls, state: Session, frames: np.ndarray, times: np.ndarray | None, flush: bool,
-           view: tuple[str, str, bool], total: int | None) -> "Segment":
+           view: ViewChoice, total: int | None) -> "Segment":
         old = len(state.thumbnails)
         recent = [None] * max(0, old - SEGMENT_THUMBNAILS) + state.thumbnails[-SEGMENT_THUMBNAILS:]
         return cls(state.settings.model, state.group, frames, times, flush, recent, view, total, state.source)

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from .. import viz
-from ..engine import MAX_DIALOGUE_TOKENS, EngineError, StreamEngine
+from ..dialogue import MAX_DIALOGUE_TOKENS
+from ..engine import EngineError, StreamEngine
 from ..streaming import EngineGroup
 from ..synthetic import grade, sample_episode
 from ..video import VideoError, open_video, resize_frames
@@ -21,8 +22,8 @@ from .. import zerogpu
 from .gpu import Segment, answer_question, segment_frames, stream_segment
 from .sessions import CACHE_TTL_S, AppServices, RunSettings, Session
 from .settings import FRAMES_PER_CHUNK, USER_ERRORS, resolve_settings, within_max_pixels
-from .views import (finish, fresh_views, heatmap_image, kept_previous, legend, live_update, policy_panels, status_text,
-                    write_report)
+from .views import (ViewChoice, finish, fresh_views, heatmap_image, kept_previous, legend, live_update, occupancy_plot,
+                    policy_panels, status_text, write_report)
 
 
 def start_session(
@@ -55,7 +56,7 @@ def run_video(
     session: Session | None,
     video_path: str | None,
     settings: RunSettings,
-    view: tuple[str, str, bool] = ("all", "all", False),
+    view: ViewChoice = ViewChoice(),
 ) -> Iterator[dict[str, Any]]:
     """Stream a file (the bundled sample when ``video_path`` is None) into a fresh session; yields update dicts
     (keys: session, status, plot, heatmap, gallery, report, chart, coverage, legend, panels, chat panes and
@@ -158,7 +159,7 @@ def webcam_frame(
     session: Session | None,
     frame: np.ndarray | None,
     settings: RunSettings,
-    view: tuple[str, str, bool] = ("all", "all", False),
+    view: ViewChoice = ViewChoice(),
 ) -> dict[str, Any]:
     """One webcam frame: buffered into segments for the engines (never one model call per frame). Starts a
     fresh session on the first frame or when the settings changed."""
@@ -275,15 +276,15 @@ def answer_note(state: Session, answer) -> str:
     return ""
 
 
-def redraw(session: Session | None, view: tuple[str, str, bool]) -> dict[str, Any]:
-    """The newest-frames view, its legend and the policy's views for ``view`` (layer, KV head, by reason), drawn
-    in the session's turn: between two chunks, never while one is half-fed (its grid in the memory, its
-    thumbnail not yet in the session)."""
+def redraw(session: Session | None, view: ViewChoice) -> dict[str, Any]:
+    """The chart, the newest-frames view, its legend and the policy's views as ``view`` chooses, drawn in the
+    session's turn: between two chunks, never while one is half-fed (its grid in the memory, its thumbnail not
+    yet in the session)."""
     if session is None:
         return {"heatmap": None}
     with session.turns.question():
-        return {"heatmap": heatmap_image(session, *view), "legend": legend(session, view),
-                "panels": policy_panels(session, *view[:2])}
+        return {"plot": occupancy_plot(session, view.log_scale), "heatmap": heatmap_image(session, view),
+                "legend": legend(session, view), "panels": policy_panels(session, view)}
 
 
 def reset_chat(session: Session | None) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from .sessions import SESSION_TTL_S, AppServices, CacheSweeper, RunSettings, Ses
 from ..models.catalog import default_budget, geometry_for
 from .settings import USER_ERRORS, baseline_cap_default, parse_params, policy_label, takes_keep, validate_settings
 from .views import (
+    ViewChoice,
     banner_html,
     chat_title,
     empty_occupancy_plot,
@@ -128,13 +129,16 @@ class Demo:
         self.status = gr.Markdown(status_text(Session()), label="Status", elem_id="status")
         self.plot = gr.Plot(empty_occupancy_plot(DEFAULT_POLICY, self.budget0), label="Cache occupancy", show_label=False,
                             elem_id="occupancy")
+        self.log_scale = gr.Checkbox(False, label="Logarithmic axes (keeps a policy's sawtooth visible once the full cache "
+                                                  "has grown)", elem_id="log-scale")
         with gr.Row():
             self.view_layer = gr.Dropdown(["all"], value="all", label="Layer", scale=1)
             self.view_head = gr.Dropdown(["all"], value="all", label="KV head", scale=1)
             self.by_reason = gr.Checkbox(False, label="Colour by reason (one layer and head)", scale=2)
         gr.Markdown("**Newest frames: what survives**")
+        # No toolbar on drawn strips: Gradio's covered the last frame's caption (right-click saves the image).
         self.heatmap = gr.Image(label="Newest frames: what survives", show_label=False, format="jpeg", type="numpy",
-                                interactive=False, elem_id="heatmap")
+                                interactive=False, buttons=[], elem_id="heatmap")
         self.legend = gr.Markdown(legend(Session()), label="Legend")
         # The views the chosen policy declares (Policy.views), drawn by viz: slots filled in order.
         self.panel_slots = []
@@ -142,7 +146,7 @@ class Demo:
             with gr.Column(visible=False, elem_id=f"panel-{index}") as box:
                 text = gr.Markdown(label=f"Policy view {index + 1}")
                 image = gr.Image(label=f"Policy view {index + 1} (image)", show_label=False, format="jpeg", type="numpy",
-                                 interactive=False, visible=False, elem_id=f"panel-{index}-image")
+                                 interactive=False, visible=False, buttons=[], elem_id=f"panel-{index}-image")
                 plot = gr.Plot(label=f"Policy view {index + 1} (chart)", show_label=False, visible=False,
                                elem_id=f"panel-{index}-plot")
             self.panel_slots.append((box, text, image, plot))
@@ -209,7 +213,7 @@ class Demo:
             out.update(self.panel_updates(update["panels"]))
         return out
 
-    def settings_from(self, values: dict[str, Any]) -> tuple[RunSettings, tuple[str, str, bool]]:
+    def settings_from(self, values: dict[str, Any]) -> tuple[RunSettings, ViewChoice]:
         chosen = values["policy"]
         form = {field_name: values[key] for key, (owner, field_name, _) in self.param_inputs.items() if owner == chosen}
         settings = RunSettings(
@@ -218,7 +222,8 @@ class Demo:
             max_pixels=int(values["max_pixels"] or 0), baseline=bool(values["baseline"]),
             cap_mb=float(values["baseline_cap_mb"] or 0),
         )
-        return settings, (values["view_layer"], values["view_head"], values["colour_by_reason"])
+        return settings, ViewChoice(values["view_layer"], values["view_head"], bool(values["colour_by_reason"]),
+                                    bool(values["log_scale"]))
 
     # --- handlers (bound to components in wire) --------------------------------------------------
     # Every handler ends in a message, never in Gradio's bare "Error" badge: a user's mistake is a one-line
@@ -273,9 +278,9 @@ class Demo:
         except Exception as exc:
             return self.internal_error(exc, "ask_status")
 
-    def on_redraw(self, session, layer, head, by_reason):
+    def on_redraw(self, session, layer, head, by_reason, log_scale):
         try:
-            return self.to_components(redraw(session, (layer, head, by_reason)))
+            return self.to_components(redraw(session, ViewChoice(layer, head, bool(by_reason), bool(log_scale))))
         except Exception as exc:
             return self.internal_error(exc, "legend")
 
@@ -315,7 +320,8 @@ class Demo:
                            "fps": self.fps, "max_pixels": self.max_pixels, "baseline": self.baseline,
                            "baseline_cap_mb": self.cap_mb,
                            **{key: component for key, (_, _, component) in self.param_inputs.items()},
-                           "view_layer": self.view_layer, "view_head": self.view_head, "colour_by_reason": self.by_reason}
+                           "view_layer": self.view_layer, "view_head": self.view_head, "colour_by_reason": self.by_reason,
+                           "log_scale": self.log_scale}
         # Streams and questions have separate slots: a question is served within one chunk's time whatever
         # other sessions stream (its own session's stream pauses between chunks while it is answered).
         streams = dict(concurrency_id="stream", concurrency_limit=STREAM_SLOTS)
@@ -329,8 +335,8 @@ class Demo:
         self.stop_button.click(request_stop, [self.session], None, api_name="stop", concurrency_limit=None, show_progress="hidden")
         self.webcam.stream(self.on_webcam, [self.session, self.webcam], run_outputs, inputs_kwargs=settings_inputs,
                            stream_every=0.5, time_limit=600, show_progress="hidden", api_visibility="private", **streams)
-        view_inputs = [self.view_layer, self.view_head, self.by_reason]
-        view_outputs = [self.heatmap, self.legend, *self.panel_components()]
+        view_inputs = [self.view_layer, self.view_head, self.by_reason, self.log_scale]
+        view_outputs = [self.plot, self.heatmap, self.legend, *self.panel_components()]
         asked = [
             self.ask_button.click(self.on_ask, [self.session, self.question], ask_outputs, api_name="ask",
                                   show_progress_on=[self.status], **questions),

@@ -11,6 +11,7 @@ from ..models.base import ModelError
 from ..models.catalog import geometry_for, resolve_model_name
 from ..policies import BudgetError, Policy, coerce_param, make_policy, policy_class, policy_params
 from ..geometry import FrameGeometry
+from ..synthetic import sample_episode
 from ..video import VideoError, open_video
 from .. import zerogpu
 from ..engine import EngineError
@@ -60,28 +61,30 @@ def validate_settings(
     policy: str, budget: Any, keep: Any, fps: Any = 2.0, max_pixels: Any = 200704, video: str | None = None,
     model: str | None = None,
 ) -> str:
-    """A one-line verdict on the settings, shown as the user types: the same checks as Run, with one chunk
-    of the uploaded ``video`` (resized as ``model`` sizes frames) when there is one, else a chunk at ``max_pixels``."""
+    """A one-line verdict on the settings, shown as the user types: the same checks as the run they lead to,
+    with one chunk of the uploaded ``video`` (resized as ``model`` sizes frames) when there is one, else of the
+    bundled sample (what runs without an upload)."""
     try:
         settings = RunSettings(model or resolve_model_name(None), policy, {}, budget, keep, fps, max_pixels, False, 0)
         _, resolved = resolve_settings(settings)
         geometry = settings_geometry(settings)
-        size, name = None, ""
         if video:
-            opened = open_video(video, fps=float(fps), geometry=geometry)
-            size, name = opened.size, f" of {Path(video).name} ({opened.size[1]}x{opened.size[0]})"
+            size = open_video(video, fps=float(fps), geometry=geometry).size
+            name = f" of {Path(video).name} ({size[1]}x{size[0]})"
+        else:
+            size, name = geometry.frame_size(*sample_episode().video.size), " of the bundled sample"
         tokens, shape = geometry.chunk_tokens(size, FRAMES_PER_CHUNK)
         resolved.check_chunk(tokens, shape)
     except USER_ERRORS as exc:
         return f"⚠️ {exc}"
     except (TypeError, ValueError) as exc:
         return f"⚠️ not a number: {exc}"
-    up_to = "" if size else "up to "
+    upload = "" if video else f" (an upload's: up to {geometry.chunk_tokens(None, FRAMES_PER_CHUNK)[0]} at max pixels)"
     if resolved.C is None:
-        return (f"✓ M={resolved.M} = {resolved.split_text} (C does not apply); one chunk{name} is {up_to}{tokens} "
-                f"visual tokens and must fit the {resolved.window_name}")
-    return (f"✓ M={resolved.M}, C={resolved.C}: one chunk{name} is {up_to}{tokens} visual tokens; "
-            f"M and M − C must each hold one chunk (≥ {tokens})")
+        return (f"✓ M={resolved.M} = {resolved.split_text} (C does not apply); one chunk{name} is {tokens} visual "
+                f"tokens{upload} and must fit the {resolved.window_name}")
+    return (f"✓ M={resolved.M}, C={resolved.C}: one chunk{name} is {tokens} visual tokens{upload}; "
+            f"M and M − C must each hold one chunk")
 
 
 def policy_label(policy: str, budget: Budget) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,9 @@ GALLERY_EVERY_S = 3.0
 HOW_TO_READ = """
 **Occupancy** (top chart): visual tokens and real KV-cache megabytes over stream time. The policy engine
 grows to its budget `M`, compresses to `C` (▼ marks), and grows again: a sawtooth under the dashed line.
-The full-cache baseline grows without bound.
+The full-cache baseline grows without bound (tick *logarithmic axes* to keep the sawtooth readable beside it).
+A policy sized by `M` alone with a summary region counts all its summary slots from the first chunk, in use or
+not, so early in a stream its line starts above the full cache's (the status line says how many are in use).
 
 **What survives**: the newest frames with the patches the cache still holds; dark patches were evicted.
 *Aggregate* tints each patch by the share of (layer, KV head) copies still held. Pick one layer and
@@ -69,7 +72,7 @@ def status_text(
         offloaded = engine.memory.offloaded_bytes
         lines.append(
             f"**{progress}** · {engine.policy.name}: {engine.memory.visual_tokens} visual tokens "
-            f"({engine.budget.describe()}), {engine.memory.nbytes / 2**20:.2f} MB"
+            f"({engine.budget.describe()}{summary_note(engine.memory)}), {engine.memory.nbytes / 2**20:.2f} MB"
             + (f" + {offloaded / 2**20:.2f} MB offloaded" if offloaded else "")
             + f" · {session.chunk_ms:.0f} ms/chunk · {stats.compressions} compressions, overhead {overhead} of prefill"
         )
@@ -83,6 +86,16 @@ def status_text(
         if session.source:
             lines.append(f"<small>{session.source}</small>")
     return "\n\n".join(lines) if lines else "Ready: upload a video or pick the sample, then Run."
+
+
+def summary_note(memory) -> str:
+    """How the visual tokens of a memory with a summary region split: its summary slots count from the first
+    chunk, in use or not (so early in a stream such a policy holds more than the full cache)."""
+    if not memory.summary_slots:
+        return ""
+    exact = memory.visual_tokens - memory.summary_slots
+    return (f": {exact} exact + {memory.summary_slots} summary slots, counted from the first chunk, "
+            f"{memory.summary_active} in use")
 
 
 def kept_previous(previous: Session | None, error: str) -> dict[str, Any]:
@@ -115,14 +128,31 @@ def fresh_views(state: Session) -> dict[str, Any]:
             "policy_chat": [], "full_chat": [], "coverage": None, "report": None, "chart": None}
 
 
-def occupancy_plot(session: Session):
+@dataclass(frozen=True)
+class ViewChoice:
+    """What the user chose to look at: one layer and KV head or all of them ("all" or a number as text), each
+    patch coloured by the policy's reason, and logarithmic chart axes (a policy's sawtooth stays visible next
+    to a full cache that has grown)."""
+
+    layer: str = "all"
+    head: str = "all"
+    by_reason: bool = False
+    log_scale: bool = False
+
+    @property
+    def indices(self) -> tuple[int | None, int | None]:
+        """The layer and KV head as indices (None = all)."""
+        return layer_head(self.layer, self.head)
+
+
+def occupancy_plot(session: Session, log_scale: bool = False):
     engine = session.engine
     if engine is None:
         return None
     series = {_series_label(engine.policy.name, engine.budget.M): engine.memory.timeline}
     if "full" in session.engines:
         series["full cache"] = session.engines["full"].memory.timeline
-    return viz.occupancy_figure(series, engine.budget.M)
+    return viz.occupancy_figure(series, engine.budget.M, log_scale=log_scale)
 
 
 def empty_occupancy_plot(policy: str, budget: int):
@@ -139,26 +169,26 @@ def layer_head(layer: str | None, head: str | None) -> tuple[int | None, int | N
     return (None if layer in (None, "all") else int(layer)), (None if head in (None, "all") else int(head))
 
 
-def heatmap_image(session: Session, layer: str = "all", head: str = "all", by_reason: bool = False) -> np.ndarray | None:
+def heatmap_image(session: Session, view: ViewChoice = ViewChoice()) -> np.ndarray | None:
     engine = session.engine
     if engine is None or engine.memory.num_grids == 0:
         return None
-    return viz.engine_strip(engine, session.thumbnails, *layer_head(layer, head), by_reason=by_reason)
+    return viz.engine_strip(engine, session.thumbnails, *view.indices, by_reason=view.by_reason)
 
 
-def declared_views(session: Session, layer: str = "all", head: str = "all") -> list[View]:
+def declared_views(session: Session, view: ViewChoice = ViewChoice()) -> list[View]:
     """The views the session's policy declares for the chosen layer and KV head (0 and 0 when the view is
     aggregated over all), as plain data."""
     engine = session.engine
     if engine is None or engine.memory.num_grids == 0:
         return []
-    chosen_layer, chosen_head = layer_head(layer, head)
-    return engine.policy_views(chosen_layer or 0, chosen_head or 0)
+    layer, head = view.indices
+    return engine.policy_views(layer or 0, head or 0)
 
 
-def policy_panels(session: Session, layer: str = "all", head: str = "all") -> list[viz.Panel]:
+def policy_panels(session: Session, view: ViewChoice = ViewChoice()) -> list[viz.Panel]:
     """:func:`declared_views`, drawn."""
-    return viz.draw_views(declared_views(session, layer, head), session.thumbnails)
+    return viz.draw_views(declared_views(session, view), session.thumbnails)
 
 
 def gallery_items(session: Session) -> list[tuple[np.ndarray, str]]:
@@ -168,23 +198,23 @@ def gallery_items(session: Session) -> list[tuple[np.ndarray, str]]:
     return viz.engine_gallery(engine, session.thumbnails)
 
 
-def legend(state: Session, view: tuple[str, str, bool] = ("all", "all", False)) -> str:
+def legend(state: Session, view: ViewChoice = ViewChoice()) -> str:
     """What the newest-frames view's colours mean for this policy and view."""
     engine = state.engine
-    layer, head = layer_head(*view[:2])
-    if engine is not None and not (view[2] and layer is not None and head is not None) and engine.memory.num_grids:
+    layer, head = view.indices
+    if engine is not None and not (view.by_reason and layer is not None and head is not None) and engine.memory.num_grids:
         fractions = viz.status_fractions(engine, layer, head)
         if fractions is not None:
             present = np.array([code for code, share in zip(viz.STATUS_COLOURS, fractions) if share.any()])
             return viz.status_legend(present) + " (tint = share of the (layer, KV head) copies in each state)"
     names = engine.policy.reason_names if engine else {}
-    if names and view[2]:
+    if names and view.by_reason:
         return viz.legend_text(names)
     note = " Pick a layer and a KV head to see what one head holds" + (", and colour by reason." if names else ".")
     return "Tint = share of (layer, KV head) copies held; dark = evicted." + (note if engine is not None else "")
 
 
-def live_update(state: Session, view: tuple[str, str, bool], done: int | None = None, total: int | None = None,
+def live_update(state: Session, view: ViewChoice, done: int | None = None, total: int | None = None,
                 force: bool = False, gallery: bool = True, draw_views: bool = True) -> dict[str, Any]:
     """Status every chunk; plot, heatmap and (``gallery``) the gallery at most a few times per second. Without
     ``draw_views`` the policy's views go out declared (``"views"``, plain data) for a caller that holds more
@@ -192,14 +222,14 @@ def live_update(state: Session, view: tuple[str, str, bool], done: int | None = 
     now = time.monotonic()
     update: dict[str, Any] = {"session": state, "status": status_text(state, done, total)}
     if force or now - state.last_plot >= PLOT_EVERY_S:
-        update["plot"] = occupancy_plot(state)
+        update["plot"] = occupancy_plot(state, view.log_scale)
         state.last_plot = now
     if force or now - state.last_heatmap >= HEATMAP_EVERY_S:
-        update["heatmap"] = heatmap_image(state, *view)
+        update["heatmap"] = heatmap_image(state, view)
         if draw_views:
-            update["panels"] = policy_panels(state, *view[:2])
+            update["panels"] = policy_panels(state, view)
         else:
-            update["views"] = declared_views(state, *view[:2])
+            update["views"] = declared_views(state, view)
         update["legend"] = legend(state, view)
         state.last_heatmap = now
     if gallery and (force or now - state.last_gallery >= GALLERY_EVERY_S):
@@ -235,7 +265,7 @@ def write_chart(session: Session | None) -> str | None:
     return str(chart_path)
 
 
-def finish(state: Session, view: tuple[str, str, bool]) -> dict[str, Any]:
+def finish(state: Session, view: ViewChoice) -> dict[str, Any]:
     """Final update of a run: everything redrawn, the coverage CDF (with a baseline), the report."""
     update = live_update(state, view, force=True)
     full = state.engines.get("full")

@@ -12,19 +12,22 @@ from ..memory import OccupancyEvent
 from ..views import CellGrid, Chart, Histogram, Series
 
 CHART_COLOURS = ["#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#ff7f0e", "#8c564b"]
+#: Occupancy lines in order: the first engine red, then blue (the full cache next to one policy), green, purple...
+OCCUPANCY_COLOURS = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
 
 
-def occupancy_figure(series: dict[str, list[OccupancyEvent]], budget: int | None = None, title: str = ""):
+def occupancy_figure(series: dict[str, list[OccupancyEvent]], budget: int | None = None, title: str = "",
+                     log_scale: bool = False):
     """Visual tokens (top) and real cache MB (bottom) over stream time for each engine.
 
     ``series`` maps a label ("infinipot-v at M=2048", "full cache") to its timeline; compression
     events are marked. A bounded policy draws a sawtooth under ``budget``; the full cache a line.
+    ``log_scale``: logarithmic y axes, so a sawtooth stays visible beside a full cache that has grown.
     (Built as one dict: plotly's subplot helpers cost ~100 ms per live update.)
     """
-    colours = iter(["#d62728", "#1f77b4", "#2ca02c", "#9467bd"])
     data = []
-    for label, events in series.items():
-        colour = next(colours)
+    for index, (label, events) in enumerate(series.items()):
+        colour = OCCUPANCY_COLOURS[index % len(OCCUPANCY_COLOURS)]
         x = [e.time_s for e in events]
         line = dict(color=colour, width=2)
         data.append(dict(type="scatter", x=x, y=[e.visual_tokens for e in events], mode="lines", name=label,
@@ -50,15 +53,19 @@ def occupancy_figure(series: dict[str, list[OccupancyEvent]], budget: int | None
     if budget:
         shapes.append(dict(type="line", xref="paper", x0=0, x1=1, yref="y", y0=budget, y1=budget,
                            line=dict(color="#555", dash="dash", width=1)))
-        annotations.append(dict(text=f"M = {budget}", xref="paper", x=0, yref="y", y=budget, showarrow=False,
+        level = float(np.log10(budget)) if log_scale else budget  # on a log axis an annotation sits at log10(y)
+        annotations.append(dict(text=f"M = {budget}", xref="paper", x=0, yref="y", y=level, showarrow=False,
                                 xanchor="left", yanchor="bottom"))
+    scale = dict(type="log") if log_scale else dict(rangemode="tozero")
+    empty = not any(series.values())
     layout = dict(
         title=dict(text=title) if title else None, height=420, margin=dict(l=50, r=20, t=50, b=40),
         template="plotly_white", hovermode="x unified", shapes=shapes, annotations=annotations,
         legend=dict(orientation="h", yanchor="bottom", y=1.06, x=0),
-        xaxis=dict(anchor="y2", title=dict(text="stream time (s)")),
-        yaxis=dict(domain=[0.56, 1.0], rangemode="tozero"),
-        yaxis2=dict(domain=[0.0, 0.44], rangemode="tozero"),
+        # Before any event the axis starts at 0 s (plotly's empty autorange begins at -1).
+        xaxis=dict(anchor="y2", title=dict(text="stream time (s)"), **(dict(range=[0, 10]) if empty else dict(rangemode="tozero"))),
+        yaxis=dict(domain=[0.56, 1.0], **scale, title=dict(text="log scale" if log_scale else "")),
+        yaxis2=dict(domain=[0.0, 0.44], **scale),
     )
     return go.Figure(dict(data=data, layout=layout))
 

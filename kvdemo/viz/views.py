@@ -55,7 +55,8 @@ def draw_views(views: list[View], thumbnails: list[np.ndarray]) -> list[Panel]:
 
 
 def _label_tile(frame: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Each patch tinted by its label's colour with the label written in; unlabelled dimmed, lost dark red."""
+    """Each patch tinted by its label's colour with the label written in; unlabelled patches as they are (not
+    dimmed: next to a survivor strip, dark reads as evicted), lost ones dark red."""
     height, width = frame.shape[:2]
     rows, cols = ids.shape
     colour = LABEL_COLOURS[np.clip(ids, 0, None) % len(LABEL_COLOURS)]
@@ -63,8 +64,7 @@ def _label_tile(frame: np.ndarray, ids: np.ndarray) -> np.ndarray:
     labelled = _upsample((ids != UNLABELLED).astype(np.float32), (height, width))[..., None]
     cell = _upsample(np.arange(rows * cols).reshape(rows, cols).astype(np.float32), (height, width)).astype(np.int64)
     tint = colour[cell // cols, cell % cols]
-    image = frame.astype(np.float32) * (0.35 + 0.65 * labelled)
-    image = image * (1 - 0.55 * labelled) + tint * 0.55 * labelled
+    image = frame.astype(np.float32) * (1 - 0.55 * labelled) + tint * 0.55 * labelled
     canvas = Image.fromarray(_grid_lines(np.clip(image, 0, 255).astype(np.uint8), (rows, cols)))
     cell_w, cell_h = width / cols, height / rows
     if cell_w >= 14 and cell_h >= 10:

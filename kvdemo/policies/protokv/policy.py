@@ -421,7 +421,7 @@ class ProtoKV(Policy, SummaryRegion):
             top = sorted(ids.tolist(), key=lambda k: -int(mass[k]))[:8]
             listed = ", ".join(f"<b>{k}</b> (mass {int(mass[k])})" for k in top)
             caption = (f"Layer {layer}, KV head {head}: each patch of these absorbed frames is represented by the prototype "
-                       f"whose id it shows (same colour = same prototype); dimmed = still exact in the near window"
+                       f"whose id it shows (same colour = same prototype); untinted = still exact in the near window"
                        + ("; dark red = its prototype was recycled since" if (labels == LOST).any() else "")
                        + (f". Heaviest here: {listed}." if listed else "."))
             frame_captions = [f"t={context.grid_times_s[g]:.1f}s  {100 * (ids >= 0).mean():.0f}% in the bank" for g, ids in shown]

@@ -1,0 +1,38 @@
+"""The dialogue a question is asked in: how long a question may be, and which earlier turns are replayed (as text,
+after the video memory) before it. Both are bounded in tokens, so a long chat neither grows without bound nor
+spoils later answers: past :data:`MAX_DIALOGUE_TOKENS` the oldest turns are left out of the replay (the engine's
+answer says how many; the chat keeps them)."""
+
+from __future__ import annotations
+
+import torch
+
+#: The longest question, and the most tokens of earlier turns replayed before a question.
+MAX_QUESTION_TOKENS = 512
+MAX_DIALOGUE_TOKENS = 1024
+
+
+class QuestionError(ValueError):
+    """A question that cannot be asked (the message says why)."""
+
+
+def check_question(model, question: str) -> str:
+    """``question`` stripped, or :class:`QuestionError`: empty, or longer than :data:`MAX_QUESTION_TOKENS`."""
+    question = (question or "").strip()
+    if not question:
+        raise QuestionError("the question is empty")
+    tokens = len(model.tokenize(question))
+    if tokens > MAX_QUESTION_TOKENS:
+        raise QuestionError(f"the question is {tokens} tokens long; at most {MAX_QUESTION_TOKENS} (shorten it)")
+    return question
+
+
+def replayed_dialogue(model, history: list[tuple[str, str]], question: str) -> tuple[torch.Tensor, int]:
+    """The prompt's embeddings ``[n, d]`` for ``question`` after the newest turns of ``history`` that fit in
+    :data:`MAX_DIALOGUE_TOKENS`, and how many older turns were left out."""
+    alone = int(model.question_embeds([], question).shape[0])
+    dropped, embeds = 0, model.question_embeds(history, question)
+    while int(embeds.shape[0]) - alone > MAX_DIALOGUE_TOKENS:  # ends: with every turn left out the excess is 0
+        dropped += 1
+        embeds = model.question_embeds(history[dropped:], question)
+    return embeds, dropped
