@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from .models.base import mrope_positions
 from .models.qwen_vl import QwenVL
 from .models.tiny import TINY_NAME, TRAINED_DIR, ByteTokenizer, save_tokenizer_spec, tiny_config
-from .synthetic import COLOURS, SHAPES, Episode, StreamSpec, generate_episode
+from .synthetic import COLOURS, SHAPES, STREAM_KINDS, Episode, StreamSpec, generate_episode
 
 #: The question head's classes: the shape asked about, or "which shape appeared first".
 QUESTION_CLASSES = (*SHAPES, "first")
@@ -49,7 +49,8 @@ TRAIN_STREAMS = 1
 @dataclass(frozen=True)
 class Phase:
     """One stage of the curriculum: ``steps`` steps of ``batch`` streams of ``pairs`` frame pairs
-    (one length per step, drawn in the range) with ``objects`` objects each."""
+    (one length per step, drawn in the range) with ``objects`` objects each; stream ``i`` of a batch is of
+    kind ``kinds[i % len(kinds)]``."""
 
     name: str
     steps: int
@@ -57,6 +58,7 @@ class Phase:
     pairs: tuple[int, int]
     objects: tuple[int, int] = (2, 4)
     vision_only: bool = False
+    kinds: tuple[str, ...] = STREAM_KINDS
 
 
 PHASES = (
@@ -94,7 +96,7 @@ class Batch:
     (video placeholders at ``visual``), positions ``[3, B, L]``; colour/shape labels ``[B * tokens]``;
     answer_at/question_at ``[2, n]`` (row, position) with their targets, answer_of ``[n]`` the question
     each answer token belongs to (for question accuracy), first_kind ``[questions]`` True for "which shape
-    appeared first?".
+    appeared first?"; moving_tokens ``[B * tokens]`` / moving_questions ``[questions]``: from a moving stream.
     """
 
     pixels: torch.Tensor
@@ -111,6 +113,8 @@ class Batch:
     question_targets: torch.Tensor
     questions: int
     first_kind: torch.Tensor
+    moving_tokens: torch.Tensor | None = None
+    moving_questions: torch.Tensor | None = None
 
 
 @dataclass
@@ -121,6 +125,8 @@ class StepStats:
     answer_acc: float = float("nan")
     first_acc: float = float("nan")
     question_acc: float = float("nan")
+    moving_shape_acc: float = float("nan")
+    moving_answer_acc: float = float("nan")
 
 
 class Heads(torch.nn.Module):
@@ -179,6 +185,7 @@ def build_batch(adapter: QwenVL, episodes: list[Episode], rng: np.random.Generat
     )
     text_start = max(len(prefix) - 1, int(visual_positions.max())) + 1
     texts, answer_at, answer_targets, answer_of, question_at, question_targets, first_kind = [], [], [], [], [], [], []
+    moving_questions = []
     questions = 0
     if with_text:
         for row, episode in enumerate(episodes):
@@ -193,6 +200,7 @@ def build_batch(adapter: QwenVL, episodes: list[Episode], rng: np.random.Generat
                     question_at.append((row, offset + position))
                     question_targets.append(target)
                 first_kind.append(QUESTION_CLASSES[target] == "first")
+                moving_questions.append(episode.kind == "moving")
                 questions += 1
             texts.append(ids)
     length = len(prefix) + tokens + max((len(t) for t in texts), default=0)
@@ -223,6 +231,8 @@ def build_batch(adapter: QwenVL, episodes: list[Episode], rng: np.random.Generat
         question_targets=torch.tensor(question_targets, dtype=torch.long),
         questions=questions,
         first_kind=torch.tensor(first_kind, dtype=torch.bool),
+        moving_tokens=torch.tensor([e.kind == "moving" for e in episodes]).repeat_interleave(tokens),
+        moving_questions=torch.tensor(moving_questions, dtype=torch.bool),
     )
 
 
@@ -274,9 +284,10 @@ class TinyTrainer:
         phase = self.config.phases[phase_index]
         step_rng = np.random.default_rng((self.config.seed, TRAIN_STREAMS, phase_index, step))
         pairs = int(step_rng.integers(phase.pairs[0], phase.pairs[1] + 1))
-        spec = StreamSpec(pairs=(pairs, pairs), objects=phase.objects)
+        specs = [StreamSpec(pairs=(pairs, pairs), objects=phase.objects, kind=kind) for kind in phase.kinds]
         episodes = [
-            generate_episode((self.config.seed, TRAIN_STREAMS, phase_index, step, item), spec) for item in range(phase.batch)
+            generate_episode((self.config.seed, TRAIN_STREAMS, phase_index, step, item), specs[item % len(specs)])
+            for item in range(phase.batch)
         ]
         return build_batch(self.adapter, episodes, step_rng, with_text=not phase.vision_only)
 
@@ -287,11 +298,14 @@ class TinyTrainer:
         merged = torch.cat(list(hf.model.get_video_features(batch.pixels, batch.grid_thw, return_dict=True).pooler_output))
         colour_logits, shape_logits = self.heads.colour(merged), self.heads.shape(merged)
         loss = F.cross_entropy(colour_logits, batch.colour_labels) + F.cross_entropy(shape_logits, batch.shape_labels)
+        shape_right = shape_logits.argmax(-1) == batch.shape_labels
         stats = StepStats(
             0.0,
             (colour_logits.argmax(-1) == batch.colour_labels).float().mean().item(),
-            (shape_logits.argmax(-1) == batch.shape_labels).float().mean().item(),
+            shape_right.float().mean().item(),
         )
+        if batch.moving_tokens is not None and batch.moving_tokens.any():
+            stats.moving_shape_acc = shape_right[batch.moving_tokens].float().mean().item()
         if not vision_only:
             embeds = hf.get_input_embeddings()(batch.input_ids)
             rows = batch.input_ids.shape[0]
@@ -312,6 +326,8 @@ class TinyTrainer:
             stats.answer_acc = right_per_question.float().mean().item()
             if batch.first_kind.any():
                 stats.first_acc = right_per_question[batch.first_kind].float().mean().item()
+            if batch.moving_questions is not None and batch.moving_questions.any():
+                stats.moving_answer_acc = right_per_question[batch.moving_questions].float().mean().item()
             stats.question_acc = (question_logits.argmax(-1) == batch.question_targets).float().mean().item()
         stats.loss = loss.item()
         return loss, stats
@@ -384,9 +400,12 @@ def _mean(stats: list[StepStats]) -> dict[str, float]:
 
 def _postfix(phase: str, recent: list[StepStats]) -> str:
     mean = _mean(recent)
+    nan = float("nan")
     text = f"{phase} loss {mean['loss']:.3f} colour {mean['colour_acc']:.2f} shape {mean['shape_acc']:.2f}"
+    text += f" (moving {mean.get('moving_shape_acc', nan):.2f})"
     if "answer_acc" in mean:
-        text += f" answers {mean['answer_acc']:.2f} (first {mean.get('first_acc', float('nan')):.2f}) question {mean['question_acc']:.2f}"
+        text += (f" answers {mean['answer_acc']:.2f} (first {mean.get('first_acc', nan):.2f}, moving "
+                 f"{mean.get('moving_answer_acc', nan):.2f}) question {mean['question_acc']:.2f}")
     return text
 
 
