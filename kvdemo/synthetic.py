@@ -14,9 +14,11 @@ Two kinds of stream (``StreamSpec.kind``):
   random, bouncing at the world's edge) and zooms between 1x and 1.5x, so the same patch position shows
   different content over time. The background is the world's texture seen through the camera, plus a
   texture of two plane waves drifting freely (not on the grid) and a lighting drift (a slow sinusoidal
-  gain on the whole frame). Objects can reappear (a second sighting after a gap, at another place), an
-  object is drawn only while its whole box is in view, and there are 4-8 clutter items in palette colours
-  (drawn uniformly, so a colour seen on screen says nothing about the answer).
+  gain on the whole frame). Scenes are busier: 3-5 objects, plus 2-4 decoys (a ring, a slab, a corner:
+  object-sized shapes in palette colours that no question asks about, so that what stands out in a frame
+  is not always evidence) and 4-8 clutter items; colours are drawn uniformly, so a colour seen on screen
+  says nothing about the answer. Objects and decoys can reappear (a second sighting after a gap, at
+  another place) and are drawn only while their whole box is in view.
 
 Objects sit on the vision encoder's 14-px patch grid and move in 14-px steps: a box of 2 x 2 patches
 whose top-left corner is a patch corner, the shape 22-26 px wide inside it. (A feasibility run showed
@@ -32,7 +34,8 @@ Questions (answers from a small vocabulary):
 
 - ``colour``: "What colour was the <shape>?" -> a colour name; the evidence is that object (any sighting).
 - ``first``: "Which shape appeared first?" -> a shape name; the evidence is the earliest object (asked
-  only when one object appeared strictly before the others, at frame-pair resolution).
+  only when one object appeared strictly before the others, at frame-pair resolution; decoys are not
+  shapes of the question's vocabulary and do not count).
 
 Each question records when its evidence was first shown and when it left view for the last time
 (``left_s``: the time of the first frame after the subject's last drawn frame, reappearances included);
@@ -60,6 +63,8 @@ CELL = 14
 #: A 112 x 112 frame pair is 4 x 4 = 16 visual tokens.
 FRAME_SIDE = 112
 SHAPES = ("circle", "square", "triangle", "cross", "star", "diamond")
+#: Moving kind: object-sized decoys that no question names (labelled CLUTTER for the shape head).
+DECOY_SHAPES = ("ring", "slab", "corner")
 COLOURS = {
     "red": (220, 45, 45),
     "green": (45, 185, 70),
@@ -82,7 +87,10 @@ FIRST_QUESTION = "Which shape appeared first?"
 QUESTION_KINDS = ("colour", "first")
 #: The kinds of generated stream (see the module docstring).
 STREAM_KINDS = ("static", "moving")
-#: Clutter items per stream when a spec does not say: the moving kind has more same-palette distractors.
+#: Per kind, when a spec does not say: objects, decoys and clutter items per stream (the moving kind's
+#: scenes are busier, with more same-palette distractors).
+DEFAULT_OBJECTS = {"static": (2, 4), "moving": (3, 5)}
+DEFAULT_DECOYS = {"static": (0, 0), "moving": (2, 4)}
 DEFAULT_CLUTTER = {"static": (0, 2), "moving": (4, 8)}
 #: Moving kind: the camera's zoom levels. At 1.5x a 2 x 2-cell object box is exactly 3 x 3 cells.
 ZOOMS = (1.0, 1.5)
@@ -98,12 +106,13 @@ LIGHT_AMPLITUDE, LIGHT_PERIOD_S = (0.05, 0.15), (8.0, 30.0)
 class StreamSpec:
     """What a generated stream may contain; ranges are inclusive ``(low, high)``.
 
-    ``kind``: ``static`` or ``moving``; ``clutter`` left at ``None`` takes the kind's default
-    (:data:`DEFAULT_CLUTTER`); ``reappear``: the moving kind's chance that an object is seen twice.
+    ``kind``: ``static`` or ``moving``; ``objects``, ``decoys`` and ``clutter`` left at ``None`` take the
+    kind's default (:data:`DEFAULT_OBJECTS`, ...); decoys and ``reappear`` (the chance that an object or a
+    decoy is seen twice) are the moving kind's only.
     """
 
     pairs: tuple[int, int] = (8, 40)
-    objects: tuple[int, int] = (2, 4)
+    objects: tuple[int, int] | None = None
     visible_pairs: tuple[int, int] = (1, 5)
     clutter: tuple[int, int] | None = None
     object_side: tuple[int, int] = (22, 26)
@@ -111,12 +120,16 @@ class StreamSpec:
     fps: float = FPS
     kind: str = "static"
     reappear: float = 0.5
+    decoys: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in STREAM_KINDS:
             raise VideoError(f"unknown stream kind {self.kind!r}: one of {', '.join(STREAM_KINDS)}")
-        if self.clutter is None:
-            object.__setattr__(self, "clutter", DEFAULT_CLUTTER[self.kind])
+        for name, defaults in (("objects", DEFAULT_OBJECTS), ("decoys", DEFAULT_DECOYS), ("clutter", DEFAULT_CLUTTER)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, defaults[self.kind])
+        if self.kind == "static" and self.decoys != (0, 0):
+            raise VideoError("decoys belong to the moving kind")
         height, width = self.size
         if height % RESIZE_FACTOR or width % RESIZE_FACTOR or height < OBJECT_BOX or width < OBJECT_BOX:
             raise VideoError(f"generated frames need sides that are multiples of {RESIZE_FACTOR}, got {height}x{width}")
@@ -225,7 +238,8 @@ class Episode:
 
     ``colour_labels``/``shape_labels``: ``[pairs, tokens_per_pair]`` int64 per visual token (grid-major,
     row-major like the encoder's merged tokens): the item covering most of the token's 28 x 28 px over the
-    pair (at least ``MIN_LABEL_PIXELS``), else ``NOTHING_COLOUR``/``NOTHING``.
+    pair (at least ``MIN_LABEL_PIXELS``), else ``NOTHING_COLOUR``/``NOTHING``; decoys are labelled like
+    clutter (their colour, ``CLUTTER``). ``camera`` and ``decoys``: the moving kind's.
     """
 
     seed: tuple[int, ...]
@@ -237,6 +251,7 @@ class Episode:
     shape_labels: np.ndarray
     spec: StreamSpec = field(default_factory=StreamSpec)
     camera: Camera | None = None
+    decoys: list[SceneObject] = field(default_factory=list)
 
     @property
     def kind(self) -> str:
@@ -260,13 +275,14 @@ class Episode:
         return None
 
     def describe(self) -> list[str]:
-        """One line per object and per clutter item, in order of appearance, with times in seconds."""
+        """One line per object, decoy and clutter item, in order of appearance, with times in seconds."""
         seconds = 1.0 / self.video.fps
         lines = []
-        for item in sorted(self.objects, key=lambda o: o.first_frame):
+        for item in sorted(self.objects + self.decoys, key=lambda o: o.first_frame):
             motion = "moving" if item.moving else "still"
             spans = ", ".join(f"{first * seconds:g}-{(last + 1) * seconds:g} s" for first, last in item.appearances)
-            lines.append(f"{item.colour} {item.shape} ({motion}), {spans}")
+            decoy = "decoy: " if item.shape in DECOY_SHAPES else ""
+            lines.append(f"{decoy}{item.colour} {item.shape} ({motion}), {spans}")
         for item in self.clutter:
             lines.append(
                 f"clutter: {item.colour} {item.kind}, {item.first_frame * seconds:g}-{(item.last_frame + 1) * seconds:g} s"
@@ -335,7 +351,7 @@ def sample_manifest(episode: Episode) -> str:
     camera = ""
     if episode.camera is not None:
         camera = (" The camera pans in 14-px steps and zooms between 1x and 1.5x, the background drifts and the light "
-                  "changes; objects can leave and reappear.")
+                  "changes; objects can leave and reappear; decoys (ring, slab, corner) are never asked about.")
     return (
         f"**Bundled sample**: a generated stream ({video.num_frames / video.fps:g} s at {video.fps:g} fps, "
         f"{width}x{height}, seed {','.join(map(str, episode.seed))}, kind {episode.kind}); objects sit on the 14-px "
@@ -358,18 +374,19 @@ def generate_episode(seed: int | Sequence[int], spec: StreamSpec = StreamSpec(),
     if num_pairs < 1:
         raise VideoError(f"a generated stream needs at least one frame pair, got {num_pairs}")
     num_frames = num_pairs * FRAMES_PER_PAIR
-    camera = None
+    camera, decoys = None, []
     if spec.kind == "static":
         objects = _place_objects(rng, spec, num_pairs)
         clutter = _place_clutter(rng, spec, num_frames)
         frames, owners = _render(rng, spec, num_frames, objects, clutter)
     else:
         zoom, offset = _camera_path(rng, spec, num_pairs)
-        objects = _place_seen_objects(rng, spec, num_pairs, zoom, offset)
+        objects, decoys = _place_seen_objects(rng, spec, num_pairs, zoom, offset)
         clutter = _place_clutter(rng, replace(spec, size=world_size(spec.size)), num_frames)
-        frames, owners, gain = _render_moving(rng, spec, num_frames, zoom, offset, objects, clutter)
+        frames, owners, gain = _render_moving(rng, spec, num_frames, zoom, offset, objects + decoys, clutter)
         camera = Camera(zoom, offset, gain)
-    colour_labels, shape_labels = _token_labels(owners, objects, clutter)
+    # Decoys are drawn as objects (owners after the objects) and labelled as clutter.
+    colour_labels, shape_labels = _token_labels(owners, objects, decoys + clutter)
     video = Video(
         frames=frames,
         times_s=np.arange(num_frames, dtype=np.float64) / spec.fps,
@@ -380,7 +397,7 @@ def generate_episode(seed: int | Sequence[int], spec: StreamSpec = StreamSpec(),
         source_size=spec.size,
     )
     return Episode(
-        seed_tuple, video, objects, clutter, _questions(objects, spec.fps), colour_labels, shape_labels, spec, camera
+        seed_tuple, video, objects, clutter, _questions(objects, spec.fps), colour_labels, shape_labels, spec, camera, decoys
     )
 
 
@@ -529,6 +546,16 @@ def shape_mask(shape: str, side: int) -> np.ndarray:
         draw.polygon([(centre + r * np.cos(a), centre + 0.55 + r * np.sin(a)) for r, a in zip(radii, angles)], fill=1)
     elif shape == "diamond":
         draw.polygon([(centre, 0), (last, centre), (centre, last), (0, centre)], fill=1)
+    elif shape == "ring":
+        hole = side / 4
+        draw.ellipse([0, 0, last, last], fill=1)
+        draw.ellipse([hole, hole, last - hole, last - hole], fill=0)
+    elif shape == "slab":
+        draw.rectangle([0, side * 0.3, last, last - side * 0.3], fill=1)
+    elif shape == "corner":
+        arm = side / 3
+        draw.rectangle([0, 0, arm, last], fill=1)
+        draw.rectangle([0, last - arm, last, last], fill=1)
     else:
         raise VideoError(f"unknown shape {shape!r}")
     return np.asarray(image, dtype=bool)
@@ -666,24 +693,28 @@ def _sightings(rng: np.random.Generator, spec: StreamSpec, num_pairs: int, count
 
 def _place_seen_objects(
     rng: np.random.Generator, spec: StreamSpec, num_pairs: int, zoom: np.ndarray, offset: np.ndarray
-) -> list[SceneObject]:
-    """Objects of the moving kind, in world cells seen through the camera. Each sighting starts in view at a
-    random world cell and is still or moves as in the static kind (in world cells); it is drawn in the frames
-    where its whole box is in view and clear of the objects placed before it. Up to 100 placements are
-    tried per sighting; the first drawn in all its frames wins, else the one drawn in most."""
+) -> tuple[list[SceneObject], list[SceneObject]]:
+    """Objects and decoys of the moving kind, in world cells seen through the camera. Each sighting starts in
+    view at a random world cell and is still or moves as in the static kind (in world cells); it is drawn in
+    the frames where its whole box is in view and clear of the items placed before it (objects first, then
+    decoys). Up to 100 placements are tried per sighting; the first drawn in all its frames wins, else the
+    one drawn in most. An item drawn in no frame is left out."""
     count = int(rng.integers(spec.objects[0], spec.objects[1] + 1))
-    shapes = rng.permutation(len(SHAPES))[:count]
+    shapes = [SHAPES[i] for i in rng.permutation(len(SHAPES))[:count]]
     sightings = _sightings(rng, spec, num_pairs, count)
+    decoys = int(rng.integers(spec.decoys[0], spec.decoys[1] + 1))
+    shapes += [DECOY_SHAPES[int(i)] for i in rng.integers(len(DECOY_SHAPES), size=decoys)]
+    sightings += _sightings(rng, spec, num_pairs, decoys)
     frame = np.array(spec.size) // CELL
     world = np.array(world_size(spec.size)) // CELL - 1  # top-left world cells keep the 2 x 2 box in the world
     all_cells = np.stack(np.meshgrid(np.arange(world[0]), np.arange(world[1]), indexing="ij"), -1).reshape(-1, 2)
     camera = Camera(zoom, offset, np.ones(0))
     num_frames = num_pairs * FRAMES_PER_PAIR
-    # Per frame, the placed objects' boxes: top-left cell and side (side 0: nothing there).
+    # Per frame, the placed items' boxes: top-left cell and side (side 0: nothing there).
     taken_cells = np.zeros((0, num_frames, 2), dtype=np.int64)
     taken_boxes = np.zeros((0, num_frames), dtype=np.int64)
-    placed = []
-    for shape_index, seen in zip(shapes, sightings):
+    placed: list[SceneObject] = []
+    for shape, seen in zip(shapes, sightings):
         colour = COLOUR_NAMES[int(rng.integers(len(COLOURS)))]
         side = int(rng.integers(spec.object_side[0], spec.object_side[1] + 1))
         moving = bool(rng.random() < 0.5)
@@ -718,7 +749,7 @@ def _place_seen_objects(
         if len(shown):
             placed.append(
                 SceneObject(
-                    SHAPES[shape_index],
+                    shape,
                     colour,
                     side,
                     int(shown[0]),
@@ -728,7 +759,7 @@ def _place_seen_objects(
                     tuple(int(b) for b in box_of[shown]),
                 )
             )
-    return placed
+    return [o for o in placed if o.shape in SHAPES], [o for o in placed if o.shape in DECOY_SHAPES]
 
 
 def _render_moving(
@@ -740,7 +771,8 @@ def _render_moving(
     objects: list[SceneObject],
     clutter: list[Clutter],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Frames ``[T, H, W, 3]`` uint8, owner maps ``[T, H, W]`` int8 (as :func:`_render`) and the lighting gain
+    """Frames ``[T, H, W, 3]`` uint8, owner maps ``[T, H, W]`` int8 (as :func:`_render`; ``objects`` here are
+    the objects then the decoys) and the lighting gain
     ``[T]``. Background: the world's texture (grey 45-95, a gradient, a tint, an 8-px block texture) seen
     through the camera (nearest pixel), plus two plane waves of 5-10 grey levels drifting 0.5-2 px per frame
     each, plus per-frame noise; then clutter and objects; everything times the gain ``1 + a sin(...)``."""

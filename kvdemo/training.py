@@ -4,7 +4,8 @@ The model is transformers' own ``Qwen2_5_VLForConditionalGeneration`` built from
 :func:`~kvdemo.models.tiny.tiny_config` (initializer range 0.02). Each training sequence is exactly what
 the engine feeds at inference: the chat prefix, the stream's visual tokens at the project's M-RoPE
 positions (2 fps), then every question of the stream as a multi-turn dialogue in random order, in the
-adapter's own template. Losses:
+adapter's own template. Every batch mixes the two stream kinds of :mod:`kvdemo.synthetic` (stream ``i``
+is static when ``i`` is even, moving when odd), so one model answers on both. Losses:
 
 - cross-entropy on the answer tokens (answer word + ``<|im_end|>``);
 - per-token colour and shape heads on the vision merger's output (weight 1 each), each token labelled

@@ -10,6 +10,7 @@ from kvdemo.synthetic import (
     CELL,
     CLUTTER,
     COLOUR_NAMES,
+    DECOY_SHAPES,
     COLOURS,
     MIN_LABEL_PIXELS,
     NOTHING,
@@ -146,7 +147,8 @@ def test_the_static_kind_draws_what_it_drew_before_the_moving_kind():
     assert _digest(sample_episode()) == "249f5d9c7cec257a46f88ef853a099fac156037bd218cfe7b30a82665967bf49"
     episode = generate_episode((0, 1, 2, 17, 3), StreamSpec(pairs=(9, 9)))
     assert _digest(episode) == "9094c9327c4ce3c92febd9398e44e3d9695285c83c48794db42297aa12869425"
-    assert episode.camera is None and episode.kind == "static" and episode.spec.clutter == (0, 2)
+    assert episode.camera is None and episode.kind == "static" and not episode.decoys
+    assert (episode.spec.objects, episode.spec.clutter) == ((2, 4), (0, 2))
 
 
 MOVING = StreamSpec(pairs=(30, 30), kind="moving")
@@ -160,16 +162,18 @@ def test_moving_streams_are_a_function_of_the_seed():
     assert a.objects == b.objects and a.questions == b.questions and a.clutter == b.clutter
     assert not np.array_equal(generate_episode((3, 2), MOVING).video.frames, a.video.frames)
     assert not np.array_equal(generate_episode((3, 1), StreamSpec(pairs=(30, 30))).video.frames, a.video.frames)
-    assert MOVING.clutter == (4, 8) and a.video.frames.shape == (60, 112, 112, 3)
+    assert (MOVING.objects, MOVING.decoys, MOVING.clutter) == ((3, 5), (2, 4), (4, 8))
+    assert a.video.frames.shape == (60, 112, 112, 3) and a.decoys == b.decoys
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_moving_objects_are_drawn_whole_where_and_when_the_generator_says(seed):
-    """In every frame listed in ``shown``, the whole shape is in view, on the 14-px grid, in its box (2 x 2
-    cells at 1x, 3 x 3 at 1.5x), in its colour times the frame's lighting gain."""
+    """In every frame listed in ``shown``, the whole shape (object or decoy) is in view, on the 14-px grid,
+    in its box (2 x 2 cells at 1x, 3 x 3 at 1.5x), in its colour times the frame's lighting gain."""
     episode = generate_episode(seed, MOVING)
     frames, camera = episode.video.frames, episode.camera
-    for item in episode.objects:
+    assert episode.decoys and all(d.shape in DECOY_SHAPES for d in episode.decoys)
+    for item in episode.objects + episode.decoys:
         assert len(item.shown) == len(item.cells) == len(item.boxes) and list(item.shown) == sorted(set(item.shown))
         for index, frame in enumerate(item.shown):
             box = item.boxes[index]
@@ -214,8 +218,9 @@ def test_the_camera_moves_the_world_through_the_frame():
 
 def _owner_map(episode):
     """Who covers each pixel, redrawn from the episode's description: clutter through the camera (cut at the
-    edge), then objects at ``drawn``."""
+    edge), then objects and decoys at ``drawn`` (owners: objects, decoys, clutter)."""
     camera = episode.camera
+    shapes = list(episode.objects) + list(episode.decoys)
     owner = np.full(episode.video.frames.shape[:3], -1)
     for j, item in enumerate(episode.clutter):
         for f in range(item.first_frame, item.last_frame + 1):
@@ -225,8 +230,8 @@ def _owner_map(episode):
             top, left = int(np.floor(item.top * zoom + 0.5)) - dr, int(np.floor(item.left * zoom + 0.5)) - dc
             for y, x in zip(*np.nonzero(mask)):
                 if 0 <= top + y < 112 and 0 <= left + x < 112:
-                    owner[f, top + y, left + x] = len(episode.objects) + j
-    for k, item in enumerate(episode.objects):
+                    owner[f, top + y, left + x] = len(shapes) + j
+    for k, item in enumerate(shapes):
         for index, f in enumerate(item.shown):
             top, left, side = item.drawn(index)
             ys, xs = np.nonzero(shape_mask(item.shape, side))
@@ -238,7 +243,8 @@ def _owner_map(episode):
 def test_moving_token_labels_match_a_plain_count_of_pixels(seed):
     episode = generate_episode(seed, StreamSpec(pairs=(12, 12), objects=(4, 4), kind="moving"))
     owner = _owner_map(episode)
-    items = list(episode.objects) + list(episode.clutter)
+    items = list(episode.objects) + list(episode.decoys) + list(episode.clutter)
+    assert episode.decoys
     for pair in range(episode.pairs):
         for token in range(16):
             r, c = divmod(token, 4)
@@ -299,3 +305,5 @@ def test_the_moving_sample():
         sample_episode("sideways")
     with pytest.raises(VideoError, match="unknown stream kind"):
         StreamSpec(kind="sideways")
+    with pytest.raises(VideoError, match="decoys belong to the moving kind"):
+        StreamSpec(decoys=(1, 1))
