@@ -7,6 +7,11 @@ frame pair starting at ``left_s + d`` (or the first one after it) has been fed, 
 the newest frames no longer show the evidence. Asking never changes the memory, and the dialogue is
 reset after each question, so every answer comes from the memory alone.
 
+Stream kinds (``--kind``): ``static`` (the default, the benchmark as it was), ``moving`` (camera motion,
+drifting background, reappearing objects: :mod:`kvdemo.synthetic`) or ``mixed`` (episode ``i`` of kind
+``static`` when ``i`` is even, ``moving`` when odd; the report then also gives the accuracy per kind).
+Episode ``i`` is the stream of seed ``(seed, 2, i)`` of its kind.
+
 ProtoKV's protocol (its Sec. 4 and App. C.1): delays in seconds of stream time; only questions with
 invariant ground truth (both kinds here are: shapes are unique per stream, and the first object
 stays first); only questions that can be asked at every delay of the sweep inside the stream, so every
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .synthetic import COLOURS, SHAPES, Episode, Question, StreamSpec, generate_episode, grade_answer
+from .synthetic import COLOURS, SHAPES, STREAM_KINDS, Episode, Question, StreamSpec, generate_episode, grade_answer
 
 if TYPE_CHECKING:  # the engine imports torch: loaded when an evaluation runs, not with the CLI's defaults
     from .engine import StreamEngine
@@ -35,6 +40,8 @@ if TYPE_CHECKING:  # the engine imports torch: loaded when an evaluation runs, n
 #: Seed-sequence tag of evaluation streams (training uses another, so these streams are held out).
 EVAL_STREAMS = 2
 DEFAULT_DELAYS = (0, 4, 8, 16, 32)
+#: What ``--kind`` takes: a stream kind, or both alternating.
+EVAL_KINDS = (*STREAM_KINDS, "mixed")
 #: Longest answer word ("triangle", "diamond", "purple", ...) plus the stop token, with room to spare.
 ANSWER_TOKENS = 12
 
@@ -52,10 +59,17 @@ class Item:
         return 1.0 / (len(COLOURS) if self.question.kind == "colour" else len(SHAPES))
 
 
-def eval_spec(delays: tuple[float, ...], lead_in: int = 14) -> StreamSpec:
-    """Streams long enough to ask about evidence of the first ``lead_in`` seconds at the longest delay."""
+def eval_spec(delays: tuple[float, ...], lead_in: int = 14, kind: str = "static") -> StreamSpec:
+    """Streams of ``kind`` long enough to ask about evidence of the first ``lead_in`` seconds at the longest delay."""
     pairs = lead_in + int(math.ceil(max(delays))) + 2
-    return StreamSpec(pairs=(pairs, pairs))
+    return StreamSpec(pairs=(pairs, pairs), kind=kind)
+
+
+def stream_kinds(kind: str) -> tuple[str, ...]:
+    """The stream kinds episodes cycle through for ``--kind`` (``mixed``: static, moving, static, ...)."""
+    if kind not in EVAL_KINDS:
+        raise ValueError(f"unknown stream kind {kind!r}: one of {', '.join(EVAL_KINDS)}")
+    return STREAM_KINDS if kind == "mixed" else (kind,)
 
 
 def ask_grids(question: Question, delays: tuple[float, ...], pair_seconds: float) -> tuple[int, ...]:
@@ -143,11 +157,14 @@ def evaluate(
     keep: int | None = None,
     spec: StreamSpec | None = None,
     progress: bool = False,
+    kind: str = "static",
 ) -> dict[str, Any]:
-    """Accuracy per policy and delay on ``episodes`` held-out streams (see the module docstring).
+    """Accuracy per policy and delay on ``episodes`` held-out streams of ``kind`` (``static``, ``moving`` or
+    ``mixed``; see the module docstring). ``spec``, when given, is every episode's spec (its kind wins).
 
     Returns the JSON report: ``chance``, ``episodes``, ``budget``, ``keep``, ``accuracy[policy][delay]``,
-    plus ``interval`` (95%), ``by_kind``, ``questions`` and the engines' actual ``budgets``.
+    plus ``interval`` (95%), ``by_kind`` (question kinds), ``by_stream`` (``[policy][delay][stream kind]``:
+    accuracy and question count), ``questions`` and the engines' actual ``budgets``.
     """
     from .policies import BudgetError  # deferred on purpose (torch), as above
 
@@ -157,44 +174,53 @@ def evaluate(
         raise BudgetError(f"--episodes must be positive, got {episodes}")
     if not delays or min(delays) < 0:
         raise BudgetError(f"delays must be non-negative seconds, got {list(delays)}")
-    spec = spec or eval_spec(delays)
-    budgets = {name: {"budget": e.budget.M, "keep": e.budget.C} for name, e in build_engines(model, policies, budget, keep, spec.fps).items()}
+    specs = [spec] if spec is not None else [eval_spec(delays, kind=k) for k in stream_kinds(kind)]
+    kind = spec.kind if spec is not None else kind
+    budgets = {name: {"budget": e.budget.M, "keep": e.budget.C} for name, e in build_engines(model, policies, budget, keep, specs[0].fps).items()}
     items: list[Item] = []
+    item_streams: list[str] = []
     correct = {name: [[0] * len(delays) for _ in ("colour", "first")] for name in policies}
+    by_stream_right = {name: {k: [0] * len(delays) for k in STREAM_KINDS} for name in policies}
     bar = None
     if progress:
         from tqdm import tqdm  # deferred: only with a progress bar
 
         bar = tqdm(total=episodes, unit="stream", desc="eval", file=sys.stderr, dynamic_ncols=True)
     for index in range(episodes):
-        episode = generate_episode((seed, EVAL_STREAMS, index), spec)
+        episode = generate_episode((seed, EVAL_STREAMS, index), specs[index % len(specs)])
         episode_items = valid_items(episode, index, delays)
         if episode_items:
             results = run_episode(model, episode, episode_items, policies, budget, keep)
             for name, per_item in results.items():
                 for item, row in zip(episode_items, per_item):
-                    kind = ("colour", "first").index(item.question.kind)
+                    question_kind = ("colour", "first").index(item.question.kind)
                     for d, right in enumerate(row):
-                        correct[name][kind][d] += int(right)
+                        correct[name][question_kind][d] += int(right)
+                        by_stream_right[name][episode.kind][d] += int(right)
             items.extend(episode_items)
+            item_streams.extend([episode.kind] * len(episode_items))
         if bar is not None:
             bar.update(1)
             bar.set_postfix(questions=len(items))
     if bar is not None:
         bar.close()
-    counts = [sum(item.question.kind == kind for item in items) for kind in ("colour", "first")]
+    counts = [sum(item.question.kind == k for item in items) for k in ("colour", "first")]
+    stream_counts = {k: item_streams.count(k) for k in STREAM_KINDS if item_streams.count(k)}
     total = len(items)
-    accuracy, interval, by_kind = {}, {}, {}
+    accuracy, interval, by_kind, by_stream = {}, {}, {}, {}
     for name in policies:
-        accuracy[name], interval[name], by_kind[name] = {}, {}, {}
+        accuracy[name], interval[name], by_kind[name], by_stream[name] = {}, {}, {}, {}
         for d, delay in enumerate(delays):
             right = correct[name][0][d] + correct[name][1][d]
             key = _delay_key(delay)
             accuracy[name][key] = right / total if total else 0.0
             interval[name][key] = list(wilson(right, total))
             by_kind[name][key] = {
-                kind: correct[name][k][d] / counts[k] for k, kind in enumerate(("colour", "first")) if counts[k]
+                question_kind: correct[name][k][d] / counts[k]
+                for k, question_kind in enumerate(("colour", "first"))
+                if counts[k]
             }
+            by_stream[name][key] = {k: by_stream_right[name][k][d] / n for k, n in stream_counts.items()}
     return {
         "chance": sum(item.chance for item in items) / total if total else 0.0,
         "episodes": episodes,
@@ -203,9 +229,11 @@ def evaluate(
         "accuracy": accuracy,
         "interval": interval,
         "by_kind": by_kind,
-        "questions": {"total": total, "colour": counts[0], "first": counts[1]},
+        "by_stream": by_stream,
+        "questions": {"total": total, "colour": counts[0], "first": counts[1], **{f"{k} streams": n for k, n in stream_counts.items()}},
         "delays_s": [_delay_key(d) for d in delays],
-        "stream_pairs": spec.pairs[0],
+        "kind": kind,
+        "stream_pairs": specs[0].pairs[0],
         "seed": seed,
         "model": model.name,
         "budgets": budgets,
@@ -231,9 +259,11 @@ def accuracy_table(report: dict[str, Any]) -> str:
             cells.append(f"{row[d]:.2f} [{low:.2f},{high:.2f}]".rjust(17))
         lines.append(f"{name:<{width}} {size:>11} " + " ".join(cells))
     q = report["questions"]
+    kind = report.get("kind", "static")
+    streams = "static and moving, alternating," if kind == "mixed" else kind
     lines.append(
         f"chance {report['chance']:.3f}; {q['total']} questions ({q['colour']} colour, {q['first']} first-shape) "
-        f"from {report['episodes']} held-out streams of {report['stream_pairs']} s; [95% Wilson interval]"
+        f"from {report['episodes']} held-out {streams} streams of {report['stream_pairs']} s; [95% Wilson interval]"
     )
     return "\n".join(lines)
 
@@ -255,7 +285,8 @@ def eval_command(args: argparse.Namespace) -> int:
     if model.notice:
         print(f"note: {model.notice}", file=sys.stderr)
     report = evaluate(
-        model, args.policies, args.delays, args.episodes, args.seed, budget, keep, progress=not args.quiet
+        model, args.policies, args.delays, args.episodes, args.seed, budget, keep, progress=not args.quiet,
+        kind=args.kind,
     )
     print(accuracy_table(report))
     if args.json:

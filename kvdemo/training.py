@@ -4,7 +4,8 @@ The model is transformers' own ``Qwen2_5_VLForConditionalGeneration`` built from
 :func:`~kvdemo.models.tiny.tiny_config` (initializer range 0.02). Each training sequence is exactly what
 the engine feeds at inference: the chat prefix, the stream's visual tokens at the project's M-RoPE
 positions (2 fps), then every question of the stream as a multi-turn dialogue in random order, in the
-adapter's own template. Losses:
+adapter's own template. Every batch mixes the two stream kinds of :mod:`kvdemo.synthetic` (stream ``i``
+is static when ``i`` is even, moving when odd), so one model answers on both. Losses:
 
 - cross-entropy on the answer tokens (answer word + ``<|im_end|>``);
 - per-token colour and shape heads on the vision merger's output (weight 1 each), each token labelled
@@ -28,7 +29,7 @@ import json
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from .models.qwen2_vl import Qwen2VL, mrope_positions
 from .models.catalog import TINY_NAME
 from .models.tiny import TRAINED_DIR, ByteTokenizer, save_tokenizer_spec, tiny_config
-from .synthetic import COLOURS, SHAPES, Episode, StreamSpec, generate_episode
+from .synthetic import COLOURS, SHAPES, Episode, StreamSpec, STREAM_KINDS, generate_episode
 
 #: The question head's classes: the shape asked about, or "which shape appeared first".
 QUESTION_CLASSES = (*SHAPES, "first")
@@ -52,7 +53,8 @@ TRAIN_STREAMS = 1
 @dataclass(frozen=True)
 class Phase:
     """One stage of the curriculum: ``steps`` steps of ``batch`` streams of ``pairs`` frame pairs
-    (one length per step, drawn in the range) with ``objects`` objects each."""
+    (one length per step, drawn in the range) with ``objects`` objects each; stream ``i`` of a batch is of
+    kind ``kinds[i % len(kinds)]``."""
 
     name: str
     steps: int
@@ -60,12 +62,13 @@ class Phase:
     pairs: tuple[int, int]
     objects: tuple[int, int] = (2, 4)
     vision_only: bool = False
+    kinds: tuple[str, ...] = STREAM_KINDS
 
 
 PHASES = (
     Phase("A vision", 200, 16, (3, 3), (4, 4), vision_only=True),
-    Phase("B short", 1200, 8, (2, 10)),
-    Phase("C long", 500, 8, (4, 48)),
+    Phase("B short", 1800, 8, (2, 10)),
+    Phase("C long", 800, 8, (4, 48)),
 )
 
 
@@ -97,7 +100,7 @@ class Batch:
     (video placeholders at ``visual``), positions ``[3, B, L]``; colour/shape labels ``[B * tokens]``;
     answer_at/question_at ``[2, n]`` (row, position) with their targets, answer_of ``[n]`` the question
     each answer token belongs to (for question accuracy), first_kind ``[questions]`` True for "which shape
-    appeared first?".
+    appeared first?"; moving_tokens ``[B * tokens]`` / moving_questions ``[questions]``: from a moving stream.
     """
 
     pixels: torch.Tensor
@@ -114,6 +117,8 @@ class Batch:
     question_targets: torch.Tensor
     questions: int
     first_kind: torch.Tensor
+    moving_tokens: torch.Tensor | None = None
+    moving_questions: torch.Tensor | None = None
 
 
 @dataclass
@@ -124,6 +129,8 @@ class StepStats:
     answer_acc: float = float("nan")
     first_acc: float = float("nan")
     question_acc: float = float("nan")
+    moving_shape_acc: float = float("nan")
+    moving_answer_acc: float = float("nan")
 
 
 class Heads(torch.nn.Module):
@@ -182,6 +189,7 @@ def build_batch(adapter: Qwen2VL, episodes: list[Episode], rng: np.random.Genera
     )
     text_start = max(len(prefix) - 1, int(visual_positions.max())) + 1
     texts, answer_at, answer_targets, answer_of, question_at, question_targets, first_kind = [], [], [], [], [], [], []
+    moving_questions = []
     questions = 0
     if with_text:
         for row, episode in enumerate(episodes):
@@ -196,6 +204,7 @@ def build_batch(adapter: Qwen2VL, episodes: list[Episode], rng: np.random.Genera
                     question_at.append((row, offset + position))
                     question_targets.append(target)
                 first_kind.append(QUESTION_CLASSES[target] == "first")
+                moving_questions.append(episode.kind == "moving")
                 questions += 1
             texts.append(ids)
     length = len(prefix) + tokens + max((len(t) for t in texts), default=0)
@@ -226,6 +235,8 @@ def build_batch(adapter: Qwen2VL, episodes: list[Episode], rng: np.random.Genera
         question_targets=torch.tensor(question_targets, dtype=torch.long),
         questions=questions,
         first_kind=torch.tensor(first_kind, dtype=torch.bool),
+        moving_tokens=torch.tensor([e.kind == "moving" for e in episodes]).repeat_interleave(tokens),
+        moving_questions=torch.tensor(moving_questions, dtype=torch.bool),
     )
 
 
@@ -275,9 +286,10 @@ class TinyTrainer:
         phase = self.config.phases[phase_index]
         step_rng = np.random.default_rng((self.config.seed, TRAIN_STREAMS, phase_index, step))
         pairs = int(step_rng.integers(phase.pairs[0], phase.pairs[1] + 1))
-        spec = StreamSpec(pairs=(pairs, pairs), objects=phase.objects)
+        specs = [StreamSpec(pairs=(pairs, pairs), objects=phase.objects, kind=kind) for kind in phase.kinds]
         episodes = [
-            generate_episode((self.config.seed, TRAIN_STREAMS, phase_index, step, item), spec) for item in range(phase.batch)
+            generate_episode((self.config.seed, TRAIN_STREAMS, phase_index, step, item), specs[item % len(specs)])
+            for item in range(phase.batch)
         ]
         return build_batch(self.adapter, episodes, step_rng, with_text=not phase.vision_only)
 
@@ -288,11 +300,14 @@ class TinyTrainer:
         merged = torch.cat(list(hf.model.get_video_features(batch.pixels, batch.grid_thw, return_dict=True).pooler_output))
         colour_logits, shape_logits = self.heads.colour(merged), self.heads.shape(merged)
         loss = F.cross_entropy(colour_logits, batch.colour_labels) + F.cross_entropy(shape_logits, batch.shape_labels)
+        shape_right = shape_logits.argmax(-1) == batch.shape_labels
         stats = StepStats(
             0.0,
             (colour_logits.argmax(-1) == batch.colour_labels).float().mean().item(),
-            (shape_logits.argmax(-1) == batch.shape_labels).float().mean().item(),
+            shape_right.float().mean().item(),
         )
+        if batch.moving_tokens is not None and batch.moving_tokens.any():
+            stats.moving_shape_acc = shape_right[batch.moving_tokens].float().mean().item()
         if not vision_only:
             embeds = hf.get_input_embeddings()(batch.input_ids)
             rows = batch.input_ids.shape[0]
@@ -313,6 +328,8 @@ class TinyTrainer:
             stats.answer_acc = right_per_question.float().mean().item()
             if batch.first_kind.any():
                 stats.first_acc = right_per_question[batch.first_kind].float().mean().item()
+            if batch.moving_questions is not None and batch.moving_questions.any():
+                stats.moving_answer_acc = right_per_question[batch.moving_questions].float().mean().item()
             stats.question_acc = (question_logits.argmax(-1) == batch.question_targets).float().mean().item()
         stats.loss = loss.item()
         return loss, stats
@@ -381,9 +398,12 @@ def _mean(stats: list[StepStats]) -> dict[str, float]:
 
 def _postfix(phase: str, recent: list[StepStats]) -> str:
     mean = _mean(recent)
+    nan = float("nan")
     text = f"{phase} loss {mean['loss']:.3f} colour {mean['colour_acc']:.2f} shape {mean['shape_acc']:.2f}"
+    text += f" (moving {mean.get('moving_shape_acc', nan):.2f})"
     if "answer_acc" in mean:
-        text += f" answers {mean['answer_acc']:.2f} (first {mean.get('first_acc', float('nan')):.2f}) question {mean['question_acc']:.2f}"
+        text += (f" answers {mean['answer_acc']:.2f} (first {mean.get('first_acc', nan):.2f}, moving "
+                 f"{mean.get('moving_answer_acc', nan):.2f}) question {mean['question_acc']:.2f}")
     return text
 
 

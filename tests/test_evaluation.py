@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from kvdemo.cli import main
-from kvdemo.evaluation import ask_grids, evaluate, valid_items, wilson
+from kvdemo.cli import build_parser, check_eval_arguments, main
+from kvdemo.evaluation import ask_grids, eval_spec, evaluate, stream_kinds, valid_items, wilson
 from kvdemo.synthetic import Question, StreamSpec, generate_episode
 
 
@@ -50,6 +50,50 @@ def test_the_eval_command_runs_end_to_end(tmp_path, capsys):
     assert "sliding-window" in printed.out and "chance" in printed.out
 
 
+def test_kind_is_parsed_and_defaults_to_the_static_streams(capsys):
+    parse = build_parser().parse_args
+    assert parse(["eval"]).kind == "static"
+    assert [parse(["eval", "--kind", k]).kind for k in ("static", "moving", "mixed")] == ["static", "moving", "mixed"]
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["eval", "--kind", "sideways"])
+    assert exit_info.value.code == 2 and "invalid choice: 'sideways'" in capsys.readouterr().err
+    args = parse(["eval", "--kind", "moving", "--delays", "0,8"])
+    check_eval_arguments(args)
+    assert args.kind == "moving" and args.delays == (0.0, 8.0)
+    assert stream_kinds("mixed") == ("static", "moving") and stream_kinds("moving") == ("moving",)
+    with pytest.raises(ValueError, match="unknown stream kind"):
+        stream_kinds("sideways")
+    assert eval_spec((0, 32), kind="moving").kind == "moving" and eval_spec((0, 32)).pairs == (48, 48)
+
+
+def test_moving_questions_are_asked_after_the_last_sighting():
+    """Delays count from when the subject was last seen: an object seen twice is asked about after its
+    second sighting, never between the two."""
+    for index in range(20):
+        episode = generate_episode((0, 2, index), eval_spec((0, 8), kind="moving"))
+        for item in valid_items(episode, index, (0, 8)):
+            subject = next(o for o in episode.objects if o.shape == item.question.subject)
+            assert item.ask_after[0] == (subject.shown[-1] + 1 + 1) // 2  # the first pair wholly after its last frame
+            if len(subject.appearances) > 1:
+                return
+    raise AssertionError("no reappearing object was asked about in 20 streams")
+
+
+def test_the_eval_command_alternates_kinds_when_mixed(tmp_path):
+    out = tmp_path / "eval.json"
+    code = main(["eval", "--policies", "full", "--delays", "0", "--episodes", "4", "--kind", "mixed",
+                 "--json", str(out), "--quiet"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["kind"] == "mixed" and set(report["by_stream"]["full"]["0"]) == {"static", "moving"}
+    expected = {}
+    for index in range(4):
+        episode = generate_episode((0, 2, index), eval_spec((0,), kind=("static", "moving")[index % 2]))
+        kind = episode.kind
+        expected[kind] = expected.get(kind, 0) + len(valid_items(episode, index, (0,)))
+    assert {k: report["questions"][f"{k} streams"] for k in expected} == expected
+
+
 @pytest.mark.parametrize("extra, message", [(["--policies", "full,nope"], "unknown policy"),
                                             (["--policies", "uniform", "-C", "80"], "C must be smaller than M"),
                                             (["--policies", "uniform", "-M", "1e25"], "more visual tokens than any stream holds"),
@@ -59,14 +103,15 @@ def test_eval_user_errors_are_one_line(capsys, extra, message):
     assert message in capsys.readouterr().err
 
 
-def test_the_committed_weights_answer_from_the_evidence():
-    """On held-out streams the full cache answers >= 90% right; a sliding window of two frame pairs, which
-    has lost the evidence 16 s later, cannot."""
+@pytest.mark.parametrize("kind", ["static", "moving"])
+def test_the_committed_weights_answer_from_the_evidence(kind):
+    """On held-out streams of either kind the full cache answers >= 90% right; a sliding window of two frame
+    pairs, which has lost the evidence 16 s later, cannot."""
     from kvdemo.models.loading import load_model
 
     model = load_model("tiny")
     assert not model.random_weights
-    report = evaluate(model, ["full", "sliding-window"], delays=(0, 16), episodes=30, seed=1234, budget=48, keep=32)
-    assert report["questions"]["total"] >= 30
+    report = evaluate(model, ["full", "sliding-window"], delays=(0, 16), episodes=30, seed=1234, budget=48, keep=32, kind=kind)
+    assert report["kind"] == kind and report["questions"]["total"] >= 30
     assert min(report["accuracy"]["full"].values()) >= 0.9
     assert report["accuracy"]["sliding-window"]["16"] <= 0.5

@@ -51,6 +51,19 @@ def test_a_sequence_is_what_the_engine_feeds(trainer):
     assert batch.input_ids[0, batch.question_at[1][0]].item() == ord("?")
 
 
+def test_a_step_draws_both_stream_kinds_and_the_same_streams_every_time(trainer):
+    """Stream i of a batch is of kind kinds[i % 2] (static, moving), and a step's batch is a pure function
+    of (seed, phase, step): training data is reproducible whatever order the steps are built in."""
+    first, other, again = trainer.batch(1, 2), trainer.batch(1, 1), trainer.batch(1, 2)
+    for name in ("pixels", "input_ids", "positions", "colour_labels", "shape_labels", "answer_targets", "question_targets"):
+        assert torch.equal(getattr(first, name), getattr(again, name)), name
+    assert not torch.equal(first.pixels, other.pixels) or not torch.equal(first.input_ids, other.input_ids)
+    tokens = first.colour_labels.numel() // 2
+    assert first.moving_tokens.tolist() == [False] * tokens + [True] * tokens
+    assert first.moving_questions.any() and not first.moving_questions.all()
+    assert TINY_PHASES[1].kinds == ("static", "moving")
+
+
 def test_the_schedule_warms_up_then_decays(trainer):
     config = TrainConfig(phases=(Phase("A", 10, 2, (1, 1), vision_only=True), Phase("B", 300, 2, (1, 1)), Phase("C", 100, 2, (1, 1))))
     probe = TinyTrainer.__new__(TinyTrainer)
