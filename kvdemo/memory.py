@@ -35,36 +35,25 @@ and writing through :meth:`KVMemory.ensure_layer` / :meth:`KVMemory.reserve`; kv
 reads the key bias. HybridKV's offload store is :mod:`kvdemo.offload`; what survives of each frame, which
 only views and reports read, is :mod:`kvdemo.survival`.
 
-Reading order: the timeline event, one layer's buffers, then :class:`KVMemory`: its layout, the layer
-buffers, the writes, what a policy sees and decides (``views``/``apply``), the timeline, pickling.
+One layer's buffers and the moves that compact them are :mod:`kvdemo.layer`. Reading order here: the timeline
+event, then :class:`KVMemory`: its layout, the layer buffers, the writes, what a policy sees and decides
+(``views``/``apply``), the timeline, pickling and devices.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .models.base import VisualChunk
-from .offload import OffloadStore
-from .policies.base import LayerView, OffloadUpdate, Selection, SummaryUpdate
-from .tensors import as_words
+from .layer import BIAS_DTYPE, PROVENANCE, PROVENANCE_WIDTH, REASON_NEW, LayerMemory
+from .policies.base import LayerView, Selection
 
-#: Reason code of a visual slot appended since the last compression (no policy reason yet).
-REASON_NEW = -2
-#: Provenance kept per visual slot, packed in one int32 tensor ``[H, rows, 8]`` (a compaction moves it with
-#: one gather): field -> its columns. ``order`` is the arrival number of the token in the stream, ``position``
-#: the 3-D M-RoPE position its key was rotated at, ``reason`` why the last compression kept it (the policy's
-#: code) or ``REASON_NEW``.
-PROVENANCE = {"frame": 0, "row": 1, "col": 2, "order": 3, "position": slice(4, 7), "reason": 7}
-PROVENANCE_WIDTH = 8
 #: Slots kept free after the live part for a question and its answer (grown on demand beyond that).
 TEXT_RESERVE = 256
-#: The key bias is kept in float32 whatever the cache dtype: a bfloat16 ``log n_k`` is off by up to half an ulp
-#: (0.0156 for n_k in [55, 2980], an effective mass 1.6% off). The attention seam decides what the kernel gets
-#: (:func:`kvdemo.attention.mask_dtype`).
-BIAS_DTYPE = torch.float32
 
 
 @dataclass
@@ -86,45 +75,6 @@ class OccupancyEvent:
     def to_dict(self) -> dict:
         return asdict(self)
 
-
-@dataclass
-class LayerMemory:
-    """One layer's buffers (see the module docstring for the layout).
-
-    Keys and values share one buffer ``kv [1, 2H, capacity, D]`` (keys are heads ``0..H-1``), so a
-    compaction moves both with one gather; ``keys``/``values`` are its two halves (contiguous views).
-    """
-
-    kv: torch.Tensor
-    packed: torch.Tensor  # [H, capacity - P - S, 8] int32 provenance, see PROVENANCE
-    bias: torch.Tensor | None = None  # [H, capacity] float32 additive key bias (0 = plain attention), None if never used
-    visual_len: int = 0  # L: visual slots in use (the fullest head's count when ragged)
-    valid: torch.Tensor | None = None  # [H, L] bool when heads hold different numbers of tokens
-    offload: OffloadStore | None = None  # tokens some heads keep off the device, retrieved at decode time
-    text_len: int = 0  # T: stream-text slots after the visual ones (the fullest head's count when ragged)
-    text_valid: torch.Tensor | None = None  # [H, T] bool when heads hold different numbers of text slots
-
-    @property
-    def heads(self) -> int:
-        return int(self.kv.shape[1]) // 2
-
-    @property
-    def keys(self) -> torch.Tensor:
-        """``[1, H, capacity, D]``."""
-        return self.kv[:, : self.heads]
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.kv[:, self.heads :]
-
-    @property
-    def provenance(self) -> dict[str, torch.Tensor]:
-        """Each provenance field as a view ``[H, rows]`` (``position``: ``[H, rows, 3]``) of ``packed``."""
-        return {name: self.packed[..., column] for name, column in PROVENANCE.items()}
-
-    @property
-    def capacity(self) -> int:
-        return int(self.kv.shape[2])
 
 
 class KVMemory:
@@ -180,7 +130,7 @@ class KVMemory:
         store = self.layers[layer]
         visual = store.visual_len if store.valid is None else store.valid.sum(dim=1).cpu()
         text = store.text_len if store.text_valid is None else store.text_valid.sum(dim=1).cpu()
-        return torch.zeros(self.num_kv_heads, dtype=torch.long) + visual + text
+        return torch.zeros(self.num_kv_heads, dtype=torch.long, device="cpu") + visual + text
 
     def budget_counts(self, layer: int) -> torch.Tensor:
         """``[H]`` visual tokens the budget bounds: held, plus retrievable if retrieval counts (``OffloadStore.counted``)."""
@@ -365,14 +315,14 @@ class KVMemory:
         elif self.grid_shape != (chunk.rows, chunk.cols):
             raise ValueError(f"frame grid changed mid-stream: {self.grid_shape} -> {(chunk.rows, chunk.cols)}")
         n = chunk.num_tokens
-        text = chunk.text.cpu() if chunk.text is not None else torch.zeros(n, dtype=torch.bool)
+        text = chunk.text.cpu() if chunk.text is not None else torch.zeros(n, dtype=torch.bool, device="cpu")
         visual_count = n - int(text.sum())
-        rows = torch.zeros(n, PROVENANCE_WIDTH, dtype=torch.int32)
+        rows = torch.zeros(n, PROVENANCE_WIDTH, dtype=torch.int32, device="cpu")
         rows[:, PROVENANCE["frame"]] = chunk.grid.cpu().int()
         rows[:, PROVENANCE["row"]] = chunk.row.cpu().int()
         rows[:, PROVENANCE["col"]] = chunk.col.cpu().int()
-        order = torch.full((n,), -1, dtype=torch.int32)
-        order[~text] = torch.arange(self.tokens_seen, self.tokens_seen + visual_count, dtype=torch.int32)
+        order = torch.full((n,), -1, dtype=torch.int32, device="cpu")
+        order[~text] = torch.arange(self.tokens_seen, self.tokens_seen + visual_count, dtype=torch.int32, device="cpu")
         rows[:, PROVENANCE["order"]] = order
         rows[:, PROVENANCE["position"]] = positions.t().cpu().int()
         rows[:, PROVENANCE["reason"]] = REASON_NEW
@@ -380,7 +330,7 @@ class KVMemory:
             start = store.visual_len + store.text_len
             store.packed[:, start : start + n] = rows.to(store.packed.device)
             if text.any() or store.text_len:
-                self._reorder_stream_text(store, text)
+                store.reorder_stream_text(text, self.visual_start)
             if store.valid is not None:
                 store.valid = torch.cat([store.valid, store.valid.new_ones(store.valid.shape[0], visual_count)], dim=1)
             if store.text_valid is not None:
@@ -388,28 +338,9 @@ class KVMemory:
             store.visual_len += visual_count
             store.text_len += n - visual_count
             if store.bias is not None or store.valid is not None or store.text_valid is not None:
-                self._refresh_bias(store)
+                store.refresh_bias(self.visual_start)
         self.tokens_seen += visual_count
         self.grid_times_s.extend(chunk.grid_times_s)
-
-    def _reorder_stream_text(self, store: LayerMemory, text: torch.Tensor) -> None:
-        """Rows ``[L, L + T + n)`` after the visual slots hold the stream text ``T`` then a new chunk of ``n``
-        tokens (``text [n]`` marks its text); reorder them to the chunk's visual tokens, the text held, the
-        chunk's text (keys, values and provenance, every head alike: one gather each)."""
-        held, device = store.text_len, store.kv.device
-        new_visual = torch.nonzero(~text).squeeze(1) + held
-        new_text = torch.nonzero(text).squeeze(1) + held
-        order = torch.cat([new_visual, torch.arange(held), new_text]).to(device)  # source row of each target row
-        width = int(order.numel())
-        base = self.visual_start + store.visual_len
-        heads2, capacity = store.kv.shape[1], store.capacity
-        flat = as_words(store.kv.view(heads2 * capacity, store.kv.shape[-1]))
-        offsets = torch.arange(heads2, device=device)[:, None] * capacity + base
-        flat.index_copy_(0, (offsets + torch.arange(width, device=device)).flatten(), flat.index_select(0, (offsets + order).flatten()))
-        heads, rows = store.packed.shape[:2]
-        packed = store.packed.view(heads * rows, PROVENANCE_WIDTH)
-        offsets = torch.arange(heads, device=device)[:, None] * rows + store.visual_len
-        packed.index_copy_(0, (offsets + torch.arange(width, device=device)).flatten(), packed.index_select(0, (offsets + order).flatten()))
 
     # --- what a policy sees, and what it decides -------------------------------------------
     def views(self, rotary: Any = None, probe: list[torch.Tensor] | None = None) -> list[LayerView]:
@@ -474,134 +405,20 @@ class KVMemory:
         for layer, index in enumerate(selection.indices):
             store = self.layers[layer]
             if selection.offload is not None and selection.offload[layer] is not None:
-                moved += self._offload(store, selection.offload[layer])
+                moved += store.offload_tokens(selection.offload[layer], self.visual_start)
             valid = selection.valid[layer] if selection.valid is not None else None
             reason = reasons[layer] if reasons is not None else None
             held = store.visual_len
-            moved += self._compact(layer, store, index, valid, reason)
+            if index.shape[0] != self.num_kv_heads:
+                raise ValueError(f"layer {layer}: selection has {index.shape[0]} heads, memory has {self.num_kv_heads}")
+            moved += store.compact(index, valid, reason, self.visual_start)
             if store.text_len:
-                moved += self._compact_stream_text(store, held)
+                moved += store.compact_stream_text(held, self.visual_start, self.num_grids)
             if store.bias is not None or store.valid is not None or store.text_valid is not None:
-                self._refresh_bias(store)
+                store.refresh_bias(self.visual_start)
             if selection.summary is not None and selection.summary[layer] is not None:
-                self._write_summary(store, selection.summary[layer])
+                store.write_summary(selection.summary[layer], self.prefix_len, self.visual_start, self.summary_slots)
         return moved
-
-    def _compact(
-        self, layer: int, store: LayerMemory, index: torch.Tensor, valid: torch.Tensor | None, reason: torch.Tensor | None
-    ) -> int:
-        heads = self.num_kv_heads
-        if index.shape[0] != heads:
-            raise ValueError(f"layer {layer}: selection has {index.shape[0]} heads, memory has {heads}")
-        device = store.keys.device
-        length = store.visual_len
-        index = index.to(device=device, dtype=torch.long)
-        # A kept mask [H, L]; entries a ragged selection marks invalid point at a dummy column L.
-        target = index if valid is None else index.masked_fill(~valid.to(device), length)
-        kept = torch.zeros(heads, length + 1, dtype=torch.bool, device=device).scatter_(1, target, True)[:, :length]
-        if store.valid is not None:
-            kept &= store.valid
-        if reason is not None:
-            codes = store.provenance["reason"]
-            reason = reason.to(device=device, dtype=codes.dtype)
-            if valid is None:
-                codes[:, :length].scatter_(1, index, reason)
-            else:
-                rows = torch.arange(heads, device=device)[:, None].expand_as(index)
-                chosen = valid.to(device)
-                codes[rows[chosen], index[chosen]] = reason[chosen]
-        counts = kept.sum(dim=1)  # [H]
-        slot = torch.arange(length, device=device)
-        below = slot[None] < counts[:, None]
-        holes = torch.nonzero((~kept & below).flatten()).squeeze(1)  # (head, slot) rows, sorted
-        movers = torch.nonzero((kept & ~below).flatten()).squeeze(1)
-        # Both lists are sorted by head, and each head has as many holes below c_h as kept tokens above
-        # it, so the i-th mover fills the i-th hole of the same head.
-        head_of_hole, slot_of_hole = holes // length, holes % length
-        head_of_mover, slot_of_mover = movers // length, movers % length
-        rows = store.packed.shape[1]
-        packed = store.packed.view(heads * rows, PROVENANCE_WIDTH)
-        packed.index_copy_(0, head_of_hole * rows + slot_of_hole, packed.index_select(0, head_of_mover * rows + slot_of_mover))
-        # Keys (heads 0..H-1) and values (heads H..2H-1) of one buffer move with one gather.
-        start, capacity = self.visual_start, store.capacity
-        both = torch.tensor([0, heads], device=device)[:, None]
-        kv_dst = ((head_of_hole[None] + both) * capacity + start + slot_of_hole[None]).flatten()
-        kv_src = ((head_of_mover[None] + both) * capacity + start + slot_of_mover[None]).flatten()
-        flat = as_words(store.kv.view(2 * heads * capacity, store.kv.shape[-1]))
-        flat.index_copy_(0, kv_dst, flat.index_select(0, kv_src))
-        new_len = int(counts.max()) if heads else 0
-        if bool((counts == new_len).all()):
-            store.valid = None
-        else:
-            store.valid = slot[None, :new_len] < counts[:, None]
-        store.visual_len = new_len
-        return int(kv_src.numel()) * store.kv.shape[-1] * store.kv.element_size()
-
-    def _offload(self, store: LayerMemory, update: OffloadUpdate) -> int:
-        """Copy the tokens ``update`` names (view indices) into the layer's offload store, before compaction."""
-        heads, dim = store.keys.shape[1], store.keys.shape[-1]
-        if store.offload is None:
-            store.offload = OffloadStore.empty(heads, dim, update.chunk, store.keys.dtype, store.keys.device)
-        store.offload.retrieve = update.retrieve.cpu().long()
-        store.offload.counted = bool(update.counted)
-        if update.tokens.numel() == 0:
-            return 0
-        index = update.tokens.to(store.kv.device)
-        capacity = store.capacity
-        # Rows of the buffer kv [1, 2H, capacity, D]: key (h, slot) is row h * capacity + slot, its value H rows of
-        # heads later.
-        key_rows = torch.arange(heads, device=index.device)[:, None] * capacity + self.visual_start + index
-        provenance = {
-            name: torch.gather(store.provenance[name][:, : store.visual_len], 1, index) for name in ("frame", "row", "col", "order")
-        }
-        rows = store.kv.view(2 * heads * capacity, dim)
-        return store.offload.add_rows(rows, key_rows, key_rows + heads * capacity, update.valid, provenance)
-
-    def _compact_stream_text(self, store: LayerMemory, held: int) -> int:
-        """After a visual compaction (``held`` visual slots before it): per head, keep the stream text of the grids
-        that still have a visual token in that head, moved down to follow the visual slots; returns the
-        key/value bytes moved."""
-        heads, device = store.packed.shape[0], store.kv.device
-        frame_of = store.packed[..., PROVENANCE["frame"]]
-        size = max(self.num_grids, 1)
-        visual = frame_of[:, : store.visual_len].long()
-        shown = store.valid if store.valid is not None else torch.ones_like(visual, dtype=torch.bool)
-        has_visual = torch.zeros(heads, size + 1, dtype=torch.bool, device=device)
-        has_visual.scatter_(1, torch.where(shown, visual, size), True)
-        text_frame = frame_of[:, held : held + store.text_len].long()
-        keep = torch.gather(has_visual, 1, text_frame)
-        if store.text_valid is not None:
-            keep &= store.text_valid
-        counts = keep.sum(dim=1)
-        h, j = torch.nonzero(keep, as_tuple=True)
-        target = torch.cumsum(keep.long(), dim=1)[h, j] - 1
-        capacity, rows = store.capacity, store.packed.shape[1]
-        both = torch.tensor([0, heads], device=device)[:, None]
-        start = self.visual_start
-        flat = as_words(store.kv.view(2 * heads * capacity, store.kv.shape[-1]))
-        kv_src = ((h[None] + both) * capacity + start + held + j[None]).flatten()
-        kv_dst = ((h[None] + both) * capacity + start + store.visual_len + target[None]).flatten()
-        flat.index_copy_(0, kv_dst, flat.index_select(0, kv_src))
-        packed = store.packed.view(heads * rows, PROVENANCE_WIDTH)
-        packed.index_copy_(0, h * rows + store.visual_len + target, packed.index_select(0, h * rows + held + j))
-        new_len = int(counts.max()) if heads else 0
-        slot = torch.arange(new_len, device=device)
-        store.text_valid = None if bool((counts == new_len).all()) else slot[None] < counts[:, None]
-        store.text_len = new_len
-        return int(kv_src.numel()) * store.kv.shape[-1] * store.kv.element_size()
-
-    def _refresh_bias(self, store: LayerMemory) -> None:
-        """Visual and stream-text slots: 0 where a head holds a token, ``-inf`` on ragged padding; the slack
-        back to 0."""
-        if store.bias is None:
-            store.bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=BIAS_DTYPE, device=store.keys.device)
-        start = self.visual_start
-        store.bias[:, start:].zero_()
-        if store.valid is not None:
-            store.bias[:, start : start + store.visual_len].masked_fill_(~store.valid, float("-inf"))
-        if store.text_valid is not None:
-            text = start + store.visual_len
-            store.bias[:, text : text + store.text_len].masked_fill_(~store.text_valid, float("-inf"))
 
     def _open_summary(self) -> int:
         """Lay out the summary region (every slot invisible until written) after the prefix: each layer's visual
@@ -619,22 +436,6 @@ class KVMemory:
             moved += store.kv[:, :, :length].nbytes
         self.summary_open = True
         return moved
-
-    def _write_summary(self, store: LayerMemory, summary: SummaryUpdate) -> None:
-        """Write a policy's summary entries: keys/values at their slots, the bias of every slot."""
-        if summary.bias.shape[1] != self.summary_slots:
-            raise ValueError(f"summary has {summary.bias.shape[1]} slots, memory reserves {self.summary_slots}")
-        p, s = self.prefix_len, self.visual_start
-        if summary.slots is None:
-            store.keys[0, :, p:s] = summary.keys.to(store.keys.dtype)
-            store.values[0, :, p:s] = summary.values.to(store.values.dtype)
-        elif summary.slots.numel():
-            heads, capacity, dim = store.keys.shape[1], store.capacity, store.keys.shape[-1]
-            rows = (torch.arange(heads, device=summary.slots.device)[:, None] * capacity + p + summary.slots).flatten()
-            rows = rows.to(store.keys.device)
-            store.keys.view(heads * capacity, dim).index_copy_(0, rows, summary.keys.reshape(-1, dim).to(store.keys.dtype))
-            store.values.view(heads * capacity, dim).index_copy_(0, rows, summary.values.reshape(-1, dim).to(store.values.dtype))
-        store.bias[:, p:s] = summary.bias.to(store.bias.dtype)
 
     @property
     def summary_active(self) -> int:
@@ -690,16 +491,28 @@ class KVMemory:
             text_valid=store.text_valid,
         )
 
-    def to(self, device: torch.device | str) -> "KVMemory":
-        """Move every buffer to ``device`` (the offload stores' chunks stay in host memory, their mean-key
-        index follows the device); returns self."""
-        for store in self.layers:
-            store.kv, store.packed = store.kv.to(device), store.packed.to(device)
-            store.bias = None if store.bias is None else store.bias.to(device)
-            store.valid = None if store.valid is None else store.valid.to(device)
-            store.text_valid = None if store.text_valid is None else store.text_valid.to(device)
+    def to(self, device: torch.device | str | Mapping[int, torch.device | str]) -> "KVMemory":
+        """Move every buffer to ``device``, or each layer to its own: ``{model layer: device}`` (a model split over
+        devices keeps each layer's keys beside its weights). The offload stores' chunks stay in host memory, their
+        mean-key index follows the layer; returns self."""
+        def device_of(model_layer: int) -> torch.device | str:
+            return device[model_layer] if isinstance(device, Mapping) else device
+
+        placed = {memory_layer: model_layer for model_layer, memory_layer in enumerate(self.layer_map) if memory_layer is not None}
+        for index, store in enumerate(self.layers):
+            target = device_of(placed.get(index, index))
+            store.kv, store.packed = store.kv.to(target), store.packed.to(target)
+            store.bias = None if store.bias is None else store.bias.to(target)
+            store.valid = None if store.valid is None else store.valid.to(target)
+            store.text_valid = None if store.text_valid is None else store.text_valid.to(target)
             if store.offload is not None:
-                store.offload.mean_keys = store.offload.mean_keys.to(device)
-                store.offload.retrieved = store.offload.retrieved.to(device)
-        self.linear_state = {layer: {name: t.to(device) for name, t in state.items()} for layer, state in self.linear_state.items()}
+                store.offload.mean_keys = store.offload.mean_keys.to(target)
+                store.offload.retrieved = store.offload.retrieved.to(target)
+        self.linear_state = {layer: {name: t.to(device_of(layer)) for name, t in state.items()}
+                             for layer, state in self.linear_state.items()}
         return self
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Each memory layer's device."""
+        return [store.kv.device for store in self.layers]

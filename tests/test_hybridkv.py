@@ -9,7 +9,7 @@ import torch
 
 from kvdemo.engine import StreamEngine
 from kvdemo.streaming import stream_video
-from kvdemo.memory import OffloadStore
+from kvdemo.offload import OffloadStore
 from kvdemo.policies import BudgetError, LayerView, make_policy
 from kvdemo.policies.base import select_ranked
 from kvdemo.policies.hybridkv import capped_allocation
