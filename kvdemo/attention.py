@@ -78,20 +78,51 @@ def kvdemo_attention(
         return retrieval_attention(query, key, value, bias, extra, scale), None
     if bias is None:
         mask = causal_mask(q_len, kv_len, query.device) if q_len > 1 else None
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=q_heads != kv_heads)
-        return out.transpose(1, 2).contiguous(), None
-    # Group the query heads of each KV head as one batch entry, so the key bias [H_kv, L] broadcasts over the
-    # group: query [H_kv, group, q, D] against key/value [H_kv, 1, kv, D], mask [H_kv, 1, q, kv].
+    else:
+        mask = torch.zeros(kv_heads, q_len, kv_len, dtype=mask_dtype(query), device=query.device)
+        mask[:, :, :past] = bias[:, None, :].to(mask.dtype)
+        if q_len > 1:
+            mask[:, :, past:].masked_fill_(~causal_mask(q_len, q_len, query.device), float("-inf"))
+    out = grouped_sdpa(query, key, value, mask, scale, expand_kv=fused_needs_expanded_kv(query))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def fused_needs_expanded_kv(query: torch.Tensor) -> bool:
+    """Whether :func:`grouped_sdpa` expands the KV heads for ``query``'s device: on CUDA, where SDPA with a mask
+    and ``enable_gqa`` falls back to its math kernel (it materialises the ``[H_q, q, kv]`` scores; transformers'
+    own sdpa path avoids the combination the same way), so the memory-efficient kernel runs instead. Elsewhere
+    the grouped call is the faster one. kvdemo's choice, not measured on a GPU yet (README, Devices)."""
+    return query.device.type == "cuda"
+
+
+def grouped_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    expand_kv: bool = False,
+) -> torch.Tensor:
+    """SDPA of ``query [1, H_q, q, D]`` over ``key/value [1, H_kv, kv, D]`` (``H_q`` a multiple of ``H_kv``) with
+    ``mask`` None, ``[q, kv]`` (bool, shared by every head) or ``[H_kv, q, kv]`` (additive, per KV head, shared
+    by its group of query heads) -> ``[1, H_q, q, D]``.
+
+    ``expand_kv=False``: each KV head's group of query heads is one batch entry and SDPA's GQA shares the keys
+    (no copy of keys, values or mask). ``expand_kv=True``: keys and values repeated to ``H_q`` heads and a per-KV
+    mask to ``[1, H_q, q, kv]`` in the query's dtype, the input every fused kernel takes. Both are the same
+    attention (tests compare them with a hand softmax)."""
+    _, q_heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
-    grouped = query.reshape(kv_heads, group, q_len, dim)
-    mask = torch.zeros(kv_heads, 1, q_len, kv_len, dtype=mask_dtype(query), device=query.device)
-    mask[:, 0, :, :past] = bias[:, None, :].to(mask.dtype)
-    if q_len > 1:
-        mask[:, 0, :, past:].masked_fill_(~causal_mask(q_len, q_len, query.device), float("-inf"))
-    out = F.scaled_dot_product_attention(
-        grouped, key[0].unsqueeze(1), value[0].unsqueeze(1), attn_mask=mask, scale=scale, enable_gqa=True
-    )
-    return out.reshape(1, q_heads, q_len, dim).transpose(1, 2).contiguous(), None
+    if expand_kv:
+        if group > 1:
+            key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        if mask is not None and mask.dim() == 3:
+            mask = mask.to(query.dtype)[:, None].expand(kv_heads, group, q_len, kv_len).reshape(1, q_heads, q_len, kv_len)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    if mask is None or mask.dim() == 2:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+    # The query heads of each KV head as one batch entry, so the mask [H_kv, q, kv] broadcasts over the group:
+    # query [H_kv, group, q, D] against key/value [H_kv, 1, kv, D], mask [H_kv, 1, q, kv].
+    out = F.scaled_dot_product_attention(query.reshape(kv_heads, group, q_len, dim), key[0].unsqueeze(1),
+                                         value[0].unsqueeze(1), attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True)
+    return out.reshape(1, q_heads, q_len, dim)
 
 
 def retrieval_attention(

@@ -51,6 +51,17 @@ examples:
   python -m kvdemo bench --policy infinipot-v --frames 100 --skip-pass --json bench.json
   python -m kvdemo bench --policy infinipot-v --reference ../InfiniPot-V --pass-repeats 7"""
 
+DOCTOR_DESCRIPTION = """\
+The device checklist: every policy x the offline models of each family streamed twice on the device (bfloat16
+on CUDA, float32 on the CPU): under M, memory unchanged by asking, identical across runs; every policy with the
+memory's layers split across two devices (cpu + cuda:0, or cpu + an emulated device without a GPU); the SDPA
+backend kvdemo's masked attention gets; timings per policy. Prints tables and writes JSON."""
+
+DOCTOR_EXAMPLES = """\
+examples:
+  python -m kvdemo doctor                      # the GPU when there is one, else the CPU
+  python -m kvdemo doctor --device cuda --real-shapes --json doctor.json"""
+
 EVAL_DESCRIPTION = """\
 Accuracy vs query delay on held-out generated streams (ProtoKV's protocol): every episode streams once
 through one engine per policy (one shared vision encoding); each question is asked of every engine at
@@ -113,7 +124,7 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
         prog="python -m kvdemo", description=DESCRIPTION, formatter_class=formatter,
         epilog="Run 'python -m kvdemo <command> --help' for a command's options and examples.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,bench,eval,train-tiny}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,bench,eval,doctor,train-tiny}")
 
     run = commands.add_parser("run", help="stream a video through one policy (and optionally ask questions)",
                               description=RUN_DESCRIPTION, epilog=RUN_EXAMPLES, formatter_class=formatter)
@@ -180,6 +191,15 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     evaluate.add_argument("--json", metavar="OUT", help="write the results here")
     evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    doctor = commands.add_parser("doctor", help="the device checklist (every policy x family on this machine's device)",
+                                 description=DOCTOR_DESCRIPTION, epilog=DOCTOR_EXAMPLES, formatter_class=formatter)
+    doctor.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: the GPU if there is one)")
+    doctor.add_argument("--models", help="comma-separated offline models (default: tiny and one random model per family)")
+    doctor.add_argument("--frames", type=int, default=24, help="frames of the bundled sample per run (default 24)")
+    doctor.add_argument("--real-shapes", action="store_true",
+                        help="also time one compression pass on two layers at Qwen2.5-VL-3B/-7B per-layer shapes")
+    doctor.add_argument("--json", metavar="OUT", help="write the checklist's results here")
+
     train = commands.add_parser("train-tiny", help="train the offline tiny model from scratch (writes assets/tiny)",
                                 description=TRAIN_DESCRIPTION, formatter_class=formatter)
     train.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
@@ -207,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
             return eval_command(args)
         if args.command == "train-tiny":
             return train_command(args)
+        if args.command == "doctor":
+            from .bench.doctor import doctor  # deferred: the checklist loads torch and the models
+
+            models = [m.strip() for m in args.models.split(",")] if args.models else None
+            return 0 if doctor(args.device, models, args.frames, args.real_shapes, json_path=args.json)["ok"] else 1
         from .bench.command import bench_command  # deferred: the benchmarks import torch and transformers
         from .policies import BENCH_POLICY  # deferred with it
 

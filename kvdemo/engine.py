@@ -186,9 +186,10 @@ class StreamEngine:
         return self
 
     def bind(self, model: VideoLM) -> "StreamEngine":
-        """Attach ``model`` (after unpickling) and move the memory and the policy's state to its device."""
+        """Attach ``model`` (after unpickling) and move each memory layer beside its weights (a model split over
+        devices keeps its layers where they are) and the policy's state to the model's device."""
         self.attach(model)
-        self.memory.to(model.device)
+        self.memory.to(model.layer_devices())
         self.policy.to(model.device)
         return self
 

@@ -44,11 +44,11 @@ class OffloadStore:
         return cls(
             keys=torch.zeros(heads, 0, chunk, dim, dtype=dtype, device=host, pin_memory=pin),
             values=torch.zeros(heads, 0, chunk, dim, dtype=dtype, device=host, pin_memory=pin),
-            valid=torch.zeros(heads, 0, chunk, dtype=torch.bool),
-            provenance={name: torch.zeros(heads, 0, chunk, dtype=torch.int64) for name in ("frame", "row", "col", "order")},
+            valid=torch.zeros(heads, 0, chunk, dtype=torch.bool, device=host),
+            provenance={name: torch.zeros(heads, 0, chunk, dtype=torch.int64, device=host) for name in ("frame", "row", "col", "order")},
             mean_keys=torch.zeros(heads, 0, dim, dtype=torch.float32, device=device),
-            count=torch.zeros(heads, dtype=torch.long),
-            retrieve=torch.zeros(heads, dtype=torch.long),
+            count=torch.zeros(heads, dtype=torch.long, device=host),
+            retrieve=torch.zeros(heads, dtype=torch.long, device=host),
             retrieved=torch.zeros(heads, 0, dtype=torch.bool, device=device),
             chunk=chunk,
         )
@@ -125,7 +125,7 @@ class OffloadStore:
         width = int(new_chunks.max()) if heads else 0
         cell = h * width + new_chunk
         new_keys = moved["keys"].view(rows.dtype).view(-1, dim).float()
-        sums = torch.zeros(heads * width, dim, dtype=torch.float32).index_add_(0, cell, new_keys)
+        sums = torch.zeros(heads * width, dim, dtype=torch.float32, device="cpu").index_add_(0, cell, new_keys)
         counts = torch.bincount(cell, minlength=heads * width)
         fresh = counts > 0
         head_of, chunk_of = torch.nonzero(fresh.view(heads, width), as_tuple=True)
@@ -154,7 +154,7 @@ class OffloadStore:
         chosen = torch.arange(width, device=top.device)[None] < wanted.to(top.device)[:, None]
         self.retrieved[torch.arange(heads, device=top.device)[:, None].expand_as(top)[chosen], top[chosen]] = True
         top_host = top.cpu()
-        rows = torch.arange(heads)[:, None]
+        rows = torch.arange(heads, device="cpu")[:, None]
         keys = self.keys[rows, top_host].to(query.device, non_blocking=True)  # [H, width, chunk, D]
         values = self.values[rows, top_host].to(query.device, non_blocking=True)
         ok = (self.valid[rows, top_host] & chosen.cpu()[..., None]).to(query.device)

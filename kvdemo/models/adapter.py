@@ -132,6 +132,11 @@ class TransformersAdapter(abc.ABC):
     def text_model(self) -> torch.nn.Module:
         return self.hf.model.language_model
 
+    def layer_devices(self) -> dict[int, torch.device]:
+        """Each decoder layer's device ``{model layer: device}`` (where its weights are: several devices under a
+        ``device_map`` split), so the memory keeps each layer's keys, values and state beside them."""
+        return {i: next(layer.parameters()).device for i, layer in enumerate(self.text_model.layers)}
+
     # --- text -----------------------------------------------------------------------------
     def _special_id(self, token: str) -> int | None:
         ids = self.tokenizer.encode(token, add_special_tokens=False)

@@ -112,6 +112,8 @@ class VideoLM(Protocol):
 
     def tokenize(self, text: str) -> list[int]: ...
 
+    def layer_devices(self) -> dict[int, torch.device]: ...  # {model layer: device of its weights}
+
     def detokenize(self, ids: list[int]) -> str: ...
 
     @property

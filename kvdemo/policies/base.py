@@ -240,13 +240,14 @@ def select_ranked(
     token), as sorted indices with their reasons in ``info["reason"]``; a ranking with a per-head ``keep``
     gives a ragged selection (indices padded to the largest count, ``valid`` marking the real ones).
     Layers sharing a ranking object are ranked once; layers of equal length are ranked together as one
-    ``[layers * H, L]`` batch. Returns the selection and each layer's kept mask ``[H, L]``."""
+    ``[layers * H, L]`` batch (per device, when a model's layers sit on several). Returns the selection and each
+    layer's kept mask ``[H, L]``."""
     info = dict(info or {})
     unique: dict[int, int] = {}
     for layer, ranking in enumerate(rankings):
         unique.setdefault(id(ranking), layer)
     kept: dict[int, torch.Tensor] = {}
-    batches: dict[tuple[int, int], list[int]] = {}
+    batches: dict[tuple[int, int, torch.device], list[int]] = {}
     for first in unique.values():
         ranking = rankings[first]
         count = keep if ranking.keep is None else ranking.keep
@@ -256,8 +257,8 @@ def select_ranked(
         elif isinstance(count, torch.Tensor) and count.numel() > 1:
             kept[first] = top_k_mask(ranking.priority, count, view.order)
         else:
-            batches.setdefault((view.length, int(count)), []).append(first)
-    for (length, count), members in batches.items():
+            batches.setdefault((view.length, int(count), ranking.priority.device), []).append(first)
+    for (length, count, _), members in batches.items():
         priority = torch.cat([rankings[m].priority for m in members])
         order = torch.cat([views[m].order.to(priority.device) for m in members])
         masks = top_k_mask(priority, min(count, length), order).chunk(len(members))

@@ -148,9 +148,12 @@ class HybridKV(Policy, Probed):
         if any(view.probe is None for view in views):
             raise BudgetError("HybridKV needs probe queries in its views (use StreamEngine, which runs the probe)")
         scores, priors = zip(*(self.text_centric(view) for view in views))
-        sparsity = torch.stack(scores)  # [layers, H]
+        # The classification and budgets need every layer's [H] scores together: only those small vectors move to
+        # the first layer's device (a model split over devices keeps each layer's tokens where they are).
+        home = views[0].keys.device
+        sparsity = torch.stack([score.to(home) for score in scores])  # [layers, H]
         static = sparsity > self.threshold(sparsity)
-        held = torch.stack([valid_counts(view) for view in views])  # [layers, H]
+        held = torch.stack([valid_counts(view).to(home) for view in views])  # [layers, H]
         offloaded = torch.stack([torch.zeros_like(held[0]) if view.offloaded is None else view.offloaded.to(held.device)
                                  for view in views])
         # What a head can be given: what it holds, plus (a dynamic head whose retrieval counts) what it can retrieve.

@@ -67,10 +67,10 @@ VARIANTS: dict[str, dict] = {
 
 def calibrate_cv_thresholds(cvs: list[float] | torch.Tensor) -> tuple[float, float, float]:
     """``(tau1, tau2, tau3)`` = 25/50/75% quantiles of per-layer VaN coefficients of variation."""
-    values = torch.as_tensor(cvs, dtype=torch.float64).flatten()
+    values = torch.as_tensor(cvs, dtype=torch.float64, device="cpu").flatten()
     if values.numel() == 0:
         raise ValueError("calibration needs at least one layer's CV")
-    q = torch.quantile(values, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+    q = torch.quantile(values, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64, device="cpu"))
     return float(q[0]), float(q[1]), float(q[2])
 
 
@@ -150,11 +150,11 @@ class InfiniPotV(ScoredPolicy):
         kernels = [kernel_for_cv(cv, thresholds) if self.van == "pool" else 1 for cv in cvs]
         rankings: list[Ranking] = [None] * len(views)  # type: ignore[list-item]
         recent_frames = [0] * len(views)
-        # Layers of equal length are scored together ([layers * H, L] at once); only the reads of keys and
-        # values stay per layer.
-        groups: dict[int, list[int]] = {}
+        # Layers of equal length on one device are scored together ([layers * H, L] at once); only the reads of
+        # keys and values stay per layer.
+        groups: dict[tuple[int, torch.device], list[int]] = {}
         for layer, view in enumerate(views):
-            groups.setdefault(view.length, []).append(layer)
+            groups.setdefault((view.length, view.keys.device), []).append(layer)
         for members in groups.values():
             priority, reason, r = self._score(
                 [views[i] for i in members], [vans[i] for i in members], [kernels[i] for i in members], keep

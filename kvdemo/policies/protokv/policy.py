@@ -172,9 +172,9 @@ class ProtoKV(Policy, SummaryRegion):
         for view in views:
             ranked = torch.argsort(view.order, dim=1)  # oldest first
             cut = view.length - keep
-            evicted.append(ranked[:, :cut])
+            evicted.append(ranked[:, :cut].to(device))  # the bank's device: the first layer's
             indices.append(ranked[:, cut:].sort(dim=1).values)
-            newest.append(ranked[:, cut:].flip(1))
+            newest.append(ranked[:, cut:].flip(1).to(device))
         evict = torch.stack(evicted)  # [layers, H, E]
         near_newest = torch.stack(newest)  # [layers, H, keep], newest first
         if self._bank is None:
@@ -223,19 +223,22 @@ class ProtoKV(Policy, SummaryRegion):
 
     @staticmethod
     def _gather(views: list[LayerView], index: torch.Tensor) -> Tokens:
-        """Tokens ``index [layers, H, E]`` of every row (:class:`~.bank.Tokens`, ``[B, E, ...]``). Keys are
+        """Tokens ``index [layers, H, E]`` of every row (:class:`~.bank.Tokens`, ``[B, E, ...]``) on ``index``'s device
+        (the bank's: a layer on another device gathers there and moves only the gathered tokens). Keys are
         un-rotated in float32 (a bfloat16 cache's keys are widened first, so the key before RoPE is not rounded
         back to bfloat16: Sec. 3.3 keeps centres before RoPE, and their EMA is float32)."""
         keys, values, position, frame, row, col, order = [], [], [], [], [], [], []
+        home = index.device
         for view, idx in zip(views, index):
+            idx = idx.to(view.keys.device)
             expand = idx[..., None].expand(-1, -1, view.keys.shape[-1])
-            keys.append(torch.gather(view.keys, 1, expand))
-            values.append(torch.gather(view.values, 1, expand))
-            position.append(torch.gather(view.position, 1, idx[..., None].expand(-1, -1, 3)))
-            frame.append(torch.gather(view.frame, 1, idx))
-            row.append(torch.gather(view.row, 1, idx))
-            col.append(torch.gather(view.col, 1, idx))
-            order.append(torch.gather(view.order, 1, idx))
+            keys.append(torch.gather(view.keys, 1, expand).to(home))
+            values.append(torch.gather(view.values, 1, expand).to(home))
+            position.append(torch.gather(view.position, 1, idx[..., None].expand(-1, -1, 3)).to(home))
+            frame.append(torch.gather(view.frame, 1, idx).to(home))
+            row.append(torch.gather(view.row, 1, idx).to(home))
+            col.append(torch.gather(view.col, 1, idx).to(home))
+            order.append(torch.gather(view.order, 1, idx).to(home))
         position = torch.cat(position).long()
         keys = torch.cat(keys)
         rotary = views[0].rotary

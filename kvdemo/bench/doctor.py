@@ -1,0 +1,237 @@
+"""``python -m kvdemo doctor``: the device checklist (issue 18), one command on any machine.
+
+For every offline model of each family and every policy, on the chosen device (bfloat16 on CUDA, float32 on the
+CPU): stream the bundled sample twice at ``M`` = half of what the full cache holds after it (``C`` = 3/4 ``M``), ask twice, and check that each bounded
+policy stays under ``M``, that asking leaves the memory bit-identical, and whether the answers and the memory are
+identical across the two runs (the table says where they are not). Then the placement checks: every policy's
+compression with the memory's layers split across two devices (``cpu`` and ``cuda:0``; without a GPU, the
+CPU and :mod:`kvdemo.emulated_device`), the attention backend SDPA takes for kvdemo's masked calls, and timings
+per policy (prefill per chunk, compression pass, decode per token, compression as % of prefill) on the tiny
+model and, with ``--real-shapes``, one compression pass on two layers at Qwen2.5-VL-3B/-7B's per-layer cache
+shapes. Prints tables, writes JSON; asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..attention import fused_needs_expanded_kv, grouped_sdpa
+from ..budget import Budget
+from ..emulated_device import DEVICE as EMULATED, EmulatedDevice
+from ..engine import StreamEngine
+from ..models.catalog import OFFLINE_MODELS
+from ..models.loading import load_model
+from ..policies import make_policy, policy_names
+from ..synthetic import sample_episode
+from ..testing import QWEN3B_SHAPE, QWEN7B_SHAPE, qwen7b_rotation, synthetic_memory, synthetic_probe
+from .passes import time_pass
+
+QUESTION = "What colour was the circle?"
+#: The CI's small matrix: the trained tiny model and one random model per newer family.
+QUICK_MODELS = ("tiny", "tiny-random-qwen3-vl", "tiny-random-qwen3.5", "tiny-random-llava-ov")
+
+
+def _digest(engine: StreamEngine) -> str:
+    """A hash of what answering must not change: live keys and values, provenance, biases, linear state."""
+    h = hashlib.sha256()
+    memory = engine.memory
+    for t in (*memory.keys, *memory.values):
+        h.update(t.float().cpu().numpy().tobytes())
+    for layer, store in enumerate(memory.layers):
+        h.update(store.packed[:, : store.visual_len + store.text_len].cpu().numpy().tobytes())
+        if store.bias is not None:
+            h.update(store.bias[:, : memory.live_len(layer)].cpu().numpy().tobytes())
+    for state in memory.linear_state.values():
+        for t in state.values():
+            h.update(t.float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _one_run(model: Any, policy: str, frames: Any, budget: Budget | None, device: torch.device) -> dict[str, Any]:
+    """Stream ``frames`` one temporal grid (two frames) at a time, ask twice; what the checklist records of one run."""
+    kwargs = {} if budget is None else {"budget": budget}
+    engine = StreamEngine(model, policy, max_new_tokens=8, **kwargs)
+    for start in range(0, len(frames), 2):
+        engine.feed(frames[start : start + 2])
+    before = _digest(engine)
+    _sync(device)
+    answers = [engine.answer(QUESTION) for _ in range(2)]
+    unchanged = _digest(engine) == before
+    stats = engine.stats
+    decode = answers[0].ms - answers[0].ttft_ms
+    return {
+        "answer": answers[0].answer,
+        "asked_twice_same": answers[0].answer == answers[1].answer,
+        "memory_unchanged_by_asking": unchanged,
+        "memory_digest": before,
+        "peak_visual_tokens": max(e.visual_tokens for e in engine.memory.timeline),
+        "chunks": stats.chunks,
+        "compressions": stats.compressions,
+        "prefill_ms_per_chunk": stats.prefill_ms / max(stats.chunks, 1),
+        "compress_ms_per_pass": stats.compress_ms / max(stats.compressions, 1),
+        "compress_pct_of_prefill": 100.0 * stats.compress_ms / max(stats.prefill_ms, 1e-9),
+        "decode_ms_per_token": decode / max(answers[0].tokens - 1, 1),
+    }
+
+
+def model_matrix(models: list[str], device: torch.device, frames: int) -> list[dict[str, Any]]:
+    """Every policy x ``models``, each run twice on ``device``."""
+    rows = []
+    episode = sample_episode()
+    for name in models:
+        model = load_model(name)
+        if device.type == "cuda":
+            model.hf.to(device=device, dtype=torch.bfloat16)
+            model.device, model.dtype = device, torch.bfloat16
+            if model.logit_bias is not None:
+                model.logit_bias = model.logit_bias.to(device)
+        video = episode.video.resized(OFFLINE_MODELS[name].geometry if name in OFFLINE_MODELS else model.geometry)
+        clip = video.frames[:frames]
+        # M: half of what the full cache holds after the clip (so every bounded policy compresses), C = 3/4 M.
+        names = sorted(policy_names(), key=lambda p: make_policy(p).bounded)  # the full cache first
+        M = None
+        for policy_name in names:
+            policy = make_policy(policy_name)
+            budget = Budget.resolve(policy, M, default_ratio=0.75) if policy.bounded else None
+            with torch.inference_mode():
+                first = _one_run(model, policy_name, clip, budget, device)
+                second = _one_run(model, policy_name, clip, budget, device)
+            if budget is None:
+                M = max(first["peak_visual_tokens"] // 2, 1)
+            rows.append({
+                "model": name, "policy": policy_name, "budget": None if budget is None else budget.describe(),
+                "under_M": budget is None or first["peak_visual_tokens"] <= budget.M,
+                "same_across_runs": first["answer"] == second["answer"] and first["memory_digest"] == second["memory_digest"],
+                **first,
+            })
+    return rows
+
+
+def split_matrix(device: torch.device) -> list[dict[str, Any]]:
+    """Every bounded policy's compression on a memory whose layer 0 is on the host and the others on ``device``
+    (on a CPU-only machine the emulated device), against the same compression on one device: same tokens?"""
+    second = device if device.type == "cuda" else EMULATED
+    rows = []
+    for name in [p for p in policy_names() if make_policy(p).bounded]:
+        outcome = []
+        for placement in ("one device", "split"):
+            policy = make_policy(name)
+            budget = Budget.resolve(policy, 64, default_ratio=0.625)
+            summary, keep = budget.summary, budget.keep_for(0)
+            memory = synthetic_memory(3, 2, 16, 64, (2, 4), torch.float32, visual_tokens=64, summary_slots=summary)
+            probe = synthetic_probe(3, 4, 16, torch.float32)
+            mode = EmulatedDevice() if second == EMULATED and placement == "split" else contextlib.nullcontext()
+            try:
+                with mode, torch.inference_mode():
+                    if placement == "split":
+                        memory.to({0: "cpu", 1: second, 2: second})
+                    views = memory.views(rotary=qwen7b_rotation(16), probe=[p.to(d) for p, d in zip(probe, memory.devices)])
+                    memory.apply(policy.compress(views, keep))
+                    memory.to("cpu")
+                outcome.append(torch.cat([s.kv.flatten() for s in memory.layers]))
+            except Exception as error:  # noqa: BLE001 (the checklist reports any failure as a row)
+                outcome.append(f"{type(error).__name__}: {error}"[:160])
+        ok = all(isinstance(o, torch.Tensor) for o in outcome) and torch.equal(outcome[0], outcome[1])
+        rows.append({"policy": name, "devices": f"cpu + {'emulated' if second == EMULATED else second}", "same_tokens": ok,
+                     "error": next((o for o in outcome if isinstance(o, str)), None)})
+    return rows
+
+
+def attention_backend(device: torch.device) -> dict[str, Any]:
+    """Which SDPA backend kvdemo's masked call gets on ``device``: on CUDA each fused backend is tried alone
+    (a refusal means the math kernel would run); on the CPU, SDPA's CPU kernel."""
+    if device.type != "cuda":
+        return {"device": "cpu", "backend": "cpu (fused CPU kernel; masks in float32)", "expand_kv": False}
+    q = torch.randn(1, 8, 64, 128, device=device, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 2048, 128, device=device, dtype=torch.bfloat16)
+    mask = torch.zeros(2, 64, 2048, device=device, dtype=torch.bfloat16)
+    result = {"device": torch.cuda.get_device_name(device), "expand_kv": fused_needs_expanded_kv(q)}
+    for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        for expand in (False, True):
+            try:
+                with sdpa_kernel([backend]):
+                    grouped_sdpa(q, k, k, mask, 0.088, expand_kv=expand)
+                verdict = "runs"
+            except RuntimeError as error:
+                verdict = f"refused ({str(error).splitlines()[0][:60]})"
+            result[f"{backend.name.lower()}{' expanded' if expand else ' grouped'}"] = verdict
+    return result
+
+
+def real_shape_passes(device: torch.device, repeats: int) -> list[dict[str, Any]]:
+    """One compression pass per bounded policy on two layers at Qwen2.5-VL-3B's and -7B's per-layer shapes."""
+    rows = []
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for label, shape in (("3B", QWEN3B_SHAPE), ("7B", QWEN7B_SHAPE)):
+        for name in [p for p in policy_names() if make_policy(p).bounded]:
+            policy = make_policy(name)
+            budget = Budget.resolve(policy, shape["budget"], default_ratio=shape["keep"] / shape["budget"])
+            summary, keep = budget.summary, budget.keep_for(0)
+            memory = synthetic_memory(2, shape["num_kv_heads"], shape["head_dim"], shape["budget"], shape["grid"], dtype,
+                                      summary_slots=summary).to(device)
+            rows.append({"shape": label, "policy": name, **time_pass(policy, memory, keep, repeats)})
+    return rows
+
+
+def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    lines = ["  ".join(f"{title:>{len(title)}}" for title, _, _ in columns)]
+    for row in rows:
+        lines.append("  ".join(format(row.get(key), fmt).rjust(len(title)) if row.get(key) is not None else "-".rjust(len(title))
+                               for title, key, fmt in columns))
+    return "\n".join(lines)
+
+
+MATRIX_COLUMNS = [("model               ", "model", "<20"), ("policy        ", "policy", "<14"), ("under M", "under_M", ""),
+                  ("ask keeps memory", "memory_unchanged_by_asking", ""), ("same 2 runs", "same_across_runs", ""),
+                  ("prefill ms/chunk", "prefill_ms_per_chunk", ".1f"), ("pass ms", "compress_ms_per_pass", ".2f"),
+                  ("pass % prefill", "compress_pct_of_prefill", ".1f"), ("decode ms/tok", "decode_ms_per_token", ".1f")]
+
+
+def doctor(device_name: str = "auto", models: list[str] | None = None, frames: int = 24, real_shapes: bool = False,
+           repeats: int = 3, json_path: str | None = None) -> dict[str, Any]:
+    """Run the checklist (see the module docstring); print its tables; return (and optionally write) the JSON."""
+    device = torch.device("cuda:0" if device_name == "auto" and torch.cuda.is_available() else
+                          "cpu" if device_name == "auto" else device_name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but torch sees no GPU (torch.cuda.is_available() is False)")
+    start = time.perf_counter()
+    report: dict[str, Any] = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
+                                          "device": str(device), "threads": torch.get_num_threads()}}
+    report["attention"] = attention_backend(device)
+    print(f"attention on {device}: " + ", ".join(f"{k}={v}" for k, v in report["attention"].items()))
+    report["split"] = split_matrix(device)
+    print("\nlayers split across two devices (layer 0 on the host):")
+    print(_table(report["split"], [("policy        ", "policy", "<14"), ("devices        ", "devices", "<15"),
+                                   ("same tokens", "same_tokens", ""), ("error", "error", "")]))
+    report["models"] = model_matrix(list(models or QUICK_MODELS), device, frames)
+    print(f"\nevery policy x model on {device}, {frames} frames of the bundled sample, M = half the full cache's tokens:")
+    print(_table(report["models"], MATRIX_COLUMNS))
+    if real_shapes:
+        report["real_shapes"] = real_shape_passes(device, repeats)
+        print("\none compression pass, two layers at Qwen2.5-VL per-layer cache shapes (median ms):")
+        print(_table(report["real_shapes"], [("shape", "shape", "<5"), ("policy        ", "policy", "<14"),
+                                             ("select ms", "select_ms", ".1f"), ("apply ms", "apply_ms", ".1f"),
+                                             ("total ms", "total_ms", ".1f")]))
+    failed = [r for r in report["models"] if not (r["under_M"] and r["memory_unchanged_by_asking"])]
+    failed += [r for r in report["split"] if not r["same_tokens"]]
+    report["ok"] = not failed
+    report["seconds"] = time.perf_counter() - start
+    print(f"\n{'all checks passed' if not failed else f'{len(failed)} check(s) FAILED'} in {report['seconds']:.0f} s")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=1, default=str))
+    return report

@@ -1,0 +1,229 @@
+"""Device discipline without a GPU (issue 18): every tensor kvdemo creates lives beside the data it meets.
+
+The emulated device (:mod:`kvdemo.emulated_device`) runs whole compressions, the memory's writes and forks, the
+offload store and the attention seam with real values while refusing what CUDA refuses; the ``meta`` device
+stands in for a second device where only placement matters (``bind``); a static check reads the sources.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvdemo.attention import grouped_sdpa
+from kvdemo.emulated_device import DEVICE, FACTORIES, DeviceMixError, EmulatedDevice, place_module
+from kvdemo.engine import StreamEngine
+from kvdemo.policies import make_policy
+from kvdemo.policies.hybridkv import capped_allocation
+from kvdemo.synthetic import sample_episode
+from kvdemo.testing import qwen7b_rotation, synthetic_memory, synthetic_probe
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kvdemo"
+POLICIES = ["sliding-window", "uniform", "infinipot-v", "cords", "hybridkv", "protokv"]
+CPU = torch.device("cpu")
+
+
+def test_the_emulated_device_refuses_what_cuda_refuses():
+    with EmulatedDevice(), torch.inference_mode():
+        x = torch.arange(6.0).to(DEVICE)
+        assert x.device == DEVICE and torch.zeros(6, device=x.device).device == DEVICE
+        assert (x + torch.zeros_like(x)).device == DEVICE and x.new_ones(2).device == DEVICE
+        assert (x * torch.tensor(2.0)).device == DEVICE  # a 0-d host tensor is a scalar
+        assert x[torch.tensor([0, 2])].device == DEVICE  # host indices are fine in [] indexing
+        assert x.cpu().device == CPU and int(x.sum()) == 15
+        with pytest.raises(DeviceMixError):
+            x + torch.ones(6)  # a factory given no device makes a host tensor
+        with pytest.raises(DeviceMixError):
+            torch.cat([x, torch.ones(2)])
+        with pytest.raises(DeviceMixError):
+            x.numpy()
+        host = torch.ones(6)
+        assert host.to(DEVICE).device == DEVICE and host.device == CPU, "moving copies; the host tensor stays"
+
+
+def test_the_issues_hybridkv_budget_lines_are_refused():
+    """The lines issue 18 found (a budget total made with no device, the held counts moved to the host) mix
+    devices at their first compression: the emulated device says so, as CUDA did on the meta stand-in."""
+    with EmulatedDevice(), torch.inference_mode():
+        sparsity = torch.rand(3, 4, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+        held = torch.full((3, 4), 20, device=sparsity.device)
+        total = torch.full((3,), 16 * 4, dtype=torch.long)  # as the issue quotes it: no device
+        with pytest.raises(DeviceMixError):
+            capped_allocation(sparsity.double() * 16, held.cpu(), total)
+        ok = capped_allocation(sparsity.double() * 16, held, torch.full((3,), 64, device=sparsity.device))
+        assert ok.device == DEVICE and ok.sum(dim=1).tolist() == [64, 64, 64]
+
+
+def _compress(policy_name: str, place) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One compression and its application on a small memory, ``place(memory)`` putting its layers somewhere
+    first; the keys/values and provenance after it, on the host."""
+    policy = make_policy(policy_name)
+    budget = 64
+    summary = policy.summary_slots(budget) if policy_name == "protokv" else 0
+    keep = policy.split(budget)[0] if policy_name == "protokv" else 40
+    memory = synthetic_memory(3, 2, 16, budget, (2, 4), torch.float32, visual_tokens=budget, summary_slots=summary)
+    probe = synthetic_probe(3, 4, 16, torch.float32)
+    rotary = qwen7b_rotation(16)
+    with torch.inference_mode():
+        place(memory)
+        probe = [p.to(memory.devices[i]) for i, p in enumerate(probe)]
+        memory.apply(policy.compress(memory.views(rotary=rotary, probe=probe), keep))
+        memory.to("cpu")
+    return [s.kv.clone() for s in memory.layers], [s.packed.clone() for s in memory.layers]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("placement", ["device", "split"])
+def test_every_policy_compresses_on_another_device_as_on_the_cpu(policy, placement):
+    """All layers on the emulated device, or split as ``device_map`` splits a model (layer 0 on the host, the
+    others on the device): the same tokens kept, bit for bit, and no host tensor met a device tensor."""
+    expected = _compress(policy, lambda memory: None)
+    mode = EmulatedDevice()
+    target = DEVICE if placement == "device" else {0: "cpu", 1: DEVICE, 2: DEVICE}
+    with mode:
+        got = _compress(policy, lambda memory: memory.to(target))
+    assert mode.ops > 50, "the compression ran on the device"
+    for a, b in zip(expected[0] + expected[1], got[0] + got[1]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("policy", POLICIES + ["full"])
+def test_the_engine_streams_and_answers_on_another_device(policy, tiny):
+    """The tiny model's weights on the emulated device: prefill through the attention seam, compressions, the
+    question on a fork (HybridKV's retrieval from host memory, ProtoKV's biased pseudo-tokens) answer exactly
+    as on the CPU, and asking leaves the memory bit-identical."""
+    frames = sample_episode().video.frames[:24]
+    budget = {"full": {}, "protokv": {"budget": 128}}.get(policy, {"budget": 64, "keep": 32})
+
+    def run(model):
+        engine = StreamEngine(model, policy, **budget)
+        for start in range(0, len(frames), 4):
+            engine.feed(frames[start : start + 4])
+        live = lambda: [t.clone() for t in (*engine.memory.keys, *engine.memory.values)]  # noqa: E731 (the live slots)
+        before = live()
+        answer = engine.answer("What colour was the circle?").answer
+        assert all(torch.equal(a, b) for a, b in zip(before, live()))
+        return answer, engine.memory.visual_tokens
+
+    with torch.inference_mode():
+        expected = run(copy.deepcopy(tiny))
+    model = copy.deepcopy(tiny)
+    mode = EmulatedDevice()
+    with mode, torch.inference_mode():
+        place_module(model.hf)
+        model.device = DEVICE
+        got = run(model)
+    assert got == expected and mode.ops > 1000
+
+
+class _SplitModel:
+    """A model whose decoder layers sit on two devices (``meta`` standing in for the second GPU)."""
+
+    def __init__(self, model, devices: dict[int, torch.device]) -> None:
+        self._model, self._devices = model, devices
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def layer_devices(self) -> dict[int, torch.device]:
+        return dict(self._devices)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-random-qwen3.5"])
+def test_bind_keeps_each_memory_layer_beside_its_weights(name):
+    """``bind`` after a stream (as a ZeroGPU worker or a ``device_map`` model gets it): each memory layer moves
+    to its own model layer's device; Qwen3.5's linear-attention state follows its layers too."""
+    from kvdemo.models.loading import load_model
+
+    model = load_model(name)
+    engine = StreamEngine(model, "full")
+    side = 4 * model.geometry.factor
+    frames = np.random.default_rng(0).integers(0, 256, (8, side, side, 3), dtype=np.uint8)
+    with torch.inference_mode():
+        for start in range(0, 8, 4):
+            engine.feed(frames[start : start + 4])
+    layers = len(model.layer_map)
+    devices = {i: CPU if i < layers // 2 else torch.device("meta") for i in range(layers)}
+    engine.bind(_SplitModel(model, devices))
+    expected = [devices[m] for m, memory_layer in enumerate(model.layer_map) if memory_layer is not None]
+    assert engine.memory.devices == expected and len(set(expected)) == 2
+    for layer, state in engine.memory.linear_state.items():
+        assert {t.device for t in state.values()} == {devices[layer]}
+
+
+def test_grouped_and_expanded_attention_are_the_same_attention():
+    """The CPU's grouped call (SDPA's GQA, one mask per KV head) and CUDA's expanded one (KV heads repeated to
+    the query heads, the mask in the query's dtype) both equal a hand softmax, with a per-KV-head bias and the
+    causal block, in float64."""
+    g = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(1, h, n, 8, generator=g, dtype=torch.float64) for h, n in ((6, 4), (2, 11), (2, 11)))
+    bias = torch.randn(2, 7, generator=g, dtype=torch.float64)
+    bias[1, 2] = float("-inf")
+    mask = torch.zeros(2, 4, 11, dtype=torch.float64)
+    mask[:, :, :7] = bias[:, None]
+    mask[:, :, 7:] = torch.triu(torch.full((4, 4), float("-inf"), dtype=torch.float64), 1)
+    scores = torch.einsum("hqd,hkd->hqk", query[0], key[0].repeat_interleave(3, 0)) * 0.3 + mask.repeat_interleave(3, 0)
+    expected = torch.einsum("hqk,hkd->hqd", torch.softmax(scores, -1), value[0].repeat_interleave(3, 0))
+    for expand in (False, True):
+        out = grouped_sdpa(query, key, value, mask, 0.3, expand_kv=expand)
+        torch.testing.assert_close(out[0], expected, rtol=1e-12, atol=1e-12)
+    causal = torch.ones(4, 11, dtype=torch.bool).tril(7)
+    plain_scores = torch.einsum("hqd,hkd->hqk", query[0], key[0].repeat_interleave(3, 0)) * 0.3
+    plain = torch.softmax(plain_scores.masked_fill(~causal, float("-inf")), -1)
+    for expand in (False, True):
+        out = grouped_sdpa(query, key, value, causal, 0.3, expand_kv=expand)
+        torch.testing.assert_close(out[0], torch.einsum("hqk,hkd->hqd", plain, value[0].repeat_interleave(3, 0)), rtol=1e-12, atol=1e-12)
+
+
+def _factories_without_a_device(path: Path, root: Path = PACKAGE.parent) -> list[str]:
+    """``torch.<factory>(...)`` calls in ``path`` that name no device (``new_*``/``*_like`` derive theirs)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in FACTORIES
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                and not any(k.arg == "device" for k in node.keywords)):
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_every_tensor_factory_in_the_core_names_its_device():
+    """In the policies, the memory, the offload store and the attention seam, a tensor is made on the device of
+    the data it meets (``device=``, or ``new_*``/``*_like``); host tensors say ``device="cpu"`` on purpose."""
+    files = sorted((PACKAGE / "policies").rglob("*.py")) + [PACKAGE / f"{n}.py" for n in ("memory", "attention", "offload")]
+    assert len(files) > 8
+    found = [line for path in files for line in _factories_without_a_device(path)]
+    assert found == []
+
+
+def test_the_static_check_finds_a_factory_without_a_device(tmp_path):
+    source = tmp_path / "kvdemo" / "example.py"
+    source.parent.mkdir()
+    source.write_text("import torch\n\ndef f(x):\n    total = torch.full((3,), 8, dtype=torch.long)\n"
+                      "    ok = torch.zeros(3, device=x.device)\n    return torch.zeros_like(x) + total + ok\n")
+    assert _factories_without_a_device(source, tmp_path) == ["kvdemo/example.py:4: torch.full((3,), 8, dtype=torch.long)"]
+
+
+def test_the_doctor_runs_its_small_matrix_on_the_cpu(tmp_path, capsys):
+    """``python -m kvdemo doctor`` on a CPU-only machine: every policy with the trained tiny model and one random
+    model of a newer family, the split-layer checks on the emulated device, a table and the JSON."""
+    from kvdemo.cli import main
+
+    out = tmp_path / "doctor.json"
+    assert main(["doctor", "--device", "cpu", "--models", "tiny,tiny-random-qwen3-vl", "--frames", "16",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["models"]
+    assert {(r["model"], r["policy"]) for r in rows} == {(m, p) for m in ("tiny", "tiny-random-qwen3-vl") for p in POLICIES + ["full"]}
+    for row in rows:
+        assert row["under_M"] and row["memory_unchanged_by_asking"] and row["same_across_runs"], row
+        if row["policy"] != "full":
+            assert row["compressions"] > 0, row  # M is half the full cache: every bounded policy compresses
+    assert [r["same_tokens"] for r in report["split"]] == [True] * len(POLICIES)
+    assert report["attention"]["backend"].startswith("cpu") and report["ok"]
+    assert "all checks passed" in capsys.readouterr().out
