@@ -341,3 +341,25 @@ def test_what_a_new_user_meets_is_said_where_they_look(client, app, tmp_path):
     assert said == "⚠️ type a question first" and policy_chat == []
     said, policy_chat, _, _ = fresh.predict("What colour was the circle?", api_name="/ask")
     assert said == "✓ answered by protokv and the full cache" and len(policy_chat) == 2, "the warning is gone"
+
+
+def test_the_bundled_sample_offers_the_moving_camera_kind(client, app):
+    """Issue 22: the sample's kind is a choice (and an API parameter). Choosing "moving" shows what that stream
+    holds and its questions; running it streams that stream, and its questions are graded against its own
+    ground truth, not the still sample's."""
+    from kvdemo.synthetic import sample_episode
+
+    fresh = new_client(app.url)
+    moving = sample_episode("moving")
+    manifest, examples = fresh.predict("moving", api_name="/sample_kind")
+    assert "kind moving" in manifest and "The camera pans" in manifest
+    assert [row[0] for row in examples["samples"]] == [q.text for q in moving.questions]
+    final = fresh.predict("tiny", "infinipot-v", 96, 72, 2, sample_kind="moving", api_name="/run_sample")
+    assert f"{moving.video.num_frames}/{moving.video.num_frames} frames" in final[STATUS], final[STATUS]
+    question = moving.questions[0]
+    said, policy_chat, _, _ = fresh.predict(question.text, api_name="/ask")
+    assert said.startswith("✓ answered"), said
+    graded = answer_text(policy_chat)
+    assert f"✓ matches the ground truth ({question.answer})" in graded or f"✗ the ground truth is {question.answer}" in graded, graded
+    still, _ = fresh.predict("static", api_name="/sample_kind")
+    assert "kind static" in still and still != manifest

@@ -70,7 +70,7 @@ def run_video(
     try:
         resolve_settings(settings)  # the settings' own errors first, before a file is opened
         geometry = within_max_pixels(services.models.get(settings.model).geometry, settings.max_pixels)
-        episode = None if video_path else sample_episode()
+        episode = None if video_path else sample_episode(settings.sample)
         if episode is None:
             if not Path(video_path).exists():
                 raise VideoError(f"{Path(video_path).name}: the upload is no longer on the server (uploads are kept "

@@ -88,8 +88,12 @@ class Demo:
                 self.run_button = gr.Button("Run", variant="primary", elem_id="run-button")
                 self.sample_button = gr.Button("Run the bundled sample", elem_id="sample-button")
                 self.stop_button = gr.Button("Stop", variant="stop", elem_id="stop-button")
+            self.sample_kind = gr.Radio([("still camera", "static"), ("moving camera", "moving")], value="static",
+                                        label="Bundled sample", elem_id="sample-kind",
+                                        info="moving: the camera pans and zooms, the background drifts, objects reappear "
+                                             "among look-alike decoys (where the policies differ)")
             with gr.Accordion("What the bundled sample shows", open=False):
-                gr.Markdown(sample_manifest(self.sample), elem_id="sample-manifest")
+                self.manifest = gr.Markdown(sample_manifest(self.sample), label="Sample manifest", elem_id="sample-manifest")
         with gr.Tab("Webcam"):
             self.webcam = gr.Image(label="Webcam (frames are buffered into chunks)", sources=["webcam"],
                                    streaming=True, type="numpy", height=220, elem_id="webcam")
@@ -220,7 +224,7 @@ class Demo:
             model=values["model"] or self.services.models.default, policy=chosen, params=parse_params(chosen, form),
             budget=values["budget"], keep=values["keep"] if takes_keep(chosen) else None, fps=float(values["fps"] or 0),
             max_pixels=int(values["max_pixels"] or 0), baseline=bool(values["baseline"]),
-            cap_mb=float(values["baseline_cap_mb"] or 0),
+            cap_mb=float(values["baseline_cap_mb"] or 0), sample=values.get("sample_kind") or "static",
         )
         return settings, ViewChoice(values["view_layer"], values["view_head"], bool(values["colour_by_reason"]),
                                     bool(values["log_scale"]))
@@ -311,6 +315,11 @@ class Demo:
         pixels_field = gr.update(value=pixels, info=geometry_for(name).describe())
         return gr.update(value=banner, visible=bool(banner)), gr.update(value=budget), gr.update(value=keep), pixels_field
 
+    def on_sample_kind(self, kind: str):
+        """The bundled sample's kind chosen: what it shows, and its questions."""
+        episode = sample_episode(kind or "static")
+        return sample_manifest(episode), self.gr.Dataset(samples=[[q.text] for q in episode.questions])
+
     # --- wiring ---------------------------------------------------------------------------
     def wire(self) -> None:
         gr = self.gr
@@ -321,7 +330,7 @@ class Demo:
                            "baseline_cap_mb": self.cap_mb,
                            **{key: component for key, (_, _, component) in self.param_inputs.items()},
                            "view_layer": self.view_layer, "view_head": self.view_head, "colour_by_reason": self.by_reason,
-                           "log_scale": self.log_scale}
+                           "log_scale": self.log_scale, "sample_kind": self.sample_kind}
         # Streams and questions have separate slots: a question is served within one chunk's time whatever
         # other sessions stream (its own session's stream pauses between chunks while it is answered).
         streams = dict(concurrency_id="stream", concurrency_limit=STREAM_SLOTS)
@@ -357,6 +366,8 @@ class Demo:
         check_inputs = [self.policy, self.budget, self.keep, self.fps, self.max_pixels, self.video, self.model]
         gr.on([control.change for control in check_inputs], validate_settings, check_inputs, self.budget_check,
               api_name="check_settings", show_progress="hidden", concurrency_limit=None)
+        self.sample_kind.change(self.on_sample_kind, [self.sample_kind], [self.manifest, self.examples],
+                                api_name="sample_kind", show_progress="hidden", concurrency_limit=None)
         self.policy.change(self.on_policy, [self.policy], [self.keep, *self.param_groups.values()], api_visibility="private",
                            show_progress="hidden")
         self.model.change(self.on_model, [self.model], [self.banner, self.budget, self.keep, self.max_pixels],

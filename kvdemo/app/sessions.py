@@ -116,6 +116,7 @@ class RunSettings:
     max_pixels: int
     baseline: bool
     cap_mb: float
+    sample: str = "static"  # the bundled sample's stream kind (kvdemo.synthetic.STREAM_KINDS)
 
 
 @dataclass(eq=False)  # sessions are compared by identity (the pool holds them in a list)
