@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-#: The longest question, and the most tokens of earlier turns replayed before a question.
+#: The longest question, and the most tokens of earlier turns replayed before a question (a model may hold a
+#: smaller bound: ``model.max_dialogue_tokens``).
 MAX_QUESTION_TOKENS = 512
 MAX_DIALOGUE_TOKENS = 1024
 
@@ -29,10 +30,11 @@ def check_question(model, question: str) -> str:
 
 def replayed_dialogue(model, history: list[tuple[str, str]], question: str) -> tuple[torch.Tensor, int]:
     """The prompt's embeddings ``[n, d]`` for ``question`` after the newest turns of ``history`` that fit in
-    :data:`MAX_DIALOGUE_TOKENS`, and how many older turns were left out."""
+    ``model.max_dialogue_tokens`` (:data:`MAX_DIALOGUE_TOKENS` unless the model says less), and how many older turns
+    were left out."""
     alone = int(model.question_embeds([], question).shape[0])
     dropped, embeds = 0, model.question_embeds(history, question)
-    while int(embeds.shape[0]) - alone > MAX_DIALOGUE_TOKENS:  # ends: with every turn left out the excess is 0
+    while int(embeds.shape[0]) - alone > model.max_dialogue_tokens:  # ends: with every turn left out the excess is 0
         dropped += 1
         embeds = model.question_embeds(history[dropped:], question)
     return embeds, dropped

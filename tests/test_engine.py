@@ -178,3 +178,26 @@ def test_report_follows_the_contract(tiny, pancake):
     kept = sum(s["kept_fraction"] for s in report["survivors"]) * 135
     assert kept == pytest.approx(engine.memory.visual_tokens)
     assert report["answers"][0]["question"] == "What?"
+
+
+def test_the_dialogue_replay_follows_the_models_own_bound(tiny):
+    """The replay keeps the newest turns within ``model.max_dialogue_tokens`` (the trained tiny model: 512, it was
+    trained on short dialogues; others 1024), counted in the tokens the turns add to the prompt."""
+    from kvdemo.dialogue import MAX_DIALOGUE_TOKENS, replayed_dialogue
+    from kvdemo.models.loading import load_model
+    from kvdemo.models.tiny import TRAINED_DIALOGUE_TOKENS
+
+    assert tiny.max_dialogue_tokens == MAX_DIALOGUE_TOKENS == 1024
+    assert load_model("tiny").max_dialogue_tokens == TRAINED_DIALOGUE_TOKENS == 512
+    history = [(f"turn {i}: " + "words " * 10, "red") for i in range(6)]
+    question = "What colour was the circle?"
+    alone = len(tiny.tokenize(tiny.question_text([], question)))
+    added = [len(tiny.tokenize(tiny.question_text(history[len(history) - k :], question))) - alone for k in range(7)]
+    for bound in (0, added[1], added[2] + 1, added[6]):
+        tiny.max_dialogue_tokens = bound
+        try:
+            _, dropped = replayed_dialogue(tiny, history, question)
+        finally:
+            tiny.max_dialogue_tokens = MAX_DIALOGUE_TOKENS
+        kept = max(k for k in range(7) if added[k] <= bound)
+        assert dropped == 6 - kept, (bound, dropped)

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 
 from .. import viz
-from ..dialogue import MAX_DIALOGUE_TOKENS
 from ..engine import EngineError, StreamEngine
 from ..streaming import EngineGroup
 from ..synthetic import grade, sample_episode
@@ -255,7 +254,7 @@ def _answer_markdown(state: Session, name: str, answer) -> str:
     text = answer.answer or "(empty answer)"
     tokens = f"{answer.tokens} token{'' if answer.tokens == 1 else 's'}"
     dropped = (f" · the {answer.dropped_turns} oldest turn(s) were left out of the replayed dialogue (it keeps at most "
-               f"{MAX_DIALOGUE_TOKENS} tokens)") if answer.dropped_turns else ""
+               f"{state.group.stream.model.max_dialogue_tokens} tokens)") if answer.dropped_turns else ""
     return (
         f"{text}\n\n<small>first token {answer.ttft_ms:.0f} ms · {tokens} in {answer.ms:.0f} ms · "
         f"cache {answer.cache_bytes / 2**20:.2f} MB, {answer.visual_tokens} visual tokens{dropped}"

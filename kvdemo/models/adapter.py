@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, AutoVideoProcessor
 from ..attention import ATTN_IMPLEMENTATION
 from ..zerogpu import on_zerogpu
 from .base import FrameGeometry, VisualChunk
+from ..dialogue import MAX_DIALOGUE_TOKENS
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -106,6 +107,8 @@ class TransformersAdapter(abc.ABC):
         self.random_weights = random_weights
         #: What its answers are worth, when that needs saying (the offline tiny models); shown by the CLI and UI.
         self.notice = notice
+        #: The most tokens of earlier turns replayed before a question (:mod:`kvdemo.dialogue`).
+        self.max_dialogue_tokens = MAX_DIALOGUE_TOKENS
         text = self.text_config
         types = getattr(text, "layer_types", None) or ["full_attention"] * int(text.num_hidden_layers)
         attention = [i for i, kind in enumerate(types) if kind != "linear_attention"]

@@ -93,6 +93,7 @@ class VideoLM(Protocol):
     #: The language model's rotation (``rotate(x, position)`` / ``unrotate``) of positions ``[..., 3]``.
     rotary: Any
     logit_bias: torch.Tensor | None
+    max_dialogue_tokens: int  # earlier turns replayed before a question, at most (kvdemo.dialogue)
 
     def encode(self, frames: np.ndarray, first_grid: int, times_s: np.ndarray, fps: float) -> VisualChunk: ...
 
