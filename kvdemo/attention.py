@@ -16,7 +16,10 @@ cache, see :mod:`kvdemo.memory`). On top of that it applies what the memory supp
   the forward's queries score each head's chunk mean keys, the top chunks within the head's budget come
   back from host memory and are attended together with the cache under one softmax.
 
-With nothing supplied it is SDPA with that causal mask, equal to transformers' ``sdpa`` path.
+With nothing supplied it is SDPA with that causal mask, equal to transformers' ``sdpa`` path. Observers
+(``MemoryCache.observers``, off unless asked for: :mod:`kvdemo.explain`'s answer attribution and fidelity probe)
+see every layer's query, keys, values, bias and retrieved chunks in the same forward, and read the attention
+weights with :func:`attention_weights`.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ def kvdemo_attention(
         kvdemo.capture[layer] = query[0].detach().clone()
     bias = kvdemo.key_bias(layer, past) if kvdemo is not None else None
     extra = kvdemo.retrieval(layer, query[0], scale) if kvdemo is not None else None
+    for observer in kvdemo.observers if kvdemo is not None else ():
+        observer(layer, query, key, value, bias, extra, scale)
     if extra is not None:
         return retrieval_attention(query, key, value, bias, extra, scale), None
     if bias is None:
@@ -125,6 +130,45 @@ def grouped_sdpa(
     return out.reshape(1, q_heads, q_len, dim)
 
 
+def attention_weights(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The softmax weights (float32) of ``query [1, H_q, q, D]`` over the cache ``key [1, H_kv, kv, D]`` (the last
+    ``q`` slots are these tokens, causal among themselves; ``bias [H_kv, kv - q]`` or None on the earlier slots)
+    and, with ``extra`` (retrieved keys/values ``[H_kv, R, D]`` and their bias ``[H_kv, R]``), the retrieved keys,
+    under one softmax -> ``[H_kv, group * q, kv + R]``, rows ordered (query head within the group, token)."""
+    _, q_heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    past = kv_len - q_len
+    grouped = query.reshape(kv_heads, q_heads // kv_heads * q_len, dim).float()  # [H_kv, group * q, D]
+    logits = grouped @ key[0].float().transpose(1, 2) * scale  # [H_kv, group * q, kv]
+    if bias is not None:
+        logits[:, :, :past] += bias[:, None, :].to(logits.device, torch.float32)
+    if q_len > 1:
+        hidden = ~causal_mask(q_len, q_len, query.device).repeat(q_heads // kv_heads, 1)  # rows: (group, q)
+        logits[:, :, past:] = logits[:, :, past:].masked_fill(hidden, float("-inf"))
+    if extra is not None:
+        extra_keys, _, extra_bias = extra
+        fetched = grouped @ extra_keys.float().transpose(1, 2) * scale + extra_bias[:, None, :].float()
+        logits = torch.cat([logits, fetched], dim=-1)
+    return torch.softmax(logits, dim=-1)
+
+
+def weighted_values(weights: torch.Tensor, value: torch.Tensor, extra: tuple | None, q_heads: int) -> torch.Tensor:
+    """``weights [H_kv, group * q, kv (+ R)]`` (:func:`attention_weights`) applied to ``value [1, H_kv, kv, D]``
+    (and ``extra``'s retrieved values) -> ``[1, q, H_q, D]`` float32, as transformers' attention functions return."""
+    kv_heads, kv_len, dim = value.shape[1], value.shape[2], value.shape[3]
+    out = weights[..., :kv_len] @ value[0].float()
+    if extra is not None:
+        out = out + weights[..., kv_len:] @ extra[1].float()
+    q_len = weights.shape[1] * kv_heads // q_heads
+    return out.reshape(1, q_heads, q_len, dim).transpose(1, 2)
+
+
 def retrieval_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -134,24 +178,11 @@ def retrieval_attention(
     scale: float,
 ) -> torch.Tensor:
     """Attention over the cache plus retrieved chunks without concatenating them: the logits of both parts
-    under one softmax (float32). ``query [1, H_q, q, D]`` (the last ``q`` cache slots are these tokens,
-    causal among themselves), cache ``[1, H_kv, kv, D]`` with ``bias [H_kv, kv - q]`` (or None), ``extra``
-    keys/values ``[H_kv, R, D]`` and their bias ``[H_kv, R]`` -> ``[1, q, H_q, D]``."""
-    _, q_heads, q_len, dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
-    past = kv_len - q_len
-    grouped = query.reshape(kv_heads, q_heads // kv_heads * q_len, dim).float()  # [H_kv, group * q, D]
-    extra_keys, extra_values, extra_bias = extra
-    cached = grouped @ key[0].float().transpose(1, 2) * scale  # [H_kv, group * q, kv]
-    if bias is not None:
-        cached[:, :, :past] += bias[:, None, :].float()
-    if q_len > 1:
-        hidden = ~causal_mask(q_len, q_len, query.device).repeat(q_heads // kv_heads, 1)  # rows: (group, q)
-        cached[:, :, past:] = cached[:, :, past:].masked_fill(hidden, float("-inf"))
-    fetched = grouped @ extra_keys.float().transpose(1, 2) * scale + extra_bias[:, None, :].float()
-    weights = torch.softmax(torch.cat([cached, fetched], dim=-1), dim=-1)
-    out = weights[..., :kv_len] @ value[0].float() + weights[..., kv_len:] @ extra_values.float()
-    return out.to(query.dtype).reshape(1, q_heads, q_len, dim).transpose(1, 2).contiguous()
+    under one softmax (float32, :func:`attention_weights`). ``query [1, H_q, q, D]`` (the last ``q`` cache slots
+    are these tokens, causal among themselves), cache ``[1, H_kv, kv, D]`` with ``bias [H_kv, kv - q]`` (or None),
+    ``extra`` keys/values ``[H_kv, R, D]`` and their bias ``[H_kv, R]`` -> ``[1, q, H_q, D]``."""
+    weights = attention_weights(query, key, bias, scale, extra)
+    return weighted_values(weights, value, extra, query.shape[1]).to(query.dtype).contiguous()
 
 
 def register() -> None:
@@ -253,7 +284,9 @@ class MemoryCache(Cache):
 
     ``answering`` (set by the engine while it answers a question: the question's prefill and every decode
     step) turns on retrieval from the memory's offload stores; ``capture`` (a dict) makes the attention
-    function record each memory layer's queries ``[H_q, q, D]`` (post-RoPE), which is how a probe text is read.
+    function record each memory layer's queries ``[H_q, q, D]`` (post-RoPE), which is how a probe text is read;
+    ``observers`` are called in every layer's attention with ``(memory layer, query, key, value, bias, retrieved,
+    scale)`` (:mod:`kvdemo.explain`).
     """
 
     def __init__(self, memory: KVMemory) -> None:
@@ -263,6 +296,7 @@ class MemoryCache(Cache):
         self.memory = memory
         self.answering = False
         self.capture: dict[int, torch.Tensor] | None = None
+        self.observers: list = []
 
     def commit_linear_state(self) -> None:
         """Make the state this forward left in the layers without keys and values the memory's committed state."""

@@ -40,6 +40,19 @@ examples:
   python -m kvdemo run --video clip.mp4 --policy cords --coverage
       CoRDS, with how well the kept tokens cover a full cache"""
 
+COMPARE_DESCRIPTION = """\
+Stream one video (default: the bundled sample) into up to four policies and the full cache at once (one vision
+encoding feeds them all), ask every engine the same questions, and write one report per engine in one file:
+occupancy, survivors, graded answers, and with --attribution / --fidelity what each answer looked at and how far
+each policy's attention output is from the full cache's."""
+
+COMPARE_EXAMPLES = """\
+examples:
+  python -m kvdemo compare --policies infinipot-v,cords,protokv,hybridkv -M 64 -C 48 \\
+      --ask "What colour was the circle?" --attribution --fidelity --json compare.json
+  python -m kvdemo compare --sample moving --override "hybridkv: M=96 C=72 r=0.5"
+      the moving-camera sample, HybridKV with its own budget and ratio"""
+
 BENCH_DESCRIPTION = """\
 Stream a long synthetic video through the full cache and a bounded policy on the offline tiny model (one
 shared vision encoding), print per-chunk prefill and compression times, visual tokens and cache bytes,
@@ -124,7 +137,7 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
         prog="python -m kvdemo", description=DESCRIPTION, formatter_class=formatter,
         epilog="Run 'python -m kvdemo <command> --help' for a command's options and examples.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,bench,eval,doctor,train-tiny}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,compare,bench,eval,doctor,train-tiny}")
 
     run = commands.add_parser("run", help="stream a video through one policy (and optionally ask questions)",
                               description=RUN_DESCRIPTION, epilog=RUN_EXAMPLES, formatter_class=formatter)
@@ -152,6 +165,30 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     run.add_argument("--coverage", action="store_true",
                      help="also stream a full cache and report how well the kept tokens cover it (CoRDS Sec. 4.6)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    comparing = commands.add_parser("compare", help="up to four policies and the full cache side by side on one stream",
+                                    description=COMPARE_DESCRIPTION, epilog=COMPARE_EXAMPLES, formatter_class=formatter)
+    comparing.add_argument("--video", help="video file; default: the bundled sample (a generated stream)")
+    comparing.add_argument("--model", help="tiny, tiny-random, auto, or a Hugging Face id / local path (default: auto)")
+    comparing.add_argument("--max-frames", type=int, help="stop after this many sampled frames")
+    comparing.add_argument("--max-pixels", type=int, help="max pixels per frame after resize (default: the model's)")
+    comparing.add_argument("--min-pixels", type=int, help="min pixels per frame after resize (default: the model's)")
+    comparing.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap (default 64)")
+    comparing.add_argument("--json", metavar="OUT", help="write the comparison report here (one report per engine)")
+    comparing.set_defaults(frames_per_chunk=2, param=[])  # what the checks shared with run read
+    comparing.add_argument("--sample", choices=STREAM_KINDS, default="static", help="without --video: which bundled sample")
+    comparing.add_argument("--policies", default="infinipot-v,cords,protokv,hybridkv", help="comma-separated, at most 4 "
+                           "(default infinipot-v,cords,protokv,hybridkv)")
+    comparing.add_argument("--budget", "-M", default="64", help="M shared by every policy (default 64)")
+    comparing.add_argument("--keep", "-C", default="48", help="C shared by the policies that take one (default 48)")
+    comparing.add_argument("--override", action="append", default=[], metavar="'POLICY: M=.. C=.. KEY=VALUE ..'",
+                           help="a policy's own budget and parameters (repeatable)")
+    comparing.add_argument("--fps", type=float, default=2.0, help="sampling fps (default 2)")
+    comparing.add_argument("--ask", action="append", default=[], metavar="QUESTION", help="asked of every engine (repeatable)")
+    comparing.add_argument("--attribution", action="store_true", help="record what each answer looked at (kvdemo.explain)")
+    comparing.add_argument("--fidelity", action="store_true", help="per-layer attention-output error and first-token KL "
+                           "of each policy against the full cache, per question")
+    comparing.add_argument("--full-cap-mb", type=float, default=2048, help="the full cache stops here (default 2048; 0: no cap)")
 
     bench = commands.add_parser("bench", help="benchmark a bounded policy against the full cache",
                                 description=BENCH_DESCRIPTION, epilog=BENCH_EXAMPLES, formatter_class=formatter)
@@ -220,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return run_command(args)
+        if args.command == "compare":
+            return compare(args)
         if args.command == "eval":
             from .evaluation import eval_command  # deferred on purpose: it loads torch and the model
 
@@ -267,7 +306,6 @@ def run_command(args: argparse.Namespace) -> int:
     if args.video:
         open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
     from .budget import Budget  # deferred from here on: torch loads only once the file is known to be good
-    from .models.catalog import geometry_for  # deferred with Budget (torch)
     from .policies import DEFAULT_POLICY, make_policy  # deferred with Budget
 
     policy = make_policy(args.policy or DEFAULT_POLICY, **params)
@@ -276,20 +314,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.budget is not None:
         Budget.resolve(policy, args.budget, args.keep, default_ratio=0.75)  # its own rule, before frames are sized
 
-    # How the model sizes frames, with the user's pixel range where given (the trained tiny model saw 112 x 112).
-    geometry = geometry_for(args.model)
-    max_pixels = args.max_pixels or geometry.max_pixels
-    if max_pixels < geometry.smallest_frame:
-        raise UsageError(f"--max-pixels must be at least {geometry.smallest_frame} (one token of "
-                         f"{geometry.factor}x{geometry.factor} pixels), got {max_pixels}")
-    if args.min_pixels is not None and args.min_pixels > max_pixels:
-        raise UsageError(f"--min-pixels ({args.min_pixels}) must not exceed --max-pixels (the model's {max_pixels})")
-    geometry = geometry.with_pixels(args.min_pixels or min(geometry.min_pixels, max_pixels), max_pixels)
-    episode = None if args.video else sample_episode(args.sample)
-    if episode is None:
-        video = open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames, geometry=geometry)
-    else:
-        video = episode.video.sampled(args.fps).head(args.max_frames).resized(geometry)
+    video, episode, geometry = open_source(args)
     chunk_tokens, shape = geometry.chunk_tokens(video.size, args.frames_per_chunk)
     note = ""
     if policy.bounded and args.budget is None:
@@ -354,6 +379,44 @@ def run_command(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"report written to {args.json}", file=sys.stderr)
     return 0
+
+
+def open_source(args: argparse.Namespace):
+    """The stream ``args`` name (``--video`` or the bundled ``--sample``), sampled at ``--fps``, cut at
+    ``--max-frames`` and sized as ``--model`` sizes frames within the user's pixel range (the trained tiny model
+    saw 112 x 112): ``(video, episode or None, geometry)``. The model itself is not loaded."""
+    from .models.catalog import geometry_for  # deferred on purpose: the catalog imports torch
+
+    geometry = geometry_for(args.model)
+    max_pixels = args.max_pixels or geometry.max_pixels
+    if max_pixels < geometry.smallest_frame:
+        raise UsageError(f"--max-pixels must be at least {geometry.smallest_frame} (one token of "
+                         f"{geometry.factor}x{geometry.factor} pixels), got {max_pixels}")
+    if args.min_pixels is not None and args.min_pixels > max_pixels:
+        raise UsageError(f"--min-pixels ({args.min_pixels}) must not exceed --max-pixels (the model's {max_pixels})")
+    geometry = geometry.with_pixels(args.min_pixels or min(geometry.min_pixels, max_pixels), max_pixels)
+    episode = None if args.video else sample_episode(args.sample)
+    if episode is None:
+        video = open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames, geometry=geometry)
+    else:
+        video = episode.video.sampled(args.fps).head(args.max_frames).resized(geometry)
+    return video, episode, geometry
+
+
+def compare(args: argparse.Namespace) -> int:
+    """``python -m kvdemo compare``: the arguments and the stream checked, then the model loaded (kvdemo.compare)."""
+    check_run_arguments(args)
+    if args.video:
+        open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
+    from .compare import compare_command, parse_overrides  # deferred on purpose: comparing loads torch and the model
+    from .models.loading import load_model  # deferred with it
+
+    parse_overrides(args.policies.split(","), "\n".join(args.override))  # a bad choice fails before the model loads
+    video, episode, _ = open_source(args)
+    model = load_model(args.model)
+    if model.notice:
+        print(f"note: {model.notice}", file=sys.stderr)
+    return compare_command(args, model, video, episode)
 
 
 def _progress(total: int, quiet: bool):

@@ -19,6 +19,7 @@ import torch
 
 from .attention import MemoryCache
 from .dialogue import QuestionError, check_question, replayed_dialogue
+from .explain import Attribution, AttributionTally
 from .memory import KVMemory, OccupancyEvent
 from .models.base import VideoLM, VisualChunk
 from .budget import Budget
@@ -60,6 +61,7 @@ class Answer:
     cache_bytes: int
     visual_tokens: int
     dropped_turns: int = 0  # earlier turns left out of the replayed dialogue (kvdemo.dialogue)
+    attribution: Attribution | None = None  # what the answer looked at, when asked for (kvdemo.explain)
 
 
 class FrameStream:
@@ -322,8 +324,10 @@ class StreamEngine:
         return (time.perf_counter() - start) * 1000
 
     # --- answering ------------------------------------------------------------------------
-    def ask(self, question: str, max_new_tokens: int | None = None) -> Iterator[str]:
-        """Answer ``question`` from the memory; yields text pieces as tokens are generated.
+    def ask(self, question: str, max_new_tokens: int | None = None, attribute: bool = False) -> Iterator[str]:
+        """Answer ``question`` from the memory; yields text pieces as tokens are generated. With ``attribute`` the
+        answer records what it looked at (``Answer.attribution``, :mod:`kvdemo.explain`), tallied in the
+        attention seam while it is generated.
 
         The question and answer tokens are written into the memory's slack and never committed, so the
         memory afterwards is bit-identical (no copy, no rollback). The one exception is a policy that
@@ -334,7 +338,7 @@ class StreamEngine:
         question = self.check_question(question)
         if isinstance(self.policy, Probed) and self.policy.compresses_on_question and self._held_under_budget() > self.budget.keep_for(0):
             self.compress(probe_text=question)
-        return self._generate(question, max_new_tokens or self.max_new_tokens)
+        return self._generate(question, max_new_tokens or self.max_new_tokens, attribute)
 
     def check_question(self, question: str) -> str:
         """``question`` stripped, or :class:`EngineError` saying why it cannot be asked (:mod:`kvdemo.dialogue`)."""
@@ -345,9 +349,9 @@ class StreamEngine:
         except QuestionError as exc:
             raise EngineError(str(exc)) from None
 
-    def answer(self, question: str, max_new_tokens: int | None = None) -> Answer:
+    def answer(self, question: str, max_new_tokens: int | None = None, attribute: bool = False) -> Answer:
         """:meth:`ask`, collected."""
-        for _ in self.ask(question, max_new_tokens):
+        for _ in self.ask(question, max_new_tokens, attribute):
             pass
         return self.answers[-1]
 
@@ -357,20 +361,22 @@ class StreamEngine:
         (the memory is unchanged, as when answering)."""
         return self._question_prefill(question)[0]
 
-    def _question_prefill(self, question: str) -> tuple[torch.Tensor, MemoryCache, Any, int]:
-        """The question's prefill on a fork: its last logits, the cache to decode on, the cursor after it, and
-        the earlier turns left out of the replayed dialogue."""
+    def _question_prefill(self, question: str, observers: tuple = ()) -> tuple[torch.Tensor, MemoryCache, Any, int]:
+        """The question's prefill on a fork: its last logits, the cache to decode on (with ``observers`` in its
+        attention seam), the cursor after it, and the earlier turns left out of the replayed dialogue."""
         embeds, dropped = replayed_dialogue(self.model, self.history, question)
         positions, cursor = self.model.text_positions(self.memory.cursor, int(embeds.shape[0]))
         cache = MemoryCache(self.memory)  # writes go to the slack and are never committed
         cache.answering = True  # heads with an offload store retrieve (question prefill and every decode step)
+        cache.observers.extend(observers)
         self.memory.reset_retrieved()
         return self.model.forward(embeds, positions, cache), cache, cursor, dropped
 
     @torch.inference_mode()
-    def _generate(self, question: str, max_new_tokens: int) -> Iterator[str]:
+    def _generate(self, question: str, max_new_tokens: int, attribute: bool = False) -> Iterator[str]:
         start = time.perf_counter()
-        logits, cache, cursor, dropped = self._question_prefill(question)
+        tally = AttributionTally(self.memory) if attribute else None
+        logits, cache, cursor, dropped = self._question_prefill(question, (tally,) if tally else ())
         generated: list[int] = []
         text, ttft_ms = "", 0.0
         try:
@@ -401,6 +407,7 @@ class StreamEngine:
                     cache_bytes=self.memory.nbytes,
                     visual_tokens=self.memory.visual_tokens,
                     dropped_turns=dropped,
+                    attribution=tally.result() if tally is not None else None,
                 )
             )
 
@@ -469,6 +476,8 @@ class StreamEngine:
                 {"grid": g, "time_s": self.memory.grid_times_s[g], "kept_fraction": fraction}
                 for g, fraction in enumerate(survival_fraction(self.memory))
             ],
-            "answers": [{"question": a.question, "answer": a.answer, "ms": a.ms} for a in self.answers],
+            "answers": [{"question": a.question, "answer": a.answer, "ms": a.ms,
+                         **({"attribution": a.attribution.to_dict()} if a.attribution is not None else {})}
+                        for a in self.answers],
             "policy_state": self.policy.report(),
         }

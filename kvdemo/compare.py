@@ -1,0 +1,219 @@
+"""Several policies side by side on one stream: ``python -m kvdemo compare`` and the app's comparison page.
+
+Up to :data:`MAX_POLICIES` bounded policies and the full-cache baseline watch one stream through one
+:class:`~kvdemo.streaming.EngineGroup` (one vision encoding per chunk feeds them all). Each policy takes the shared
+``M``/``C`` unless its own line says otherwise (:func:`parse_overrides`: ``"hybridkv: M=96 C=72 r=0.5"``). Every
+question goes to every engine (each keeps its own dialogue), optionally with answer attribution, and the
+per-layer fidelity of each policy against the full cache (:mod:`kvdemo.explain`).
+
+Memory grows with the number of engines: each bounded one holds at most its ``M`` visual tokens (plus the text
+prefix and an answer's slack), the full cache grows with the stream until its byte cap stops it
+(:func:`memory_bound` says how much, before the run).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .budget import Budget
+from .engine import StreamEngine
+from .explain import evidence_ratio, fidelity
+from .policies import BudgetError, make_policy
+from .streaming import EngineGroup
+
+#: Bounded policies compared at once (and the full cache beside them).
+MAX_POLICIES = 4
+DEFAULT_COMPARE = ("infinipot-v", "cords", "protokv", "hybridkv")
+#: Engine name of the full-cache baseline.
+FULL = "full"
+
+
+@dataclass
+class Contender:
+    """One compared policy: its name, its parameters and its own ``M``/``C`` (None: the shared ones)."""
+
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+    budget: Any = None
+    keep: Any = None
+
+
+def parse_overrides(names: list[str], text: str = "") -> list[Contender]:
+    """The compared policies, with the lines of ``text`` (``"policy: M=96 C=72 key=value ..."``, one per policy)
+    giving a policy its own budget and parameters; :class:`BudgetError` with a one-line reason otherwise."""
+    names = [n.strip() for n in names if n and n.strip()]
+    if not names:
+        raise BudgetError("choose at least one policy to compare")
+    if len(names) > MAX_POLICIES:
+        raise BudgetError(f"compare at most {MAX_POLICIES} policies at once (memory grows with each), got {len(names)}")
+    if len(set(names)) != len(names) or FULL in names:
+        raise BudgetError(f"each policy once, and not {FULL!r} (the full cache is always the baseline): {', '.join(names)}")
+    contenders = {name: Contender(name) for name in names}
+    for line in (text or "").splitlines():
+        if not line.strip():
+            continue
+        name, _, rest = line.partition(":")
+        if name.strip() not in contenders:
+            raise BudgetError(f"the line {line.strip()!r} names no compared policy ({', '.join(names)})")
+        contender = contenders[name.strip()]
+        for item in rest.split():
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise BudgetError(f"{item!r} in {name.strip()}'s line is not key=value")
+            if key in ("M", "C"):
+                setattr(contender, "budget" if key == "M" else "keep", value)
+            else:
+                contender.params[key.replace("-", "_")] = value
+    return list(contenders.values())
+
+
+def compare_engines(model, contenders: list[Contender], budget: Any, keep: Any, fps: float,
+                    full_cap_bytes: int | None = None, max_new_tokens: int = 64) -> dict[str, StreamEngine]:
+    """One engine per contender (its own budget, else the shared ``budget``/``keep``; a policy sized by ``M`` alone
+    ignores ``C``) and the full cache (stopped at ``full_cap_bytes``), in that order."""
+    engines = {}
+    for contender in contenders:
+        policy = make_policy(contender.name, **contender.params)
+        m = contender.budget if contender.budget is not None else budget
+        c = contender.keep if contender.keep is not None else keep
+        takes_keep = type(policy).takes_keep()
+        if m is None or (takes_keep and c is None):
+            raise BudgetError(f"{contender.name}: set M" + (" and C" if takes_keep else ""))
+        bounds = Budget.resolve(policy, m, c if takes_keep else None)
+        engines[contender.name] = StreamEngine(model, policy, budget=bounds, fps=fps, max_new_tokens=max_new_tokens)
+    engines[FULL] = StreamEngine(model, FULL, fps=fps, max_cache_bytes=full_cap_bytes, max_new_tokens=max_new_tokens)
+    return engines
+
+
+def token_bytes(model) -> int:
+    """Bytes one token's keys and values take over every memory layer of ``model``."""
+    element = 2 if str(model.dtype).endswith(("float16", "bfloat16")) else 4
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
+
+
+def memory_bound(model, engines: dict[str, StreamEngine], tokens_per_second: float, full_cap_bytes: int | None) -> dict[str, Any]:
+    """What the compared engines may hold: each bounded engine at most its ``M`` visual tokens' keys and values (plus
+    the text prefix and an answer's slack, a few hundred tokens), the full cache ``tokens_per_second`` more each
+    second of stream until its cap; with the sentence the app and the CLI show."""
+    per_token = token_bytes(model)
+    bounded = {name: e.budget.M * per_token for name, e in engines.items() if e.budget.M is not None}
+    per_minute = tokens_per_second * 60 * per_token
+    cap = f", stopped at its {full_cap_bytes / 2**20:.0f} MB cap" if full_cap_bytes else " (no cap)"
+    sentence = (f"memory grows with the number of policies: {len(bounded)} bounded engine(s) hold at most "
+                f"{sum(bounded.values()) / 2**20:.1f} MB of keys and values together ("
+                + ", ".join(f"{n} {b / 2**20:.1f}" for n, b in bounded.items())
+                + f" MB), the full cache grows by {per_minute / 2**20:.1f} MB per minute of this stream{cap}")
+    return {"bytes_per_token": per_token, "bounded_bytes": bounded, "bounded_total_bytes": sum(bounded.values()),
+            "full_bytes_per_minute": per_minute, "full_cap_bytes": full_cap_bytes, "text": sentence}
+
+
+def ask_all(engines: dict[str, StreamEngine], stopped: dict[str, str], question: str, attribute: bool = False,
+            max_new_tokens: int | None = None) -> dict[str, Any]:
+    """Ask every engine that has not stopped (each in its own dialogue); name -> its :class:`~kvdemo.engine.Answer`."""
+    return {name: engine.answer(question, max_new_tokens, attribute) for name, engine in engines.items() if name not in stopped}
+
+
+def question_record(question: str, answers: dict[str, Any], episode=None, time_s: float = 0.0) -> dict[str, Any]:
+    """One question's entry of the comparison report: each engine's answer, grade (on a generated stream),
+    attribution and, where the ground truth names the object, the evidence ratio of its attribution."""
+    from .synthetic import grade  # deferred on purpose: grading needs the generated world only on its streams
+
+    known = episode.answer_for(question) if episode is not None else None
+    record: dict[str, Any] = {"question": question, "expected": known.answer if known else None, "answers": {}}
+    for name, answer in answers.items():
+        entry: dict[str, Any] = {"answer": answer.answer, "ms": round(answer.ms, 1), "tokens": answer.tokens}
+        if episode is not None:
+            entry["correct"] = grade(episode, question, answer.answer, time_s).correct
+        if answer.attribution is not None:
+            entry["attribution"] = answer.attribution.to_dict()
+            if known is not None:
+                entry["evidence_ratio"] = round(evidence_ratio(answer.attribution, episode, known.subject), 4)
+        record["answers"][name] = entry
+    return record
+
+
+def comparison_report(engines: dict[str, StreamEngine], group: EngineGroup, video: str, questions: list[dict[str, Any]],
+                      bound: dict[str, Any], wall_s: float, lost_frames: int = 0) -> dict[str, Any]:
+    """The JSON report: one run report per engine, the questions, the memory bound and how fast it ran."""
+    any_engine = next(iter(engines.values()))
+    stream_s = any_engine.frames_fed / any_engine.fps if any_engine.fps else 0.0
+    return {
+        "model": any_engine.model.name, "video": video, "memory": bound,
+        "policies": {name: e.report(video, lost_frames) for name, e in engines.items() if name != FULL},
+        FULL: engines[FULL].report(video, lost_frames) if FULL in engines else None,
+        "stopped": dict(group.stopped), "questions": questions,
+        "timing": {"stream_s": round(stream_s, 3), "model_wall_s": round(wall_s, 3),
+                   "model_s_per_stream_s": round(wall_s / stream_s, 4) if stream_s else None,
+                   "faster_than_real_time": bool(stream_s and wall_s < stream_s)},
+    }
+
+
+def compare_command(args, model, video, episode=None) -> int:
+    """``python -m kvdemo compare`` on ``video`` (the CLI parsed and checked the arguments and opened the stream;
+    ``episode``: its generated ground truth, for the bundled sample)."""
+    contenders = parse_overrides(args.policies.split(","), "\n".join(args.override))
+    cap = int(args.full_cap_mb * 2**20) if args.full_cap_mb else None
+    engines = compare_engines(model, contenders, args.budget, args.keep, video.fps, cap, args.max_new_tokens)
+    tokens_per_second = model.geometry.chunk_tokens(video.size, 2)[0] * video.fps / 2
+    bound = memory_bound(model, engines, tokens_per_second, cap)
+    print(f"model {model.name}; " + "; ".join(f"{n} {e.budget.describe()}" for n, e in engines.items()), file=sys.stderr)
+    print(bound["text"], file=sys.stderr)
+    group = EngineGroup(model, engines, video.fps)
+    start = time.perf_counter()
+    parts = video.chunks(2)
+    current = next(parts, None)
+    while current is not None:
+        following = next(parts, None)
+        group.push(current[1], current[2], flush=following is None, total=video.num_frames)
+        current = following
+    wall_s = time.perf_counter() - start
+    for name, why in group.stopped.items():
+        print(f"{name}: {why}", file=sys.stderr)
+    questions = []
+    for question in args.ask:
+        answers = ask_all(engines, group.stopped, question, args.attribution)
+        record = question_record(question, answers, episode, engines[FULL].last_time_s)
+        if args.fidelity and FULL not in group.stopped:
+            record["fidelity"] = fidelity(engines[FULL], {n: e for n, e in engines.items() if n != FULL}, question)
+        questions.append(record)
+    report = comparison_report(engines, group, video.describe(), questions, bound, wall_s, video.lost_frames)
+    print(comparison_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"report written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def comparison_table(report: dict[str, Any]) -> str:
+    """The comparison as aligned rows: per engine its budget, peak tokens and MB, compressions, and per question
+    its answer (graded on a generated stream), visual share of its attention, evidence ratio and fidelity."""
+    engines = {**report["policies"], **({FULL: report[FULL]} if report.get(FULL) else {})}
+    lines = [f"{'engine':<14} {'M / C':>9} {'peak tokens':>11} {'peak MB':>8} {'compressions':>12}"]
+    for name, r in engines.items():
+        size = "-" if r["budget"] is None else f"{r['budget']}" + (f"/{r['keep']}" if r["keep"] is not None else "")
+        passes = sum(e["event"] == "compress" for e in r["timeline"])
+        lines.append(f"{name:<14} {size:>9} {r['peak_visual_tokens']:>11} {r['peak_cache_bytes'] / 2**20:>8.2f} {passes:>12}")
+    for q in report["questions"]:
+        lines.append(f"\nQ: {q['question']}" + (f"  (ground truth: {q['expected']})" if q["expected"] else ""))
+        for name, a in q["answers"].items():
+            mark = {True: " ✓", False: " ✗"}.get(a.get("correct"), "")
+            extra = ""
+            if "attribution" in a:
+                extra += f"  visual {100 * a['attribution']['share']['visual']:.0f}% of attention"
+            if a.get("evidence_ratio") is not None:
+                extra += f", evidence ratio {a['evidence_ratio']:.2f}"
+            if name in q.get("fidelity", {}):
+                f = q["fidelity"][name]
+                extra += f", KL {f['first_token_kl']:.3f}, mean layer error {sum(f['layer_error']) / len(f['layer_error']):.3f}"
+            lines.append(f"  {name:<14} {a['answer']!r}{mark}{extra}")
+    t = report["timing"]
+    if t["model_s_per_stream_s"] is not None:
+        lines.append(f"\nmodel work: {t['model_wall_s']:.1f} s for {t['stream_s']:.0f} s of stream "
+                     f"({t['model_s_per_stream_s']:.2f} s per stream second, {len(engines)} engines)")
+    return "\n".join(lines)

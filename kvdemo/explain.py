@@ -1,0 +1,244 @@
+"""What an answer looked at, and what compression changed: two observers of the attention seam
+(:class:`~kvdemo.attention.MemoryCache` ``.observers``), off unless asked for.
+
+- :class:`AttributionTally`: while an engine answers (the question's prefill and every generated token), the
+  attention mass each memory layer's query heads put on every held slot, summed per KV head; :meth:`result`
+  maps it through the memory's provenance to (frame, row, col): an :class:`Attribution` (plain numpy). Mass on
+  the prefix, the stream's own text and the dialogue (question, earlier turns, generated tokens) is "text",
+  on the summary region "summary" (ProtoKV's pseudo-tokens), on chunks brought back from the offload store
+  "retrieved" (HybridKV's dynamic heads). It reads the same query and keys the forward attends with (no second
+  pass); the weights are recomputed in float32 from them (:func:`~kvdemo.attention.attention_weights`).
+- :func:`fidelity`: teacher-forced per-layer relative error of a policy's attention output against the full
+  cache's on the same question: one forward on the full cache, and in every layer the same query (computed from
+  the full cache's hidden states) and the question's own keys/values attend over each policy's memory instead;
+  plus the KL divergence of the first answer token's distribution (each engine's own forward).
+
+How much of the full cache's attribution lands on the frames that show the asked object
+(:func:`evidence_ratio`) is how attribution is validated on generated streams, where the ground truth is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .attention import MemoryCache, attention_weights, weighted_values
+from .memory import KVMemory
+from .views import Chart, PatchValues, Series, View
+
+#: Where an answer's attention mass went, besides the held visual tokens (the order of ``Attribution.shares``).
+SHARES = ("text", "summary", "visual", "retrieved")
+
+
+class AttributionTally:
+    """Observer: per memory layer, the attention mass ``[H_kv, live]`` on the slots committed before the answer
+    (summed over each KV head's group of query heads and every answer token), and per layer and head the mass on
+    the dialogue's own slots (after the live part) and on retrieved chunks."""
+
+    def __init__(self, memory: KVMemory) -> None:
+        self.memory = memory
+        self.live = [memory.live_len(layer) for layer in range(len(memory.layers))]
+        self.held: list[torch.Tensor | None] = [None] * len(self.live)
+        self.dialogue = torch.zeros(len(self.live), memory.num_kv_heads, dtype=torch.float64)
+        self.retrieved = torch.zeros(len(self.live), memory.num_kv_heads, dtype=torch.float64)
+
+    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 bias: torch.Tensor | None, extra: Any, scale: float) -> None:
+        if layer >= len(self.live):
+            return
+        mass = attention_weights(query, key, bias, scale, extra).sum(dim=1)  # [H_kv, kv + R]
+        live, kv_len = self.live[layer], key.shape[2]
+        held = mass[:, :live].double().cpu()
+        self.held[layer] = held if self.held[layer] is None else self.held[layer] + held
+        self.dialogue[layer] += mass[:, live:kv_len].sum(dim=-1).double().cpu()
+        self.retrieved[layer] += mass[:, kv_len:].sum(dim=-1).double().cpu()
+
+    def result(self) -> "Attribution":
+        """The tally mapped through the memory's provenance (the memory as it was when the answer began)."""
+        memory = self.memory
+        layers, heads = len(self.live), memory.num_kv_heads
+        shares = np.zeros((layers, heads, len(SHARES)))
+        visual, frame, row, col = [], [], [], []
+        start, summary = memory.visual_start, memory.visual_start - memory.prefix_len
+        for layer in range(layers):
+            held = self.held[layer] if self.held[layer] is not None else torch.zeros(heads, self.live[layer], dtype=torch.float64)
+            length = memory.layers[layer].visual_len
+            total = held.sum(dim=1) + self.dialogue[layer] + self.retrieved[layer]
+            total = torch.where(total > 0, total, torch.ones_like(total))
+            on_visual = held[:, start : start + length] / total[:, None]
+            valid = memory.valid[layer]  # ragged heads: padding slots hold nothing (and no provenance)
+            valid = valid.cpu() if valid is not None else torch.ones(on_visual.shape, dtype=torch.bool)
+            on_visual = on_visual * valid
+            shares[layer, :, 0] = ((held[:, : memory.prefix_len].sum(1) + held[:, start + length :].sum(1)
+                                    + self.dialogue[layer]) / total).numpy()
+            shares[layer, :, 1] = (held[:, memory.prefix_len : memory.prefix_len + summary].sum(1) / total).numpy()
+            shares[layer, :, 2] = on_visual.sum(1).numpy()
+            shares[layer, :, 3] = (self.retrieved[layer] / total).numpy()
+            visual.append(on_visual.float().numpy())
+            for out, field in ((frame, memory.frame), (row, memory.row), (col, memory.col)):
+                out.append((field[layer].cpu() * valid).numpy().astype(np.int32))
+        return Attribution(shares, visual, frame, row, col, memory.num_grids, memory.grid_shape or (0, 0))
+
+
+@dataclass
+class Attribution:
+    """What one answer looked at (:class:`AttributionTally`): ``shares [layers, H_kv, 4]`` of its attention mass
+    on text, summary, held visual tokens and retrieved chunks (each (layer, head) sums to 1), and per layer the
+    share ``visual[l] [H_kv, L]`` on each held visual slot with its provenance ``frame/row/col[l] [H_kv, L]``."""
+
+    shares: np.ndarray
+    visual: list[np.ndarray]
+    frame: list[np.ndarray]
+    row: list[np.ndarray]
+    col: list[np.ndarray]
+    num_grids: int
+    grid_shape: tuple[int, int]
+
+    def patch_map(self, layer: int | None = None, head: int | None = None) -> np.ndarray:
+        """``[grids, rows, cols]``: the share of the answer's attention on each patch, averaged over the chosen
+        layer and KV head (None: all of them); it sums to that selection's visual share."""
+        rows, cols = self.grid_shape
+        out = np.zeros(self.num_grids * rows * cols, dtype=np.float64)
+        layers = range(len(self.visual)) if layer is None else [layer]
+        count = 0
+        for index in layers:
+            picked = slice(None) if head is None else slice(head, head + 1)
+            flat = (self.frame[index][picked] * rows + self.row[index][picked]) * cols + self.col[index][picked]
+            np.add.at(out, flat.ravel(), self.visual[index][picked].ravel())
+            count += self.visual[index][picked].shape[0]
+        return (out / max(count, 1)).reshape(self.num_grids, rows, cols)
+
+    def frame_mass(self, layer: int | None = None, head: int | None = None) -> np.ndarray:
+        """``[grids]``: the share of the answer's attention on each temporal grid."""
+        return self.patch_map(layer, head).sum(axis=(1, 2))
+
+    def share(self) -> dict[str, float]:
+        """Mean over layers and KV heads of each share (text, summary, visual, retrieved)."""
+        return {name: float(self.shares[..., k].mean()) for k, name in enumerate(SHARES)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """For the JSON report: the mean shares, per (layer, KV head) shares, and per grid the attention share."""
+        return {"share": self.share(),
+                "per_layer_head": {name: np.round(self.shares[..., k], 5).tolist() for k, name in enumerate(SHARES)},
+                "frame_share": np.round(self.frame_mass(), 6).tolist()}
+
+
+def attribution_views(attributions: dict[str, Attribution], grid_times_s: list[float], grids: list[int],
+                      layer: int | None = None, head: int | None = None) -> list[View]:
+    """One :class:`~kvdemo.views.PatchValues` per engine over ``grids``: "what this answer looked at", tinted on a
+    scale shared by every engine (so they compare), the shares of text, summary and retrieved in the caption."""
+    maps = {name: a.patch_map(layer, head) for name, a in attributions.items()}
+    top = max((float(m[grids].max()) for m in maps.values() if m.size and len(grids)), default=0.0) or 1.0
+    views: list[View] = []
+    for name, attribution in attributions.items():
+        share = attribution.share()
+        parts = ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items() if v >= 0.005 or k in ("text", "visual"))
+        mass = maps[name].sum(axis=(1, 2))
+        views.append(PatchValues(
+            f"{name}: what the answer looked at", f"attention share: {parts} (tint: relative to the "
+            f"largest patch of any engine, {100 * top:.2f}%)", list(grids), np.clip(maps[name][grids] / top, 0, 1),
+            [f"{grid_times_s[g]:.0f} s · {100 * mass[g]:.1f}%" for g in grids]))
+    return views
+
+
+def evidence_grids(episode, subject: str, num_grids: int) -> np.ndarray:
+    """``[num_grids]`` bool: the temporal grids of a generated stream in which a visual token shows ``subject``
+    (a shape name; per-token ground truth, :attr:`~kvdemo.synthetic.Episode.shape_labels`)."""
+    from .synthetic import SHAPES  # deferred on purpose: the generated world is needed only to validate
+
+    labels = episode.shape_labels[:num_grids]
+    return (labels == SHAPES.index(subject)).any(axis=1)
+
+
+def evidence_ratio(attribution: Attribution, episode, subject: str) -> float:
+    """How much more of the answer's attention a frame that shows ``subject`` receives than one that does not:
+    the mean attention share per evidence grid over the mean per other grid (``nan`` without both kinds)."""
+    mass = attribution.frame_mass()
+    shows = evidence_grids(episode, subject, len(mass))
+    if not shows.any() or shows.all():
+        return float("nan")
+    return float(mass[shows].mean() / max(mass[~shows].mean(), 1e-12))
+
+
+class FidelityProbe:
+    """Observer on the full cache's question forward: in every layer, the same query and the question's own
+    keys/values attend over each other memory too; accumulates the squared error of each memory's attention
+    output against the full cache's, and the squared norm of the full cache's (both float32, the same
+    :func:`~kvdemo.attention.attention_weights`, so the full cache against itself is exactly 0)."""
+
+    def __init__(self, memories: dict[str, KVMemory]) -> None:
+        self.memories = memories
+        layers = max((len(m.layers) for m in memories.values()), default=0)
+        self.error = {name: np.zeros(layers) for name in memories}
+        self.norm = np.zeros(layers)
+
+    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 bias: torch.Tensor | None, extra: Any, scale: float) -> None:
+        q_heads, q_len = query.shape[1], query.shape[2]
+        reference = weighted_values(attention_weights(query, key, bias, scale, extra), value, extra, q_heads)
+        self.norm[layer] += float(reference.pow(2).sum())
+        new_keys, new_values = key[:, :, -q_len:], value[:, :, -q_len:]
+        for name, memory in self.memories.items():
+            store, live = memory.layers[layer], memory.live_len(layer)
+            own_keys = torch.cat([store.keys[:, :, :live].to(query.device), new_keys], dim=2)
+            own_values = torch.cat([store.values[:, :, :live].to(query.device), new_values], dim=2)
+            own_bias = store.bias[:, :live] if store.bias is not None else None
+            own_extra = store.offload.fetch(query[0], scale) if store.offload is not None else None
+            out = weighted_values(attention_weights(query, own_keys, own_bias, scale, own_extra), own_values, own_extra, q_heads)
+            self.error[name][layer] += float((out - reference).pow(2).sum())
+
+    def relative_error(self) -> dict[str, list[float]]:
+        """Per memory, per layer: ``||o_policy - o_full|| / ||o_full||`` over the question's tokens and query heads."""
+        norm = np.sqrt(np.maximum(self.norm, 1e-30))
+        return {name: (np.sqrt(error) / norm).tolist() for name, error in self.error.items()}
+
+
+def first_token_kl(full_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """``KL(p_full || p_policy)`` in nats of the first answer token's distributions (``[vocab]`` logits)."""
+    full = torch.log_softmax(full_logits.double(), dim=-1)
+    other = torch.log_softmax(logits.double().to(full.device), dim=-1)
+    return float((full.exp() * (full - other)).sum())
+
+
+@torch.inference_mode()
+def fidelity(full, engines: dict[str, Any], question: str) -> dict[str, dict[str, Any]]:
+    """What compression changed for ``question`` (kvdemo's protocol: the question alone, no earlier turns, so every
+    engine reads the same text): per engine, the per-layer relative error of its attention output against the
+    full cache's engine ``full`` (teacher-forced, :class:`FidelityProbe`) and the first answer token's KL
+    divergence from the full cache's. Memories are left exactly as they were (writes go to the slack)."""
+    model = full.model
+    question = full.check_question(question)
+    cursors = {name: engine.memory.cursor.next for name, engine in engines.items()}
+    if any(c != full.memory.cursor.next for c in cursors.values()):
+        raise ValueError("fidelity compares engines that watched the same stream (their positions differ)")
+    embeds = model.question_embeds([], question)
+    positions, _ = model.text_positions(full.memory.cursor, int(embeds.shape[0]))
+    for engine in engines.values():
+        engine.memory.reset_retrieved()
+    probe = FidelityProbe({name: engine.memory for name, engine in engines.items()})
+    cache = MemoryCache(full.memory)
+    cache.observers.append(probe)
+    full_logits = model.forward(embeds, positions, cache)
+    errors = probe.relative_error()
+    out = {}
+    for name, engine in engines.items():
+        engine.memory.reset_retrieved()
+        own = MemoryCache(engine.memory)
+        own.answering = True
+        logits = model.forward(embeds, positions, own)
+        out[name] = {"layer_error": [round(e, 6) for e in errors[name]], "first_token_kl": round(first_token_kl(full_logits, logits), 6)}
+    return out
+
+
+def fidelity_views(question: str, results: dict[str, dict[str, Any]]) -> list[View]:
+    """A chart per policy's fidelity: relative attention-output error per layer (every policy on one axis), KL in
+    the legend."""
+    lines = {f"{name} (first-token KL {r['first_token_kl']:.3f})": r["layer_error"] for name, r in results.items()}
+    layers = len(next(iter(results.values()))["layer_error"]) if results else 0
+    return [Chart(f"What compression changed: “{question}”",
+                  "relative error of each layer's attention output against the full cache's, on the same query "
+                  "(teacher-forced: the full cache's hidden states feed every memory); KL: first answer token",
+                  [Series(list(range(layers)), lines, "layer", "relative error")])]
