@@ -381,7 +381,7 @@ class StreamEngine:
         text, ttft_ms = "", 0.0
         try:
             bias = self.model.logit_bias
-            for _ in range(max_new_tokens):
+            for step in range(max_new_tokens):
                 token = int(torch.argmax(logits if bias is None else logits + bias.to(logits.device)))
                 if token in self.model.stop_ids:
                     break
@@ -392,6 +392,8 @@ class StreamEngine:
                 if not decoded.endswith("\ufffd") and len(decoded) > len(text):
                     piece, text = decoded[len(text) :], decoded
                     yield piece
+                if step + 1 == max_new_tokens:  # the last token allowed: no forward for a token never generated
+                    break
                 positions, cursor = self.model.text_positions(cursor, 1)
                 logits = self.model.forward(self.model.embed_text([token]), positions, cache)
         finally:
