@@ -50,8 +50,8 @@ COMPARE_EXAMPLES = """\
 examples:
   python -m kvdemo compare --policies infinipot-v,cords,protokv,hybridkv -M 64 -C 48 \\
       --ask "What colour was the circle?" --attribution --fidelity --json compare.json
-  python -m kvdemo compare --sample moving --override "hybridkv: M=96 C=72 r=0.5"
-      the moving-camera sample, HybridKV with its own budget and ratio"""
+  python -m kvdemo compare --sample moving --override "hybridkv: M=96 C=72 share=0.5"
+      the moving-camera sample, HybridKV with its own budget and dynamic share"""
 
 BENCH_DESCRIPTION = """\
 Stream a long synthetic video through the full cache and a bounded policy on the offline tiny model (one
@@ -177,10 +177,9 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     comparing.add_argument("--json", metavar="OUT", help="write the comparison report here (one report per engine)")
     comparing.set_defaults(frames_per_chunk=2, param=[])  # what the checks shared with run read
     comparing.add_argument("--sample", choices=STREAM_KINDS, default="static", help="without --video: which bundled sample")
-    comparing.add_argument("--policies", default="infinipot-v,cords,protokv,hybridkv", help="comma-separated, at most 4 "
-                           "(default infinipot-v,cords,protokv,hybridkv)")
-    comparing.add_argument("--budget", "-M", default="64", help="M shared by every policy (default 64)")
-    comparing.add_argument("--keep", "-C", default="48", help="C shared by the policies that take one (default 48)")
+    comparing.add_argument("--policies", help=named("comma-separated, at most 4", catalog and ",".join(catalog.COMPARE_POLICIES)))
+    comparing.add_argument("--budget", "-M", help="M shared by every policy (default: the model's, 96 for tiny)")
+    comparing.add_argument("--keep", "-C", help="C shared by the policies that take one (default: the model's, 72 for tiny)")
     comparing.add_argument("--override", action="append", default=[], metavar="'POLICY: M=.. C=.. KEY=VALUE ..'",
                            help="a policy's own budget and parameters (repeatable)")
     comparing.add_argument("--fps", type=float, default=2.0, help="sampling fps (default 2)")
@@ -411,6 +410,14 @@ def compare(args: argparse.Namespace) -> int:
     from .compare import compare_command, parse_overrides  # deferred on purpose: comparing loads torch and the model
     from .models.loading import load_model  # deferred with it
 
+    from .policies import COMPARE_POLICIES  # deferred with them
+
+    from .models.catalog import default_budget  # deferred with them
+
+    args.policies = args.policies or ",".join(COMPARE_POLICIES)
+    if args.budget is None:
+        args.budget, default_keep, _ = default_budget(args.model)
+        args.keep = default_keep if args.keep is None else args.keep
     parse_overrides(args.policies.split(","), "\n".join(args.override))  # a bad choice fails before the model loads
     video, episode, _ = open_source(args)
     model = load_model(args.model)

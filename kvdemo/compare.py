@@ -2,7 +2,7 @@
 
 Up to :data:`MAX_POLICIES` bounded policies and the full-cache baseline watch one stream through one
 :class:`~kvdemo.streaming.EngineGroup` (one vision encoding per chunk feeds them all). Each policy takes the shared
-``M``/``C`` unless its own line says otherwise (:func:`parse_overrides`: ``"hybridkv: M=96 C=72 r=0.5"``). Every
+``M``/``C`` unless its own line says otherwise (:func:`parse_overrides`: ``"hybridkv: M=96 C=72 share=0.5"``). Every
 question goes to every engine (each keeps its own dialogue), optionally with answer attribution, and the
 per-layer fidelity of each policy against the full cache (:mod:`kvdemo.explain`).
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +22,11 @@ from typing import Any
 from .budget import Budget
 from .engine import StreamEngine
 from .explain import evidence_ratio, fidelity
-from .policies import BudgetError, make_policy
+from .policies import COMPARE_POLICIES, BudgetError, make_policy
 from .streaming import EngineGroup
 
 #: Bounded policies compared at once (and the full cache beside them).
 MAX_POLICIES = 4
-DEFAULT_COMPARE = ("infinipot-v", "cords", "protokv", "hybridkv")
 #: Engine name of the full-cache baseline.
 FULL = "full"
 
@@ -90,6 +88,16 @@ def compare_engines(model, contenders: list[Contender], budget: Any, keep: Any, 
     return engines
 
 
+def check_chunks(engines: dict[str, StreamEngine], tokens: int, shape: str) -> None:
+    """Every engine's budget against one chunk of ``tokens`` visual tokens (``shape`` in words): a
+    :class:`BudgetError` naming the engine otherwise, before anything streams."""
+    for name, engine in engines.items():
+        try:
+            engine.budget.check_chunk(tokens, shape)
+        except BudgetError as exc:
+            raise BudgetError(f"{name}: {exc}") from None
+
+
 def token_bytes(model) -> int:
     """Bytes one token's keys and values take over every memory layer of ``model``."""
     element = 2 if str(model.dtype).endswith(("float16", "bfloat16")) else 4
@@ -137,17 +145,26 @@ def question_record(question: str, answers: dict[str, Any], episode=None, time_s
     return record
 
 
+def model_seconds(engines: dict[str, StreamEngine]) -> float:
+    """The model work of a comparison's stream so far: every chunk's vision encoding once (shared) plus every
+    engine's prefills and compressions (answers not included)."""
+    encode_ms = max((e.stats.encode_ms for e in engines.values()), default=0.0)
+    return (encode_ms + sum(e.stats.prefill_ms + e.stats.compress_ms for e in engines.values())) / 1000
+
+
 def comparison_report(engines: dict[str, StreamEngine], group: EngineGroup, video: str, questions: list[dict[str, Any]],
-                      bound: dict[str, Any], wall_s: float, lost_frames: int = 0) -> dict[str, Any]:
-    """The JSON report: one run report per engine, the questions, the memory bound and how fast it ran."""
+                      bound: dict[str, Any], lost_frames: int = 0) -> dict[str, Any]:
+    """The JSON report: one run report per engine, the questions, the memory bound and how fast it ran (model work
+    per second of stream: below 1 is faster than real time)."""
     any_engine = next(iter(engines.values()))
-    stream_s = any_engine.frames_fed / any_engine.fps if any_engine.fps else 0.0
+    stream_s = group.frames_seen / any_engine.fps if any_engine.fps else 0.0
+    wall_s = model_seconds(engines)
     return {
         "model": any_engine.model.name, "video": video, "memory": bound,
         "policies": {name: e.report(video, lost_frames) for name, e in engines.items() if name != FULL},
         FULL: engines[FULL].report(video, lost_frames) if FULL in engines else None,
         "stopped": dict(group.stopped), "questions": questions,
-        "timing": {"stream_s": round(stream_s, 3), "model_wall_s": round(wall_s, 3),
+        "timing": {"stream_s": round(stream_s, 3), "model_s": round(wall_s, 3),
                    "model_s_per_stream_s": round(wall_s / stream_s, 4) if stream_s else None,
                    "faster_than_real_time": bool(stream_s and wall_s < stream_s)},
     }
@@ -156,22 +173,22 @@ def comparison_report(engines: dict[str, StreamEngine], group: EngineGroup, vide
 def compare_command(args, model, video, episode=None) -> int:
     """``python -m kvdemo compare`` on ``video`` (the CLI parsed and checked the arguments and opened the stream;
     ``episode``: its generated ground truth, for the bundled sample)."""
-    contenders = parse_overrides(args.policies.split(","), "\n".join(args.override))
+    contenders = parse_overrides((args.policies or ",".join(COMPARE_POLICIES)).split(","), "\n".join(args.override))
     cap = int(args.full_cap_mb * 2**20) if args.full_cap_mb else None
     engines = compare_engines(model, contenders, args.budget, args.keep, video.fps, cap, args.max_new_tokens)
-    tokens_per_second = model.geometry.chunk_tokens(video.size, 2)[0] * video.fps / 2
+    tokens, shape = model.geometry.chunk_tokens(video.size, 2)
+    check_chunks(engines, tokens, shape)
+    tokens_per_second = tokens * video.fps / 2
     bound = memory_bound(model, engines, tokens_per_second, cap)
     print(f"model {model.name}; " + "; ".join(f"{n} {e.budget.describe()}" for n, e in engines.items()), file=sys.stderr)
     print(bound["text"], file=sys.stderr)
     group = EngineGroup(model, engines, video.fps)
-    start = time.perf_counter()
     parts = video.chunks(2)
     current = next(parts, None)
     while current is not None:
         following = next(parts, None)
         group.push(current[1], current[2], flush=following is None, total=video.num_frames)
         current = following
-    wall_s = time.perf_counter() - start
     for name, why in group.stopped.items():
         print(f"{name}: {why}", file=sys.stderr)
     questions = []
@@ -181,7 +198,7 @@ def compare_command(args, model, video, episode=None) -> int:
         if args.fidelity and FULL not in group.stopped:
             record["fidelity"] = fidelity(engines[FULL], {n: e for n, e in engines.items() if n != FULL}, question)
         questions.append(record)
-    report = comparison_report(engines, group, video.describe(), questions, bound, wall_s, video.lost_frames)
+    report = comparison_report(engines, group, video.describe(), questions, bound, video.lost_frames)
     print(comparison_table(report))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -214,6 +231,6 @@ def comparison_table(report: dict[str, Any]) -> str:
             lines.append(f"  {name:<14} {a['answer']!r}{mark}{extra}")
     t = report["timing"]
     if t["model_s_per_stream_s"] is not None:
-        lines.append(f"\nmodel work: {t['model_wall_s']:.1f} s for {t['stream_s']:.0f} s of stream "
+        lines.append(f"\nmodel work: {t['model_s']:.1f} s for {t['stream_s']:.0f} s of stream "
                      f"({t['model_s_per_stream_s']:.2f} s per stream second, {len(engines)} engines)")
     return "\n".join(lines)

@@ -27,11 +27,13 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .synthetic import COLOURS, SHAPES, STREAM_KINDS, Episode, Question, StreamSpec, generate_episode, grade_answer
+from .views import Chart, Series
 
 if TYPE_CHECKING:  # the engine imports torch: loaded when an evaluation runs, not with the CLI's defaults
     from .engine import StreamEngine
@@ -122,6 +124,16 @@ def run_episode(
 
     Returns, per policy, ``[item][delay] -> correct``.
     """
+    results = {name: [[False] * len(item.ask_after) for item in items] for name in policies}
+    for i, d, name, right in episode_answers(model, episode, items, policies, budget, keep):
+        results[name][i][d] = right
+    return results
+
+
+def episode_answers(
+    model: VideoLM, episode: Episode, items: list[Item], policies: list[str], budget: int | None, keep: int | None
+) -> Iterator[tuple[int, int, str, bool]]:
+    """:func:`run_episode` as it happens: ``(item, delay index, policy, correct)`` for each answer, in stream order."""
     from .streaming import EngineGroup  # deferred on purpose (torch), as above
 
     video = episode.video
@@ -131,7 +143,6 @@ def run_episode(
     for i, item in enumerate(items):
         for d, grid in enumerate(item.ask_after):
             due.setdefault(grid, []).append((i, d))
-    results = {name: [[False] * len(item.ask_after) for item in items] for name in engines}
     last = max(due)
     for _, frames, times in video.chunks(model.geometry.frames_per_grid):
         for step in group.push(frames, times):
@@ -141,10 +152,55 @@ def run_episode(
                 for name, engine in engines.items():
                     answer = engine.answer(question.text, ANSWER_TOKENS)
                     engine.reset_dialogue()
-                    results[name][i][d] = grade_answer(question.answer, answer.answer)
+                    yield i, d, name, grade_answer(question.answer, answer.answer)
             if newest >= last:
-                return results
-    return results
+                return
+
+
+@dataclass
+class Sweep:
+    """A delay sweep as it goes (:func:`delay_sweep`): per policy and delay, answers right and asked so far."""
+
+    policies: list[str]
+    delays: tuple[float, ...]
+    right: dict[str, list[int]]
+    asked: dict[str, list[int]]
+    streams: int = 0
+    questions: int = 0
+
+    def accuracy(self) -> dict[str, list[float | None]]:
+        return {name: [r / n if n else None for r, n in zip(self.right[name], self.asked[name])] for name in self.policies}
+
+    def chart(self) -> Chart:
+        """Accuracy against delay, one line per policy (a declared view, drawn by :mod:`kvdemo.viz`)."""
+        return Chart("Accuracy against delay after the evidence left view",
+                     f"{self.questions} questions from {self.streams} stream(s) so far (the bundled sample first, then "
+                     "held-out generated streams of its kind); each asked of every policy at every delay (the eval protocol)",
+                     [Series(list(self.delays), self.accuracy(), "delay after the evidence left view (s)", "accuracy",
+                             markers=True)])
+
+
+def delay_sweep(model: VideoLM, policies: list[str], delays: tuple[float, ...], budget: int | None, keep: int | None,
+                kind: str = "static", more_streams: int = 0, seed: int = 0) -> Iterator[Sweep]:
+    """The eval protocol on the bundled sample of ``kind``, then on ``more_streams`` held-out streams of that kind;
+    yields the :class:`Sweep` after every answer round (one question at one delay, every policy)."""
+    from .synthetic import sample_episode  # deferred: the bundled sample is needed only by a sweep
+
+    if not delays or min(delays) < 0:
+        raise ValueError(f"delays must be non-negative seconds, got {list(delays)}")
+    state = Sweep(list(policies), tuple(delays), {n: [0] * len(delays) for n in policies}, {n: [0] * len(delays) for n in policies})
+    episodes = [sample_episode(kind)] + [generate_episode((seed, EVAL_STREAMS, i), eval_spec(delays, kind=kind))
+                                         for i in range(more_streams)]
+    for episode in episodes:
+        items = valid_items(episode, 0, delays)
+        state.streams += 1
+        state.questions += len(items)
+        for _, d, name, right in episode_answers(model, episode, items, policies, budget, keep) if items else ():
+            state.right[name][d] += int(right)
+            state.asked[name][d] += 1
+            if name == policies[-1]:
+                yield state
+    yield state
 
 
 def evaluate(

@@ -208,7 +208,8 @@ def fidelity(full, engines: dict[str, Any], question: str) -> dict[str, dict[str
     """What compression changed for ``question`` (kvdemo's protocol: the question alone, no earlier turns, so every
     engine reads the same text): per engine, the per-layer relative error of its attention output against the
     full cache's engine ``full`` (teacher-forced, :class:`FidelityProbe`) and the first answer token's KL
-    divergence from the full cache's. Memories are left exactly as they were (writes go to the slack)."""
+    divergence from the full cache's. Memories are left exactly as they were (writes go to the slack; retrieval
+    marks are cleared)."""
     model = full.model
     question = full.check_question(question)
     cursors = {name: engine.memory.cursor.next for name, engine in engines.items()}
@@ -230,6 +231,7 @@ def fidelity(full, engines: dict[str, Any], question: str) -> dict[str, dict[str
         own.answering = True
         logits = model.forward(embeds, positions, own)
         out[name] = {"layer_error": [round(e, 6) for e in errors[name]], "first_token_kl": round(first_token_kl(full_logits, logits), 6)}
+        engine.memory.reset_retrieved()  # the probe's retrieval marks are not an answer's
     return out
 
 
@@ -241,4 +243,4 @@ def fidelity_views(question: str, results: dict[str, dict[str, Any]]) -> list[Vi
     return [Chart(f"What compression changed: “{question}”",
                   "relative error of each layer's attention output against the full cache's, on the same query "
                   "(teacher-forced: the full cache's hidden states feed every memory); KL: first answer token",
-                  [Series(list(range(layers)), lines, "layer", "relative error")])]
+                  [Series(list(range(layers)), lines, "layer", "relative error", markers=True)])]

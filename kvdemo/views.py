@@ -74,7 +74,7 @@ class Histogram:
 @dataclass
 class Series:
     """Lines over a shared x axis: ``lines`` maps a name to its y values; ``limit`` draws a dashed level;
-    ``log_y`` a logarithmic y axis."""
+    ``log_y`` a logarithmic y axis; ``markers`` a dot at each point (few points, or gaps: None values)."""
 
     x: list[float]
     lines: dict[str, list[float]]
@@ -82,6 +82,7 @@ class Series:
     y_title: str
     limit: float | None = None
     log_y: bool = False
+    markers: bool = False
 
 
 @dataclass

@@ -260,3 +260,39 @@ def test_a_new_users_steps_end_in_messages_not_bare_error_badges(browser, app_ur
     page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
     no_bare_error(page)
     assert "Prototype assignments" in page.locator("#panel-0").inner_text()
+
+
+def test_four_policies_compared_in_chromium(browser, app_url, artifacts):
+    """The comparison page on the bundled sample: four policies and the full cache, four occupancy lines beside the
+    full cache's, one survivor strip per engine, five graded answer panes and the attribution heatmaps."""
+    page = browser.new_page(viewport={"width": 1500, "height": 2600})
+    page.goto(app_url)
+    page.get_by_role("tab", name="Compare policies").click()
+    page.wait_for_selector("#compare-sample", timeout=60_000)
+    page.click("#compare-sample")
+    page.wait_for_function("document.querySelector('#compare-status').innerText.includes('80/80 frames')", timeout=240_000)
+    page.wait_for_function("document.querySelector('#compare-strips img') && document.querySelector('#compare-strips img').naturalWidth > 0")
+    status = page.locator("#compare-status").inner_text()
+    for name in ("infinipot-v", "cords", "protokv", "hybridkv", "full cache"):
+        assert name in status
+    assert "faster than real time" in status and "memory grows with the number of policies" in status
+    page.locator("#compare-examples button").first.click()
+    page.click("#compare-ask")
+    for slot in range(5):
+        page.wait_for_function(f"document.querySelector('#compare-chat-{slot}').innerText.includes('tokens in')", timeout=120_000)
+    page.wait_for_function("document.querySelector('#compare-attribution img') && document.querySelector('#compare-attribution img').naturalWidth > 0",
+                           timeout=60_000)
+    page.click("#compare-fidelity")
+    page.wait_for_function("document.querySelector('#compare-fidelity-text').innerText.includes('first-token KL')", timeout=120_000)
+    page.screenshot(path=str(artifacts / "compare.png"), full_page=True)
+
+    graded = [page.locator(f"#compare-chat-{slot}").inner_text() for slot in range(5)]
+    assert all("ground truth" in text for text in graded), "every pane is graded on the sample"
+    assert "matches the ground truth" in graded[4], "the full cache answers the sample right"
+    legend = page.locator("#compare-occupancy").inner_text()
+    for name in ("infinipot-v", "cords", "protokv", "hybridkv", "full cache"):
+        assert name in legend, "one occupancy line per engine"
+    strips = element_pixels(page, "#compare-strips img")
+    attribution = element_pixels(page, "#compare-attribution img")
+    assert strips.shape[0] > 5 * 150 and strips.std() > 20, "five stacked strips of frames"
+    assert attribution.shape[0] > 5 * 150 and attribution.std() > 20, "an attribution heatmap per engine"

@@ -124,7 +124,8 @@ def docstrings(tree: ast.AST) -> set[int]:
 
 
 @pytest.mark.parametrize("scope", ["app", "viz", "bench", "models", "engine.py", "memory.py", "attention.py", "cli.py",
-                                   "evaluation.py", "budget.py", "offload.py", "views.py", "survival.py", "testing.py"])
+                                   "evaluation.py", "budget.py", "offload.py", "views.py", "survival.py", "testing.py",
+                                   "compare.py", "explain.py"])
 def test_nothing_outside_the_policies_names_a_policy(scope):
     """Outside ``kvdemo/policies`` code never names a policy (the full cache, the baseline every tool shows, is
     the one exception): what a policy does is reached through its class's declarations and protocols."""

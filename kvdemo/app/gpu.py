@@ -14,6 +14,8 @@ import numpy as np
 
 from .. import viz, zerogpu
 from ..engine import StreamEngine
+from ..evaluation import Sweep, delay_sweep
+from ..explain import fidelity
 from ..streaming import EngineGroup
 from .sessions import Session, model_by_name
 from .settings import FRAMES_PER_CHUNK
@@ -124,14 +126,16 @@ def stream_segment(segment: Segment) -> Iterator[dict[str, Any]]:
     yield {"segment": segment}
 
 
-def answer_duration(model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int) -> int:
+def answer_duration(model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int,
+                    attribute: bool = False) -> int:
     """Seconds a ZeroGPU call may hold the GPU for one question to every engine (~0.1 s per token each)."""
     return int(min(120, 15 + 0.1 * max_new_tokens * len(engines)))
 
 
 @zerogpu.gpu(duration=answer_duration)
-def answer_question(model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int) -> Iterator[dict[str, Any]]:
-    """Ask every engine; yields ``{"piece": (engine name, text)}`` as tokens come, interleaved, and finally
+def answer_question(model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int,
+                    attribute: bool = False) -> Iterator[dict[str, Any]]:
+    """Ask every engine (``attribute``: each answer records what it looked at, :mod:`kvdemo.explain`); yields ``{"piece": (engine name, text)}`` as tokens come, interleaved, and finally
     ``{"answered": {name: answer state}, "engines": {name: engine}}``: what answering changed (answering
     never changes the memory), which is all a ZeroGPU worker sends back for most engines, and the whole
     engine of a policy whose question ran a compression pass first (a probed policy that compresses on
@@ -141,7 +145,7 @@ def answer_question(model: str, engines: dict[str, StreamEngine], question: str,
     for name, engine in engines.items():
         engine.bind(resolved)
         passes[name] = engine.stats.compressions
-    generators = {name: engine.ask(question, max_new_tokens) for name, engine in engines.items()}
+    generators = {name: engine.ask(question, max_new_tokens, attribute) for name, engine in engines.items()}
     while generators:
         for name in list(generators):
             try:
@@ -153,3 +157,19 @@ def answer_question(model: str, engines: dict[str, StreamEngine], question: str,
         for engine in changed.values():
             engine.to("cpu")
     yield {"answered": {name: engine.answer_state() for name, engine in engines.items()}, "engines": changed}
+
+
+@zerogpu.gpu(duration=lambda model, full, engines, question: int(min(120, 15 + 2 * len(engines))))
+def measure_fidelity(model: str, full: StreamEngine, engines: dict[str, StreamEngine], question: str) -> dict[str, Any]:
+    """:func:`kvdemo.explain.fidelity` of ``engines`` against the full cache's engine ``full`` (memories unchanged)."""
+    resolved = model_by_name(model)
+    for engine in [full, *engines.values()]:
+        engine.bind(resolved)
+    return fidelity(full, engines, question)
+
+
+@zerogpu.gpu(duration=lambda model, policies, delays, budget, keep, kind, more_streams: int(min(120, 30 + 15 * more_streams)))
+def sweep_delays(model: str, policies: list[str], delays: tuple[float, ...], budget: int | None, keep: int | None,
+                 kind: str, more_streams: int) -> Iterator[Sweep]:
+    """:func:`kvdemo.evaluation.delay_sweep` on the bundled sample (and ``more_streams`` held-out streams) as it goes."""
+    yield from delay_sweep(model_by_name(model), policies, delays, budget, keep, kind, more_streams)

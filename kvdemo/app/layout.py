@@ -13,6 +13,7 @@ from ..budget import Budget
 from ..policies import DEFAULT_POLICY, REGISTRY, policy_class, policy_params
 from ..synthetic import sample_episode, sample_manifest
 from .. import viz
+from .compare_page import ComparePage
 from .handlers import ask, redraw, request_stop, reset_chat, run_video, webcam_frame
 from .sessions import SESSION_TTL_S, AppServices, CacheSweeper, RunSettings, Session
 from ..models.catalog import default_budget, geometry_for
@@ -36,6 +37,8 @@ STREAM_SLOTS = 2
 #: Questions served at once, in their own slots: a question never waits for other sessions' streams,
 #: and its own session's stream pauses between chunks while it is answered.
 QUESTION_SLOTS = 2
+STREAMS = dict(concurrency_id="stream", concurrency_limit=STREAM_SLOTS)
+QUESTIONS = dict(concurrency_id="question", concurrency_limit=QUESTION_SLOTS)
 #: Gradio's own cleanup of its cache (every 10 minutes, files older than an hour); it misses the files of
 #: components updated with gr.update, which :class:`~kvdemo.app.sessions.CacheSweeper` deletes.
 CACHE_CLEANUP = (600, 3600)
@@ -70,14 +73,18 @@ class Demo:
             )
             banner = banner_html(self.services.models.default)
             self.banner = gr.Markdown(banner, visible=bool(banner), elem_id="banner")
-            with gr.Row():
-                with gr.Column(scale=1, min_width=320):
-                    self.build_inputs()
-                    self.build_settings()
-                with gr.Column(scale=2):
-                    self.build_watch()
-                    self.build_chat()
-            self.wire()
+            with gr.Tab("One policy against the full cache", elem_id="single-tab"):
+                with gr.Row():
+                    with gr.Column(scale=1, min_width=320):
+                        self.build_inputs()
+                        self.build_settings()
+                    with gr.Column(scale=2):
+                        self.build_watch()
+                        self.build_chat()
+                self.wire()
+            with gr.Tab("Compare policies", elem_id="compare-tab"):
+                ComparePage(gr, self.services, UI_POLICIES, (self.budget0, self.keep0, self.pixels0), STREAMS,
+                            QUESTIONS).build()
         return demo
 
     def build_inputs(self) -> None:
@@ -333,8 +340,7 @@ class Demo:
                            "log_scale": self.log_scale, "sample_kind": self.sample_kind}
         # Streams and questions have separate slots: a question is served within one chunk's time whatever
         # other sessions stream (its own session's stream pauses between chunks while it is answered).
-        streams = dict(concurrency_id="stream", concurrency_limit=STREAM_SLOTS)
-        questions = dict(concurrency_id="question", concurrency_limit=QUESTION_SLOTS)
+        streams, questions = STREAMS, QUESTIONS
         run_event = self.run_button.click(self.on_run, [self.session, self.video], run_outputs, inputs_kwargs=settings_inputs,
                                           api_name="run", show_progress_on=[self.status], **streams)
         sample_event = self.sample_button.click(self.on_run_sample, [self.session], run_outputs, inputs_kwargs=settings_inputs,

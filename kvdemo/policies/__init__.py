@@ -25,6 +25,8 @@ from .base import (
 #: baselines every pass benchmark is timed next to; the policy ``bench`` measures by default.
 DEFAULT_POLICY = "infinipot-v"
 EVAL_POLICIES = ("full", "sliding-window", "uniform", "infinipot-v", "cords")
+#: What ``compare`` (CLI and app) compares unless told otherwise: the four seed papers' policies.
+COMPARE_POLICIES = ("infinipot-v", "cords", "protokv", "hybridkv")
 BASELINES = ("uniform", "sliding-window")
 BENCH_POLICY = "sliding-window"
 
@@ -32,6 +34,7 @@ __all__ = [
     "BASELINES",
     "BENCH_POLICY",
     "DEFAULT_POLICY",
+    "COMPARE_POLICIES",
     "EVAL_POLICIES",
     "REGISTRY",
     "BudgetError",

@@ -11,7 +11,9 @@ from .frames import (
     EVICTED,
     NEW_COLOUR,
     REASON_COLOURS,
+    drawable,
     frame_strip,
+    labelled_rows,
     legend_text,
     overlay_fraction,
     overlay_reasons,
@@ -43,8 +45,8 @@ from .views import Panel, draw_view, draw_views
 
 __all__ = [
     "EVICTED", "HELD", "NEW_COLOUR", "OFFLOADED", "REASON_COLOURS", "RETRIEVED", "STATUS_COLOURS", "STATUS_NAMES",
-    "SUMMARISED", "Panel", "chart_figure", "coverage_figure", "draw_view", "draw_views", "engine_gallery", "engine_strip",
-    "frame_strip", "legend_text", "occupancy_figure", "overlay_fraction", "overlay_reasons", "overlay_status",
+    "SUMMARISED", "Panel", "chart_figure", "coverage_figure", "draw_view", "draw_views", "drawable", "engine_gallery", "engine_strip",
+    "frame_strip", "labelled_rows", "legend_text", "occupancy_figure", "overlay_fraction", "overlay_reasons", "overlay_status",
     "overlay_status_fractions", "overlay_values", "patch_status", "reason_map", "status_fractions", "status_legend",
     "summarised", "survival_fraction_map", "survivor_gallery", "survivor_strip", "thumbnail", "wrap_caption",
 ]

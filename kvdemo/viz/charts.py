@@ -109,7 +109,7 @@ def chart_figure(chart: Chart):
             axis_type = "category"
         elif isinstance(part, Series):
             for colour, (name, ys) in zip(CHART_COLOURS[1:] + CHART_COLOURS[:1], part.lines.items()):
-                data.append(dict(type="scatter", x=part.x, y=ys, mode="lines", name=name, line=dict(color=colour, width=2),
+                data.append(dict(type="scatter", x=part.x, y=ys, mode="lines+markers" if part.markers else "lines", name=name, line=dict(color=colour, width=2),
                                  xaxis=xaxis, yaxis=yaxis))
             if part.limit is not None:
                 shapes.append(dict(type="line", xref=f"{xaxis} domain", x0=0, x1=1, yref=yaxis, y0=part.limit, y1=part.limit,

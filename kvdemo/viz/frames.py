@@ -121,6 +121,26 @@ def frame_strip(tiles: list[np.ndarray], captions: list[str], gap: int = 6) -> n
     return np.asarray(canvas)
 
 
+def labelled_rows(rows: list[tuple[str, np.ndarray]], gap: int = 8) -> np.ndarray:
+    """Images stacked top to bottom, each under a bold label band, left-aligned: one strip per engine, whose
+    frames then sit in the same columns (the strips show the same grids)."""
+    if not rows:
+        return np.full((60, 320, 3), 245, dtype=np.uint8)
+    font = ImageFont.load_default(size=18)
+    band = 26
+    width = max(image.shape[1] for _, image in rows)
+    height = sum(image.shape[0] + band for _, image in rows) + gap * (len(rows) - 1)
+    canvas = Image.new("RGB", (width, height), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    y = 0
+    for label, image in rows:
+        draw.rectangle([0, y, width, y + band - 3], fill=(232, 236, 244))
+        draw.text((6, y + 3), label, fill=(10, 10, 60), font=font)
+        canvas.paste(Image.fromarray(image), (0, y + band))
+        y += band + image.shape[0] + gap
+    return np.asarray(canvas)
+
+
 def legend_text(reason_names: dict[int, str]) -> str:
     """Markdown legend of the reason colours."""
     parts = [

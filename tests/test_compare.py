@@ -1,0 +1,173 @@
+"""Several policies on one stream (kvdemo.compare): the choices and their errors, the memory bound held by real
+bytes, the CLI's one-file report, and the app's comparison page through gradio_client (directly and under ZeroGPU
+emulation)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from gradio_client import handle_file
+
+from test_app import fetch_json, new_client
+
+from kvdemo.cli import main
+from kvdemo.compare import compare_engines, memory_bound, parse_overrides
+from kvdemo.policies import BudgetError
+from kvdemo.streaming import stream_video
+from kvdemo.synthetic import sample_episode
+
+FOUR = ["infinipot-v", "cords", "protokv", "hybridkv"]
+# Outputs of /compare_sample and /compare_run, and of /compare_ask, by position (the session state is not an output).
+STATUS, PLOT, STRIPS, _, ATTRIBUTION, ATTRIBUTION_TEXT, FIDELITY_PLOT, REPORT = range(8)
+TITLES, CHATS = 8, 13
+ASK_STATUS, ASK_ATTRIBUTION, ASK_ATTRIBUTION_TEXT, ASK_REPORT, ASK_CHATS = range(5)
+
+
+@pytest.mark.parametrize("names, text, message", [
+    (FOUR + ["uniform"], "", "at most 4"),
+    (["cords", "cords"], "", "each policy once"),
+    (["full"], "", "each policy once"),
+    ([], "", "at least one"),
+    (["cords"], "uniform: M=10", "names no compared policy"),
+    (["cords"], "cords: M96", "not key=value"),
+])
+def test_bad_choices_are_one_line_errors(names, text, message):
+    with pytest.raises(BudgetError, match=message):
+        parse_overrides(names, text)
+
+
+def test_a_policy_line_gives_it_its_own_budget_and_parameters(tiny):
+    contenders = parse_overrides(["infinipot-v", "hybridkv"], "hybridkv: M=480 C=360 share=0.5\n")
+    engines = compare_engines(tiny, contenders, 320, 240, 2.0)
+    assert list(engines) == ["infinipot-v", "hybridkv", "full"]
+    assert (engines["infinipot-v"].budget.M, engines["infinipot-v"].budget.C) == (320, 240)
+    assert (engines["hybridkv"].budget.M, engines["hybridkv"].budget.C) == (480, 360)
+    assert engines["hybridkv"].policy.share == 0.5 and engines["full"].budget.M is None
+    with pytest.raises(BudgetError, match="alpha"):
+        compare_engines(tiny, parse_overrides(["cords"], "cords: alpha=x"), 320, 240, 2.0)
+
+
+def test_the_stated_memory_bound_holds_in_real_bytes():
+    from kvdemo.models.loading import load_model
+
+    model = load_model("tiny")
+    video = sample_episode("moving").video.sampled(2.0).resized(model.geometry)
+    engines = compare_engines(model, parse_overrides(FOUR), 64, 48, video.fps)
+    for _ in stream_video(model, video, engines):
+        pass
+    per_token = engines["full"].memory.token_bytes()  # the memory's own count of one token's bytes
+    bound = memory_bound(model, engines, 16.0, None)
+    assert bound["bytes_per_token"] == per_token
+    for name in FOUR:
+        memory = engines[name].memory
+        peak = max(event.cache_bytes for event in memory.timeline)
+        # M bounds the visual tokens (summary slots included); the text prefix is never evicted and not in M.
+        assert peak <= bound["bounded_bytes"][name] + memory.prefix_len * per_token, name
+    full_growth = engines["full"].memory.timeline[-1].cache_bytes - engines["full"].memory.timeline[0].cache_bytes
+    seconds = engines["full"].memory.timeline[-1].time_s - engines["full"].memory.timeline[0].time_s
+    assert full_growth / seconds * 60 == pytest.approx(bound["full_bytes_per_minute"], rel=0.05)
+    assert "memory grows with the number of policies: 4 bounded engine(s)" in bound["text"]
+
+
+def test_cli_compare_writes_one_report_per_engine_in_one_file(tmp_path, capsys):
+    out = tmp_path / "compare.json"
+    question = "What colour was the circle?"
+    assert main(["compare", "--model", "tiny", "-M", "64", "-C", "48", "--ask", question, "--attribution", "--fidelity",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert set(report["policies"]) == set(FOUR) and report["full"]["policy"] == "full"
+    for name, engine_report in report["policies"].items():
+        assert engine_report["policy"] == name and engine_report["peak_visual_tokens"] <= 64
+        assert engine_report["frames"] == 80
+    assert report["full"]["peak_visual_tokens"] == 640
+    [record] = report["questions"]
+    expected = sample_episode().answer_for(question).answer
+    assert record["expected"] == expected
+    assert set(record["answers"]) == set(FOUR) | {"full"}
+    assert record["answers"]["full"]["correct"] is True and record["answers"]["full"]["answer"] == expected
+    for name, answer in record["answers"].items():
+        shares = answer["attribution"]["share"]
+        assert sum(shares.values()) == pytest.approx(1.0, abs=1e-6)
+        assert len(answer["attribution"]["frame_share"]) == 40
+    assert record["answers"]["full"]["evidence_ratio"] > 1
+    assert set(record["fidelity"]) == set(FOUR)
+    assert all(len(f["layer_error"]) == 4 and f["first_token_kl"] >= 0 for f in record["fidelity"].values())
+    assert report["memory"]["text"] in printed.err
+    assert report["timing"]["stream_s"] == 40 and report["timing"]["model_s"] > 0
+    assert "model work" in printed.out and "evidence ratio" in printed.out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--policies", "infinipot-v,cords,protokv,hybridkv,uniform"], "at most 4"),
+    (["--policies", "cords,nope"], "nope"),
+    (["--policies", "cords", "-M", "8", "-C", "4"], "cords: M=8 is smaller than one chunk"),
+    (["--override", "cords: M=x"], "M"),
+])
+def test_cli_compare_errors_are_one_line(capsys, extra, message):
+    assert main(["compare", "--model", "tiny", "--max-frames", "4", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error:") and message in err[-1]
+
+
+def compare_sample(client, policies=FOUR, overrides="", budget=96, keep=72):
+    return client.predict(model="tiny", policies=policies, overrides=overrides, budget=budget, keep=keep, fps=2,
+                          max_pixels=15680, cap_mb=2048, sample_kind="static", api_name="/compare_sample")
+
+
+def test_the_comparison_page_through_gradio_client(app_url):
+    client = new_client(app_url)
+    early = client.predict("What colour was the circle?", True, api_name="/compare_ask")
+    assert "no video yet" in early[ASK_STATUS]
+    final = compare_sample(client)
+    assert "80/80 frames" in final[STATUS] and "memory grows with the number of policies" in final[STATUS]
+    assert [t.split("**")[1] for t in final[TITLES : TITLES + 5]] == [*FOUR, "full cache"]
+    assert final[STRIPS] is not None and final[PLOT] is not None
+    report = fetch_json(final[REPORT])
+    assert set(report["policies"]) == set(FOUR) and report["full"]["peak_visual_tokens"] == 640
+    episode = sample_episode()
+    first = client.predict(episode.questions[0].text, True, api_name="/compare_ask")
+    second = client.predict(episode.questions[1].text, False, api_name="/compare_ask")  # multi-turn, no attribution
+    for chat in second[ASK_CHATS : ASK_CHATS + 5]:
+        assert [m["content"][0]["text"] for m in chat if m["role"] == "user"] == [q.text for q in episode.questions[:2]]
+        assert "ground truth" in chat[-1]["content"][0]["text"]
+    assert first[ASK_ATTRIBUTION] is not None and "Evidence ratio" in first[ASK_ATTRIBUTION_TEXT]
+    answered = fetch_json(second[ASK_REPORT])["questions"]
+    assert "attribution" in answered[0]["answers"]["full"] and "attribution" not in answered[1]["answers"]["full"]
+    fidelity = client.predict(episode.questions[0].text, api_name="/compare_fidelity")
+    assert all(name in fidelity[1] for name in FOUR) and "first-token KL" in fidelity[1]
+    sweep = client.predict("0, 8", 1, model="tiny", policies=["infinipot-v", "cords"], overrides="", budget=64, keep=48,
+                           fps=2, max_pixels=15680, cap_mb=0, sample_kind="static", api_name="/compare_sweep")
+    table = sweep[1]
+    assert "✓" in table and all(f"| {name} |" in table for name in ("infinipot-v", "cords", "full"))
+    assert "| full | 1.00 | 1.00 |" in table  # the full cache answers every sample question at every delay
+
+
+def test_comparison_errors_are_messages_and_the_page_keeps_serving(app_url, media, tmp_path):
+    client = new_client(app_url)
+    too_many = compare_sample(client, FOUR + ["uniform"])
+    assert "at most 4" in too_many[STATUS]
+    assert "names no compared policy" in compare_sample(client, ["cords"], "uniform: M=9")[STATUS]
+    assert "smaller than one chunk" in compare_sample(client, ["cords"], budget=8, keep=4)[STATUS]
+    damaged = client.predict(handle_file(str(media / "corrupted.mp4")), model="tiny", policies=["cords"], overrides="",
+                             budget=96, keep=72, fps=2, max_pixels=15680, cap_mb=0, sample_kind="static", api_name="/compare_run")
+    assert "could not be decoded" in damaged[STATUS] and "9/9 frames" in damaged[STATUS]
+    sweep = client.predict("0, x", 0, model="tiny", policies=["cords"], overrides="", budget=64, keep=48, fps=2,
+                           max_pixels=15680, cap_mb=0, sample_kind="static", api_name="/compare_sweep")
+    assert "delays" in sweep[1]
+    good = client.predict(handle_file(str(media / "flipping_a_pancake.mkv")), model="tiny", policies=["cords", "uniform"],
+                          overrides="", budget=96, keep=72, fps=2, max_pixels=15680, cap_mb=0, sample_kind="static",
+                          api_name="/compare_run")
+    assert "20/20 frames" in good[STATUS]
+
+
+def test_the_comparison_under_zerogpu_emulation_answers_like_the_app(app_url, emulated_app_url):
+    answers = []
+    for url in (app_url, emulated_app_url):
+        client = new_client(url)
+        assert "80/80 frames" in compare_sample(client, ["infinipot-v", "hybridkv"])[STATUS]
+        asked = client.predict("What colour was the star?", True, api_name="/compare_ask")
+        answers.append([chat[-1]["content"][0]["text"].split(" tokens in")[0] for chat in asked[ASK_CHATS : ASK_CHATS + 3]])
+        assert "first-token KL" in client.predict("What colour was the star?", api_name="/compare_fidelity")[1]
+    assert answers[0] == answers[1]
