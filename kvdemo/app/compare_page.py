@@ -58,7 +58,7 @@ class ComparePage:
                     self.max_pixels = gr.Number(self.pixels0, label="Max pixels per frame", precision=0)
                 self.cap_mb = gr.Number(baseline_cap_default(), label="Full cache stops at (MB)", precision=0, info="0 = no cap")
             with gr.Column(scale=2):
-                self.status = gr.Markdown("Ready: choose up to four policies, then compare.", elem_id="compare-status")
+                self.status = gr.Markdown("Ready: choose up to four policies, then compare.", label="Comparison status", elem_id="compare-status")
                 self.plot = gr.Plot(label="Occupancy of every engine", show_label=False, elem_id="compare-occupancy")
                 gr.Markdown("**What each engine holds of the newest frames** (same frames in the same columns)")
                 self.strips = gr.Image(label="Survivor strips", show_label=False, format="jpeg", type="numpy",
@@ -69,7 +69,7 @@ class ComparePage:
             self.attribute = gr.Checkbox(True, label="what each answer looked at", scale=1, elem_id="compare-attribute")
             self.ask_button = gr.Button("Ask", variant="primary", scale=1, elem_id="compare-ask")
             self.clear_button = gr.Button("New conversation", scale=1)
-        self.ask_status = gr.Markdown("", elem_id="compare-ask-status")
+        self.ask_status = gr.Markdown("", label="Question status", elem_id="compare-ask-status")
         self.examples = gr.Dataset(components=[self.question], samples=self.questions["static"],
                                    label="Questions about the bundled sample", elem_id="compare-examples")
         self.columns, self.titles, self.chats = [], [], []
@@ -77,23 +77,25 @@ class ComparePage:
             for slot in range(SLOTS):
                 with gr.Column(visible=slot < MAX_POLICIES + 1, min_width=180) as column:
                     first = [*(p for p in COMPARE_POLICIES if p in self.policies), "full cache"]
-                    self.titles.append(gr.Markdown(f"**{first[slot]}**" if slot < len(first) else "", elem_id=f"compare-title-{slot}"))
-                    self.chats.append(gr.Chatbot(show_label=False, height=260, buttons=["copy"], elem_id=f"compare-chat-{slot}"))
+                    self.titles.append(gr.Markdown(f"**{first[slot]}**" if slot < len(first) else "", label=f"Engine {slot + 1} title",
+                                                   elem_id=f"compare-title-{slot}"))
+                    self.chats.append(gr.Chatbot(label=f"Engine {slot + 1} chat", show_label=False, height=260, buttons=["copy"],
+                                                 elem_id=f"compare-chat-{slot}"))
                 self.columns.append(column)
-        self.attribution_text = gr.Markdown("", elem_id="compare-attribution-text")
+        self.attribution_text = gr.Markdown("", label="Attribution caption", elem_id="compare-attribution-text")
         self.attribution = gr.Image(label="What each answer looked at", show_label=False, format="jpeg", type="numpy",
                                     interactive=False, buttons=[], elem_id="compare-attribution")
         with gr.Accordion("What compression changed (per layer, against the full cache)", open=True):
             self.fidelity_button = gr.Button("Measure for the question above", size="sm", elem_id="compare-fidelity")
-            self.fidelity_plot = gr.Plot(show_label=False, elem_id="compare-fidelity-plot")
-            self.fidelity_text = gr.Markdown("", elem_id="compare-fidelity-text")
+            self.fidelity_plot = gr.Plot(label="Fidelity chart", show_label=False, elem_id="compare-fidelity-plot")
+            self.fidelity_text = gr.Markdown("", label="Fidelity table", elem_id="compare-fidelity-text")
         with gr.Accordion("Delay sweep on the bundled sample (accuracy against delay, the eval protocol)", open=True):
             with gr.Row():
                 self.delays = gr.Textbox("0, 4, 8, 16", label="Delays after the evidence left view (s)", elem_id="compare-delays")
                 self.more = gr.Number(3, label="More held-out streams of the sample's kind", precision=0, elem_id="compare-more")
                 self.sweep_button = gr.Button("Sweep", elem_id="compare-sweep")
-            self.sweep_plot = gr.Plot(show_label=False, elem_id="compare-sweep-plot")
-            self.sweep_text = gr.Markdown("", elem_id="compare-sweep-text")
+            self.sweep_plot = gr.Plot(label="Accuracy against delay", show_label=False, elem_id="compare-sweep-plot")
+            self.sweep_text = gr.Markdown("", label="Delay sweep table", elem_id="compare-sweep-text")
         self.report = gr.File(label="Comparison report (JSON)", interactive=False, elem_id="compare-report")
         self.wire()
 

@@ -263,7 +263,7 @@ def attribution_update(state: Comparison, question: str) -> dict[str, Any]:
             "on the tokens of that patch the engine still held (one scale for every engine).\n\n"
             + "\n".join(f"- {v.title.split(':')[0]}: {v.caption.split(' (tint')[0]}" for v in views))
     if ratios:
-        text += f"\n\nEvidence ratio (attention per frame showing the asked object ÷ per other frame): {', '.join(ratios)}"
+        text += f"\n\nEvidence ratio (attention per frame showing the asked object ÷ per frame; 1 = no preference): {', '.join(ratios)}"
     return {"attribution": viz.labelled_rows(rows), "attribution_text": text}
 
 
