@@ -178,8 +178,8 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     comparing.set_defaults(frames_per_chunk=2, param=[])  # what the checks shared with run read
     comparing.add_argument("--sample", choices=STREAM_KINDS, default="static", help="without --video: which bundled sample")
     comparing.add_argument("--policies", help=named("comma-separated, at most 4", catalog and ",".join(catalog.COMPARE_POLICIES)))
-    comparing.add_argument("--budget", "-M", help="M shared by every policy (default: the model's, 96 for tiny)")
-    comparing.add_argument("--keep", "-C", help="C shared by the policies that take one (default: the model's, 72 for tiny)")
+    comparing.add_argument("--budget", "-M", help="M shared by every policy (default: 2/3 of the model's, 64 for tiny)")
+    comparing.add_argument("--keep", "-C", help="C shared by the policies that take one (default: 2/3 of the model's, 48 for tiny)")
     comparing.add_argument("--override", action="append", default=[], metavar="'POLICY: M=.. C=.. KEY=VALUE ..'",
                            help="a policy's own budget and parameters (repeatable)")
     comparing.add_argument("--fps", type=float, default=2.0, help="sampling fps (default 2)")
@@ -407,7 +407,7 @@ def compare(args: argparse.Namespace) -> int:
     check_run_arguments(args)
     if args.video:
         open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
-    from .compare import compare_command, parse_overrides  # deferred on purpose: comparing loads torch and the model
+    from .compare import compare_budget, compare_command, parse_overrides  # deferred on purpose: comparing loads torch and the model
     from .models.loading import load_model  # deferred with it
 
     from .policies import COMPARE_POLICIES  # deferred with them
@@ -416,7 +416,7 @@ def compare(args: argparse.Namespace) -> int:
 
     args.policies = args.policies or ",".join(COMPARE_POLICIES)
     if args.budget is None:
-        args.budget, default_keep, _ = default_budget(args.model)
+        args.budget, default_keep = compare_budget(*default_budget(args.model)[:2])
         args.keep = default_keep if args.keep is None else args.keep
     parse_overrides(args.policies.split(","), "\n".join(args.override))  # a bad choice fails before the model loads
     video, episode, _ = open_source(args)

@@ -27,6 +27,9 @@ from .streaming import EngineGroup
 
 #: Bounded policies compared at once (and the full cache beside them).
 MAX_POLICIES = 4
+#: The shared M and C a comparison starts with: two thirds of the model's single-policy defaults (kvdemo's choice:
+#: several engines share the memory one would have; for the tiny model 64 and 48, the eval's defaults).
+COMPARE_BUDGET_SHARE = 2 / 3
 #: Engine name of the full-cache baseline.
 FULL = "full"
 
@@ -39,6 +42,11 @@ class Contender:
     params: dict[str, Any] = field(default_factory=dict)
     budget: Any = None
     keep: Any = None
+
+
+def compare_budget(budget: int, keep: int) -> tuple[int, int]:
+    """The comparison's default ``M``, ``C`` from a model's single-policy defaults (:data:`COMPARE_BUDGET_SHARE`)."""
+    return round(budget * COMPARE_BUDGET_SHARE), round(keep * COMPARE_BUDGET_SHARE)
 
 
 def parse_overrides(names: list[str], text: str = "") -> list[Contender]:

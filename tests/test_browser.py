@@ -284,6 +284,11 @@ def test_four_policies_compared_in_chromium(browser, app_url, artifacts):
                            timeout=60_000)
     page.click("#compare-fidelity")
     page.wait_for_function("document.querySelector('#compare-fidelity-text').innerText.includes('first-token KL')", timeout=120_000)
+    page.fill("#compare-delays textarea", "0, 8")
+    page.fill("#compare-more input", "0")
+    page.click("#compare-sweep")
+    page.wait_for_function("document.querySelector('#compare-sweep-text').innerText.includes('✓')", timeout=120_000)
+    page.wait_for_selector("#compare-sweep-plot .js-plotly-plot", timeout=30_000)
     page.screenshot(path=str(artifacts / "compare.png"), full_page=True)
 
     graded = [page.locator(f"#compare-chat-{slot}").inner_text() for slot in range(5)]
@@ -296,3 +301,5 @@ def test_four_policies_compared_in_chromium(browser, app_url, artifacts):
     attribution = element_pixels(page, "#compare-attribution img")
     assert strips.shape[0] > 5 * 150 and strips.std() > 20, "five stacked strips of frames"
     assert attribution.shape[0] > 5 * 150 and attribution.std() > 20, "an attribution heatmap per engine"
+    for name in ("infinipot-v", "cords", "protokv", "hybridkv", "full"):
+        assert f"\n{name}\t" in page.locator("#compare-sweep-text").inner_text(), "accuracy against delay for every engine"

@@ -9,10 +9,11 @@ import functools
 import logging
 from typing import Any
 
-from ..compare import MAX_POLICIES
+from ..compare import MAX_POLICIES, compare_budget
 from ..policies import COMPARE_POLICIES
 from ..synthetic import sample_episode
-from .comparing import SLOTS, CompareSettings, ask_comparison, compare_fidelity, new_conversation, run_comparison, run_sweep
+from .comparing import (SLOTS, CompareSettings, ask_comparison, compare_fidelity, new_conversation, redraw_attribution,
+                        run_comparison, run_sweep)
 from .sessions import SESSION_TTL_S, AppServices
 from .settings import USER_ERRORS, baseline_cap_default
 
@@ -25,7 +26,7 @@ class ComparePage:
     def __init__(self, gr, services: AppServices, policies: list[str], defaults: tuple[int, int, int], streams: dict,
                  question_slots: dict) -> None:
         self.gr, self.services, self.policies = gr, services, policies
-        self.budget0, self.keep0, self.pixels0 = defaults
+        (self.budget0, self.keep0), self.pixels0 = compare_budget(*defaults[:2]), defaults[2]
         self.streams, self.questions_slots = streams, question_slots  # concurrency of streams and of questions
         self.questions = sample_questions()
 
@@ -82,6 +83,9 @@ class ComparePage:
                     self.chats.append(gr.Chatbot(label=f"Engine {slot + 1} chat", show_label=False, height=260, buttons=["copy"],
                                                  elem_id=f"compare-chat-{slot}"))
                 self.columns.append(column)
+        with gr.Row():
+            self.layer = gr.Dropdown(["all"], value="all", label="Attribution: layer", elem_id="compare-layer")
+            self.head = gr.Dropdown(["all"], value="all", label="Attribution: KV head", elem_id="compare-head")
         self.attribution_text = gr.Markdown("", label="Attribution caption", elem_id="compare-attribution-text")
         self.attribution = gr.Image(label="What each answer looked at", show_label=False, format="jpeg", type="numpy",
                                     interactive=False, buttons=[], elem_id="compare-attribution")
@@ -158,6 +162,14 @@ class ComparePage:
     def on_sweep(self, delays, more, **values):
         return run_sweep(self.settings(values), delays, more)
 
+    def on_view_choices(self, state):
+        """The layers and KV heads of the comparison's model, for the attribution's selectors."""
+        engine = next(iter(state.engines.values()), None) if state is not None else None
+        if engine is None:
+            return self.gr.update(), self.gr.update()
+        return (self.gr.update(choices=["all"] + [str(i) for i in range(engine.model.num_layers)], value="all"),
+                self.gr.update(choices=["all"] + [str(i) for i in range(engine.model.num_kv_heads)], value="all"))
+
     def on_sample_kind(self, kind):
         return self.gr.Dataset(samples=self.questions[kind or "static"])
 
@@ -166,10 +178,18 @@ class ComparePage:
                     "keep": self.keep, "fps": self.fps, "max_pixels": self.max_pixels, "cap_mb": self.cap_mb,
                     "sample_kind": self.sample_kind}
         runs = self.outputs()
-        self.run_button.click(self.guarded(self.on_run, "status"), [self.state, self.video], runs, inputs_kwargs=settings,
-                              api_name="compare_run", show_progress_on=[self.status], **self.streams)
-        self.sample_button.click(self.guarded(self.on_sample, "status"), [self.state], runs, inputs_kwargs=settings,
-                                 api_name="compare_sample", show_progress_on=[self.status], **self.streams)
+        started = [
+            self.run_button.click(self.guarded(self.on_run, "status"), [self.state, self.video], runs, inputs_kwargs=settings,
+                                  api_name="compare_run", show_progress_on=[self.status], **self.streams),
+            self.sample_button.click(self.guarded(self.on_sample, "status"), [self.state], runs, inputs_kwargs=settings,
+                                     api_name="compare_sample", show_progress_on=[self.status], **self.streams),
+        ]
+        for event in started:
+            event.then(self.on_view_choices, [self.state], [self.layer, self.head], api_visibility="private")
+        attribution = self.guarded(redraw_attribution, "attribution_text")
+        for control in (self.layer, self.head):
+            control.change(attribution, [self.state, self.layer, self.head], [self.attribution, self.attribution_text],
+                           api_visibility="private", show_progress="hidden")
         self.stop_button.click(self.on_stop, [self.state], None, api_name="compare_stop", concurrency_limit=None,
                                show_progress="hidden")
         asked = [self.state, self.ask_status, self.attribution, self.attribution_text, self.report, *self.chats]

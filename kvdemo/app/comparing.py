@@ -247,24 +247,35 @@ def answer_markdown(state: Comparison, answer) -> str:
     return f"{answer.answer or '(empty answer)'}\n\n<small>{answer.tokens} tokens in {answer.ms:.0f} ms{note}{share}</small>"
 
 
-def attribution_update(state: Comparison, question: str) -> dict[str, Any]:
-    """The attribution heatmaps (one row per engine, over the frames the answers looked at most) and a caption."""
+def attribution_update(state: Comparison, question: str, view: ViewChoice = ViewChoice()) -> dict[str, Any]:
+    """The attribution heatmaps (one row per engine, over the frames the answers looked at most) for the chosen layer
+    and KV head (all of them by default) and a caption."""
     if not state.attributions:
         return {"attribution": None, "attribution_text": "*Tick “what each answer looked at” to see attribution.*"}
-    mass = np.max([a.frame_mass() for a in state.attributions.values()], axis=0)
+    layer, head = view.indices
+    mass = np.max([a.frame_mass(layer, head) for a in state.attributions.values()], axis=0)
     grids = sorted(np.argsort(-mass, kind="stable")[:ATTRIBUTION_FRAMES].tolist())
     grids = viz.drawable(grids, state.thumbnails)
-    views = attribution_views(state.attributions, state.group.engines[FULL].memory.grid_times_s, grids)
+    views = attribution_views(state.attributions, state.group.engines[FULL].memory.grid_times_s, grids, layer, head)
     rows = [(view.title, panel.value) for view, panel in zip(views, viz.draw_views(views, state.thumbnails))]
     record = state.questions[-1]["answers"] if state.questions else {}
     ratios = [f"{name} {entry['evidence_ratio']:.2f}" for name, entry in record.items() if entry.get("evidence_ratio") is not None]
-    text = (f"**What each answer looked at** — “{question}”: the {len(grids)} frames the answers attended most, each "
+    where = "every layer and KV head" if layer is None and head is None else \
+        f"layer {'all' if layer is None else layer}, KV head {'all' if head is None else head}"
+    text = (f"**What each answer looked at** — “{question}” ({where}): the {len(grids)} frames the answers attended most, each "
             "patch tinted by the share of the answer's attention (question and generated tokens, every layer and KV head) "
             "on the tokens of that patch the engine still held (one scale for every engine).\n\n"
             + "\n".join(f"- {v.title.split(':')[0]}: {v.caption.split(' (tint')[0]}" for v in views))
     if ratios:
         text += f"\n\nEvidence ratio (attention per frame showing the asked object ÷ per frame; 1 = no preference): {', '.join(ratios)}"
     return {"attribution": viz.labelled_rows(rows), "attribution_text": text}
+
+
+def redraw_attribution(state: Comparison | None, layer: str, head: str) -> dict[str, Any]:
+    """The last answer's attribution for another layer and KV head ("all" or a number)."""
+    if state is None or not state.questions:
+        return {"attribution_text": "*Ask a question with “what each answer looked at” ticked first.*"}
+    return attribution_update(state, state.questions[-1]["question"], ViewChoice(layer, head))
 
 
 def compare_fidelity(state: Comparison | None, question: str) -> dict[str, Any]:
