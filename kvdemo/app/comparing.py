@@ -10,7 +10,6 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,11 +21,10 @@ from ..engine import EngineError
 from ..explain import attribution_views, fidelity_views
 from ..policies import BudgetError
 from ..streaming import EngineGroup
-from ..synthetic import grade, sample_episode
-from ..video import VideoError, open_video
-from .gpu import Segment, answer_question, measure_fidelity, segment_frames, stream_segment, sweep_delays
-from .sessions import CACHE_TTL_S, AppServices, Session
-from .settings import FRAMES_PER_CHUNK, USER_ERRORS, within_max_pixels
+from ..synthetic import grade
+from .gpu import Segment, answer_into, measure_fidelity, segment_frames, stream_segment, sweep_delays
+from .sessions import AppServices, Session
+from .settings import FRAMES_PER_CHUNK, USER_ERRORS, open_stream, within_max_pixels
 from .views import ViewChoice
 
 #: Newest frames in each engine's survivor strip; frames in the attribution heatmaps.
@@ -88,14 +86,7 @@ def run_comparison(services: AppServices, previous: Comparison | None, video_pat
         geometry = within_max_pixels(services.models.get(settings.model).geometry, settings.max_pixels)
         if settings.fps is None or float(settings.fps) <= 0:
             raise BudgetError(f"sampling fps must be positive, got {settings.fps}")
-        episode = None if video_path else sample_episode(settings.sample)
-        if episode is None:
-            if not Path(video_path).exists():
-                raise VideoError(f"{Path(video_path).name}: the upload is no longer on the server (uploads are kept "
-                                 f"{CACHE_TTL_S:g} s); upload it again")
-            video = open_video(Path(video_path), fps=settings.fps, geometry=geometry)
-        else:
-            video = episode.video.sampled(settings.fps).resized(geometry)
+        video, episode = open_stream(geometry, video_path, settings.fps, settings.sample)
         state = start_comparison(services, settings, video.describe(), video.size, video.fps)
         state.episode = episode
     except USER_ERRORS as exc:
@@ -212,20 +203,8 @@ def ask_comparison(state: Comparison | None, question: str, attribute: bool = Tr
         for name in state.engines:
             state.chat[name] += [{"role": "user", "content": question},
                                  {"role": "assistant", "content": "" if name in asked else f"*{state.stopped[name]}; no answer.*"}]
-        texts, last = {name: "" for name in asked}, 0.0
-        for item in answer_question(state.settings.model, asked, question, max_new_tokens, attribute):
-            if "answered" in item:
-                for name, engine in item["engines"].items():
-                    state.engines[name] = engine.attach(state.engines[name].model)
-                for name, answered in item["answered"].items():
-                    state.engines[name].load_answer_state(answered)
-                break
-            name, piece = item["piece"]
-            texts[name] += piece
-            state.chat[name][-1]["content"] = texts[name]
-            if time.monotonic() - last > 0.1:
-                last = time.monotonic()
-                yield {"session": state, "ask_status": "⏳ answering…", **chats(state)}
+        for _ in answer_into(state, asked, question, max_new_tokens, attribute):
+            yield {"session": state, "ask_status": "⏳ answering…", **chats(state)}
         answers = {name: state.engines[name].answers[-1] for name in asked}
         for name, answer in answers.items():
             state.chat[name][-1]["content"] = answer_markdown(state, answer)

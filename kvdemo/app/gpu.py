@@ -159,6 +159,27 @@ def answer_question(model: str, engines: dict[str, StreamEngine], question: str,
     yield {"answered": {name: engine.answer_state() for name, engine in engines.items()}, "engines": changed}
 
 
+def answer_into(state: Session, asked: dict[str, StreamEngine], question: str, max_new_tokens: int,
+                attribute: bool = False, every_s: float = 0.1) -> Iterator[None]:
+    """Ask the engines ``asked`` of a session (:func:`answer_question`), streaming each answer into the last message
+    of its chat (``state.chat[name]``) and yielding at most every ``every_s`` seconds for a live update; at the end
+    what answering changed is applied to the session's engines (a ZeroGPU worker sends back only that)."""
+    texts, last = {name: "" for name in asked}, 0.0
+    for item in answer_question(state.settings.model, asked, question, max_new_tokens, attribute):
+        if "answered" in item:
+            for name, engine in item["engines"].items():  # its question ran a pass: the memory changed
+                state.engines[name] = engine.attach(state.engines[name].model)
+            for name, answered in item["answered"].items():
+                state.engines[name].load_answer_state(answered)
+            return
+        name, piece = item["piece"]
+        texts[name] += piece
+        state.chat[name][-1]["content"] = texts[name]
+        if time.monotonic() - last > every_s:
+            last = time.monotonic()
+            yield
+
+
 @zerogpu.gpu(duration=lambda model, full, engines, question: int(min(120, 15 + 2 * len(engines))))
 def measure_fidelity(model: str, full: StreamEngine, engines: dict[str, StreamEngine], question: str) -> dict[str, Any]:
     """:func:`kvdemo.explain.fidelity` of ``engines`` against the full cache's engine ``full`` (memories unchanged)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,12 +14,12 @@ import numpy as np
 from .. import viz
 from ..engine import EngineError, StreamEngine
 from ..streaming import EngineGroup
-from ..synthetic import grade, sample_episode
-from ..video import VideoError, open_video, resize_frames
+from ..synthetic import grade
+from ..video import resize_frames
 from .. import zerogpu
-from .gpu import Segment, answer_question, segment_frames, stream_segment
-from .sessions import CACHE_TTL_S, AppServices, RunSettings, Session
-from .settings import FRAMES_PER_CHUNK, USER_ERRORS, resolve_settings, within_max_pixels
+from .gpu import Segment, answer_into, segment_frames, stream_segment
+from .sessions import AppServices, RunSettings, Session
+from .settings import FRAMES_PER_CHUNK, USER_ERRORS, open_stream, resolve_settings, within_max_pixels
 from .views import (ViewChoice, finish, fresh_views, heatmap_image, kept_previous, legend, live_update, occupancy_plot,
                     policy_panels, status_text, write_report)
 
@@ -69,14 +68,7 @@ def run_video(
     try:
         resolve_settings(settings)  # the settings' own errors first, before a file is opened
         geometry = within_max_pixels(services.models.get(settings.model).geometry, settings.max_pixels)
-        episode = None if video_path else sample_episode(settings.sample)
-        if episode is None:
-            if not Path(video_path).exists():
-                raise VideoError(f"{Path(video_path).name}: the upload is no longer on the server (uploads are kept "
-                                 f"{CACHE_TTL_S:g} s); upload it again")
-            video = open_video(Path(video_path), fps=settings.fps, geometry=geometry)
-        else:
-            video = episode.video.sampled(settings.fps).resized(geometry)
+        video, episode = open_stream(geometry, video_path, settings.fps, settings.sample)
         state = start_session(services, settings, video.describe(), video.size, video.fps)
         state.episode = episode
     except USER_ERRORS as exc:
@@ -223,22 +215,10 @@ def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Ite
                 continue
             state.chat[name].append({"role": "assistant", "content": ""})
             asked[name] = engine
-        texts = {name: "" for name in asked}
-        last_yield = 0.0
-        for item in answer_question(state.settings.model, asked, question, max_new_tokens):
-            if "answered" in item:
-                for name, engine in item["engines"].items():  # its question ran a pass: the memory changed
-                    state.engines[name] = engine.attach(state.engines[name].model)
-                for name, answered in item["answered"].items():
-                    state.engines[name].load_answer_state(answered)
-                    state.chat[name][-1]["content"] = _answer_markdown(state, name, state.engines[name].answers[-1])
-                break
-            name, piece = item["piece"]
-            texts[name] += piece
-            state.chat[name][-1]["content"] = texts[name]
-            if time.monotonic() - last_yield > 0.1:
-                last_yield = time.monotonic()
-                yield {"session": state, "ask_status": "⏳ answering…", **chats(state)}
+        for _ in answer_into(state, asked, question, max_new_tokens):
+            yield {"session": state, "ask_status": "⏳ answering…", **chats(state)}
+        for name in asked:
+            state.chat[name][-1]["content"] = _answer_markdown(state, name, state.engines[name].answers[-1])
         report = write_report(state)
     answered = " and ".join("the full cache" if name == "full" else engine.policy.name for name, engine in asked.items())
     status = f"✓ answered by {answered}" if asked else "⚠️ no engine answered: every engine has stopped"

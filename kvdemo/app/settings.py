@@ -15,7 +15,7 @@ from ..synthetic import sample_episode
 from ..video import VideoError, open_video
 from .. import zerogpu
 from ..engine import EngineError
-from .sessions import RunSettings
+from .sessions import CACHE_TTL_S, RunSettings
 
 FRAMES_PER_CHUNK = 2
 #: The errors a user can cause: shown as one-line messages, never tracebacks.
@@ -34,6 +34,19 @@ def within_max_pixels(geometry: FrameGeometry, max_pixels: Any) -> FrameGeometry
         raise BudgetError(f"max pixels must be at least {geometry.smallest_frame} (one token of {geometry.factor}x"
                           f"{geometry.factor} pixels), got {max_pixels}")
     return geometry.with_pixels(min(geometry.min_pixels, int(max_pixels)), int(max_pixels))
+
+
+def open_stream(geometry: FrameGeometry, video_path: str | None, fps: float, sample: str):
+    """The stream a run plays: the uploaded file at ``video_path`` (decoded lazily), or the bundled sample of kind
+    ``sample`` when there is none, sampled at ``fps`` and sized by ``geometry``; with the sample's ground truth
+    (None for a file). :class:`VideoError` for an upload the server no longer has."""
+    episode = None if video_path else sample_episode(sample)
+    if episode is not None:
+        return episode.video.sampled(fps).resized(geometry), episode
+    if not Path(video_path).exists():
+        raise VideoError(f"{Path(video_path).name}: the upload is no longer on the server (uploads are kept "
+                         f"{CACHE_TTL_S:g} s); upload it again")
+    return open_video(Path(video_path), fps=fps, geometry=geometry), None
 
 
 def settings_geometry(settings: RunSettings) -> FrameGeometry:
