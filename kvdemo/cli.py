@@ -139,51 +139,43 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{run,compare,bench,eval,doctor,train-tiny}")
 
-    run = commands.add_parser("run", help="stream a video through one policy (and optionally ask questions)",
+    # What run and compare share: the stream (a file or the bundled sample), its sampling, the model, questions, output.
+    stream = argparse.ArgumentParser(add_help=False)
+    stream.add_argument("--video", help="video file (mp4, mkv, mov, webm, avi...); default: the bundled sample (a generated stream)")
+    stream.add_argument("--sample", choices=STREAM_KINDS, default="static",
+                        help="without --video: which bundled sample, static (fixed camera, the default) or moving (camera "
+                             "pans and zooms, background drifts, objects reappear)")
+    stream.add_argument("--model", help="tiny, tiny-random, auto, or a Hugging Face id / local path (default: $KVDEMO_MODEL or auto)")
+    stream.add_argument("--fps", type=float, default=2.0, help="sampling fps (default 2)")
+    stream.add_argument("--max-frames", type=int, help="stop after this many sampled frames")
+    stream.add_argument("--max-pixels", type=int, help="max pixels per frame after resize (default: the model's own range)")
+    stream.add_argument("--min-pixels", type=int, help="min pixels per frame after resize (default: the model's own range)")
+    stream.add_argument("--ask", action="append", default=[], metavar="QUESTION", help="question asked after the stream (repeatable)")
+    stream.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap (default 64)")
+    stream.add_argument("--json", metavar="OUT", help="write the report here")
+
+    run = commands.add_parser("run", help="stream a video through one policy (and optionally ask questions)", parents=[stream],
                               description=RUN_DESCRIPTION, epilog=RUN_EXAMPLES, formatter_class=formatter)
-    run.add_argument("--video", help="video file (mp4, mkv, mov, webm, avi...); default: the bundled sample (a generated stream)")
-    run.add_argument("--sample", choices=STREAM_KINDS, default="static",
-                     help="without --video: which bundled sample, static (fixed camera, the default) or moving (camera "
-                          "pans and zooms, background drifts, objects reappear)")
     run.add_argument("--policy", help=named(f"compression policy, {listed}", catalog and catalog.DEFAULT_POLICY))
     # M and C are read as text and checked by the budget's one rule (1e25 is a one-line error, not argparse's).
     run.add_argument("--budget", "-M", help="M: max visual tokens held (default: about a third of the stream's, at most 6144)")
     run.add_argument("--keep", "-C", help=f"C: visual tokens kept by a compression (default 0.75 M; {no_keep})")
     run.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                      help="policy parameter, value read as JSON (repeatable), e.g. --param alpha=0.3")
-    run.add_argument("--model", help="tiny, tiny-random, auto, or a Hugging Face id / local path (default: $KVDEMO_MODEL or auto)")
-    run.add_argument("--fps", type=float, default=2.0, help="sampling fps (default 2)")
-    run.add_argument("--max-frames", type=int, help="stop after this many sampled frames")
-    run.add_argument("--max-pixels", type=int,
-                     help="max pixels per frame after resize (default: the model's own range)")
-    run.add_argument("--min-pixels", type=int,
-                     help="min pixels per frame after resize (default: the model's own range)")
     run.add_argument("--frames-per-chunk", type=int, default=2, help="frames per prefill chunk (default 2)")
-    run.add_argument("--ask", action="append", default=[], metavar="QUESTION", help="question asked after the stream (repeatable)")
-    run.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap (default 64)")
-    run.add_argument("--json", metavar="OUT", help="write the run report here")
     run.add_argument("--coverage", action="store_true",
                      help="also stream a full cache and report how well the kept tokens cover it (CoRDS Sec. 4.6)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
 
     comparing = commands.add_parser("compare", help="up to four policies and the full cache side by side on one stream",
-                                    description=COMPARE_DESCRIPTION, epilog=COMPARE_EXAMPLES, formatter_class=formatter)
-    comparing.add_argument("--video", help="video file; default: the bundled sample (a generated stream)")
-    comparing.add_argument("--model", help="tiny, tiny-random, auto, or a Hugging Face id / local path (default: auto)")
-    comparing.add_argument("--max-frames", type=int, help="stop after this many sampled frames")
-    comparing.add_argument("--max-pixels", type=int, help="max pixels per frame after resize (default: the model's)")
-    comparing.add_argument("--min-pixels", type=int, help="min pixels per frame after resize (default: the model's)")
-    comparing.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap (default 64)")
-    comparing.add_argument("--json", metavar="OUT", help="write the comparison report here (one report per engine)")
+                                    parents=[stream], description=COMPARE_DESCRIPTION, epilog=COMPARE_EXAMPLES,
+                                    formatter_class=formatter)
     comparing.set_defaults(frames_per_chunk=2, param=[])  # what the checks shared with run read
-    comparing.add_argument("--sample", choices=STREAM_KINDS, default="static", help="without --video: which bundled sample")
     comparing.add_argument("--policies", help=named("comma-separated, at most 4", catalog and ",".join(catalog.COMPARE_POLICIES)))
     comparing.add_argument("--budget", "-M", help="M shared by every policy (default: 2/3 of the model's, 64 for tiny)")
     comparing.add_argument("--keep", "-C", help="C shared by the policies that take one (default: 2/3 of the model's, 48 for tiny)")
     comparing.add_argument("--override", action="append", default=[], metavar="'POLICY: M=.. C=.. KEY=VALUE ..'",
                            help="a policy's own budget and parameters (repeatable)")
-    comparing.add_argument("--fps", type=float, default=2.0, help="sampling fps (default 2)")
-    comparing.add_argument("--ask", action="append", default=[], metavar="QUESTION", help="asked of every engine (repeatable)")
     comparing.add_argument("--attribution", action="store_true", help="record what each answer looked at (kvdemo.explain)")
     comparing.add_argument("--fidelity", action="store_true", help="per-layer attention-output error and first-token KL "
                            "of each policy against the full cache, per question")

@@ -41,20 +41,21 @@ class AttributionTally:
     def __init__(self, memory: KVMemory) -> None:
         self.memory = memory
         self.live = [memory.live_len(layer) for layer in range(len(memory.layers))]
+        # Per memory layer, on the layer's device until the answer ends (no host sync per token): the mass on
+        # each committed slot [H_kv, live], and [H_kv] on the dialogue's own slots and on retrieved chunks.
         self.held: list[torch.Tensor | None] = [None] * len(self.live)
-        self.dialogue = torch.zeros(len(self.live), memory.num_kv_heads, dtype=torch.float64)
-        self.retrieved = torch.zeros(len(self.live), memory.num_kv_heads, dtype=torch.float64)
+        self.dialogue: list[torch.Tensor | None] = [None] * len(self.live)
+        self.retrieved: list[torch.Tensor | None] = [None] * len(self.live)
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  bias: torch.Tensor | None, extra: Any, scale: float) -> None:
         if layer >= len(self.live):
             return
-        mass = attention_weights(query, key, bias, scale, extra).sum(dim=1)  # [H_kv, kv + R]
+        mass = attention_weights(query, key, bias, scale, extra).sum(dim=1).double()  # [H_kv, kv + R]
         live, kv_len = self.live[layer], key.shape[2]
-        held = mass[:, :live].double().cpu()
-        self.held[layer] = held if self.held[layer] is None else self.held[layer] + held
-        self.dialogue[layer] += mass[:, live:kv_len].sum(dim=-1).double().cpu()
-        self.retrieved[layer] += mass[:, kv_len:].sum(dim=-1).double().cpu()
+        parts = (mass[:, :live], mass[:, live:kv_len].sum(dim=-1), mass[:, kv_len:].sum(dim=-1))
+        for tally, part in zip((self.held, self.dialogue, self.retrieved), parts):
+            tally[layer] = part if tally[layer] is None else tally[layer] + part
 
     def result(self) -> "Attribution":
         """The tally mapped through the memory's provenance (the memory as it was when the answer began)."""
@@ -64,19 +65,22 @@ class AttributionTally:
         visual, frame, row, col = [], [], [], []
         start, summary = memory.visual_start, memory.visual_start - memory.prefix_len
         for layer in range(layers):
-            held = self.held[layer] if self.held[layer] is not None else torch.zeros(heads, self.live[layer], dtype=torch.float64)
+            zeros = torch.zeros(heads, dtype=torch.float64)
+            held = self.held[layer].cpu() if self.held[layer] is not None else torch.zeros(heads, self.live[layer], dtype=torch.float64)
+            dialogue = self.dialogue[layer].cpu() if self.dialogue[layer] is not None else zeros
+            retrieved = self.retrieved[layer].cpu() if self.retrieved[layer] is not None else zeros
             length = memory.layers[layer].visual_len
-            total = held.sum(dim=1) + self.dialogue[layer] + self.retrieved[layer]
+            total = held.sum(dim=1) + dialogue + retrieved
             total = torch.where(total > 0, total, torch.ones_like(total))
             on_visual = held[:, start : start + length] / total[:, None]
             valid = memory.valid[layer]  # ragged heads: padding slots hold nothing (and no provenance)
             valid = valid.cpu() if valid is not None else torch.ones(on_visual.shape, dtype=torch.bool)
             on_visual = on_visual * valid
             shares[layer, :, 0] = ((held[:, : memory.prefix_len].sum(1) + held[:, start + length :].sum(1)
-                                    + self.dialogue[layer]) / total).numpy()
+                                    + dialogue) / total).numpy()
             shares[layer, :, 1] = (held[:, memory.prefix_len : memory.prefix_len + summary].sum(1) / total).numpy()
             shares[layer, :, 2] = on_visual.sum(1).numpy()
-            shares[layer, :, 3] = (self.retrieved[layer] / total).numpy()
+            shares[layer, :, 3] = (retrieved / total).numpy()
             visual.append(on_visual.float().numpy())
             for out, field in ((frame, memory.frame), (row, memory.row), (col, memory.col)):
                 out.append((field[layer].cpu() * valid).numpy().astype(np.int32))

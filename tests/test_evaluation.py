@@ -115,3 +115,25 @@ def test_the_committed_weights_answer_from_the_evidence(kind):
     assert report["kind"] == kind and report["questions"]["total"] >= 30
     assert min(report["accuracy"]["full"].values()) >= 0.9
     assert report["accuracy"]["sliding-window"]["16"] <= 0.5
+
+
+def test_the_delay_sweep_is_the_eval_protocol_on_the_sample_then_held_out_streams():
+    """The app's delay sweep: the bundled sample's questions askable at every delay, then held-out streams, each
+    answer round yielded as it happens; its totals equal the evaluation's on the same held-out streams."""
+    from kvdemo.evaluation import delay_sweep, valid_items
+    from kvdemo.models.loading import load_model
+    from kvdemo.synthetic import sample_episode
+
+    model = load_model("tiny")
+    delays = (0, 8)
+    states = [(s.streams, {k: list(v) for k, v in s.asked.items()}, s.accuracy()) for s in delay_sweep(model, ["sliding-window", "full"], delays, 48, 32,
+                                                                             more_streams=2)]
+    sample_items = len(valid_items(sample_episode(), 0, delays))
+    asked = [sum(a["full"]) for _, a, _ in states]
+    assert asked == sorted(asked) and asked[-1] > asked[0]  # redrawn as answers come in
+    streams, final_asked, accuracy = states[-1]
+    assert streams == 3 and final_asked["full"] == final_asked["sliding-window"]
+    held_out = evaluate(model, ["sliding-window", "full"], delays=delays, episodes=2, budget=48, keep=32)
+    assert sum(final_asked["full"]) == len(delays) * (sample_items + held_out["questions"]["total"])
+    assert accuracy["full"] == [1.0, 1.0]
+    assert accuracy["sliding-window"][1] < 1.0  # a window of two frame pairs forgets
