@@ -199,6 +199,8 @@ def compare_command(args, model, video, episode=None) -> int:
         current = following
     for name, why in group.stopped.items():
         print(f"{name}: {why}", file=sys.stderr)
+    if video.lost_frames:
+        print(f"warning: {video.describe()}", file=sys.stderr)
     questions = []
     for question in args.ask:
         answers = ask_all(engines, group.stopped, question, args.attribution)

@@ -171,3 +171,12 @@ def test_the_comparison_under_zerogpu_emulation_answers_like_the_app(app_url, em
         answers.append([chat[-1]["content"][0]["text"].split(" tokens in")[0] for chat in asked[ASK_CHATS : ASK_CHATS + 3]])
         assert "first-token KL" in client.predict("What colour was the star?", api_name="/compare_fidelity")[1]
     assert answers[0] == answers[1]
+
+
+def test_cli_compare_on_a_damaged_file_says_what_was_lost(media, capsys, tmp_path):
+    out = tmp_path / "damaged.json"
+    assert main(["compare", "--model", "tiny", "--video", str(media / "corrupted.mp4"), "--policies", "cords",
+                 "--json", str(out)]) == 0
+    assert "damaged frame(s) could not be decoded" in capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert report["policies"]["cords"]["lost_frames"] == 1 and report["full"]["frames"] == 9
