@@ -180,3 +180,19 @@ def test_cli_compare_on_a_damaged_file_says_what_was_lost(media, capsys, tmp_pat
     assert "damaged frame(s) could not be decoded" in capsys.readouterr().err
     report = json.loads(out.read_text())
     assert report["policies"]["cords"]["lost_frames"] == 1 and report["full"]["frames"] == 9
+
+
+def test_a_comparison_freed_for_another_session_says_so_when_asked():
+    """The comparison tab's sessions count against the app's session limit like the single-policy tab's."""
+    from kvdemo.app.comparing import CompareSettings, ask_comparison, run_comparison
+    from kvdemo.app.sessions import AppServices
+
+    services = AppServices.create("tiny", max_sessions=1)
+    settings = CompareSettings("tiny", ["cords"], "", 64, 48, 2.0, 15680, 0.0)
+    first = [u for u in run_comparison(services, None, None, settings)][-1]["session"]
+    second = [u for u in run_comparison(services, None, None, settings)][-1]["session"]
+    assert second.group is not None and first.group is None
+    [said] = list(ask_comparison(first, "What colour was the circle?"))
+    assert "freed to make room" in said["ask_status"]
+    answered = list(ask_comparison(second, "What colour was the circle?"))[-1]
+    assert answered["ask_status"].startswith("✓")

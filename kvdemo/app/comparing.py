@@ -189,7 +189,7 @@ def ask_comparison(state: Comparison | None, question: str, attribute: bool = Tr
     stream; with ``attribute`` the heatmaps of what each answer looked at, policy beside the full cache."""
     question = (question or "").strip()
     if state is None or state.group is None or state.group.frames_seen == 0:
-        yield {"ask_status": "⚠️ no video yet: run a comparison first, then ask"}
+        yield {"ask_status": f"⚠️ {state.freed if state is not None and state.freed else 'no video yet: run a comparison first, then ask'}"}
         return
     with state.turns.question():
         try:
