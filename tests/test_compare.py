@@ -170,6 +170,9 @@ def test_the_comparison_under_zerogpu_emulation_answers_like_the_app(app_url, em
         asked = client.predict("What colour was the star?", True, api_name="/compare_ask")
         answers.append([chat[-1]["content"][0]["text"].split(" tokens in")[0] for chat in asked[ASK_CHATS : ASK_CHATS + 3]])
         assert "first-token KL" in client.predict("What colour was the star?", api_name="/compare_fidelity")[1]
+        sweep = client.predict("0", 0, model="tiny", policies=["infinipot-v"], overrides="", budget=64, keep=48, fps=2,
+                               max_pixels=15680, cap_mb=0, sample_kind="static", api_name="/compare_sweep")
+        answers[-1].append(sweep[1].split("\n\n", 1)[1])  # the accuracy table (a GPU call that yields as it goes)
     assert answers[0] == answers[1]
 
 
