@@ -119,9 +119,10 @@ class Attribution:
         """``[grids]``: the share of the answer's attention on each temporal grid."""
         return self.patch_map(layer, head).sum(axis=(1, 2))
 
-    def share(self) -> dict[str, float]:
-        """Mean over layers and KV heads of each share (text, summary, visual, retrieved)."""
-        return {name: float(self.shares[..., k].mean()) for k, name in enumerate(SHARES)}
+    def share(self, layer: int | None = None, head: int | None = None) -> dict[str, float]:
+        """Each share (text, summary, visual, retrieved), averaged over the chosen layer and KV head (None: all)."""
+        chosen = self.shares[slice(None) if layer is None else layer, slice(None) if head is None else head]
+        return {name: float(chosen[..., k].mean()) for k, name in enumerate(SHARES)}
 
     def to_dict(self) -> dict[str, Any]:
         """For the JSON report: the mean shares, per (layer, KV head) shares, and per grid the attention share."""
@@ -138,7 +139,7 @@ def attribution_views(attributions: dict[str, Attribution], grid_times_s: list[f
     top = max((float(m[grids].max()) for m in maps.values() if m.size and len(grids)), default=0.0) or 1.0
     views: list[View] = []
     for name, attribution in attributions.items():
-        share = attribution.share()
+        share = attribution.share(layer, head)
         parts = ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items() if v >= 0.005 or k in ("text", "visual"))
         mass = maps[name].sum(axis=(1, 2))
         views.append(PatchValues(

@@ -100,6 +100,7 @@ def test_attribution_is_the_softmax_of_the_answer_tokens_mapped_through_provenan
     rows, cols = memory.grid_shape
     expected_map = np.zeros((memory.num_grids, rows, cols))
     q_len = int(embeds.shape[0])
+    visual_by_head = {}
     for layer in range(memory.num_layers):
         live = memory.live_len(layer)
         keys = memory.layers[layer].keys[:, :, : live + q_len]  # the question's own keys sit in the slack
@@ -111,11 +112,14 @@ def test_attribution_is_the_softmax_of_the_answer_tokens_mapped_through_provenan
         for head in range(memory.num_kv_heads):
             visual = float(share[head, start : start + memory.layers[layer].visual_len].sum())
             assert attribution.shares[layer, head, SHARES.index("visual")] == pytest.approx(visual, abs=1e-4)
+            visual_by_head[layer, head] = visual
             assert attribution.shares[layer, head].sum() == pytest.approx(1.0, abs=1e-6)
             for slot in range(memory.layers[layer].visual_len):
                 f, r, c = (int(t[layer][head, slot]) for t in (memory.frame, memory.row, memory.col))
                 expected_map[f, r, c] += float(share[head, start + slot])
     expected_map /= memory.num_layers * memory.num_kv_heads
+    assert attribution.share(1)["visual"] == pytest.approx(np.mean([v for (l, _), v in visual_by_head.items() if l == 1]), abs=1e-4)
+    assert attribution.share(None, 0)["visual"] == pytest.approx(np.mean([v for (_, h), v in visual_by_head.items() if h == 0]), abs=1e-4)
     np.testing.assert_allclose(attribution.patch_map(), expected_map, atol=1e-5)
     np.testing.assert_allclose(attribution.frame_mass(), expected_map.sum(axis=(1, 2)), atol=1e-5)
     evicted = np.ones(memory.num_grids, dtype=bool)

@@ -18,6 +18,8 @@ from .sessions import SESSION_TTL_S, AppServices
 from .settings import USER_ERRORS, baseline_cap_default
 
 log = logging.getLogger("kvdemo")
+#: Outputs shown only once they have something to show.
+HIDDEN_WHEN_EMPTY = {"attribution", "fidelity_plot", "sweep_plot"}
 
 
 class ComparePage:
@@ -88,17 +90,17 @@ class ComparePage:
             self.head = gr.Dropdown(["all"], value="all", label="Attribution: KV head", elem_id="compare-head")
         self.attribution_text = gr.Markdown("", label="Attribution caption", elem_id="compare-attribution-text")
         self.attribution = gr.Image(label="What each answer looked at", show_label=False, format="jpeg", type="numpy",
-                                    interactive=False, buttons=[], elem_id="compare-attribution")
+                                    interactive=False, buttons=[], visible=False, elem_id="compare-attribution")
         with gr.Accordion("What compression changed (per layer, against the full cache)", open=True):
             self.fidelity_button = gr.Button("Measure for the question above", size="sm", elem_id="compare-fidelity")
-            self.fidelity_plot = gr.Plot(label="Fidelity chart", show_label=False, elem_id="compare-fidelity-plot")
+            self.fidelity_plot = gr.Plot(label="Fidelity chart", show_label=False, visible=False, elem_id="compare-fidelity-plot")
             self.fidelity_text = gr.Markdown("", label="Fidelity table", elem_id="compare-fidelity-text")
         with gr.Accordion("Delay sweep on the bundled sample (accuracy against delay, the eval protocol)", open=True):
             with gr.Row():
                 self.delays = gr.Textbox("0, 4, 8, 16", label="Delays after the evidence left view (s)", elem_id="compare-delays")
                 self.more = gr.Number(3, label="More held-out streams of the sample's kind", precision=0, elem_id="compare-more")
                 self.sweep_button = gr.Button("Sweep", elem_id="compare-sweep")
-            self.sweep_plot = gr.Plot(label="Accuracy against delay", show_label=False, elem_id="compare-sweep-plot")
+            self.sweep_plot = gr.Plot(label="Accuracy against delay", show_label=False, visible=False, elem_id="compare-sweep-plot")
             self.sweep_text = gr.Markdown("", label="Delay sweep table", elem_id="compare-sweep-text")
         self.report = gr.File(label="Comparison report (JSON)", interactive=False, elem_id="compare-report")
         self.wire()
@@ -111,6 +113,8 @@ class ComparePage:
                  "fidelity_plot": self.fidelity_plot, "fidelity_text": self.fidelity_text, "sweep_plot": self.sweep_plot,
                  "sweep_text": self.sweep_text, "report": self.report}
         out = {named[key]: value for key, value in update.items() if key in named}
+        for key in HIDDEN_WHEN_EMPTY.intersection(update):  # no empty placeholder box before there is something to show
+            out[named[key]] = gr.update(value=update[key], visible=update[key] is not None)
         for key, value in update.items():
             kind, _, slot = key.partition(":")
             if kind == "chat":
