@@ -1,5 +1,6 @@
-"""python -m kvdemo run|bench|eval|train-tiny: stream a video under a KV-cache budget from the command line,
-measure the policies' accuracy vs query delay, train the offline tiny model.
+"""python -m kvdemo run|compare|bench|eval|doctor|train-tiny: stream a video under a KV-cache budget from the command
+line, compare policies on one stream, measure the policies' accuracy vs query delay, check a device, train the offline
+tiny model. The help texts are :mod:`kvdemo.usage`.
 
 Arguments and the video file are checked before torch, transformers or a model load, so a mistake is
 reported at once. Errors a user can cause (bad file, impossible budget, unknown policy) print one line
@@ -18,79 +19,9 @@ from typing import Any
 from .evaluation import DEFAULT_DELAYS, EVAL_KINDS  # light: torch loads when an evaluation runs
 from .synthetic import STREAM_KINDS, grade, sample_episode  # light: numpy
 from .video import VideoError, open_video  # light: numpy and, when a file is opened, PyAV
-
-DESCRIPTION = """\
-Stream a video into a vision-language model frame chunk by frame chunk, keep its KV cache under a hard
-budget with a compression policy, and report what survives (and answers, if asked)."""
-
-RUN_DESCRIPTION = """\
-Stream one video (default: the bundled sample) through one policy: the cache holds at most M visual
-tokens and each compression keeps C of them. Prints progress, answers to --ask questions and a summary;
---json writes the full run report (occupancy timeline, survivors, answers)."""
-
-RUN_EXAMPLES = """\
-examples:
-  python -m kvdemo run
-      the bundled sample through infinipot-v with an automatic budget
-  python -m kvdemo run --sample moving -M 64 -C 48 --ask "Which shape appeared first?"
-      the moving-camera sample
-  python -m kvdemo run --video clip.mp4 -M 6144 -C 4608 --ask "What happens at the end?" --json report.json
-  python -m kvdemo run --video clip.mp4 --param alpha=1 --param tar=frame
-      an InfiniPot-V ablation from the paper's Table 5 (TaR only, frame-level)
-  python -m kvdemo run --video clip.mp4 --policy cords --coverage
-      CoRDS, with how well the kept tokens cover a full cache"""
-
-COMPARE_DESCRIPTION = """\
-Stream one video (default: the bundled sample) into up to four policies and the full cache at once (one vision
-encoding feeds them all), ask every engine the same questions, and write one report per engine in one file:
-occupancy, survivors, graded answers, and with --attribution / --fidelity what each answer looked at and how far
-each policy's attention output is from the full cache's."""
-
-COMPARE_EXAMPLES = """\
-examples:
-  python -m kvdemo compare --policies infinipot-v,cords,protokv,hybridkv -M 64 -C 48 \\
-      --ask "What colour was the circle?" --attribution --fidelity --json compare.json
-  python -m kvdemo compare --sample moving --override "hybridkv: M=96 C=72 share=0.5"
-      the moving-camera sample, HybridKV with its own budget and dynamic share"""
-
-BENCH_DESCRIPTION = """\
-Stream a long synthetic video through the full cache and a bounded policy on the offline tiny model (one
-shared vision encoding), print per-chunk prefill and compression times, visual tokens and cache bytes,
-then time one compression pass on caches of Qwen2.5-VL-7B shape (M=6144 -> C=4608) in fp32 and bf16."""
-
-BENCH_EXAMPLES = """\
-examples:
-  python -m kvdemo bench
-  python -m kvdemo bench --policy infinipot-v --frames 100 --skip-pass --json bench.json
-  python -m kvdemo bench --policy infinipot-v --reference ../InfiniPot-V --pass-repeats 7"""
-
-DOCTOR_DESCRIPTION = """\
-The device checklist: every policy x the offline models of each family streamed twice on the device (bfloat16
-on CUDA, float32 on the CPU): under M, memory unchanged by asking, identical across runs; every policy with the
-memory's layers split across two devices (cpu + cuda:0, or cpu + an emulated device without a GPU); the SDPA
-backend kvdemo's masked attention gets; timings per policy. Prints tables and writes JSON."""
-
-DOCTOR_EXAMPLES = """\
-examples:
-  python -m kvdemo doctor                      # the GPU when there is one, else the CPU
-  python -m kvdemo doctor --device cuda --real-shapes --json doctor.json"""
-
-EVAL_DESCRIPTION = """\
-Accuracy vs query delay on held-out generated streams (ProtoKV's protocol): every episode streams once
-through one engine per policy (one shared vision encoding); each question is asked of every engine at
-every delay after its evidence left view; only questions askable at every delay count."""
-
-EVAL_EXAMPLES = """\
-examples:
-  python -m kvdemo eval --policies full,sliding-window,uniform,infinipot-v,cords --delays 0,4,8,16,32 \\
-      --episodes 200 --seed 0 --budget 64 --keep 48 --json eval.json
-  python -m kvdemo eval --kind moving --budget 64 --keep 48
-      the same on streams with camera motion, a drifting background and reappearing objects"""
-
-TRAIN_DESCRIPTION = """\
-Train the offline tiny model (transformers' Qwen2_5_VLForConditionalGeneration, 0.92M parameters) from
-scratch on generated streams, reproducibly, then check it on held-out streams and write its weights,
-config and tokenizer (assets/tiny by default)."""
+from .usage import (BENCH_DESCRIPTION, BENCH_EXAMPLES, COMPARE_DESCRIPTION, COMPARE_EXAMPLES, DESCRIPTION,  # help texts
+                    DOCTOR_DESCRIPTION, DOCTOR_EXAMPLES, EVAL_DESCRIPTION, EVAL_EXAMPLES, RUN_DESCRIPTION, RUN_EXAMPLES,
+                    TRAIN_DESCRIPTION)
 
 
 class UsageError(ValueError):
