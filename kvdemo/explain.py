@@ -33,60 +33,6 @@ from .views import Chart, PatchValues, Series, View
 SHARES = ("text", "summary", "visual", "retrieved")
 
 
-class AttributionTally:
-    """Observer: per memory layer, the attention mass ``[H_kv, live]`` on the slots committed before the answer
-    (summed over each KV head's group of query heads and every answer token), and per layer and head the mass on
-    the dialogue's own slots (after the live part) and on retrieved chunks."""
-
-    def __init__(self, memory: KVMemory) -> None:
-        self.memory = memory
-        self.live = [memory.live_len(layer) for layer in range(len(memory.layers))]
-        # Per memory layer, on the layer's device until the answer ends (no host sync per token): the mass on
-        # each committed slot [H_kv, live], and [H_kv] on the dialogue's own slots and on retrieved chunks.
-        self.held: list[torch.Tensor | None] = [None] * len(self.live)
-        self.dialogue: list[torch.Tensor | None] = [None] * len(self.live)
-        self.retrieved: list[torch.Tensor | None] = [None] * len(self.live)
-
-    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 bias: torch.Tensor | None, extra: Any, scale: float) -> None:
-        if layer >= len(self.live):
-            return
-        mass = attention_weights(query, key, bias, scale, extra).sum(dim=1).double()  # [H_kv, kv + R]
-        live, kv_len = self.live[layer], key.shape[2]
-        parts = (mass[:, :live], mass[:, live:kv_len].sum(dim=-1), mass[:, kv_len:].sum(dim=-1))
-        for tally, part in zip((self.held, self.dialogue, self.retrieved), parts):
-            tally[layer] = part if tally[layer] is None else tally[layer] + part
-
-    def result(self) -> "Attribution":
-        """The tally mapped through the memory's provenance (the memory as it was when the answer began)."""
-        memory = self.memory
-        layers, heads = len(self.live), memory.num_kv_heads
-        shares = np.zeros((layers, heads, len(SHARES)))
-        visual, frame, row, col = [], [], [], []
-        start, summary = memory.visual_start, memory.visual_start - memory.prefix_len
-        for layer in range(layers):
-            zeros = torch.zeros(heads, dtype=torch.float64)
-            held = self.held[layer].cpu() if self.held[layer] is not None else torch.zeros(heads, self.live[layer], dtype=torch.float64)
-            dialogue = self.dialogue[layer].cpu() if self.dialogue[layer] is not None else zeros
-            retrieved = self.retrieved[layer].cpu() if self.retrieved[layer] is not None else zeros
-            length = memory.layers[layer].visual_len
-            total = held.sum(dim=1) + dialogue + retrieved
-            total = torch.where(total > 0, total, torch.ones_like(total))
-            on_visual = held[:, start : start + length] / total[:, None]
-            valid = memory.valid[layer]  # ragged heads: padding slots hold nothing (and no provenance)
-            valid = valid.cpu() if valid is not None else torch.ones(on_visual.shape, dtype=torch.bool)
-            on_visual = on_visual * valid
-            shares[layer, :, 0] = ((held[:, : memory.prefix_len].sum(1) + held[:, start + length :].sum(1)
-                                    + dialogue) / total).numpy()
-            shares[layer, :, 1] = (held[:, memory.prefix_len : memory.prefix_len + summary].sum(1) / total).numpy()
-            shares[layer, :, 2] = on_visual.sum(1).numpy()
-            shares[layer, :, 3] = (retrieved / total).numpy()
-            visual.append(on_visual.float().numpy())
-            for out, field in ((frame, memory.frame), (row, memory.row), (col, memory.col)):
-                out.append((field[layer].cpu() * valid).numpy().astype(np.int32))
-        return Attribution(shares, visual, frame, row, col, memory.num_grids, memory.grid_shape or (0, 0))
-
-
 @dataclass
 class Attribution:
     """What one answer looked at (:class:`AttributionTally`): ``shares [layers, H_kv, 4]`` of its attention mass
@@ -129,6 +75,60 @@ class Attribution:
         return {"share": self.share(),
                 "per_layer_head": {name: np.round(self.shares[..., k], 5).tolist() for k, name in enumerate(SHARES)},
                 "frame_share": np.round(self.frame_mass(), 6).tolist()}
+
+
+class AttributionTally:
+    """Observer: per memory layer, the attention mass ``[H_kv, live]`` on the slots committed before the answer
+    (summed over each KV head's group of query heads and every answer token), and per layer and head the mass on
+    the dialogue's own slots (after the live part) and on retrieved chunks."""
+
+    def __init__(self, memory: KVMemory) -> None:
+        self.memory = memory
+        self.live = [memory.live_len(layer) for layer in range(len(memory.layers))]
+        # Per memory layer, on the layer's device until the answer ends (no host sync per token): the mass on
+        # each committed slot [H_kv, live], and [H_kv] on the dialogue's own slots and on retrieved chunks.
+        self.held: list[torch.Tensor | None] = [None] * len(self.live)
+        self.dialogue: list[torch.Tensor | None] = [None] * len(self.live)
+        self.retrieved: list[torch.Tensor | None] = [None] * len(self.live)
+
+    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 bias: torch.Tensor | None, extra: Any, scale: float) -> None:
+        if layer >= len(self.live):
+            return
+        mass = attention_weights(query, key, bias, scale, extra).sum(dim=1).double()  # [H_kv, kv + R]
+        live, kv_len = self.live[layer], key.shape[2]
+        parts = (mass[:, :live], mass[:, live:kv_len].sum(dim=-1), mass[:, kv_len:].sum(dim=-1))
+        for tally, part in zip((self.held, self.dialogue, self.retrieved), parts):
+            tally[layer] = part if tally[layer] is None else tally[layer] + part
+
+    def result(self) -> Attribution:
+        """The tally mapped through the memory's provenance (the memory as it was when the answer began)."""
+        memory = self.memory
+        layers, heads = len(self.live), memory.num_kv_heads
+        shares = np.zeros((layers, heads, len(SHARES)))
+        visual, frame, row, col = [], [], [], []
+        start, summary = memory.visual_start, memory.visual_start - memory.prefix_len
+        for layer in range(layers):
+            zeros = torch.zeros(heads, dtype=torch.float64)
+            held = self.held[layer].cpu() if self.held[layer] is not None else torch.zeros(heads, self.live[layer], dtype=torch.float64)
+            dialogue = self.dialogue[layer].cpu() if self.dialogue[layer] is not None else zeros
+            retrieved = self.retrieved[layer].cpu() if self.retrieved[layer] is not None else zeros
+            length = memory.layers[layer].visual_len
+            total = held.sum(dim=1) + dialogue + retrieved
+            total = torch.where(total > 0, total, torch.ones_like(total))
+            on_visual = held[:, start : start + length] / total[:, None]
+            valid = memory.valid[layer]  # ragged heads: padding slots hold nothing (and no provenance)
+            valid = valid.cpu() if valid is not None else torch.ones(on_visual.shape, dtype=torch.bool)
+            on_visual = on_visual * valid
+            shares[layer, :, 0] = ((held[:, : memory.prefix_len].sum(1) + held[:, start + length :].sum(1)
+                                    + dialogue) / total).numpy()
+            shares[layer, :, 1] = (held[:, memory.prefix_len : memory.prefix_len + summary].sum(1) / total).numpy()
+            shares[layer, :, 2] = on_visual.sum(1).numpy()
+            shares[layer, :, 3] = (retrieved / total).numpy()
+            visual.append(on_visual.float().numpy())
+            for out, field in ((frame, memory.frame), (row, memory.row), (col, memory.col)):
+                out.append((field[layer].cpu() * valid).numpy().astype(np.int32))
+        return Attribution(shares, visual, frame, row, col, memory.num_grids, memory.grid_shape or (0, 0))
 
 
 def attribution_views(attributions: dict[str, Attribution], grid_times_s: list[float], grids: list[int],
