@@ -37,7 +37,8 @@ SHARES = ("text", "summary", "visual", "retrieved")
 class Attribution:
     """What one answer looked at (:class:`AttributionTally`): ``shares [layers, H_kv, 4]`` of its attention mass
     on text, summary, held visual tokens and retrieved chunks (each (layer, head) sums to 1), and per layer the
-    share ``visual[l] [H_kv, L]`` on each held visual slot with its provenance ``frame/row/col[l] [H_kv, L]``."""
+    share ``visual[l] [H_kv, n]`` on each visual token it attended, held or retrieved (HybridKV's chunks brought
+    back from the offload store are patches of the stream too), with its provenance ``frame/row/col[l] [H_kv, n]``."""
 
     shares: np.ndarray
     visual: list[np.ndarray]
@@ -49,7 +50,7 @@ class Attribution:
 
     def patch_map(self, layer: int | None = None, head: int | None = None) -> np.ndarray:
         """``[grids, rows, cols]``: the share of the answer's attention on each patch, averaged over the chosen
-        layer and KV head (None: all of them); it sums to that selection's visual share."""
+        layer and KV head (None: all of them); it sums to that selection's visual and retrieved shares."""
         rows, cols = self.grid_shape
         out = np.zeros(self.num_grids * rows * cols, dtype=np.float64)
         layers = range(len(self.visual)) if layer is None else [layer]
@@ -90,6 +91,8 @@ class AttributionTally:
         self.held: list[torch.Tensor | None] = [None] * len(self.live)
         self.dialogue: list[torch.Tensor | None] = [None] * len(self.live)
         self.retrieved: list[torch.Tensor | None] = [None] * len(self.live)
+        # Per memory layer, every retrieved token's mass [H_kv, R] (device) with its frame/row/col [3, H_kv, R] (host).
+        self.fetched: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.live]
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  bias: torch.Tensor | None, extra: Any, scale: float) -> None:
@@ -100,6 +103,9 @@ class AttributionTally:
         parts = (mass[:, :live], mass[:, live:kv_len].sum(dim=-1), mass[:, kv_len:].sum(dim=-1))
         for tally, part in zip((self.held, self.dialogue, self.retrieved), parts):
             tally[layer] = part if tally[layer] is None else tally[layer] + part
+        offload = self.memory.layers[layer].offload
+        if extra is not None and offload is not None and offload.last_fetched is not None:
+            self.fetched[layer].append((mass[:, kv_len:], offload.last_fetched))
 
     def result(self) -> Attribution:
         """The tally mapped through the memory's provenance (the memory as it was when the answer began)."""
@@ -125,9 +131,13 @@ class AttributionTally:
             shares[layer, :, 1] = (held[:, memory.prefix_len : memory.prefix_len + summary].sum(1) / total).numpy()
             shares[layer, :, 2] = on_visual.sum(1).numpy()
             shares[layer, :, 3] = (retrieved / total).numpy()
+            where = [(field[layer].cpu() * valid).long() for field in (memory.frame, memory.row, memory.col)]
+            for fetched, fetched_where in self.fetched[layer]:  # retrieved tokens are patches of the stream too
+                on_visual = torch.cat([on_visual, fetched.cpu() / total[:, None]], dim=1)
+                where = [torch.cat([w, fetched_where[k]], dim=1) for k, w in enumerate(where)]
             visual.append(on_visual.float().numpy())
-            for out, field in ((frame, memory.frame), (row, memory.row), (col, memory.col)):
-                out.append((field[layer].cpu() * valid).numpy().astype(np.int32))
+            for out, field in zip((frame, row, col), where):
+                out.append(field.numpy().astype(np.int32))
         return Attribution(shares, visual, frame, row, col, memory.num_grids, memory.grid_shape or (0, 0))
 
 

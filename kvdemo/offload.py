@@ -23,7 +23,9 @@ class OffloadStore:
     partial), provenance ``frame/row/col/order [H, chunks, chunk]``, ``mean_keys [H, chunks, D]`` on the
     model's device, ``count [H]`` chunks per head, ``retrieve [H]`` tokens each head brings back per decode
     step, ``retrieved [H, chunks]`` the chunks a head brought back during the last question; ``counted``: whether
-    the tokens a head may retrieve count toward the budget (see :class:`kvdemo.policies.base.OffloadUpdate`).
+    the tokens a head may retrieve count toward the budget (see :class:`kvdemo.policies.base.OffloadUpdate`);
+    ``last_fetched [3, H, R]`` the frame/row/col of the tokens the last :meth:`fetch` brought back (host; for answer
+    attribution).
     """
 
     keys: torch.Tensor
@@ -36,6 +38,7 @@ class OffloadStore:
     retrieved: torch.Tensor
     chunk: int = 8
     counted: bool = False
+    last_fetched: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, heads: int, dim: int, chunk: int, dtype: torch.dtype, device: torch.device) -> "OffloadStore":
@@ -157,6 +160,7 @@ class OffloadStore:
         rows = torch.arange(heads, device="cpu")[:, None]
         keys = self.keys[rows, top_host].to(query.device, non_blocking=True)  # [H, width, chunk, D]
         values = self.values[rows, top_host].to(query.device, non_blocking=True)
+        self.last_fetched = torch.stack([self.provenance[name][rows, top_host] for name in ("frame", "row", "col")]).reshape(3, heads, -1)
         ok = (self.valid[rows, top_host] & chosen.cpu()[..., None]).to(query.device)
         bias = torch.zeros(ok.shape, dtype=query.dtype, device=query.device).masked_fill(~ok, float("-inf"))
         dim = keys.shape[-1]

@@ -195,3 +195,27 @@ def test_the_full_caches_attribution_lands_on_the_frames_that_show_the_asked_obj
     assert len(ratios) >= 40
     assert (ratios > 1).all(), np.sort(ratios)[:5]
     assert np.exp(np.log(ratios).mean()) > 1.5
+
+
+def test_retrieved_chunks_count_on_the_patches_they_came_from(trained):
+    """HybridKV's dynamic heads bring chunks back from host memory while answering: their attention lands on the
+    patches those chunks hold (statuses from the memory's offload store), and the map sums to visual + retrieved."""
+    from kvdemo.viz.status import HELD, RETRIEVED, patch_status
+
+    episode = sample_episode()
+    video = episode.video.sampled(2.0).resized(trained.geometry)
+    engine = StreamEngine(trained, "hybridkv", budget=64, keep=48, fps=video.fps)
+    for _ in stream_video(trained, video, {"hybridkv": engine}):
+        pass
+    attribution = engine.answer("What colour was the triangle?", 12, attribute=True).attribution
+    share = attribution.share()
+    assert share["retrieved"] > 0.01
+    assert attribution.patch_map().sum() == pytest.approx(share["visual"] + share["retrieved"], abs=1e-5)
+    on_retrieved = 0.0
+    for layer in range(engine.memory.num_layers):
+        for head in range(engine.memory.num_kv_heads):
+            status = patch_status(engine, layer, head)
+            looked = attribution.patch_map(layer, head) > 0
+            assert np.isin(status[looked], [HELD, RETRIEVED]).all(), (layer, head)
+            on_retrieved += float(attribution.patch_map(layer, head)[status == RETRIEVED].sum())
+    assert on_retrieved > 0
