@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .budget import Budget
 from .engine import StreamEngine
 from .explain import evidence_ratio, fidelity
@@ -108,7 +110,7 @@ def check_chunks(engines: dict[str, StreamEngine], tokens: int, shape: str) -> N
 
 def token_bytes(model) -> int:
     """Bytes one token's keys and values take over every memory layer of ``model``."""
-    element = 2 if str(model.dtype).endswith(("float16", "bfloat16")) else 4
+    element = torch.empty(0, dtype=model.dtype).element_size()
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
 
 

@@ -74,7 +74,8 @@ class ComparePage:
             self.clear_button = gr.Button("New conversation", scale=1)
         self.ask_status = gr.Markdown("", label="Question status", elem_id="compare-ask-status")
         self.examples = gr.Dataset(components=[self.question], samples=self.questions["static"],
-                                   label="Questions about the bundled sample", elem_id="compare-examples")
+                                   label="Questions about the bundled sample (click to ask every engine)",
+                                   elem_id="compare-examples")
         self.columns, self.titles, self.chats = [], [], []
         with gr.Row(equal_height=True):
             for slot in range(SLOTS):
@@ -111,7 +112,7 @@ class ComparePage:
         named = {"session": self.state, "status": self.status, "plot": self.plot, "strips": self.strips,
                  "ask_status": self.ask_status, "attribution": self.attribution, "attribution_text": self.attribution_text,
                  "fidelity_plot": self.fidelity_plot, "fidelity_text": self.fidelity_text, "sweep_plot": self.sweep_plot,
-                 "sweep_text": self.sweep_text, "report": self.report}
+                 "sweep_text": self.sweep_text, "report": self.report, "question": self.question}
         out = {named[key]: value for key, value in update.items() if key in named}
         for key in HIDDEN_WHEN_EMPTY.intersection(update):  # no empty placeholder box before there is something to show
             out[named[key]] = gr.update(value=update[key], visible=update[key] is not None)
@@ -163,6 +164,11 @@ class ComparePage:
         if state is not None and state.running:
             state.stop_requested = True
 
+    def on_example(self, state, example, attribute):
+        """A sample question clicked: it goes in the box and to every engine at once (one event, no race with Ask)."""
+        for update in ask_comparison(state, example[0], attribute):
+            yield {**update, "question": example[0]}
+
     def on_sweep(self, delays, more, **values):
         return run_sweep(self.settings(values), delays, more)
 
@@ -202,8 +208,9 @@ class ComparePage:
                               show_progress_on=[self.ask_status], **self.questions_slots)
         self.question.submit(ask, [self.state, self.question, self.attribute], asked, api_visibility="private",
                              show_progress_on=[self.ask_status], **self.questions_slots)
-        self.examples.click(lambda example: example[0], [self.examples], [self.question], api_visibility="private",
-                            show_progress="hidden")
+        self.examples.click(self.guarded(self.on_example, "ask_status"), [self.state, self.examples, self.attribute],
+                            [*asked, self.question], api_visibility="private", show_progress_on=[self.ask_status],
+                            **self.questions_slots)
         self.clear_button.click(self.guarded(new_conversation, "ask_status"), [self.state], [self.state, self.ask_status, *self.chats],
                                 api_name="compare_new_conversation", concurrency_limit=None)
         self.fidelity_button.click(self.guarded(compare_fidelity, "fidelity_text"), [self.state, self.question],

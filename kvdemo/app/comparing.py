@@ -243,7 +243,8 @@ def attribution_update(state: Comparison, question: str, view: ViewChoice = View
         f"layer {'all' if layer is None else layer}, KV head {'all' if head is None else head}"
     text = (f"**What each answer looked at** — “{question}” ({where}): the {len(grids)} frames the answers attended most, each "
             "patch tinted by the share of the answer's attention (question and generated tokens) "
-            "on the tokens of that patch the engine still held (one scale for every engine).\n\n"
+            "on the tokens of that patch the engine still held or brought back from host memory (one scale for every "
+            "engine).\n\n"
             + "\n".join(f"- {v.title.split(':')[0]}: {v.caption.split(' (tint')[0]}" for v in views))
     if ratios:
         text += f"\n\nEvidence ratio (attention per frame showing the asked object ÷ per frame; 1 = no preference): {', '.join(ratios)}"

@@ -135,7 +135,8 @@ def answer_duration(model: str, engines: dict[str, StreamEngine], question: str,
 @zerogpu.gpu(duration=answer_duration)
 def answer_question(model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int,
                     attribute: bool = False) -> Iterator[dict[str, Any]]:
-    """Ask every engine (``attribute``: each answer records what it looked at, :mod:`kvdemo.explain`); yields ``{"piece": (engine name, text)}`` as tokens come, interleaved, and finally
+    """Ask every engine (``attribute``: each answer records what it looked at, :mod:`kvdemo.explain`); yields
+    ``{"piece": (engine name, text)}`` as tokens come, interleaved, and finally
     ``{"answered": {name: answer state}, "engines": {name: engine}}``: what answering changed (answering
     never changes the memory), which is all a ZeroGPU worker sends back for most engines, and the whole
     engine of a policy whose question ran a compression pass first (a probed policy that compresses on
