@@ -159,12 +159,12 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
                         help="also time one compression pass on two layers at Qwen2.5-VL-3B/-7B per-layer shapes")
     doctor.add_argument("--json", metavar="OUT", help="write the checklist's results here")
 
-    train = commands.add_parser("train-tiny", help="train the offline tiny model from scratch (writes assets/tiny)",
+    train = commands.add_parser("train-tiny", help="train the offline tiny model from scratch (writes kvdemo/assets/tiny)",
                                 description=TRAIN_DESCRIPTION, formatter_class=formatter)
     train.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     train.add_argument("--threads", type=int, default=1, help="torch threads (default 1; fixed for reproducibility; "
                        "the next step's streams are generated on a second thread meanwhile)")
-    train.add_argument("--out", help="output folder (default assets/tiny)")
+    train.add_argument("--out", help="output folder (default kvdemo/assets/tiny)")
     train.add_argument("--check-episodes", type=int, default=100, help="held-out streams for the final full-cache check")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser

@@ -20,7 +20,7 @@ Curriculum: A) vision heads only on short streams; B) short streams; C) long str
 delay benchmark's). B and C share one learning-rate schedule (linear warm-up, cosine decay). AdamW,
 weight decay on matrices, gradient clipping. Reproducible: every step draws its streams from
 ``numpy.random.default_rng((seed, phase, step, item))``, deterministic algorithms, a fixed thread count.
-The heads are training aids and are not saved; the weights, config and tokenizer go to ``assets/tiny``.
+The heads are training aids and are not saved; the weights, config and tokenizer go to ``kvdemo/assets/tiny``.
 """
 
 from __future__ import annotations

@@ -72,4 +72,4 @@ examples:
 TRAIN_DESCRIPTION = """\
 Train the offline tiny model (transformers' Qwen2_5_VLForConditionalGeneration, 0.92M parameters) from
 scratch on generated streams, reproducibly, then check it on held-out streams and write its weights,
-config and tokenizer (assets/tiny by default)."""
+config and tokenizer (kvdemo/assets/tiny by default)."""

@@ -147,7 +147,7 @@ def test_the_seam_without_extras_equals_sdpa(tiny):
     positions = torch.cat([torch.arange(len(ids)).expand(3, -1), visual, torch.arange(start, start + len(text)).expand(3, -1)], 1)
     all_embeds = torch.cat([tiny.embed_text(ids), embeds, tiny.embed_text(text)])
     with torch.inference_mode():
-        out = reference(inputs_embeds=all_embeds[None], position_ids=positions[:, None], past_key_values=DynamicCache(), use_cache=True)
+        out = reference(inputs_embeds=all_embeds[None], position_ids=positions[:, None], cache=DynamicCache(), use_cache=True)
     torch.testing.assert_close(ours, out.logits[0, -1], atol=1e-4, rtol=1e-4)
 
 

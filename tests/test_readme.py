@@ -17,9 +17,9 @@ def test_two_setup_commands_install_and_run_the_app_then_the_tests():
     assert len(blocks) == 2, blocks
     app, tests = (block.strip() for block in blocks)
     assert app == "pip install -r requirements.txt && python app.py"
-    assert tests == "pip install -r requirements-dev.txt && python -m pytest -q"
+    assert tests == 'pip install -e ".[dev]" && python -m pytest -q'
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    install = next(i for i, line in enumerate(ci) if "pip install" in line and "-r requirements-dev.txt" in line)
+    install = next(i for i, line in enumerate(ci) if "pip install" in line and '-e ".[dev' in line)
     assert ci.index("python -m pytest -q") > install, ".ci/run runs the README's test command"
 
 

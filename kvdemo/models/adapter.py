@@ -225,7 +225,7 @@ class TransformersAdapter(abc.ABC):
         output = self.text_model(
             inputs_embeds=embeds[None].to(self.device, self.dtype),
             position_ids=self.position_ids(positions),
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             kvdemo=cache,
             **self.forward_extras(chunk, int(embeds.shape[0])),

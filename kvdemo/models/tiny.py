@@ -2,8 +2,8 @@
 with the real vision geometry, and a byte-level tokenizer made in code with Qwen's chat special tokens.
 
 - ``tiny``: trained by the project on generated streams (``python -m kvdemo train-tiny``, weights in
-  ``assets/tiny``). It knows the shapes and colours of its own kind of stream and nothing else, and saw
-  112 x 112 frames (16 visual tokens per frame pair): it declares that pixel range, so videos are
+  ``kvdemo/assets/tiny``, package data). It knows the shapes and colours of its own kind of stream and nothing
+  else, and saw 112 x 112 frames (16 visual tokens per frame pair): it declares that pixel range, so videos are
   resized to it.
 - ``tiny-random``: the same class with random weights (seeded), for mechanics tests; its answers are noise.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -25,7 +26,9 @@ from .base import ModelError
 from .catalog import OFFLINE_MODELS, RANDOM_WEIGHTS_NOTICE, TINY_NAME, TINY_RANDOM_NAME, TRAINED_NOTICE
 from .qwen2_vl import Qwen2VL
 
-TRAINED_DIR = Path(__file__).resolve().parents[2] / "assets" / "tiny"
+# The trained weights ship inside the package (package data), so an installed kvdemo finds them too. pip unpacks
+# wheels, so the resource is a folder on disk, which ``from_pretrained`` needs.
+TRAINED_DIR = Path(str(resources.files("kvdemo") / "assets" / "tiny"))
 SPECIAL_TOKENS = (
     "<|endoftext|>",
     "<|im_start|>",
@@ -159,7 +162,7 @@ def build_tiny_model(seed: int = 0) -> Qwen2VL:
 
 
 def load_trained_tiny(folder: str | Path = TRAINED_DIR) -> Qwen2VL:
-    """The trained tiny model from ``folder`` (``assets/tiny``) through transformers' ``from_pretrained``."""
+    """The trained tiny model from ``folder`` (``kvdemo/assets/tiny``) through transformers' ``from_pretrained``."""
     folder = Path(folder)
     if not (folder / "model.safetensors").exists():
         raise ModelError(f"no trained tiny model in {folder}: run `python -m kvdemo train-tiny` (or use --model tiny-random)")
