@@ -28,8 +28,10 @@ def prose(text: str) -> str:
 
 
 def links(text: str) -> list[str]:
-    """Targets of Markdown links and images, ``[text](target)`` and ``![alt](target)``."""
-    return re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", prose(text))
+    """Targets of Markdown links and images, ``[text](target)`` and ``![alt](target)``, and of HTML ``src``/``href``."""
+    text = prose(text)
+    markdown = re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", text)
+    return markdown + re.findall(r"<[a-z]+\s[^>]*?\b(?:src|href)=\"([^\"]+)\"", text)
 
 
 def slug(heading: str) -> str:
