@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-#: Real media nobody here made (see the README, "Run the tests"): ``../shared/media`` beside the checkout, or
+#: Real media nobody here made (see docs/testing.md): ``../shared/media`` beside the checkout, or
 #: ``KVDEMO_MEDIA``.
 MEDIA = Path(os.environ.get("KVDEMO_MEDIA") or Path(__file__).resolve().parents[2] / "shared" / "media")
 PANCAKE = MEDIA / "flipping_a_pancake.mkv"
@@ -21,7 +21,7 @@ def media() -> Path:
     """The real media folder; the tests that need it are skipped with a one-line reason outside CI when it is
     absent (in CI it must be there)."""
     if not PANCAKE.exists():
-        reason = f"the real test media are not at {MEDIA} (../shared/media beside the checkout; see the README)"
+        reason = f"the real test media are not at {MEDIA} (../shared/media beside the checkout; see docs/testing.md)"
         if os.environ.get("CI"):
             raise RuntimeError(reason)
         pytest.skip(reason)

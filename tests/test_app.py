@@ -260,13 +260,13 @@ def test_every_api_parameter_and_output_has_a_name(client):
     assert "predict(question, api_name=\"/ask\")" in api
 
 
-def test_the_readme_gradio_client_example_runs(app_url, media, capsys):
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Scripting the app", 1)[1]
+def test_the_docs_gradio_client_example_runs(app_url, media, capsys):
+    page = (ROOT / "docs" / "app.md").read_text()
+    section = page.split("## Scripting the app", 1)[1]
     code = section.split("```python", 1)[1].split("```", 1)[0]
     assert "http://127.0.0.1:7860" in code and "clip.mp4" in code
     code = code.replace("http://127.0.0.1:7860", app_url).replace('"clip.mp4"', repr(str(media / "flipping_a_pancake.mkv")))
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/app.md", "exec"), {})
     printed = capsys.readouterr().out
     assert "20/20 frames" in printed and re.search(r"peak visual tokens \d+ of M = 64 after [1-9]\d* compressions", printed)
     assert "✓ answered by infinipot-v and the full cache" in printed and "first token" in printed, "the answer was printed"
