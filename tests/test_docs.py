@@ -157,3 +157,12 @@ def test_the_screenshots_are_pngs_under_400_kb():
     assert len(images) >= 2, "a screenshot of each tab"
     for image in images:
         assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.stat().st_size < 400_000, name(image)
+
+
+def test_the_code_map_names_files_that_exist():
+    """The file-by-file map in how-it-works names modules by their file names; each must still be there."""
+    block = re.search(r"^```\n(app\.py.*?)^```", (DOCS / "how-it-works.md").read_text(), flags=re.DOTALL | re.MULTILINE)
+    assert block, "the code map is a plain ``` block starting with app.py"
+    files = {path.name for path in [*ROOT.glob("*.py"), *(ROOT / "kvdemo").rglob("*.py")]}
+    named = set(re.findall(r"\b\w+\.py\b", block.group(1)))
+    assert len(named) > 30 and not named - files, sorted(named - files)

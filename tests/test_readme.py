@@ -36,3 +36,14 @@ def test_a_cpu_only_install_is_explained_with_pytorchs_cpu_index_before_the_inst
 
 def test_the_stated_test_time_is_in_minutes_on_two_cores():
     assert re.search(r"about \d+ minutes on 2 cores", " ".join(setup_section().split()))
+
+
+def test_retraining_is_described_with_its_time_and_where_it_writes():
+    """A newcomer reads how long ``train-tiny`` runs and that it leaves the bundled weights alone before running it."""
+    readme = (ROOT / "README.md").read_text()
+    sentence = next(s for s in " ".join(readme.split()).split(". ") if "kvdemo train-tiny" in s)
+    assert re.search(r"about \d+ minutes on 2 cores", sentence), sentence
+    assert "never over the bundled weights" in sentence, sentence
+    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL)
+    assert len(blocks) >= 3, "the set-up commands and the quick start"
+    assert not any("train-tiny" in block for block in blocks), "no quick-start line starts a training"
