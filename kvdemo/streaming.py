@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .chunk import VisualChunk
 from .engine import EngineStop, FrameStream, StreamEngine
 from .memory import OccupancyEvent
-from .models.base import VideoLM, VisualChunk
+from .models.base import VideoLM
 from .video import Video, VideoFile
 
 

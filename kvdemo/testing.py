@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from .attention import MemoryCache
+from .chunk import VisualChunk
 from .memory import KVMemory
-from .models.base import VisualChunk
 from .models.qwen2_vl import mrope_positions
 
 #: Qwen2.5-VL-7B's language model cache geometry, and InfiniPot-V's budget.

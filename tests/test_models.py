@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kvdemo.models.base import VisualChunk
+from kvdemo.chunk import VisualChunk
 from kvdemo.models.qwen2_vl import mrope_positions
 from kvdemo.models.tiny import ByteTokenizer
 

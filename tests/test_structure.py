@@ -144,3 +144,23 @@ def test_nothing_outside_the_policies_names_a_policy(scope):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
                 offenders += [f"{relative}:{node.lineno}: {name!r}" for name in names if name in node.value]
     assert offenders == []
+
+
+#: Modules below the model families (the cache core, and the chunk a family makes for it): none of them imports
+#: ``kvdemo.models``, even through another module, so no arrow runs back up from the memory to the models.
+BELOW_THE_MODELS = ("kvdemo.chunk", "kvdemo.geometry", "kvdemo.memory", "kvdemo.layer", "kvdemo.attention",
+                    "kvdemo.offload", "kvdemo.budget")
+
+
+def test_the_cache_core_sits_below_the_models():
+    known = modules()
+    graph = {name: imported(name, path, set(known)) for name, path in known.items()}
+    upward = {}
+    for start in BELOW_THE_MODELS:
+        reached, frontier = set(), [start]
+        while frontier:
+            for nxt in graph[frontier.pop()] - reached:
+                reached.add(nxt)
+                frontier.append(nxt)
+        upward[start] = sorted(name for name in reached if name == "kvdemo.models" or name.startswith("kvdemo.models."))
+    assert upward == {name: [] for name in BELOW_THE_MODELS}

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from transformers import LlavaOnevisionForConditionalGeneration, LlavaOnevisionVideoProcessor
 
+from ..chunk import VisualChunk
 from .adapter import TextCursor, TransformersAdapter, load_checkpoint
-from .base import FrameGeometry, VisualChunk
+from .base import FrameGeometry
 
 MODEL_CLASSES: dict[str, Any] = {"llava_onevision": LlavaOnevisionForConditionalGeneration}
 

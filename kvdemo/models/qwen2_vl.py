@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2VLVideoProcessor
 
+from ..chunk import VisualChunk
 from .adapter import SYSTEM_PROMPT, TransformersAdapter, load_checkpoint
-from .base import FrameGeometry, VisualChunk
+from .base import FrameGeometry
 
 #: ``config.model_type`` of the checkpoints this adapter loads, and their classes.
 MODEL_CLASSES = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen2_vl": Qwen2VLForConditionalGeneration}

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLVideoProcessor
 
+from ..chunk import VisualChunk
 from .adapter import TextCursor, TransformersAdapter, load_checkpoint
-from .base import FrameGeometry, VisualChunk
+from .base import FrameGeometry
 
 MODEL_CLASSES: dict[str, Any] = {"qwen3_vl": Qwen3VLForConditionalGeneration}
 #: qwen-vl-utils' per-frame video bounds for Qwen3-VL: 128 to 768 merged tokens of 32 x 32 pixels.
