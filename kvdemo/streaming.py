@@ -1,6 +1,6 @@
 """The engines watching one stream: one :class:`~kvdemo.engine.FrameStream` (one vision encoding per chunk)
 feeds every engine that has not stopped (:class:`EngineGroup`); :func:`stream_video` streams a video file
-through one. The CLI, the app, the evaluation and the benchmarks all stream this way.
+through one, its frames sized for the model. The CLI, the app, the evaluation and the benchmarks all stream this way.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from .chunk import VisualChunk
 from .engine import EngineStop, FrameStream, StreamEngine
 from .memory import OccupancyEvent
 from .models.base import VideoLM
-from .video import Video, VideoFile
+from .video import Video, VideoFile, resize_frames
 
 
 @dataclass
@@ -82,12 +82,14 @@ def stream_video(
     engines: dict[str, StreamEngine],
     frames_per_chunk: int = 2,
 ) -> Iterator[StreamStep]:
-    """Stream ``video`` into every engine through one :class:`EngineGroup`; yields after each chunk."""
+    """Stream ``video`` into every engine through one :class:`EngineGroup`; yields after each chunk. Frames not
+    already sized for ``model`` (a video opened for no model, or for another one) are resized as its family does
+    (:attr:`~kvdemo.models.base.VideoLM.geometry`); frames already on its grid pass unchanged."""
     group = EngineGroup(model, engines, video.fps)
     parts = video.chunks(frames_per_chunk)
     current = next(parts, None)
     while current is not None:
         following = next(parts, None)  # decoded ahead by one part, so the last one flushes an odd frame
         _, frames, times = current
-        yield from group.push(frames, times, flush=following is None, total=video.num_frames)
+        yield from group.push(resize_frames(frames, model.geometry), times, flush=following is None, total=video.num_frames)
         current = following

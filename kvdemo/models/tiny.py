@@ -22,8 +22,8 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from ..attention import ATTN_IMPLEMENTATION
 from .base import ModelError
-from .catalog import OFFLINE_MODELS, RANDOM_WEIGHTS_NOTICE, TINY_NAME, TINY_RANDOM_NAME, TRAINED_NOTICE
-from .qwen2_vl import Qwen2VL
+from .qwen2_vl import RANDOM_GEOMETRY, TRAINED_GEOMETRY, Qwen2VL
+from .spec import RANDOM_WEIGHTS_NOTICE, TINY_NAME, TINY_RANDOM_NAME, TRAINED_NOTICE
 
 TRAINED_DIR = Path(__file__).resolve().parents[2] / "assets" / "tiny"
 SPECIAL_TOKENS = (
@@ -149,7 +149,7 @@ def build_tiny_model(seed: int = 0) -> Qwen2VL:
         model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
     tokenizer = ByteTokenizer()
     adapter = Qwen2VL(model.float().eval(), tokenizer, name=TINY_RANDOM_NAME, random_weights=True, notice=RANDOM_WEIGHTS_NOTICE,
-                      geometry_=OFFLINE_MODELS[TINY_RANDOM_NAME].geometry)
+                      geometry_=RANDOM_GEOMETRY)
     # Random weights pick arbitrary bytes; keep answers to printable ASCII (and the stop token) so they stay legible.
     bias = torch.full((config.text_config.vocab_size,), float("-inf"))
     bias[32:127] = 0.0
@@ -169,7 +169,7 @@ def load_trained_tiny(folder: str | Path = TRAINED_DIR) -> Qwen2VL:
         ByteTokenizer.from_spec(folder / "tokenizer.json"),
         name=TINY_NAME,
         notice=TRAINED_NOTICE,
-        geometry_=OFFLINE_MODELS[TINY_NAME].geometry,
+        geometry_=TRAINED_GEOMETRY,
     )
     adapter.max_dialogue_tokens = TRAINED_DIALOGUE_TOKENS
     return adapter
