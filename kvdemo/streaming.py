@@ -14,7 +14,7 @@ from .chunk import VisualChunk
 from .engine import EngineStop, FrameStream, StreamEngine
 from .memory import OccupancyEvent
 from .models.base import VideoLM
-from .video import Video, VideoFile, resize_frames
+from .video import Video, VideoFile, frames_for
 
 
 @dataclass
@@ -82,14 +82,14 @@ def stream_video(
     engines: dict[str, StreamEngine],
     frames_per_chunk: int = 2,
 ) -> Iterator[StreamStep]:
-    """Stream ``video`` into every engine through one :class:`EngineGroup`; yields after each chunk. Frames not
-    already sized for ``model`` (a video opened for no model, or for another one) are resized as its family does
-    (:attr:`~kvdemo.models.base.VideoLM.geometry`); frames already on its grid pass unchanged."""
+    """Stream ``video`` into every engine through one :class:`EngineGroup`; yields after each chunk. Frames not on
+    ``model``'s grid (a video opened for no model, or for another family) are resized as its family does
+    (:func:`~kvdemo.video.frames_for`); frames already on it pass unchanged."""
     group = EngineGroup(model, engines, video.fps)
     parts = video.chunks(frames_per_chunk)
     current = next(parts, None)
     while current is not None:
         following = next(parts, None)  # decoded ahead by one part, so the last one flushes an odd frame
         _, frames, times = current
-        yield from group.push(resize_frames(frames, model.geometry), times, flush=following is None, total=video.num_frames)
+        yield from group.push(frames_for(frames, model.geometry), times, flush=following is None, total=video.num_frames)
         current = following

@@ -48,6 +48,16 @@ def resize_frames(frames: np.ndarray, geometry: FrameGeometry) -> np.ndarray:
     return resized.permute(0, 2, 3, 1).contiguous().numpy()
 
 
+def frames_for(frames: np.ndarray, geometry: FrameGeometry) -> np.ndarray:
+    """``frames [T, H, W, 3]`` as a model of ``geometry`` takes them: unchanged when already on its grid (whatever
+    pixel range they were sized with, e.g. a user's own), else resized by its family's rule."""
+    try:
+        geometry.check_size((int(frames.shape[1]), int(frames.shape[2])))
+        return frames
+    except ValueError:
+        return resize_frames(frames, geometry)
+
+
 @dataclass
 class Video:
     """Sampled, resized frames of one stream.

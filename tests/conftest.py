@@ -30,7 +30,7 @@ def media() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny():
-    from kvdemo.models.tiny import build_tiny_model
+    from kvdemo.models.qwen2_vl import build_tiny_model
 
     return build_tiny_model()
 

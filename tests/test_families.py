@@ -236,7 +236,8 @@ def test_pixels_equal_the_familys_video_processor(models, name):
         if model.family.startswith("qwen3"):
             processor = Qwen3VLVideoProcessor(size={"shortest_edge": 2 * geometry.min_pixels, "longest_edge": 2 * geometry.max_pixels})
         else:
-            processor = type(model.processor)()
+            # The checkpoints' own preprocessor configs normalise with SigLIP's 0.5 (the class defaults to CLIP's).
+            processor = type(model.processor)(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     theirs = processor(videos=[video_tensor(raw)], do_sample_frames=False, return_tensors="pt",
                        **({} if model.family == "llava_onevision" else {"cap_pixels_per_frame": False}))
     assert ours.shape == theirs["pixel_values_videos"].shape

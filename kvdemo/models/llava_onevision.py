@@ -39,9 +39,17 @@ def geometry(config: Any) -> FrameGeometry:
     return FrameGeometry(side // pooled, 1, side * side, side * side, fixed_size=(side, side), fixed_grid=(pooled, pooled))
 
 
+#: SigLIP's normalisation (the LLaVA-OneVision checkpoints' preprocessor configs: mean = std = 0.5), where the
+#: processor class defaults to CLIP's.
+PIXEL_MEAN = PIXEL_STD = (0.5, 0.5, 0.5)
+
+
 def video_processor(config: Any) -> LlavaOnevisionVideoProcessor:
+    """The family's video processor for a checkpoint that ships none (and the offline model): its square input
+    size and SigLIP's normalisation."""
     side = int(config.vision_config.image_size)
-    return LlavaOnevisionVideoProcessor(size={"height": side, "width": side})
+    return LlavaOnevisionVideoProcessor(size={"height": side, "width": side}, image_mean=list(PIXEL_MEAN),
+                                        image_std=list(PIXEL_STD))
 
 
 class LlavaOnevision(TransformersAdapter):
@@ -128,9 +136,6 @@ def build_tiny_random() -> LlavaOnevision:
     adapter = LlavaOnevision(model, byte_tokenizer(), "tiny-random-llava-ov", random_weights=True, notice=RANDOM_WEIGHTS_NOTICE)
     return printable_answers(adapter, VOCAB)
 
-
-#: SigLIP's normalisation (LLaVA-OneVision's video processor: image_mean = image_std = 0.5).
-PIXEL_MEAN = PIXEL_STD = (0.5, 0.5, 0.5)
 
 SPEC = FamilySpec(
     name="LLaVA-OneVision",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,10 +29,13 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
+from ..attention import ATTN_IMPLEMENTATION
 from ..chunk import VisualChunk
 from ..geometry import FrameGeometry
 from .adapter import SYSTEM_PROMPT, TransformersAdapter, load_checkpoint
+from .base import ModelError
 from .spec import RANDOM_WEIGHTS_NOTICE, TINY_NAME, TINY_RANDOM_NAME, TRAINED_NOTICE, FamilySpec, OfflineModel
+from .tiny import TRAINED_DIALOGUE_TOKENS, TRAINED_DIR, ByteTokenizer, tiny_config
 from .tiny_random import TEXT_IDS, VOCAB, build_hf_model, byte_tokenizer, printable_answers, qwen_ids
 
 #: ``config.model_type`` of the checkpoints this adapter loads, and their classes.
@@ -63,7 +67,8 @@ def video_processor(config: Any) -> Qwen2VLVideoProcessor:
     """The family's video processor for ``config`` (Qwen's normalisation; kvdemo resizes before it)."""
     vision = config.vision_config
     return Qwen2VLVideoProcessor(patch_size=int(vision.patch_size), merge_size=int(vision.spatial_merge_size),
-                                 temporal_patch_size=int(vision.temporal_patch_size))
+                                 temporal_patch_size=int(vision.temporal_patch_size), image_mean=list(CLIP_MEAN),
+                                 image_std=list(CLIP_STD))
 
 
 #: OPENAI_CLIP_MEAN / OPENAI_CLIP_STD, Qwen's pixel normalisation.
@@ -233,18 +238,38 @@ def build_tiny_random_qwen2_vl() -> Qwen2VL:
     return printable_answers(adapter, VOCAB)
 
 
-def build_trained_tiny() -> Qwen2VL:
-    """``tiny``: the Qwen2.5-VL kvdemo trained on generated streams (:mod:`.tiny`)."""
-    from .tiny import load_trained_tiny  # deferred on purpose: tiny.py builds on this file's adapter
+def build_tiny_model(seed: int = 0) -> Qwen2VL:
+    """The tiny model on the CPU in float32; identical weights for a given ``seed``."""
+    config = tiny_config()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+    tokenizer = ByteTokenizer()
+    adapter = Qwen2VL(model.float().eval(), tokenizer, name=TINY_RANDOM_NAME, random_weights=True, notice=RANDOM_WEIGHTS_NOTICE,
+                      geometry_=RANDOM_GEOMETRY)
+    # Random weights pick arbitrary bytes; keep answers to printable ASCII (and the stop token) so they stay legible.
+    bias = torch.full((config.text_config.vocab_size,), float("-inf"))
+    bias[32:127] = 0.0
+    bias[tokenizer.special_to_id["<|im_end|>"]] = 0.0
+    adapter.logit_bias = bias
+    return adapter
 
-    return load_trained_tiny()
 
-
-def build_tiny_random() -> Qwen2VL:
-    """``tiny-random``: the trained tiny model's architecture with seeded random weights (:mod:`.tiny`)."""
-    from .tiny import build_tiny_model  # deferred on purpose, as above
-
-    return build_tiny_model()
+def load_trained_tiny(folder: str | Path = TRAINED_DIR) -> Qwen2VL:
+    """The trained tiny model from ``folder`` (``assets/tiny``) through transformers' ``from_pretrained``."""
+    folder = Path(folder)
+    if not (folder / "model.safetensors").exists():
+        raise ModelError(f"no trained tiny model in {folder}: run `python -m kvdemo train-tiny` (or use --model tiny-random)")
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
+    adapter = Qwen2VL(
+        model.eval(),
+        ByteTokenizer.from_spec(folder / "tokenizer.json"),
+        name=TINY_NAME,
+        notice=TRAINED_NOTICE,
+        geometry_=TRAINED_GEOMETRY,
+    )
+    adapter.max_dialogue_tokens = TRAINED_DIALOGUE_TOKENS
+    return adapter
 
 
 def synthetic_positions(chunk: VisualChunk, start: int) -> torch.Tensor:
@@ -266,8 +291,8 @@ SPEC = FamilySpec(
     checkpoints=("Qwen/Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-2B-Instruct"),
     offline=(
         # M = 96 holds 12 s of the 40 s sample (16 tokens per frame pair); M - C = 24 holds a chunk at its max pixels.
-        OfflineModel(TINY_NAME, "qwen2_5_vl", TRAINED_GEOMETRY, TRAINED_NOTICE, build_trained_tiny, (96, 72)),
-        OfflineModel(TINY_RANDOM_NAME, "qwen2_5_vl", RANDOM_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_random),
+        OfflineModel(TINY_NAME, "qwen2_5_vl", TRAINED_GEOMETRY, TRAINED_NOTICE, load_trained_tiny, (96, 72)),
+        OfflineModel(TINY_RANDOM_NAME, "qwen2_5_vl", RANDOM_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_model),
         OfflineModel("tiny-random-qwen2-vl", "qwen2_vl", RANDOM_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_random_qwen2_vl),
     ),
     synthetic_positions=synthetic_positions,

@@ -74,7 +74,8 @@ def video_processor(config: Any) -> Qwen3VLVideoProcessor:
     """The family's video processor for ``config`` (kvdemo resizes before it)."""
     vision = config.vision_config
     return Qwen3VLVideoProcessor(patch_size=int(vision.patch_size), merge_size=int(vision.spatial_merge_size),
-                                 temporal_patch_size=int(vision.temporal_patch_size))
+                                 temporal_patch_size=int(vision.temporal_patch_size), image_mean=list(PIXEL_MEAN),
+                                 image_std=list(PIXEL_STD))
 
 
 class Qwen3VL(TransformersAdapter):
