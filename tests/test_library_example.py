@@ -56,3 +56,14 @@ def test_the_readme_library_example_runs_for_every_family(name, clip, monkeypatc
     assert namespace["answer"].attribution is not None
     printed = capsys.readouterr().out
     assert re.findall(r"^(\d+) \{'infinipot-v': \d+, 'full': \d+\}$", printed, re.M) == ["2", "4"]  # a line a chunk
+
+
+def test_the_docs_library_page_example_runs(clip, monkeypatch, capsys, tmp_path):
+    """docs/library.md's example (the README's, on a Qwen3-VL model) runs as written but for the clip's path."""
+    text = (README.parent / "docs" / "library.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    assert code.count('"clip.mp4"') == 1
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code.replace('"clip.mp4"', repr(str(clip))), "docs/library.md", "exec"), namespace)
+    assert namespace["model"].family == "qwen3_vl" and namespace["engines"]["full"].frames_fed == 4
