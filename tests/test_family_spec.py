@@ -140,3 +140,15 @@ def test_a_video_opened_for_no_model_keeps_its_size_and_streams_into_any_family(
         size = model.geometry.frame_size(90, 150)
         assert size != (90, 150) and engine.frames_fed == 2
         assert {(step.chunk.rows, step.chunk.cols) for step in steps} == {model.geometry.grid(size)}
+
+
+def test_the_evaluation_streams_its_generated_frames_into_a_32_pixel_family():
+    """Generated streams (112 x 112) are sized for the model on the way in, so Qwen3-VL's grid takes them."""
+    from kvdemo.evaluation import episode_answers, valid_items
+    from kvdemo.synthetic import sample_episode
+
+    model = load_model("tiny-random-qwen3-vl")
+    episode = sample_episode("static")
+    items = valid_items(episode, 0, (0,))[:1]
+    first = next(episode_answers(model, episode, items, ["full"], None, None))
+    assert first[:3] == (0, 0, "full")
