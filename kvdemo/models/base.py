@@ -1,8 +1,9 @@
 """What the engine needs of a model family, and nothing it must know about one.
 
-A family is an adapter file (:mod:`.qwen2_vl`, :mod:`.qwen3_vl`, :mod:`.qwen3_5`, :mod:`.llava_onevision`)
-behind :class:`VideoLM`: it turns frames into a chunk (the tokens a temporal grid puts in the sequence: visual
-tokens, and the text the stream itself carries around them), gives every token its position through a
+A family is one file (:mod:`.qwen2_vl`, :mod:`.qwen3_vl`, :mod:`.qwen3_5`, :mod:`.llava_onevision`): its spec
+(:mod:`.spec`: what the rest of kvdemo knows of it) and its adapter behind :class:`VideoLM`. The adapter turns
+frames into a chunk (the tokens a temporal grid puts in the sequence: visual tokens, and the text the stream
+itself carries around them; :class:`~kvdemo.chunk.VisualChunk`), gives every token its position through a
 cursor (:class:`Cursor`, pickled with the memory), embeds the prefix and a question, runs the language model
 on a given cache, and rotates keys (for policies that keep keys before RoPE). How frames are sized is a
 :class:`FrameGeometry`, known before any weight loads. Models know nothing of policies.
