@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
-import pkgutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +27,8 @@ __all__ = ["DEFAULT_REAL_MODEL", "RANDOM_WEIGHTS_NOTICE", "TINY_NAME", "TINY_RAN
 DEFAULT_REAL_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
 
 _FAMILIES: dict[str, FamilySpec] = {}  # config.model_type -> its family's spec
+#: What marks a family file of this package: it declares its spec at the top level (``SPEC = FamilySpec(...)``).
+FAMILY_FILE_MARK = "\nSPEC = FamilySpec("
 _DISCOVERED = False
 
 
@@ -49,12 +51,14 @@ def families() -> dict[str, FamilySpec]:
     first use."""
     global _DISCOVERED
     if not _DISCOVERED:
-        _DISCOVERED = True
-        for info in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        for path in sorted(Path(__file__).parent.glob("*.py")):
+            if FAMILY_FILE_MARK not in path.read_text():
+                continue  # not a family file (importing it is not needed to know the families)
             # deferred on purpose: each family file imports transformers, needed only once a family is asked for
-            module = importlib.import_module(f"{__package__}.{info.name}")
+            module = importlib.import_module(f"{__package__}.{path.stem}")
             if isinstance(getattr(module, "SPEC", None), FamilySpec):
                 register_family(module.SPEC)
+        _DISCOVERED = True
     return dict(sorted(_FAMILIES.items(), key=lambda item: item[1].menu_order))
 
 
@@ -70,10 +74,10 @@ def family_spec(model_type: str) -> FamilySpec:
 def __getattr__(name: str) -> Any:
     """``OFFLINE_MODELS`` (name -> :class:`OfflineModel`) and ``REAL_MODELS`` (checkpoint ids the app lists), read
     from the registered families each time they are asked for."""
-    specs = list(dict.fromkeys(families().values()))
-    if name == "OFFLINE_MODELS":
-        return {model.name: model for spec in specs for model in spec.offline}
-    if name == "REAL_MODELS":
+    if name in ("OFFLINE_MODELS", "REAL_MODELS"):
+        specs = list(dict.fromkeys(families().values()))
+        if name == "OFFLINE_MODELS":
+            return {model.name: model for spec in specs for model in spec.offline}
         return tuple(dict.fromkeys([DEFAULT_REAL_MODEL, *(c for spec in specs for c in spec.checkpoints)]))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
