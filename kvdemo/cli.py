@@ -251,7 +251,7 @@ def run_command(args: argparse.Namespace) -> int:
     from .engine import StreamEngine  # deferred with it
     from .streaming import stream_video  # deferred with it
     from .models.loading import load_model  # deferred with it (transformers)
-    from .models.catalog import FAMILY_CAVEATS  # deferred with it
+    from .models.catalog import caveat_for  # deferred with it
 
     model = load_model(args.model)
     engine = StreamEngine(model, policy, budget=budget, fps=video.fps, max_new_tokens=args.max_new_tokens)
@@ -261,8 +261,8 @@ def run_command(args: argparse.Namespace) -> int:
     if model.notice:
         elsewhere = " Its answers about this video mean little." if episode is None and not model.random_weights else ""
         print(f"note: {model.notice}{elsewhere}", file=sys.stderr)
-    if model.family in FAMILY_CAVEATS:
-        print(f"note: {FAMILY_CAVEATS[model.family]}", file=sys.stderr)
+    if caveat := caveat_for(model.family):
+        print(f"note: {caveat}", file=sys.stderr)
     engines = {"policy": engine}
     if args.coverage and policy.bounded:
         engines["full"] = StreamEngine(model, "full", fps=video.fps)

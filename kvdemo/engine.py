@@ -21,7 +21,8 @@ from .attention import MemoryCache
 from .dialogue import QuestionError, check_question, replayed_dialogue
 from .explain import Attribution, AttributionTally
 from .memory import KVMemory, OccupancyEvent
-from .models.base import VideoLM, VisualChunk
+from .chunk import VisualChunk
+from .models.base import VideoLM
 from .budget import Budget
 from .policies import BudgetError, Policy, Probed, make_policy
 from .survival import survival_fraction

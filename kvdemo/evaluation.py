@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .synthetic import COLOURS, SHAPES, STREAM_KINDS, Episode, Question, StreamSpec, generate_episode, grade_answer
+from .video import frames_for
 from .views import Chart, Series
 
 if TYPE_CHECKING:  # the engine imports torch: loaded when an evaluation runs, not with the CLI's defaults
@@ -145,7 +146,7 @@ def episode_answers(
             due.setdefault(grid, []).append((i, d))
     last = max(due)
     for _, frames, times in video.chunks(model.geometry.frames_per_grid):
-        for step in group.push(frames, times):
+        for step in group.push(frames_for(frames, model.geometry), times):  # generated frames, sized for the model
             newest = step.chunk.first_grid + step.chunk.num_grids - 1
             for i, d in due.get(newest, []):
                 question = items[i].question

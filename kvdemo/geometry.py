@@ -1,34 +1,42 @@
 """How a model family sizes frames and groups them into temporal grids of tokens (:class:`FrameGeometry`), known
-before any model loads. No torch here: the CLI opens and checks a video file before torch loads."""
+before any model loads. No torch here: the CLI opens and checks a video file before torch loads. The resize rule
+itself is the family's (its file in :mod:`kvdemo.models` gives it); this module knows no family."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+
+#: A family's resize rule: ``(geometry, height, width) -> (new_height, new_width)``, sides multiples of
+#: ``geometry.factor`` and the pixel count within ``[geometry.min_pixels, geometry.max_pixels]``.
+ResizeRule = Callable[["FrameGeometry", int, int], tuple[int, int]]
 
 
 @dataclass(frozen=True)
 class FrameGeometry:
     """How one family sizes frames and groups them into temporal grids of tokens, known before the model loads.
 
-    ``rule`` names the family's own resize rule: ``"qwen2-vl"`` (transformers' ``Qwen2VLImageProcessor``
-    ``smart_resize``: sides multiples of ``factor`` = patch x merge, pixel count in ``[min_pixels,
-    max_pixels]``), ``"qwen3-vl"`` (``Qwen3VLVideoProcessor``'s ``smart_resize`` for one temporal grid, the same
-    bounds per frame: a stream fixes its frame size up front, where the processor spreads ``max_pixels`` over a
-    whole clip) or ``"fixed"`` (every frame resized to ``fixed_size``: LLaVA-OneVision's 384 x 384, pooled to
-    ``fixed_grid`` tokens). ``text_per_grid`` bounds the stream-text tokens a grid carries (Qwen3-VL's
-    ``<t seconds><|vision_start|>`` and ``<|vision_end|>``), which count against the budget.
+    ``factor``: pixels per token side (patch x merge); ``frames_per_grid``: frames one temporal grid takes;
+    ``[min_pixels, max_pixels]``: a frame's pixel range. ``resize`` is the family's own rule (e.g. its processor's
+    ``smart_resize``, declared in the family's file); a family whose frames all take one size gives ``fixed_size``
+    instead (LLaVA-OneVision's 384 x 384, pooled to ``fixed_grid`` tokens). ``text_per_grid`` bounds the
+    stream-text tokens a grid carries (timestamps and delimiters), which count against the budget.
     """
 
-    rule: str
     factor: int
     frames_per_grid: int
     min_pixels: int
     max_pixels: int
+    resize: ResizeRule | None = None
     fixed_size: tuple[int, int] | None = None
     fixed_grid: tuple[int, int] | None = None
     text_per_grid: int = 0
+
+    def __post_init__(self) -> None:
+        if self.resize is None and self.fixed_size is None:
+            raise ValueError("a frame geometry needs its family's resize rule or a fixed frame size")
 
     def with_pixels(self, min_pixels: int | None = None, max_pixels: int | None = None) -> "FrameGeometry":
         """This geometry with the user's pixel range (a fixed-size family ignores it)."""
@@ -38,7 +46,7 @@ class FrameGeometry:
 
     def describe(self) -> str:
         """How frames are resized, in a phrase (the app's pixel field says it)."""
-        if self.rule == "fixed" and self.fixed_size:
+        if self.fixed_size:
             return (f"every frame is resized to {self.fixed_size[0]} x {self.fixed_size[1]} "
                     f"({self.fixed_grid[0] * self.fixed_grid[1] if self.fixed_grid else '?'} tokens); this field does not apply")
         return f"frames are resized like the family's processor: sides multiples of {self.factor}"
@@ -58,17 +66,7 @@ class FrameGeometry:
             raise ValueError(f"aspect ratio must be below 200, got {height}x{width}")
         if self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})")
-        if self.rule == "qwen3-vl":
-            # The library's own resize rules, imported when a frame size is asked (deferred on purpose: this module is
-            # imported by the memory and the CLI's fast checks, and importing them loads much of transformers).
-            from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as qwen3_resize  # deferred
-
-            grid = self.frames_per_grid
-            return qwen3_resize(grid, height, width, temporal_factor=grid, factor=self.factor,
-                                min_pixels=grid * self.min_pixels, max_pixels=grid * self.max_pixels)
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize  # deferred, as above
-
-        return smart_resize(height, width, factor=self.factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        return self.resize(self, height, width)
 
     def grid(self, size: tuple[int, int]) -> tuple[int, int]:
         """``(rows, cols)`` of visual tokens per temporal grid for frames of ``size`` (already resized)."""
@@ -79,9 +77,11 @@ class FrameGeometry:
     def check_size(self, size: tuple[int, int]) -> None:
         """Raise ``ValueError`` unless frames of ``size`` are already on this family's grid."""
         if self.fixed_size is not None and tuple(size) != tuple(self.fixed_size):
-            raise ValueError(f"frames must be {self.fixed_size[1]}x{self.fixed_size[0]} for this model, got {size[1]}x{size[0]}")
+            raise ValueError(f"frames must be {self.fixed_size[1]}x{self.fixed_size[0]} for this model (size frames for it: "
+                             f"load_video(..., model=model) or stream_video), got {size[1]}x{size[0]}")
         if self.fixed_size is None and (size[0] % self.factor or size[1] % self.factor):
-            raise ValueError(f"frame sides must be multiples of {self.factor} (resize with the model's geometry), got {size}")
+            raise ValueError(f"frame sides must be multiples of {self.factor} (size frames for the model: "
+                             f"load_video(..., model=model) or stream_video), got {size}")
 
     def chunk_tokens(self, size: tuple[int, int] | None, frames: int) -> tuple[int, str]:
         """Tokens one chunk of ``frames`` frames of ``size`` puts in the memory (visual tokens and, at most, the
@@ -98,7 +98,3 @@ class FrameGeometry:
             shape += f" + up to {self.text_per_grid} text tokens each"
         return grids * (visual + self.text_per_grid), shape
 
-
-#: Qwen2-VL / Qwen2.5-VL's video defaults per frame (128 to 768 merged tokens of 28 x 28 pixels): the geometry of
-#: a video opened without naming a model.
-QWEN2_GEOMETRY = FrameGeometry("qwen2-vl", 28, 2, 128 * 28 * 28, 768 * 28 * 28)

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from .models.base import VisualChunk
+from .chunk import VisualChunk
 from .layer import BIAS_DTYPE, PROVENANCE, PROVENANCE_WIDTH, REASON_NEW, LayerMemory
 from .policies.base import LayerView, Selection
 

@@ -1,6 +1,6 @@
 """The engines watching one stream: one :class:`~kvdemo.engine.FrameStream` (one vision encoding per chunk)
 feeds every engine that has not stopped (:class:`EngineGroup`); :func:`stream_video` streams a video file
-through one. The CLI, the app, the evaluation and the benchmarks all stream this way.
+through one, its frames sized for the model. The CLI, the app, the evaluation and the benchmarks all stream this way.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .chunk import VisualChunk
 from .engine import EngineStop, FrameStream, StreamEngine
 from .memory import OccupancyEvent
-from .models.base import VideoLM, VisualChunk
-from .video import Video, VideoFile
+from .models.base import VideoLM
+from .video import Video, VideoFile, frames_for
 
 
 @dataclass
@@ -81,12 +82,14 @@ def stream_video(
     engines: dict[str, StreamEngine],
     frames_per_chunk: int = 2,
 ) -> Iterator[StreamStep]:
-    """Stream ``video`` into every engine through one :class:`EngineGroup`; yields after each chunk."""
+    """Stream ``video`` into every engine through one :class:`EngineGroup`; yields after each chunk. Frames not on
+    ``model``'s grid (a video opened for no model, or for another family) are resized as its family does
+    (:func:`~kvdemo.video.frames_for`); frames already on it pass unchanged."""
     group = EngineGroup(model, engines, video.fps)
     parts = video.chunks(frames_per_chunk)
     current = next(parts, None)
     while current is not None:
         following = next(parts, None)  # decoded ahead by one part, so the last one flushes an odd frame
         _, frames, times = current
-        yield from group.push(frames, times, flush=following is None, total=video.num_frames)
+        yield from group.push(frames_for(frames, model.geometry), times, flush=following is None, total=video.num_frames)
         current = following

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from .attention import MemoryCache
+from .chunk import VisualChunk
 from .memory import KVMemory
-from .models.base import VisualChunk
-from .models.qwen2_vl import mrope_positions
+from .models.catalog import DEFAULT_REAL_MODEL, families
 
 #: Qwen2.5-VL-7B's language model cache geometry, and InfiniPot-V's budget.
 QWEN7B_SHAPE = dict(num_layers=28, num_kv_heads=4, num_heads=28, head_dim=128, budget=6144, keep=4608, grid=(16, 16))
@@ -80,7 +80,14 @@ def append_random(memory: KVMemory, chunk: VisualChunk, generator: torch.Generat
         shape = (1, store.keys.shape[1], chunk.num_tokens, store.keys.shape[-1])
         dtype = store.keys.dtype
         layer.update(torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype))
-    memory.commit_append(chunk, mrope_positions(chunk.grid, chunk.row, chunk.col, PREFIX_TOKENS, 1.0, 2.0))
+    memory.commit_append(chunk, synthetic_positions(chunk, PREFIX_TOKENS))
+
+
+def synthetic_positions(chunk: VisualChunk, start: int) -> torch.Tensor:
+    """Positions ``[3, n]`` of ``chunk``'s tokens after ``start`` tokens, as the default real model's family puts
+    them (its spec's ``synthetic_positions``: no model needed)."""
+    spec = next(spec for spec in families().values() if DEFAULT_REAL_MODEL in spec.checkpoints)
+    return spec.synthetic_positions(chunk, start)
 
 
 def synthetic_chunk(first_grid: int, grids: int, grid: tuple[int, int]) -> VisualChunk:

@@ -1,8 +1,11 @@
 """Video in: decoding, fps sampling, resizing as the model's family does (its :class:`~kvdemo.geometry.FrameGeometry`),
 chunking; writing a clip (tests, examples).
 
-Frames leave this module as uint8 arrays ``[T, H, W, 3]`` already resized to the model's grid, so every
-engine and every view shares one exact pixel grid.
+Frames are sized by the model that will watch them: ``load_video(path, fps, model=model)`` (or ``geometry=`` for
+a pixel range of one's own) gives uint8 arrays ``[T, H, W, 3]`` already on that model's grid, so every engine and
+every view shares one exact pixel grid. Opened for no model, frames keep the source's size (right for nothing in
+particular: :func:`kvdemo.streaming.stream_video` sizes them for the model it streams into). No family's size is
+ever assumed here.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
 
-from .geometry import QWEN2_GEOMETRY, FrameGeometry
+from .geometry import FrameGeometry
 
 #: Largest decoded frame we accept before resizing (a 16K frame costs ~0.8 GB per frame to decode).
 MAX_SOURCE_PIXELS = 8192 * 8192
@@ -26,7 +30,7 @@ class VideoError(ValueError):
     """A video could not be used; the message names the file and says why."""
 
 
-def resize_frames(frames: np.ndarray, geometry: FrameGeometry = QWEN2_GEOMETRY) -> np.ndarray:
+def resize_frames(frames: np.ndarray, geometry: FrameGeometry) -> np.ndarray:
     """Resize uint8 frames ``[T, H, W, 3]`` to the size ``geometry`` gives them (its family's own rule), bicubic
     and antialiased as the families' video processors resize."""
     import torch  # deferred on purpose: opening and checking a file stays quick (the CLI fails fast)
@@ -44,11 +48,22 @@ def resize_frames(frames: np.ndarray, geometry: FrameGeometry = QWEN2_GEOMETRY) 
     return resized.permute(0, 2, 3, 1).contiguous().numpy()
 
 
+def frames_for(frames: np.ndarray, geometry: FrameGeometry) -> np.ndarray:
+    """``frames [T, H, W, 3]`` as a model of ``geometry`` takes them: unchanged when already on its grid (whatever
+    pixel range they were sized with, e.g. a user's own), else resized by its family's rule."""
+    try:
+        geometry.check_size((int(frames.shape[1]), int(frames.shape[2])))
+        return frames
+    except ValueError:
+        return resize_frames(frames, geometry)
+
+
 @dataclass
 class Video:
     """Sampled, resized frames of one stream.
 
-    frames: uint8 ``[N, H, W, 3]`` (H, W multiples of 28); times_s: ``[N]`` stream time of each frame.
+    frames: uint8 ``[N, H, W, 3]`` (sized for the model it was opened for, or the source's size when opened for
+    none); times_s: ``[N]`` stream time of each frame.
     """
 
     frames: np.ndarray
@@ -92,7 +107,7 @@ class Video:
         index = np.minimum(np.floor(np.arange(count) / fps * self.fps + 1e-9).astype(int), self.num_frames - 1)
         return dataclasses.replace(self, frames=self.frames[index], times_s=self.times_s[index], fps=float(fps))
 
-    def resized(self, geometry: FrameGeometry = QWEN2_GEOMETRY) -> "Video":
+    def resized(self, geometry: FrameGeometry) -> "Video":
         """The frames resized as ``geometry`` sizes them (itself when already there)."""
         frames = resize_frames(self.frames, geometry)
         return self if frames is self.frames else dataclasses.replace(self, frames=frames)
@@ -138,8 +153,8 @@ class VideoFile:
 
     Sampling takes, for each time ``k / fps``, the frame shown then (within half a source frame); a
     target whose frame cannot be decoded counts in ``lost_frames``. Sampling faster than the source
-    takes every frame (``fps`` becomes the source rate). A file that is not a readable video raises
-    :class:`VideoError` naming it.
+    takes every frame (``fps`` becomes the source rate). Frames are resized as ``geometry`` says (a model's), or
+    kept at the source's size without one. A file that is not a readable video raises :class:`VideoError` naming it.
     """
 
     def __init__(
@@ -147,7 +162,7 @@ class VideoFile:
         path: str | Path,
         fps: float = 2.0,
         max_frames: int | None = None,
-        geometry: FrameGeometry = QWEN2_GEOMETRY,
+        geometry: FrameGeometry | None = None,
     ) -> None:
         path = Path(path)
         if not path.exists():
@@ -176,7 +191,7 @@ class VideoFile:
         if height * width > MAX_SOURCE_PIXELS:
             raise VideoError(f"{path.name}: frames of {width}x{height} are too large (limit {MAX_SOURCE_PIXELS} px)")
         try:
-            self.size = geometry.frame_size(height, width)
+            self.size = geometry.frame_size(height, width) if geometry is not None else self.source_size
         except ValueError as exc:
             raise VideoError(f"{path.name}: {exc}") from None
         self.fps = float(min(fps, self.source_fps) if self.source_fps > 0 else fps)
@@ -230,8 +245,8 @@ class VideoFile:
             raise VideoError(f"{self.path.name}: none of the sampled frames could be decoded (damaged file)")
 
     def _resized(self, frames: list[tuple[np.ndarray, float]]) -> list[tuple[np.ndarray, float]]:
-        if not frames:
-            return []
+        if not frames or self.geometry is None:
+            return frames
         resized = resize_frames(np.stack([f for f, _ in frames]), self.geometry)
         return list(zip(resized, (t for _, t in frames)))
 
@@ -329,20 +344,39 @@ def open_video(
     path: str | Path,
     fps: float = 2.0,
     max_frames: int | None = None,
-    geometry: FrameGeometry = QWEN2_GEOMETRY,
+    model: Any = None,
+    geometry: FrameGeometry | None = None,
 ) -> VideoFile:
-    """Open ``path`` for streaming (see :class:`VideoFile`); frames are sized as ``geometry`` (a model's) says."""
-    return VideoFile(path, fps, max_frames, geometry)
+    """Open ``path`` for streaming (see :class:`VideoFile`): frames sized as ``model`` (a loaded model: its
+    ``geometry``) sizes them, or as an explicit ``geometry`` says (e.g. ``model.geometry.with_pixels(...)``); with
+    neither, at the source's size."""
+    return VideoFile(path, fps, max_frames, frame_geometry(model, geometry))
 
 
 def load_video(
     path: str | Path,
     fps: float = 2.0,
     max_frames: int | None = None,
-    geometry: FrameGeometry = QWEN2_GEOMETRY,
+    model: Any = None,
+    geometry: FrameGeometry | None = None,
 ) -> Video:
-    """Decode ``path``, sample at ``fps``, resize as ``geometry`` (a model's) says, all in memory."""
-    return open_video(path, fps, max_frames, geometry).load()
+    """Decode ``path``, sample at ``fps``, size frames for ``model`` (or ``geometry``; see :func:`open_video`), all
+    in memory."""
+    return open_video(path, fps, max_frames, model, geometry).load()
+
+
+def frame_geometry(model: Any = None, geometry: FrameGeometry | None = None) -> FrameGeometry | None:
+    """The geometry frames are sized with: ``geometry`` if given, else ``model.geometry``, else None (source size)."""
+    if geometry is not None and not isinstance(geometry, FrameGeometry):
+        raise TypeError(f"geometry must be a FrameGeometry (a model's .geometry), got {type(geometry).__name__}")
+    if geometry is not None and model is not None:
+        raise ValueError("size frames by the model or by a geometry, not both (model.geometry.with_pixels(...) "
+                         "gives the model's geometry with a pixel range of your own)")
+    if geometry is None and model is not None:
+        geometry = getattr(model, "geometry", None)
+        if not isinstance(geometry, FrameGeometry):
+            raise TypeError(f"model must be a loaded model (load_model(...)), got {type(model).__name__}")
+    return geometry
 
 
 def _first_line(exc: Exception, path: Path | None = None) -> str:

@@ -30,16 +30,17 @@ def media() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny():
-    from kvdemo.models.tiny import build_tiny_model
+    from kvdemo.models.qwen2_vl import build_tiny_model
 
     return build_tiny_model()
 
 
 @pytest.fixture(scope="session")
-def pancake(media):
+def pancake(media, tiny):
+    """The real clip at 2 fps, frames sized for the random tiny model (Qwen's video defaults: 252 x 420)."""
     from kvdemo.video import load_video
 
-    return load_video(media / "flipping_a_pancake.mkv", fps=2.0)
+    return load_video(media / "flipping_a_pancake.mkv", fps=2.0, model=tiny)
 
 
 @pytest.fixture

@@ -25,7 +25,8 @@ from transformers.video_utils import VideoMetadata
 from kvdemo.engine import StreamEngine
 from kvdemo.streaming import EngineGroup, stream_video
 from kvdemo.models.catalog import OFFLINE_MODELS
-from kvdemo.models.tiny_random import TOKEN_ID, build_random_model, byte_tokenizer
+from kvdemo.models.loading import load_model
+from kvdemo.models.tiny_random import TOKEN_ID, byte_tokenizer
 from kvdemo.policies import policy_names
 from kvdemo.video import load_video, resize_frames
 
@@ -36,12 +37,12 @@ FPS = 2.0
 
 @pytest.fixture(scope="module")
 def models():
-    return {name: build_random_model(name) for name in FAMILIES}
+    return {name: load_model(name) for name in FAMILIES}
 
 
 def stream_frames(model, count: int = 6) -> np.ndarray:
     """``count`` random frames already on the family's grid (the same for every run)."""
-    size = model.geometry.fixed_size or {"qwen2-vl": (224, 336), "qwen3-vl": (192, 320)}[model.geometry.rule]
+    size = model.geometry.fixed_size or {28: (224, 336), 32: (192, 320)}[model.geometry.factor]
     return np.random.default_rng(7).integers(0, 255, (count, *size, 3), dtype=np.uint8)
 
 
@@ -235,7 +236,8 @@ def test_pixels_equal_the_familys_video_processor(models, name):
         if model.family.startswith("qwen3"):
             processor = Qwen3VLVideoProcessor(size={"shortest_edge": 2 * geometry.min_pixels, "longest_edge": 2 * geometry.max_pixels})
         else:
-            processor = type(model.processor)()
+            # The checkpoints' own preprocessor configs normalise with SigLIP's 0.5 (the class defaults to CLIP's).
+            processor = type(model.processor)(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     theirs = processor(videos=[video_tensor(raw)], do_sample_frames=False, return_tensors="pt",
                        **({} if model.family == "llava_onevision" else {"cap_pixels_per_frame": False}))
     assert ours.shape == theirs["pixel_values_videos"].shape
@@ -261,7 +263,7 @@ def state_of(engine: StreamEngine) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def clips(models, media):
-    return {name: load_video(media / "flipping_a_pancake.mkv", fps=1.0, geometry=models[name].geometry) for name in FAMILIES}
+    return {name: load_video(media / "flipping_a_pancake.mkv", fps=1.0, model=models[name]) for name in FAMILIES}
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kvdemo.models.base import VisualChunk
+from kvdemo.chunk import VisualChunk
 from kvdemo.models.qwen2_vl import mrope_positions
 from kvdemo.models.tiny import ByteTokenizer
 
@@ -127,7 +127,7 @@ def test_chunked_encoding_equals_whole_clip(tiny, pancake):
 def test_tiny_model_is_the_transformers_class_and_deterministic(tiny):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from kvdemo.models.tiny import build_tiny_model
+    from kvdemo.models.qwen2_vl import build_tiny_model
 
     assert isinstance(tiny.hf, Qwen2_5_VLForConditionalGeneration)
     assert tiny.random_weights

@@ -144,3 +144,53 @@ def test_nothing_outside_the_policies_names_a_policy(scope):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
                 offenders += [f"{relative}:{node.lineno}: {name!r}" for name in names if name in node.value]
     assert offenders == []
+
+
+#: Modules below the model families (the cache core, and the chunk a family makes for it): none of them imports
+#: ``kvdemo.models``, even through another module, so no arrow runs back up from the memory to the models.
+BELOW_THE_MODELS = ("kvdemo.chunk", "kvdemo.geometry", "kvdemo.memory", "kvdemo.layer", "kvdemo.attention",
+                    "kvdemo.offload", "kvdemo.budget")
+
+
+def test_the_cache_core_sits_below_the_models():
+    known = modules()
+    graph = {name: imported(name, path, set(known)) for name, path in known.items()}
+    upward = {}
+    for start in BELOW_THE_MODELS:
+        reached, frontier = set(), [start]
+        while frontier:
+            for nxt in graph[frontier.pop()] - reached:
+                reached.add(nxt)
+                frontier.append(nxt)
+        upward[start] = sorted(name for name in reached if name == "kvdemo.models" or name.startswith("kvdemo.models."))
+    assert upward == {name: [] for name in BELOW_THE_MODELS}
+
+
+#: Modules outside kvdemo/models that may name a model family, and why.
+NAMES_A_FAMILY = {
+    "training.py": "it trains the offline tiny model, a Qwen2.5-VL: that family by definition",
+}
+
+
+def test_nothing_outside_the_models_names_a_family():
+    """Outside ``kvdemo/models`` code neither imports a family's file nor names a family's model type or offline
+    model: what a family is reaches the rest through its spec (``kvdemo.models.catalog``)."""
+    from kvdemo.models.catalog import families
+
+    specs = set(families().values())
+    files = {spec.load.__module__ for spec in specs}
+    names = {t for spec in specs for t in spec.model_types} | {m.name for spec in specs for m in spec.offline
+                                                                 if m.name.startswith("tiny-random-")}
+    known = modules()
+    offenders = []
+    for module, path in sorted(known.items()):
+        relative = str(path.relative_to(PACKAGE))
+        if relative.startswith("models/") or relative in NAMES_A_FAMILY:
+            continue
+        offenders += [f"{relative}: imports {target}" for target in sorted(imported(module, path, set(known)) & files)]
+        tree = ast.parse(path.read_text())
+        skip = docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+                offenders += [f"{relative}:{node.lineno}: {name!r}" for name in sorted(names) if name in node.value]
+    assert offenders == []

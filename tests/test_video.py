@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvdemo.synthetic import synthetic_video
-from kvdemo.geometry import QWEN2_GEOMETRY
+from kvdemo.models.catalog import geometry_for
 from kvdemo.video import (
     VideoError,
     load_video,
@@ -13,6 +13,10 @@ from kvdemo.video import (
     sample_count,
     write_video,
 )
+
+#: Qwen2-VL / Qwen2.5-VL's video defaults per frame (128 to 768 merged tokens of 28 x 28 pixels), as the random tiny
+#: model declares them.
+QWEN2_GEOMETRY = geometry_for("tiny-random")
 
 
 @pytest.mark.parametrize(
@@ -25,7 +29,7 @@ from kvdemo.video import (
     ],
 )
 def test_frames_are_sized_by_the_familys_own_rule(size, expected):
-    """A video opened without a model is sized as Qwen2-VL / Qwen2.5-VL's video processor sizes frames."""
+    """Frames for a Qwen2-VL / Qwen2.5-VL model are sized as its video processor sizes them."""
     assert QWEN2_GEOMETRY.frame_size(*size) == expected
 
 
@@ -35,7 +39,7 @@ def test_impossible_shapes_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match="min_pixels"):
         dataclasses.replace(QWEN2_GEOMETRY, min_pixels=10_000, max_pixels=100).frame_size(100, 100)
     with pytest.raises(VideoError, match="aspect ratio"):
-        resize_frames(np.zeros((1, 2, 500, 3), np.uint8))
+        resize_frames(np.zeros((1, 2, 500, 3), np.uint8), QWEN2_GEOMETRY)
 
 
 def test_sample_count_follows_duration():
@@ -106,7 +110,7 @@ def test_decoded_frames_equal_decords(media, pancake):
     """The sampled frames are exactly decord's frames at the same indices (then resized)."""
     from kvdemo.video import resize_frames
 
-    expected = resize_frames(native_frames(media / "flipping_a_pancake.mkv", range(0, 300, 15)))
+    expected = resize_frames(native_frames(media / "flipping_a_pancake.mkv", range(0, 300, 15)), QWEN2_GEOMETRY)
     np.testing.assert_array_equal(pancake.frames, expected)
 
 
@@ -129,11 +133,11 @@ def test_pixel_values_match_transformers_video_processor(pancake, media):
 def test_streamed_decoding_matches_loading_and_counts_damage(media):
     from kvdemo.video import open_video
 
-    source = open_video(media / "flipping_a_pancake.mkv", fps=2.0)
+    source = open_video(media / "flipping_a_pancake.mkv", fps=2.0, geometry=QWEN2_GEOMETRY)
     assert source.num_frames == 20 and source.size == (252, 420)
     parts = list(source.chunks(frames_per_chunk=3, batch=4))
     assert [len(f) for _, f, _ in parts] == [3] * 6 + [2]
-    whole = load_video(media / "flipping_a_pancake.mkv", fps=2.0)
+    whole = load_video(media / "flipping_a_pancake.mkv", fps=2.0, geometry=QWEN2_GEOMETRY)
     np.testing.assert_array_equal(np.concatenate([f for _, f, _ in parts]), whole.frames)
     np.testing.assert_allclose(np.concatenate([t for _, _, t in parts]), whole.times_s)
     damaged = open_video(media / "corrupted.mp4", fps=2.0)

@@ -79,7 +79,7 @@ def test_an_engine_continues_a_stream_in_the_worker_exactly(emulate, tiny, panca
     """Half the clip in the main process, the rest in an emulated GPU call that gets the engine pickled
     (no model) and returns it: the memory equals an engine that never left, and torch runs in the fork."""
     from kvdemo.engine import FrameStream, StreamEngine
-    from kvdemo.models.tiny import build_tiny_model
+    from kvdemo.models.qwen2_vl import build_tiny_model
 
     stream = FrameStream(tiny, 2.0)
     chunks = [stream.push(pancake.frames[i : i + 2]) for i in range(0, 20, 2)]

@@ -14,7 +14,7 @@ import numpy as np
 from .. import viz
 from ..coverage import coverage
 from ..policies import REGISTRY
-from ..models.catalog import FAMILY_CAVEATS, TRAINED_NOTICE, VERIFIED, family_of, offline_model
+from ..models.catalog import TRAINED_NOTICE, caveat_for, family_of, family_spec, offline_model
 from ..views import View
 from .sessions import CACHE_TTL_S, Session
 from .settings import policy_label
@@ -278,14 +278,14 @@ def finish(state: Session, view: ViewChoice) -> dict[str, Any]:
 
 def banner_html(model_name: str | None) -> str:
     """What the page says over the settings about model ``name``: for an offline tiny model what its answers are
-    worth, and for a family with a caveat in a streaming memory (Qwen3.5, LLaVA-OneVision) that caveat ('' if
-    neither)."""
+    worth, and for a family whose spec has a caveat about a streaming memory that caveat ('' if neither)."""
     offline = offline_model(model_name)
-    caveat = FAMILY_CAVEATS.get(family_of(model_name) or "")
+    caveat = caveat_for(family_of(model_name))
     lines = []
     if offline is not None:
         advice = ("Run the bundled sample and ask about it; on other videos its answers mean little."
-                  if offline.notice == TRAINED_NOTICE else f"Its family ({offline.family}) is verified here on {VERIFIED[offline.family]}.")
+                  if offline.notice == TRAINED_NOTICE
+                  else f"Its family ({family_spec(offline.family).name}) is verified here on {family_spec(offline.family).verified}.")
         lines.append(f"⚠️ {offline.notice} {advice} Choose a real checkpoint on a GPU machine for meaningful answers "
                      "about real videos.")
     if caveat:

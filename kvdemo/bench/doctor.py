@@ -28,7 +28,7 @@ from ..attention import fused_needs_expanded_kv, grouped_sdpa
 from ..budget import Budget
 from ..emulated_device import DEVICE as EMULATED, EmulatedDevice
 from ..engine import StreamEngine
-from ..models.catalog import OFFLINE_MODELS
+from ..models.catalog import OFFLINE_MODELS, families
 from ..models.loading import load_model
 from ..policies import make_policy, policy_names
 from ..synthetic import sample_episode
@@ -36,8 +36,11 @@ from ..testing import QWEN3B_SHAPE, QWEN7B_SHAPE, qwen7b_rotation, synthetic_mem
 from .passes import time_pass
 
 QUESTION = "What colour was the circle?"
-#: The CI's small matrix: the trained tiny model and one random model per newer family.
-QUICK_MODELS = ("tiny", "tiny-random-qwen3-vl", "tiny-random-qwen3.5", "tiny-random-llava-ov")
+
+
+def quick_models() -> list[str]:
+    """The CI's small matrix: the first offline model of every family (the trained tiny model for its own)."""
+    return [spec.offline[0].name for spec in dict.fromkeys(families().values()) if spec.offline]
 
 
 def _digest(engine: StreamEngine) -> str:
@@ -217,7 +220,7 @@ def doctor(device_name: str = "auto", models: list[str] | None = None, frames: i
     print("\nlayers split across two devices (layer 0 on the host):")
     print(_table(report["split"], [("policy        ", "policy", "<14"), ("devices        ", "devices", "<15"),
                                    ("same tokens", "same_tokens", ""), ("error", "error", "")]))
-    report["models"] = model_matrix(list(models or QUICK_MODELS), device, frames)
+    report["models"] = model_matrix(list(models or quick_models()), device, frames)
     print(f"\nevery policy x model on {device}, {frames} frames of the bundled sample, M = half the full cache's tokens:")
     print(_table(report["models"], MATRIX_COLUMNS))
     if real_shapes:

@@ -17,11 +17,11 @@ from ..budget import Budget
 from ..engine import StreamEngine
 from ..streaming import stream_video
 from ..memory import KVMemory
-from ..models.qwen2_vl import mrope_positions
-from ..models.tiny import build_tiny_model
+from ..models.catalog import TINY_RANDOM_NAME
+from ..models.loading import load_model
 from ..policies import BASELINES, Policy, Probed, make_policy
 from ..synthetic import synthetic_video
-from ..testing import QWEN7B_SHAPE, synthetic_chunk, synthetic_memory, synthetic_probe
+from ..testing import QWEN7B_SHAPE, synthetic_chunk, synthetic_memory, synthetic_positions, synthetic_probe
 
 
 
@@ -95,7 +95,7 @@ def time_append(memory: KVMemory, grid: tuple[int, int], repeats: int) -> dict[s
     n = chunk.num_tokens
     views = memory.views()
     keys = [torch.randn(1, v.num_heads, n, v.keys.shape[-1]).to(v.keys.dtype) for v in views]
-    positions = mrope_positions(chunk.grid, chunk.row, chunk.col, memory.prefix_len, 1.0, 2.0)
+    positions = synthetic_positions(chunk, memory.prefix_len)
     ours, theirs = [], []
     full = [(k[None], v[None]) for k, v in zip(memory.keys, memory.values)]
     with torch.inference_mode():
@@ -188,7 +188,7 @@ def append_table(appends: dict[str, dict[str, Any]]) -> str:
 def stream_benchmark(policy: Policy, frames: int, budget: Budget) -> dict[str, Any]:
     """Stream a synthetic video through ``full`` and ``policy`` under ``budget`` on the tiny model (one shared
     encoding)."""
-    model = build_tiny_model()
+    model = load_model(TINY_RANDOM_NAME)
     video = synthetic_video(num_frames=frames, height=224, width=336, fps=2.0, seed=1)
     engines = {
         "full": StreamEngine(model, "full", fps=video.fps),

@@ -19,7 +19,8 @@ from ..budget import Budget
 from ..engine import StreamEngine
 from ..streaming import stream_video
 from ..memory import KVMemory
-from ..models.tiny import build_tiny_model
+from ..models.catalog import TINY_RANDOM_NAME
+from ..models.loading import load_model
 from ..policies import DEFAULT_POLICY, Policy, Probed, SummaryRegion, make_policy
 from ..synthetic import synthetic_video
 from ..testing import PREFIX_TOKENS, QWEN7B_SHAPE, append_random, qwen7b_rotation, synthetic_chunk, synthetic_memory, synthetic_probe
@@ -193,7 +194,7 @@ def decode_benchmark(policy: Policy, stream_tokens: int = 24576, budget_share: f
 def tiny_decode_benchmark(policy: Policy, frames: int = 240, budget_share: float = 0.1, tokens: int = 32) -> dict[str, Any]:
     """The tiny model end to end: a synthetic stream into ``full`` and ``policy`` at ``budget_share`` of the
     stream's visual tokens, then one answer each; decode ms per token (after the first token)."""
-    model = build_tiny_model()
+    model = load_model(TINY_RANDOM_NAME)
     video = synthetic_video(num_frames=frames, height=224, width=336, fps=2.0, seed=1)
     per_grid = (224 // 28) * (336 // 28)
     total = frames // 2 * per_grid

@@ -18,9 +18,10 @@ import torch
 from transformers import AutoTokenizer, AutoVideoProcessor
 
 from ..attention import ATTN_IMPLEMENTATION
-from ..zerogpu import on_zerogpu
-from .base import FrameGeometry, VisualChunk
+from ..chunk import VisualChunk
 from ..dialogue import MAX_DIALOGUE_TOKENS
+from ..zerogpu import on_zerogpu
+from .base import FrameGeometry
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 

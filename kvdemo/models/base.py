@@ -1,8 +1,9 @@
 """What the engine needs of a model family, and nothing it must know about one.
 
-A family is an adapter file (:mod:`.qwen2_vl`, :mod:`.qwen3_vl`, :mod:`.qwen3_5`, :mod:`.llava_onevision`)
-behind :class:`VideoLM`: it turns frames into a chunk (the tokens a temporal grid puts in the sequence: visual
-tokens, and the text the stream itself carries around them), gives every token its position through a
+A family is one file (:mod:`.qwen2_vl`, :mod:`.qwen3_vl`, :mod:`.qwen3_5`, :mod:`.llava_onevision`): its spec
+(:mod:`.spec`: what the rest of kvdemo knows of it) and its adapter behind :class:`VideoLM`. The adapter turns
+frames into a chunk (the tokens a temporal grid puts in the sequence: visual tokens, and the text the stream
+itself carries around them; :class:`~kvdemo.chunk.VisualChunk`), gives every token its position through a
 cursor (:class:`Cursor`, pickled with the memory), embeds the prefix and a question, runs the language model
 on a given cache, and rotates keys (for policies that keep keys before RoPE). How frames are sized is a
 :class:`FrameGeometry`, known before any weight loads. Models know nothing of policies.
@@ -10,63 +11,17 @@ on a given cache, and rotates keys (for policies that keep keys before RoPE). Ho
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from ..chunk import VisualChunk
 from ..geometry import FrameGeometry
 
 
 class ModelError(ValueError):
     """A model could not be loaded or used; the message says which and why."""
-
-
-@dataclass
-class VisualChunk:
-    """What one chunk of frames puts in the sequence, encoded once and shared by every engine watching the stream.
-
-    embeds: ``[n, d_model]`` every token of the chunk in sequence order: visual token embeddings (grid-major,
-    then row-major) and, for a family whose stream carries text (Qwen3-VL's timestamps and delimiters), the
-    embeddings of that text around each grid.
-    text: ``[n]`` bool, True for stream-text tokens (None: all visual).
-    grid/row/col: ``[n]`` temporal-grid index in the stream and merged-patch row/col of each token (text: -1).
-    grid_times_s: stream time (s) of the first frame of each temporal grid in this chunk.
-    frames: real sampled frames in the chunk (a padded copy of an odd last frame is not counted).
-    second_per_grid: frames per grid / sampling fps (seconds one temporal grid spans).
-    end_time_s: stream time (s) of the newest real frame in the chunk.
-    extras: what the family's forward needs besides the embeddings (Qwen3-VL's DeepStack features).
-    """
-
-    embeds: torch.Tensor
-    grid: torch.Tensor
-    row: torch.Tensor
-    col: torch.Tensor
-    first_grid: int
-    num_grids: int
-    rows: int
-    cols: int
-    grid_times_s: list[float]
-    frames: int
-    second_per_grid: float
-    end_time_s: float = 0.0
-    encode_ms: float = 0.0
-    text: torch.Tensor | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def num_tokens(self) -> int:
-        """Every token of the chunk (visual and stream text): what it adds to the memory."""
-        return int(self.embeds.shape[0])
-
-    @property
-    def visual_tokens(self) -> int:
-        return self.num_tokens - (int(self.text.sum()) if self.text is not None else 0)
-
-    @property
-    def tokens_per_grid(self) -> int:
-        return self.rows * self.cols
 
 
 class Cursor(Protocol):

@@ -1,105 +1,85 @@
-"""What a model name means before anything loads (no transformers here, so the CLI checks a budget against a
-chunk of the user's video without loading a model): the offline models (their family, how they size frames,
-what their answers are worth), what ``auto`` resolves to, the real checkpoints the app offers, and each name's
-:class:`~kvdemo.models.base.FrameGeometry`.
+"""What a model name means before its weights load: the families (each declared by one spec in its own file,
+:mod:`.spec`, found here by looking through this package), the offline models, what ``auto`` resolves to, the real
+checkpoints the app offers, and each name's :class:`~kvdemo.geometry.FrameGeometry` and starting budget.
+
+Importing this module is light (the CLI checks its arguments first); the family files, which import
+transformers, are imported the first time a family is asked for.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass
-from types import ModuleType
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from .base import FrameGeometry, ModelError
+from ..geometry import FrameGeometry
+from .base import ModelError
+from .spec import RANDOM_WEIGHTS_NOTICE, TINY_NAME, TINY_RANDOM_NAME, TRAINED_NOTICE, FamilySpec, OfflineModel
+
+__all__ = ["DEFAULT_REAL_MODEL", "RANDOM_WEIGHTS_NOTICE", "TINY_NAME", "TINY_RANDOM_NAME", "TRAINED_NOTICE", "FamilySpec",
+           "OfflineModel", "caveat_for", "checkpoint_config", "default_budget", "families", "family_of", "family_spec",
+           "geometry_for", "notice_for", "offline_model", "register_family", "resolve_model_name"]
 
 #: The real model ``auto`` means on a machine with a CUDA GPU.
 DEFAULT_REAL_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
-TINY_NAME = "tiny"
-TINY_RANDOM_NAME = "tiny-random"
-RANDOM_WEIGHTS_NOTICE = (
-    "Answers come from the offline tiny model with random weights: they show the mechanics, not understanding."
-)
-TRAINED_NOTICE = "A tiny model trained on synthetic streams: it knows shapes and colours, nothing else."
-#: The trained model's pixel range: 112 x 112 frames stay as they are (16 tokens per pair); other aspect
-#: ratios resize to about as many pixels (e.g. 16:9 and 4:3 -> 84 x 140, 15 tokens).
-TRAINED_MIN_PIXELS = 112 * 112
-TRAINED_MAX_PIXELS = 20 * 28 * 28
-#: Qwen's per-frame video bounds (Qwen2-VL / Qwen2.5-VL: 28-px tokens; Qwen3-VL / Qwen3.5: 32-px tokens).
-QWEN2_PIXELS = (128 * 28 * 28, 768 * 28 * 28)
-QWEN3_PIXELS = (128 * 32 * 32, 768 * 32 * 32)
-#: The offline random-weight models of the new families use small frames (16 to 64 tokens a frame), so a CPU
-#: streams the real clip through them in seconds.
-SMALL_QWEN3_PIXELS = (16 * 32 * 32, 64 * 32 * 32)
-#: At most this many tokens of stream text per grid with the byte tokenizer (``<99999.9 seconds>``, 17 bytes,
-#: plus ``<|vision_start|>`` and ``<|vision_end|>``); real tokenizers need fewer.
-BYTE_TEXT_PER_GRID = 19
+
+_FAMILIES: dict[str, FamilySpec] = {}  # config.model_type -> its family's spec
+#: What marks a family file of this package: it declares its spec at the top level (``SPEC = FamilySpec(...)``).
+FAMILY_FILE_MARK = "\nSPEC = FamilySpec("
+_DISCOVERED = False
 
 
-@dataclass(frozen=True)
-class OfflineModel:
-    """An offline model: its family, how it sizes frames, what its answers are worth, and the budget ``(M, C)``
-    the app starts it with (one that compresses visibly within the bundled sample or the real test clip)."""
-
-    family: str
-    geometry: FrameGeometry
-    notice: str
-    budget: tuple[int, int] = (1024, 768)
-
-
-OFFLINE_MODELS: dict[str, OfflineModel] = {
-    # M = 96 holds 12 s of the 40 s sample (16 tokens per frame pair); M - C = 24 holds a chunk at its max pixels.
-    TINY_NAME: OfflineModel("qwen2_5_vl", FrameGeometry("qwen2-vl", 28, 2, TRAINED_MIN_PIXELS, TRAINED_MAX_PIXELS),
-                            TRAINED_NOTICE, (96, 72)),
-    TINY_RANDOM_NAME: OfflineModel("qwen2_5_vl", FrameGeometry("qwen2-vl", 28, 2, *QWEN2_PIXELS), RANDOM_WEIGHTS_NOTICE),
-    "tiny-random-qwen2-vl": OfflineModel("qwen2_vl", FrameGeometry("qwen2-vl", 28, 2, *QWEN2_PIXELS), RANDOM_WEIGHTS_NOTICE),
-    "tiny-random-qwen3-vl": OfflineModel("qwen3_vl", FrameGeometry("qwen3-vl", 32, 2, *SMALL_QWEN3_PIXELS,
-                                                                    text_per_grid=BYTE_TEXT_PER_GRID), RANDOM_WEIGHTS_NOTICE,
-                                        (320, 224)),
-    "tiny-random-qwen3.5": OfflineModel("qwen3_5", FrameGeometry("qwen3-vl", 32, 2, *SMALL_QWEN3_PIXELS,
-                                                                  text_per_grid=BYTE_TEXT_PER_GRID), RANDOM_WEIGHTS_NOTICE,
-                                       (320, 224)),
-    "tiny-random-llava-ov": OfflineModel("llava_onevision", FrameGeometry("fixed", 27, 1, 384 * 384, 384 * 384, fixed_size=(384, 384),
-                                                                          fixed_grid=(14, 14)), RANDOM_WEIGHTS_NOTICE,
-                                        (1568, 1176)),
-}
-#: The budget ``(M, C)`` the app starts a real checkpoint of each family with (InfiniPot-V's 6144 / 4608; for
-#: LLaVA-OneVision 32 / 24 frames of 196 tokens).
-FAMILY_BUDGETS = {"qwen2_vl": (6144, 4608), "qwen2_5_vl": (6144, 4608), "qwen3_vl": (6144, 4608), "qwen3_5": (6144, 4608),
-                  "llava_onevision": (6272, 4704)}
-#: Real checkpoints the app lists (any other id or local folder of these families loads too).
-REAL_MODELS = (
-    "Qwen/Qwen2.5-VL-3B-Instruct",
-    "Qwen/Qwen2.5-VL-7B-Instruct",
-    "Qwen/Qwen2-VL-2B-Instruct",
-    "Qwen/Qwen3-VL-2B-Instruct",
-    "Qwen/Qwen3-VL-8B-Instruct",
-    "Qwen/Qwen3.5-2B",
-    "llava-hf/llava-onevision-qwen2-0.5b-ov-hf",
-    "llava-hf/llava-onevision-qwen2-7b-ov-hf",
-)
-#: What each family was checked against, and how (the README's table; the tests say the same).
-VERIFIED = {
-    "qwen2_5_vl": "trained tiny model and random weights, CPU: chunked prefill = transformers' forward; real clip",
-    "qwen2_vl": "random weights, CPU: positions, pixels, chunked prefill = transformers' forward; real clip",
-    "qwen3_vl": "random weights, CPU: positions = get_rope_index, pixels, DeepStack, chunked prefill = forward; real clip",
-    "qwen3_5": "random weights, CPU: linear-state fork exact, chunked prefill = forward; real clip",
-    "llava_onevision": "random weights, CPU: pooled provenance, newline once, chunked prefill = forward; real clip",
-}
+def register_family(spec: FamilySpec) -> FamilySpec:
+    """Add a family (its file's ``SPEC`` is registered this way when the package is looked through; a plugin or
+    a test may register one itself). A model type or offline model name that another family already has is a
+    :class:`ModelError`."""
+    taken = set(_FAMILIES) & set(spec.model_types)
+    names = {m.name for known in set(_FAMILIES.values()) if known is not spec for m in known.offline}
+    clash = names & {m.name for m in spec.offline}
+    if any(_FAMILIES[t] is not spec for t in taken) or clash:
+        raise ModelError(f"family {spec.name!r} clashes with a registered one: {sorted(taken | clash)}")
+    for model_type in spec.model_types:
+        _FAMILIES[model_type] = spec
+    return spec
 
 
-#: What a user must know about a family in a streaming memory (the app's banner and the CLI say it).
-FAMILY_CAVEATS = {
-    "qwen3_5": "Qwen3.5: only its full-attention layers (one in four) hold tokens, so the budget, eviction and "
-               "heatmaps cover those layers; frames evicted from them keep influencing answers through the "
-               "linear-attention layers' recurrent state.",
-    "llava_onevision": "LLaVA-OneVision: positions grow by 196 a frame and eviction does not give them back, so the "
-                       "stream stops with a message where the model's trained positions end (about 166 frames with "
-                       "a 32K range; kvdemo's rule: kept keys are never re-rotated).",
-}
+def families() -> dict[str, FamilySpec]:
+    """``config.model_type`` -> its family's spec in menu order, every family file of this package registered on
+    first use."""
+    global _DISCOVERED
+    if not _DISCOVERED:
+        for path in sorted(Path(__file__).parent.glob("*.py")):
+            if FAMILY_FILE_MARK not in path.read_text():
+                continue  # not a family file (importing it is not needed to know the families)
+            # deferred on purpose: each family file imports transformers, needed only once a family is asked for
+            module = importlib.import_module(f"{__package__}.{path.stem}")
+            if isinstance(getattr(module, "SPEC", None), FamilySpec):
+                register_family(module.SPEC)
+        _DISCOVERED = True
+    return dict(sorted(_FAMILIES.items(), key=lambda item: item[1].menu_order))
+
+
+def family_spec(model_type: str) -> FamilySpec:
+    """The spec of the family that loads ``model_type`` checkpoints; :class:`ModelError` naming the supported ones."""
+    known = families()
+    if model_type not in known:
+        raise ModelError(f"a {model_type!r} model is not supported; kvdemo supports the families "
+                         f"{', '.join(sorted(known))}")
+    return known[model_type]
+
+
+def __getattr__(name: str) -> Any:
+    """``OFFLINE_MODELS`` (name -> :class:`OfflineModel`) and ``REAL_MODELS`` (checkpoint ids the app lists), read
+    from the registered families each time they are asked for."""
+    if name in ("OFFLINE_MODELS", "REAL_MODELS"):
+        specs = list(dict.fromkeys(families().values()))
+        if name == "OFFLINE_MODELS":
+            return {model.name: model for spec in specs for model in spec.offline}
+        return tuple(dict.fromkeys([DEFAULT_REAL_MODEL, *(c for spec in specs for c in spec.checkpoints)]))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_model_name(name: str | None = None) -> str:
@@ -115,32 +95,14 @@ def resolve_model_name(name: str | None = None) -> str:
 
 def offline_model(name: str | None) -> OfflineModel | None:
     """The offline model ``name`` resolves to, or None for a real checkpoint."""
-    return OFFLINE_MODELS.get(resolve_model_name(name))
+    resolved = resolve_model_name(name)
+    return next((m for spec in families().values() for m in spec.offline if m.name == resolved), None)
 
 
 def notice_for(name: str | None) -> str | None:
     """What the answers of model ``name`` are worth, when that needs saying (None for a real checkpoint)."""
     offline = offline_model(name)
     return offline.notice if offline else None
-
-
-#: ``config.model_type`` -> the adapter module of its family (imported when a checkpoint of it is used: every
-#: adapter imports transformers). Adding a family is adding an adapter file and its line here.
-FAMILY_MODULES = {
-    "qwen2_vl": "kvdemo.models.qwen2_vl",
-    "qwen2_5_vl": "kvdemo.models.qwen2_vl",
-    "qwen3_vl": "kvdemo.models.qwen3_vl",
-    "qwen3_5": "kvdemo.models.qwen3_5",
-    "llava_onevision": "kvdemo.models.llava_onevision",
-}
-
-
-def family_module(model_type: str) -> ModuleType:
-    """The adapter module of ``model_type``'s family (imported here, on purpose, only when one is used)."""
-    if model_type not in FAMILY_MODULES:
-        raise ModelError(f"a {model_type!r} model is not supported; kvdemo supports the families "
-                         f"{', '.join(sorted(FAMILY_MODULES))}")
-    return importlib.import_module(FAMILY_MODULES[model_type])
 
 
 def family_of(name: str | None) -> str | None:
@@ -165,12 +127,13 @@ def checkpoint_config(model_id: str) -> Any:
 
 
 def default_budget(name: str | None) -> tuple[int, int, int]:
-    """``(M, C, max pixels)`` the app starts model ``name`` with."""
+    """``(M, C, max pixels)`` the app starts model ``name`` with (its offline entry's, or its family's)."""
     offline = offline_model(name)
     if offline is not None:
         return (*offline.budget, offline.geometry.max_pixels)
     config = checkpoint_config(resolve_model_name(name))
-    return (*FAMILY_BUDGETS[config.model_type], family_module(config.model_type).geometry(config).max_pixels)
+    spec = family_spec(config.model_type)
+    return (*spec.budget, spec.geometry(config).max_pixels)
 
 
 def geometry_for(name: str | None) -> FrameGeometry:
@@ -179,4 +142,10 @@ def geometry_for(name: str | None) -> FrameGeometry:
     if offline is not None:
         return offline.geometry
     config = checkpoint_config(resolve_model_name(name))
-    return family_module(config.model_type).geometry(config)
+    return family_spec(config.model_type).geometry(config)
+
+
+def caveat_for(family: str | None) -> str | None:
+    """What a user must know about ``family`` (a ``config.model_type``) in a streaming memory, if anything."""
+    spec = families().get(family or "")
+    return spec.caveat if spec else None

@@ -1,6 +1,7 @@
 """Loading a model by name into its family's adapter (:class:`~kvdemo.models.base.VideoLM`): the offline models
 (``tiny``, ``tiny-random``, ``tiny-random-<family>``), ``auto``, Hugging Face ids and local folders. What a name
-means before anything loads is :mod:`.catalog`; the adapters know nothing of each other."""
+means before anything loads is :mod:`.catalog`; how each model is built or loaded is its family's spec
+(:mod:`.spec`); the adapters know nothing of each other."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ import logging
 import time
 
 from .base import VideoLM
-from .catalog import TINY_NAME, TINY_RANDOM_NAME, checkpoint_config, family_module, offline_model, resolve_model_name
-from .tiny import build_tiny_model, load_trained_tiny
-from .tiny_random import build_random_model
+from .catalog import checkpoint_config, family_spec, offline_model, resolve_model_name
 
 log = logging.getLogger("kvdemo")
 
@@ -20,15 +19,12 @@ def load_model(name: str | None = None) -> VideoLM:
     resolved = resolve_model_name(name)
     log.info("loading model %s%s", resolved, f" ({name} resolves to it)" if name and name != resolved else "")
     start = time.perf_counter()
-    if resolved == TINY_NAME:
-        model = load_trained_tiny()
-    elif resolved == TINY_RANDOM_NAME:
-        model = build_tiny_model()
-    elif offline_model(resolved) is not None:
-        model = build_random_model(resolved)
+    offline = offline_model(resolved)
+    if offline is not None:
+        model = offline.build()
     else:
         config = checkpoint_config(resolved)
-        model = family_module(config.model_type).load(resolved, config)
+        model = family_spec(config.model_type).load(resolved, config, None)
     log.info(
         "loaded %s (%s, %d attention layers, %d KV heads) on %s as %s in %.1f s%s",
         model.name, model.family, model.num_layers, model.num_kv_heads, model.device, str(model.dtype).replace("torch.", ""),

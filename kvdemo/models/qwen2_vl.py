@@ -9,21 +9,34 @@ transformers 5.23's ``get_rope_index`` advances only by ``max(h, w)`` after a vi
 Pixels: :func:`pixel_values` computes what the family's video processor (``Qwen2VLVideoProcessor``) computes
 (rescale, CLIP normalisation, merge-block patch order; equal to float rounding, a test compares them) in the
 order the offline tiny model was trained with, so its training stays reproducible bit for bit. Frames are sized
-by the processor's ``smart_resize`` (:class:`~kvdemo.geometry.FrameGeometry`, rule ``"qwen2-vl"``).
+by the processor's ``smart_resize`` (:func:`resize`). :data:`SPEC` is what the rest of kvdemo knows of the family.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2VLVideoProcessor
+from transformers import (
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLVideoProcessor,
+)
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
+from ..attention import ATTN_IMPLEMENTATION
+from ..chunk import VisualChunk
+from ..geometry import FrameGeometry
 from .adapter import SYSTEM_PROMPT, TransformersAdapter, load_checkpoint
-from .base import FrameGeometry, VisualChunk
+from .base import ModelError
+from .spec import RANDOM_WEIGHTS_NOTICE, TINY_NAME, TINY_RANDOM_NAME, TRAINED_NOTICE, FamilySpec, OfflineModel
+from .tiny import TRAINED_DIALOGUE_TOKENS, TRAINED_DIR, ByteTokenizer, tiny_config
+from .tiny_random import TEXT_IDS, VOCAB, build_hf_model, byte_tokenizer, printable_answers, qwen_ids
 
 #: ``config.model_type`` of the checkpoints this adapter loads, and their classes.
 MODEL_CLASSES = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen2_vl": Qwen2VLForConditionalGeneration}
@@ -31,18 +44,31 @@ MODEL_CLASSES = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen2_vl": Q
 MIN_PIXELS, MAX_PIXELS = 128 * 28 * 28, 768 * 28 * 28
 
 
+#: The trained tiny model's pixel range: 112 x 112 frames stay as they are (16 tokens per pair); other aspect
+#: ratios resize to about as many pixels (e.g. 16:9 and 4:3 -> 84 x 140, 15 tokens).
+TRAINED_MIN_PIXELS, TRAINED_MAX_PIXELS = 112 * 112, 20 * 28 * 28
+
+
+def resize(geometry: FrameGeometry, height: int, width: int) -> tuple[int, int]:
+    """The family's resize rule: transformers' ``Qwen2VLImageProcessor`` ``smart_resize`` (sides multiples of the
+    factor, pixel count within the geometry's range)."""
+    return smart_resize(height, width, factor=geometry.factor, min_pixels=geometry.min_pixels,
+                        max_pixels=geometry.max_pixels)
+
+
 def geometry(config: Any, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> FrameGeometry:
     """How a Qwen2-VL / Qwen2.5-VL ``config`` sizes frames (patch x merge pixels per token side)."""
     vision = config.vision_config
-    return FrameGeometry("qwen2-vl", int(vision.patch_size) * int(vision.spatial_merge_size), int(vision.temporal_patch_size),
-                         min_pixels, max_pixels)
+    return FrameGeometry(int(vision.patch_size) * int(vision.spatial_merge_size), int(vision.temporal_patch_size),
+                         min_pixels, max_pixels, resize=resize)
 
 
 def video_processor(config: Any) -> Qwen2VLVideoProcessor:
     """The family's video processor for ``config`` (Qwen's normalisation; kvdemo resizes before it)."""
     vision = config.vision_config
     return Qwen2VLVideoProcessor(patch_size=int(vision.patch_size), merge_size=int(vision.spatial_merge_size),
-                                 temporal_patch_size=int(vision.temporal_patch_size))
+                                 temporal_patch_size=int(vision.temporal_patch_size), image_mean=list(CLIP_MEAN),
+                                 image_std=list(CLIP_STD))
 
 
 #: OPENAI_CLIP_MEAN / OPENAI_CLIP_STD, Qwen's pixel normalisation.
@@ -60,7 +86,7 @@ def pixel_values(
     """
     # Normalise channels-last (a broadcast over the contiguous last dim is ~7x faster than over dim 1).
     video = torch.from_numpy(np.ascontiguousarray(frames)).float()  # [T, H, W, 3]
-    mean, std = torch.tensor(CLIP_MEAN), torch.tensor(CLIP_STD)
+    mean, std = torch.tensor(CLIP_MEAN), torch.tensor(CLIP_STD)  # SPEC.pixel_mean / pixel_std
     video = video.mul_(1.0 / 255.0).sub_(mean).div_(std).permute(0, 3, 1, 2)  # [T, 3, H, W]
     if pad := -video.shape[0] % temporal_patch_size:
         video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)], dim=0)
@@ -184,3 +210,90 @@ def load(model_id: str, config: Any, device: str | None = None) -> Qwen2VL:
     """Load a Qwen2-VL / Qwen2.5-VL checkpoint (Hub id or local folder) with transformers' classes."""
     model, tokenizer, processor = load_checkpoint(MODEL_CLASSES[config.model_type], model_id, device)
     return Qwen2VL(model, tokenizer, name=model_id, processor=processor)
+
+
+# --- offline models and the spec ----------------------------------------------------------------------------
+
+
+def tiny_random_config() -> Qwen2VLConfig:
+    """Qwen2-VL: 4 layers, 4 heads / 2 KV heads of 32, M-RoPE sections 4/6/6; vision patch 14, merge 2."""
+    return Qwen2VLConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32768, initializer_range=0.1, **TEXT_IDS,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]}),
+        vision_config=dict(depth=2, embed_dim=64, hidden_size=128, mlp_ratio=2, num_heads=2, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, initializer_range=0.1),
+        **qwen_ids(), tie_word_embeddings=False)
+
+
+RANDOM_GEOMETRY = FrameGeometry(28, 2, MIN_PIXELS, MAX_PIXELS, resize=resize)
+TRAINED_GEOMETRY = FrameGeometry(28, 2, TRAINED_MIN_PIXELS, TRAINED_MAX_PIXELS, resize=resize)
+
+
+def build_tiny_random_qwen2_vl() -> Qwen2VL:
+    """``tiny-random-qwen2-vl``: :func:`tiny_random_config` with seeded random weights and the byte tokenizer."""
+    model = build_hf_model(tiny_random_config, Qwen2VLForConditionalGeneration)
+    adapter = Qwen2VL(model, byte_tokenizer(), "tiny-random-qwen2-vl", random_weights=True, notice=RANDOM_WEIGHTS_NOTICE,
+                      geometry_=RANDOM_GEOMETRY)
+    return printable_answers(adapter, VOCAB)
+
+
+def build_tiny_model(seed: int = 0) -> Qwen2VL:
+    """The tiny model on the CPU in float32; identical weights for a given ``seed``."""
+    config = tiny_config()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+    tokenizer = ByteTokenizer()
+    adapter = Qwen2VL(model.float().eval(), tokenizer, name=TINY_RANDOM_NAME, random_weights=True, notice=RANDOM_WEIGHTS_NOTICE,
+                      geometry_=RANDOM_GEOMETRY)
+    # Random weights pick arbitrary bytes; keep answers to printable ASCII (and the stop token) so they stay legible.
+    bias = torch.full((config.text_config.vocab_size,), float("-inf"))
+    bias[32:127] = 0.0
+    bias[tokenizer.special_to_id["<|im_end|>"]] = 0.0
+    adapter.logit_bias = bias
+    return adapter
+
+
+def load_trained_tiny(folder: str | Path = TRAINED_DIR) -> Qwen2VL:
+    """The trained tiny model from ``folder`` (``kvdemo/assets/tiny``) through transformers' ``from_pretrained``."""
+    folder = Path(folder)
+    if not (folder / "model.safetensors").exists():
+        raise ModelError(f"no trained tiny model in {folder}: run `python -m kvdemo train-tiny` (or use --model tiny-random)")
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
+    adapter = Qwen2VL(
+        model.eval(),
+        ByteTokenizer.from_spec(folder / "tokenizer.json"),
+        name=TINY_NAME,
+        notice=TRAINED_NOTICE,
+        geometry_=TRAINED_GEOMETRY,
+    )
+    adapter.max_dialogue_tokens = TRAINED_DIALOGUE_TOKENS
+    return adapter
+
+
+def synthetic_positions(chunk: VisualChunk, start: int) -> torch.Tensor:
+    """A chunk's positions ``[3, n]`` after ``start`` tokens at Qwen2.5-VL's ``tokens_per_second`` = 2 (no model)."""
+    return mrope_positions(chunk.grid, chunk.row, chunk.col, start, chunk.second_per_grid, 2.0)
+
+
+SPEC = FamilySpec(
+    name="Qwen2-VL / Qwen2.5-VL",
+    model_types=tuple(MODEL_CLASSES),
+    geometry=geometry,
+    pixel_mean=CLIP_MEAN,
+    pixel_std=CLIP_STD,
+    load=load,
+    menu_order=0,
+    budget=(6144, 4608),  # InfiniPot-V's M / C
+    verified="Qwen2.5-VL: the trained tiny model and random weights, CPU: chunked prefill = transformers' forward; "
+             "Qwen2-VL: random weights, CPU: positions, pixels, chunked prefill = transformers' forward; real clip",
+    checkpoints=("Qwen/Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-2B-Instruct"),
+    offline=(
+        # M = 96 holds 12 s of the 40 s sample (16 tokens per frame pair); M - C = 24 holds a chunk at its max pixels.
+        OfflineModel(TINY_NAME, "qwen2_5_vl", TRAINED_GEOMETRY, TRAINED_NOTICE, load_trained_tiny, (96, 72)),
+        OfflineModel(TINY_RANDOM_NAME, "qwen2_5_vl", RANDOM_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_model),
+        OfflineModel("tiny-random-qwen2-vl", "qwen2_vl", RANDOM_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_random_qwen2_vl),
+    ),
+    synthetic_positions=synthetic_positions,
+)

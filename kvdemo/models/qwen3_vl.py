@@ -15,8 +15,8 @@ a grid starting at ``s`` puts its tokens at ``(s, s + row, s + col)`` (temporal 
 text) and the next token at ``s + max(rows, cols)``, which equals transformers' ``get_rope_index``. DeepStack:
 the vision tower's intermediate features are added to the language model's hidden states at visual positions
 after its first layers, so each chunk passes its own (``forward_extras``). Frames are sized by the family's
-video processor's ``smart_resize`` for one temporal grid (factor 32); pixels come from that processor
-(mean = std = 0.5).
+video processor's ``smart_resize`` for one temporal grid (factor 32, :func:`resize`); pixels come from that
+processor (mean = std = 0.5). :data:`SPEC` is what the rest of kvdemo knows of the family.
 """
 
 from __future__ import annotations
@@ -26,10 +26,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import Qwen3VLForConditionalGeneration, Qwen3VLVideoProcessor
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLVideoProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
+from ..chunk import VisualChunk
+from ..geometry import FrameGeometry
 from .adapter import TextCursor, TransformersAdapter, load_checkpoint
-from .base import FrameGeometry, VisualChunk
+from .spec import RANDOM_WEIGHTS_NOTICE, FamilySpec, OfflineModel
+from .tiny_random import TEXT_IDS, VOCAB, build_hf_model, byte_tokenizer, printable_answers, qwen_ids
 
 MODEL_CLASSES: dict[str, Any] = {"qwen3_vl": Qwen3VLForConditionalGeneration}
 #: qwen-vl-utils' per-frame video bounds for Qwen3-VL: 128 to 768 merged tokens of 32 x 32 pixels.
@@ -43,18 +47,35 @@ def timestamp(seconds: float) -> str:
     return f"<{seconds:.1f} seconds><|vision_start|>"
 
 
+#: The offline random-weight models use small frames (16 to 64 tokens a frame), so a CPU streams the real clip
+#: through them in seconds.
+SMALL_MIN_PIXELS, SMALL_MAX_PIXELS = 16 * 32 * 32, 64 * 32 * 32
+#: Qwen3-VL's normalisation (its video processor's image_mean / image_std).
+PIXEL_MEAN = PIXEL_STD = (0.5, 0.5, 0.5)
+
+
+def resize(geometry: FrameGeometry, height: int, width: int) -> tuple[int, int]:
+    """The family's resize rule: ``Qwen3VLVideoProcessor``'s ``smart_resize`` for one temporal grid, the same
+    bounds per frame (a stream fixes its frame size up front, where the processor spreads ``max_pixels`` over a
+    whole clip)."""
+    grid = geometry.frames_per_grid
+    return smart_resize(grid, height, width, temporal_factor=grid, factor=geometry.factor,
+                        min_pixels=grid * geometry.min_pixels, max_pixels=grid * geometry.max_pixels)
+
+
 def geometry(config: Any, text_per_grid: int = 0, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> FrameGeometry:
     """How a Qwen3-VL / Qwen3.5 ``config`` sizes frames (patch x merge = 32 pixels per token side)."""
     vision = config.vision_config
-    return FrameGeometry("qwen3-vl", int(vision.patch_size) * int(vision.spatial_merge_size), int(vision.temporal_patch_size),
-                         min_pixels, max_pixels, text_per_grid=text_per_grid)
+    return FrameGeometry(int(vision.patch_size) * int(vision.spatial_merge_size), int(vision.temporal_patch_size),
+                         min_pixels, max_pixels, resize=resize, text_per_grid=text_per_grid)
 
 
 def video_processor(config: Any) -> Qwen3VLVideoProcessor:
     """The family's video processor for ``config`` (kvdemo resizes before it)."""
     vision = config.vision_config
     return Qwen3VLVideoProcessor(patch_size=int(vision.patch_size), merge_size=int(vision.spatial_merge_size),
-                                 temporal_patch_size=int(vision.temporal_patch_size))
+                                 temporal_patch_size=int(vision.temporal_patch_size), image_mean=list(PIXEL_MEAN),
+                                 image_std=list(PIXEL_STD))
 
 
 class Qwen3VL(TransformersAdapter):
@@ -160,3 +181,50 @@ def load(model_id: str, config: Any, device: str | None = None) -> Qwen3VL:
     """Load a Qwen3-VL checkpoint (Hub id or local folder) with transformers' classes."""
     model, tokenizer, processor = load_checkpoint(MODEL_CLASSES[config.model_type], model_id, device)
     return Qwen3VL(model, tokenizer, name=model_id, processor=processor)
+
+
+# --- the offline model and the spec -------------------------------------------------------------------------
+
+
+def tiny_random_config() -> Qwen3VLConfig:
+    """Qwen3-VL: 4 layers, 4 heads / 2 KV heads of 16, interleaved M-RoPE sections 2/3/3; vision patch 16, merge 2,
+    DeepStack from all three vision blocks."""
+    return Qwen3VLConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=32768, initializer_range=0.1, **TEXT_IDS,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                           temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0, 1, 2], initializer_range=0.1),
+        **qwen_ids(), tie_word_embeddings=False)
+
+
+#: At most this many tokens of stream text per grid with the byte tokenizer (``<99999.9 seconds>``, 17 bytes,
+#: plus ``<|vision_start|>`` and ``<|vision_end|>``); real tokenizers need fewer.
+BYTE_TEXT_PER_GRID = 19
+SMALL_GEOMETRY = FrameGeometry(32, 2, SMALL_MIN_PIXELS, SMALL_MAX_PIXELS, resize=resize, text_per_grid=BYTE_TEXT_PER_GRID)
+
+
+def build_tiny_random() -> Qwen3VL:
+    """``tiny-random-qwen3-vl``: :func:`tiny_random_config` with seeded random weights and the byte tokenizer."""
+    model = build_hf_model(tiny_random_config, Qwen3VLForConditionalGeneration)
+    adapter = Qwen3VL(model, byte_tokenizer(), "tiny-random-qwen3-vl", random_weights=True, notice=RANDOM_WEIGHTS_NOTICE,
+                      min_pixels=SMALL_MIN_PIXELS, max_pixels=SMALL_MAX_PIXELS)
+    return printable_answers(adapter, VOCAB)
+
+
+SPEC = FamilySpec(
+    name="Qwen3-VL",
+    model_types=tuple(MODEL_CLASSES),
+    geometry=geometry,
+    pixel_mean=PIXEL_MEAN,
+    pixel_std=PIXEL_STD,
+    load=load,
+    menu_order=1,
+    budget=(6144, 4608),
+    verified="random weights, CPU: positions = get_rope_index, pixels, DeepStack, chunked prefill = forward; real clip",
+    checkpoints=("Qwen/Qwen3-VL-2B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"),
+    offline=(OfflineModel("tiny-random-qwen3-vl", "qwen3_vl", SMALL_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_random,
+                          (320, 224)),),
+)

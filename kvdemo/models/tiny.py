@@ -8,7 +8,8 @@ with the real vision geometry, and a byte-level tokenizer made in code with Qwen
 - ``tiny-random``: the same class with random weights (seeded), for mechanics tests; its answers are noise.
 
 Both run the whole pipeline on a CPU with no download; each says what its answers are worth
-(``Qwen2VL.notice``).
+(``Qwen2VL.notice``). This file holds their config, tokenizer and weights' folder; the family's file
+(:mod:`.qwen2_vl`) builds them behind its adapter and declares them in its spec.
 """
 
 from __future__ import annotations
@@ -18,13 +19,9 @@ import re
 from importlib import resources
 from pathlib import Path
 
-import torch
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import Qwen2_5_VLConfig
 
-from ..attention import ATTN_IMPLEMENTATION
 from .base import ModelError
-from .catalog import OFFLINE_MODELS, RANDOM_WEIGHTS_NOTICE, TINY_NAME, TINY_RANDOM_NAME, TRAINED_NOTICE
-from .qwen2_vl import Qwen2VL
 
 # The trained weights ship inside the package (package data), so an installed kvdemo finds them too. pip unpacks
 # wheels, so the resource is a folder on disk, which ``from_pretrained`` needs.
@@ -142,37 +139,3 @@ def tiny_config(initializer_range: float = 0.1):
 #: questions (about 250 tokens); measured on the bundled sample, it answers every colour question right after one
 #: earlier turn of 426 tokens and gets three of four wrong after two.
 TRAINED_DIALOGUE_TOKENS = 512
-
-
-def build_tiny_model(seed: int = 0) -> Qwen2VL:
-    """The tiny model on the CPU in float32; identical weights for a given ``seed``."""
-    config = tiny_config()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
-    tokenizer = ByteTokenizer()
-    adapter = Qwen2VL(model.float().eval(), tokenizer, name=TINY_RANDOM_NAME, random_weights=True, notice=RANDOM_WEIGHTS_NOTICE,
-                      geometry_=OFFLINE_MODELS[TINY_RANDOM_NAME].geometry)
-    # Random weights pick arbitrary bytes; keep answers to printable ASCII (and the stop token) so they stay legible.
-    bias = torch.full((config.text_config.vocab_size,), float("-inf"))
-    bias[32:127] = 0.0
-    bias[tokenizer.special_to_id["<|im_end|>"]] = 0.0
-    adapter.logit_bias = bias
-    return adapter
-
-
-def load_trained_tiny(folder: str | Path = TRAINED_DIR) -> Qwen2VL:
-    """The trained tiny model from ``folder`` (``kvdemo/assets/tiny``) through transformers' ``from_pretrained``."""
-    folder = Path(folder)
-    if not (folder / "model.safetensors").exists():
-        raise ModelError(f"no trained tiny model in {folder}: run `python -m kvdemo train-tiny` (or use --model tiny-random)")
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
-    adapter = Qwen2VL(
-        model.eval(),
-        ByteTokenizer.from_spec(folder / "tokenizer.json"),
-        name=TINY_NAME,
-        notice=TRAINED_NOTICE,
-        geometry_=OFFLINE_MODELS[TINY_NAME].geometry,
-    )
-    adapter.max_dialogue_tokens = TRAINED_DIALOGUE_TOKENS
-    return adapter

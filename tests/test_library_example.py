@@ -1,0 +1,69 @@
+"""The README's library example, run verbatim for the offline model of every family: only the model name and the
+video path change (a two-second clip written by kvdemo's own writer), so a family whose frames the example sizes
+wrongly fails here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvdemo.models.catalog import OFFLINE_MODELS
+from kvdemo.video import write_video
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def library_example() -> str:
+    """The first ```python block after the README's ``## Library`` heading."""
+    text = README.read_text()
+    section = text[text.index("\n## Library\n"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_example_names_the_model_and_the_clip_once():
+    code = library_example()
+    assert len(re.findall(r'load_model\("tiny"\)', code)) == 1
+    assert code.count('"clip.mp4"') == 1
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory) -> Path:
+    """Two seconds at 2 fps (4 frames) of a square moving over a gradient, 96 x 160, written by kvdemo."""
+    frames = np.zeros((4, 96, 160, 3), np.uint8)
+    frames[..., 0] = np.linspace(0, 255, 160, dtype=np.uint8)
+    for i in range(4):
+        frames[i, 30:60, 20 + 30 * i : 50 + 30 * i] = (250, 200, 20)
+    return write_video(tmp_path_factory.mktemp("clip") / "clip.mp4", frames, fps=2)
+
+
+@pytest.mark.parametrize("name", sorted(OFFLINE_MODELS))
+def test_the_readme_library_example_runs_for_every_family(name, clip, monkeypatch, capsys, tmp_path):
+    code = library_example().replace('load_model("tiny")', f"load_model({name!r})").replace('"clip.mp4"', repr(str(clip)))
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, f"README.md ## Library ({name})", "exec"), namespace)
+    model, video, engines = namespace["model"], namespace["video"], namespace["engines"]
+    assert model.name == name
+    # Frames sized the way this model's family sizes them, every frame fed to both engines.
+    assert video.size == model.geometry.frame_size(96, 160)
+    assert video.num_frames == 4
+    assert all(engine.frames_fed == 4 for engine in engines.values())
+    assert engines["full"].memory.visual_tokens > 0
+    assert namespace["report"]["policy"] == "infinipot-v"
+    assert namespace["answer"].attribution is not None
+    printed = capsys.readouterr().out
+    assert re.findall(r"^(\d+) \{'infinipot-v': \d+, 'full': \d+\}$", printed, re.M) == ["2", "4"]  # a line a chunk
+
+
+def test_the_docs_library_page_example_runs(clip, monkeypatch, capsys, tmp_path):
+    """docs/library.md's example (the README's, on a Qwen3-VL model) runs as written but for the clip's path."""
+    text = (README.parent / "docs" / "library.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    assert code.count('"clip.mp4"') == 1
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code.replace('"clip.mp4"', repr(str(clip))), "docs/library.md", "exec"), namespace)
+    assert namespace["model"].family == "qwen3_vl" and namespace["engines"]["full"].frames_fed == 4
