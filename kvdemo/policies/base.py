@@ -226,8 +226,17 @@ class ScoredPolicy(Policy):
         (``Selection.info``)."""
 
     def compress(self, views: list[LayerView], keep: int) -> Selection:
-        rankings, info = self.rank(views, keep)
-        selection, _ = select_ranked(views, rankings, keep, info)
+        """Rank, then the shared top-k; ``info["phase_ms"]`` splits the time (the phases ``rank`` reports in its
+        own ``phase_ms``, else all of it as ``scoring``; the top-k is ``selection``)."""
+        timer = PhaseTimer()
+        device = views[0].keys.device if views else None
+        with timer.phase("rank", device):
+            rankings, info = self.rank(views, keep)
+        phases = dict(info.pop("phase_ms", None) or {"scoring": timer.ms["rank"]})
+        with timer.phase("selection", device):
+            selection, _ = select_ranked(views, rankings, keep, info)
+        phases["selection"] = phases.get("selection", 0.0) + timer.ms["selection"]
+        selection.info["phase_ms"] = phases
         return selection
 
 

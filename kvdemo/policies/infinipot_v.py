@@ -46,7 +46,7 @@ import torch
 
 from ..tensors import as_words
 from . import fused
-from .base import BudgetError, LayerView, Ranking, ScoredPolicy, minmax, register, top_k_mask
+from .base import BudgetError, LayerView, PhaseTimer, Ranking, ScoredPolicy, minmax, register, top_k_mask
 from .grid import pool_on_grid, recent_window
 
 KERNELS = (7, 5, 3, 1)
@@ -150,6 +150,31 @@ class InfiniPotV(ScoredPolicy):
         groups: dict[tuple[int, torch.device], list[int]] = {}
         for layer, view in enumerate(views):
             groups.setdefault((view.length, view.keys.device), []).append(layer)
+        timer = PhaseTimer()
+        device = views[0].keys.device if views else None
+        with timer.phase("scoring", device):
+            vans, similarity, windows = self._read(views, groups, keep)
+            cvs = [coefficient_of_variation(van) for van in vans]
+        thresholds = self.thresholds_for(cvs)
+        kernels = [kernel_for_cv(cv, thresholds) if self.van == "pool" else 1 for cv in cvs]
+        rankings: list[Ranking] = [None] * len(views)  # type: ignore[list-item]
+        recent_frames = [0] * len(views)
+        for key, members in groups.items():
+            priority, reason, r = self._score(
+                [views[i] for i in members], [vans[i] for i in members], [similarity[i] for i in members],
+                [kernels[i] for i in members], keep, windows[key], timer,
+            )
+            for i, layer_priority, layer_reason in zip(members, priority.chunk(len(members)), reason.chunk(len(members))):
+                rankings[i], recent_frames[i] = Ranking(layer_priority, layer_reason), r
+        info = {"kernel": kernels, "cv": cvs, "cv_thresholds": list(thresholds), "recent_frames": recent_frames,
+                "phase_ms": timer.ms}
+        return rankings, info
+
+    def _read(
+        self, views: list[LayerView], groups: dict[tuple[int, torch.device], list[int]], keep: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], dict[tuple[int, torch.device], tuple]]:
+        """The one read of every key and value: per layer the VaN map and (``alpha > 0``) TaR's similarities
+        ``[H, L]`` (:func:`tar_and_van`), and per group of equal-length layers its recent window and patch ids."""
         vans: list[torch.Tensor] = [None] * len(views)  # type: ignore[list-item]
         similarity: list[torch.Tensor | None] = [None] * len(views)
         windows = {}
@@ -166,42 +191,38 @@ class InfiniPotV(ScoredPolicy):
                     similarity[i], vans[i] = tar_and_van(view.keys, view.values, recent[rows], pos[rows], per_frame)
                 else:
                     vans[i] = value_norms(view.values)
-        cvs = [coefficient_of_variation(van) for van in vans]
-        thresholds = self.thresholds_for(cvs)
-        kernels = [kernel_for_cv(cv, thresholds) if self.van == "pool" else 1 for cv in cvs]
-        rankings: list[Ranking] = [None] * len(views)  # type: ignore[list-item]
-        recent_frames = [0] * len(views)
-        for key, members in groups.items():
-            priority, reason, r = self._score(
-                [views[i] for i in members], [vans[i] for i in members], [similarity[i] for i in members],
-                [kernels[i] for i in members], keep, windows[key],
-            )
-            for i, layer_priority, layer_reason in zip(members, priority.chunk(len(members)), reason.chunk(len(members))):
-                rankings[i], recent_frames[i] = Ranking(layer_priority, layer_reason), r
-        info = {"kernel": kernels, "cv": cvs, "cv_thresholds": list(thresholds), "recent_frames": recent_frames}
-        return rankings, info
+        return vans, similarity, windows
 
     def _score(
         self, views: list[LayerView], vans: list[torch.Tensor], similarity: list[torch.Tensor | None], kernels: list[int],
-        keep: int, window: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor],
+        keep: int, window: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor], timer: PhaseTimer,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Priorities and reasons ``[B, L]`` for layers of equal length, stacked as rows ``B = layers * H``,
         and the recent window (frames): TaR picks (the recent window included) rank above every pooled VaN
         score (Alg. 2 lines 24-25). ``vans`` are the layers' raw VaN maps ``[H, L]``, ``similarity`` their mean
         cosine similarities to the recent frames (:func:`patch_similarity`; None when ``alpha = 0``), ``kernels``
-        their pooling kernels, ``window`` the group's recent window (:func:`recent_window`) and patch ids."""
+        their pooling kernels, ``window`` the group's recent window (:func:`recent_window`) and patch ids; the
+        time goes to ``timer``'s ``pooling`` and ``selection`` phases."""
         heads = views[0].num_heads
         grid = views[0].grid
         order = torch.cat([v.order for v in views])
         recent, rank, _, recent_frames, pos = window
 
-        van = torch.cat(vans)
-        row_kernel = torch.tensor(kernels, device=van.device).repeat_interleave(heads)
-        for kernel in set(kernels) - {1}:
-            rows = row_kernel == kernel
-            van[rows] = pool_on_grid(van[rows], rank[rows], pos[rows], grid, kernel)
-        van01 = minmax(-van if self.van == "reverse" else van)
+        with timer.phase("pooling", recent.device):
+            van = torch.cat(vans)
+            row_kernel = torch.tensor(kernels, device=van.device).repeat_interleave(heads)
+            for kernel in set(kernels) - {1}:
+                rows = row_kernel == kernel
+                van[rows] = pool_on_grid(van[rows], rank[rows], pos[rows], grid, kernel)
+            van01 = minmax(-van if self.van == "reverse" else van)
+        with timer.phase("selection", recent.device):
+            return self._pick(van01, similarity, recent, rank, order, keep, recent_frames)
 
+    def _pick(
+        self, van01: torch.Tensor, similarity: list[torch.Tensor | None], recent: torch.Tensor, rank: torch.Tensor,
+        order: torch.Tensor, keep: int, recent_frames: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """TaR's share (the recent window first) forced above the pooled VaN scores ``van01 [B, L]``."""
         tar_pick = torch.zeros_like(recent)
         if self.alpha > 0:
             score = self._tar_scores(torch.cat(similarity), recent, rank)
@@ -209,7 +230,7 @@ class InfiniPotV(ScoredPolicy):
             key = torch.where(recent, 2.0 + 1e-3 * van01, score)
             share = torch.clamp(recent.sum(dim=1), max=keep).clamp_min(round(self.alpha * keep))
             tar_pick = top_k_mask(key, share, order)
-        reason = torch.full(recent.shape, REASON_VAN, dtype=torch.int8, device=van.device)
+        reason = torch.full(recent.shape, REASON_VAN, dtype=torch.int8, device=van01.device)
         reason[tar_pick] = REASON_TAR
         if self.alpha > 0:
             reason[recent] = REASON_RECENT
