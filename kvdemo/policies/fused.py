@@ -20,6 +20,7 @@ compiler, a torch without Inductor) or fails, the eager kernel runs and :func:`c
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import time
@@ -46,6 +47,7 @@ def compiled_enabled() -> bool:
     return bool(enabled) and _state["error"] is None
 
 
+@functools.cache
 def compile_unavailable() -> str | None:
     """Why compiling cannot work here (None when it can be tried): torch without ``torch.compile``, or no C++
     compiler for Inductor's CPU code."""
