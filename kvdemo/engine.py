@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 from .attention import MemoryCache
+from .budget import Budget
 from .dialogue import QuestionError, check_question, replayed_dialogue
 from .explain import Attribution, AttributionTally
 from .memory import KVMemory, OccupancyEvent
 from .models.base import VideoLM, VisualChunk
-from .budget import Budget
 from .policies import BudgetError, Policy, Probed, make_policy
 from .survival import survival_fraction
 from .timing import Stopwatch

@@ -62,7 +62,7 @@ def test_the_compiled_terms_equal_a_plain_loop(compiled, dtype):
     row = (torch.arange(heads)[:, None] * per_frame + pos).contiguous()
     reference, count = recent_reference(view.keys, recent, row, heads * per_frame)
     with torch.inference_mode():
-        similarity, van = fused.run(fused.tar_and_van_terms, view.keys, view.values, reference, row, count,
+        similarity, van = fused.run_compiled(fused.tar_and_van_terms, view.keys, view.values, reference, row, count,
                                     dtype != torch.float32)
     expected_similarity, expected_van = restated_terms(view.keys, view.values, recent, row, heads * per_frame)
     assert torch.equal(van.double(), expected_van) if dtype == torch.bfloat16 else torch.allclose(van.double(), expected_van)

@@ -25,7 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..attention import fused_needs_expanded_kv, grouped_sdpa
 from ..budget import Budget
-from ..emulated_device import DEVICE as EMULATED, EmulatedDevice
+from ..emulated_device import DEVICE as EMULATED
+from ..emulated_device import EmulatedDevice
 from ..engine import StreamEngine
 from ..models.catalog import OFFLINE_MODELS
 from ..models.loading import load_model

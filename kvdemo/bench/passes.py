@@ -14,15 +14,14 @@ import torch
 from ..attention import MemoryCache
 from ..budget import Budget
 from ..engine import StreamEngine
-from ..streaming import stream_video
 from ..memory import KVMemory
 from ..models.qwen2_vl import mrope_positions
 from ..models.tiny import build_tiny_model
 from ..policies import BASELINES, DEFAULT_POLICY, Policy, Probed, fused, make_policy
+from ..streaming import stream_video
 from ..synthetic import synthetic_video
 from ..testing import QWEN7B_SHAPE, synthetic_chunk, synthetic_memory, synthetic_probe
 from ..timing import Stopwatch
-
 
 
 def _summary(times: list[float]) -> dict[str, float]:
@@ -311,3 +310,41 @@ def stream_table(stream: dict[str, Any], name: str, every: int = 1) -> str:
     ratio = full["peak_cache_bytes"] / bounded["peak_cache_bytes"] if bounded["peak_cache_bytes"] else 0
     lines.append(f"  full's peak cache is {ratio:.1f}x {name}'s; vision encoding (shared) {stream['encode_ms']:.0f} ms")
     return "\n".join(lines)
+
+
+def compiled_stream(policy: Policy, grids: int = 30, budgets: tuple[int, ...] = (6144, 4096),
+                    shape: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Compilations paid over simulated streams (the engine's trigger, random keys and values, no model) at
+    Qwen2.5-VL-7B's shape and each of ``budgets`` in turn, with compiled kernels on: the passes see cache lengths
+    and buffer capacities change, and a kernel compiled with dynamic shapes compiles once per process and dtype.
+    None for a policy without compiled kernels, or where compiling is unavailable."""
+    from .policies import simulated_stream  # deferred: that module is the policies' own benchmarks
+
+    if fused.compile_unavailable() is not None:
+        return None
+    shape = shape or QWEN7B_SHAPE
+    before = fused.compile_stats()
+    lengths: list[int] = []
+    passes = 0
+    fused.use_compiled(True)
+    try:
+        for budget in budgets:
+            stream_shape = {**shape, "budget": budget, "keep": budget * 3 // 4}
+            _, records = simulated_stream(dataclasses.replace(policy), grids, stream_shape)
+            passes += len(records)
+            lengths += sorted({r["length"] for r in records})
+    finally:
+        fused.use_compiled(None)
+    after = fused.compile_stats()
+    if after["calls"] == before["calls"]:
+        return None
+    return {"budgets": list(budgets), "grids": grids, "passes": passes, "kept_lengths": sorted(set(lengths)),
+            "compiles": after["compiles"] - before["compiles"], "compile_ms": after["compile_ms"] - before["compile_ms"]}
+
+
+def compiled_stream_table(result: dict[str, Any] | None) -> str:
+    if result is None:
+        return "compiled kernels over a stream: none in this policy (or compiling unavailable)"
+    return (f"compiled kernels over {len(result['budgets'])} simulated streams (M = {', '.join(map(str, result['budgets']))}, "
+            f"{result['passes']} passes, kept lengths {result['kept_lengths']}): {result['compiles']} new compilation(s) "
+            f"({result['compile_ms'] / 1000:.1f} s) after the pass benchmark's")

@@ -16,12 +16,20 @@ import torch
 from ..attention import MemoryCache, kvdemo_attention
 from ..budget import Budget
 from ..engine import StreamEngine, must_compress
-from ..streaming import stream_video
 from ..memory import KVMemory
 from ..models.tiny import build_tiny_model
 from ..policies import DEFAULT_POLICY, Policy, Probed, SummaryRegion, make_policy
+from ..streaming import stream_video
 from ..synthetic import synthetic_video
-from ..testing import PREFIX_TOKENS, QWEN7B_SHAPE, append_random, qwen7b_rotation, synthetic_chunk, synthetic_memory, synthetic_probe
+from ..testing import (
+    PREFIX_TOKENS,
+    QWEN7B_SHAPE,
+    append_random,
+    qwen7b_rotation,
+    synthetic_chunk,
+    synthetic_memory,
+    synthetic_probe,
+)
 from ..timing import Stopwatch
 
 

@@ -67,13 +67,13 @@ def compile_stats() -> dict[str, Any]:
 
 def _frames_compiled() -> int:
     try:
-        from torch._dynamo.utils import counters
+        from torch._dynamo.utils import counters  # deferred: dynamo loads only when compiling is asked for
     except ImportError:  # pragma: no cover - a torch without dynamo
         return 0
     return int(sum(counters["stats"].values())) if "stats" in counters else 0
 
 
-def run(kernel: Callable[..., Any], *args: Any) -> Any:
+def run_compiled(kernel: Callable[..., Any], *args: Any) -> Any:
     """``kernel(*args)`` compiled (once per process, dynamic shapes), or None when :func:`compiled_enabled` is
     off or compiling is unavailable or fails (then the caller runs its eager code, from then on:
     :func:`compile_stats` keeps the reason)."""
@@ -100,7 +100,7 @@ def run(kernel: Callable[..., Any], *args: Any) -> Any:
     return out
 
 
-# --- the kernels (compiled by run(); the caller's eager code is the definition they restate) ---------
+# --- the kernels (compiled by run_compiled(); the caller's eager code is the definition they restate) ---------
 
 
 def tar_and_van_terms(

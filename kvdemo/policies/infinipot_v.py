@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from ..tensors import as_words
-from . import fused
 from .base import BudgetError, LayerView, PhaseTimer, Ranking, ScoredPolicy, minmax, register, top_k_mask
+from .fused import compiled_enabled, run_compiled, tar_and_van_terms
 from .grid import pool_on_grid, recent_window
 
 KERNELS = (7, 5, 3, 1)
@@ -268,7 +268,8 @@ def recent_reference(
     recent_keys = keys[h_recent, l_recent].float()
     recent_keys = recent_keys / torch.linalg.vector_norm(recent_keys, dim=-1, keepdim=True).clamp_min(1e-12)
     recent_rows = row[h_recent, l_recent]
-    reference = torch.zeros(rows, keys.shape[-1], dtype=torch.float32, device=keys.device).index_add_(0, recent_rows, recent_keys)
+    reference = torch.zeros(rows, keys.shape[-1], dtype=torch.float32, device=keys.device)
+    reference.index_add_(0, recent_rows, recent_keys)
     count = torch.bincount(recent_rows, minlength=rows).to(torch.float32)
     return reference.to(keys.dtype), count
 
@@ -314,10 +315,10 @@ def tar_and_van(
     definitions run, one after the other.
     """
     heads = keys.shape[0]
-    if fused.compiled_enabled():
+    if compiled_enabled():
         row = (torch.arange(heads, device=keys.device)[:, None] * per_frame + pos).contiguous()
         reference, count = recent_reference(keys, recent, row, heads * per_frame)
-        out = fused.run(fused.tar_and_van_terms, keys, values, reference, row, count, keys.dtype != torch.float32)
+        out = run_compiled(tar_and_van_terms, keys, values, reference, row, count, keys.dtype != torch.float32)
         if out is not None:
             return out
     return patch_similarity(keys, recent, pos, per_frame), value_norms(values)
