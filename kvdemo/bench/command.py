@@ -14,10 +14,20 @@ import torch
 from ..budget import Budget
 from ..policies import make_policy
 from ..testing import QWEN7B_SHAPE
-from .passes import append_table, pass_benchmark, pass_table, stream_benchmark, stream_table
+from .passes import (
+    append_table,
+    compile_table,
+    compiled_stream,
+    compiled_stream_table,
+    pass_benchmark,
+    pass_table,
+    stream_benchmark,
+    stream_table,
+)
 from .policies import BENCHMARKS
 from .reference import load_reference, reference_benchmark, reference_table
 from .zerogpu import zerogpu_table, zerogpu_transfer_benchmark
+
 
 def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
     """Run the benchmark for ``args.policy`` with its parsed ``params`` (see :mod:`kvdemo.bench`)."""
@@ -61,6 +71,9 @@ def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
         )
         results.update(pass_benchmark(policy, args.pass_repeats))
         print(pass_table(results["pass_7b"]))
+        print(compile_table(results["compile"]))
+        results["compiled_stream"] = compiled_stream(policy)
+        print(compiled_stream_table(results["compiled_stream"]))
         print(append_table(results["append_7b"]))
     if reference is not None:
         print("\nkvdemo's InfiniPot-V against the authors' code at 7B shape...", file=sys.stderr)

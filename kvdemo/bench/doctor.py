@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import json
 import platform
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +25,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..attention import fused_needs_expanded_kv, grouped_sdpa
 from ..budget import Budget
-from ..emulated_device import DEVICE as EMULATED, EmulatedDevice
+from ..emulated_device import DEVICE as EMULATED
+from ..emulated_device import EmulatedDevice
 from ..engine import StreamEngine
 from ..models.catalog import OFFLINE_MODELS, families
 from ..models.loading import load_model
 from ..policies import make_policy, policy_names
 from ..synthetic import sample_episode
 from ..testing import QWEN3B_SHAPE, QWEN7B_SHAPE, qwen7b_rotation, synthetic_memory, synthetic_probe
+from ..timing import Stopwatch, synchronize
 from .passes import time_pass
 
 QUESTION = "What colour was the circle?"
@@ -59,11 +60,6 @@ def _digest(engine: StreamEngine) -> str:
     return h.hexdigest()[:16]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _one_run(model: Any, policy: str, frames: Any, budget: Budget | None, device: torch.device) -> dict[str, Any]:
     """Stream ``frames`` one temporal grid (two frames) at a time, ask twice; what the checklist records of one run."""
     kwargs = {} if budget is None else {"budget": budget}
@@ -71,7 +67,7 @@ def _one_run(model: Any, policy: str, frames: Any, budget: Budget | None, device
     for start in range(0, len(frames), 2):
         engine.feed(frames[start : start + 2])
     before = _digest(engine)
-    _sync(device)
+    synchronize(device)
     answers = [engine.answer(QUESTION) for _ in range(2)]
     unchanged = _digest(engine) == before
     stats = engine.stats
@@ -211,7 +207,7 @@ def doctor(device_name: str = "auto", models: list[str] | None = None, frames: i
                           "cpu" if device_name == "auto" else device_name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but torch sees no GPU (torch.cuda.is_available() is False)")
-    start = time.perf_counter()
+    watch = Stopwatch(device)
     report: dict[str, Any] = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
                                           "device": str(device), "threads": torch.get_num_threads()}}
     report["attention"] = attention_backend(device)
@@ -232,7 +228,7 @@ def doctor(device_name: str = "auto", models: list[str] | None = None, frames: i
     failed = [r for r in report["models"] if not (r["under_M"] and r["memory_unchanged_by_asking"])]
     failed += [r for r in report["split"] if not r["same_tokens"]]
     report["ok"] = not failed
-    report["seconds"] = time.perf_counter() - start
+    report["seconds"] = watch.ms() / 1000
     print(f"\n{'all checks passed' if not failed else f'{len(failed)} check(s) FAILED'} in {report['seconds']:.0f} s")
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)

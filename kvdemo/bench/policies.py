@@ -9,28 +9,37 @@ from __future__ import annotations
 import copy
 import dataclasses
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from ..attention import MemoryCache, kvdemo_attention
 from ..budget import Budget
-from ..engine import StreamEngine
-from ..streaming import stream_video
+from ..engine import StreamEngine, must_compress
 from ..memory import KVMemory
 from ..models.catalog import TINY_RANDOM_NAME
 from ..models.loading import load_model
 from ..policies import DEFAULT_POLICY, Policy, Probed, SummaryRegion, make_policy
+from ..streaming import stream_video
 from ..synthetic import synthetic_video
-from ..testing import PREFIX_TOKENS, QWEN7B_SHAPE, append_random, qwen7b_rotation, synthetic_chunk, synthetic_memory, synthetic_probe
+from ..testing import (
+    PREFIX_TOKENS,
+    QWEN7B_SHAPE,
+    append_random,
+    qwen7b_rotation,
+    synthetic_chunk,
+    synthetic_memory,
+    synthetic_probe,
+)
+from ..timing import Stopwatch
 
 
 def simulated_stream(
     policy: Policy, grids: int, shape: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> tuple[KVMemory, list[dict[str, Any]]]:
     """Stream ``grids`` temporal grids of random keys/values into a memory managed by ``policy`` exactly as
-    the engine does (compress when the next grid would overflow ``M``, then append), with no model.
+    the engine does (compress when the engine's trigger, :func:`kvdemo.engine.must_compress`, says the next grid
+    would overflow ``M``, then append), with no model.
 
     Returns the memory and one record per compression: grid, selection ms (and the policy's own phase
     split when it reports one), apply ms.
@@ -48,16 +57,18 @@ def simulated_stream(
     heads = shape.get("num_heads", shape["num_kv_heads"])
     per_grid = shape["grid"][0] * shape["grid"][1]
     passes = []
+    uncompressed: tuple[int, ...] = ()
     with torch.inference_mode():
         for grid in range(grids):
-            if memory.visual_tokens + per_grid > budget.M:
+            if must_compress(budget, memory, uncompressed, per_grid):  # the engine's own trigger
                 probe = synthetic_probe(shape["num_layers"], heads, shape["head_dim"], dtype, grid) if isinstance(policy, Probed) else None
-                start = time.perf_counter()
+                watch = Stopwatch(memory.devices)
                 selection = policy.compress(memory.views(rotary, probe), budget.keep_for(per_grid))
-                middle = time.perf_counter()
+                middle = watch.ms()
                 memory.apply(selection)
-                end = time.perf_counter()
-                record = {"grid": grid, "select_ms": (middle - start) * 1000, "apply_ms": (end - middle) * 1000}
+                end = watch.ms()
+                uncompressed = tuple(selection.uncompressed)
+                record = {"grid": grid, "length": selection.indices[0].shape[1], "select_ms": middle, "apply_ms": end - middle}
                 phases = selection.info.get("phase_ms")
                 if phases:
                     record["phases_ms"] = dict(phases)
@@ -92,9 +103,9 @@ def update_benchmark(policy: Policy, grids: int = 48, factor: int = 20, window: 
                       "passes": len(passes), "bank": fresh.report()}
         if label == "1x" and isinstance(fresh, SummaryRegion):
             with torch.inference_mode():
-                start = time.perf_counter()
+                watch = Stopwatch(memory.devices)
                 fresh.synthesize_all(qwen7b_rotation(shape["head_dim"]), shape["num_kv_heads"])
-                out["synthesis_all_ms"] = (time.perf_counter() - start) * 1000
+                out["synthesis_all_ms"] = watch.ms()
     reference = make_policy(DEFAULT_POLICY)  # the project's default policy, InfiniPot-V
     ref_shape = {**shape, "keep": shape["keep"]}
     _, passes = simulated_stream(reference, grids, ref_shape)
@@ -147,12 +158,12 @@ def decode_attention_ms(memory: KVMemory, num_heads: int, repeats: int, answerin
         for run in range(repeats + 1):
             cache = MemoryCache(memory)
             cache.answering = answering
-            start = time.perf_counter()
+            watch = Stopwatch(memory.devices)
             for stub, layer in zip(stubs, cache.layers):
                 keys, values = layer.update(new, new)
                 kvdemo_attention(stub, query, keys[:, :, :], values, None, scaling=dim**-0.5, kvdemo=cache)
             if run:
-                times.append((time.perf_counter() - start) * 1000)
+                times.append(watch.ms())
     return statistics.median(times)
 
 
@@ -170,17 +181,17 @@ def decode_benchmark(policy: Policy, stream_tokens: int = 24576, budget_share: f
     heads = shape.get("num_heads", shape["num_kv_heads"])
     probe = synthetic_probe(shape["num_layers"], heads, shape["head_dim"], torch.float32) if isinstance(policy, Probed) else None
     with torch.inference_mode():
-        start = time.perf_counter()
+        watch = Stopwatch(compressed.devices)
         selection = policy.compress(compressed.views(probe=probe), keep)
-        middle = time.perf_counter()
+        middle = watch.ms()
         compressed.apply(selection)
-        end = time.perf_counter()
+        end = watch.ms()
     name = policy.name
     return {
         "stream_tokens": stream_tokens,
         "keep": keep,
         "layers": shape["num_layers"],
-        "pass_ms": {"classify_and_prune": (middle - start) * 1000, "apply_and_offload": (end - middle) * 1000},
+        "pass_ms": {"classify_and_prune": middle, "apply_and_offload": end - middle},
         "full_decode_attention_ms": decode_attention_ms(full, heads, repeats, answering=True),
         f"{name}_decode_attention_ms": decode_attention_ms(compressed, heads, repeats, answering=True),
         "full_cache_bytes": full.nbytes,

@@ -19,10 +19,7 @@ layer and KV head, the sorted indices of the tokens to keep.
 from __future__ import annotations
 
 import abc
-import contextlib
 import dataclasses
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -30,6 +27,7 @@ import numpy as np
 import torch
 
 from ..tensors import move_tensors
+from ..timing import PhaseTimer  # noqa: F401 (policies time their phases with it)
 from ..views import View, ViewContext
 
 
@@ -228,8 +226,17 @@ class ScoredPolicy(Policy):
         (``Selection.info``)."""
 
     def compress(self, views: list[LayerView], keep: int) -> Selection:
-        rankings, info = self.rank(views, keep)
-        selection, _ = select_ranked(views, rankings, keep, info)
+        """Rank, then the shared top-k; ``info["phase_ms"]`` splits the time (the phases ``rank`` reports in its
+        own ``phase_ms``, else all of it as ``scoring``; the top-k is ``selection``)."""
+        timer = PhaseTimer()
+        device = views[0].keys.device if views else None
+        with timer.phase("rank", device):
+            rankings, info = self.rank(views, keep)
+        phases = dict(info.pop("phase_ms", None) or {"scoring": timer.ms["rank"]})
+        with timer.phase("selection", device):
+            selection, _ = select_ranked(views, rankings, keep, info)
+        phases["selection"] = phases.get("selection", 0.0) + timer.ms["selection"]
+        selection.info["phase_ms"] = phases
         return selection
 
 
@@ -265,22 +272,35 @@ def select_ranked(
         kept.update(zip(members, masks))
     indices, valids, reasons = [], [], []
     ragged = False
-    for layer, ranking in enumerate(rankings):
-        mask = kept[unique[id(ranking)]]
-        counts = mask.sum(dim=1)
-        width = int(counts.max()) if counts.numel() else 0
-        length = mask.shape[1]
-        slots = torch.arange(length, device=mask.device)
-        index = torch.sort(torch.where(mask, slots, length), dim=1).values[:, :width]
-        valid = index < length
+    done: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for ranking in rankings:
+        first = unique[id(ranking)]
+        if first not in done:  # layers sharing a ranking share its (read-only) indices
+            index, valid = kept_indices(kept[first])
+            done[first] = index, valid, torch.gather(ranking.reason, 1, index)
+        index, valid, reason = done[first]
         ragged |= not bool(valid.all())
-        index = index.masked_fill(~valid, 0)
         indices.append(index)
         valids.append(valid)
-        reasons.append(torch.gather(ranking.reason, 1, index))
+        reasons.append(reason)
     info["reason"] = reasons
     selection = Selection(indices, info, valid=valids if ragged else None)
     return selection, [kept[unique[id(r)]] for r in rankings]
+
+
+def kept_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kept mask ``[H, L]`` as ascending indices ``[H, width]`` (``width`` the largest count) and ``valid
+    [H, width]``; a row keeping fewer is padded with index 0, marked invalid. Rows keeping the same count (the
+    usual case) are one ``nonzero``; ragged rows are sorted."""
+    heads, length = mask.shape
+    counts = mask.sum(dim=1)
+    width = int(counts.max()) if counts.numel() else 0
+    if heads and bool((counts == width).all()):
+        return mask_to_indices(mask), torch.ones(heads, width, dtype=torch.bool, device=mask.device)
+    slots = torch.arange(length, device=mask.device)
+    index = torch.sort(torch.where(mask, slots, length), dim=1).values[:, :width]
+    valid = index < length
+    return index.masked_fill(~valid, 0), valid
 
 
 # --- opt-in protocols --------------------------------------------------------------------------------
@@ -427,24 +447,6 @@ def make_policy(name: str, **params: Any) -> Policy:
 
 
 # --- shared helpers --------------------------------------------------------------------------
-
-
-class PhaseTimer:
-    """Wall time per named phase of a policy pass, in ms (CUDA is synchronised around each phase, so the
-    split is true on a GPU too; the benchmark reads it)."""
-
-    def __init__(self) -> None:
-        self.ms: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def phase(self, name: str, device: torch.device) -> Iterator[None]:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        yield
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - start) * 1000
 
 
 def top_k_mask(scores: torch.Tensor, k: int | torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:

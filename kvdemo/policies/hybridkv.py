@@ -59,7 +59,19 @@ from typing import Any, ClassVar
 import torch
 
 from ..views import CellGrid, Chart, View, ViewContext
-from .base import BudgetError, LayerView, OffloadUpdate, Policy, Probed, Ranking, Selection, register, select_ranked, top_k_mask
+from .base import (
+    BudgetError,
+    LayerView,
+    OffloadUpdate,
+    PhaseTimer,
+    Policy,
+    Probed,
+    Ranking,
+    Selection,
+    register,
+    select_ranked,
+    top_k_mask,
+)
 from .grid import frame_rank, pool_on_grid
 
 REASON_LOCAL, REASON_SALIENT, REASON_RESIDENT = 0, 1, 2
@@ -147,23 +159,30 @@ class HybridKV(Policy, Probed):
     def compress(self, views: list[LayerView], keep: int) -> Selection:
         if any(view.probe is None for view in views):
             raise BudgetError("HybridKV needs probe queries in its views (use StreamEngine, which runs the probe)")
-        scores, priors = zip(*(self.text_centric(view) for view in views))
-        # The classification and budgets need every layer's [H] scores together: only those small vectors move to
-        # the first layer's device (a model split over devices keeps each layer's tokens where they are).
         home = views[0].keys.device
-        sparsity = torch.stack([score.to(home) for score in scores])  # [layers, H]
-        static = sparsity > self.threshold(sparsity)
-        held = torch.stack([valid_counts(view).to(home) for view in views])  # [layers, H]
-        offloaded = torch.stack([torch.zeros_like(held[0]) if view.offloaded is None else view.offloaded.to(held.device)
-                                 for view in views])
-        # What a head can be given: what it holds, plus (a dynamic head whose retrieval counts) what it can retrieve.
-        cap = held + offloaded if self.accounting == "budget" else held
-        budgets = self.budgets(sparsity, static, torch.where(static, held, cap), keep)
-        resident, retrieve = self.split(static, budgets, held)
-        rankings = [self.rank_layer(view, priors[layer], static[layer], resident[layer]) for layer, view in enumerate(views)]
-        info = {"static": static, "budget": budgets, "sparsity": sparsity, "resident": resident, "retrieve": retrieve}
-        selection, kept = select_ranked(views, rankings, keep, info)
-        selection.offload = [self.offload(view, mask, static[layer], retrieve[layer]) for layer, (view, mask) in enumerate(zip(views, kept))]
+        timer = PhaseTimer()
+        with timer.phase("probe attention", home):  # the policy's own arithmetic: the probe's queries over every key
+            scores, priors = zip(*(self.text_centric(view) for view in views))
+        with timer.phase("budgets", home):
+            # The classification and budgets need every layer's [H] scores together: only those small vectors move
+            # to the first layer's device (a model split over devices keeps each layer's tokens where they are).
+            sparsity = torch.stack([score.to(home) for score in scores])  # [layers, H]
+            static = sparsity > self.threshold(sparsity)
+            held = torch.stack([valid_counts(view).to(home) for view in views])  # [layers, H]
+            offloaded = torch.stack([torch.zeros_like(held[0]) if view.offloaded is None else view.offloaded.to(held.device)
+                                     for view in views])
+            # What a head can be given: what it holds, plus (a dynamic head whose retrieval counts) what it can retrieve.
+            cap = held + offloaded if self.accounting == "budget" else held
+            budgets = self.budgets(sparsity, static, torch.where(static, held, cap), keep)
+            resident, retrieve = self.split(static, budgets, held)
+        with timer.phase("selection", home):
+            rankings = [self.rank_layer(view, priors[layer], static[layer], resident[layer]) for layer, view in enumerate(views)]
+            info = {"static": static, "budget": budgets, "sparsity": sparsity, "resident": resident, "retrieve": retrieve}
+            selection, kept = select_ranked(views, rankings, keep, info)
+        with timer.phase("offload plan", home):
+            selection.offload = [self.offload(view, mask, static[layer], retrieve[layer])
+                                 for layer, (view, mask) in enumerate(zip(views, kept))]
+        selection.info["phase_ms"] = timer.ms
         if selection.valid is None:  # every head kept as many tokens: still say which entries count
             selection.valid = [torch.ones_like(index, dtype=torch.bool) for index in selection.indices]
         self._last = {

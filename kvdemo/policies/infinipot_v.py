@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 from ..tensors import as_words
-from .base import BudgetError, LayerView, Ranking, ScoredPolicy, minmax, register, top_k_mask
+from .base import BudgetError, LayerView, PhaseTimer, Ranking, ScoredPolicy, minmax, register, top_k_mask
+from .fused import compiled_enabled, run_compiled, tar_and_van_terms
 from .grid import pool_on_grid, recent_window
 
 KERNELS = (7, 5, 3, 1)
@@ -144,71 +145,100 @@ class InfiniPotV(ScoredPolicy):
         return self._calibrated
 
     def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
-        vans = [value_norms(view.values) for view in views]
-        cvs = [coefficient_of_variation(van) for van in vans]
+        # Layers of equal length on one device are scored together ([layers * H, L] at once); only the reads of
+        # keys and values stay per layer (one read of each: VaN and, with alpha > 0, TaR's similarities).
+        groups: dict[tuple[int, torch.device], list[int]] = {}
+        for layer, view in enumerate(views):
+            groups.setdefault((view.length, view.keys.device), []).append(layer)
+        timer = PhaseTimer()
+        device = views[0].keys.device if views else None
+        with timer.phase("scoring", device):
+            vans, similarity, windows = self._read(views, groups, keep)
+            cvs = [coefficient_of_variation(van) for van in vans]
         thresholds = self.thresholds_for(cvs)
         kernels = [kernel_for_cv(cv, thresholds) if self.van == "pool" else 1 for cv in cvs]
         rankings: list[Ranking] = [None] * len(views)  # type: ignore[list-item]
         recent_frames = [0] * len(views)
-        # Layers of equal length on one device are scored together ([layers * H, L] at once); only the reads of
-        # keys and values stay per layer.
-        groups: dict[tuple[int, torch.device], list[int]] = {}
-        for layer, view in enumerate(views):
-            groups.setdefault((view.length, view.keys.device), []).append(layer)
-        for members in groups.values():
+        for key, members in groups.items():
             priority, reason, r = self._score(
-                [views[i] for i in members], [vans[i] for i in members], [kernels[i] for i in members], keep
+                [views[i] for i in members], [vans[i] for i in members], [similarity[i] for i in members],
+                [kernels[i] for i in members], keep, windows[key], timer,
             )
             for i, layer_priority, layer_reason in zip(members, priority.chunk(len(members)), reason.chunk(len(members))):
                 rankings[i], recent_frames[i] = Ranking(layer_priority, layer_reason), r
-        info = {"kernel": kernels, "cv": cvs, "cv_thresholds": list(thresholds), "recent_frames": recent_frames}
+        info = {"kernel": kernels, "cv": cvs, "cv_thresholds": list(thresholds), "recent_frames": recent_frames,
+                "phase_ms": timer.ms}
         return rankings, info
 
+    def _read(
+        self, views: list[LayerView], groups: dict[tuple[int, torch.device], list[int]], keep: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], dict[tuple[int, torch.device], tuple]]:
+        """The one read of every key and value: per layer the VaN map and (``alpha > 0``) TaR's similarities
+        ``[H, L]`` (:func:`tar_and_van`), and per group of equal-length layers its recent window and patch ids."""
+        vans: list[torch.Tensor] = [None] * len(views)  # type: ignore[list-item]
+        similarity: list[torch.Tensor | None] = [None] * len(views)
+        windows = {}
+        for key, members in groups.items():
+            group = [views[i] for i in members]
+            heads, grid, per_frame = group[0].num_heads, group[0].grid, group[0].tokens_per_frame
+            frame = torch.cat([v.frame for v in group])
+            pos = torch.cat([v.row.long() * grid[1] + v.col.long() for v in group])
+            windows[key] = (*recent_window(frame, per_frame, keep, self.recent_ratio), pos)
+            recent = windows[key][0]
+            for j, (i, view) in enumerate(zip(members, group)):
+                rows = slice(j * heads, (j + 1) * heads)
+                if self.alpha > 0:
+                    similarity[i], vans[i] = tar_and_van(view.keys, view.values, recent[rows], pos[rows], per_frame)
+                else:
+                    vans[i] = value_norms(view.values)
+        return vans, similarity, windows
+
     def _score(
-        self, views: list[LayerView], vans: list[torch.Tensor], kernels: list[int], keep: int
+        self, views: list[LayerView], vans: list[torch.Tensor], similarity: list[torch.Tensor | None], kernels: list[int],
+        keep: int, window: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor], timer: PhaseTimer,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Priorities and reasons ``[B, L]`` for layers of equal length, stacked as rows ``B = layers * H``,
         and the recent window (frames): TaR picks (the recent window included) rank above every pooled VaN
-        score (Alg. 2 lines 24-25). ``vans`` are the layers' raw VaN maps ``[H, L]``; ``kernels`` their
-        pooling kernels."""
+        score (Alg. 2 lines 24-25). ``vans`` are the layers' raw VaN maps ``[H, L]``, ``similarity`` their mean
+        cosine similarities to the recent frames (:func:`patch_similarity`; None when ``alpha = 0``), ``kernels``
+        their pooling kernels, ``window`` the group's recent window (:func:`recent_window`) and patch ids; the
+        time goes to ``timer``'s ``pooling`` and ``selection`` phases."""
         heads = views[0].num_heads
-        grid, per_frame = views[0].grid, views[0].tokens_per_frame
-        frame = torch.cat([v.frame for v in views])
+        grid = views[0].grid
         order = torch.cat([v.order for v in views])
-        pos = torch.cat([v.row.long() * grid[1] + v.col.long() for v in views])
-        recent, rank, _, recent_frames = recent_window(frame, per_frame, keep, self.recent_ratio)
+        recent, rank, _, recent_frames, pos = window
 
-        van = torch.cat(vans)
-        row_kernel = torch.tensor(kernels, device=van.device).repeat_interleave(heads)
-        for kernel in set(kernels) - {1}:
-            rows = row_kernel == kernel
-            van[rows] = pool_on_grid(van[rows], rank[rows], pos[rows], grid, kernel)
-        van01 = minmax(-van if self.van == "reverse" else van)
+        with timer.phase("pooling", recent.device):
+            van = torch.cat(vans)
+            row_kernel = torch.tensor(kernels, device=van.device).repeat_interleave(heads)
+            for kernel in set(kernels) - {1}:
+                rows = row_kernel == kernel
+                van[rows] = pool_on_grid(van[rows], rank[rows], pos[rows], grid, kernel)
+            van01 = minmax(-van if self.van == "reverse" else van)
+        with timer.phase("selection", recent.device):
+            return self._pick(van01, similarity, recent, rank, order, keep, recent_frames)
 
+    def _pick(
+        self, van01: torch.Tensor, similarity: list[torch.Tensor | None], recent: torch.Tensor, rank: torch.Tensor,
+        order: torch.Tensor, keep: int, recent_frames: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """TaR's share (the recent window first) forced above the pooled VaN scores ``van01 [B, L]``."""
         tar_pick = torch.zeros_like(recent)
         if self.alpha > 0:
-            score = self._tar_scores(views, recent, pos, rank, per_frame)
+            score = self._tar_scores(torch.cat(similarity), recent, rank)
             # Recent tokens rank above every past score (|score| <= 1); among themselves by VaN.
             key = torch.where(recent, 2.0 + 1e-3 * van01, score)
             share = torch.clamp(recent.sum(dim=1), max=keep).clamp_min(round(self.alpha * keep))
             tar_pick = top_k_mask(key, share, order)
-        reason = torch.full(recent.shape, REASON_VAN, dtype=torch.int8, device=van.device)
+        reason = torch.full(recent.shape, REASON_VAN, dtype=torch.int8, device=van01.device)
         reason[tar_pick] = REASON_TAR
         if self.alpha > 0:
             reason[recent] = REASON_RECENT
         return tar_pick.to(van01.dtype) * 4.0 + van01, reason, recent_frames
 
-    def _tar_scores(
-        self, views: list[LayerView], recent: torch.Tensor, pos: torch.Tensor, rank: torch.Tensor, per_frame: int
-    ) -> torch.Tensor:
-        """TaR scores ``[B, L]`` (Eq. 4, or its frame-level / reversed variant) for stacked layers."""
-        heads = views[0].num_heads
-        mean_cos = torch.cat(
-            [
-                patch_similarity(v.keys, recent[i * heads : (i + 1) * heads], pos[i * heads : (i + 1) * heads], per_frame)
-                for i, v in enumerate(views)
-            ]
-        )
+    def _tar_scores(self, mean_cos: torch.Tensor, recent: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+        """TaR scores ``[B, L]`` (Eq. 4, or its frame-level / reversed variant) from the stacked layers' mean
+        cosine similarities ``[B, L]``."""
         if self.tar == "reverse":
             return mean_cos
         score = -mean_cos
@@ -228,32 +258,43 @@ class InfiniPotV(ScoredPolicy):
 SIMILARITY_BLOCK = 1024
 
 
+def recent_reference(
+    keys: torch.Tensor, recent: torch.Tensor, row: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (head, patch) row: the sum of the recent frames' unit keys ``[rows, D]`` (summed in float32, rounded
+    once to the cache's dtype) and how many recent frames hold it ``[rows]`` float32. ``keys [H, L, D]``,
+    ``recent``/``row [H, L]`` (row = head * patches + patch)."""
+    h_recent, l_recent = torch.nonzero(recent, as_tuple=True)
+    recent_keys = keys[h_recent, l_recent].float()
+    recent_keys = recent_keys / torch.linalg.vector_norm(recent_keys, dim=-1, keepdim=True).clamp_min(1e-12)
+    recent_rows = row[h_recent, l_recent]
+    reference = torch.zeros(rows, keys.shape[-1], dtype=torch.float32, device=keys.device)
+    reference.index_add_(0, recent_rows, recent_keys)
+    count = torch.bincount(recent_rows, minlength=rows).to(torch.float32)
+    return reference.to(keys.dtype), count
+
+
 def patch_similarity(keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor, per_frame: int) -> torch.Tensor:
     """Mean cosine similarity ``[H, L]`` of every token's key to the keys of the recent frames at the same
     patch (Eq. 4 without the sign): ``(1/r) sum_t' cos(K(t,i,j), K_recent(t',i,j))``.
 
     ``sum_t' cos = k_hat . sum_t' k_hat_recent(t', i, j)``: one ``index_add`` over (head, patch) rows builds
-    the per-patch sum of the recent normalised keys. A patch no recent frame holds has similarity 0.
-    ``keys [H, L, D]`` (a strided view of the memory is read in place), ``recent``/``pos [H, L]``
-    (pos = row * cols + col).
+    the per-patch sum of the recent normalised keys (:func:`recent_reference`). A patch no recent frame holds
+    has similarity 0. ``keys [H, L, D]`` (a strided view of the memory is read in place), ``recent``/``pos
+    [H, L]`` (pos = row * cols + col).
 
     The keys are read once, block by block (on a CPU): each block's norms and its dot products with the
     gathered references are computed while the block sits in cache, instead of materialising a gathered
     ``[H, L, D]`` reference tensor the size of the cache. The products are taken in the cache's dtype (a
     bfloat16 cache: products and norms rounded to bfloat16, both accumulated in float32; the reference is
-    summed in float32 and rounded once), as the authors' code computes in the cache dtype; upcasting every
-    block to float32 first cost about a tenth of a bfloat16 pass on this CPU (204 -> 179 ms at 7B shape).
+    summed in float32 and rounded once), as the authors' code computes in the cache dtype. This is the eager
+    definition; :func:`tar_and_van` runs the compiled restatement when asked to.
     """
     heads, length, dim = keys.shape
     device = keys.device
     row = torch.arange(heads, device=device)[:, None] * per_frame + pos  # (head, patch) id [H, L]
-    h_recent, l_recent = torch.nonzero(recent, as_tuple=True)
-    recent_keys = keys[h_recent, l_recent].float()
-    recent_keys = recent_keys / torch.linalg.vector_norm(recent_keys, dim=-1, keepdim=True).clamp_min(1e-12)
-    recent_rows = row[h_recent, l_recent]
-    reference = torch.zeros(heads * per_frame, dim, dtype=torch.float32, device=device).index_add_(0, recent_rows, recent_keys)
-    count = torch.bincount(recent_rows, minlength=heads * per_frame).to(torch.float32)
-    reference = as_words(reference.to(keys.dtype))
+    reference, count = recent_reference(keys, recent, row, heads * per_frame)
+    reference = as_words(reference)
     similarity = torch.empty(heads, length, dtype=torch.float32, device=device)
     step = length if device.type == "cuda" else SIMILARITY_BLOCK
     for start in range(0, length, step):
@@ -262,3 +303,22 @@ def patch_similarity(keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor
         norms = torch.linalg.vector_norm(block, dim=-1).float().clamp_min(1e-12)  # accumulated in float32
         similarity[:, start : start + step] = (block * gathered).sum(-1, dtype=torch.float32) / norms
     return similarity / count[row].clamp_min(1.0)
+
+
+def tar_and_van(
+    keys: torch.Tensor, values: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor, per_frame: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's TaR similarities (:func:`patch_similarity`) and VaN map (:func:`value_norms`), ``[H, L]`` each.
+
+    With compiled kernels on (:mod:`kvdemo.policies.fused`), both come out of one fused read of the keys and
+    values (:func:`~kvdemo.policies.fused.tar_and_van_terms`, the same arithmetic); otherwise the eager
+    definitions run, one after the other.
+    """
+    heads = keys.shape[0]
+    if compiled_enabled():
+        row = (torch.arange(heads, device=keys.device)[:, None] * per_frame + pos).contiguous()
+        reference, count = recent_reference(keys, recent, row, heads * per_frame)
+        out = run_compiled(tar_and_van_terms, keys, values, reference, row, count, keys.dtype != torch.float32)
+        if out is not None:
+            return out
+    return patch_similarity(keys, recent, pos, per_frame), value_norms(values)
