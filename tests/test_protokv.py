@@ -37,14 +37,76 @@ def test_budget_split_follows_table_5():
         policy.split(8)
 
 
+def split_by_search(budget: int, chunk: int, share: float = 0.25, s: int = 8) -> tuple[int, int] | None:
+    """The near-window rule restated as a search: the most prototypes ``K`` whose ``K * S`` slots fit the paper's
+    far share of ``M`` and leave a near window of two chunks; None when not even one does."""
+    best = None
+    for k in range(1, budget // s + 1):
+        if k * s <= (1 - share) * budget and budget - k * s >= 2 * chunk:
+            best = (budget - k * s, k)
+    return best
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 16, 135, 300])
+def test_the_near_window_holds_two_chunks_and_the_bank_takes_the_rest(chunk):
+    policy = make_policy("protokv")
+    for budget in range(11, 1400, 7):
+        expected = split_by_search(budget, chunk)
+        if expected is None:
+            with pytest.raises(BudgetError):
+                policy.split(budget, chunk)
+        else:
+            assert policy.split(budget, chunk) == expected, budget
+    # the tiny model's 16-token chunks at the eval's M = 64: W = 32 (two chunks), K_max = 4 (paper: 16 and 6)
+    assert policy.split(64, 16) == (32, 4) and policy.split(64) == (16, 6)
+    assert policy.split(6144, 256) == (1536, 576)  # at the 7B budget the paper's split already holds two chunks
+
+
+def test_a_budget_that_cannot_hold_two_chunks_and_a_prototype_is_one_line():
+    from kvdemo.budget import Budget
+
+    budget = Budget.resolve(make_policy("protokv"), 39)
+    with pytest.raises(BudgetError) as error:
+        budget.fit_chunk(16, "1 temporal grid(s) of 4x4 tokens")
+    message = str(error.value)
+    assert "\n" not in message and "M=39 cannot hold ProtoKV's near window of 32 tokens" in message
+    assert message.endswith("raise M to at least 40")
+    fitted = Budget.resolve(make_policy("protokv"), 40).fit_chunk(16)
+    assert (fitted.window, fitted.summary, fitted.chunk) == (32, 8, 16)
+    assert fitted.split_text == "a near window of 32 exact tokens + 1 prototypes x 8 pseudo-tokens"
+    with pytest.raises(BudgetError, match="raise M to at least 40"):
+        budget.check_chunk(16)  # the checks the CLI and the app run before the model loads say the same
+
+
 def test_engine_takes_m_alone_and_checks_the_near_window(tiny, pancake):
     engine = StreamEngine(tiny, "protokv", budget=540, fps=2.0)
-    assert engine.budget.C is None and engine.memory.summary_slots == 400
+    assert engine.budget.C is None and engine.memory.summary_slots == 400  # the paper's split until chunks are sized
+    engine.feed(pancake.frames[:2])  # one 135-token grid: W = 540 - 33 * 8 = 276 >= 2 x 135
+    assert (engine.budget.window, engine.memory.summary_slots, engine.memory.visual_capacity) == (276, 264, 276)
     with pytest.raises(BudgetError, match="C does not apply"):
         StreamEngine(tiny, "protokv", budget=540, keep=400)
-    small = StreamEngine(tiny, "protokv", budget=400, fps=2.0)  # W = 104 < one 135-token grid
-    with pytest.raises(BudgetError, match="near window W=104"):
+    small = StreamEngine(tiny, "protokv", budget=277, fps=2.0)  # room for two grids, none for a prototype
+    with pytest.raises(BudgetError, match="M=277 cannot hold ProtoKV's near window of 270 tokens"):
         small.feed(pancake.frames[:2])
+
+
+def test_the_newest_chunk_stays_exact_through_every_compression(tiny):
+    """At the eval's M = 64 on 16-token grids, after every chunk the memory holds every token of the two newest
+    grids exactly (read from its provenance), so a question asked right after the evidence left view sees it."""
+    from kvdemo.synthetic import synthetic_video
+
+    video = synthetic_video(num_frames=24, height=112, width=112, fps=2.0, seed=3)
+    engine = StreamEngine(tiny, "protokv", budget=64, fps=2.0)
+    for start in range(0, 24, 2):
+        engine.feed(video.frames[start : start + 2])
+        newest = engine.memory.num_grids - 1
+        for layer in range(tiny.num_layers):
+            frames = engine.memory.layers[layer].provenance["frame"][:, : engine.memory.layers[layer].visual_len]
+            for grid in (newest - 1, newest):
+                if grid >= 0:
+                    assert (frames == grid).sum(dim=1).tolist() == [16] * tiny.num_kv_heads
+    # summary slots count from the start: chunks 1-2 fit 32 + 32 <= 64, each of chunks 3-12 needs a compression
+    assert engine.stats.compressions == 10 and engine.memory.summary_slots == 32
 
 
 # --- keys before RoPE -----------------------------------------------------------------------------
@@ -397,6 +459,26 @@ def test_beam_search_finds_the_brute_force_top_tuples(groups, codewords, modes, 
         np.testing.assert_allclose(found, best, atol=1e-5)
 
 
+@pytest.mark.parametrize("params, message", [
+    ({"beam": 2}, "beam=2 is narrower than S=8 pseudo-tokens (it would repeat code tuples); use beam >= 8, or 0 for 4 S"),
+    ({"beam": "7"}, "beam=7 is narrower than S=8"),
+    ({"beam": 3, "pseudo_tokens": 4}, "beam=3 is narrower than S=4"),
+])
+def test_a_beam_narrower_than_s_is_refused_in_one_line(params, message):
+    with pytest.raises(BudgetError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
+        make_policy("protokv", **params)
+    assert "\n" not in str(error.value)
+    assert make_policy("protokv", beam=8).beam == 8 and make_policy("protokv", beam=0).beam == 0  # 0 = 4 S
+
+
+def test_the_cli_refuses_a_narrow_beam_before_the_model_loads(capsys):
+    from kvdemo.cli import main
+
+    assert main(["run", "--policy", "protokv", "--param", "beam=2", "--quiet"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: beam=2 is narrower than S=8 pseudo-tokens (it would repeat code tuples); use beam >= 8, or 0 for 4 S"]
+
+
 @pytest.mark.parametrize("groups,codewords,modes", [(3, 5, 6), (4, 4, 8), (2, 6, 8)])
 def test_beam_search_orders_tied_tuples_as_its_rule_says(groups, codewords, modes):
     """Histograms with few counts (many codewords with equal counts, so many tuples with equal scores): the search
@@ -445,15 +527,15 @@ def test_protokv_streams_the_real_clip_within_m_and_answers(tiny, pancake):
     list(stream_video(tiny, pancake, {"p": engine}))
     timeline = engine.memory.timeline
     assert max(e.visual_tokens for e in timeline) <= 540
-    assert engine.stats.compressions == 9
-    # near window: the newest W - 135 + 135 = 140 tokens at most, all from the newest grids
-    assert engine.memory.visual_tokens == 400 + 140
+    assert engine.stats.compressions == 8
+    # near window: W = 276 (two 135-token grids and 6 more): the newest 276 - 135 + 135 tokens, all from the newest grids
+    assert engine.memory.visual_tokens == 264 + 276
     report = engine.report()
     bank = report["policy_state"]
     slots = engine.policy._bank
     # every slot holds mass or waits for its seed token to leave the window (then hidden from attention)
-    assert int((slots.active | slots.seeded).sum()) == 50 * tiny.num_layers * tiny.num_kv_heads and bank["codebooks_trained"]
-    assert bank["mass_total"] == tiny.num_layers * tiny.num_kv_heads * (engine.memory.tokens_seen - 140)  # decay never ran
+    assert int((slots.active | slots.seeded).sum()) == 33 * tiny.num_layers * tiny.num_kv_heads and bank["codebooks_trained"]
+    assert bank["mass_total"] == tiny.num_layers * tiny.num_kv_heads * (engine.memory.tokens_seen - 276)  # decay never ran
     answer = engine.answer("What is in the pan?")
     assert answer.tokens >= 1 and report["keep"] is None
     visible = slots.active.view(tiny.num_layers, tiny.num_kv_heads, -1).sum(-1).double().mean(-1) * 8

@@ -7,6 +7,14 @@ Budget (Sec. 3, Table 5): one number ``M = W + K_max * S`` per layer and KV head
 with ``S = 8`` pseudo-tokens per prototype (``K_max = floor(3M / 4S)``, ``W = M - K_max S``). The memory keeps
 the newest ``W`` visual tokens exactly (the near window) and reserves ``K_max * S`` summary slots.
 
+**The near window holds two chunks (kvdemo's rule).** The paper keeps a near window so that the newest tokens
+stay exact; its 1 : 3 split leaves less than that at small budgets (``M = 64`` on the tiny model: ``W = 16``, one
+chunk, so the chunk before the newest, where evidence that just left view sits, was already in the bank).
+So ``W >= 2 x`` the chunk's visual tokens: a compression, which runs before a chunk is prefilled, keeps the
+newest chunk exact, and the bank takes the rest (``K_max = floor(min(3M/4, M - 2 chunk) / S)``). The split is
+fitted when the first chunk is sized (:meth:`kvdemo.budget.Budget.fit_chunk`); an ``M`` that cannot hold both the
+two chunks and one prototype is refused with one line naming the smallest ``M`` that can.
+
 Each compression (the engine runs one when the next chunk would overflow ``M``, i.e. when the near window
 would exceed ``W``) evicts the oldest near tokens and absorbs them, per layer and KV head, into that row's
 bank (Alg. 1), runs maintenance (Alg. 2), and refreshes the pseudo-tokens of the prototypes that changed
@@ -70,6 +78,9 @@ from .ema import mahalanobis
 from .pq import beam_search, pq_decode
 
 REASON_NEAR = 0
+#: The near window holds at least this many chunks (kvdemo's rule, see the module docstring): the newest chunk,
+#: still exact while the next one is prefilled.
+NEAR_CHUNKS = 2
 REASON_NAMES = {REASON_NEAR: "near window (exact)"}
 
 
@@ -95,7 +106,7 @@ class ProtoKV(Policy, SummaryRegion):
         "merge_v": "merge threshold on normalised value centres (eps_V)",
         "subquantizers": "G: PQ sub-quantisers of the residual histograms",
         "codewords": "C: codewords per sub-quantiser",
-        "beam": "beam width of the residual-mode search (0 = 4 S)",
+        "beam": "beam width of the residual-mode search (0 = 4 S; at least S)",
         "warmup": "residuals per row collected before the PQ codebooks are trained (T_warm)",
         "smoothing": "epsilon of the smoothed PQ probabilities",
         "residuals": "decode residual modes (off = pseudo-tokens are the centres: 'w/o residual stats')",
@@ -137,26 +148,45 @@ class ProtoKV(Policy, SummaryRegion):
             raise BudgetError(f"spatial_rate must be in [0, 1), got {self.spatial_rate}")
         if self.beam < 0 or self.t_idle < 0 or self.smoothing <= 0:
             raise BudgetError("beam and t_idle must be >= 0 and smoothing > 0")
+        if 0 < self.beam < self.pseudo_tokens:
+            raise BudgetError(f"beam={self.beam} is narrower than S={self.pseudo_tokens} pseudo-tokens (it would repeat "
+                              f"code tuples); use beam >= {self.pseudo_tokens}, or 0 for 4 S")
 
     # --- budget ---------------------------------------------------------------------------
-    def split(self, budget: int) -> tuple[int, int]:
-        """``(W, K_max)`` for budget ``M``: ``K_max = floor((1 - near_share) M / S)``, ``W = M - K_max S``."""
-        prototypes = int((1.0 - self.near_share) * budget) // self.pseudo_tokens
+    def split(self, budget: int, chunk: int = 0) -> tuple[int, int]:
+        """``(W, K_max)`` for budget ``M`` and chunks of ``chunk`` visual tokens (0 = not known yet): the paper's
+        ``K_max = floor((1 - near_share) M / S)``, lowered until the near window holds two chunks
+        (:data:`NEAR_CHUNKS`: the newest chunk stays exact while the next one comes in); ``W = M - K_max S``."""
+        near_min = NEAR_CHUNKS * int(chunk)
+        prototypes = min(int((1.0 - self.near_share) * budget), budget - near_min) // self.pseudo_tokens
         near = budget - prototypes * self.pseudo_tokens
-        if prototypes < 1 or near < 1:
+        if prototypes < 1 or near < max(1, near_min):
+            if near_min:
+                raise BudgetError(
+                    f"M={budget} cannot hold ProtoKV's near window of {near_min} tokens (the newest chunk of {chunk} "
+                    f"stays exact while the next comes in) and one prototype of S={self.pseudo_tokens} pseudo-tokens; "
+                    f"raise M to at least {self._smallest_budget(near_min)}"
+                )
             raise BudgetError(
                 f"M={budget} is too small for ProtoKV: it needs room for a near window and at least one prototype "
                 f"of S={self.pseudo_tokens} pseudo-tokens"
             )
         return near, prototypes
 
-    def summary_slots(self, budget: int) -> int:
-        return self.split(budget)[1] * self.pseudo_tokens
+    def _smallest_budget(self, near_min: int) -> int:
+        """The smallest ``M`` that holds a near window of ``near_min`` tokens and one prototype."""
+        budget = near_min + self.pseudo_tokens
+        while int((1.0 - self.near_share) * budget) < self.pseudo_tokens:
+            budget += 1
+        return budget
+
+    def summary_slots(self, budget: int, chunk: int = 0) -> int:
+        return self.split(budget, chunk)[1] * self.pseudo_tokens
 
     window_name = "near window"
 
-    def describe_split(self, budget: int) -> str:
-        near, prototypes = self.split(budget)
+    def describe_split(self, budget: int, chunk: int = 0) -> str:
+        near, prototypes = self.split(budget, chunk)
         return f"a near window of {near} exact tokens + {prototypes} prototypes x {self.pseudo_tokens} pseudo-tokens"
 
     # --- the pass -------------------------------------------------------------------------
