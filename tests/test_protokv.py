@@ -673,34 +673,71 @@ def test_the_bias_of_a_bfloat16_memory_is_log_mass_in_float32():
         assert torch.equal(store.bias[:, memory.prefix_len : memory.visual_start], expected)
 
 
-@torch.inference_mode()
-def test_bfloat16_attention_reads_the_log_mass_unrounded():
-    """bfloat16 queries, keys and values through kvdemo's attention function, every logit 0 but the pseudo-token's
-    bias log 838: the pseudo-token's weight (it alone has value 1) equals 838 / (838 + the other tokens), computed
-    here in float64, to within bfloat16's output rounding (5e-4 at 0.2). A bfloat16 bias (838 read as ~828) is
-    2e-3 off."""
+def attend_to_a_prototype_of_mass(mass: int, others: int, device: torch.device) -> torch.Tensor:
+    """bfloat16 queries, keys and values on ``device`` through kvdemo's attention function, every logit 0 but the
+    pseudo-token's bias ``log mass``; the pseudo-token alone has value 1, so its weight is output channel 0."""
     from kvdemo.attention import kvdemo_attention
 
-    mass, others = 838, 3328
     memory = KVMemory(1, 1, summary_slots=1)
     cache = MemoryCache(memory)
-    zeros = lambda n: torch.zeros(1, 1, n, 8, dtype=torch.bfloat16)  # noqa: E731
+    zeros = lambda n: torch.zeros(1, 1, n, 8, dtype=torch.bfloat16, device=device)  # noqa: E731
     cache.layers[0].update(zeros(1), zeros(1))
     memory.commit_prefix(1)
     chunk = synthetic_chunk(0, others // 64, (8, 8))
     MemoryCache(memory).layers[0].update(zeros(others), zeros(others))
     memory.commit_append(chunk, torch.zeros(3, others, dtype=torch.long))
-    value = torch.zeros(1, 1, 8)
+    value = torch.zeros(1, 1, 8, device=device)
     value[..., 0] = 1.0
-    memory.apply(Selection([torch.arange(others)[None]], summary=[SummaryUpdate(torch.zeros(1, 1, 8), value,
-                                                                               torch.tensor([[math.log(mass)]]))]))
+    bias = torch.tensor([[math.log(mass)]], device=device)
+    memory.apply(Selection([torch.arange(others, device=device)[None]],
+                           summary=[SummaryUpdate(torch.zeros(1, 1, 8, device=device), value, bias)]))
     step = MemoryCache(memory)
     key, val = step.layers[0].update(zeros(1), zeros(1))
 
     class Layer(torch.nn.Module):
         layer_idx = 0
 
-    query = torch.zeros(1, 4, 1, 8, dtype=torch.bfloat16)  # 4 query heads over the one KV head
+    query = torch.zeros(1, 4, 1, 8, dtype=torch.bfloat16, device=device)  # 4 query heads over the one KV head
     out, _ = kvdemo_attention(Layer(), query, key, val, None, kvdemo=step)
+    return out[..., 0].cpu().double()
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+@torch.inference_mode()
+def test_bfloat16_attention_reads_the_log_mass_unrounded(device, monkeypatch):
+    """The pseudo-token's weight equals 838 / (838 + the other tokens), computed here in float64, to within
+    bfloat16's output rounding (5e-4 at 0.2), on the CPU (SDPA with a float32 mask) and on a device whose kernels
+    take the mask only in the query's dtype (the emulated device: the float32 softmax). Through SDPA there a
+    bfloat16 bias (log 838 read as log ~828) would be 1.9e-3 off: the control below measures it."""
+    import contextlib
+
+    from kvdemo import attention
+    from kvdemo.emulated_device import DEVICE, EmulatedDevice
+
+    mass, others = 838, 3328
     expected = mass / (mass + 1 + others + 1)  # prefix, near tokens and the new token each weigh e^0
-    assert float((out[..., 0].double() - expected).abs().max()) < 1e-3
+    target = DEVICE if device == "emulated" else torch.device("cpu")
+    with EmulatedDevice() if device == "emulated" else contextlib.nullcontext():
+        assert float((attend_to_a_prototype_of_mass(mass, others, target) - expected).abs().max()) < 1e-3
+        monkeypatch.setattr(attention, "bias_needs_float32", lambda query, cache: False)
+        through_sdpa = attend_to_a_prototype_of_mass(mass, others, target)
+    rounded = math.exp(float(torch.tensor(math.log(mass), dtype=torch.bfloat16)))  # 827.7
+    if device == "emulated":  # the mask in bfloat16: the weight of mass bf16(log 838), as the kernel would give
+        assert float((through_sdpa - expected).abs().min()) > 1.5e-3
+        assert float((through_sdpa - rounded / (rounded + others + 2)).abs().max()) < 1e-3
+    else:  # the CPU's kernels take the float32 mask anyway
+        assert float((through_sdpa - expected).abs().max()) < 1e-3
+
+
+def test_only_a_narrow_mask_with_a_summary_region_takes_the_float32_softmax():
+    from kvdemo.attention import bias_needs_float32
+    from kvdemo.emulated_device import DEVICE, EmulatedDevice
+
+    with_region, without = KVMemory(1, 1, summary_slots=8), KVMemory(1, 1)
+    with_region.summary_open = without.summary_open = True
+    with EmulatedDevice():
+        for dtype, needs in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False)):
+            query = torch.zeros(1, 2, 1, 8, dtype=dtype).to(DEVICE)
+            assert bias_needs_float32(query, MemoryCache(with_region)) is needs
+            assert bias_needs_float32(query, MemoryCache(without)) is False  # 0 and -inf are exact in any dtype
+    assert bias_needs_float32(torch.zeros(1, 2, 1, 8, dtype=torch.bfloat16), MemoryCache(with_region)) is False  # CPU

@@ -56,7 +56,8 @@ by beam search (``B = 4S``, run ``min(B, S)`` wide: the same tuples, see :func:`
 states how tied tuples are ordered) over the smoothed histograms (kvdemo's ``epsilon = 0.1``), key and value modes
 paired by rank; ``n_res = 0`` gives zero residuals. Residuals that are exactly zero stay out of the warm-up
 reservoir. Each of the ``S`` pseudo-tokens carries bias ``log n_k``, computed in float64 and kept in float32 by
-the memory whatever the cache dtype (see :func:`kvdemo.attention.mask_dtype` for what the kernel receives).
+the memory whatever the cache dtype, and float32 up to the softmax on every device
+(:func:`kvdemo.attention.bias_needs_float32`).
 
 Time ``t`` (idleness, ``T_idle``) counts temporal grids (the unit a Qwen chunk adds: two sampled frames):
 kvdemo's reading of the paper's "steps".
