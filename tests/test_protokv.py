@@ -296,8 +296,8 @@ def alg1_reference(bank: dict, tokens: list[dict], policy) -> list[int]:
     return chosen
 
 
-def fresh_bank(policy, prototypes: int, dim: int):
-    return policy._new_bank(1, prototypes, dim, (4, 4), torch.device("cpu"))
+def fresh_bank(policy, prototypes: int, dim: int, rows: int = 1):
+    return policy._new_bank(rows, prototypes, dim, (4, 4), torch.device("cpu"))
 
 
 def run_batched(policy, bank, tokens):
@@ -320,11 +320,12 @@ def as_lists(bank):
 
 
 def near_tokens(keys, values, spatial, position, order) -> Tokens:
-    """Near-window tokens of one bank row, as ``near(count)`` returns them."""
+    """Near-window tokens of the bank's rows (``keys [B, n, D]``), as ``near(count)`` returns them."""
     keys, values = torch.as_tensor(keys, dtype=torch.float32), torch.as_tensor(values, dtype=torch.float32)
-    spatial = torch.as_tensor(spatial, dtype=torch.float32).reshape(1, -1, 2)
-    position = torch.as_tensor(position).long().reshape(1, -1, 3)
-    order = torch.as_tensor(order).long().reshape(1, -1)
+    rows = keys.shape[0]
+    spatial = torch.as_tensor(spatial, dtype=torch.float32).reshape(rows, -1, 2)
+    position = torch.as_tensor(position).long().reshape(rows, -1, 3)
+    order = torch.as_tensor(order).long().reshape(rows, -1)
     zeros = torch.zeros_like(order)
     return Tokens(keys, values, spatial, position, zeros, zeros, zeros, order)
 
@@ -439,6 +440,36 @@ def test_aging_merging_and_recycling():
                   t=11, order=torch.tensor([[40]]))
     assert bank.mass[0].tolist() == [8, 1, 4, 1] and bank.seed_order.shape == (1, 0)
     torch.testing.assert_close(bank.centre_k[0, 1], centre)
+
+
+def test_the_churn_counts_each_passes_merges_and_recyclings_per_row():
+    """Row 0: one merge (1 into 0) and one recycling (slot 1) at t=10; row 1: nothing. A second pass at t=11 with
+    nothing to merge or recycle. The ring holds both passes, oldest first; the report averages per row and pass."""
+    policy = make_policy("protokv", subquantizers=2)
+    bank = fresh_bank(policy, 3, 4, rows=2)
+    bank.used[:] = True
+    e = torch.eye(4)
+    bank.centre_k[:] = torch.stack([e[0], e[0] + 0.01 * e[1], e[2]])
+    bank.centre_v[:] = bank.centre_k.clone()
+    bank.centre_k[1, 1] = e[3]  # row 1's prototypes are far apart
+    bank.mass[:] = torch.tensor([2, 3, 4])
+    bank.tau_time[:] = 10
+    near_key = torch.tensor([[[0.5, 0.5, 0.5, 0.5]], [[0.5, 0.5, 0.5, 0.5]]])
+
+    def near(count):
+        return near_tokens(near_key, near_key, [[0.25, 0.75]] * 2, [[4, 5, 6]] * 2, order=[[40], [40]])
+
+    policy.maintain(bank, near, t=10)
+    bank.close_pass(10)
+    policy.maintain(bank, near, t=11, changed=torch.zeros(2, 3, dtype=torch.bool))
+    bank.close_pass(11)
+    assert bank.churn.tolist() == [[[1, 0], [1, 0]], [[0, 0], [0, 0]]]  # [pass, (merged, recycled), row]
+    assert bank.churn_grid.tolist() == [10, 11] and bank.passes == 2
+    policy._bank = bank
+    assert policy.churn(0) == {"grids": [10, 11], "merged": [1, 0], "recycled": [1, 0], "merged_per_pass": 0.5,
+                               "recycled_per_pass": 0.5}
+    report = policy.report()
+    assert report["merged_per_row_pass"] == 0.25 and report["recycled_per_row_pass"] == 0.25  # 1 / (2 passes x 2 rows)
 
 
 # --- residuals ------------------------------------------------------------------------------------

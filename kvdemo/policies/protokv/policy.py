@@ -223,6 +223,7 @@ class ProtoKV(Policy, SummaryRegion):
             touched |= self.absorb(bank, *tokens[:7], t, timer, order=tokens.order)
         with timer.phase("maintenance", device):
             touched |= self.maintain(bank, lambda count: self._gather(views, near_newest[..., :count]), t, touched)
+            bank.close_pass(t)
         with timer.phase("synthesis", device):
             summary = self.synthesize(bank, touched, views[0].rotary, heads)
         reasons = [torch.full_like(index, REASON_NEAR, dtype=torch.int8) for index in indices]
@@ -465,10 +466,26 @@ class ProtoKV(Policy, SummaryRegion):
         occupancy = Series([e.time_s for e in events], {"pseudo-tokens visible": [e.summary_active for e in events]},
                            "stream time (s)", "pseudo-tokens", limit=context.summary_slots)
         histogram = Histogram(active, f"mass n_k (layer {layer}, head {head})", "prototypes")
+        churn = self.churn(layer * context.num_kv_heads + head)
+        times = [context.grid_times_s[g] if g < context.num_grids else float(g) for g in churn["grids"]]
+        churn_part = Series(times, {"merged away": churn["merged"], "recycled": churn["recycled"]}, "stream time (s)",
+                            "prototypes per pass", markers=True)
         caption = (f"{int(active.size)} of {len(mass)} prototypes active in this bank, total mass {int(active.sum())}; "
-                   f"right: pseudo-tokens attention can see (capacity {context.summary_slots}, dashed).")
-        views.append(Chart("Prototype bank", caption, [histogram, occupancy]))
+                   f"middle: pseudo-tokens attention can see (capacity {context.summary_slots}, dashed); right: the "
+                   f"bank's churn, {churn['merged_per_pass']:.2f} merges and {churn['recycled_per_pass']:.2f} recyclings "
+                   f"per pass here over the last {len(times)} passes.")
+        views.append(Chart("Prototype bank", caption, [histogram, occupancy, churn_part]))
         return views
+
+    def churn(self, row: int) -> dict[str, Any]:
+        """Bank row ``row``'s churn over the last passes as plain data: ``grids`` (the temporal grid of each pass),
+        ``merged`` and ``recycled`` (prototypes merged away and slots recycled in each pass), and their means."""
+        bank = self._bank
+        counts = bank.churn[:, :, row].cpu()
+        merged, recycled = counts[:, 0].tolist(), counts[:, 1].tolist()
+        passes = max(len(merged), 1)
+        return {"grids": bank.churn_grid.cpu().tolist(), "merged": merged, "recycled": recycled,
+                "merged_per_pass": sum(merged) / passes, "recycled_per_pass": sum(recycled) / passes}
 
     def report(self) -> dict[str, Any]:
         bank = self._bank
@@ -486,6 +503,10 @@ class ProtoKV(Policy, SummaryRegion):
             "residual_updates": int(bank.n_res.sum()),
             "merged": bank.merged,
             "recycled": bank.recycled,
+            "passes": bank.passes,
+            # churn per bank row and pass (all passes): prototypes merged away, slots recycled
+            "merged_per_row_pass": round(bank.merged / max(bank.passes * bank.rows, 1), 4),
+            "recycled_per_row_pass": round(bank.recycled / max(bank.passes * bank.rows, 1), 4),
             "seeds_in_window": int((bank.seed_slot >= 0).sum()),
             "last_pass": dict(self._last),
         }
