@@ -375,13 +375,16 @@ class ProtoBank:
             return torch.zeros_like(active)
         chosen = torch.argsort((~candidates).to(torch.int8), dim=1, stable=True)[:, :width]  # [B, U] slot ids
         real = torch.gather(candidates, 1, chosen)
-        unit_k, unit_v = F.normalize(self.centre_k, dim=-1), F.normalize(self.centre_v, dim=-1)
-        pick = lambda unit: torch.gather(unit, 1, chosen[..., None].expand(-1, -1, unit.shape[-1]))  # noqa: E731
+        unit_k = F.normalize(self.centre_k, dim=-1)
+        picked_k = torch.gather(unit_k, 1, chosen[..., None].expand(-1, -1, unit_k.shape[-1]))
         # ||a - b||^2 = 2 - 2 cos for unit vectors, so ||a - b|| < eps  <=>  cos > 1 - eps^2 / 2
-        close = (pick(unit_k) @ unit_k.transpose(1, 2)) > 1 - eps_k**2 / 2
-        close &= (pick(unit_v) @ unit_v.transpose(1, 2)) > 1 - eps_v**2 / 2
+        close = (picked_k @ unit_k.transpose(1, 2)) > 1 - eps_k**2 / 2
         slots = torch.arange(capacity, device=device)
         close &= real[..., None] & active[:, None, :] & (chosen[..., None] != slots)  # [B, U, K]
+        # Value centres only for the pairs whose keys are close (few): one dot product each, not a [B, U, K] product.
+        b, u, k = torch.nonzero(close, as_tuple=True)
+        unit_v = F.normalize(self.centre_v, dim=-1)
+        close[b, u, k] = (unit_v[b, chosen[b, u]] * unit_v[b, k]).sum(-1) > 1 - eps_v**2 / 2
         # partner(j) = lowest i < j with close(i, j); close is symmetric, so a pair appears from a candidate side.
         # int32 slot ids: the [B, U, K] temporaries are the largest tensors of a pass.
         big = torch.tensor(capacity, dtype=torch.int32, device=device)

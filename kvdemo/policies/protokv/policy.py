@@ -412,10 +412,14 @@ class ProtoKV(Policy, SummaryRegion):
         if bank.codebook_k is None or not self.residuals:
             return torch.zeros(shape, device=protos.device), torch.zeros(shape, device=protos.device)
         out = []
-        empty = (bank.n_res[rows, protos] == 0)[:, :, None, None]
+        empty = (bank.n_res[rows, protos] == 0)[:, :, None, None]  # [B, U, 1, 1]
         for hist, codebook in ((bank.hist_k, bank.codebook_k), (bank.hist_v, bank.codebook_v)):
             codes = beam_search(hist[rows, protos], self.pseudo_tokens, self.beam or 4 * self.pseudo_tokens, self.smoothing)
-            out.append(pq_decode(codes, codebook[rows[:, 0]]).masked_fill_(empty, 0.0))  # [B, U, S, D]
+            # A prototype without residuals decodes an appended all-zero codeword in every sub-space, so the decode
+            # writes its zeros directly (no masking pass over the [B, U, S, D] result).
+            with_zero = torch.cat([codebook, codebook.new_zeros(*codebook.shape[:2], 1, codebook.shape[-1])], dim=2)
+            codes = torch.where(empty, codebook.shape[2], codes)
+            out.append(pq_decode(codes, with_zero[rows[:, 0]]))  # [B, U, S, D]
         return out[0], out[1]
 
     # --- what it shows ----------------------------------------------------------------------
