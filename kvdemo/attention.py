@@ -11,7 +11,7 @@ cache, see :mod:`kvdemo.memory`). On top of that it applies what the memory supp
 
 - an additive key bias ``[H_kv, L]`` (ProtoKV's ``log n_k`` on pseudo-tokens, ``-inf`` on the padding of
   ragged heads), broadcast to each KV head's group of query heads (GQA), on prefill chunks and on every
-  decode step;
+  decode step; it reaches the softmax in float32 on every device (:func:`mask_dtype`, :func:`bias_needs_float32`);
 - while a question is answered, chunks retrieved from the memory's offload store (HybridKV's dynamic heads):
   the forward's queries score each head's chunk mean keys, the top chunks within the head's budget come
   back from host memory and are attended together with the cache under one softmax.
@@ -40,11 +40,20 @@ def mask_dtype(query: torch.Tensor) -> torch.dtype:
     """The dtype of the additive mask kvdemo hands SDPA with ``query``: at least float32 on the CPU, whose kernels take a
     float32 mask with bfloat16/float16 queries (so ProtoKV's ``log n_k`` and the ``-inf`` padding reach the softmax
     unrounded); the query's own dtype elsewhere, because CUDA's memory-efficient kernel rejects any other ("invalid
-    dtype for bias - should match query's dtype"). There a bfloat16 bias is off by at most half an ulp of bfloat16 at
-    ``log n_k`` (at most 2^-8 |log n_k|; 0.0156 for n_k below 2981, an effective mass within 1.6%)."""
+    dtype for bias - should match query's dtype"). Where that dtype would round a bias (:func:`bias_needs_float32`),
+    the attention does not go through SDPA at all but through the float32 softmax of :func:`attention_weights`."""
     if query.device.type == "cpu":
         return torch.promote_types(query.dtype, torch.float32)
     return query.dtype
+
+
+def bias_needs_float32(query: torch.Tensor, cache: "MemoryCache") -> bool:
+    """Whether SDPA would round ``cache``'s key bias for ``query``: the mask it takes there is narrower than float32
+    (:func:`mask_dtype`: bfloat16/float16 queries off the CPU) and the memory holds a summary region (ProtoKV's
+    ``log n_k``, a count's log that bfloat16 rounds by up to 2^-8 of itself: a prototype's weight off by up to
+    1.6%). Other biases hold only 0 and ``-inf`` (ragged padding), which every dtype holds exactly. Decided from
+    the memory's layout, never from the bias's values (no device sync per layer)."""
+    return torch.finfo(mask_dtype(query)).bits < 32 and cache.memory.summary_open and cache.memory.summary_slots > 0
 
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -79,8 +88,8 @@ def kvdemo_attention(
     extra = kvdemo.retrieval(layer, query[0], scale) if kvdemo is not None else None
     for observer in kvdemo.observers if kvdemo is not None else ():
         observer(layer, query, key, value, bias, extra, scale)
-    if extra is not None:
-        return retrieval_attention(query, key, value, bias, extra, scale), None
+    if extra is not None or (bias is not None and bias_needs_float32(query, kvdemo)):
+        return float32_attention(query, key, value, bias, extra, scale), None
     if bias is None:
         mask = causal_mask(q_len, kv_len, query.device) if q_len > 1 else None
     else:
@@ -169,18 +178,20 @@ def weighted_values(weights: torch.Tensor, value: torch.Tensor, extra: tuple | N
     return out.reshape(1, q_heads, q_len, dim).transpose(1, 2)
 
 
-def retrieval_attention(
+def float32_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     bias: torch.Tensor | None,
-    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     scale: float,
 ) -> torch.Tensor:
-    """Attention over the cache plus retrieved chunks without concatenating them: the logits of both parts
-    under one softmax (float32, :func:`attention_weights`). ``query [1, H_q, q, D]`` (the last ``q`` cache slots
-    are these tokens, causal among themselves), cache ``[1, H_kv, kv, D]`` with ``bias [H_kv, kv - q]`` (or None),
-    ``extra`` keys/values ``[H_kv, R, D]`` and their bias ``[H_kv, R]`` -> ``[1, q, H_q, D]``."""
+    """Attention with the logits, the bias and the softmax in float32 (:func:`attention_weights`), over the cache
+    plus, with ``extra``, retrieved chunks without concatenating them (one softmax over both). ``query [1, H_q, q,
+    D]`` (the last ``q`` cache slots are these tokens, causal among themselves), cache ``[1, H_kv, kv, D]`` with
+    ``bias [H_kv, kv - q]`` (or None), ``extra`` keys/values ``[H_kv, R, D]`` and their bias ``[H_kv, R]`` (or None)
+    -> ``[1, q, H_q, D]`` in the query's dtype. Used for HybridKV's retrieval, and for a bias SDPA would round
+    (:func:`bias_needs_float32`)."""
     weights = attention_weights(query, key, bias, scale, extra)
     return weighted_values(weights, value, extra, query.shape[1]).to(query.dtype).contiguous()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .policies.base import BudgetError, Policy, SummaryRegion
@@ -32,7 +32,11 @@ class Budget:
     #: The policy's split of ``M`` in words, and its rule (``M -> summary slots``), for the messages.
     split_text: str = ""
     window_name: str = "window"
-    summary_of: Callable[[int], int] | None = field(default=None, compare=False, repr=False)
+    #: The policy's split rules, ``(M, chunk tokens) -> summary slots`` and ``-> the split in words``.
+    summary_of: Callable[[int, int], int] | None = field(default=None, compare=False, repr=False)
+    describe_of: Callable[[int, int], str] | None = field(default=None, compare=False, repr=False)
+    #: Visual tokens per chunk the split was fitted to (:meth:`fit_chunk`; 0 = not yet).
+    chunk: int = 0
 
     # --- resolving ------------------------------------------------------------------------
     @classmethod
@@ -63,7 +67,7 @@ class Budget:
             splitter = policy if isinstance(policy, SummaryRegion) else policy_cls()
             summary = splitter.summary_slots(M)  # raises if M cannot be split as the policy needs
             return cls(M, None, summary, splitter.describe_split(M), getattr(splitter, "window_name", "window"),
-                       splitter.summary_slots)
+                       splitter.summary_slots, splitter.describe_split)
         C = token_count("C", keep)
         if C >= M:
             raise BudgetError(f"C must be smaller than M (a compression keeps C of the M tokens), got M={M}, C={C}")
@@ -101,6 +105,9 @@ class Budget:
         describes the chunk (e.g. "1 temporal grid(s) of 9x15 tokens")."""
         if self.M is None:
             return
+        if self.C is None and self.summary_of is not None and self.summary_of(self.M, tokens) != self.summary:
+            self.fit_chunk(tokens, shape)  # the policy's own rule for chunks of this size (raises if M is too small)
+            return
         shape = f" = {shape}" if shape else ""
         if self.C is None:
             if tokens > self.window:
@@ -120,12 +127,24 @@ class Budget:
                 f"lower C to at most {self.M - tokens} or raise M"
             )
 
+    def fit_chunk(self, tokens: int, shape: str = "") -> "Budget":
+        """This budget re-split for chunks of ``tokens`` visual tokens (a policy sized by ``M`` alone may need the
+        chunk size, e.g. ProtoKV's near window holds the newest chunk while the next comes in), checked as
+        :meth:`check_chunk` checks; itself for any other policy. :class:`BudgetError` where ``M`` cannot hold both."""
+        if self.C is not None or self.summary_of is None:
+            self.check_chunk(tokens, shape)
+            return self
+        fitted = replace(self, summary=self.summary_of(self.M, tokens), split_text=self.describe_of(self.M, tokens) if self.describe_of else self.split_text,
+                         chunk=tokens)
+        fitted.check_chunk(tokens, shape)
+        return fitted
+
     def smallest_fitting(self, tokens: int) -> int:
         """The smallest ``M`` whose window holds ``tokens`` (a policy sized by ``M`` alone)."""
         candidate = max(tokens, 1)
         while True:
             try:
-                if candidate - self.summary_of(candidate) >= tokens:
+                if candidate - self.summary_of(candidate, tokens) >= tokens:
                     return candidate
             except BudgetError:
                 pass

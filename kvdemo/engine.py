@@ -289,7 +289,11 @@ class StreamEngine:
     def _check_chunk(self, chunk: VisualChunk) -> None:
         if chunk.first_grid != self.memory.num_grids:
             raise EngineError(f"chunk starts at grid {chunk.first_grid} but the engine expects grid {self.memory.num_grids}")
-        self.budget.check_chunk(chunk.num_tokens, f"{chunk.num_grids} temporal grid(s) of {chunk.rows}x{chunk.cols} tokens")
+        shape = f"{chunk.num_grids} temporal grid(s) of {chunk.rows}x{chunk.cols} tokens"
+        if self.memory.is_empty:  # the first chunk sizes the split of a policy whose split needs it (Budget.fit_chunk)
+            self.budget = self.budget.fit_chunk(chunk.num_tokens, shape)
+            self.memory.visual_capacity, self.memory.summary_slots = self.budget.window or 0, self.budget.summary
+        self.budget.check_chunk(chunk.num_tokens, shape)
 
     def _check_cap(self, chunk: VisualChunk) -> None:
         if self.max_cache_bytes is None or self.memory.is_empty:

@@ -23,8 +23,8 @@ REASON_NEW = -2
 PROVENANCE = {"frame": 0, "row": 1, "col": 2, "order": 3, "position": slice(4, 7), "reason": 7}
 PROVENANCE_WIDTH = 8
 #: The key bias is kept in float32 whatever the cache dtype: a bfloat16 ``log n_k`` is off by up to half an ulp
-#: (0.0156 for n_k in [55, 2980], an effective mass 1.6% off). The attention seam decides what the kernel gets
-#: (:func:`kvdemo.attention.mask_dtype`).
+#: (0.0156 for n_k in [55, 2980], an effective mass 1.6% off). The attention seam keeps it float32 up to the softmax
+#: on every device (:func:`kvdemo.attention.mask_dtype`, :func:`kvdemo.attention.bias_needs_float32`).
 BIAS_DTYPE = torch.float32
 
 

@@ -37,14 +37,76 @@ def test_budget_split_follows_table_5():
         policy.split(8)
 
 
+def split_by_search(budget: int, chunk: int, share: float = 0.25, s: int = 8) -> tuple[int, int] | None:
+    """The near-window rule restated as a search: the most prototypes ``K`` whose ``K * S`` slots fit the paper's
+    far share of ``M`` and leave a near window of two chunks; None when not even one does."""
+    best = None
+    for k in range(1, budget // s + 1):
+        if k * s <= (1 - share) * budget and budget - k * s >= 2 * chunk:
+            best = (budget - k * s, k)
+    return best
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 16, 135, 300])
+def test_the_near_window_holds_two_chunks_and_the_bank_takes_the_rest(chunk):
+    policy = make_policy("protokv")
+    for budget in range(11, 1400, 7):
+        expected = split_by_search(budget, chunk)
+        if expected is None:
+            with pytest.raises(BudgetError):
+                policy.split(budget, chunk)
+        else:
+            assert policy.split(budget, chunk) == expected, budget
+    # the tiny model's 16-token chunks at the eval's M = 64: W = 32 (two chunks), K_max = 4 (paper: 16 and 6)
+    assert policy.split(64, 16) == (32, 4) and policy.split(64) == (16, 6)
+    assert policy.split(6144, 256) == (1536, 576)  # at the 7B budget the paper's split already holds two chunks
+
+
+def test_a_budget_that_cannot_hold_two_chunks_and_a_prototype_is_one_line():
+    from kvdemo.budget import Budget
+
+    budget = Budget.resolve(make_policy("protokv"), 39)
+    with pytest.raises(BudgetError) as error:
+        budget.fit_chunk(16, "1 temporal grid(s) of 4x4 tokens")
+    message = str(error.value)
+    assert "\n" not in message and "M=39 cannot hold ProtoKV's near window of 32 tokens" in message
+    assert message.endswith("raise M to at least 40")
+    fitted = Budget.resolve(make_policy("protokv"), 40).fit_chunk(16)
+    assert (fitted.window, fitted.summary, fitted.chunk) == (32, 8, 16)
+    assert fitted.split_text == "a near window of 32 exact tokens + 1 prototypes x 8 pseudo-tokens"
+    with pytest.raises(BudgetError, match="raise M to at least 40"):
+        budget.check_chunk(16)  # the checks the CLI and the app run before the model loads say the same
+
+
 def test_engine_takes_m_alone_and_checks_the_near_window(tiny, pancake):
     engine = StreamEngine(tiny, "protokv", budget=540, fps=2.0)
-    assert engine.budget.C is None and engine.memory.summary_slots == 400
+    assert engine.budget.C is None and engine.memory.summary_slots == 400  # the paper's split until chunks are sized
+    engine.feed(pancake.frames[:2])  # one 135-token grid: W = 540 - 33 * 8 = 276 >= 2 x 135
+    assert (engine.budget.window, engine.memory.summary_slots, engine.memory.visual_capacity) == (276, 264, 276)
     with pytest.raises(BudgetError, match="C does not apply"):
         StreamEngine(tiny, "protokv", budget=540, keep=400)
-    small = StreamEngine(tiny, "protokv", budget=400, fps=2.0)  # W = 104 < one 135-token grid
-    with pytest.raises(BudgetError, match="near window W=104"):
+    small = StreamEngine(tiny, "protokv", budget=277, fps=2.0)  # room for two grids, none for a prototype
+    with pytest.raises(BudgetError, match="M=277 cannot hold ProtoKV's near window of 270 tokens"):
         small.feed(pancake.frames[:2])
+
+
+def test_the_newest_chunk_stays_exact_through_every_compression(tiny):
+    """At the eval's M = 64 on 16-token grids, after every chunk the memory holds every token of the two newest
+    grids exactly (read from its provenance), so a question asked right after the evidence left view sees it."""
+    from kvdemo.synthetic import synthetic_video
+
+    video = synthetic_video(num_frames=24, height=112, width=112, fps=2.0, seed=3)
+    engine = StreamEngine(tiny, "protokv", budget=64, fps=2.0)
+    for start in range(0, 24, 2):
+        engine.feed(video.frames[start : start + 2])
+        newest = engine.memory.num_grids - 1
+        for layer in range(tiny.num_layers):
+            frames = engine.memory.layers[layer].provenance["frame"][:, : engine.memory.layers[layer].visual_len]
+            for grid in (newest - 1, newest):
+                if grid >= 0:
+                    assert (frames == grid).sum(dim=1).tolist() == [16] * tiny.num_kv_heads
+    # summary slots count from the start: chunks 1-2 fit 32 + 32 <= 64, each of chunks 3-12 needs a compression
+    assert engine.stats.compressions == 10 and engine.memory.summary_slots == 32
 
 
 # --- keys before RoPE -----------------------------------------------------------------------------
@@ -234,8 +296,8 @@ def alg1_reference(bank: dict, tokens: list[dict], policy) -> list[int]:
     return chosen
 
 
-def fresh_bank(policy, prototypes: int, dim: int):
-    return policy._new_bank(1, prototypes, dim, (4, 4), torch.device("cpu"))
+def fresh_bank(policy, prototypes: int, dim: int, rows: int = 1):
+    return policy._new_bank(rows, prototypes, dim, (4, 4), torch.device("cpu"))
 
 
 def run_batched(policy, bank, tokens):
@@ -258,11 +320,12 @@ def as_lists(bank):
 
 
 def near_tokens(keys, values, spatial, position, order) -> Tokens:
-    """Near-window tokens of one bank row, as ``near(count)`` returns them."""
+    """Near-window tokens of the bank's rows (``keys [B, n, D]``), as ``near(count)`` returns them."""
     keys, values = torch.as_tensor(keys, dtype=torch.float32), torch.as_tensor(values, dtype=torch.float32)
-    spatial = torch.as_tensor(spatial, dtype=torch.float32).reshape(1, -1, 2)
-    position = torch.as_tensor(position).long().reshape(1, -1, 3)
-    order = torch.as_tensor(order).long().reshape(1, -1)
+    rows = keys.shape[0]
+    spatial = torch.as_tensor(spatial, dtype=torch.float32).reshape(rows, -1, 2)
+    position = torch.as_tensor(position).long().reshape(rows, -1, 3)
+    order = torch.as_tensor(order).long().reshape(rows, -1)
     zeros = torch.zeros_like(order)
     return Tokens(keys, values, spatial, position, zeros, zeros, zeros, order)
 
@@ -379,6 +442,36 @@ def test_aging_merging_and_recycling():
     torch.testing.assert_close(bank.centre_k[0, 1], centre)
 
 
+def test_the_churn_counts_each_passes_merges_and_recyclings_per_row():
+    """Row 0: one merge (1 into 0) and one recycling (slot 1) at t=10; row 1: nothing. A second pass at t=11 with
+    nothing to merge or recycle. The ring holds both passes, oldest first; the report averages per row and pass."""
+    policy = make_policy("protokv", subquantizers=2)
+    bank = fresh_bank(policy, 3, 4, rows=2)
+    bank.used[:] = True
+    e = torch.eye(4)
+    bank.centre_k[:] = torch.stack([e[0], e[0] + 0.01 * e[1], e[2]])
+    bank.centre_v[:] = bank.centre_k.clone()
+    bank.centre_k[1, 1] = e[3]  # row 1's prototypes are far apart
+    bank.mass[:] = torch.tensor([2, 3, 4])
+    bank.tau_time[:] = 10
+    near_key = torch.tensor([[[0.5, 0.5, 0.5, 0.5]], [[0.5, 0.5, 0.5, 0.5]]])
+
+    def near(count):
+        return near_tokens(near_key, near_key, [[0.25, 0.75]] * 2, [[4, 5, 6]] * 2, order=[[40], [40]])
+
+    policy.maintain(bank, near, t=10)
+    bank.close_pass(10)
+    policy.maintain(bank, near, t=11, changed=torch.zeros(2, 3, dtype=torch.bool))
+    bank.close_pass(11)
+    assert bank.churn.tolist() == [[[1, 0], [1, 0]], [[0, 0], [0, 0]]]  # [pass, (merged, recycled), row]
+    assert bank.churn_grid.tolist() == [10, 11] and bank.passes == 2
+    policy._bank = bank
+    assert policy.churn(0) == {"grids": [10, 11], "merged": [1, 0], "recycled": [1, 0], "merged_per_pass": 0.5,
+                               "recycled_per_pass": 0.5}
+    report = policy.report()
+    assert report["merged_per_row_pass"] == 0.25 and report["recycled_per_row_pass"] == 0.25  # 1 / (2 passes x 2 rows)
+
+
 # --- residuals ------------------------------------------------------------------------------------
 
 
@@ -395,6 +488,26 @@ def test_beam_search_finds_the_brute_force_top_tuples(groups, codewords, modes, 
         best = [sum(float(logp[i, c]) for i, c in enumerate(z)) for z in tuples[:modes]]
         found = [sum(float(logp[i, c]) for i, c in enumerate(z)) for z in codes[p].tolist()]
         np.testing.assert_allclose(found, best, atol=1e-5)
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"beam": 2}, "beam=2 is narrower than S=8 pseudo-tokens (it would repeat code tuples); use beam >= 8, or 0 for 4 S"),
+    ({"beam": "7"}, "beam=7 is narrower than S=8"),
+    ({"beam": 3, "pseudo_tokens": 4}, "beam=3 is narrower than S=4"),
+])
+def test_a_beam_narrower_than_s_is_refused_in_one_line(params, message):
+    with pytest.raises(BudgetError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
+        make_policy("protokv", **params)
+    assert "\n" not in str(error.value)
+    assert make_policy("protokv", beam=8).beam == 8 and make_policy("protokv", beam=0).beam == 0  # 0 = 4 S
+
+
+def test_the_cli_refuses_a_narrow_beam_before_the_model_loads(capsys):
+    from kvdemo.cli import main
+
+    assert main(["run", "--policy", "protokv", "--param", "beam=2", "--quiet"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: beam=2 is narrower than S=8 pseudo-tokens (it would repeat code tuples); use beam >= 8, or 0 for 4 S"]
 
 
 @pytest.mark.parametrize("groups,codewords,modes", [(3, 5, 6), (4, 4, 8), (2, 6, 8)])
@@ -445,15 +558,15 @@ def test_protokv_streams_the_real_clip_within_m_and_answers(tiny, pancake):
     list(stream_video(tiny, pancake, {"p": engine}))
     timeline = engine.memory.timeline
     assert max(e.visual_tokens for e in timeline) <= 540
-    assert engine.stats.compressions == 9
-    # near window: the newest W - 135 + 135 = 140 tokens at most, all from the newest grids
-    assert engine.memory.visual_tokens == 400 + 140
+    assert engine.stats.compressions == 8
+    # near window: W = 276 (two 135-token grids and 6 more): the newest 276 - 135 + 135 tokens, all from the newest grids
+    assert engine.memory.visual_tokens == 264 + 276
     report = engine.report()
     bank = report["policy_state"]
     slots = engine.policy._bank
     # every slot holds mass or waits for its seed token to leave the window (then hidden from attention)
-    assert int((slots.active | slots.seeded).sum()) == 50 * tiny.num_layers * tiny.num_kv_heads and bank["codebooks_trained"]
-    assert bank["mass_total"] == tiny.num_layers * tiny.num_kv_heads * (engine.memory.tokens_seen - 140)  # decay never ran
+    assert int((slots.active | slots.seeded).sum()) == 33 * tiny.num_layers * tiny.num_kv_heads and bank["codebooks_trained"]
+    assert bank["mass_total"] == tiny.num_layers * tiny.num_kv_heads * (engine.memory.tokens_seen - 276)  # decay never ran
     answer = engine.answer("What is in the pan?")
     assert answer.tokens >= 1 and report["keep"] is None
     visible = slots.active.view(tiny.num_layers, tiny.num_kv_heads, -1).sum(-1).double().mean(-1) * 8
@@ -591,34 +704,71 @@ def test_the_bias_of_a_bfloat16_memory_is_log_mass_in_float32():
         assert torch.equal(store.bias[:, memory.prefix_len : memory.visual_start], expected)
 
 
-@torch.inference_mode()
-def test_bfloat16_attention_reads_the_log_mass_unrounded():
-    """bfloat16 queries, keys and values through kvdemo's attention function, every logit 0 but the pseudo-token's
-    bias log 838: the pseudo-token's weight (it alone has value 1) equals 838 / (838 + the other tokens), computed
-    here in float64, to within bfloat16's output rounding (5e-4 at 0.2). A bfloat16 bias (838 read as ~828) is
-    2e-3 off."""
+def attend_to_a_prototype_of_mass(mass: int, others: int, device: torch.device) -> torch.Tensor:
+    """bfloat16 queries, keys and values on ``device`` through kvdemo's attention function, every logit 0 but the
+    pseudo-token's bias ``log mass``; the pseudo-token alone has value 1, so its weight is output channel 0."""
     from kvdemo.attention import kvdemo_attention
 
-    mass, others = 838, 3328
     memory = KVMemory(1, 1, summary_slots=1)
     cache = MemoryCache(memory)
-    zeros = lambda n: torch.zeros(1, 1, n, 8, dtype=torch.bfloat16)  # noqa: E731
+    zeros = lambda n: torch.zeros(1, 1, n, 8, dtype=torch.bfloat16, device=device)  # noqa: E731
     cache.layers[0].update(zeros(1), zeros(1))
     memory.commit_prefix(1)
     chunk = synthetic_chunk(0, others // 64, (8, 8))
     MemoryCache(memory).layers[0].update(zeros(others), zeros(others))
     memory.commit_append(chunk, torch.zeros(3, others, dtype=torch.long))
-    value = torch.zeros(1, 1, 8)
+    value = torch.zeros(1, 1, 8, device=device)
     value[..., 0] = 1.0
-    memory.apply(Selection([torch.arange(others)[None]], summary=[SummaryUpdate(torch.zeros(1, 1, 8), value,
-                                                                               torch.tensor([[math.log(mass)]]))]))
+    bias = torch.tensor([[math.log(mass)]], device=device)
+    memory.apply(Selection([torch.arange(others, device=device)[None]],
+                           summary=[SummaryUpdate(torch.zeros(1, 1, 8, device=device), value, bias)]))
     step = MemoryCache(memory)
     key, val = step.layers[0].update(zeros(1), zeros(1))
 
     class Layer(torch.nn.Module):
         layer_idx = 0
 
-    query = torch.zeros(1, 4, 1, 8, dtype=torch.bfloat16)  # 4 query heads over the one KV head
+    query = torch.zeros(1, 4, 1, 8, dtype=torch.bfloat16, device=device)  # 4 query heads over the one KV head
     out, _ = kvdemo_attention(Layer(), query, key, val, None, kvdemo=step)
+    return out[..., 0].cpu().double()
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+@torch.inference_mode()
+def test_bfloat16_attention_reads_the_log_mass_unrounded(device, monkeypatch):
+    """The pseudo-token's weight equals 838 / (838 + the other tokens), computed here in float64, to within
+    bfloat16's output rounding (5e-4 at 0.2), on the CPU (SDPA with a float32 mask) and on a device whose kernels
+    take the mask only in the query's dtype (the emulated device: the float32 softmax). Through SDPA there a
+    bfloat16 bias (log 838 read as log ~828) would be 1.9e-3 off: the control below measures it."""
+    import contextlib
+
+    from kvdemo import attention
+    from kvdemo.emulated_device import DEVICE, EmulatedDevice
+
+    mass, others = 838, 3328
     expected = mass / (mass + 1 + others + 1)  # prefix, near tokens and the new token each weigh e^0
-    assert float((out[..., 0].double() - expected).abs().max()) < 1e-3
+    target = DEVICE if device == "emulated" else torch.device("cpu")
+    with EmulatedDevice() if device == "emulated" else contextlib.nullcontext():
+        assert float((attend_to_a_prototype_of_mass(mass, others, target) - expected).abs().max()) < 1e-3
+        monkeypatch.setattr(attention, "bias_needs_float32", lambda query, cache: False)
+        through_sdpa = attend_to_a_prototype_of_mass(mass, others, target)
+    rounded = math.exp(float(torch.tensor(math.log(mass), dtype=torch.bfloat16)))  # 827.7
+    if device == "emulated":  # the mask in bfloat16: the weight of mass bf16(log 838), as the kernel would give
+        assert float((through_sdpa - expected).abs().min()) > 1.5e-3
+        assert float((through_sdpa - rounded / (rounded + others + 2)).abs().max()) < 1e-3
+    else:  # the CPU's kernels take the float32 mask anyway
+        assert float((through_sdpa - expected).abs().max()) < 1e-3
+
+
+def test_only_a_narrow_mask_with_a_summary_region_takes_the_float32_softmax():
+    from kvdemo.attention import bias_needs_float32
+    from kvdemo.emulated_device import DEVICE, EmulatedDevice
+
+    with_region, without = KVMemory(1, 1, summary_slots=8), KVMemory(1, 1)
+    with_region.summary_open = without.summary_open = True
+    with EmulatedDevice():
+        for dtype, needs in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False)):
+            query = torch.zeros(1, 2, 1, 8, dtype=dtype).to(DEVICE)
+            assert bias_needs_float32(query, MemoryCache(with_region)) is needs
+            assert bias_needs_float32(query, MemoryCache(without)) is False  # 0 and -inf are exact in any dtype
+    assert bias_needs_float32(torch.zeros(1, 2, 1, 8, dtype=torch.bfloat16), MemoryCache(with_region)) is False  # CPU

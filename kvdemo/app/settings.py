@@ -87,7 +87,7 @@ def validate_settings(
         else:
             size, name = geometry.frame_size(*sample_episode().video.size), " of the bundled sample"
         tokens, shape = geometry.chunk_tokens(size, FRAMES_PER_CHUNK)
-        resolved.check_chunk(tokens, shape)
+        resolved = resolved.fit_chunk(tokens, shape)  # the split as a run on this video will size it
     except USER_ERRORS as exc:
         return f"⚠️ {exc}"
     except (TypeError, ValueError) as exc:

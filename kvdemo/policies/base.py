@@ -310,16 +310,17 @@ class SummaryRegion(abc.ABC):
     """A policy that owns synthetic entries in the memory's summary region (ProtoKV's pseudo-tokens). It is
     sized by ``M`` alone: ``M`` = its summary slots + the real visual tokens it holds exactly; each
     compression keeps the newest real tokens that leave room for the incoming chunk
-    (:meth:`kvdemo.budget.Budget.keep_for`)."""
+    (:meth:`kvdemo.budget.Budget.keep_for`). The split may depend on the chunk size, which the budget learns when
+    chunks are sized (:meth:`kvdemo.budget.Budget.fit_chunk`)."""
 
     @abc.abstractmethod
-    def summary_slots(self, budget: int) -> int:
-        """Slots of the memory's summary region this policy owns under budget ``M``; raises
-        :class:`BudgetError` when ``M`` cannot be split as the policy needs."""
+    def summary_slots(self, budget: int, chunk: int = 0) -> int:
+        """Slots of the memory's summary region this policy owns under budget ``M`` for chunks of ``chunk`` visual
+        tokens (0 = not known yet); raises :class:`BudgetError` when ``M`` cannot be split as the policy needs."""
 
-    def describe_split(self, budget: int) -> str:
+    def describe_split(self, budget: int, chunk: int = 0) -> str:
         """``M``'s split in words (for the settings line and messages)."""
-        slots = self.summary_slots(budget)
+        slots = self.summary_slots(budget, chunk)
         return f"{budget - slots} exact tokens + {slots} summary slots"
 
     @abc.abstractmethod

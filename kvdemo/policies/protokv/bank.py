@@ -8,7 +8,8 @@ prototype slots, and the operations that change them.
 - :meth:`ProtoBank.update`: Alg. 1 lines 8-12 for a chunk of assigned tokens, in closed form per prototype;
 - :meth:`ProtoBank.record_residuals`: Alg. 1 line 13 (PQ histograms, or the warm-up reservoir until the
   codebooks are trained);
-- :meth:`ProtoBank.age`, :meth:`ProtoBank.merge`, :meth:`ProtoBank.recycle`: Alg. 2;
+- :meth:`ProtoBank.age`, :meth:`ProtoBank.merge`, :meth:`ProtoBank.recycle`: Alg. 2, and
+  :meth:`ProtoBank.close_pass`: the churn (merges and recyclings per row) of the last passes;
 - :meth:`ProtoBank.record_assignment` / :meth:`ProtoBank.assignments`: which prototype each absorbed patch of
   the last grids went to (for the views), kept true across merges and recycling.
 
@@ -42,6 +43,8 @@ from .pq import pq_encode, train_codebooks
 
 #: Padding of :attr:`ProtoBank.seed_order` (sorts after every arrival number).
 NO_SEED = torch.iinfo(torch.int64).max
+#: Passes whose churn (merges, recyclings per row) the bank keeps for the views.
+CHURN_HISTORY = 256
 
 
 class Tokens(NamedTuple):
@@ -93,9 +96,15 @@ class ProtoBank:
     # slot their mass goes to when they leave (-1 padding); see "Every token counts once".
     seed_order: torch.Tensor  # [B, P] int64
     seed_slot: torch.Tensor  # [B, P] int64
+    # Churn (views and report): merges and recyclings of each row in the pass under way, and of the last
+    # CHURN_HISTORY passes (a ring, oldest first) with the temporal grid each pass ran at.
+    pass_churn: torch.Tensor  # [2, B] int32: merged away, recycled
+    churn: torch.Tensor  # [passes, 2, B] int32
+    churn_grid: torch.Tensor  # [passes] int64
     reservoir_len: int = 0
     recycled: int = 0  # slots recycled so far (all rows)
     merged: int = 0  # prototypes merged away so far (all rows)
+    passes: int = 0  # maintenance passes so far
     codebook_k: torch.Tensor | None = None  # [B, G, C, D/G]
     codebook_v: torch.Tensor | None = None
 
@@ -128,6 +137,9 @@ class ProtoBank:
             assign_generation=zeros(rows, history, *grid, dtype=torch.int32),
             seed_order=zeros(rows, 0, dtype=torch.int64),
             seed_slot=zeros(rows, 0, dtype=torch.int64),
+            pass_churn=zeros(2, rows, dtype=torch.int32),
+            churn=zeros(0, 2, rows, dtype=torch.int32),
+            churn_grid=zeros(0, dtype=torch.int64),
         )
 
     @property
@@ -363,13 +375,16 @@ class ProtoBank:
             return torch.zeros_like(active)
         chosen = torch.argsort((~candidates).to(torch.int8), dim=1, stable=True)[:, :width]  # [B, U] slot ids
         real = torch.gather(candidates, 1, chosen)
-        unit_k, unit_v = F.normalize(self.centre_k, dim=-1), F.normalize(self.centre_v, dim=-1)
-        pick = lambda unit: torch.gather(unit, 1, chosen[..., None].expand(-1, -1, unit.shape[-1]))  # noqa: E731
+        unit_k = F.normalize(self.centre_k, dim=-1)
+        picked_k = torch.gather(unit_k, 1, chosen[..., None].expand(-1, -1, unit_k.shape[-1]))
         # ||a - b||^2 = 2 - 2 cos for unit vectors, so ||a - b|| < eps  <=>  cos > 1 - eps^2 / 2
-        close = (pick(unit_k) @ unit_k.transpose(1, 2)) > 1 - eps_k**2 / 2
-        close &= (pick(unit_v) @ unit_v.transpose(1, 2)) > 1 - eps_v**2 / 2
+        close = (picked_k @ unit_k.transpose(1, 2)) > 1 - eps_k**2 / 2
         slots = torch.arange(capacity, device=device)
         close &= real[..., None] & active[:, None, :] & (chosen[..., None] != slots)  # [B, U, K]
+        # Value centres only for the pairs whose keys are close (few): one dot product each, not a [B, U, K] product.
+        b, u, k = torch.nonzero(close, as_tuple=True)
+        unit_v = F.normalize(self.centre_v, dim=-1)
+        close[b, u, k] = (unit_v[b, chosen[b, u]] * unit_v[b, k]).sum(-1) > 1 - eps_v**2 / 2
         # partner(j) = lowest i < j with close(i, j); close is symmetric, so a pair appears from a candidate side.
         # int32 slot ids: the [B, U, K] temporaries are the largest tensors of a pass.
         big = torch.tensor(capacity, dtype=torch.int32, device=device)
@@ -409,6 +424,7 @@ class ProtoBank:
         # A merged-away slot's pending seeds credit its partner when they leave the window.
         self.seed_slot = torch.where(self.seed_slot >= 0, torch.gather(successor, 1, self.seed_slot.clamp_min(0)), -1)
         self.merged += int(r.numel())
+        self.pass_churn[0].index_add_(0, r, torch.ones_like(r, dtype=torch.int32))
         touched = torch.zeros_like(active)
         touched[r, i] = True
         touched[r, j] = True
@@ -442,4 +458,13 @@ class ProtoBank:
         self.seed(r, k, tokens.keys[r, e], tokens.values[r, e], tokens.spatial[r, e], tokens.position[r, e], t, mass=0)
         self.add_seeds(r, k, tokens.order[r, e])
         self.recycled += int(r.numel())
+        self.pass_churn[1].index_add_(0, r, torch.ones_like(r, dtype=torch.int32))
         return refill
+
+    def close_pass(self, t: int) -> None:
+        """End a maintenance pass at temporal grid ``t``: its merges and recyclings per row join the ring of the
+        last :data:`CHURN_HISTORY` passes."""
+        self.churn = torch.cat([self.churn, self.pass_churn[None]])[-CHURN_HISTORY:]
+        self.churn_grid = torch.cat([self.churn_grid, self.churn_grid.new_full((1,), t)])[-CHURN_HISTORY:]
+        self.pass_churn = torch.zeros_like(self.pass_churn)
+        self.passes += 1

@@ -68,6 +68,8 @@ def mahalanobis(spatial: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) ->
     )  # [B, K, 6]
     x, y = spatial[..., 0], spatial[..., 1]
     features = torch.stack([x * x, x * y, y * y, x, y, torch.ones_like(x)], dim=-1)  # [B, E, 6]
-    return (features.double() @ coef.double().transpose(1, 2)).clamp_min_(0).sqrt_().float()
+    # The quadratic form in float64 (its expanded terms cancel), its square root in float32 (as precise as needed:
+    # the distance is returned in float32 either way, and a float64 square root of [B, E, K] costs more than the form).
+    return (features.double() @ coef.double().transpose(1, 2)).clamp_min_(0).float().sqrt_()
 
 

@@ -7,6 +7,14 @@ Budget (Sec. 3, Table 5): one number ``M = W + K_max * S`` per layer and KV head
 with ``S = 8`` pseudo-tokens per prototype (``K_max = floor(3M / 4S)``, ``W = M - K_max S``). The memory keeps
 the newest ``W`` visual tokens exactly (the near window) and reserves ``K_max * S`` summary slots.
 
+**The near window holds two chunks (kvdemo's rule).** The paper keeps a near window so that the newest tokens
+stay exact; its 1 : 3 split leaves less than that at small budgets (``M = 64`` on the tiny model: ``W = 16``, one
+chunk, so the chunk before the newest, where evidence that just left view sits, was already in the bank).
+So ``W >= 2 x`` the chunk's visual tokens: a compression, which runs before a chunk is prefilled, keeps the
+newest chunk exact, and the bank takes the rest (``K_max = floor(min(3M/4, M - 2 chunk) / S)``). The split is
+fitted when the first chunk is sized (:meth:`kvdemo.budget.Budget.fit_chunk`); an ``M`` that cannot hold both the
+two chunks and one prototype is refused with one line naming the smallest ``M`` that can.
+
 Each compression (the engine runs one when the next chunk would overflow ``M``, i.e. when the near window
 would exceed ``W``) evicts the oldest near tokens and absorbs them, per layer and KV head, into that row's
 bank (Alg. 1), runs maintenance (Alg. 2), and refreshes the pseudo-tokens of the prototypes that changed
@@ -48,7 +56,8 @@ by beam search (``B = 4S``, run ``min(B, S)`` wide: the same tuples, see :func:`
 states how tied tuples are ordered) over the smoothed histograms (kvdemo's ``epsilon = 0.1``), key and value modes
 paired by rank; ``n_res = 0`` gives zero residuals. Residuals that are exactly zero stay out of the warm-up
 reservoir. Each of the ``S`` pseudo-tokens carries bias ``log n_k``, computed in float64 and kept in float32 by
-the memory whatever the cache dtype (see :func:`kvdemo.attention.mask_dtype` for what the kernel receives).
+the memory whatever the cache dtype, and float32 up to the softmax on every device
+(:func:`kvdemo.attention.bias_needs_float32`).
 
 Time ``t`` (idleness, ``T_idle``) counts temporal grids (the unit a Qwen chunk adds: two sampled frames):
 kvdemo's reading of the paper's "steps".
@@ -70,6 +79,9 @@ from .ema import mahalanobis
 from .pq import beam_search, pq_decode
 
 REASON_NEAR = 0
+#: The near window holds at least this many chunks (kvdemo's rule, see the module docstring): the newest chunk,
+#: still exact while the next one is prefilled.
+NEAR_CHUNKS = 2
 REASON_NAMES = {REASON_NEAR: "near window (exact)"}
 
 
@@ -95,7 +107,7 @@ class ProtoKV(Policy, SummaryRegion):
         "merge_v": "merge threshold on normalised value centres (eps_V)",
         "subquantizers": "G: PQ sub-quantisers of the residual histograms",
         "codewords": "C: codewords per sub-quantiser",
-        "beam": "beam width of the residual-mode search (0 = 4 S)",
+        "beam": "beam width of the residual-mode search (0 = 4 S; at least S)",
         "warmup": "residuals per row collected before the PQ codebooks are trained (T_warm)",
         "smoothing": "epsilon of the smoothed PQ probabilities",
         "residuals": "decode residual modes (off = pseudo-tokens are the centres: 'w/o residual stats')",
@@ -137,26 +149,45 @@ class ProtoKV(Policy, SummaryRegion):
             raise BudgetError(f"spatial_rate must be in [0, 1), got {self.spatial_rate}")
         if self.beam < 0 or self.t_idle < 0 or self.smoothing <= 0:
             raise BudgetError("beam and t_idle must be >= 0 and smoothing > 0")
+        if 0 < self.beam < self.pseudo_tokens:
+            raise BudgetError(f"beam={self.beam} is narrower than S={self.pseudo_tokens} pseudo-tokens (it would repeat "
+                              f"code tuples); use beam >= {self.pseudo_tokens}, or 0 for 4 S")
 
     # --- budget ---------------------------------------------------------------------------
-    def split(self, budget: int) -> tuple[int, int]:
-        """``(W, K_max)`` for budget ``M``: ``K_max = floor((1 - near_share) M / S)``, ``W = M - K_max S``."""
-        prototypes = int((1.0 - self.near_share) * budget) // self.pseudo_tokens
+    def split(self, budget: int, chunk: int = 0) -> tuple[int, int]:
+        """``(W, K_max)`` for budget ``M`` and chunks of ``chunk`` visual tokens (0 = not known yet): the paper's
+        ``K_max = floor((1 - near_share) M / S)``, lowered until the near window holds two chunks
+        (:data:`NEAR_CHUNKS`: the newest chunk stays exact while the next one comes in); ``W = M - K_max S``."""
+        near_min = NEAR_CHUNKS * int(chunk)
+        prototypes = min(int((1.0 - self.near_share) * budget), budget - near_min) // self.pseudo_tokens
         near = budget - prototypes * self.pseudo_tokens
-        if prototypes < 1 or near < 1:
+        if prototypes < 1 or near < max(1, near_min):
+            if near_min:
+                raise BudgetError(
+                    f"M={budget} cannot hold ProtoKV's near window of {near_min} tokens (the newest chunk of {chunk} "
+                    f"stays exact while the next comes in) and one prototype of S={self.pseudo_tokens} pseudo-tokens; "
+                    f"raise M to at least {self._smallest_budget(near_min)}"
+                )
             raise BudgetError(
                 f"M={budget} is too small for ProtoKV: it needs room for a near window and at least one prototype "
                 f"of S={self.pseudo_tokens} pseudo-tokens"
             )
         return near, prototypes
 
-    def summary_slots(self, budget: int) -> int:
-        return self.split(budget)[1] * self.pseudo_tokens
+    def _smallest_budget(self, near_min: int) -> int:
+        """The smallest ``M`` that holds a near window of ``near_min`` tokens and one prototype."""
+        budget = near_min + self.pseudo_tokens
+        while int((1.0 - self.near_share) * budget) < self.pseudo_tokens:
+            budget += 1
+        return budget
+
+    def summary_slots(self, budget: int, chunk: int = 0) -> int:
+        return self.split(budget, chunk)[1] * self.pseudo_tokens
 
     window_name = "near window"
 
-    def describe_split(self, budget: int) -> str:
-        near, prototypes = self.split(budget)
+    def describe_split(self, budget: int, chunk: int = 0) -> str:
+        near, prototypes = self.split(budget, chunk)
         return f"a near window of {near} exact tokens + {prototypes} prototypes x {self.pseudo_tokens} pseudo-tokens"
 
     # --- the pass -------------------------------------------------------------------------
@@ -192,6 +223,7 @@ class ProtoKV(Policy, SummaryRegion):
             touched |= self.absorb(bank, *tokens[:7], t, timer, order=tokens.order)
         with timer.phase("maintenance", device):
             touched |= self.maintain(bank, lambda count: self._gather(views, near_newest[..., :count]), t, touched)
+            bank.close_pass(t)
         with timer.phase("synthesis", device):
             summary = self.synthesize(bank, touched, views[0].rotary, heads)
         reasons = [torch.full_like(index, REASON_NEAR, dtype=torch.int8) for index in indices]
@@ -380,10 +412,14 @@ class ProtoKV(Policy, SummaryRegion):
         if bank.codebook_k is None or not self.residuals:
             return torch.zeros(shape, device=protos.device), torch.zeros(shape, device=protos.device)
         out = []
-        empty = (bank.n_res[rows, protos] == 0)[:, :, None, None]
+        empty = (bank.n_res[rows, protos] == 0)[:, :, None, None]  # [B, U, 1, 1]
         for hist, codebook in ((bank.hist_k, bank.codebook_k), (bank.hist_v, bank.codebook_v)):
             codes = beam_search(hist[rows, protos], self.pseudo_tokens, self.beam or 4 * self.pseudo_tokens, self.smoothing)
-            out.append(pq_decode(codes, codebook[rows[:, 0]]).masked_fill_(empty, 0.0))  # [B, U, S, D]
+            # A prototype without residuals decodes an appended all-zero codeword in every sub-space, so the decode
+            # writes its zeros directly (no masking pass over the [B, U, S, D] result).
+            with_zero = torch.cat([codebook, codebook.new_zeros(*codebook.shape[:2], 1, codebook.shape[-1])], dim=2)
+            codes = torch.where(empty, codebook.shape[2], codes)
+            out.append(pq_decode(codes, with_zero[rows[:, 0]]))  # [B, U, S, D]
         return out[0], out[1]
 
     # --- what it shows ----------------------------------------------------------------------
@@ -434,10 +470,26 @@ class ProtoKV(Policy, SummaryRegion):
         occupancy = Series([e.time_s for e in events], {"pseudo-tokens visible": [e.summary_active for e in events]},
                            "stream time (s)", "pseudo-tokens", limit=context.summary_slots)
         histogram = Histogram(active, f"mass n_k (layer {layer}, head {head})", "prototypes")
+        churn = self.churn(layer * context.num_kv_heads + head)
+        times = [context.grid_times_s[g] if g < context.num_grids else float(g) for g in churn["grids"]]
+        churn_part = Series(times, {"merged away": churn["merged"], "recycled": churn["recycled"]}, "stream time (s)",
+                            "prototypes per pass", markers=True)
         caption = (f"{int(active.size)} of {len(mass)} prototypes active in this bank, total mass {int(active.sum())}; "
-                   f"right: pseudo-tokens attention can see (capacity {context.summary_slots}, dashed).")
-        views.append(Chart("Prototype bank", caption, [histogram, occupancy]))
+                   f"middle: pseudo-tokens attention can see (capacity {context.summary_slots}, dashed); right: the "
+                   f"bank's churn, {churn['merged_per_pass']:.2f} merges and {churn['recycled_per_pass']:.2f} recyclings "
+                   f"per pass here over the last {len(times)} passes.")
+        views.append(Chart("Prototype bank", caption, [histogram, occupancy, churn_part]))
         return views
+
+    def churn(self, row: int) -> dict[str, Any]:
+        """Bank row ``row``'s churn over the last passes as plain data: ``grids`` (the temporal grid of each pass),
+        ``merged`` and ``recycled`` (prototypes merged away and slots recycled in each pass), and their means."""
+        bank = self._bank
+        counts = bank.churn[:, :, row].cpu()
+        merged, recycled = counts[:, 0].tolist(), counts[:, 1].tolist()
+        passes = max(len(merged), 1)
+        return {"grids": bank.churn_grid.cpu().tolist(), "merged": merged, "recycled": recycled,
+                "merged_per_pass": sum(merged) / passes, "recycled_per_pass": sum(recycled) / passes}
 
     def report(self) -> dict[str, Any]:
         bank = self._bank
@@ -455,6 +507,10 @@ class ProtoKV(Policy, SummaryRegion):
             "residual_updates": int(bank.n_res.sum()),
             "merged": bank.merged,
             "recycled": bank.recycled,
+            "passes": bank.passes,
+            # churn per bank row and pass (all passes): prototypes merged away, slots recycled
+            "merged_per_row_pass": round(bank.merged / max(bank.passes * bank.rows, 1), 4),
+            "recycled_per_row_pass": round(bank.recycled / max(bank.passes * bank.rows, 1), 4),
             "seeds_in_window": int((bank.seed_slot >= 0).sum()),
             "last_pass": dict(self._last),
         }
