@@ -15,6 +15,7 @@ from ..synthetic import sample_episode, sample_manifest
 from .. import viz
 from .compare_page import ComparePage
 from .handlers import ask, redraw, request_stop, reset_chat, run_video, webcam_frame
+from .inputs import guard_inputs
 from .sessions import SESSION_TTL_S, AppServices, CacheSweeper, RunSettings, Session
 from ..models.catalog import default_budget, geometry_for
 from .settings import USER_ERRORS, baseline_cap_default, parse_params, policy_label, takes_keep, validate_settings
@@ -85,6 +86,7 @@ class Demo:
             with gr.Tab("Compare policies", elem_id="compare-tab"):
                 ComparePage(gr, self.services, UI_POLICIES, (self.budget0, self.keep0, self.pixels0), STREAMS,
                             QUESTIONS).build()
+        guard_inputs(gr, demo)  # values sent through the API that no component takes: one line, no traceback
         return demo
 
     def build_inputs(self) -> None:
