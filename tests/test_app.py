@@ -294,6 +294,10 @@ def test_a_huge_budget_costs_what_the_stream_holds_and_absurd_ones_are_one_line(
         check = client.predict("infinipot-v", budget, 768, 2, 12544, None, api_name="/check_settings")
         assert check.startswith("⚠️") and "more visual tokens than any stream holds" in check and "\n" not in check
         assert "more visual tokens than any stream holds" in run.splitlines()[0], run
+        # Issue 34, item 3: the advice names what both tabs offer (neither offers a "full" policy), the M run above.
+        compared = client.predict(budget=budget, keep=768, api_name="/compare_sample")[0]
+        for said in (run, check, compared):
+            assert "set M above the stream's visual tokens (e.g. M=1000000)" in said and "full policy" not in said, said
     assert app.log.read_text().count("Traceback") == before
 
 
