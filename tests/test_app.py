@@ -79,7 +79,7 @@ def test_bad_uploads_give_messages_and_the_next_run_works(client, media, tmp_pat
     bad = client.submit(handle_file(str(junk)), api_name="/run").result()
     assert "not a readable video file" in bad[STATUS]
     damaged = client.submit(handle_file(str(media / "corrupted.mp4")), api_name="/run").result()
-    assert "damaged frame(s) could not be decoded" in damaged[STATUS]
+    assert "1 damaged frame could not be decoded and was skipped" in damaged[STATUS]
     good = client.submit(handle_file(str(media / "flipping_a_pancake.mkv")), api_name="/run").result()
     assert "20/20 frames" in good[STATUS]
 
@@ -320,7 +320,7 @@ def test_questions_and_the_replayed_dialogue_are_bounded(client, app):
     question = next(q for q in sample_episode().questions if q.kind == "colour")
     status, _, full_chat, _ = client.predict(question.text, api_name="/ask")
     answer = answer_text(full_chat)
-    assert status.startswith("✓ answered by") and "oldest turn(s) were left out of the replayed dialogue" in answer
+    assert status.startswith("✓ answered by") and "oldest turns were left out of the replayed dialogue" in answer
     assert "✓ matches the ground truth" in answer, answer
     assert app.log.read_text().count("Traceback") == before
 
@@ -357,7 +357,8 @@ def test_the_bundled_sample_offers_the_moving_camera_kind(client, app):
 
     fresh = new_client(app.url)
     moving = sample_episode("moving")
-    manifest, examples = fresh.predict("moving", api_name="/sample_kind")
+    manifest, examples, kind = fresh.predict("moving", api_name="/sample_kind")
+    assert kind["info"].startswith("moving: the camera pans"), "the help text follows the choice (issue 34, item 4)"
     assert "kind moving" in manifest and "The camera pans" in manifest
     assert [row[0] for row in examples["samples"]] == [q.text for q in moving.questions]
     final = fresh.predict("tiny", "infinipot-v", 96, 72, 2, sample_kind="moving", api_name="/run_sample")
@@ -367,5 +368,6 @@ def test_the_bundled_sample_offers_the_moving_camera_kind(client, app):
     assert said.startswith("✓ answered"), said
     graded = answer_text(policy_chat)
     assert f"✓ matches the ground truth ({question.answer})" in graded or f"✗ the ground truth is {question.answer}" in graded, graded
-    still, _ = fresh.predict("static", api_name="/sample_kind")
+    still, _, kind = fresh.predict("static", api_name="/sample_kind")
+    assert kind["info"].startswith("still: a fixed camera"), kind
     assert "kind static" in still and still != manifest

@@ -64,7 +64,7 @@ def test_errors_are_messages_and_keep_the_previous_stream(hub, media, tmp_path):
     updates, after = run(hub, session, media / "flipping_a_pancake.mkv", budget=100, keep=200)
     assert "C must be smaller than M" in updates[-1]["status"]
     updates, after = run(hub, session, media / "corrupted.mp4", budget=1024, keep=768)
-    assert "damaged frame(s)" in updates[-1]["status"]  # decoded what it could, said what was lost
+    assert "1 damaged frame could not be decoded and was skipped" in updates[-1]["status"]  # decoded what it could, said what was lost
     assert after.engine.frames_fed > 0
 
 
@@ -441,3 +441,30 @@ def test_small_things_a_new_user_saw_are_right():
     tile = _label_tile(frame, labels).astype(int)
     np.testing.assert_allclose(tile[60:80, 60:80].mean(), frame[60:80, 60:80].mean(), atol=2)  # untinted, not dimmed
     assert np.abs(tile[5:20, 5:20] - frame[5:20, 5:20]).mean() > 20  # the labelled patch is tinted
+
+
+def test_counts_agree_and_the_compression_time_is_said_in_words(hub):
+    """Issue 34, item 4: every count in the status, the answers and the messages agrees with its noun ("1 token",
+    "1 compression"); the compression time is a share of the prefill time, said in words; the Ready text names the
+    sample's button (a sample kind is always chosen)."""
+    from types import SimpleNamespace
+
+    from kvdemo.app.comparing import answer_markdown
+    from kvdemo.app.comparing import Comparison
+    from kvdemo.app.views import READY, compression_time, status_text
+    from kvdemo.engine import Answer
+    from kvdemo.views import counted
+
+    assert [counted(n, "token") for n in (0, 1, 2)] == ["0 tokens", "1 token", "2 tokens"]
+    assert counted(1, "patch", "patches") == "1 patch" and counted(3, "patch", "patches") == "3 patches"
+    stats = SimpleNamespace(compressions=1, compress_ms=30.0, prefill_ms=120.0)
+    assert compression_time(stats) == "1 compression, taking 25% as long as prefilling the chunks"
+    stats = SimpleNamespace(compressions=3, compress_ms=408.0, prefill_ms=120.0)
+    assert compression_time(stats) == "3 compressions, taking 340% as long as prefilling the chunks"
+    assert compression_time(SimpleNamespace(compressions=0, compress_ms=0.0, prefill_ms=120.0)) == "0 compressions"
+    assert status_text(Session()) == READY and "Run the bundled sample" in READY and "pick the sample" not in READY
+    one = Answer("q", "a", ms=5.0, ttft_ms=1.0, tokens=1, cache_bytes=2**20, visual_tokens=1)
+    assert "1 token in 5 ms" in answer_markdown(Comparison(), one)
+    updates, session = run(hub, None, None, budget=96, keep=72, fps=0.5)
+    status = updates[-1]["status"]
+    assert "compressions, taking" in status and "% as long as prefilling the chunks" in status and "overhead" not in status

@@ -67,7 +67,7 @@ def test_the_stated_memory_bound_holds_in_real_bytes():
     full_growth = engines["full"].memory.timeline[-1].cache_bytes - engines["full"].memory.timeline[0].cache_bytes
     seconds = engines["full"].memory.timeline[-1].time_s - engines["full"].memory.timeline[0].time_s
     assert full_growth / seconds * 60 == pytest.approx(bound["full_bytes_per_minute"], rel=0.05)
-    assert "memory grows with the number of policies: 4 bounded engine(s)" in bound["text"]
+    assert "memory grows with the number of policies: 4 bounded engines" in bound["text"]
 
 
 def test_cli_compare_writes_one_report_per_engine_in_one_file(tmp_path, capsys):
@@ -180,7 +180,7 @@ def test_cli_compare_on_a_damaged_file_says_what_was_lost(media, capsys, tmp_pat
     out = tmp_path / "damaged.json"
     assert main(["compare", "--model", "tiny", "--video", str(media / "corrupted.mp4"), "--policies", "cords",
                  "--json", str(out)]) == 0
-    assert "damaged frame(s) could not be decoded" in capsys.readouterr().err
+    assert "1 damaged frame could not be decoded and was skipped" in capsys.readouterr().err
     report = json.loads(out.read_text())
     assert report["policies"]["cords"]["lost_frames"] == 1 and report["full"]["frames"] == 9
 

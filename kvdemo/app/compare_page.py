@@ -15,7 +15,7 @@ from ..synthetic import sample_episode
 from .comparing import (SLOTS, CompareSettings, ask_comparison, compare_fidelity, new_conversation, redraw_attribution,
                         run_comparison, run_sweep)
 from .sessions import SESSION_TTL_S, AppServices
-from .settings import USER_ERRORS, baseline_cap_default
+from .settings import SAMPLE_KIND_HELP, USER_ERRORS, baseline_cap_default
 
 log = logging.getLogger("kvdemo")
 #: Outputs shown only once they have something to show.
@@ -46,7 +46,8 @@ class ComparePage:
                     self.sample_button = gr.Button("Compare on the bundled sample", variant="primary", elem_id="compare-sample")
                     self.stop_button = gr.Button("Stop", variant="stop", elem_id="compare-stop")
                 self.sample_kind = gr.Radio([("still camera", "static"), ("moving camera", "moving")], value="static",
-                                            label="Bundled sample", elem_id="compare-sample-kind")
+                                            label="Bundled sample", elem_id="compare-sample-kind",
+                                            info=SAMPLE_KIND_HELP["static"])
                 self.model = gr.Dropdown(self.services.models.choices(), value=self.services.models.default, label="Model",
                                          allow_custom_value=True, elem_id="compare-model")
                 self.chosen = gr.CheckboxGroup(self.policies, value=[p for p in COMPARE_POLICIES if p in self.policies],
@@ -181,7 +182,8 @@ class ComparePage:
                 self.gr.update(choices=["all"] + [str(i) for i in range(engine.model.num_kv_heads)], value="all"))
 
     def on_sample_kind(self, kind):
-        return self.gr.Dataset(samples=self.questions[kind or "static"])
+        return (self.gr.Dataset(samples=self.questions[kind or "static"]),
+                self.gr.update(info=SAMPLE_KIND_HELP.get(kind or "static", "")))
 
     def wire(self) -> None:
         settings = {"model": self.model, "policies": self.chosen, "overrides": self.overrides, "budget": self.budget,
@@ -219,7 +221,7 @@ class ComparePage:
         self.sweep_button.click(self.guarded(self.on_sweep, "sweep_text"), [self.delays, self.more],
                                 [self.sweep_plot, self.sweep_text], inputs_kwargs=settings, api_name="compare_sweep",
                                 show_progress_on=[self.sweep_text], **self.streams)
-        self.sample_kind.change(self.on_sample_kind, [self.sample_kind], [self.examples], api_visibility="private",
+        self.sample_kind.change(self.on_sample_kind, [self.sample_kind], [self.examples, self.sample_kind], api_visibility="private",
                                 show_progress="hidden")
 
 

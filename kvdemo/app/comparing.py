@@ -21,6 +21,7 @@ from ..engine import EngineError
 from ..explain import attribution_views, fidelity_views
 from ..policies import BudgetError
 from ..streaming import EngineGroup
+from ..views import counted
 from ..synthetic import grade
 from .gpu import Segment, answer_into, measure_fidelity, segment_frames, stream_segment, sweep_delays
 from .sessions import AppServices, Session
@@ -116,12 +117,14 @@ def run_comparison(services: AppServices, previous: Comparison | None, video_pat
     finally:
         state.running = False
     if state.stop_requested:
-        state.stopped["run"] = f"stopped by the user at {state.group.frames_seen} of {video.num_frames} frames"
+        state.stopped["run"] = f"stopped by the user at {state.group.frames_seen} of {counted(video.num_frames, 'frame')}"
         state.stop_requested = False
     state.source, state.lost_frames = video.describe(), video.lost_frames  # now knows the damaged frames
     final = live(state, video.num_frames - video.lost_frames)
     if video.lost_frames:
-        final["status"] = f"⚠️ **{video.lost_frames} damaged frame(s) could not be decoded and were skipped**\n\n" + final["status"]
+        were = "was" if video.lost_frames == 1 else "were"
+        final["status"] = (f"⚠️ **{counted(video.lost_frames, 'damaged frame')} could not be decoded and {were} "
+                           f"skipped**\n\n" + final["status"])
     yield {**final, "report": write_report(state)}
 
 
@@ -135,11 +138,12 @@ def status(state: Comparison, total: int | None = None, error: str = "") -> str:
         return f"⚠️ **{state.freed or error}**" if (state.freed or error) else "Ready: choose up to four policies, then Run."
     seen = state.group.frames_seen
     lines = [f"⚠️ **{error}**"] if error else []
-    lines.append(f"**{seen}/{total} frames**" if total else f"**{seen} frames**")
+    lines.append(f"**{seen}/{counted(total, 'frame')}**" if total else f"**{counted(seen, 'frame')}**")
     for name, engine in state.engines.items():
         why = state.stopped.get(name)
-        lines.append(f"{label(state, name)}: {engine.memory.visual_tokens} visual tokens, {engine.memory.nbytes / 2**20:.2f} MB, "
-                     f"{engine.stats.compressions} compressions" + (f" — {why}" if why else ""))
+        lines.append(f"{label(state, name)}: {counted(engine.memory.visual_tokens, 'visual token')}, "
+                     f"{engine.memory.nbytes / 2**20:.2f} MB, {counted(engine.stats.compressions, 'compression')}"
+                     + (f" — {why}" if why else ""))
     stream_s = seen / state.group.stream.fps
     if stream_s:
         work = model_seconds(state.engines)
@@ -210,7 +214,7 @@ def ask_comparison(state: Comparison | None, question: str, attribute: bool = Tr
             state.chat[name][-1]["content"] = answer_markdown(state, answer)
         state.questions.append(question_record(question, answers, state.episode, state.engines[FULL].last_time_s))
         state.attributions = {name: a.attribution for name, a in answers.items() if a.attribution is not None}
-        update = {"session": state, "ask_status": f"✓ answered by {len(asked)} engine(s)", **chats(state),
+        update = {"session": state, "ask_status": f"✓ answered by {counted(len(asked), 'engine')}", **chats(state),
                   **attribution_update(state, question), "report": write_report(state)}
     yield update
 
@@ -223,7 +227,7 @@ def answer_markdown(state: Comparison, answer) -> str:
     if answer.attribution is not None:
         parts = answer.attribution.share()
         share = " · attention: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in parts.items() if v >= 0.005)
-    return f"{answer.answer or '(empty answer)'}\n\n<small>{answer.tokens} tokens in {answer.ms:.0f} ms{note}{share}</small>"
+    return f"{answer.answer or '(empty answer)'}\n\n<small>{counted(answer.tokens, 'token')} in {answer.ms:.0f} ms{note}{share}</small>"
 
 
 def attribution_update(state: Comparison, question: str, view: ViewChoice = ViewChoice()) -> dict[str, Any]:
@@ -241,7 +245,7 @@ def attribution_update(state: Comparison, question: str, view: ViewChoice = View
     ratios = [f"{name} {entry['evidence_ratio']:.2f}" for name, entry in record.items() if entry.get("evidence_ratio") is not None]
     where = "every layer and KV head" if layer is None and head is None else \
         f"layer {'all' if layer is None else layer}, KV head {'all' if head is None else head}"
-    text = (f"**What each answer looked at** — “{question}” ({where}): the {len(grids)} frames the answers attended most, each "
+    text = (f"**What each answer looked at** — “{question}” ({where}): the {counted(len(grids), 'frame')} the answers attended most, each "
             "patch tinted by the share of the answer's attention (question and generated tokens) "
             "on the tokens of that patch the engine still held or brought back from host memory (one scale for every "
             "engine).\n\n"

@@ -18,7 +18,7 @@ from .handlers import ask, redraw, request_stop, reset_chat, run_video, webcam_f
 from .inputs import guard_inputs
 from .sessions import SESSION_TTL_S, AppServices, CacheSweeper, RunSettings, Session
 from ..models.catalog import default_budget, geometry_for
-from .settings import USER_ERRORS, baseline_cap_default, parse_params, policy_label, takes_keep, validate_settings
+from .settings import SAMPLE_KIND_HELP, USER_ERRORS, baseline_cap_default, parse_params, policy_label, takes_keep, validate_settings
 from .views import (
     ViewChoice,
     banner_html,
@@ -98,9 +98,7 @@ class Demo:
                 self.sample_button = gr.Button("Run the bundled sample", elem_id="sample-button")
                 self.stop_button = gr.Button("Stop", variant="stop", elem_id="stop-button")
             self.sample_kind = gr.Radio([("still camera", "static"), ("moving camera", "moving")], value="static",
-                                        label="Bundled sample", elem_id="sample-kind",
-                                        info="moving: the camera pans and zooms, the background drifts, objects reappear "
-                                             "among look-alike decoys (where the policies differ)")
+                                        label="Bundled sample", elem_id="sample-kind", info=SAMPLE_KIND_HELP["static"])
             with gr.Accordion("What the bundled sample shows", open=False):
                 self.manifest = gr.Markdown(sample_manifest(self.sample), label="Sample manifest", elem_id="sample-manifest")
         with gr.Tab("Webcam"):
@@ -327,7 +325,8 @@ class Demo:
     def on_sample_kind(self, kind: str):
         """The bundled sample's kind chosen: what it shows, and its questions."""
         episode = sample_episode(kind or "static")
-        return sample_manifest(episode), self.gr.Dataset(samples=[[q.text] for q in episode.questions])
+        return (sample_manifest(episode), self.gr.Dataset(samples=[[q.text] for q in episode.questions]),
+                self.gr.update(info=SAMPLE_KIND_HELP.get(kind or "static", "")))
 
     # --- wiring ---------------------------------------------------------------------------
     def wire(self) -> None:
@@ -374,7 +373,7 @@ class Demo:
         check_inputs = [self.policy, self.budget, self.keep, self.fps, self.max_pixels, self.video, self.model]
         gr.on([control.change for control in check_inputs], validate_settings, check_inputs, self.budget_check,
               api_name="check_settings", show_progress="hidden", concurrency_limit=None)
-        self.sample_kind.change(self.on_sample_kind, [self.sample_kind], [self.manifest, self.examples],
+        self.sample_kind.change(self.on_sample_kind, [self.sample_kind], [self.manifest, self.examples, self.sample_kind],
                                 api_name="sample_kind", show_progress="hidden", concurrency_limit=None)
         self.policy.change(self.on_policy, [self.policy], [self.keep, *self.param_groups.values()], api_visibility="private",
                            show_progress="hidden")

@@ -15,7 +15,7 @@ from .. import viz
 from ..coverage import coverage
 from ..policies import REGISTRY
 from ..models.catalog import FAMILY_CAVEATS, TRAINED_NOTICE, VERIFIED, family_of, offline_model
-from ..views import View
+from ..views import View, counted
 from .sessions import CACHE_TTL_S, Session
 from .settings import policy_label
 
@@ -56,7 +56,7 @@ def how_to_read(max_sessions: int) -> str:
 def status_text(
     session: Session, done: int | None = None, total: int | None = None, error: str = "", stopped: bool = False
 ) -> str:
-    """The status line: frames, tokens, MB, ms per chunk, compression overhead."""
+    """The status line: frames, tokens, MB, ms per chunk, and the time compression took beside the chunks' prefill."""
     lines = []
     if error:
         lines.append(f"⚠️ **{error}**")
@@ -65,27 +65,42 @@ def status_text(
         lines.append(f"⚠️ **{session.freed}**")
     if engine is not None:
         stats = engine.stats
-        overhead = f"{100 * stats.compress_ms / stats.prefill_ms:.1f}%" if stats.prefill_ms else "n/a"
-        progress = f"{done}/{total} frames" if total else f"{engine.frames_fed} frames"
+        progress = f"{done}/{counted(total, 'frame')}" if total else counted(engine.frames_fed, "frame")
         if stopped:
             progress = f"stopped at {progress}"
         offloaded = engine.memory.offloaded_bytes
         lines.append(
-            f"**{progress}** · {engine.policy.name}: {engine.memory.visual_tokens} visual tokens "
+            f"**{progress}** · {engine.policy.name}: {counted(engine.memory.visual_tokens, 'visual token')} "
             f"({engine.budget.describe()}{summary_note(engine.memory)}), {engine.memory.nbytes / 2**20:.2f} MB"
             + (f" + {offloaded / 2**20:.2f} MB offloaded" if offloaded else "")
-            + f" · {session.chunk_ms:.0f} ms/chunk · {stats.compressions} compressions, overhead {overhead} of prefill"
+            + f" · {session.chunk_ms:.0f} ms/chunk · {compression_time(stats)}"
         )
         full = session.engines.get("full")
         if full is not None:
             state = session.stopped.get("full")
             lines.append(
-                f"full cache: {full.memory.visual_tokens} visual tokens, {full.memory.nbytes / 2**20:.2f} MB"
+                f"full cache: {counted(full.memory.visual_tokens, 'visual token')}, {full.memory.nbytes / 2**20:.2f} MB"
                 + (f" — {state}" if state else "")
             )
         if session.source:
             lines.append(f"<small>{session.source}</small>")
-    return "\n\n".join(lines) if lines else "Ready: upload a video or pick the sample, then Run."
+    return "\n\n".join(lines) if lines else READY
+
+
+#: The status before any run: a sample kind is always chosen, so the sample is one click away.
+READY = ("Ready: **Run the bundled sample** plays the kind chosen under the buttons; or upload a video, then click "
+         "**Run**.")
+
+
+def compression_time(stats) -> str:
+    """How many compressions ran and what they cost, in words: the time spent compressing as a share of the time spent
+    prefilling the chunks (the work a stream costs without compression), e.g. "3 compressions, taking 12% as long as
+    prefilling the chunks"."""
+    done = counted(stats.compressions, "compression")
+    if not stats.compressions or not stats.prefill_ms:
+        return done
+    share = 100 * stats.compress_ms / stats.prefill_ms
+    return f"{done}, taking {share:.0f}% as long as prefilling the chunks"
 
 
 def summary_note(memory) -> str:
@@ -94,7 +109,7 @@ def summary_note(memory) -> str:
     if not memory.summary_slots:
         return ""
     exact = memory.visual_tokens - memory.summary_slots
-    return (f": {exact} exact + {memory.summary_slots} summary slots, counted from the first chunk, "
+    return (f": {exact} exact + {counted(memory.summary_slots, 'summary slot')}, counted from the first chunk, "
             f"{memory.summary_active} in use")
 
 
