@@ -449,8 +449,7 @@ def test_counts_agree_and_the_compression_time_is_said_in_words(hub):
     sample's button (a sample kind is always chosen)."""
     from types import SimpleNamespace
 
-    from kvdemo.app.comparing import answer_markdown
-    from kvdemo.app.comparing import Comparison
+    from kvdemo.app.comparing import Comparison, answer_markdown
     from kvdemo.app.views import READY, compression_time, status_text
     from kvdemo.engine import Answer
     from kvdemo.views import counted
