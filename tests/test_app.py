@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Outputs of /run and /run_sample, and of /ask, by position.
 STATUS, PLOT, HEATMAP, GALLERY, REPORT, CHART, COVERAGE = range(7)
-POLICY_TITLE, FULL_TITLE, POLICY_CHAT, FULL_CHAT = 8, 9, 10, 11
+POLICY_TITLE, FULL_TITLE, POLICY_CHAT, FULL_CHAT, RUN_ASK_STATUS = 8, 9, 10, 11, 12
 ASK_STATUS, ASK_POLICY_CHAT, ASK_FULL_CHAT, ASK_REPORT = range(4)
 UNCHANGED = {"__type__": "update"}  # what an output the update left alone comes back as
 
@@ -71,6 +71,11 @@ def test_upload_run_ask_and_read_the_report(client, media):
         assert "first token" in chat[1]["content"][0]["text"]
     report = fetch_json(answer[ASK_REPORT])
     assert report["answers"][0]["question"] == "What is cooking?"
+    assert answer[ASK_STATUS].startswith("✓ answered")
+    # Issue 34, item 2: once the next run streams, the question status no longer describes the previous run's answer.
+    again = client.submit(*sample_settings(0.5), api_name="/run_sample")
+    again.result()
+    assert [update[RUN_ASK_STATUS] for update in again.outputs() if update[RUN_ASK_STATUS] != UNCHANGED] == [""]
 
 
 def test_bad_uploads_give_messages_and_the_next_run_works(client, media, tmp_path):

@@ -22,11 +22,10 @@ from ..explain import attribution_views, fidelity_views
 from ..policies import BudgetError
 from ..streaming import EngineGroup
 from ..views import counted
-from ..synthetic import grade
 from .gpu import Segment, answer_into, measure_fidelity, segment_frames, stream_segment, sweep_delays
 from .sessions import AppServices, Session
 from .settings import FRAMES_PER_CHUNK, USER_ERRORS, open_stream, within_max_pixels
-from .views import ViewChoice
+from .views import ViewChoice, answer_note
 
 #: Newest frames in each engine's survivor strip; frames in the attribution heatmaps.
 STRIP_FRAMES = 6
@@ -91,12 +90,13 @@ def run_comparison(services: AppServices, previous: Comparison | None, video_pat
         state = start_comparison(services, settings, video.describe(), video.size, video.fps)
         state.episode = episode
     except USER_ERRORS as exc:
-        yield {"session": previous, "status": f"⚠️ **{exc}**"}
+        yield kept_previous(previous, str(exc))
         return
     services.sessions.replace(previous, state)
     state.running = True
     yield {"session": state, "status": f"⏳ starting {video.describe()}\n\n{state.bound['text']}", **titles(state),
-           **chats(state), "attribution": None, "attribution_text": "", "fidelity_plot": None, "report": None}
+           **chats(state), "ask_status": "", "attribution": None, "attribution_text": "", "fidelity_plot": None,
+           "report": None}
     try:
         parts = video.chunks(segment_frames())
         current = next(parts, None)
@@ -126,6 +126,16 @@ def run_comparison(services: AppServices, previous: Comparison | None, video_pat
         final["status"] = (f"⚠️ **{counted(video.lost_frames, 'damaged frame')} could not be decoded and {were} "
                            f"skipped**\n\n" + final["status"])
     yield {**final, "report": write_report(state)}
+
+
+def kept_previous(previous: Comparison | None, error: str) -> dict[str, Any]:
+    """A comparison that failed before it started: the previous one stays, and both the status and the chart's title
+    say that what is shown is the previous comparison (it looked current)."""
+    update: dict[str, Any] = {"session": previous, "status": f"⚠️ **{error}**"}
+    if previous is not None and previous.group is not None and previous.group.frames_seen:
+        update["status"] += f"\n\n<small>Still showing the previous comparison: {previous.source}</small>"
+        update["plot"] = occupancy(previous, f"the previous comparison ({previous.source}): the new one did not start")
+    return update
 
 
 def live(state: Comparison, total: int | None = None) -> dict[str, Any]:
@@ -172,11 +182,11 @@ def chats(state: Comparison) -> dict[str, Any]:
     return {f"chat:{slot}": list(state.chat.get(name, [])) for slot, name in enumerate(state.engines)}
 
 
-def occupancy(state: Comparison):
-    """Every engine's occupancy line in one chart (the shared ``M`` dashed)."""
+def occupancy(state: Comparison, title: str = ""):
+    """Every engine's occupancy line in one chart (the shared ``M`` dashed), under ``title`` if one is given."""
     series = {(name if name != FULL else "full cache"): e.memory.timeline for name, e in state.engines.items()}
     budgets = [e.budget.M for e in state.engines.values() if e.budget.M is not None]
-    return viz.occupancy_figure(series, max(budgets) if budgets else None)
+    return viz.occupancy_figure(series, max(budgets) if budgets else None, title)
 
 
 def strips(state: Comparison) -> np.ndarray | None:
@@ -220,9 +230,9 @@ def ask_comparison(state: Comparison | None, question: str, attribute: bool = Tr
 
 
 def answer_markdown(state: Comparison, answer) -> str:
-    note = ""
-    if state.episode is not None:
-        note = " · " + grade(state.episode, answer.question, answer.answer, state.engines[FULL].last_time_s).note
+    """An answer, its tokens and time, what it is worth (graded on a generated stream, or the offline model's warning
+    on a real video: :func:`~kvdemo.app.views.answer_note`) and where its attention went."""
+    note = answer_note(state, answer)
     share = ""
     if answer.attribution is not None:
         parts = answer.attribution.share()

@@ -14,14 +14,14 @@ import numpy as np
 from .. import viz
 from ..engine import EngineError, StreamEngine
 from ..streaming import EngineGroup
-from ..synthetic import grade
 from ..video import resize_frames
 from ..views import counted
 from .. import zerogpu
 from .gpu import Segment, answer_into, segment_frames, stream_segment
 from .sessions import AppServices, RunSettings, Session
 from .settings import FRAMES_PER_CHUNK, USER_ERRORS, open_stream, resolve_settings, within_max_pixels
-from .views import (ViewChoice, finish, fresh_views, heatmap_image, kept_previous, legend, live_update, occupancy_plot,
+from .views import (ViewChoice, answer_note, finish, fresh_views, heatmap_image, kept_previous, legend, live_update,
+                    occupancy_plot,
                     policy_panels, status_text, write_report)
 
 
@@ -242,19 +242,6 @@ def _answer_markdown(state: Session, name: str, answer) -> str:
         f"cache {answer.cache_bytes / 2**20:.2f} MB, {counted(answer.visual_tokens, 'visual token')}{dropped}"
         f"{answer_note(state, answer)}</small>"
     )
-
-
-def answer_note(state: Session, answer) -> str:
-    """What an answer is worth: graded against the ground truth on a generated stream; on other inputs,
-    a warning when the model is an offline tiny one (random, or trained only on generated streams)."""
-    model = state.model
-    if model is not None and model.random_weights:
-        return " · random weights"
-    if state.episode is not None:
-        return " · " + grade(state.episode, answer.question, answer.answer, state.engine.last_time_s).note
-    if model is not None and model.notice:
-        return " · the tiny model knows only its generated streams: on this video its answers mean little"
-    return ""
 
 
 def redraw(session: Session | None, view: ViewChoice) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from .. import viz
 from ..coverage import coverage
 from ..policies import REGISTRY
 from ..models.catalog import FAMILY_CAVEATS, TRAINED_NOTICE, VERIFIED, family_of, offline_model
+from ..synthetic import grade
 from ..views import View, counted
 from .sessions import CACHE_TTL_S, Session
 from .settings import policy_label
@@ -122,6 +123,20 @@ def kept_previous(previous: Session | None, error: str) -> dict[str, Any]:
     return {"session": previous or Session(), "status": status}
 
 
+def answer_note(state: Session, answer) -> str:
+    """What an answer is worth (either tab): graded against the ground truth on a generated stream; on other inputs,
+    a warning when the model is an offline tiny one (random, or trained only on generated streams)."""
+    engine = next(iter(state.engines.values()), None)
+    model = engine.model if engine is not None else None
+    if model is not None and model.random_weights:
+        return " · random weights"
+    if state.episode is not None and engine is not None:
+        return " · " + grade(state.episode, answer.question, answer.answer, engine.last_time_s).note
+    if model is not None and model.notice:
+        return " · the tiny model knows only its generated streams: on this video its answers mean little"
+    return ""
+
+
 def chat_title(state: Session, name: str) -> str:
     """The label over a chat pane: the policy and its numbers, or the full cache (and whether it runs)."""
     settings = state.settings
@@ -137,10 +152,10 @@ def chat_title(state: Session, name: str) -> str:
 
 
 def fresh_views(state: Session) -> dict[str, Any]:
-    """What a newly started stream clears or relabels: chat panes and their titles, the previous run's
-    coverage and downloads."""
+    """What a newly started stream clears or relabels: chat panes and their titles, the question status, the previous
+    run's coverage and downloads."""
     return {"policy_title": chat_title(state, "policy"), "full_title": chat_title(state, "full"),
-            "policy_chat": [], "full_chat": [], "coverage": None, "report": None, "chart": None}
+            "policy_chat": [], "full_chat": [], "ask_status": "", "coverage": None, "report": None, "chart": None}
 
 
 @dataclass(frozen=True)
