@@ -467,3 +467,33 @@ def test_counts_agree_and_the_compression_time_is_said_in_words(hub):
     updates, session = run(hub, None, None, budget=96, keep=72, fps=0.5)
     status = updates[-1]["status"]
     assert "compressions, taking" in status and "% as long as prefilling the chunks" in status and "overhead" not in status
+
+
+def test_charts_read_as_the_newcomer_expected():
+    """Issue 34, item 5: log axes get a few spaced ticks (plotly labelled every digit, the labels ran together) and the
+    M label sits at the line's right end, off the tick labels; integer axes (counts, layers) have whole ticks; lines
+    of equal values stay apart by dash and marker; a cell grid has a legend of its classes; a title when asked."""
+    from kvdemo.memory import OccupancyEvent
+    from kvdemo.viz.charts import log_ticks
+    from kvdemo.views import CellGrid, Chart, Histogram, Series
+
+    assert log_ticks([64, 96, 640])["tickvals"] == [100, 200, 500]  # 1-2-5 within the range
+    assert log_ticks([16, 96])["tickvals"] == [20, 30, 50, 70]  # under a decade: 1-2-3-5-7
+    assert log_ticks([10, 5e6])["tickvals"] == [10, 100, 1000, 10_000, 100_000, 1_000_000]  # many decades: powers
+    events = [OccupancyEvent(event="append", frame=2 * i, time_s=float(i), visual_tokens=16 * (i + 1),
+                             cache_bytes=2**16 * (i + 1), ms=1.0) for i in range(20)]
+    log = viz.occupancy_figure({"policy": events}, 96, log_scale=True)
+    assert list(log.layout.yaxis.tickvals) == [20, 50, 100, 200]  # 16..320 tokens (and M = 96): 1-2-5
+    label = next(a for a in log.layout.annotations if a.text == "M = 96")
+    assert (label.x, label.xanchor) == (1, "right")
+    counts = viz.chart_figure(Chart("bank", "", [Histogram(np.array([1, 1, 2, 3]), "mass", "prototypes")]))
+    assert counts.layout.yaxis.dtick == 1 and counts.layout.yaxis.tickformat == "d"
+    sweep = viz.chart_figure(Chart("sweep", "", [Series([0, 4, 8], {"a": [1, 1, 0.5], "full": [1, 1, 0.5]}, "delay (s)",
+                                                       "accuracy", markers=True)]), "What colour was the star?")
+    first, second = sweep.data
+    assert first.line.dash != second.line.dash and first.marker.symbol != second.marker.symbol
+    assert first.marker.size > second.marker.size, "the line drawn first shows as a ring around the one on top"
+    assert sweep.layout.xaxis.dtick == 1 and sweep.layout.title.text == "What colour was the star?"
+    grid = CellGrid(np.array([[1, 0]]), {1: "static", 0: "dynamic"}, np.array([[3, 4]]), [["", ""]], ["L0"], ["h0", "h1"])
+    heads = viz.chart_figure(Chart("Head types", "", [grid]))
+    assert heads.layout.showlegend and {t.name for t in heads.data if t.type == "scatter"} == {"static", "dynamic"}

@@ -67,6 +67,7 @@ class ComparePage:
                 gr.Markdown("**What each engine holds of the newest frames** (same frames in the same columns)")
                 self.strips = gr.Image(label="Survivor strips", show_label=False, format="jpeg", type="numpy",
                                        interactive=False, buttons=[], elem_id="compare-strips")
+                self.strips_legend = gr.Markdown("", label="Survivor strips legend", elem_id="compare-strips-legend")
         with gr.Row():
             self.question = gr.Textbox(label="Ask every engine", scale=4, elem_id="compare-question",
                                        placeholder="What colour was the circle?")
@@ -113,7 +114,8 @@ class ComparePage:
         named = {"session": self.state, "status": self.status, "plot": self.plot, "strips": self.strips,
                  "ask_status": self.ask_status, "attribution": self.attribution, "attribution_text": self.attribution_text,
                  "fidelity_plot": self.fidelity_plot, "fidelity_text": self.fidelity_text, "sweep_plot": self.sweep_plot,
-                 "sweep_text": self.sweep_text, "report": self.report, "question": self.question}
+                 "sweep_text": self.sweep_text, "report": self.report, "question": self.question,
+                 "strips_legend": self.strips_legend}
         out = {named[key]: value for key, value in update.items() if key in named}
         for key in HIDDEN_WHEN_EMPTY.intersection(update):  # no empty placeholder box before there is something to show
             out[named[key]] = gr.update(value=update[key], visible=update[key] is not None)
@@ -129,7 +131,7 @@ class ComparePage:
 
     def outputs(self) -> list[Any]:
         return [self.state, self.status, self.plot, self.strips, self.ask_status, self.attribution, self.attribution_text,
-                self.fidelity_plot, self.report, *self.titles, *self.chats, *self.columns]
+                self.fidelity_plot, self.report, *self.titles, *self.chats, *self.columns, self.strips_legend]
 
     def settings(self, values: dict[str, Any]) -> CompareSettings:
         return CompareSettings(values["model"] or self.services.models.default, list(values["policies"] or []),

@@ -139,7 +139,14 @@ def kept_previous(previous: Comparison | None, error: str) -> dict[str, Any]:
 
 
 def live(state: Comparison, total: int | None = None) -> dict[str, Any]:
-    return {"session": state, "status": status(state, total), "plot": occupancy(state), "strips": strips(state), **titles(state)}
+    return {"session": state, "status": status(state, total), "plot": occupancy(state), "strips": strips(state),
+            "strips_legend": strips_legend(state), **titles(state)}
+
+
+def strips_legend(state: Comparison) -> str:
+    """What the survivor strips' colours mean, for the statuses the compared engines can show."""
+    return (viz.status_legend(viz.possible_statuses(state.engines.values()))
+            + " (tint = share of the (layer, KV head) copies in each state)")
 
 
 def status(state: Comparison, total: int | None = None, error: str = "") -> str:
@@ -289,10 +296,13 @@ def compare_fidelity(state: Comparison | None, question: str) -> dict[str, Any]:
             return {"fidelity_text": f"⚠️ {exc}"}
         state.fidelity[question] = results
         chart = fidelity_views(question, results)[0]
+        measured = f"“{question if len(question) <= 80 else question[:79] + '…'}”"
         rows = "\n".join(f"| {n} | {r['first_token_kl']:.4f} | {np.mean(r['layer_error']):.3f} | {max(r['layer_error']):.3f} |"
                          for n, r in results.items())
-        text = ("| policy | first-token KL (nats) | mean layer error | worst layer |\n|---|---|---|---|\n" + rows)
-        return {"session": state, "fidelity_plot": viz.chart_figure(chart), "fidelity_text": text, "report": write_report(state)}
+        text = (f"**Measured for {measured}** (the question alone, every engine's memory as it is now)\n\n"
+                "| policy | first-token KL (nats) | mean layer error | worst layer |\n|---|---|---|---|\n" + rows)
+        figure = viz.chart_figure(chart, f"What compression changed for {measured}")
+        return {"session": state, "fidelity_plot": figure, "fidelity_text": text, "report": write_report(state)}
 
 
 def parse_delays(text: str) -> tuple[float, ...]:
