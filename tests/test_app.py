@@ -201,6 +201,9 @@ def test_a_question_is_served_while_three_sessions_stream(app_url):
     assert still_streaming[0] and any(still_streaming[1:]), "answered while its own and another session's streams ran"
     for run in runs[1:]:
         run.result()
+    # Issue 34, item 9: the run that found both stream slots taken said so in its status, with its place.
+    said = [output[STATUS] for run in runs[1:] for output in run.outputs()]
+    assert any(status.startswith("⏳ **queued: next in line** for one of the app's 2 stream slots") for status in said), said
 
 
 def test_stop_ends_the_run_with_a_status_and_a_report_of_what_ran(client):

@@ -497,3 +497,32 @@ def test_charts_read_as_the_newcomer_expected():
     grid = CellGrid(np.array([[1, 0]]), {1: "static", 0: "dynamic"}, np.array([[3, 4]]), [["", ""]], ["L0"], ["h0", "h1"])
     heads = viz.chart_figure(Chart("Head types", "", [grid]))
     assert heads.layout.showlegend and {t.name for t in heads.data if t.type == "scatter"} == {"static", "dynamic"}
+
+
+def test_runs_beyond_the_stream_slots_wait_in_line_and_say_where():
+    """Issue 34, item 9: a run that finds every stream slot taken says in its status that it is queued and where, as
+    its place changes, and starts once a slot is free; a run that leaves (ends, or is closed while it waits) frees its
+    slot or its place. Driven step by step in one thread: no sleeps."""
+    from kvdemo.app.slots import StreamSlots, queued_text
+
+    slots = StreamSlots(1)
+
+    def run(name):
+        return slots.held(lambda: iter([{"status": f"{name} streams"}, {"status": f"{name} ends"}]))
+
+    first, second, third = run("first"), run("second"), run("third")
+    assert next(first) == {"status": "first streams"} and slots.running == 1
+    assert next(second) == {"status": queued_text(1, 1)} and "queued: next in line" in queued_text(1, 1)
+    assert next(third) == {"status": queued_text(2, 1)} and "queued: 2nd in line" in queued_text(2, 1)
+    assert [next(first), next(first, None)] == [{"status": "first ends"}, None]  # it ended: its slot is free
+    assert slots.running == 0
+    assert next(second) == {"status": "second streams"} and slots.running == 1
+    assert next(third) == {"status": queued_text(1, 1)}, "the third moved up"
+    third.close()  # its client went away while it waited
+    assert slots.waiting == 0
+    fourth = run("fourth")
+    assert next(fourth) == {"status": queued_text(1, 1)}
+    second.close()  # stopped mid-run: the slot is freed
+    assert next(fourth) == {"status": "fourth streams"} and slots.running == 1
+    assert [queued_text(n, 2).split("**")[1] for n in (3, 11, 22)] == ["queued: 3rd in line", "queued: 11th in line",
+                                                                        "queued: 22nd in line"]

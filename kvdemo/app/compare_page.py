@@ -158,10 +158,14 @@ class ComparePage:
     def on_run(self, state, video, **values):
         if not video:
             return kept_previous(state, "upload a video first (or compare on the bundled sample)")
-        return run_comparison(self.services, state, video, self.settings(values))
+        return self.in_line(lambda: run_comparison(self.services, state, video, self.settings(values)))
 
     def on_sample(self, state, **values):
-        return run_comparison(self.services, state, None, self.settings(values))
+        return self.in_line(lambda: run_comparison(self.services, state, None, self.settings(values)))
+
+    def in_line(self, run, key: str = "status"):
+        """``run()``'s updates once it holds one of the app's stream slots; while it waits, where it stands."""
+        return self.services.streams.held(run, key)
 
     def on_stop(self, state):
         if state is not None and state.running:
@@ -173,7 +177,7 @@ class ComparePage:
             yield {**update, "question": example[0]}
 
     def on_sweep(self, delays, more, **values):
-        return run_sweep(self.settings(values), delays, more)
+        return self.in_line(lambda: run_sweep(self.settings(values), delays, more), "sweep_text")
 
     def on_view_choices(self, state):
         """The layers and KV heads of the comparison's model, for the attribution's selectors."""

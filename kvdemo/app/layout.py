@@ -18,6 +18,7 @@ from .handlers import ask, redraw, request_stop, reset_chat, run_video, webcam_f
 from .inputs import guard_inputs
 from .sessions import SESSION_TTL_S, AppServices, CacheSweeper, RunSettings, Session
 from ..models.catalog import default_budget, geometry_for
+from .slots import STREAM_SLOTS, WAITING_ROOM
 from .settings import SAMPLE_KIND_HELP, USER_ERRORS, baseline_cap_default, parse_params, policy_label, takes_keep, validate_settings
 from .views import (
     ViewChoice,
@@ -33,12 +34,12 @@ from .views import (
 
 log = logging.getLogger("kvdemo")
 
-#: File runs and webcam streams served at once; more wait in the queue.
-STREAM_SLOTS = 2
 #: Questions served at once, in their own slots: a question never waits for other sessions' streams,
 #: and its own session's stream pauses between chunks while it is answered.
 QUESTION_SLOTS = 2
-STREAMS = dict(concurrency_id="stream", concurrency_limit=STREAM_SLOTS)
+#: Gradio starts stream events up to the slots and a waiting room; those without a slot wait in line in the app,
+#: where their status says their place (:mod:`kvdemo.app.slots`).
+STREAMS = dict(concurrency_id="stream", concurrency_limit=STREAM_SLOTS + WAITING_ROOM)
 QUESTIONS = dict(concurrency_id="question", concurrency_limit=QUESTION_SLOTS)
 #: Gradio's own cleanup of its cache (every 10 minutes, files older than an hour); it misses the files of
 #: components updated with gr.update, which :class:`~kvdemo.app.sessions.CacheSweeper` deletes.
@@ -254,7 +255,9 @@ class Demo:
     def on_run_sample(self, session, video=None, **settings):
         try:
             run_settings, view = self.settings_from(settings)
-            for update in run_video(self.services, session, video, run_settings, view):
+            # In line for a stream slot first: while it waits, the status says where it stands.
+            runs = self.services.streams.held(lambda: run_video(self.services, session, video, run_settings, view))
+            for update in runs:
                 yield self.to_components(update)
         except USER_ERRORS as exc:
             yield self.to_components(kept_previous(session, str(exc)))
@@ -264,7 +267,8 @@ class Demo:
     def on_webcam(self, session, frame, **settings):
         try:
             run_settings, view = self.settings_from(settings)
-            return self.to_components(webcam_frame(self.services, session, frame, run_settings, view))
+            with self.services.streams.hold():
+                return self.to_components(webcam_frame(self.services, session, frame, run_settings, view))
         except USER_ERRORS as exc:
             return self.to_components({"session": session, "status": status_text(session or Session(), error=str(exc))})
         except Exception as exc:
