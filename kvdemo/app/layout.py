@@ -46,7 +46,9 @@ QUESTIONS = dict(concurrency_id="question", concurrency_limit=QUESTION_SLOTS)
 CACHE_CLEANUP = (600, 3600)
 #: The chat panes' own "Clear" button would clear the view but not the engines' dialogue (and it sits on
 #: the first question's bubble): "New conversation" does both.
-CSS = "#policy-chat button[aria-label='Clear'], #full-chat button[aria-label='Clear'] { display: none; }"
+CSS = ("#policy-chat button[aria-label='Clear'], #full-chat button[aria-label='Clear'] { display: none; }"
+       # Gradio cuts a thumbnail's caption to one line ("t=12.0s · 45% exact · 3…"): wrap it, whole, over the frame.
+       " #gallery .caption-label { white-space: normal; max-width: 100%; opacity: 0.9; text-overflow: clip; }")
 #: The policies offered in the app (every bounded one; the full cache is the baseline beside it).
 UI_POLICIES = [name for name, cls in REGISTRY.items() if cls.bounded]
 #: Panel slots for the views a policy declares (``Policy.view_titles``): as many as any policy has.
@@ -163,7 +165,9 @@ class Demo:
                                elem_id=f"panel-{index}-plot")
             self.panel_slots.append((box, text, image, plot))
         with gr.Accordion("Every frame so far", open=False):
-            self.gallery = gr.Gallery(label="What survives of each frame", columns=6, height=300, format="jpeg")
+            # No label over the thumbnails (the accordion names it); captions wrap (GALLERY_CSS) instead of being cut.
+            self.gallery = gr.Gallery(label="What survives of each frame", show_label=False, columns=4, height=360,
+                                      format="jpeg", elem_id="gallery")
         self.coverage_plot = gr.Plot(label="Coverage of the full cache (CDF)", visible=False)
 
     def build_chat(self) -> None:
