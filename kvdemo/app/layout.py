@@ -165,7 +165,7 @@ class Demo:
                                elem_id=f"panel-{index}-plot")
             self.panel_slots.append((box, text, image, plot))
         with gr.Accordion("Every frame so far", open=False):
-            # No label over the thumbnails (the accordion names it); captions wrap (GALLERY_CSS) instead of being cut.
+            # No label over the thumbnails (the accordion names it); captions wrap (see CSS) instead of being cut.
             self.gallery = gr.Gallery(label="What survives of each frame", show_label=False, columns=4, height=360,
                                       format="jpeg", elem_id="gallery")
         self.coverage_plot = gr.Plot(label="Coverage of the full cache (CDF)", visible=False)
