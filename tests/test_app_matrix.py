@@ -102,6 +102,16 @@ BAD_INPUTS = [
 ]
 
 
+#: Values the components take and the handlers refuse: (endpoint, keyword arguments, output index, part of the message).
+HANDLED_INPUTS = [
+    ("/run_sample", dict(max_pixels=0), 0, "max pixels must be at least"),
+    ("/run_sample", dict(budget=-5, keep=768), 0, "M and C must be positive"),
+    ("/run_sample", dict(budget=10**12, keep=768), 0, "more visual tokens than any stream holds"),
+    ("/compare_sample", dict(policies=[]), 0, "at least one"),
+    ("/compare_sweep", dict(delays="x"), 1, "delays are seconds separated by commas"),
+]
+
+
 def test_values_no_component_takes_are_one_line_errors_and_the_log_stays_clean(client, app):
     """Issue 34, item 7: a string for a number, an unknown choice, a path for a file, sent by API, come back as one
     line naming the field (Gradio's preprocessing left a traceback in the log for each); the app keeps serving."""
@@ -112,6 +122,8 @@ def test_values_no_component_takes_are_one_line_errors_and_the_log_stays_clean(c
         with pytest.raises(AppError) as raised:
             client.predict(**values, api_name=endpoint)
         assert str(raised.value) == message, endpoint
+    for endpoint, values, output, message in HANDLED_INPUTS:  # values components take, which the handlers refuse
+        assert message in client.predict(**values, api_name=endpoint)[output], endpoint
     log = app.log.read_text()[len(before):]
     assert "Traceback" not in log and log.count("rejected a call to") == len(BAD_INPUTS), log[-3000:]
     assert client.predict("infinipot-v", 96, 72, 2, 12544, None, "tiny", api_name="/check_settings").startswith("✓")
