@@ -48,7 +48,8 @@ CACHE_CLEANUP = (600, 3600)
 #: the first question's bubble): "New conversation" does both.
 CSS = ("#policy-chat button[aria-label='Clear'], #full-chat button[aria-label='Clear'] { display: none; }"
        # Gradio cuts a thumbnail's caption to one line ("t=12.0s · 45% exact · 3…"): wrap it, whole, over the frame.
-       " #gallery .caption-label { white-space: normal; max-width: 100%; opacity: 0.9; text-overflow: clip; }")
+       " #gallery .caption-label { white-space: normal; max-width: 100%; opacity: 0.9; text-overflow: clip;"
+       " font-size: 11px; line-height: 1.25; }")
 #: The policies offered in the app (every bounded one; the full cache is the baseline beside it).
 UI_POLICIES = [name for name, cls in REGISTRY.items() if cls.bounded]
 #: Panel slots for the views a policy declares (``Policy.view_titles``): as many as any policy has.
