@@ -170,6 +170,9 @@ def token_count(name: str, value: Any) -> int:
     if number <= 0:
         raise BudgetError(f"M and C must be positive, got {name}={number:g}")
     if number > MAX_TOKENS:
+        # The advice names what every front end offers (the app has no "full" policy to pick: its full cache is the
+        # baseline beside the policy): an M the stream never reaches keeps every token and costs what the stream holds.
         raise BudgetError(f"{name}={number:g} is more visual tokens than any stream holds (at most {MAX_TOKENS:,}); "
-                          "for no compression at all choose the full policy")
+                          "to keep every token, set M above the stream's visual tokens (e.g. M=1000000): it never "
+                          "compresses")
     return int(number)

@@ -26,6 +26,7 @@ from .engine import StreamEngine
 from .explain import evidence_ratio, fidelity
 from .policies import COMPARE_POLICIES, BudgetError, make_policy
 from .streaming import EngineGroup
+from .views import counted
 
 #: Bounded policies compared at once (and the full cache beside them).
 MAX_POLICIES = 4
@@ -122,7 +123,7 @@ def memory_bound(model, engines: dict[str, StreamEngine], tokens_per_second: flo
     bounded = {name: e.budget.M * per_token for name, e in engines.items() if e.budget.M is not None}
     per_minute = tokens_per_second * 60 * per_token
     cap = f", stopped at its {full_cap_bytes / 2**20:.0f} MB cap" if full_cap_bytes else " (no cap)"
-    sentence = (f"memory grows with the number of policies: {len(bounded)} bounded engine(s) hold at most "
+    sentence = (f"memory grows with the number of policies: {counted(len(bounded), 'bounded engine')} hold at most "
                 f"{sum(bounded.values()) / 2**20:.1f} MB of keys and values together ("
                 + ", ".join(f"{n} {b / 2**20:.1f}" for n, b in bounded.items())
                 + f" MB), the full cache grows by {per_minute / 2**20:.1f} MB per minute of this stream{cap}")

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from .synthetic import COLOURS, SHAPES, STREAM_KINDS, Episode, Question, StreamSpec, generate_episode, grade_answer
 from .video import frames_for
-from .views import Chart, Series
+from .views import Chart, Series, counted
 
 if TYPE_CHECKING:  # the engine imports torch: loaded when an evaluation runs, not with the CLI's defaults
     from .engine import StreamEngine
@@ -175,7 +175,7 @@ class Sweep:
     def chart(self) -> Chart:
         """Accuracy against delay, one line per policy (a declared view, drawn by :mod:`kvdemo.viz`)."""
         return Chart("Accuracy against delay after the evidence left view",
-                     f"{self.questions} questions from {self.streams} stream(s) so far (the bundled sample first, then "
+                     f"{counted(self.questions, 'question')} from {counted(self.streams, 'stream')} so far (the bundled sample first, then "
                      "held-out generated streams of its kind); each asked of every policy at every delay (the eval protocol)",
                      [Series(list(self.delays), self.accuracy(), "delay after the evidence left view (s)", "accuracy",
                              markers=True)])

@@ -21,6 +21,7 @@ import av
 import numpy as np
 
 from .geometry import FrameGeometry
+from .views import counted
 
 #: Largest decoded frame we accept before resizing (a 16K frame costs ~0.8 GB per frame to decode).
 MAX_SOURCE_PIXELS = 8192 * 8192
@@ -127,7 +128,7 @@ def _describe(name: str, frames: int, fps: float, size, source_size, source_fps:
         f"(source {source_size[1]}x{source_size[0]} @ {source_fps:.3g} fps)"
     )
     if lost:
-        text += f"; {lost} damaged frame(s) could not be decoded and were skipped"
+        text += f"; {counted(lost, 'damaged frame')} could not be decoded and {'was' if lost == 1 else 'were'} skipped"
     return text
 
 

@@ -16,6 +16,12 @@ from typing import Any
 
 import numpy as np
 
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """``count`` and ``noun`` in agreement, as every count the app prints says it: "1 token", "2 tokens", "0 tokens"
+    (``plural`` for a noun whose plural is not ``noun + "s"``: ``counted(1, "patch", "patches")``)."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
 #: Label of a patch that carries none (drawn as it is), and of one whose label no longer holds (dark red).
 UNLABELLED, LOST = -1, -2
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Outputs of /run and /run_sample, and of /ask, by position.
 STATUS, PLOT, HEATMAP, GALLERY, REPORT, CHART, COVERAGE = range(7)
-POLICY_TITLE, FULL_TITLE, POLICY_CHAT, FULL_CHAT = 8, 9, 10, 11
+POLICY_TITLE, FULL_TITLE, POLICY_CHAT, FULL_CHAT, RUN_ASK_STATUS = 8, 9, 10, 11, 12
 ASK_STATUS, ASK_POLICY_CHAT, ASK_FULL_CHAT, ASK_REPORT = range(4)
 UNCHANGED = {"__type__": "update"}  # what an output the update left alone comes back as
 
@@ -71,6 +71,11 @@ def test_upload_run_ask_and_read_the_report(client, media):
         assert "first token" in chat[1]["content"][0]["text"]
     report = fetch_json(answer[ASK_REPORT])
     assert report["answers"][0]["question"] == "What is cooking?"
+    assert answer[ASK_STATUS].startswith("✓ answered")
+    # Issue 34, item 2: once the next run streams, the question status no longer describes the previous run's answer.
+    again = client.submit(*sample_settings(0.5), api_name="/run_sample")
+    again.result()
+    assert [update[RUN_ASK_STATUS] for update in again.outputs() if update[RUN_ASK_STATUS] != UNCHANGED] == [""]
 
 
 def test_bad_uploads_give_messages_and_the_next_run_works(client, media, tmp_path):
@@ -79,7 +84,7 @@ def test_bad_uploads_give_messages_and_the_next_run_works(client, media, tmp_pat
     bad = client.submit(handle_file(str(junk)), api_name="/run").result()
     assert "not a readable video file" in bad[STATUS]
     damaged = client.submit(handle_file(str(media / "corrupted.mp4")), api_name="/run").result()
-    assert "damaged frame(s) could not be decoded" in damaged[STATUS]
+    assert "1 damaged frame could not be decoded and was skipped" in damaged[STATUS]
     good = client.submit(handle_file(str(media / "flipping_a_pancake.mkv")), api_name="/run").result()
     assert "20/20 frames" in good[STATUS]
 
@@ -196,6 +201,9 @@ def test_a_question_is_served_while_three_sessions_stream(app_url):
     assert still_streaming[0] and any(still_streaming[1:]), "answered while its own and another session's streams ran"
     for run in runs[1:]:
         run.result()
+    # Issue 34, item 9: the run that found both stream slots taken said so in its status, with its place.
+    said = [output[STATUS] for run in runs[1:] for output in run.outputs()]
+    assert any(status.startswith("⏳ **queued: next in line** for one of the app's 2 stream slots") for status in said), said
 
 
 def test_stop_ends_the_run_with_a_status_and_a_report_of_what_ran(client):
@@ -294,6 +302,10 @@ def test_a_huge_budget_costs_what_the_stream_holds_and_absurd_ones_are_one_line(
         check = client.predict("infinipot-v", budget, 768, 2, 12544, None, api_name="/check_settings")
         assert check.startswith("⚠️") and "more visual tokens than any stream holds" in check and "\n" not in check
         assert "more visual tokens than any stream holds" in run.splitlines()[0], run
+        # Issue 34, item 3: the advice names what both tabs offer (neither offers a "full" policy), the M run above.
+        compared = client.predict(budget=budget, keep=768, api_name="/compare_sample")[0]
+        for said in (run, check, compared):
+            assert "set M above the stream's visual tokens (e.g. M=1000000)" in said and "full policy" not in said, said
     assert app.log.read_text().count("Traceback") == before
 
 
@@ -316,7 +328,7 @@ def test_questions_and_the_replayed_dialogue_are_bounded(client, app):
     question = next(q for q in sample_episode().questions if q.kind == "colour")
     status, _, full_chat, _ = client.predict(question.text, api_name="/ask")
     answer = answer_text(full_chat)
-    assert status.startswith("✓ answered by") and "oldest turn(s) were left out of the replayed dialogue" in answer
+    assert status.startswith("✓ answered by") and "oldest turns were left out of the replayed dialogue" in answer
     assert "✓ matches the ground truth" in answer, answer
     assert app.log.read_text().count("Traceback") == before
 
@@ -353,7 +365,8 @@ def test_the_bundled_sample_offers_the_moving_camera_kind(client, app):
 
     fresh = new_client(app.url)
     moving = sample_episode("moving")
-    manifest, examples = fresh.predict("moving", api_name="/sample_kind")
+    manifest, examples, kind = fresh.predict("moving", api_name="/sample_kind")
+    assert kind["info"].startswith("moving: the camera pans"), "the help text follows the choice (issue 34, item 4)"
     assert "kind moving" in manifest and "The camera pans" in manifest
     assert [row[0] for row in examples["samples"]] == [q.text for q in moving.questions]
     final = fresh.predict("tiny", "infinipot-v", 96, 72, 2, sample_kind="moving", api_name="/run_sample")
@@ -363,5 +376,6 @@ def test_the_bundled_sample_offers_the_moving_camera_kind(client, app):
     assert said.startswith("✓ answered"), said
     graded = answer_text(policy_chat)
     assert f"✓ matches the ground truth ({question.answer})" in graded or f"✗ the ground truth is {question.answer}" in graded, graded
-    still, _ = fresh.predict("static", api_name="/sample_kind")
+    still, _, kind = fresh.predict("static", api_name="/sample_kind")
+    assert kind["info"].startswith("still: a fixed camera"), kind
     assert "kind static" in still and still != manifest

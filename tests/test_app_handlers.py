@@ -64,7 +64,7 @@ def test_errors_are_messages_and_keep_the_previous_stream(hub, media, tmp_path):
     updates, after = run(hub, session, media / "flipping_a_pancake.mkv", budget=100, keep=200)
     assert "C must be smaller than M" in updates[-1]["status"]
     updates, after = run(hub, session, media / "corrupted.mp4", budget=1024, keep=768)
-    assert "damaged frame(s)" in updates[-1]["status"]  # decoded what it could, said what was lost
+    assert "1 damaged frame could not be decoded and was skipped" in updates[-1]["status"]  # decoded what it could, said what was lost
     assert after.engine.frames_fed > 0
 
 
@@ -441,3 +441,88 @@ def test_small_things_a_new_user_saw_are_right():
     tile = _label_tile(frame, labels).astype(int)
     np.testing.assert_allclose(tile[60:80, 60:80].mean(), frame[60:80, 60:80].mean(), atol=2)  # untinted, not dimmed
     assert np.abs(tile[5:20, 5:20] - frame[5:20, 5:20]).mean() > 20  # the labelled patch is tinted
+
+
+def test_counts_agree_and_the_compression_time_is_said_in_words(hub):
+    """Issue 34, item 4: every count in the status, the answers and the messages agrees with its noun ("1 token",
+    "1 compression"); the compression time is a share of the prefill time, said in words; the Ready text names the
+    sample's button (a sample kind is always chosen)."""
+    from types import SimpleNamespace
+
+    from kvdemo.app.comparing import Comparison, answer_markdown
+    from kvdemo.app.views import READY, compression_time, status_text
+    from kvdemo.engine import Answer
+    from kvdemo.views import counted
+
+    assert [counted(n, "token") for n in (0, 1, 2)] == ["0 tokens", "1 token", "2 tokens"]
+    assert counted(1, "patch", "patches") == "1 patch" and counted(3, "patch", "patches") == "3 patches"
+    stats = SimpleNamespace(compressions=1, compress_ms=30.0, prefill_ms=120.0)
+    assert compression_time(stats) == "1 compression, taking 25% as long as prefilling the chunks"
+    stats = SimpleNamespace(compressions=3, compress_ms=408.0, prefill_ms=120.0)
+    assert compression_time(stats) == "3 compressions, taking 340% as long as prefilling the chunks"
+    assert compression_time(SimpleNamespace(compressions=0, compress_ms=0.0, prefill_ms=120.0)) == "0 compressions"
+    assert status_text(Session()) == READY and "Run the bundled sample" in READY and "pick the sample" not in READY
+    one = Answer("q", "a", ms=5.0, ttft_ms=1.0, tokens=1, cache_bytes=2**20, visual_tokens=1)
+    assert "1 token in 5 ms" in answer_markdown(Comparison(), one)
+    updates, session = run(hub, None, None, budget=96, keep=72, fps=0.5)
+    status = updates[-1]["status"]
+    assert "compressions, taking" in status and "% as long as prefilling the chunks" in status and "overhead" not in status
+
+
+def test_charts_read_as_the_newcomer_expected():
+    """Issue 34, item 5: log axes get a few spaced ticks (plotly labelled every digit, the labels ran together) and the
+    M label sits at the line's right end, off the tick labels; integer axes (counts, layers) have whole ticks; lines
+    of equal values stay apart by dash and marker; a cell grid has a legend of its classes; a title when asked."""
+    from kvdemo.memory import OccupancyEvent
+    from kvdemo.viz.charts import log_ticks
+    from kvdemo.views import CellGrid, Chart, Histogram, Series
+
+    assert log_ticks([64, 96, 640])["tickvals"] == [100, 200, 500]  # 1-2-5 within the range
+    assert log_ticks([16, 96])["tickvals"] == [20, 30, 50, 70]  # under a decade: 1-2-3-5-7
+    assert log_ticks([10, 5e6])["tickvals"] == [10, 100, 1000, 10_000, 100_000, 1_000_000]  # many decades: powers
+    events = [OccupancyEvent(event="append", frame=2 * i, time_s=float(i), visual_tokens=16 * (i + 1),
+                             cache_bytes=2**16 * (i + 1), ms=1.0) for i in range(20)]
+    log = viz.occupancy_figure({"policy": events}, 96, log_scale=True)
+    assert list(log.layout.yaxis.tickvals) == [20, 50, 100, 200]  # 16..320 tokens (and M = 96): 1-2-5
+    label = next(a for a in log.layout.annotations if a.text == "M = 96")
+    assert (label.x, label.xanchor) == (1, "right")
+    counts = viz.chart_figure(Chart("bank", "", [Histogram(np.array([1, 1, 2, 3]), "mass", "prototypes")]))
+    assert counts.layout.yaxis.dtick == 1 and counts.layout.yaxis.tickformat == "d"
+    sweep = viz.chart_figure(Chart("sweep", "", [Series([0, 4, 8], {"a": [1, 1, 0.5], "full": [1, 1, 0.5]}, "delay (s)",
+                                                       "accuracy", markers=True)]), "What colour was the star?")
+    first, second = sweep.data
+    assert first.line.dash != second.line.dash and first.marker.symbol != second.marker.symbol
+    assert first.marker.size > second.marker.size, "the line drawn first shows as a ring around the one on top"
+    assert sweep.layout.xaxis.dtick == 1 and sweep.layout.title.text == "What colour was the star?"
+    grid = CellGrid(np.array([[1, 0]]), {1: "static", 0: "dynamic"}, np.array([[3, 4]]), [["", ""]], ["L0"], ["h0", "h1"])
+    heads = viz.chart_figure(Chart("Head types", "", [grid]))
+    assert heads.layout.showlegend and {t.name for t in heads.data if t.type == "scatter"} == {"static", "dynamic"}
+
+
+def test_runs_beyond_the_stream_slots_wait_in_line_and_say_where():
+    """Issue 34, item 9: a run that finds every stream slot taken says in its status that it is queued and where, as
+    its place changes, and starts once a slot is free; a run that leaves (ends, or is closed while it waits) frees its
+    slot or its place. Driven step by step in one thread: no sleeps."""
+    from kvdemo.app.slots import StreamSlots, queued_text
+
+    slots = StreamSlots(1)
+
+    def run(name):
+        return slots.held(lambda: iter([{"status": f"{name} streams"}, {"status": f"{name} ends"}]))
+
+    first, second, third = run("first"), run("second"), run("third")
+    assert next(first) == {"status": "first streams"} and slots.running == 1
+    assert next(second) == {"status": queued_text(1, 1)} and "queued: next in line" in queued_text(1, 1)
+    assert next(third) == {"status": queued_text(2, 1)} and "queued: 2nd in line" in queued_text(2, 1)
+    assert [next(first), next(first, None)] == [{"status": "first ends"}, None]  # it ended: its slot is free
+    assert slots.running == 0
+    assert next(second) == {"status": "second streams"} and slots.running == 1
+    assert next(third) == {"status": queued_text(1, 1)}, "the third moved up"
+    third.close()  # its client went away while it waited
+    assert slots.waiting == 0
+    fourth = run("fourth")
+    assert next(fourth) == {"status": queued_text(1, 1)}
+    second.close()  # stopped mid-run: the slot is freed
+    assert next(fourth) == {"status": "fourth streams"} and slots.running == 1
+    assert [queued_text(n, 2).split("**")[1] for n in (3, 11, 22)] == ["queued: 3rd in line", "queued: 11th in line",
+                                                                        "queued: 22nd in line"]

@@ -76,3 +76,54 @@ def test_every_family_runs_in_the_app(client, app, media, model):
         _, policy_chat, full_chat, _ = client.predict("What is in the video?", api_name="/ask")
         assert "first token" in answer_text(policy_chat) and "first token" in answer_text(full_chat)
     assert app.log.read_text().count("Traceback") == before, app.log.read_text()[-3000:]
+
+
+#: Values no component takes, sent through the API: (endpoint, keyword arguments, the one-line error).
+BAD_INPUTS = [
+    ("/run_sample", dict(budget="abc"), "M (max visual tokens): a number, got 'abc'"),
+    ("/run_sample", dict(budget=[1]), "M (max visual tokens): a number, got [1]"),
+    ("/run_sample", dict(fps="x"), "Sampling fps: a number, got 'x'"),
+    ("/run_sample", dict(fps=100), "Sampling fps: between 0.5 and 8, got 100"),
+    ("/run_sample", dict(max_pixels="lots"), "Max pixels per frame: a number, got 'lots'"),
+    ("/run_sample", dict(policy="nosuch"), "Policy: unknown choice 'nosuch'; the choices: " + ", ".join(UI_POLICIES)),
+    ("/run_sample", dict(sample_kind="weird"), "Bundled sample: unknown choice 'weird'; the choices: static, moving"),
+    ("/run_sample", dict(baseline="maybe"), "Full-cache baseline: true or false, got 'maybe'"),
+    ("/run", dict(video="/etc/passwd"), "Upload a video (mp4, mkv, mov, webm, avi): a file (gradio_client's "
+                                        "handle_file(path)), got '/etc/passwd'"),
+    ("/ask", dict(question=["a"]), "Ask both engines: text, got ['a']"),
+    ("/check_settings", dict(policy="nosuch"), "Policy: unknown choice 'nosuch'; the choices: " + ", ".join(UI_POLICIES)),
+    ("/compare_sample", dict(budget="abc"), "M (shared): a number, got 'abc'"),
+    ("/compare_sample", dict(policies="infinipot-v"),
+     "Policies (at most 4): a list of choices among " + ", ".join(UI_POLICIES) + ", got 'infinipot-v'"),
+    ("/compare_sample", dict(policies=["nosuch"]), "Policies (at most 4): unknown choice 'nosuch'; the choices: "
+     + ", ".join(UI_POLICIES)),
+    ("/compare_sweep", dict(more="x"), "More held-out streams of the sample's kind: a number, got 'x'"),
+    ("/compare_ask", dict(question="hi", attribute="x"), "what each answer looked at: true or false, got 'x'"),
+]
+
+
+#: Values the components take and the handlers refuse: (endpoint, keyword arguments, output index, part of the message).
+HANDLED_INPUTS = [
+    ("/run_sample", dict(max_pixels=0), 0, "max pixels must be at least"),
+    ("/run_sample", dict(budget=-5, keep=768), 0, "M and C must be positive"),
+    ("/run_sample", dict(budget=10**12, keep=768), 0, "more visual tokens than any stream holds"),
+    ("/compare_sample", dict(policies=[]), 0, "at least one"),
+    ("/compare_sweep", dict(delays="x"), 1, "delays are seconds separated by commas"),
+]
+
+
+def test_values_no_component_takes_are_one_line_errors_and_the_log_stays_clean(client, app):
+    """Issue 34, item 7: a string for a number, an unknown choice, a path for a file, sent by API, come back as one
+    line naming the field (Gradio's preprocessing left a traceback in the log for each); the app keeps serving."""
+    from gradio_client.exceptions import AppError
+
+    before = app.log.read_text()
+    for endpoint, values, message in BAD_INPUTS:
+        with pytest.raises(AppError) as raised:
+            client.predict(**values, api_name=endpoint)
+        assert str(raised.value) == message, endpoint
+    for endpoint, values, output, message in HANDLED_INPUTS:  # values components take, which the handlers refuse
+        assert message in client.predict(**values, api_name=endpoint)[output], endpoint
+    log = app.log.read_text()[len(before):]
+    assert "Traceback" not in log and log.count("rejected a call to") == len(BAD_INPUTS), log[-3000:]
+    assert client.predict("infinipot-v", 96, 72, 2, 12544, None, "tiny", api_name="/check_settings").startswith("✓")

@@ -272,6 +272,36 @@ def test_a_new_users_steps_end_in_messages_not_bare_error_badges(browser, app_ur
     page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
     no_bare_error(page)
     assert "Prototype assignments" in page.locator("#panel-0").inner_text()
+    page.wait_for_function("document.querySelector('#ask-status').innerText.trim() === ''", timeout=30_000)  # item 2
+
+
+def test_what_a_newcomer_reads_is_whole_and_follows_the_choices(browser, app_url, artifacts):
+    """Issue 34, items 4 and 5, in Chromium: the Ready text names the sample's button, the sample's help text follows
+    the chosen kind, the status says what the compression time measures, and the gallery's captions are whole, under
+    no label."""
+    page = new_page(browser, app_url)
+    assert "Run the bundled sample" in page.locator("#status").inner_text()
+    sample = page.locator("#sample-kind")
+    assert "still: a fixed camera" in sample.inner_text()
+    sample.get_by_text("moving camera").click()
+    page.wait_for_function("document.querySelector('#sample-kind').innerText.includes('moving: the camera pans')",
+                           timeout=30_000)
+    sample.get_by_text("still camera").click()
+    page.wait_for_function("document.querySelector('#sample-kind').innerText.includes('still: a fixed camera')",
+                           timeout=30_000)
+    choose_protokv(page)
+    page.click("#sample-button")
+    page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
+    assert "% as long as prefilling the chunks" in page.locator("#status").inner_text()
+    page.get_by_text("Every frame so far").click()
+    page.wait_for_function("document.querySelectorAll('#gallery .caption-label').length > 4", timeout=60_000)
+    cut = page.evaluate("""() => [...document.querySelectorAll('#gallery .caption-label')]
+        .filter(c => c.scrollWidth > c.clientWidth + 1).length""")
+    assert cut == 0, "every caption is whole"
+    assert page.locator("#gallery [data-testid='block-label']").count() == 0, "no label over the thumbnails"
+    page.locator("#gallery").scroll_into_view_if_needed()
+    page.locator("#gallery").screenshot(path=str(artifacts / "gallery.png"))
+    page.screenshot(path=str(artifacts / "newcomer.png"), full_page=True)
 
 
 def test_four_policies_compared_in_chromium(browser, app_url, artifacts):
@@ -295,6 +325,10 @@ def test_four_policies_compared_in_chromium(browser, app_url, artifacts):
                            timeout=60_000)
     page.click("#compare-fidelity")
     page.wait_for_function("document.querySelector('#compare-fidelity-text').innerText.includes('first-token KL')", timeout=120_000)
+    measured = page.locator("#compare-question textarea").input_value()
+    assert f"Measured for “{measured}”" in page.locator("#compare-fidelity-text").inner_text(), "the question measured"
+    legend = page.locator("#compare-strips-legend").inner_text()
+    assert all(word in legend for word in ("held exactly", "summarised", "offloaded", "dark = evicted")), legend
     page.fill("#compare-delays textarea", "0, 8")
     page.fill("#compare-more input", "0")
     page.click("#compare-sweep")

@@ -87,7 +87,7 @@ def test_non_video_and_damaged_files_from_a_real_process(media, tmp_path):
         cwd=ROOT, capture_output=True, text=True,
     )
     assert damaged.returncode == 0, damaged.stderr
-    assert "damaged frame(s) could not be decoded" in damaged.stderr
+    assert "1 damaged frame could not be decoded and was skipped" in damaged.stderr
     assert "Traceback" not in damaged.stderr
 
 

@@ -19,7 +19,7 @@ from kvdemo.synthetic import sample_episode
 
 FOUR = ["infinipot-v", "cords", "protokv", "hybridkv"]
 # Outputs of /compare_sample and /compare_run, and of /compare_ask, by position (the session state is not an output).
-STATUS, PLOT, STRIPS, _, ATTRIBUTION, ATTRIBUTION_TEXT, FIDELITY_PLOT, REPORT = range(8)
+STATUS, PLOT, STRIPS, RUN_ASK_STATUS, ATTRIBUTION, ATTRIBUTION_TEXT, FIDELITY_PLOT, REPORT = range(8)
 TITLES, CHATS = 8, 13
 ASK_STATUS, ASK_ATTRIBUTION, ASK_ATTRIBUTION_TEXT, ASK_REPORT, ASK_CHATS = range(5)
 
@@ -67,7 +67,7 @@ def test_the_stated_memory_bound_holds_in_real_bytes():
     full_growth = engines["full"].memory.timeline[-1].cache_bytes - engines["full"].memory.timeline[0].cache_bytes
     seconds = engines["full"].memory.timeline[-1].time_s - engines["full"].memory.timeline[0].time_s
     assert full_growth / seconds * 60 == pytest.approx(bound["full_bytes_per_minute"], rel=0.05)
-    assert "memory grows with the number of policies: 4 bounded engine(s)" in bound["text"]
+    assert "memory grows with the number of policies: 4 bounded engines" in bound["text"]
 
 
 def test_cli_compare_writes_one_report_per_engine_in_one_file(tmp_path, capsys):
@@ -160,6 +160,22 @@ def test_comparison_errors_are_messages_and_the_page_keeps_serving(app_url, medi
                           overrides="", budget=96, keep=72, fps=2, max_pixels=15680, cap_mb=0, sample_kind="static",
                           api_name="/compare_run")
     assert "20/20 frames" in good[STATUS]
+    # Issue 34, item 1: answers about a real video carry the offline model's warning, as on the single-policy tab...
+    asked = client.predict("What is cooking?", True, api_name="/compare_ask")
+    for chat in asked[ASK_CHATS : ASK_CHATS + 3]:  # cords, uniform, the full cache
+        assert "on this video its answers mean little" in chat[-1]["content"][0]["text"]
+    # ...and a comparison that fails leaves the previous one saying it is the previous one, in the status and the chart.
+    failed = compare_sample(client, ["cords"], budget=8, keep=4)
+    assert failed[STATUS].startswith("⚠️ **") and "smaller than one chunk" in failed[STATUS]
+    assert "Still showing the previous comparison: flipping_a_pancake.mkv" in failed[STATUS]
+    assert "the previous comparison (flipping_a_pancake.mkv" in failed[PLOT]["plot"]
+    assert failed[STRIPS] == {"__type__": "update"}, "the previous strips stay, under the status that says so"
+    again = client.submit(handle_file(str(media / "flipping_a_pancake.mkv")), model="tiny", policies=["cords"],
+                          overrides="", budget=96, keep=72, fps=2, max_pixels=15680, cap_mb=0, sample_kind="static",
+                          api_name="/compare_run")
+    final = again.result()
+    assert "previous comparison" not in final[PLOT]["plot"] and "20/20 frames" in final[STATUS]
+    assert again.outputs()[0][RUN_ASK_STATUS] == "", "a new comparison clears the last question's status (item 2)"
 
 
 def test_the_comparison_under_zerogpu_emulation_answers_like_the_app(app_url, emulated_app_url):
@@ -180,7 +196,7 @@ def test_cli_compare_on_a_damaged_file_says_what_was_lost(media, capsys, tmp_pat
     out = tmp_path / "damaged.json"
     assert main(["compare", "--model", "tiny", "--video", str(media / "corrupted.mp4"), "--policies", "cords",
                  "--json", str(out)]) == 0
-    assert "damaged frame(s) could not be decoded" in capsys.readouterr().err
+    assert "1 damaged frame could not be decoded and was skipped" in capsys.readouterr().err
     report = json.loads(out.read_text())
     assert report["policies"]["cords"]["lost_frames"] == 1 and report["full"]["frames"] == 9
 

@@ -12,10 +12,10 @@ from typing import Any
 from ..compare import MAX_POLICIES, compare_budget
 from ..policies import COMPARE_POLICIES
 from ..synthetic import sample_episode
-from .comparing import (SLOTS, CompareSettings, ask_comparison, compare_fidelity, new_conversation, redraw_attribution,
-                        run_comparison, run_sweep)
+from .comparing import (SLOTS, CompareSettings, ask_comparison, compare_fidelity, kept_previous, new_conversation,
+                        redraw_attribution, run_comparison, run_sweep)
 from .sessions import SESSION_TTL_S, AppServices
-from .settings import USER_ERRORS, baseline_cap_default
+from .settings import SAMPLE_KIND_HELP, USER_ERRORS, baseline_cap_default
 
 log = logging.getLogger("kvdemo")
 #: Outputs shown only once they have something to show.
@@ -46,7 +46,8 @@ class ComparePage:
                     self.sample_button = gr.Button("Compare on the bundled sample", variant="primary", elem_id="compare-sample")
                     self.stop_button = gr.Button("Stop", variant="stop", elem_id="compare-stop")
                 self.sample_kind = gr.Radio([("still camera", "static"), ("moving camera", "moving")], value="static",
-                                            label="Bundled sample", elem_id="compare-sample-kind")
+                                            label="Bundled sample", elem_id="compare-sample-kind",
+                                            info=SAMPLE_KIND_HELP["static"])
                 self.model = gr.Dropdown(self.services.models.choices(), value=self.services.models.default, label="Model",
                                          allow_custom_value=True, elem_id="compare-model")
                 self.chosen = gr.CheckboxGroup(self.policies, value=[p for p in COMPARE_POLICIES if p in self.policies],
@@ -66,6 +67,7 @@ class ComparePage:
                 gr.Markdown("**What each engine holds of the newest frames** (same frames in the same columns)")
                 self.strips = gr.Image(label="Survivor strips", show_label=False, format="jpeg", type="numpy",
                                        interactive=False, buttons=[], elem_id="compare-strips")
+                self.strips_legend = gr.Markdown("", label="Survivor strips legend", elem_id="compare-strips-legend")
         with gr.Row():
             self.question = gr.Textbox(label="Ask every engine", scale=4, elem_id="compare-question",
                                        placeholder="What colour was the circle?")
@@ -112,7 +114,8 @@ class ComparePage:
         named = {"session": self.state, "status": self.status, "plot": self.plot, "strips": self.strips,
                  "ask_status": self.ask_status, "attribution": self.attribution, "attribution_text": self.attribution_text,
                  "fidelity_plot": self.fidelity_plot, "fidelity_text": self.fidelity_text, "sweep_plot": self.sweep_plot,
-                 "sweep_text": self.sweep_text, "report": self.report, "question": self.question}
+                 "sweep_text": self.sweep_text, "report": self.report, "question": self.question,
+                 "strips_legend": self.strips_legend}
         out = {named[key]: value for key, value in update.items() if key in named}
         for key in HIDDEN_WHEN_EMPTY.intersection(update):  # no empty placeholder box before there is something to show
             out[named[key]] = gr.update(value=update[key], visible=update[key] is not None)
@@ -128,7 +131,7 @@ class ComparePage:
 
     def outputs(self) -> list[Any]:
         return [self.state, self.status, self.plot, self.strips, self.ask_status, self.attribution, self.attribution_text,
-                self.fidelity_plot, self.report, *self.titles, *self.chats, *self.columns]
+                self.fidelity_plot, self.report, *self.titles, *self.chats, *self.columns, self.strips_legend]
 
     def settings(self, values: dict[str, Any]) -> CompareSettings:
         return CompareSettings(values["model"] or self.services.models.default, list(values["policies"] or []),
@@ -154,11 +157,15 @@ class ComparePage:
     # --- handlers ------------------------------------------------------------------------------------
     def on_run(self, state, video, **values):
         if not video:
-            return {"status": "⚠️ upload a video first (or compare on the bundled sample)"}
-        return run_comparison(self.services, state, video, self.settings(values))
+            return kept_previous(state, "upload a video first (or compare on the bundled sample)")
+        return self.in_line(lambda: run_comparison(self.services, state, video, self.settings(values)))
 
     def on_sample(self, state, **values):
-        return run_comparison(self.services, state, None, self.settings(values))
+        return self.in_line(lambda: run_comparison(self.services, state, None, self.settings(values)))
+
+    def in_line(self, run, key: str = "status"):
+        """``run()``'s updates once it holds one of the app's stream slots; while it waits, where it stands."""
+        return self.services.streams.held(run, key)
 
     def on_stop(self, state):
         if state is not None and state.running:
@@ -170,7 +177,7 @@ class ComparePage:
             yield {**update, "question": example[0]}
 
     def on_sweep(self, delays, more, **values):
-        return run_sweep(self.settings(values), delays, more)
+        return self.in_line(lambda: run_sweep(self.settings(values), delays, more), "sweep_text")
 
     def on_view_choices(self, state):
         """The layers and KV heads of the comparison's model, for the attribution's selectors."""
@@ -181,7 +188,8 @@ class ComparePage:
                 self.gr.update(choices=["all"] + [str(i) for i in range(engine.model.num_kv_heads)], value="all"))
 
     def on_sample_kind(self, kind):
-        return self.gr.Dataset(samples=self.questions[kind or "static"])
+        return (self.gr.Dataset(samples=self.questions[kind or "static"]),
+                self.gr.update(info=SAMPLE_KIND_HELP.get(kind or "static", "")))
 
     def wire(self) -> None:
         settings = {"model": self.model, "policies": self.chosen, "overrides": self.overrides, "budget": self.budget,
@@ -219,7 +227,7 @@ class ComparePage:
         self.sweep_button.click(self.guarded(self.on_sweep, "sweep_text"), [self.delays, self.more],
                                 [self.sweep_plot, self.sweep_text], inputs_kwargs=settings, api_name="compare_sweep",
                                 show_progress_on=[self.sweep_text], **self.streams)
-        self.sample_kind.change(self.on_sample_kind, [self.sample_kind], [self.examples], api_visibility="private",
+        self.sample_kind.change(self.on_sample_kind, [self.sample_kind], [self.examples, self.sample_kind], api_visibility="private",
                                 show_progress="hidden")
 
 

@@ -21,11 +21,11 @@ from ..engine import EngineError
 from ..explain import attribution_views, fidelity_views
 from ..policies import BudgetError
 from ..streaming import EngineGroup
-from ..synthetic import grade
+from ..views import counted
 from .gpu import Segment, answer_into, measure_fidelity, segment_frames, stream_segment, sweep_delays
 from .sessions import AppServices, Session
 from .settings import FRAMES_PER_CHUNK, USER_ERRORS, open_stream, within_max_pixels
-from .views import ViewChoice
+from .views import ViewChoice, answer_note
 
 #: Newest frames in each engine's survivor strip; frames in the attribution heatmaps.
 STRIP_FRAMES = 6
@@ -90,12 +90,13 @@ def run_comparison(services: AppServices, previous: Comparison | None, video_pat
         state = start_comparison(services, settings, video.describe(), video.size, video.fps)
         state.episode = episode
     except USER_ERRORS as exc:
-        yield {"session": previous, "status": f"⚠️ **{exc}**"}
+        yield kept_previous(previous, str(exc))
         return
     services.sessions.replace(previous, state)
     state.running = True
     yield {"session": state, "status": f"⏳ starting {video.describe()}\n\n{state.bound['text']}", **titles(state),
-           **chats(state), "attribution": None, "attribution_text": "", "fidelity_plot": None, "report": None}
+           **chats(state), "ask_status": "", "attribution": None, "attribution_text": "", "fidelity_plot": None,
+           "report": None}
     try:
         parts = video.chunks(segment_frames())
         current = next(parts, None)
@@ -116,17 +117,36 @@ def run_comparison(services: AppServices, previous: Comparison | None, video_pat
     finally:
         state.running = False
     if state.stop_requested:
-        state.stopped["run"] = f"stopped by the user at {state.group.frames_seen} of {video.num_frames} frames"
+        state.stopped["run"] = f"stopped by the user at {state.group.frames_seen} of {counted(video.num_frames, 'frame')}"
         state.stop_requested = False
     state.source, state.lost_frames = video.describe(), video.lost_frames  # now knows the damaged frames
     final = live(state, video.num_frames - video.lost_frames)
     if video.lost_frames:
-        final["status"] = f"⚠️ **{video.lost_frames} damaged frame(s) could not be decoded and were skipped**\n\n" + final["status"]
+        were = "was" if video.lost_frames == 1 else "were"
+        final["status"] = (f"⚠️ **{counted(video.lost_frames, 'damaged frame')} could not be decoded and {were} "
+                           f"skipped**\n\n" + final["status"])
     yield {**final, "report": write_report(state)}
 
 
+def kept_previous(previous: Comparison | None, error: str) -> dict[str, Any]:
+    """A comparison that failed before it started: the previous one stays, and both the status and the chart's title
+    say that what is shown is the previous comparison (it looked current)."""
+    update: dict[str, Any] = {"session": previous, "status": f"⚠️ **{error}**"}
+    if previous is not None and previous.group is not None and previous.group.frames_seen:
+        update["status"] += f"\n\n<small>Still showing the previous comparison: {previous.source}</small>"
+        update["plot"] = occupancy(previous, f"the previous comparison ({previous.source}): the new one did not start")
+    return update
+
+
 def live(state: Comparison, total: int | None = None) -> dict[str, Any]:
-    return {"session": state, "status": status(state, total), "plot": occupancy(state), "strips": strips(state), **titles(state)}
+    return {"session": state, "status": status(state, total), "plot": occupancy(state), "strips": strips(state),
+            "strips_legend": strips_legend(state), **titles(state)}
+
+
+def strips_legend(state: Comparison) -> str:
+    """What the survivor strips' colours mean, for the statuses the compared engines can show."""
+    return (viz.status_legend(viz.possible_statuses(state.engines.values()))
+            + " (tint = share of the (layer, KV head) copies in each state)")
 
 
 def status(state: Comparison, total: int | None = None, error: str = "") -> str:
@@ -135,11 +155,12 @@ def status(state: Comparison, total: int | None = None, error: str = "") -> str:
         return f"⚠️ **{state.freed or error}**" if (state.freed or error) else "Ready: choose up to four policies, then Run."
     seen = state.group.frames_seen
     lines = [f"⚠️ **{error}**"] if error else []
-    lines.append(f"**{seen}/{total} frames**" if total else f"**{seen} frames**")
+    lines.append(f"**{seen}/{counted(total, 'frame')}**" if total else f"**{counted(seen, 'frame')}**")
     for name, engine in state.engines.items():
         why = state.stopped.get(name)
-        lines.append(f"{label(state, name)}: {engine.memory.visual_tokens} visual tokens, {engine.memory.nbytes / 2**20:.2f} MB, "
-                     f"{engine.stats.compressions} compressions" + (f" — {why}" if why else ""))
+        lines.append(f"{label(state, name)}: {counted(engine.memory.visual_tokens, 'visual token')}, "
+                     f"{engine.memory.nbytes / 2**20:.2f} MB, {counted(engine.stats.compressions, 'compression')}"
+                     + (f" — {why}" if why else ""))
     stream_s = seen / state.group.stream.fps
     if stream_s:
         work = model_seconds(state.engines)
@@ -168,11 +189,11 @@ def chats(state: Comparison) -> dict[str, Any]:
     return {f"chat:{slot}": list(state.chat.get(name, [])) for slot, name in enumerate(state.engines)}
 
 
-def occupancy(state: Comparison):
-    """Every engine's occupancy line in one chart (the shared ``M`` dashed)."""
+def occupancy(state: Comparison, title: str = ""):
+    """Every engine's occupancy line in one chart (the shared ``M`` dashed), under ``title`` if one is given."""
     series = {(name if name != FULL else "full cache"): e.memory.timeline for name, e in state.engines.items()}
     budgets = [e.budget.M for e in state.engines.values() if e.budget.M is not None]
-    return viz.occupancy_figure(series, max(budgets) if budgets else None)
+    return viz.occupancy_figure(series, max(budgets) if budgets else None, title)
 
 
 def strips(state: Comparison) -> np.ndarray | None:
@@ -210,20 +231,20 @@ def ask_comparison(state: Comparison | None, question: str, attribute: bool = Tr
             state.chat[name][-1]["content"] = answer_markdown(state, answer)
         state.questions.append(question_record(question, answers, state.episode, state.engines[FULL].last_time_s))
         state.attributions = {name: a.attribution for name, a in answers.items() if a.attribution is not None}
-        update = {"session": state, "ask_status": f"✓ answered by {len(asked)} engine(s)", **chats(state),
+        update = {"session": state, "ask_status": f"✓ answered by {counted(len(asked), 'engine')}", **chats(state),
                   **attribution_update(state, question), "report": write_report(state)}
     yield update
 
 
 def answer_markdown(state: Comparison, answer) -> str:
-    note = ""
-    if state.episode is not None:
-        note = " · " + grade(state.episode, answer.question, answer.answer, state.engines[FULL].last_time_s).note
+    """An answer, its tokens and time, what it is worth (graded on a generated stream, or the offline model's warning
+    on a real video: :func:`~kvdemo.app.views.answer_note`) and where its attention went."""
+    note = answer_note(state, answer)
     share = ""
     if answer.attribution is not None:
         parts = answer.attribution.share()
         share = " · attention: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in parts.items() if v >= 0.005)
-    return f"{answer.answer or '(empty answer)'}\n\n<small>{answer.tokens} tokens in {answer.ms:.0f} ms{note}{share}</small>"
+    return f"{answer.answer or '(empty answer)'}\n\n<small>{counted(answer.tokens, 'token')} in {answer.ms:.0f} ms{note}{share}</small>"
 
 
 def attribution_update(state: Comparison, question: str, view: ViewChoice = ViewChoice()) -> dict[str, Any]:
@@ -241,7 +262,7 @@ def attribution_update(state: Comparison, question: str, view: ViewChoice = View
     ratios = [f"{name} {entry['evidence_ratio']:.2f}" for name, entry in record.items() if entry.get("evidence_ratio") is not None]
     where = "every layer and KV head" if layer is None and head is None else \
         f"layer {'all' if layer is None else layer}, KV head {'all' if head is None else head}"
-    text = (f"**What each answer looked at** — “{question}” ({where}): the {len(grids)} frames the answers attended most, each "
+    text = (f"**What each answer looked at** — “{question}” ({where}): the {counted(len(grids), 'frame')} the answers attended most, each "
             "patch tinted by the share of the answer's attention (question and generated tokens) "
             "on the tokens of that patch the engine still held or brought back from host memory (one scale for every "
             "engine).\n\n"
@@ -275,10 +296,13 @@ def compare_fidelity(state: Comparison | None, question: str) -> dict[str, Any]:
             return {"fidelity_text": f"⚠️ {exc}"}
         state.fidelity[question] = results
         chart = fidelity_views(question, results)[0]
+        measured = f"“{question if len(question) <= 80 else question[:79] + '…'}”"
         rows = "\n".join(f"| {n} | {r['first_token_kl']:.4f} | {np.mean(r['layer_error']):.3f} | {max(r['layer_error']):.3f} |"
                          for n, r in results.items())
-        text = ("| policy | first-token KL (nats) | mean layer error | worst layer |\n|---|---|---|---|\n" + rows)
-        return {"session": state, "fidelity_plot": viz.chart_figure(chart), "fidelity_text": text, "report": write_report(state)}
+        text = (f"**Measured for {measured}** (the question alone, every engine's memory as it is now)\n\n"
+                "| policy | first-token KL (nats) | mean layer error | worst layer |\n|---|---|---|---|\n" + rows)
+        figure = viz.chart_figure(chart, f"What compression changed for {measured}")
+        return {"session": state, "fidelity_plot": figure, "fidelity_text": text, "report": write_report(state)}
 
 
 def parse_delays(text: str) -> tuple[float, ...]:

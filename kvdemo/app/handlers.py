@@ -14,13 +14,14 @@ import numpy as np
 from .. import viz
 from ..engine import EngineError, StreamEngine
 from ..streaming import EngineGroup
-from ..synthetic import grade
 from ..video import resize_frames
+from ..views import counted
 from .. import zerogpu
 from .gpu import Segment, answer_into, segment_frames, stream_segment
 from .sessions import AppServices, RunSettings, Session
 from .settings import FRAMES_PER_CHUNK, USER_ERRORS, open_stream, resolve_settings, within_max_pixels
-from .views import (ViewChoice, finish, fresh_views, heatmap_image, kept_previous, legend, live_update, occupancy_plot,
+from .views import (ViewChoice, answer_note, finish, fresh_views, heatmap_image, kept_previous, legend, live_update,
+                    occupancy_plot,
                     policy_panels, status_text, write_report)
 
 
@@ -123,7 +124,7 @@ def run_video(
     state.stop_requested = False
     done = state.group.frames_seen
     if stopped:
-        state.stopped["run"] = f"stopped by the user at {done} of {total} frames"
+        state.stopped["run"] = f"stopped by the user at {done} of {counted(total, 'frame')}"
     else:
         state.source, state.lost_frames = video.describe(), video.lost_frames  # now knows the damaged frames
     final = finish(state, view)
@@ -232,27 +233,15 @@ def chats(state: Session) -> dict[str, list[dict[str, str]]]:
 
 def _answer_markdown(state: Session, name: str, answer) -> str:
     text = answer.answer or "(empty answer)"
-    tokens = f"{answer.tokens} token{'' if answer.tokens == 1 else 's'}"
-    dropped = (f" · the {answer.dropped_turns} oldest turn(s) were left out of the replayed dialogue (it keeps at most "
-               f"{state.group.stream.model.max_dialogue_tokens} tokens)") if answer.dropped_turns else ""
+    tokens = counted(answer.tokens, "token")
+    oldest = "the oldest turn was" if answer.dropped_turns == 1 else f"the {answer.dropped_turns} oldest turns were"
+    dropped = (f" · {oldest} left out of the replayed dialogue (it keeps at most "
+               f"{counted(state.group.stream.model.max_dialogue_tokens, 'token')})") if answer.dropped_turns else ""
     return (
         f"{text}\n\n<small>first token {answer.ttft_ms:.0f} ms · {tokens} in {answer.ms:.0f} ms · "
-        f"cache {answer.cache_bytes / 2**20:.2f} MB, {answer.visual_tokens} visual tokens{dropped}"
+        f"cache {answer.cache_bytes / 2**20:.2f} MB, {counted(answer.visual_tokens, 'visual token')}{dropped}"
         f"{answer_note(state, answer)}</small>"
     )
-
-
-def answer_note(state: Session, answer) -> str:
-    """What an answer is worth: graded against the ground truth on a generated stream; on other inputs,
-    a warning when the model is an offline tiny one (random, or trained only on generated streams)."""
-    model = state.model
-    if model is not None and model.random_weights:
-        return " · random weights"
-    if state.episode is not None:
-        return " · " + grade(state.episode, answer.question, answer.answer, state.engine.last_time_s).note
-    if model is not None and model.notice:
-        return " · the tiny model knows only its generated streams: on this video its answers mean little"
-    return ""
 
 
 def redraw(session: Session | None, view: ViewChoice) -> dict[str, Any]:

@@ -15,9 +15,11 @@ from ..synthetic import sample_episode, sample_manifest
 from .. import viz
 from .compare_page import ComparePage
 from .handlers import ask, redraw, request_stop, reset_chat, run_video, webcam_frame
+from .inputs import guard_inputs
 from .sessions import SESSION_TTL_S, AppServices, CacheSweeper, RunSettings, Session
 from ..models.catalog import default_budget, geometry_for
-from .settings import USER_ERRORS, baseline_cap_default, parse_params, policy_label, takes_keep, validate_settings
+from .slots import STREAM_SLOTS, WAITING_ROOM
+from .settings import SAMPLE_KIND_HELP, USER_ERRORS, baseline_cap_default, parse_params, policy_label, takes_keep, validate_settings
 from .views import (
     ViewChoice,
     banner_html,
@@ -32,19 +34,22 @@ from .views import (
 
 log = logging.getLogger("kvdemo")
 
-#: File runs and webcam streams served at once; more wait in the queue.
-STREAM_SLOTS = 2
 #: Questions served at once, in their own slots: a question never waits for other sessions' streams,
 #: and its own session's stream pauses between chunks while it is answered.
 QUESTION_SLOTS = 2
-STREAMS = dict(concurrency_id="stream", concurrency_limit=STREAM_SLOTS)
+#: Gradio starts stream events up to the slots and a waiting room; those without a slot wait in line in the app,
+#: where their status says their place (:mod:`kvdemo.app.slots`).
+STREAMS = dict(concurrency_id="stream", concurrency_limit=STREAM_SLOTS + WAITING_ROOM)
 QUESTIONS = dict(concurrency_id="question", concurrency_limit=QUESTION_SLOTS)
 #: Gradio's own cleanup of its cache (every 10 minutes, files older than an hour); it misses the files of
 #: components updated with gr.update, which :class:`~kvdemo.app.sessions.CacheSweeper` deletes.
 CACHE_CLEANUP = (600, 3600)
 #: The chat panes' own "Clear" button would clear the view but not the engines' dialogue (and it sits on
 #: the first question's bubble): "New conversation" does both.
-CSS = "#policy-chat button[aria-label='Clear'], #full-chat button[aria-label='Clear'] { display: none; }"
+CSS = ("#policy-chat button[aria-label='Clear'], #full-chat button[aria-label='Clear'] { display: none; }"
+       # Gradio cuts a thumbnail's caption to one line ("t=12.0s · 45% exact · 3…"): wrap it, whole, over the frame.
+       " #gallery .caption-label { white-space: normal; max-width: 100%; opacity: 0.9; text-overflow: clip;"
+       " font-size: 11px; line-height: 1.25; }")
 #: The policies offered in the app (every bounded one; the full cache is the baseline beside it).
 UI_POLICIES = [name for name, cls in REGISTRY.items() if cls.bounded]
 #: Panel slots for the views a policy declares (``Policy.view_titles``): as many as any policy has.
@@ -85,6 +90,7 @@ class Demo:
             with gr.Tab("Compare policies", elem_id="compare-tab"):
                 ComparePage(gr, self.services, UI_POLICIES, (self.budget0, self.keep0, self.pixels0), STREAMS,
                             QUESTIONS).build()
+        guard_inputs(gr, demo)  # values sent through the API that no component takes: one line, no traceback
         return demo
 
     def build_inputs(self) -> None:
@@ -96,9 +102,7 @@ class Demo:
                 self.sample_button = gr.Button("Run the bundled sample", elem_id="sample-button")
                 self.stop_button = gr.Button("Stop", variant="stop", elem_id="stop-button")
             self.sample_kind = gr.Radio([("still camera", "static"), ("moving camera", "moving")], value="static",
-                                        label="Bundled sample", elem_id="sample-kind",
-                                        info="moving: the camera pans and zooms, the background drifts, objects reappear "
-                                             "among look-alike decoys (where the policies differ)")
+                                        label="Bundled sample", elem_id="sample-kind", info=SAMPLE_KIND_HELP["static"])
             with gr.Accordion("What the bundled sample shows", open=False):
                 self.manifest = gr.Markdown(sample_manifest(self.sample), label="Sample manifest", elem_id="sample-manifest")
         with gr.Tab("Webcam"):
@@ -162,7 +166,9 @@ class Demo:
                                elem_id=f"panel-{index}-plot")
             self.panel_slots.append((box, text, image, plot))
         with gr.Accordion("Every frame so far", open=False):
-            self.gallery = gr.Gallery(label="What survives of each frame", columns=6, height=300, format="jpeg")
+            # No label over the thumbnails (the accordion names it); captions wrap (see CSS) instead of being cut.
+            self.gallery = gr.Gallery(label="What survives of each frame", show_label=False, columns=4, height=360,
+                                      format="jpeg", elem_id="gallery")
         self.coverage_plot = gr.Plot(label="Coverage of the full cache (CDF)", visible=False)
 
     def build_chat(self) -> None:
@@ -254,7 +260,9 @@ class Demo:
     def on_run_sample(self, session, video=None, **settings):
         try:
             run_settings, view = self.settings_from(settings)
-            for update in run_video(self.services, session, video, run_settings, view):
+            # In line for a stream slot first: while it waits, the status says where it stands.
+            runs = self.services.streams.held(lambda: run_video(self.services, session, video, run_settings, view))
+            for update in runs:
                 yield self.to_components(update)
         except USER_ERRORS as exc:
             yield self.to_components(kept_previous(session, str(exc)))
@@ -264,7 +272,8 @@ class Demo:
     def on_webcam(self, session, frame, **settings):
         try:
             run_settings, view = self.settings_from(settings)
-            return self.to_components(webcam_frame(self.services, session, frame, run_settings, view))
+            with self.services.streams.hold():
+                return self.to_components(webcam_frame(self.services, session, frame, run_settings, view))
         except USER_ERRORS as exc:
             return self.to_components({"session": session, "status": status_text(session or Session(), error=str(exc))})
         except Exception as exc:
@@ -325,7 +334,8 @@ class Demo:
     def on_sample_kind(self, kind: str):
         """The bundled sample's kind chosen: what it shows, and its questions."""
         episode = sample_episode(kind or "static")
-        return sample_manifest(episode), self.gr.Dataset(samples=[[q.text] for q in episode.questions])
+        return (sample_manifest(episode), self.gr.Dataset(samples=[[q.text] for q in episode.questions]),
+                self.gr.update(info=SAMPLE_KIND_HELP.get(kind or "static", "")))
 
     # --- wiring ---------------------------------------------------------------------------
     def wire(self) -> None:
@@ -372,7 +382,7 @@ class Demo:
         check_inputs = [self.policy, self.budget, self.keep, self.fps, self.max_pixels, self.video, self.model]
         gr.on([control.change for control in check_inputs], validate_settings, check_inputs, self.budget_check,
               api_name="check_settings", show_progress="hidden", concurrency_limit=None)
-        self.sample_kind.change(self.on_sample_kind, [self.sample_kind], [self.manifest, self.examples],
+        self.sample_kind.change(self.on_sample_kind, [self.sample_kind], [self.manifest, self.examples, self.sample_kind],
                                 api_name="sample_kind", show_progress="hidden", concurrency_limit=None)
         self.policy.change(self.on_policy, [self.policy], [self.keep, *self.param_groups.values()], api_visibility="private",
                            show_progress="hidden")

@@ -24,6 +24,7 @@ from ..streaming import EngineGroup
 from ..models.catalog import OFFLINE_MODELS, REAL_MODELS, resolve_model_name
 from ..models.loading import load_model
 from ..synthetic import Episode
+from .slots import STREAM_SLOTS, StreamSlots
 
 log = logging.getLogger("kvdemo")
 
@@ -273,6 +274,8 @@ class AppServices:
 
     models: ModelHub
     sessions: SessionPool
+    #: The stream slots every run waits in line for (:mod:`kvdemo.app.slots`).
+    streams: StreamSlots = field(default_factory=lambda: StreamSlots(STREAM_SLOTS))
 
     @classmethod
     def create(cls, model: str | None = None, max_sessions: int = MAX_SESSIONS) -> "AppServices":

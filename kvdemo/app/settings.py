@@ -13,11 +13,20 @@ from ..policies import BudgetError, Policy, coerce_param, make_policy, policy_cl
 from ..geometry import FrameGeometry
 from ..synthetic import sample_episode
 from ..video import VideoError, open_video
+from ..views import counted
 from .. import zerogpu
 from ..engine import EngineError
 from .sessions import CACHE_TTL_S, RunSettings
 
 FRAMES_PER_CHUNK = 2
+
+#: What each kind of bundled sample shows, under its choice (it follows the choice).
+SAMPLE_KIND_HELP = {
+    "static": "still: a fixed camera; shapes come into view, move a little and leave (the case redundancy heuristics "
+              "are made for)",
+    "moving": "moving: the camera pans and zooms, the background drifts, objects reappear among look-alike decoys "
+              "(where the policies differ)",
+}
 #: The errors a user can cause: shown as one-line messages, never tracebacks.
 USER_ERRORS = (VideoError, BudgetError, EngineError, ModelError)
 
@@ -94,9 +103,9 @@ def validate_settings(
         return f"⚠️ not a number: {exc}"
     upload = "" if video else f" (an upload's: up to {geometry.chunk_tokens(None, FRAMES_PER_CHUNK)[0]} at max pixels)"
     if resolved.C is None:
-        return (f"✓ M={resolved.M} = {resolved.split_text} (C does not apply); one chunk{name} is {tokens} visual "
-                f"tokens{upload} and must fit the {resolved.window_name}")
-    return (f"✓ M={resolved.M}, C={resolved.C}: one chunk{name} is {tokens} visual tokens{upload}; "
+        return (f"✓ M={resolved.M} = {resolved.split_text} (C does not apply); one chunk{name} is "
+                f"{counted(tokens, 'visual token')}{upload} and must fit the {resolved.window_name}")
+    return (f"✓ M={resolved.M}, C={resolved.C}: one chunk{name} is {counted(tokens, 'visual token')}{upload}; "
             f"M and M − C must each hold one chunk")
 
 

@@ -15,7 +15,8 @@ from .. import viz
 from ..coverage import coverage
 from ..policies import REGISTRY
 from ..models.catalog import TRAINED_NOTICE, caveat_for, family_of, family_spec, offline_model
-from ..views import View
+from ..synthetic import grade
+from ..views import View, counted
 from .sessions import CACHE_TTL_S, Session
 from .settings import policy_label
 
@@ -56,7 +57,7 @@ def how_to_read(max_sessions: int) -> str:
 def status_text(
     session: Session, done: int | None = None, total: int | None = None, error: str = "", stopped: bool = False
 ) -> str:
-    """The status line: frames, tokens, MB, ms per chunk, compression overhead."""
+    """The status line: frames, tokens, MB, ms per chunk, and the time compression took beside the chunks' prefill."""
     lines = []
     if error:
         lines.append(f"⚠️ **{error}**")
@@ -65,27 +66,42 @@ def status_text(
         lines.append(f"⚠️ **{session.freed}**")
     if engine is not None:
         stats = engine.stats
-        overhead = f"{100 * stats.compress_ms / stats.prefill_ms:.1f}%" if stats.prefill_ms else "n/a"
-        progress = f"{done}/{total} frames" if total else f"{engine.frames_fed} frames"
+        progress = f"{done}/{counted(total, 'frame')}" if total else counted(engine.frames_fed, "frame")
         if stopped:
             progress = f"stopped at {progress}"
         offloaded = engine.memory.offloaded_bytes
         lines.append(
-            f"**{progress}** · {engine.policy.name}: {engine.memory.visual_tokens} visual tokens "
+            f"**{progress}** · {engine.policy.name}: {counted(engine.memory.visual_tokens, 'visual token')} "
             f"({engine.budget.describe()}{summary_note(engine.memory)}), {engine.memory.nbytes / 2**20:.2f} MB"
             + (f" + {offloaded / 2**20:.2f} MB offloaded" if offloaded else "")
-            + f" · {session.chunk_ms:.0f} ms/chunk · {stats.compressions} compressions, overhead {overhead} of prefill"
+            + f" · {session.chunk_ms:.0f} ms/chunk · {compression_time(stats)}"
         )
         full = session.engines.get("full")
         if full is not None:
             state = session.stopped.get("full")
             lines.append(
-                f"full cache: {full.memory.visual_tokens} visual tokens, {full.memory.nbytes / 2**20:.2f} MB"
+                f"full cache: {counted(full.memory.visual_tokens, 'visual token')}, {full.memory.nbytes / 2**20:.2f} MB"
                 + (f" — {state}" if state else "")
             )
         if session.source:
             lines.append(f"<small>{session.source}</small>")
-    return "\n\n".join(lines) if lines else "Ready: upload a video or pick the sample, then Run."
+    return "\n\n".join(lines) if lines else READY
+
+
+#: The status before any run: a sample kind is always chosen, so the sample is one click away.
+READY = ("Ready: **Run the bundled sample** plays the kind chosen under the buttons; or upload a video, then click "
+         "**Run**.")
+
+
+def compression_time(stats) -> str:
+    """How many compressions ran and what they cost, in words: the time spent compressing as a share of the time spent
+    prefilling the chunks (the work a stream costs without compression), e.g. "3 compressions, taking 12% as long as
+    prefilling the chunks"."""
+    done = counted(stats.compressions, "compression")
+    if not stats.compressions or not stats.prefill_ms:
+        return done
+    share = 100 * stats.compress_ms / stats.prefill_ms
+    return f"{done}, taking {share:.0f}% as long as prefilling the chunks"
 
 
 def summary_note(memory) -> str:
@@ -94,7 +110,7 @@ def summary_note(memory) -> str:
     if not memory.summary_slots:
         return ""
     exact = memory.visual_tokens - memory.summary_slots
-    return (f": {exact} exact + {memory.summary_slots} summary slots, counted from the first chunk, "
+    return (f": {exact} exact + {counted(memory.summary_slots, 'summary slot')}, counted from the first chunk, "
             f"{memory.summary_active} in use")
 
 
@@ -105,6 +121,20 @@ def kept_previous(previous: Session | None, error: str) -> dict[str, Any]:
     if previous is not None and previous.engine is not None:
         status += f"\n\n<small>Still showing the previous run: {previous.source}</small>"
     return {"session": previous or Session(), "status": status}
+
+
+def answer_note(state: Session, answer) -> str:
+    """What an answer is worth (either tab): graded against the ground truth on a generated stream; on other inputs,
+    a warning when the model is an offline tiny one (random, or trained only on generated streams)."""
+    engine = next(iter(state.engines.values()), None)
+    model = engine.model if engine is not None else None
+    if model is not None and model.random_weights:
+        return " · random weights"
+    if state.episode is not None and engine is not None:
+        return " · " + grade(state.episode, answer.question, answer.answer, engine.last_time_s).note
+    if model is not None and model.notice:
+        return " · the tiny model knows only its generated streams: on this video its answers mean little"
+    return ""
 
 
 def chat_title(state: Session, name: str) -> str:
@@ -122,10 +152,10 @@ def chat_title(state: Session, name: str) -> str:
 
 
 def fresh_views(state: Session) -> dict[str, Any]:
-    """What a newly started stream clears or relabels: chat panes and their titles, the previous run's
-    coverage and downloads."""
+    """What a newly started stream clears or relabels: chat panes and their titles, the question status, the previous
+    run's coverage and downloads."""
     return {"policy_title": chat_title(state, "policy"), "full_title": chat_title(state, "full"),
-            "policy_chat": [], "full_chat": [], "coverage": None, "report": None, "chart": None}
+            "policy_chat": [], "full_chat": [], "ask_status": "", "coverage": None, "report": None, "chart": None}
 
 
 @dataclass(frozen=True)

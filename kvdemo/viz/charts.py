@@ -12,6 +12,14 @@ from ..memory import OccupancyEvent
 from ..views import CellGrid, Chart, Histogram, Series
 
 CHART_COLOURS = ["#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#ff7f0e", "#8c564b"]
+#: Lines of one series told apart by more than colour (equal values draw one line over another): dash styles and
+#: marker symbols in step, the markers of earlier lines drawn larger so that a later one on top leaves a ring.
+LINE_DASHES = ["solid", "dash", "dot", "dashdot", "longdash", "longdashdot"]
+MARKER_SYMBOLS = ["circle", "square", "diamond", "triangle-up", "x", "star"]
+#: Most tick labels on an integer axis (counts, layers): more would crowd a small panel.
+MAX_INTEGER_TICKS = 8
+#: The colours of a cell grid's classes, by class number (a legend entry each).
+CELL_COLOURS = ["#ffbb78", "#1f77b4", "#98df8a", "#c5b0d5"]
 #: Occupancy lines in order: the first engine red, then blue (the full cache next to one policy), green, purple...
 OCCUPANCY_COLOURS = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
 
@@ -54,8 +62,11 @@ def occupancy_figure(series: dict[str, list[OccupancyEvent]], budget: int | None
         shapes.append(dict(type="line", xref="paper", x0=0, x1=1, yref="y", y0=budget, y1=budget,
                            line=dict(color="#555", dash="dash", width=1)))
         level = float(np.log10(budget)) if log_scale else budget  # on a log axis an annotation sits at log10(y)
-        annotations.append(dict(text=f"M = {budget}", xref="paper", x=0, yref="y", y=level, showarrow=False,
-                                xanchor="left", yanchor="bottom"))
+        # At the right end of its line, over the plot: at the left it sat on the axis' tick labels.
+        annotations.append(dict(text=f"M = {budget}", xref="paper", x=1, yref="y", y=level, showarrow=False,
+                                xanchor="right", yanchor="bottom", bgcolor="rgba(255,255,255,0.8)"))
+    tokens = [e.visual_tokens for events in series.values() for e in events] + ([budget] if budget else [])
+    megabytes = [max(e.cache_bytes, e.offloaded_bytes) / 2**20 for events in series.values() for e in events]
     scale = dict(type="log") if log_scale else dict(rangemode="tozero")
     empty = not any(series.values())
     layout = dict(
@@ -64,10 +75,35 @@ def occupancy_figure(series: dict[str, list[OccupancyEvent]], budget: int | None
         legend=dict(orientation="h", yanchor="bottom", y=1.06, x=0),
         # Before any event the axis starts at 0 s (plotly's empty autorange begins at -1).
         xaxis=dict(anchor="y2", title=dict(text="stream time (s)"), **(dict(range=[0, 10]) if empty else dict(rangemode="tozero"))),
-        yaxis=dict(domain=[0.56, 1.0], **scale, title=dict(text="log scale" if log_scale else "")),
-        yaxis2=dict(domain=[0.0, 0.44], **scale),
+        yaxis=dict(domain=[0.56, 1.0], **scale, **(log_ticks(tokens) if log_scale else {}),
+                   title=dict(text="log scale" if log_scale else "")),
+        yaxis2=dict(domain=[0.0, 0.44], **scale, **(log_ticks(megabytes) if log_scale else {})),
     )
     return go.Figure(dict(data=data, layout=layout))
+
+
+def log_ticks(values: list[float]) -> dict[str, Any]:
+    """Tick values for a logarithmic axis over ``values``: the coarsest of 1-10-100, 1-2-5, 1-2-3-5-7 and every
+    digit that puts at least three ticks in their range, at most :data:`MAX_INTEGER_TICKS` (plotly's own choice on
+    a short log axis labelled every digit, and the labels ran into each other)."""
+    positive = [v for v in values if v > 0]
+    if not positive:
+        return {}
+    low, high = min(positive), max(positive)
+    first, last = int(np.floor(np.log10(low))), int(np.ceil(np.log10(high)))
+    chosen: list[float] = []
+    for mantissas in ((1,), (1, 2, 5), (1, 2, 3, 5, 7), tuple(range(1, 10))):
+        chosen = [m * 10.0**e for e in range(first, last + 1) for m in mantissas if low <= m * 10.0**e <= high]
+        if len(chosen) >= 3:
+            break
+    step = -(-len(chosen) // MAX_INTEGER_TICKS)  # every step-th, when even powers of ten are too many
+    return dict(tickmode="array", tickvals=[float(f"{v:.6g}") for v in chosen[::step]])
+
+
+def integer_ticks(top: float) -> dict[str, Any]:
+    """Ticks on whole numbers only, at most :data:`MAX_INTEGER_TICKS` from 0 to ``top`` (counts and layer numbers:
+    plotly put ticks at 0.5, 1.5 on a short axis)."""
+    return dict(tick0=0, dtick=max(1, int(np.ceil(max(top, 1) / MAX_INTEGER_TICKS))), tickformat="d")
 
 
 def coverage_figure(summaries: dict[str, dict[str, Any]]):
@@ -88,8 +124,9 @@ def coverage_figure(summaries: dict[str, dict[str, Any]]):
     return figure
 
 
-def chart_figure(chart: Chart):
-    """A Plotly figure of the chart's parts side by side (one dict: plotly's subplot helpers are slow)."""
+def chart_figure(chart: Chart, title: str = ""):
+    """A Plotly figure of the chart's parts side by side (one dict: plotly's subplot helpers are slow), under ``title``
+    if one is given (the app shows most charts' titles beside them); a legend, when there is one, under the axes."""
     parts = len(chart.parts)
     gap = 0.1 if parts > 1 else 0.0
     width = (1.0 - gap * (parts - 1)) / parts
@@ -98,6 +135,8 @@ def chart_figure(chart: Chart):
         suffix = "" if index == 0 else str(index + 1)
         xaxis, yaxis = f"x{suffix}", f"y{suffix}"
         domain = [index * (width + gap), index * (width + gap) + width]
+        x_ticks: dict[str, Any] = {}
+        y_ticks: dict[str, Any] = {}
         if isinstance(part, Histogram):
             values = np.asarray(part.values)
             top = int(values.max()) + 1 if values.size else 2
@@ -105,25 +144,35 @@ def chart_figure(chart: Chart):
             counts, _ = np.histogram(values, bins=edges) if values.size else (np.zeros(len(edges) - 1), edges)
             labels = [f"{a}-{b - 1}" if b - 1 > a else f"{a}" for a, b in zip(edges[:-1], edges[1:])]
             data.append(dict(type="bar", x=labels, y=counts.tolist(), marker=dict(color=CHART_COLOURS[0]), xaxis=xaxis,
-                             yaxis=yaxis, hovertemplate="%{x}: %{y}<extra></extra>"))
+                             yaxis=yaxis, hovertemplate="%{x}: %{y}<extra></extra>", showlegend=False))
             axis_type = "category"
+            y_ticks = integer_ticks(float(counts.max()) if len(counts) else 1)
         elif isinstance(part, Series):
-            for colour, (name, ys) in zip(CHART_COLOURS[1:] + CHART_COLOURS[:1], part.lines.items()):
-                data.append(dict(type="scatter", x=part.x, y=ys, mode="lines+markers" if part.markers else "lines", name=name, line=dict(color=colour, width=2),
-                                 xaxis=xaxis, yaxis=yaxis))
+            count = len(part.lines)
+            for k, (colour, (name, ys)) in enumerate(zip(CHART_COLOURS[1:] + CHART_COLOURS[:1], part.lines.items())):
+                marker = dict(symbol=MARKER_SYMBOLS[k % len(MARKER_SYMBOLS)], size=6 + 3 * (count - 1 - k), color=colour)
+                data.append(dict(type="scatter", x=part.x, y=ys, mode="lines+markers" if part.markers else "lines", name=name,
+                                 line=dict(color=colour, width=2, dash=LINE_DASHES[k % len(LINE_DASHES)]),
+                                 marker=marker, xaxis=xaxis, yaxis=yaxis))
             if part.limit is not None:
                 shapes.append(dict(type="line", xref=f"{xaxis} domain", x0=0, x1=1, yref=yaxis, y0=part.limit, y1=part.limit,
                                    line=dict(color="#555", dash="dash", width=1)))
             axis_type = "linear"
+            if part.x and all(float(x).is_integer() for x in part.x):  # layers, whole seconds: no half ticks
+                x_ticks = integer_ticks(max(part.x) - min(part.x))
         else:  # CellGrid
+            top = max(1, len(part.class_names) - 1)
             data.append(dict(type="heatmap", z=part.classes.tolist(), text=[[f"{int(n)}" for n in row] for row in part.numbers],
                              texttemplate="%{text}", customdata=part.hover, hovertemplate="%{customdata}<extra></extra>",
-                             colorscale=[[0, "#ffbb78"], [1, "#1f77b4"]], zmin=0, zmax=max(1, len(part.class_names) - 1),
+                             colorscale=[[k / top, CELL_COLOURS[k]] for k in range(top + 1)], zmin=0, zmax=top,
                              showscale=False, x=part.col_names, y=part.row_names, xaxis=xaxis, yaxis=yaxis))
+            for code, name in sorted(part.class_names.items()):  # the legend: one square per class
+                data.append(dict(type="scatter", x=[None], y=[None], mode="markers", name=name, xaxis=xaxis, yaxis=yaxis,
+                                 marker=dict(symbol="square", size=12, color=CELL_COLOURS[code]), hoverinfo="skip"))
             axis_type = None
         x_title = getattr(part, "x_title", "")
         layout[f"xaxis{suffix}"] = dict(domain=domain, anchor=yaxis, **({"type": axis_type} if axis_type else {}),
-                                        **({"title": dict(text=x_title)} if x_title else {}))
+                                        **({"title": dict(text=x_title)} if x_title else {}), **x_ticks)
         y_axis = dict(anchor=xaxis)
         if isinstance(part, CellGrid):
             y_axis["autorange"] = "reversed"
@@ -131,9 +180,15 @@ def chart_figure(chart: Chart):
             y_axis.update(rangemode="tozero", title=dict(text=getattr(part, "y_title", "")))
             if getattr(part, "log_y", False):
                 y_axis["type"] = "log"
+            y_axis.update(y_ticks)
         layout[f"yaxis{suffix}"] = y_axis
     rows = max((len(p.row_names) for p in chart.parts if isinstance(p, CellGrid)), default=0)
     height = max(280, 22 * rows + 80) if rows else 280
-    layout.update(height=height, margin=dict(l=50, r=20, t=30, b=40), template="plotly_white", shapes=shapes,
-                  showlegend=any(isinstance(p, Series) and len(p.lines) > 1 for p in chart.parts))
+    legend = any(isinstance(p, CellGrid) or isinstance(p, Series) and len(p.lines) > 1 for p in chart.parts)
+    below = 40 + (70 if legend else 0)  # the x axis' title, then the legend's rows under it
+    top = 50 if title else 30
+    layout.update(height=height + below - 40 + top - 30, margin=dict(l=50, r=20, t=top, b=below), template="plotly_white",
+                  shapes=shapes, showlegend=legend,
+                  legend=dict(orientation="h", yanchor="bottom", y=0.01, yref="container", x=0),
+                  title=dict(text=title, x=0, xanchor="left", font=dict(size=14)) if title else None)
     return go.Figure(dict(data=data, layout=layout))

@@ -74,6 +74,18 @@ def status_legend(codes: np.ndarray) -> str:
     return " &nbsp; ".join(parts + ["dark = evicted"])
 
 
+def possible_statuses(engines) -> np.ndarray:
+    """The status codes the strips of ``engines`` can show (held always; summarised for a policy with a summary region,
+    offloaded and retrieved for a memory with an offload store), known without drawing: for one legend over them."""
+    codes = {HELD}
+    for engine in engines:
+        if isinstance(engine.policy, SummaryRegion):
+            codes.add(SUMMARISED)
+        if any(store.offload is not None for store in engine.memory.layers):
+            codes.update((OFFLOADED, RETRIEVED))
+    return np.array(sorted(codes))
+
+
 def status_fractions(engine, layer: int | None = None, head: int | None = None) -> np.ndarray | None:
     """``[statuses, grids, rows, cols]``: the share of (layer, KV head) copies of each patch in each
     :func:`patch_status` (held, summarised, offloaded, retrieved), over all layers/heads or the chosen ones;
