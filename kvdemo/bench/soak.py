@@ -76,7 +76,13 @@ def soak(minutes: float, every_s: float, ttl_s: float | None, workdir: Path) -> 
     from gradio_client import Client  # deferred on purpose: a dev dependency, needed only here
 
     cache = workdir / "gradio-cache"
-    process, url = start_app(cache, workdir / "app.log", ttl_s)
+    for attempt in range(3):  # on a loaded machine Gradio's own check that localhost answers can time out
+        try:
+            process, url = start_app(cache, workdir / "app.log", ttl_s)
+            break
+        except RuntimeError:
+            if attempt == 2:
+                raise
     samples: list[dict[str, float]] = []
     counts = {"run_sample": 0, "ask": 0, "export_chart": 0, "compare_sample": 0, "compare_ask": 0}
     try:
