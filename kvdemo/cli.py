@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .dialogue import ECHO_LIMIT, clipped  # light: no torch
+from .dialogue import ECHO_LIMIT, QuestionError, check_question, check_question_text, clipped  # light: no torch
 from .evaluation import DEFAULT_DELAYS, EVAL_KINDS  # light: torch loads when an evaluation runs
 from .synthetic import STREAM_KINDS, grade, sample_episode  # light: numpy
 from .video import VideoError, open_video  # light: numpy and, when a file is opened, PyAV
@@ -232,8 +232,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_run_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """Plain checks of ``run``'s numbers; returns the policy parameters. Raises :class:`UsageError`."""
-    from .dialogue import QuestionError, check_question_text  # light: no tokenizer, no torch
-
     positive = {"--fps": args.fps, "--frames-per-chunk": args.frames_per_chunk, "--max-frames": args.max_frames,
                 "--max-new-tokens": args.max_new_tokens, "--min-pixels": args.min_pixels,
                 "--max-pixels": args.max_pixels}  # M and C: the budget's rule, once the policy is known
@@ -254,8 +252,6 @@ def check_run_arguments(args: argparse.Namespace) -> dict[str, Any]:
 def check_questions(model, questions: list[str]) -> None:
     """Each question's length in ``model``'s tokens, checked before the stream (after the model loads: the
     tokenizer comes with it). Raises :class:`UsageError`."""
-    from .dialogue import QuestionError, check_question  # light: the model is loaded already
-
     for number, question in enumerate(questions, 1):
         try:
             check_question(model, question)

@@ -75,6 +75,8 @@ def soak(minutes: float, every_s: float, ttl_s: float | None, workdir: Path) -> 
     """Drive the app for ``minutes``; the samples and the counts of each request."""
     from gradio_client import Client  # deferred on purpose: a dev dependency, needed only here
 
+    from ..policies import DEFAULT_POLICY  # deferred with it: the policies import torch
+
     cache = workdir / "gradio-cache"
     for attempt in range(3):  # on a loaded machine Gradio's own check that localhost answers can time out
         try:
@@ -106,7 +108,7 @@ def soak(minutes: float, every_s: float, ttl_s: float | None, workdir: Path) -> 
         while time.monotonic() - start < minutes * 60:
             question = QUESTIONS[turn % len(QUESTIONS)]
             for name, call in (
-                ("run_sample", lambda: client.predict("tiny", "infinipot-v", 96, 72, 2.0, api_name="/run_sample")),
+                ("run_sample", lambda: client.predict("tiny", DEFAULT_POLICY, 96, 72, 2.0, api_name="/run_sample")),
                 ("ask", lambda: client.predict(question, api_name="/ask")),
                 ("export_chart", lambda: client.predict(api_name="/export_chart")),
                 ("compare_sample", lambda: client.predict(api_name="/compare_sample")),
