@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from .dialogue import ECHO_LIMIT, QuestionError, check_question, check_question_text, clipped  # light: no torch
 from .evaluation import DEFAULT_DELAYS, EVAL_KINDS  # light: torch loads when an evaluation runs
 from .synthetic import STREAM_KINDS, grade, sample_episode  # light: numpy
 from .video import VideoError, open_video  # light: numpy and, when a file is opened, PyAV
@@ -37,6 +39,26 @@ def user_errors() -> tuple[type[Exception], ...]:
         if module in sys.modules:
             errors.append(getattr(sys.modules[module], name))
     return tuple(errors)
+
+
+def one_line(message: str, argv: list[str]) -> str:
+    """An error ``message`` as one line in which every long argument of ``argv`` (and the value after its ``=``)
+    it repeats, quoted or not, and any other long quoted text is :func:`clipped`."""
+    pieces = {piece for arg in argv for piece in (arg, arg.split("=", 1)[-1]) if len(piece) > ECHO_LIMIT or "\n" in piece}
+    for piece in sorted(pieces, key=len, reverse=True):
+        for form in (repr(piece), repr(piece)[1:-1], piece):
+            message = message.replace(form, repr(clipped(piece)) if form == repr(piece) else clipped(piece))
+    message = re.sub(f"'([^']{{{ECHO_LIMIT + 1},}})'", lambda quoted: repr(quoted.group(1)[:ECHO_LIMIT] + "..."), message)
+    return " ".join(message.split())
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, its usage errors kept to one line that repeats no long argument (argparse echoes an
+    invalid choice whole)."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {one_line(message, [])}\n")
 
 
 def parse_param(text: str) -> tuple[str, Any]:
@@ -64,14 +86,14 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     updating = [name for name, cls in (policies or {}).items() if "update" in cls.benchmarks]
     update_owner = ", ".join(updating) if updating else "a policy with an update benchmark"
     formatter = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m kvdemo", description=DESCRIPTION, formatter_class=formatter,
         epilog="Run 'python -m kvdemo <command> --help' for a command's options and examples.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{run,compare,bench,eval,doctor,train-tiny}")
 
     # What run and compare share: the stream (a file or the bundled sample), its sampling, the model, questions, output.
-    stream = argparse.ArgumentParser(add_help=False)
+    stream = Parser(add_help=False)
     stream.add_argument("--video", help="video file (mp4, mkv, mov, webm, avi...); default: the bundled sample (a generated stream)")
     stream.add_argument("--sample", choices=STREAM_KINDS, default="static",
                         help="without --video: which bundled sample, static (fixed camera, the default) or moving (camera "
@@ -201,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if not isinstance(exc, user_errors()):
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc), argv)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -211,14 +233,30 @@ def main(argv: list[str] | None = None) -> int:
 def check_run_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """Plain checks of ``run``'s numbers; returns the policy parameters. Raises :class:`UsageError`."""
     positive = {"--fps": args.fps, "--frames-per-chunk": args.frames_per_chunk, "--max-frames": args.max_frames,
-                "--max-new-tokens": args.max_new_tokens}  # M and C: the budget's rule, once the policy is known
+                "--max-new-tokens": args.max_new_tokens, "--min-pixels": args.min_pixels,
+                "--max-pixels": args.max_pixels}  # M and C: the budget's rule, once the policy is known
     for flag, value in positive.items():
-        if value is not None and value <= 0:
+        if value is not None and not value > 0:  # not > 0: also nan
             raise UsageError(f"{flag} must be positive, got {value}")
     # The model's pixel range applies where none is given (checked once the model's family is known).
     if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
         raise UsageError(f"--min-pixels ({args.min_pixels}) must not exceed --max-pixels ({args.max_pixels})")
+    for number, question in enumerate(args.ask, 1):  # the length in tokens is checked once the tokenizer is loaded
+        try:
+            args.ask[number - 1] = check_question_text(question)
+        except QuestionError as exc:
+            raise UsageError(f"--ask #{number}: {exc}") from None
     return dict(parse_param(p) for p in args.param)
+
+
+def check_questions(model, questions: list[str]) -> None:
+    """Each question's length in ``model``'s tokens, checked before the stream (after the model loads: the
+    tokenizer comes with it). Raises :class:`UsageError`."""
+    for number, question in enumerate(questions, 1):
+        try:
+            check_question(model, question)
+        except QuestionError as exc:
+            raise UsageError(f"--ask #{number}: {exc}") from None
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -254,6 +292,7 @@ def run_command(args: argparse.Namespace) -> int:
     from .models.catalog import caveat_for  # deferred with it
 
     model = load_model(args.model)
+    check_questions(model, args.ask)
     engine = StreamEngine(model, policy, budget=budget, fps=video.fps, max_new_tokens=args.max_new_tokens)
 
     print(video.describe(), file=sys.stderr)
@@ -283,7 +322,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"warning: {video.describe()}", file=sys.stderr)
 
     for question in args.ask:
-        print(f"\nQ: {question}\nA: ", end="", flush=True)
+        print(f"\nQ: {clipped(question)}\nA: ", end="", flush=True)
         for piece in engine.ask(question):
             print(piece, end="", flush=True)
         print(f"   ({grade(episode, question, engine.answers[-1].answer, engine.last_time_s).note})" if episode else "")
@@ -344,6 +383,7 @@ def compare(args: argparse.Namespace) -> int:
     parse_overrides(args.policies.split(","), "\n".join(args.override))  # a bad choice fails before the model loads
     video, episode, _ = open_source(args)
     model = load_model(args.model)
+    check_questions(model, args.ask)
     if model.notice:
         print(f"note: {model.notice}", file=sys.stderr)
     return compare_command(args, model, video, episode)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .budget import Budget
+from .dialogue import clipped
 from .engine import StreamEngine
 from .explain import evidence_ratio, fidelity
 from .policies import COMPARE_POLICIES, BudgetError, make_policy
@@ -230,7 +231,7 @@ def comparison_table(report: dict[str, Any]) -> str:
         passes = sum(e["event"] == "compress" for e in r["timeline"])
         lines.append(f"{name:<14} {size:>9} {r['peak_visual_tokens']:>11} {r['peak_cache_bytes'] / 2**20:>8.2f} {passes:>12}")
     for q in report["questions"]:
-        lines.append(f"\nQ: {q['question']}" + (f"  (ground truth: {q['expected']})" if q["expected"] else ""))
+        lines.append(f"\nQ: {clipped(q['question'])}" + (f"  (ground truth: {q['expected']})" if q["expected"] else ""))
         for name, a in q["answers"].items():
             mark = {True: " ✓", False: " ✗"}.get(a.get("correct"), "")
             extra = ""

@@ -5,16 +5,47 @@ answer says how many; the chat keeps them)."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 #: The longest question, and the most tokens of earlier turns replayed before a question (a model may hold a
 #: smaller bound: ``model.max_dialogue_tokens``).
 MAX_QUESTION_TOKENS = 512
 MAX_DIALOGUE_TOKENS = 1024
+#: The longest question in characters, checked before any tokenizer or model loads (the CLI checks its questions
+#: before loading the model). kvdemo's choice: 8 characters a token, more than the tokenizers of the supported
+#: families average on text (about 4) and the byte tokenizer's 1, so no question within the token limit is refused.
+MAX_QUESTION_CHARS = 8 * MAX_QUESTION_TOKENS
 
 
 class QuestionError(ValueError):
     """A question that cannot be asked (the message says why)."""
+
+
+#: The most characters of one piece of the user's input an error message or a printed report repeats.
+ECHO_LIMIT = 80
+
+
+def clipped(text: str, limit: int = ECHO_LIMIT) -> str:
+    """``text``'s first line, cut to ``limit`` characters with the total length said: how a user's input is
+    repeated back (a 100,000-character question is not printed back whole)."""
+    lines = text.splitlines()
+    if len(lines) <= 1 and len(text) <= limit:
+        return text
+    return f"{(lines[0] if lines else '')[:limit]}... ({len(text)} characters)"
+
+
+def check_question_text(question: str) -> str:
+    """``question`` stripped, or :class:`QuestionError`: empty, or longer than :data:`MAX_QUESTION_CHARS` (no
+    tokenizer needed)."""
+    question = (question or "").strip()
+    if not question:
+        raise QuestionError("the question is empty")
+    if len(question) > MAX_QUESTION_CHARS:
+        raise QuestionError(f"the question is {len(question)} characters long; at most {MAX_QUESTION_CHARS} (shorten it)")
+    return question
 
 
 def check_question(model, question: str) -> str:

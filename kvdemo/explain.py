@@ -181,6 +181,34 @@ def evidence_ratio(attribution: Attribution, episode, subject: str) -> float:
     return float(mass[shows].mean() / mass.mean())
 
 
+def evidence_share(attribution: Attribution, episode, subject: str) -> float:
+    """The share of the answer's visual attention (held and retrieved patches) on the grids that show ``subject``;
+    ``nan`` when nothing visual is attended. Its chance level is the share of grids that show it."""
+    mass = attribution.frame_mass()
+    shows = evidence_grids(episode, subject, len(mass))
+    return float(mass[shows].sum() / mass.sum()) if mass.sum() > 0 else float("nan")
+
+
+def object_token_share(attribution: Attribution, episode, subject: str, layer: int | None = None) -> tuple[float, float]:
+    """``(share of the visual attention on tokens that show subject, share of the attended tokens that show it)``
+    in ``layer`` (None: every layer), each token's label read through its provenance from the stream's per-token
+    ground truth (:attr:`~kvdemo.synthetic.Episode.shape_labels` ``[grids, rows * cols]``): the first above the
+    second is attention on the object itself rather than on its frame. ``nan`` when nothing visual is attended."""
+    from .synthetic import SHAPES  # deferred on purpose: the generated world is needed only to validate
+
+    cols = attribution.grid_shape[1]
+    on, tokens, mass = 0.0, 0, 0.0
+    for index in range(len(attribution.visual)) if layer is None else [layer]:
+        shows = episode.shape_labels[attribution.frame[index], attribution.row[index] * cols + attribution.col[index]]
+        shows = shows == SHAPES.index(subject)
+        attended = attribution.visual[index] > 0
+        on += float(attribution.visual[index][shows].sum())
+        mass += float(attribution.visual[index].sum())
+        tokens += int((shows & attended).sum()) / max(int(attended.sum()), 1)
+    layers = len(attribution.visual) if layer is None else 1
+    return (on / mass if mass > 0 else float("nan"), tokens / layers)
+
+
 class FidelityProbe:
     """Observer on the full cache's question forward: in every layer, the same query and the question's own
     keys/values attend over each other memory too; accumulates the squared error of each memory's attention

@@ -166,11 +166,15 @@ class VideoFile:
         geometry: FrameGeometry | None = None,
     ) -> None:
         path = Path(path)
-        if not path.exists():
+        try:
+            found, folder, size = path.exists(), path.is_dir(), path.stat().st_size if path.is_file() else None
+        except OSError as exc:  # e.g. a name too long for the file system
+            raise VideoError(f"{path}: cannot be opened ({exc.strerror or type(exc).__name__})") from None
+        if not found:
             raise VideoError(f"{path}: no such file")
-        if path.is_dir():
+        if folder:
             raise VideoError(f"{path}: is a directory, not a video file")
-        if path.stat().st_size == 0:
+        if size == 0:
             raise VideoError(f"{path.name}: the file is empty")
         if fps <= 0:
             raise VideoError(f"sampling fps must be positive, got {fps}")

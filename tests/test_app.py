@@ -234,7 +234,7 @@ def test_the_apps_report_has_the_clis_format(client, media, tmp_path):
     assert app_report["video"] == cli_report["video"] and app_report["frames"] == cli_report["frames"]
 
 
-def test_chart_html_is_made_on_demand_and_runs_leave_no_chart_in_the_cache(client, app):
+def test_chart_html_is_made_on_demand_and_runs_leave_no_chart_in_the_cache(client, app, app_url):
     def charts():
         return sorted(app.cache.rglob("*.html"))
 
@@ -247,6 +247,12 @@ def test_chart_html_is_made_on_demand_and_runs_leave_no_chart_in_the_cache(clien
         html = response.read().decode()
     assert "<html>" in html and "plotly" in html and "visual tokens" in html
     assert len(charts()) == len(before) + 1
+    # plotly.js is not inside (4.8 MB each time): the page loads the app's one copy, from where the client reached it.
+    assert len(html) < 200_000
+    script = re.search(r'<script charset="utf-8" src="([^"]+)"', html).group(1)
+    assert script.startswith(app_url) and script.endswith(".min.js")
+    with urllib.request.urlopen(script, timeout=30) as response:
+        assert b"plotly.js" in response.read(2000)
 
 
 def test_the_least_recently_used_session_is_freed_past_the_limit(app_url):
@@ -318,10 +324,9 @@ def test_questions_and_the_replayed_dialogue_are_bounded(client, app):
 
     client.predict(*sample_settings(2), api_name="/run_sample")
     before = app.log.read_text().count("Traceback")
-    start = time.monotonic()
     status, policy_chat, full_chat, _ = client.predict("x" * 100_000, api_name="/ask")
     assert status == f"⚠️ the question is 100000 tokens long; at most {MAX_QUESTION_TOKENS} (shorten it)"
-    assert policy_chat == [] and full_chat == [] and time.monotonic() - start < 15
+    assert policy_chat == [] and full_chat == []
     long_turn = "Describe every object you saw in the video, in order, with its colour. " * 6  # 426 tokens
     for _ in range(5):
         client.predict(long_turn, api_name="/ask")

@@ -1,6 +1,7 @@
 """The command line: reports read back, user errors as one line with exit status 2, the benchmark."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -112,8 +113,9 @@ def test_bench_reference_errors_before_streaming(tmp_path, capsys):
     assert "has no process_kv_cache" in err and "streaming" not in err
 
 
-def run_cli_in_a_fresh_process(*args: str) -> tuple[subprocess.CompletedProcess, dict[str, bool]]:
-    """``python -m kvdemo`` in a new interpreter; also says which heavy modules it had imported at exit."""
+def run_cli_in_a_fresh_process(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, dict[str, bool]]:
+    """``python -m kvdemo`` in a new interpreter (``env``: variables set or, as None values, removed); also says
+    which heavy modules it had imported at exit."""
     probe = (
         "import atexit, sys\n"
         "atexit.register(lambda: sys.stdout.write('\\nimported: ' + ' '.join(m for m in ('torch', 'transformers', "
@@ -122,7 +124,10 @@ def run_cli_in_a_fresh_process(*args: str) -> tuple[subprocess.CompletedProcess,
         f"sys.argv = ['kvdemo', *{list(args)!r}]\n"
         "runpy.run_module('kvdemo', run_name='__main__')\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    environ = {**os.environ, **{k: v for k, v in (env or {}).items() if v is not None}}
+    for name in [k for k, v in (env or {}).items() if v is None]:
+        environ.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, env=environ)
     imported = done.stdout.rsplit("imported:", 1)[-1].split()
     return done, {name: name in imported for name in ("torch", "transformers", "kvdemo.models.loading")}
 
@@ -209,3 +214,63 @@ def test_eval_runs_without_options_its_help_calls_optional(capsys):
     assert main(["eval", "--episodes", "1", "--delays", "0", "--quiet", "--policies", "full,sliding-window,protokv"]) == 0
     table = capsys.readouterr().out
     assert "64 / 48" in table and re.search(r"protokv\s+64 ", table), table
+
+
+def test_a_long_question_is_refused_before_anything_loads_and_not_echoed():
+    done, imported = run_cli_in_a_fresh_process("run", "--quiet", "--model", "tiny", "--ask", "a" * 100_000)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["error: --ask #1: the question is 100000 characters long; at most 4096 (shorten it)"]
+    assert not imported["torch"] and not imported["kvdemo.models.loading"]
+
+
+def test_a_question_over_the_token_limit_is_refused_before_the_stream():
+    """600 characters pass the character cap, not the trained model's byte tokenizer (600 tokens > 512): refused once
+    the tokenizer has loaded, before a frame is streamed (no stream description, no answer)."""
+    done, _ = run_cli_in_a_fresh_process("run", "--quiet", "--model", "tiny", "--ask", "What colour?", "--ask", "b" * 600)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == "error: --ask #2: the question is 600 tokens long; at most 512 (shorten it)"
+    assert "generated(seed=7)" not in done.stderr and "Q:" not in done.stdout
+
+
+def test_a_question_is_echoed_on_one_short_line(capsys):
+    question = "What colour was the circle?" + " and" * 40 + "\nsecond line"
+    assert main(["run", "--quiet", "--policy", "full", "--max-frames", "4", "--max-new-tokens", "2", "--ask", question]) == 0
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Q: ")]
+    assert shown == [f"Q: {question[:80]}... ({len(question)} characters)"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-pixels", "0"], "--max-pixels must be positive, got 0"),
+    (["--max-pixels", "-5"], "--max-pixels must be positive, got -5"),
+    (["--min-pixels", "0"], "--min-pixels must be positive, got 0"),
+    (["--min-pixels", "-3", "--max-pixels", "50000"], "--min-pixels must be positive, got -3"),
+    (["--min-pixels", "50000", "--max-pixels", "40000"], "--min-pixels (50000) must not exceed --max-pixels (40000)"),
+    (["--max-pixels", "100"], "--max-pixels must be at least 784 (one token of 28x28 pixels), got 100"),
+])
+def test_impossible_pixel_limits_are_one_line_and_exit_2(args, message):
+    done, imported = run_cli_in_a_fresh_process("run", "--quiet", "--model", "tiny", *args)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"error: {message}"]
+    assert not imported["kvdemo.models.loading"]
+
+
+@pytest.mark.parametrize("args", [["--policy", "x" * 3000], ["--param", "y" * 3000], ["-M", "9" * 3000],
+                                  ["--video", "z" * 3000], ["--sample", "w" * 3000]])
+def test_errors_repeat_at_most_a_short_line_of_the_input(args):
+    done, _ = run_cli_in_a_fresh_process("run", "--quiet", *args)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    error = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(error) == 1 and "..." in error[0] and len(error[0]) < 300, error
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"},  # offline mode: the Hub is not asked
+                                 {"HF_HUB_OFFLINE": None, "TRANSFORMERS_OFFLINE": None,
+                                  "HF_ENDPOINT": "http://127.0.0.1:9"}])  # nothing listens there: no connection
+def test_a_model_neither_local_nor_reachable_fails_once_with_one_line(env):
+    done, _ = run_cli_in_a_fresh_process("run", "--quiet", "--model", "no/such-model", env=env)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Retry" not in done.stderr, done.stderr
+    assert lines[0].startswith("error: model 'no/such-model' is neither a local folder nor in the Hugging Face cache, "
+                               "and the Hub cannot be reached")
+    assert "--model /path/to/folder" in lines[0] and "offline model (tiny, tiny-random" in lines[0]

@@ -219,3 +219,29 @@ def test_retrieved_chunks_count_on_the_patches_they_came_from(trained):
             assert np.isin(status[looked], [HELD, RETRIEVED]).all(), (layer, head)
             on_retrieved += float(attribution.patch_map(layer, head)[status == RETRIEVED].sum())
     assert on_retrieved > 0
+
+
+def test_evidence_and_object_token_shares_by_hand():
+    """Two layers, one KV head, three grids of 2 x 2 tokens; the star (SHAPES index 4) covers token (0, 1) of grid 1
+    and token (1, 0) of grid 2. Shares worked by hand."""
+    from types import SimpleNamespace
+
+    from kvdemo.explain import Attribution, evidence_share, object_token_share
+
+    labels = np.full((3, 4), 7)
+    labels[1, 1] = labels[2, 2] = 4
+    episode = SimpleNamespace(shape_labels=labels)
+    visual = [np.array([[0.1, 0.3, 0.2, 0.0]]), np.array([[0.4, 0.0, 0.0, 0.4]])]
+    frame = [np.array([[0, 1, 2, 2]]), np.array([[0, 1, 2, 2]])]
+    row = [np.array([[0, 0, 1, 0]]), np.array([[0, 0, 1, 0]])]
+    col = [np.array([[0, 1, 0, 1]]), np.array([[0, 1, 0, 1]])]
+    attribution = Attribution(np.zeros((2, 1, 4)), visual, frame, row, col, 3, (2, 2))
+    # frame mass averaged over the two layers: grid 0 (0.1 + 0.4) / 2, grid 1 0.3 / 2, grid 2 (0.2 + 0.4) / 2
+    assert evidence_share(attribution, episode, "star") == pytest.approx((0.15 + 0.3) / (0.25 + 0.15 + 0.3))
+    # layer 0: 0.3 + 0.2 on star tokens of 0.6 attended; 2 of its 3 attended tokens show the star
+    assert object_token_share(attribution, episode, "star", 0) == pytest.approx((0.5 / 0.6, 2 / 3))
+    # layer 1: nothing on the star (its attended tokens are (0,0,0) and (2,0,1)); 0 of 2 tokens
+    assert object_token_share(attribution, episode, "star", 1) == pytest.approx((0.0, 0.0))
+    assert object_token_share(attribution, episode, "star") == pytest.approx((0.5 / 1.4, (2 / 3 + 0) / 2))
+    assert np.isnan(evidence_share(Attribution(np.zeros((1, 1, 4)), [np.zeros((1, 2))], [np.zeros((1, 2), int)] * 1,
+                                               [np.zeros((1, 2), int)], [np.zeros((1, 2), int)], 3, (2, 2)), episode, "star"))

@@ -51,14 +51,44 @@ def test_every_bounded_policy_returns_sorted_unique_indices_of_size_keep(name, k
     assert len(selection.indices) == 3
     for layer, (view, index) in enumerate(zip(views, selection.indices)):
         if selection.valid is not None:  # ragged: heads keep different numbers, averaging keep
-            valid = selection.valid[layer]
-            assert int(valid.sum()) == keep * view.num_heads
-            index = torch.where(valid, index, index.max() + 1 + torch.arange(index.shape[1]))[:, : keep]
+            check_ragged(index, selection.valid[layer], keep, view)
             continue
         assert index.shape == (view.num_heads, keep)
         assert index.dtype == torch.long
         assert (index[:, 1:] > index[:, :-1]).all(), "indices must be sorted and unique"
         assert index.min() >= 0 and index.max() < view.length
+
+
+def check_ragged(index, valid, keep, view):
+    """A ragged layer: ``[H, width]`` indices padded to the largest head's count, ``valid`` marking each head's
+    real entries first; every head's real entries sorted, unique and inside the view; ``keep`` per head on average."""
+    assert valid.shape == index.shape and valid.dtype == torch.bool and index.dtype == torch.long
+    counts = valid.sum(dim=1)
+    assert int(counts.sum()) == keep * view.num_heads
+    assert int(counts.max()) == index.shape[1], "padded to the largest count, no wider"
+    for head in range(view.num_heads):
+        assert valid[head].tolist() == [True] * int(counts[head]) + [False] * (index.shape[1] - int(counts[head]))
+        kept = index[head, : int(counts[head])].tolist()
+        assert kept == sorted(set(kept)), "sorted and unique"
+        assert all(0 <= i < view.length for i in kept)
+
+
+def test_the_ragged_check_runs_and_catches_disorder():
+    """Some bounded policy returns ragged selections on these views (so the branch above is exercised), and the
+    check rejects a ragged selection whose head lists an index twice or out of order."""
+    views = [make_view(6, layer=l, seed=l) for l in range(3)]
+    for view in views:
+        view.num_layers = 3
+    ragged = [(name, keep) for name, cls in REGISTRY.items() if cls.bounded for keep in (4, 7, 12)
+              if make_policy(name).compress(views, keep).valid is not None]
+    assert ragged, "no policy gave a ragged selection: the ragged branch would be dead"
+    name, keep = ragged[0]
+    selection = make_policy(name).compress(views, keep)
+    index, valid = selection.indices[0].clone(), selection.valid[0]
+    head = int(valid.sum(dim=1).argmax())
+    index[head, 1] = index[head, 0]
+    with pytest.raises(AssertionError, match="sorted and unique"):
+        check_ragged(index, valid, keep, views[0])
 
 
 def test_sliding_window_keeps_the_newest_tokens():

@@ -16,7 +16,7 @@ from .. import viz
 from .compare_page import ComparePage
 from .handlers import ask, redraw, request_stop, reset_chat, run_video, webcam_frame
 from .inputs import guard_inputs
-from .sessions import SESSION_TTL_S, AppServices, CacheSweeper, RunSettings, Session
+from .sessions import SESSION_TTL_S, STATIC_DIR, AppServices, CacheSweeper, RunSettings, Session
 from ..models.catalog import default_budget, geometry_for
 from .slots import STREAM_SLOTS, WAITING_ROOM
 from .settings import SAMPLE_KIND_HELP, USER_ERRORS, baseline_cap_default, parse_params, policy_label, takes_keep, validate_settings
@@ -196,7 +196,7 @@ class Demo:
             self.report_file = gr.File(label="Run report (JSON)", interactive=False)
             with gr.Column():
                 self.chart_file = gr.File(label="Occupancy chart (HTML)", interactive=False, elem_id="chart-file")
-                self.chart_button = gr.Button("Export the chart as HTML (~5 MB, opens offline)", size="sm", elem_id="chart-button")
+                self.chart_button = gr.Button("Export the chart as HTML (opens while the app runs)", size="sm", elem_id="chart-button")
         with gr.Accordion("How to read this", open=False):
             gr.Markdown(how_to_read(self.services.sessions.limit))
 
@@ -375,7 +375,11 @@ class Demo:
                        show_progress="hidden")
         self.clear_button.click(self.on_new_conversation, [self.session], [self.session, self.policy_chat, self.full_chat, self.ask_status],
                                 api_name="new_conversation", concurrency_limit=None)
-        self.chart_button.click(write_chart, [self.session], self.chart_file, api_name="export_chart", concurrency_limit=None)
+        def export_chart(session, request):  # the request: the address plotly.js is loaded from
+            return write_chart(session, request)
+
+        export_chart.__annotations__ = {"request": gr.Request}  # how Gradio knows to pass it (resolved, not a string)
+        self.chart_button.click(export_chart, [self.session], self.chart_file, api_name="export_chart", concurrency_limit=None)
         for control in view_inputs:
             control.change(self.on_redraw, [self.session, *view_inputs], view_outputs, show_progress="hidden",
                            api_visibility="private")
@@ -423,4 +427,6 @@ def launch(host: str | None = None, port: int | None = None, model: str | None =
     host = host or os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
     port = port or int(os.environ.get("GRADIO_SERVER_PORT", "7860"))
     log.info("starting the web server on http://%s:%d", host, port)
-    return demo.launch(server_name=host, server_port=port, share=share, theme=gr.themes.Soft(), css=CSS, **kwargs)
+    allowed = [*kwargs.pop("allowed_paths", []), str(STATIC_DIR)]  # plotly.js for the exported charts
+    return demo.launch(server_name=host, server_port=port, share=share, theme=gr.themes.Soft(), css=CSS,
+                       allowed_paths=allowed, **kwargs)

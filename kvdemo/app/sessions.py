@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +35,9 @@ SESSION_TTL_S = 3600
 #: Files the app served (uploads, heatmaps, reports, charts) are deleted this long after they were last written
 #: (``KVDEMO_CACHE_TTL_S``).
 CACHE_TTL_S = float(os.environ.get("KVDEMO_CACHE_TTL_S", "3600"))
+#: Files the app writes once and serves to every session (plotly.js for the exported charts), outside Gradio's
+#: cache folder so that the sweeper leaves them (``KVDEMO_STATIC_DIR``; the app adds it to Gradio's allowed paths).
+STATIC_DIR = Path(os.environ.get("KVDEMO_STATIC_DIR") or Path(tempfile.gettempdir()) / "kvdemo-static")
 
 _MODELS: dict[str, Any] = {}
 _MODELS_LOCK = threading.Lock()
@@ -235,16 +238,19 @@ class CacheSweeper:
     """Deletes the files in Gradio's cache folder (uploads and every image, report and chart served) that were
     last written more than ``max_age_s`` ago, every ``max_age_s / 6`` seconds (at most 10 minutes), on a daemon
     thread. Gradio's own ``delete_cache`` misses most of them: a component updated with ``gr.update`` serves
-    its files from a per-session copy of itself that Gradio never registers for deletion."""
+    its files from a per-session copy of itself that Gradio never registers for deletion. ``clock`` (seconds,
+    comparable with file times) and ``sleep`` are injected so that tests age files without waiting."""
 
-    def __init__(self, folder: str | Path, max_age_s: float = CACHE_TTL_S) -> None:
+    def __init__(self, folder: str | Path, max_age_s: float = CACHE_TTL_S, clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.folder, self.max_age_s = Path(folder), float(max_age_s)
         self.every_s = min(600.0, self.max_age_s / 6)
+        self.clock, self.sleep = clock, sleep
         self._thread: threading.Thread | None = None
 
     def sweep(self) -> int:
         """Delete what is too old now (and the folders that leaves empty); returns the files deleted."""
-        deleted, oldest = 0, time.time() - self.max_age_s
+        deleted, oldest = 0, self.clock() - self.max_age_s
         for path in sorted(self.folder.rglob("*"), key=lambda p: -len(p.parts)):  # files before their folders
             try:
                 if path.is_file() and path.stat().st_mtime < oldest:
@@ -256,14 +262,17 @@ class CacheSweeper:
                 continue
         return deleted
 
-    def start(self) -> "CacheSweeper":
-        def loop() -> None:
-            while True:
-                time.sleep(self.every_s)
-                if self.folder.exists() and (count := self.sweep()):
-                    log.info("deleted %d served file(s) older than %g s from %s", count, self.max_age_s, self.folder)
+    def run(self, rounds: int | None = None) -> None:
+        """Sweep every :attr:`every_s` (``rounds`` times; None: for ever), logging what each sweep deleted."""
+        done = 0
+        while rounds is None or done < rounds:
+            self.sleep(self.every_s)
+            if self.folder.exists() and (count := self.sweep()):
+                log.info("deleted %d served file(s) older than %g s from %s", count, self.max_age_s, self.folder)
+            done += 1
 
-        self._thread = threading.Thread(target=loop, name="kvdemo-cache-sweeper", daemon=True)
+    def start(self) -> "CacheSweeper":
+        self._thread = threading.Thread(target=self.run, name="kvdemo-cache-sweeper", daemon=True)
         self._thread.start()
         return self
 

@@ -17,7 +17,7 @@ from ..policies import REGISTRY
 from ..models.catalog import TRAINED_NOTICE, caveat_for, family_of, family_spec, offline_model
 from ..synthetic import grade
 from ..views import View, counted
-from .sessions import CACHE_TTL_S, Session
+from .sessions import CACHE_TTL_S, STATIC_DIR, Session
 from .settings import policy_label
 
 PLOT_EVERY_S = 0.5
@@ -285,14 +285,29 @@ def write_report(session: Session) -> str | None:
     return str(report_path)
 
 
-def write_chart(session: Session | None) -> str | None:
-    """The occupancy chart as a self-contained HTML file (plotly.js inside, ~5 MB: it opens offline), made
-    only when asked for."""
+def write_chart(session: Session | None, request: Any = None) -> str | None:
+    """The occupancy chart as an HTML file, made only when asked for; it loads plotly.js from the app's one copy
+    (:data:`~kvdemo.app.sessions.STATIC_DIR`), at the address the browser reached the app by (``request``, a
+    ``gr.Request``; none: a path on the same host), so each export is ~10 KB rather than 4.8 MB."""
     if session is None or session.engine is None:
         return None
+    script = viz.plotly_js_file(STATIC_DIR)
     chart_path = session.report_dir / "kvdemo-occupancy.html"
-    occupancy_plot(session).write_html(str(chart_path), include_plotlyjs=True)
+    chart_path.write_text(viz.figure_html(occupancy_plot(session), f"{app_origin(request)}/gradio_api/file={script}"),
+                          encoding="utf-8")
     return str(chart_path)
+
+
+def app_origin(request: Any) -> str:
+    """``scheme://host[:port]`` the browser reached the app by (a proxy's forwarded host and scheme first), or ""
+    without a request."""
+    headers = getattr(request, "headers", None) or {}
+    host = headers.get("x-forwarded-host") or headers.get("host")
+    if not host:
+        return ""
+    url = getattr(request, "url", None)
+    scheme = headers.get("x-forwarded-proto") or getattr(url, "scheme", None) or "http"
+    return f"{scheme.split(',')[0].strip()}://{host.split(',')[0].strip()}"
 
 
 def finish(state: Session, view: ViewChoice) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..compare import FULL, compare_engines, model_seconds, parse_overrides
-from ..explain import evidence_grids, evidence_ratio, fidelity
+from ..explain import evidence_grids, evidence_ratio, evidence_share, fidelity, object_token_share
 from ..models.loading import load_model
 from ..policies import COMPARE_POLICIES
 from ..streaming import stream_video
@@ -68,6 +68,8 @@ def grounded(model, policies: list[str], budget: int, keep: int, episodes: int) 
         right: dict[str, list[bool]] = {}
         kl: dict[str, list[float]] = {}
         error: dict[str, list[float]] = {}
+        shares: dict[str, list[tuple[float, float]]] = {}
+        tokens: dict[str, list[list[tuple[float, float]]]] = {}
         for index in range(episodes):
             episode = generate_episode((0, 3, index), StreamSpec(pairs=(24, 24), kind=kind))
             engines = compare_engines(model, parse_overrides(policies), budget, keep, episode.video.fps)
@@ -81,6 +83,11 @@ def grounded(model, policies: list[str], budget: int, keep: int, episodes: int) 
                     right.setdefault(name, []).append(grade_answer(question.answer, answer.answer))
                     if shows.any() and not shows.all():
                         ratios.setdefault(name, []).append(evidence_ratio(answer.attribution, episode, question.subject))
+                        shares.setdefault(name, []).append((evidence_share(answer.attribution, episode, question.subject),
+                                                            float(shows.mean())))
+                        layers = range(len(answer.attribution.visual))
+                        tokens.setdefault(name, []).append([object_token_share(answer.attribution, episode, question.subject, layer)
+                                                            for layer in (None, *layers)])
                 for name, result in fidelity(engines[FULL], {n: e for n, e in engines.items() if n != FULL}, question.text).items():
                     kl.setdefault(name, []).append(result["first_token_kl"])
                     error.setdefault(name, []).append(float(np.mean(result["layer_error"])))
@@ -93,10 +100,25 @@ def grounded(model, policies: list[str], budget: int, keep: int, episodes: int) 
                 "evidence_ratio_geomean": float(np.exp(np.log(finite).mean())) if finite.size else None,
                 "evidence_ratio_median": float(np.median(r)) if r.size else None,
                 "share_above_1": float((r > 1).mean()) if r.size else None,
+                **evidence_summary(shares.get(name, []), tokens.get(name, [])),
                 "first_token_kl": float(np.mean(kl[name])) if name in kl else 0.0,
                 "mean_layer_error": float(np.mean(error[name])) if name in error else 0.0,
             }
     return out
+
+
+def evidence_summary(shares: list[tuple[float, float]], tokens: list[list[tuple[float, float]]]) -> dict[str, Any]:
+    """Means over questions (nan where an engine attended nothing visual left out): the share of the visual
+    attention on the frames that show the asked object and the share of frames that show it (chance); the share on
+    the object's own tokens and the share of attended tokens that are the object's, over every layer and per layer."""
+    if not shares:
+        return {"evidence_share": None, "evidence_frames": None, "object_tokens": None, "object_tokens_chance": None,
+                "object_tokens_by_layer": None}
+    frames = np.array(shares)
+    on = np.array(tokens)  # [questions, 1 + layers, 2]
+    return {"evidence_share": float(np.nanmean(frames[:, 0])), "evidence_frames": float(frames[:, 1].mean()),
+            "object_tokens": float(np.nanmean(on[:, 0, 0])), "object_tokens_chance": float(np.nanmean(on[:, 0, 1])),
+            "object_tokens_by_layer": np.round(np.nanmean(on[:, 1:, 0], axis=0), 4).tolist()}
 
 
 def tables(results: dict[str, Any]) -> str:
@@ -115,6 +137,14 @@ def tables(results: dict[str, Any]) -> str:
             above = "-" if r["share_above_1"] is None else f"{r['share_above_1']:.2f}"
             lines.append(f"{name:<14} {r['questions']:>9} {r['accuracy']:>8.2f} {geo:>13} {med:>7} {above:>5} "
                          f"{r['first_token_kl']:>14.3f} {r['mean_layer_error']:>11.3f}")
+        lines.append(f"\n{kind}: share of the visual attention on the asked object (frames that show it; its own tokens)")
+        lines.append(f"{'engine':<14} {'on its frames':>13} {'frames':>7} {'on its tokens':>13} {'tokens':>7}  per layer")
+        for name, r in engines.items():
+            if r["evidence_share"] is None:
+                continue
+            by_layer = " ".join(f"{v:.2f}" for v in r["object_tokens_by_layer"])
+            lines.append(f"{name:<14} {r['evidence_share']:>13.3f} {r['evidence_frames']:>7.3f} {r['object_tokens']:>13.3f} "
+                         f"{r['object_tokens_chance']:>7.3f}  {by_layer}")
     return "\n".join(lines)
 
 

@@ -117,13 +117,41 @@ def family_of(name: str | None) -> str | None:
 
 
 def checkpoint_config(model_id: str) -> Any:
-    """A checkpoint's config (Hub id or local folder); :class:`ModelError` naming it if it cannot be read."""
+    """A checkpoint's config (local folder, Hugging Face cache, or the Hub); :class:`ModelError` naming it if it
+    cannot be read. The folder and the cache are tried first, and the Hub is asked only once it answered one
+    request (``hub_reachable``): without a network, huggingface_hub would retry each file five times (about 25 s
+    and a dozen warnings) before failing."""
     from transformers import AutoConfig  # deferred on purpose: only real checkpoints need it
 
+    shown = model_id if len(model_id) <= 80 else model_id[:77] + "..."
+    try:
+        return AutoConfig.from_pretrained(model_id, trust_remote_code=False, local_files_only=True)
+    except Exception as exc:
+        if os.path.isdir(model_id):
+            raise ModelError(f"cannot load model {shown!r}: {str(exc).splitlines()[0][:200]}") from None
+    reachable = hub_reachable()
+    if reachable is not None:
+        raise ModelError(f"model {shown!r} is neither a local folder nor in the Hugging Face cache, and the Hub "
+                         f"cannot be reached ({reachable}); give a local checkpoint folder (--model /path/to/folder) "
+                         f"or an offline model ({', '.join(OFFLINE_MODELS)})")
     try:
         return AutoConfig.from_pretrained(model_id, trust_remote_code=False)
     except Exception as exc:
-        raise ModelError(f"cannot load model {model_id!r}: {str(exc).splitlines()[0][:200]}") from None
+        raise ModelError(f"cannot load model {shown!r}: {str(exc).splitlines()[0][:200]}") from None
+
+
+def hub_reachable(timeout_s: float = 5.0) -> str | None:
+    """None if the Hugging Face Hub (``HF_ENDPOINT``) answers one request within ``timeout_s``, else why not
+    (offline mode, no connection): one attempt, no retries."""
+    from huggingface_hub import constants, get_session  # deferred on purpose: only real checkpoints need it
+
+    if constants.is_offline_mode():
+        return "HF_HUB_OFFLINE is set"
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout_s)
+    except Exception as exc:
+        return f"{constants.ENDPOINT}: {type(exc).__name__}"
+    return None
 
 
 def default_budget(name: str | None) -> tuple[int, int, int]:

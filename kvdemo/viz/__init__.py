@@ -6,7 +6,7 @@ charts), :mod:`.status` (held / summarised / offloaded / retrieved per patch), :
 views a policy or an answer declares).
 """
 
-from .charts import chart_figure, coverage_figure, occupancy_figure
+from .charts import chart_figure, coverage_figure, figure_html, occupancy_figure, plotly_js_file
 from .frames import (
     EVICTED,
     NEW_COLOUR,

@@ -3,9 +3,12 @@ occupancy over stream time, the coverage CDF, and a declared :class:`~kvdemo.vie
 
 from __future__ import annotations
 
+import html
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import plotly
 import plotly.graph_objects as go
 
 from ..memory import OccupancyEvent
@@ -192,3 +195,32 @@ def chart_figure(chart: Chart, title: str = ""):
                   legend=dict(orientation="h", yanchor="bottom", y=0.01, yref="container", x=0),
                   title=dict(text=title, x=0, xanchor="left", font=dict(size=14)) if title else None)
     return go.Figure(dict(data=data, layout=layout))
+
+
+#: The file name plotly.js is written under, once per app (:func:`plotly_js_file`).
+PLOTLY_JS = f"plotly-{plotly.__version__}.min.js"
+
+
+def plotly_js_file(folder: str | Path) -> Path:
+    """plotly.js (about 4.7 MB) written into ``folder`` once (written to a side name, then renamed, so a
+    concurrent export never reads half of it); the exported charts reference it instead of carrying it."""
+    path = Path(folder) / PLOTLY_JS
+    if not path.exists():
+        from plotly.offline import get_plotlyjs  # deferred: only the first export writes it
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f".{path.name}.{id(path)}.part")
+        part.write_text(get_plotlyjs(), encoding="utf-8")
+        part.replace(path)
+    return path
+
+
+def figure_html(figure: go.Figure, plotly_js_url: str) -> str:
+    """``figure`` as a page that loads plotly.js from ``plotly_js_url`` (the app's one copy) rather than inline:
+    about 10 KB instead of 4.8 MB, so exports in a long session do not fill the served-file cache. Where plotly.js
+    cannot be loaded (the app stopped, the page opened elsewhere) the page says where it draws from."""
+    page = figure.to_html(include_plotlyjs=plotly_js_url, full_html=True)
+    note = html.escape(f"This chart draws with plotly.js served by the kvdemo app ({plotly_js_url}); open it while "
+                       "the app runs, from the link the app gives.")
+    fallback = f'<script>if (!window.Plotly) document.body.insertAdjacentHTML("afterbegin", "<p>{note}</p>");</script>'
+    return page.replace("</body>", f"{fallback}</body>", 1)

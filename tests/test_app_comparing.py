@@ -1,0 +1,135 @@
+"""The comparison page's handlers (kvdemo.app.comparing) called as the app calls them, checked against the library
+path (kvdemo.compare's engines streamed by kvdemo.streaming, asked directly): the same answers, the same fidelity,
+and one-line messages for what a user can get wrong."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kvdemo.app.comparing import (CompareSettings, ask_comparison, compare_fidelity, new_conversation, parse_delays,
+                                  redraw_attribution, run_comparison)
+from kvdemo.app.sessions import AppServices
+from kvdemo.compare import FULL, compare_engines, parse_overrides
+from kvdemo.explain import fidelity
+from kvdemo.policies import BudgetError
+from kvdemo.streaming import stream_video
+from kvdemo.synthetic import sample_episode
+
+POLICIES = ["infinipot-v", "hybridkv"]
+
+
+def settings(**overrides) -> CompareSettings:
+    base = dict(model="tiny", policies=list(POLICIES), overrides="", budget=64, keep=48, fps=2.0,
+                max_pixels=112 * 112, cap_mb=2048, sample="static")
+    base.update(overrides)
+    return CompareSettings(**base)
+
+
+@pytest.fixture(scope="module")
+def services():
+    return AppServices.create("tiny")
+
+
+@pytest.fixture(scope="module")
+def compared(services):
+    """The bundled static sample compared through the handler: its updates and final state."""
+    updates = list(run_comparison(services, None, None, settings()))
+    return updates, updates[-1]["session"]
+
+
+@pytest.fixture(scope="module")
+def library(services):
+    """The same comparison by the library path: engines from kvdemo.compare streamed by stream_video."""
+    model = services.models.get("tiny")
+    episode = sample_episode("static")
+    video = episode.video.sampled(2.0).resized(model.geometry)
+    engines = compare_engines(model, parse_overrides(POLICIES), 64, 48, video.fps, 2048 * 2**20)
+    for _ in stream_video(model, video, engines):
+        pass
+    return engines, episode
+
+
+def test_a_comparison_streams_the_sample_into_every_engine_as_the_library_does(compared, library):
+    updates, state = compared
+    engines, _ = library
+    assert list(state.engines) == [*POLICIES, FULL]
+    assert "80/80 frames" in updates[-1]["status"]
+    for name, engine in engines.items():
+        mine = state.engines[name]
+        assert mine.frames_fed == engine.frames_fed == 80
+        assert mine.memory.visual_tokens == engine.memory.visual_tokens
+        assert mine.stats.compressions == engine.stats.compressions
+        if name != FULL:
+            assert mine.memory.visual_tokens <= 64
+    report = json.loads(open(updates[-1]["report"]).read())
+    assert set(report["policies"]) == set(POLICIES) and report["full"]["frames"] == 80
+
+
+def test_questions_get_the_library_answers_graded_with_attribution(compared, library):
+    _, state = compared
+    engines, episode = library
+    question = next(q for q in episode.questions if q.kind == "colour")
+    updates = list(ask_comparison(state, question.text, attribute=True, max_new_tokens=12))
+    final = updates[-1]
+    assert final["ask_status"] == f"✓ answered by {len(engines)} engine(s)"
+    for slot, name in enumerate(state.engines):
+        expected = engines[name].answer(question.text, 12).answer
+        engines[name].reset_dialogue()
+        assert state.engines[name].answers[-1].answer == expected
+        assert final[f"chat:{slot}"][-2:][0] == {"role": "user", "content": question.text}
+        assert final[f"chat:{slot}"][-1]["content"].startswith(expected)
+    assert state.engines[FULL].answers[-1].answer.strip() == question.answer  # the full cache answers the sample right
+    assert set(state.attributions) == set(engines)
+    assert "What each answer looked at" in final["attribution_text"] and "Evidence ratio" in final["attribution_text"]
+    record = json.loads(open(final["report"]).read())["questions"][-1]
+    assert record["question"] == question.text and record["expected"] == question.answer
+    assert record["answers"][FULL]["correct"] is True
+    redrawn = redraw_attribution(state, "2", "0")
+    assert "(layer 2, KV head 0)" in redrawn["attribution_text"]
+
+
+def test_fidelity_through_the_handler_is_the_librarys(compared, library):
+    _, state = compared
+    engines, _ = library
+    question = "What colour was the circle?"
+    update = compare_fidelity(state, question)
+    expected = fidelity(engines[FULL], {n: e for n, e in engines.items() if n != FULL}, question)
+    got = state.fidelity[question]
+    assert set(got) == set(POLICIES)
+    for name in POLICIES:
+        assert got[name]["first_token_kl"] == pytest.approx(expected[name]["first_token_kl"], abs=1e-6)
+        np.testing.assert_allclose(got[name]["layer_error"], expected[name]["layer_error"], atol=1e-6)
+        assert f"| {name} | {got[name]['first_token_kl']:.4f} |" in update["fidelity_text"]
+
+
+def test_a_new_conversation_clears_every_chat_and_dialogue(services):
+    state = list(run_comparison(services, None, None, settings(policies=["sliding-window"])))[-1]["session"]
+    list(ask_comparison(state, "Which shape appeared first?", attribute=False, max_new_tokens=4))
+    assert all(len(chat) == 2 for chat in state.chat.values())
+    update = new_conversation(state)
+    assert update["chat:0"] == [] and update["chat:1"] == []
+    assert all(engine.history == [] for engine in state.engines.values())
+
+
+def test_user_mistakes_are_one_line_messages_and_keep_the_previous_comparison(services, compared):
+    _, state = compared
+    failed = list(run_comparison(services, state, None, settings(budget=10, keep=5)))
+    assert len(failed) == 1 and failed[0]["session"] is state and failed[0]["status"].startswith("⚠️ **")
+    assert "\n" not in failed[0]["status"]
+    failed = list(run_comparison(services, state, None, settings(fps=0)))
+    assert failed[0]["status"] == "⚠️ **sampling fps must be positive, got 0**"
+    assert list(ask_comparison(None, "What?"))[-1]["ask_status"] == "⚠️ no video yet: run a comparison first, then ask"
+    assert list(ask_comparison(state, "   "))[-1]["ask_status"] == "⚠️ type a question first"
+    assert compare_fidelity(None, "What?")["fidelity_text"] == "⚠️ no video yet: run a comparison first"
+    assert redraw_attribution(None, "all", "all")["attribution_text"].startswith("*Ask a question")
+
+
+def test_delays_are_parsed_or_refused_in_one_line():
+    assert parse_delays("0, 4,8") == (0.0, 4.0, 8.0)
+    for text, message in (("a,b", "delays are seconds separated by commas, got 'a,b'"),
+                          ("-1", "delays must be non-negative seconds, got '-1'"),
+                          ("", "delays must be non-negative seconds, got ''")):
+        with pytest.raises(BudgetError) as error:
+            parse_delays(text)
+        assert str(error.value) == message
