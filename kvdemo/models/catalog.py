@@ -133,7 +133,7 @@ def checkpoint_config(model_id: str) -> Any:
     if reachable is not None:
         raise ModelError(f"model {shown!r} is neither a local folder nor in the Hugging Face cache, and the Hub "
                          f"cannot be reached ({reachable}); give a local checkpoint folder (--model /path/to/folder) "
-                         f"or an offline model ({', '.join(OFFLINE_MODELS)})")
+                         f"or an offline model ({', '.join(__getattr__('OFFLINE_MODELS'))})")
     try:
         return AutoConfig.from_pretrained(model_id, trust_remote_code=False)
     except Exception as exc:
