@@ -4,13 +4,15 @@
   exactly requirements.txt (and the extras' files) as its dependencies; every third-party module kvdemo's source
   imports belongs to a declared distribution (the venv below sees the system's site-packages, which could hide an
   undeclared one; a transitive import check would flag what libraries import only because it is there).
-- ``library README VENV CHECKOUT`` (run by the venv's python, from a folder outside the checkout): kvdemo is
-  imported from the venv; the README's library example (the first python block after ``## Library``) runs on a
+- ``library README VENV CHECKOUT`` (run by the venv's python, from the folder outside the checkout where
+  ``kvdemo run`` wrote ``run.json``): that report is the tiny model's on 4 frames; kvdemo is imported from the
+  venv; the README's library example (the first python block after ``## Library``) runs on a
   short clip written from the bundled sample.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import zipfile
@@ -101,6 +103,8 @@ def check_library(readme: Path, venv: Path, checkout: Path) -> None:
 
     where = Path(kvdemo.__file__).resolve()
     assert venv.resolve() in where.parents and checkout.resolve() not in where.parents, f"kvdemo from {where}"
+    report = json.loads(Path("run.json").read_text())  # what `kvdemo run --model tiny --max-frames 4` wrote here
+    assert (report["model"], report["frames"]) == ("tiny", 4), (report["model"], report["frames"])
     section = readme.read_text().split("\n## Library\n", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
     write_clip(Path("clip.mp4"))
