@@ -109,3 +109,16 @@ def test_eager_is_the_default_and_the_environment_turns_compiling_on(monkeypatch
     fused.use_compiled(False)
     assert not fused.compiled_enabled()
     fused.use_compiled(None)
+
+
+@needs_compiler
+def test_a_stream_whose_lengths_change_compiles_at_most_once():
+    """Two simulated streams (the engine's trigger) at two budgets: the passes see different cache lengths and
+    buffer capacities, and the dynamically shaped kernel compiles at most once (none if this process already did)."""
+    from kvdemo.bench.passes import compiled_stream
+
+    shape = dict(num_layers=3, num_kv_heads=2, num_heads=4, head_dim=16, budget=96, keep=72, grid=(3, 4))
+    result = compiled_stream(make_policy("infinipot-v"), grids=20, budgets=(96, 64), shape=shape)
+    assert result["passes"] > 10 and result["kept_lengths"] == [48, 72]
+    assert result["compiles"] <= 1
+    assert compiled_stream(make_policy("sliding-window"), grids=10, budgets=(96,), shape=shape) is None
