@@ -480,6 +480,7 @@ def test_charts_read_as_the_newcomer_expected():
     assert log_ticks([64, 96, 640])["tickvals"] == [100, 200, 500]  # 1-2-5 within the range
     assert log_ticks([16, 96])["tickvals"] == [20, 30, 50, 70]  # under a decade: 1-2-3-5-7
     assert log_ticks([10, 5e6])["tickvals"] == [10, 100, 1000, 10_000, 100_000, 1_000_000]  # many decades: powers
+    assert log_ticks([0.26, 0.28]) == {} and log_ticks([0.25, 0.35]) == {} and log_ticks([]) == {}  # plotly's own
     events = [OccupancyEvent(event="append", frame=2 * i, time_s=float(i), visual_tokens=16 * (i + 1),
                              cache_bytes=2**16 * (i + 1), ms=1.0) for i in range(20)]
     log = viz.occupancy_figure({"policy": events}, 96, log_scale=True)

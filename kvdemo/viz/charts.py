@@ -88,7 +88,8 @@ def occupancy_figure(series: dict[str, list[OccupancyEvent]], budget: int | None
 def log_ticks(values: list[float]) -> dict[str, Any]:
     """Tick values for a logarithmic axis over ``values``: the coarsest of 1-10-100, 1-2-5, 1-2-3-5-7 and every
     digit that puts at least three ticks in their range, at most :data:`MAX_INTEGER_TICKS` (plotly's own choice on
-    a short log axis labelled every digit, and the labels ran into each other)."""
+    a short log axis labelled every digit, and the labels ran into each other); plotly's own ticks when even every
+    digit puts fewer than two in the range (a range that narrow has room for whatever plotly labels)."""
     positive = [v for v in values if v > 0]
     if not positive:
         return {}
@@ -99,6 +100,8 @@ def log_ticks(values: list[float]) -> dict[str, Any]:
         chosen = [m * 10.0**e for e in range(first, last + 1) for m in mantissas if low <= m * 10.0**e <= high]
         if len(chosen) >= 3:
             break
+    if len(chosen) < 2:
+        return {}
     step = -(-len(chosen) // MAX_INTEGER_TICKS)  # every step-th, when even powers of ten are too many
     return dict(tickmode="array", tickvals=[float(f"{v:.6g}") for v in chosen[::step]])
 
