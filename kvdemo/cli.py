@@ -245,7 +245,7 @@ def check_run_arguments(args: argparse.Namespace) -> dict[str, Any]:
         try:
             args.ask[number - 1] = check_question_text(question)
         except QuestionError as exc:
-            raise UsageError(f"--ask #{number}: {exc}") from None
+            raise UsageError(f"--ask, question {number}: {exc}") from None
     return dict(parse_param(p) for p in args.param)
 
 
@@ -256,7 +256,7 @@ def check_questions(model, questions: list[str]) -> None:
         try:
             check_question(model, question)
         except QuestionError as exc:
-            raise UsageError(f"--ask #{number}: {exc}") from None
+            raise UsageError(f"--ask, question {number}: {exc}") from None
 
 
 def run_command(args: argparse.Namespace) -> int:

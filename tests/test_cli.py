@@ -219,7 +219,7 @@ def test_eval_runs_without_options_its_help_calls_optional(capsys):
 def test_a_long_question_is_refused_before_anything_loads_and_not_echoed():
     done, imported = run_cli_in_a_fresh_process("run", "--quiet", "--model", "tiny", "--ask", "a" * 100_000)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == ["error: --ask #1: the question is 100000 characters long; at most 4096 (shorten it)"]
+    assert done.stderr.strip().splitlines() == ["error: --ask, question 1: the question is 100000 characters long; at most 4096 (shorten it)"]
     assert not imported["torch"] and not imported["kvdemo.models.loading"]
 
 
@@ -228,7 +228,7 @@ def test_a_question_over_the_token_limit_is_refused_before_the_stream():
     the tokenizer has loaded, before a frame is streamed (no stream description, no answer)."""
     done, _ = run_cli_in_a_fresh_process("run", "--quiet", "--model", "tiny", "--ask", "What colour?", "--ask", "b" * 600)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == "error: --ask #2: the question is 600 tokens long; at most 512 (shorten it)"
+    assert done.stderr.strip().splitlines()[-1] == "error: --ask, question 2: the question is 600 tokens long; at most 512 (shorten it)"
     assert "generated(seed=7)" not in done.stderr and "Q:" not in done.stdout
 
 
