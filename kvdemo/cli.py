@@ -13,10 +13,11 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .evaluation import DEFAULT_DELAYS, EVAL_KINDS  # light: torch loads when an evaluation runs
+from .evaluation import DEFAULT_DELAYS, EVAL_KINDS, QUESTION_FORMS  # light: torch loads when an evaluation runs
 from .synthetic import STREAM_KINDS, grade, sample_episode  # light: numpy
 from .video import VideoError, open_video  # light: numpy and, when a file is opened, PyAV
 from .usage import (BENCH_DESCRIPTION, BENCH_EXAMPLES, COMPARE_DESCRIPTION, COMPARE_EXAMPLES, DESCRIPTION,  # help texts
@@ -147,6 +148,8 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     evaluate.add_argument("--model", default="tiny", help="the model (default: the trained tiny model)")
     evaluate.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the tiny model's matrices "
                           "are small, and on a busy machine more threads stall each other)")
+    evaluate.add_argument("--questions", choices=QUESTION_FORMS, default="bare",
+                          help="bare questions (default) or VideoMME's multiple-choice form of them (answer: the letter)")
     evaluate.add_argument("--json", metavar="OUT", help="write the results here")
     evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -159,12 +162,15 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
                         help="also time one compression pass on two layers at Qwen2.5-VL-3B/-7B per-layer shapes")
     doctor.add_argument("--json", metavar="OUT", help="write the checklist's results here")
 
-    train = commands.add_parser("train-tiny", help="train the offline tiny model from scratch (writes assets/tiny)",
+    train = commands.add_parser("train-tiny", help="train the offline tiny model (~1 h on 2 cores; writes ./tiny-trained)",
                                 description=TRAIN_DESCRIPTION, formatter_class=formatter)
     train.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     train.add_argument("--threads", type=int, default=1, help="torch threads (default 1; fixed for reproducibility; "
                        "the next step's streams are generated on a second thread meanwhile)")
-    train.add_argument("--out", help="output folder (default assets/tiny)")
+    train.add_argument("--out", default="tiny-trained", help="output folder (default ./tiny-trained)")
+    train.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
+    train.add_argument("--from", dest="start", metavar="DIR",
+                       help="start from DIR's weights and run the choice stage only (e.g. the bundled assets/tiny)")
     train.add_argument("--check-episodes", type=int, default=100, help="held-out streams for the final full-cache check")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -412,17 +418,24 @@ def check_eval_arguments(args: argparse.Namespace) -> None:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    """Train the tiny model, check it on held-out streams (full cache, every default delay), save it."""
+    """Train the tiny model, check it on held-out streams (full cache, every default delay, bare and
+    multiple-choice questions), save it."""
     import torch  # deferred on purpose (as every heavy import of the CLI): training loads torch and transformers
 
     from .evaluation import evaluate  # deferred with torch
-    from .models.tiny import TRAINED_DIR  # deferred with torch
-    from .training import TrainConfig, train_tiny  # deferred with torch
+    from .training import RECIPE, train_tiny  # deferred with torch
 
     if args.threads <= 0 or args.check_episodes < 0:
         raise UsageError("--threads must be positive and --check-episodes non-negative")
+    out = Path(args.out)
+    if (out / "model.safetensors").exists() and not args.overwrite:
+        raise UsageError(f"{out} already holds a model: pass another --out, or --overwrite to replace it")
+    start = Path(args.start) if args.start else None
+    if start is not None and not (start / "model.safetensors").exists():
+        raise UsageError(f"--from {start}: no model.safetensors there")
+    stages = tuple(replace(stage, seed=args.seed, threads=args.threads) for stage in (RECIPE[1:] if start else RECIPE))
     load_before = os.getloadavg()
-    trainer, record = train_tiny(TrainConfig(seed=args.seed, threads=args.threads), out=None, progress=not args.quiet)
+    trainer, record = train_tiny(stages, out=None, progress=not args.quiet, start=start)
     record["load_average_before"], record["load_average_after"] = list(load_before), list(os.getloadavg())
     minutes = record["train_seconds"] / 60
     print(f"trained in {minutes:.1f} min, {record['train_cpu_seconds'] / 60:.1f} CPU-min ({args.threads} threads; "
@@ -431,13 +444,16 @@ def train_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
         record["check"] = {}
         for kind in STREAM_KINDS:
-            # Seed + 1: other held-out streams than the benchmark's default seed 0.
-            check = evaluate(trainer.adapter, ["full"], episodes=args.check_episodes, seed=args.seed + 1,
-                             progress=not args.quiet, kind=kind)
-            record["check"][kind] = {key: check[key] for key in ("accuracy", "by_kind", "questions", "chance", "episodes")}
-            row = check["accuracy"]["full"]
-            print(f"held-out full-cache accuracy by delay, {kind} streams: " + ", ".join(f"{d} s {a:.3f}" for d, a in row.items())
-                  + f" ({check['questions']['total']} questions, chance {check['chance']:.3f})")
-    folder = trainer.save(Path(args.out) if args.out else TRAINED_DIR, record)
+            for questions in ("bare", "choice"):
+                # Seed + 1: other held-out streams than the benchmark's default seed 0.
+                check = evaluate(trainer.adapter, ["full"], episodes=args.check_episodes, seed=args.seed + 1,
+                                 progress=not args.quiet, kind=kind, questions=questions)
+                key = kind if questions == "bare" else f"{kind} {questions}"
+                record["check"][key] = {k: check[k] for k in ("accuracy", "by_kind", "questions", "chance", "episodes")}
+                row = check["accuracy"]["full"]
+                print(f"held-out full-cache accuracy by delay, {kind} streams, {questions} questions: "
+                      + ", ".join(f"{d} s {a:.3f}" for d, a in row.items())
+                      + f" ({check['questions']['total']} questions, chance {check['chance']:.3f})")
+    folder = trainer.save(out, record)
     print(f"weights, config and tokenizer written to {folder}", file=sys.stderr)
     return 0

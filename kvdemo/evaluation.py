@@ -17,7 +17,8 @@ invariant ground truth (both kinds here are: shapes are unique per stream, and t
 stays first); only questions that can be asked at every delay of the sweep inside the stream, so every
 delay is measured on the same questions. An answer is right when the greedy answer is the expected word.
 Chance is the mean over questions of 1 / (size of the answer vocabulary): 1/7 for colours, 1/6 for
-shapes. The interval is Wilson's 95% score interval over questions (questions of one stream are not
+shapes; 1/4 with ``--questions choice``, which asks every question in VideoMME's multiple-choice format
+(:mod:`kvdemo.choices`; the options of episode ``i`` drawn from ``(seed, 2, i, 1)``) and grades the letter. The interval is Wilson's 95% score interval over questions (questions of one stream are not
 independent, so it is a little optimistic).
 """
 
@@ -28,10 +29,13 @@ import json
 import math
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from .choices import LETTERS, multiple_choice
 from .synthetic import COLOURS, SHAPES, STREAM_KINDS, Episode, Question, StreamSpec, generate_episode, grade_answer
 from .views import Chart, Series
 
@@ -42,6 +46,8 @@ if TYPE_CHECKING:  # the engine imports torch: loaded when an evaluation runs, n
 #: Seed-sequence tag of evaluation streams (training uses another, so these streams are held out).
 EVAL_STREAMS = 2
 DEFAULT_DELAYS = (0, 4, 8, 16, 32)
+#: What ``--questions`` takes: the bare questions, or VideoMME's multiple-choice form of them.
+QUESTION_FORMS = ("bare", "choice")
 #: What ``--kind`` takes: a stream kind, or both alternating.
 EVAL_KINDS = (*STREAM_KINDS, "mixed")
 #: Longest answer word ("triangle", "diamond", "purple", ...) plus the stop token, with room to spare.
@@ -55,9 +61,12 @@ class Item:
     episode: int
     question: Question
     ask_after: tuple[int, ...]
+    choice: bool = False
 
     @property
     def chance(self) -> float:
+        if self.choice:
+            return 1.0 / len(LETTERS)
         return 1.0 / (len(COLOURS) if self.question.kind == "colour" else len(SHAPES))
 
 
@@ -214,9 +223,10 @@ def evaluate(
     spec: StreamSpec | None = None,
     progress: bool = False,
     kind: str = "static",
+    questions: str = "bare",
 ) -> dict[str, Any]:
     """Accuracy per policy and delay on ``episodes`` held-out streams of ``kind`` (``static``, ``moving`` or
-    ``mixed``; see the module docstring). ``spec``, when given, is every episode's spec (its kind wins).
+    ``mixed``; see the module docstring), ``questions`` bare or in VideoMME's multiple-choice form. ``spec``, when given, is every episode's spec (its kind wins).
 
     Returns the JSON report: ``chance``, ``episodes``, ``budget``, ``keep``, ``accuracy[policy][delay]``,
     plus ``interval`` (95%), ``by_kind`` (question kinds), ``by_stream`` (``[policy][delay][stream kind]``:
@@ -230,6 +240,8 @@ def evaluate(
         raise BudgetError(f"--episodes must be positive, got {episodes}")
     if not delays or min(delays) < 0:
         raise BudgetError(f"delays must be non-negative seconds, got {list(delays)}")
+    if questions not in QUESTION_FORMS:
+        raise BudgetError(f"unknown question form {questions!r}: one of {', '.join(QUESTION_FORMS)}")
     specs = [spec] if spec is not None else [eval_spec(delays, kind=k) for k in stream_kinds(kind)]
     kind = spec.kind if spec is not None else kind
     budgets = {name: {"budget": e.budget.M, "keep": e.budget.C} for name, e in build_engines(model, policies, budget, keep, specs[0].fps).items()}
@@ -245,6 +257,10 @@ def evaluate(
     for index in range(episodes):
         episode = generate_episode((seed, EVAL_STREAMS, index), specs[index % len(specs)])
         episode_items = valid_items(episode, index, delays)
+        if questions == "choice":
+            rng = np.random.default_rng((seed, EVAL_STREAMS, index, 1))
+            episode_items = [replace(item, question=multiple_choice(item.question, rng).as_question(), choice=True)
+                             for item in episode_items]
         if episode_items:
             results = run_episode(model, episode, episode_items, policies, budget, keep)
             for name, per_item in results.items():
@@ -289,6 +305,7 @@ def evaluate(
         "questions": {"total": total, "colour": counts[0], "first": counts[1], **{f"{k} streams": n for k, n in stream_counts.items()}},
         "delays_s": [_delay_key(d) for d in delays],
         "kind": kind,
+        "question_form": questions,
         "stream_pairs": specs[0].pairs[0],
         "seed": seed,
         "model": model.name,
@@ -342,7 +359,7 @@ def eval_command(args: argparse.Namespace) -> int:
         print(f"note: {model.notice}", file=sys.stderr)
     report = evaluate(
         model, args.policies, args.delays, args.episodes, args.seed, budget, keep, progress=not args.quiet,
-        kind=args.kind,
+        kind=args.kind, questions=args.questions,
     )
     print(accuracy_table(report))
     if args.json:
