@@ -1,4 +1,4 @@
-"""Multiple-choice questions about generated streams, in VideoMME's own prompt format.
+"""Multiple-choice questions about generated streams, in VideoMME's and OVO-Bench's own prompt formats.
 
 lmms-eval's VideoMME task (``lmms_eval.tasks.videomme.utils.videomme_doc_to_text`` with the task's default
 ``post_prompt``) asks every question as::
@@ -12,10 +12,13 @@ lmms-eval's VideoMME task (``lmms_eval.tasks.videomme.utils.videomme_doc_to_text
 
     Answer with the option's letter from the given choices directly.
 
-and scores the first option letter found in the answer (``videomme_process_results``). kvdemo keeps a copy of
-that text here (kvdemo imports no lmms-eval; ``tests/test_lmms_eval.py`` checks the copy against lmms-eval's
-function), so the tiny model can be trained on it, ``python -m kvdemo eval --questions choice`` can measure it,
-and the local VideoMME-format task (``python -m kvdemo make-tasks``) is scored by lmms-eval's own scorer.
+and scores the first option letter found in the answer (``videomme_process_results``). OVO-Bench's backward and
+realtime tasks (``lmms_eval.tasks.ovobench.utils.build_prompt``) write the options on one line,
+``"A. red; B. blue; C. green; D. white;"``, inside their ``BR_PROMPT_TEMPLATE``, and count an answer right when
+it contains the right letter. kvdemo keeps a copy of both texts here (kvdemo imports no lmms-eval;
+``tests/test_lmms_eval.py`` checks the copies against lmms-eval's functions), so the tiny model is trained on
+them, ``python -m kvdemo eval --questions videomme|ovobench`` measures them, and the local tasks
+(``python -m kvdemo make-tasks``) are scored by lmms-eval's own scorers.
 
 kvdemo's own choices: the three wrong options are drawn without replacement from the rest of the answer's
 vocabulary (colour names for a colour question, shape names for "which shape appeared first?"), the right one
@@ -37,24 +40,39 @@ VIDEOMME_INSTRUCTION = (
 )
 #: VideoMME's default ``post_prompt`` (``videomme.yaml``, ``lmms_eval_specific_kwargs.default``).
 VIDEOMME_POST_PROMPT = "\nAnswer with the option's letter from the given choices directly."
+#: OVO-Bench's ``BR_PROMPT_TEMPLATE`` (backward and realtime tasks), character for character.
+OVOBENCH_TEMPLATE = (
+    "\nQuestion: {}\nOptions:\n{}\n\nRespond only with the letter corresponding to your chosen option (e.g., A, B, C). "
+    "\nDo not include any additional text or explanation in your response.\n"
+)
 LETTERS = ("A", "B", "C", "D")
+#: The multiple-choice formats: the benchmark whose prompt is used.
+CHOICE_FORMATS = ("videomme", "ovobench")
 
 
 @dataclass(frozen=True)
 class MultipleChoice:
-    """``question`` with four ``options`` (``"A. red"``, ...) of which ``letter`` is right."""
+    """``question`` with four ``options`` (``"A. red"``, ...) of which ``letter`` is right, asked in ``form``'s prompt."""
 
     question: Question
     options: tuple[str, ...]
     letter: str
+    form: str = "videomme"
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        return tuple(option.split(". ", 1)[1] for option in self.options)
 
     @property
     def prompt(self) -> str:
+        if self.form == "ovobench":
+            return ovobench_prompt(self.question.text, self.words)
         return videomme_prompt(self.question.text, self.options)
 
     def as_question(self) -> Question:
-        """The same question asked in VideoMME's format: the prompt as its text, the letter as its answer."""
-        return replace(self.question, text=self.prompt, answer=self.letter)
+        """The same question in the benchmark's format: the prompt as its text (stripped, as the engine strips every
+        question: OVO-Bench's begins and ends with a newline), the letter as its answer."""
+        return replace(self.question, text=self.prompt.strip(), answer=self.letter)
 
 
 def videomme_prompt(question: str, options: tuple[str, ...] | list[str]) -> str:
@@ -62,11 +80,19 @@ def videomme_prompt(question: str, options: tuple[str, ...] | list[str]) -> str:
     return VIDEOMME_INSTRUCTION + "\n" + question + "\n" + "\n".join(options) + "\n" + VIDEOMME_POST_PROMPT
 
 
-def multiple_choice(question: Question, rng: np.random.Generator) -> MultipleChoice:
-    """``question`` with three wrong options from its answer's vocabulary and the right one at a random letter."""
+def ovobench_prompt(question: str, words: tuple[str, ...] | list[str]) -> str:
+    """What OVO-Bench's ``build_prompt`` makes of a backward/realtime row with this question and these options."""
+    return OVOBENCH_TEMPLATE.format(question, "; ".join(f"{chr(65 + i)}. {word}" for i, word in enumerate(words)) + ";")
+
+
+def multiple_choice(question: Question, rng: np.random.Generator, form: str = "videomme") -> MultipleChoice:
+    """``question`` with three wrong options from its answer's vocabulary and the right one at a random letter,
+    in ``form``'s prompt (one of :data:`CHOICE_FORMATS`)."""
+    if form not in CHOICE_FORMATS:
+        raise ValueError(f"unknown multiple-choice format {form!r}: one of {', '.join(CHOICE_FORMATS)}")
     vocabulary = COLOUR_NAMES if question.kind == "colour" else SHAPES
     others = [word for word in vocabulary if word != question.answer]
     words = [others[i] for i in rng.permutation(len(others))[: len(LETTERS) - 1]]
     slot = int(rng.integers(len(LETTERS)))
     words.insert(slot, question.answer)
-    return MultipleChoice(question, tuple(f"{letter}. {word}" for letter, word in zip(LETTERS, words)), LETTERS[slot])
+    return MultipleChoice(question, tuple(f"{letter}. {word}" for letter, word in zip(LETTERS, words)), LETTERS[slot], form)

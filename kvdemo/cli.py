@@ -149,7 +149,7 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     evaluate.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the tiny model's matrices "
                           "are small, and on a busy machine more threads stall each other)")
     evaluate.add_argument("--questions", choices=QUESTION_FORMS, default="bare",
-                          help="bare questions (default) or VideoMME's multiple-choice form of them (answer: the letter)")
+                          help="bare questions (default) or a benchmark's multiple-choice prompt of them (answer: the letter)")
     evaluate.add_argument("--json", metavar="OUT", help="write the results here")
     evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -444,7 +444,7 @@ def train_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
         record["check"] = {}
         for kind in STREAM_KINDS:
-            for questions in ("bare", "choice"):
+            for questions in QUESTION_FORMS:
                 # Seed + 1: other held-out streams than the benchmark's default seed 0.
                 check = evaluate(trainer.adapter, ["full"], episodes=args.check_episodes, seed=args.seed + 1,
                                  progress=not args.quiet, kind=kind, questions=questions)

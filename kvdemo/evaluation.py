@@ -17,8 +17,9 @@ invariant ground truth (both kinds here are: shapes are unique per stream, and t
 stays first); only questions that can be asked at every delay of the sweep inside the stream, so every
 delay is measured on the same questions. An answer is right when the greedy answer is the expected word.
 Chance is the mean over questions of 1 / (size of the answer vocabulary): 1/7 for colours, 1/6 for
-shapes; 1/4 with ``--questions choice``, which asks every question in VideoMME's multiple-choice format
-(:mod:`kvdemo.choices`; the options of episode ``i`` drawn from ``(seed, 2, i, 1)``) and grades the letter. The interval is Wilson's 95% score interval over questions (questions of one stream are not
+shapes; 1/4 with ``--questions videomme`` or ``ovobench``, which ask every question in that benchmark's
+multiple-choice prompt (:mod:`kvdemo.choices`; the options of episode ``i`` drawn from ``(seed, 2, i, 1)``)
+and grade the letter. The interval is Wilson's 95% score interval over questions (questions of one stream are not
 independent, so it is a little optimistic).
 """
 
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .choices import LETTERS, multiple_choice
+from .choices import CHOICE_FORMATS, LETTERS, multiple_choice
 from .synthetic import COLOURS, SHAPES, STREAM_KINDS, Episode, Question, StreamSpec, generate_episode, grade_answer
 from .views import Chart, Series
 
@@ -46,8 +47,8 @@ if TYPE_CHECKING:  # the engine imports torch: loaded when an evaluation runs, n
 #: Seed-sequence tag of evaluation streams (training uses another, so these streams are held out).
 EVAL_STREAMS = 2
 DEFAULT_DELAYS = (0, 4, 8, 16, 32)
-#: What ``--questions`` takes: the bare questions, or VideoMME's multiple-choice form of them.
-QUESTION_FORMS = ("bare", "choice")
+#: What ``--questions`` takes: the bare questions, or a benchmark's multiple-choice form of them.
+QUESTION_FORMS = ("bare", *CHOICE_FORMATS)
 #: What ``--kind`` takes: a stream kind, or both alternating.
 EVAL_KINDS = (*STREAM_KINDS, "mixed")
 #: Longest answer word ("triangle", "diamond", "purple", ...) plus the stop token, with room to spare.
@@ -226,7 +227,7 @@ def evaluate(
     questions: str = "bare",
 ) -> dict[str, Any]:
     """Accuracy per policy and delay on ``episodes`` held-out streams of ``kind`` (``static``, ``moving`` or
-    ``mixed``; see the module docstring), ``questions`` bare or in VideoMME's multiple-choice form. ``spec``, when given, is every episode's spec (its kind wins).
+    ``mixed``; see the module docstring), ``questions`` bare or in a benchmark's multiple-choice form. ``spec``, when given, is every episode's spec (its kind wins).
 
     Returns the JSON report: ``chance``, ``episodes``, ``budget``, ``keep``, ``accuracy[policy][delay]``,
     plus ``interval`` (95%), ``by_kind`` (question kinds), ``by_stream`` (``[policy][delay][stream kind]``:
@@ -257,9 +258,9 @@ def evaluate(
     for index in range(episodes):
         episode = generate_episode((seed, EVAL_STREAMS, index), specs[index % len(specs)])
         episode_items = valid_items(episode, index, delays)
-        if questions == "choice":
+        if questions != "bare":
             rng = np.random.default_rng((seed, EVAL_STREAMS, index, 1))
-            episode_items = [replace(item, question=multiple_choice(item.question, rng).as_question(), choice=True)
+            episode_items = [replace(item, question=multiple_choice(item.question, rng, questions).as_question(), choice=True)
                              for item in episode_items]
         if episode_items:
             results = run_episode(model, episode, episode_items, policies, budget, keep)

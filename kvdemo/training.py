@@ -21,7 +21,7 @@ streams; B) short streams; C) long streams (as long as the delay benchmark's); B
 learning-rate schedule (linear warm-up, cosine decay). Then the choice stage (:data:`CHOICE_STAGE`), which
 starts from the base stage's weights with fresh heads and its own optimiser and schedule: D) streams of
 up to 24 s, each with probability ``Phase.choices`` a multiple-choice stream (:data:`CHOICE_QUESTIONS` of
-its questions in VideoMME's format, :mod:`kvdemo.choices`; answer: the option letter), otherwise asked
+its questions in VideoMME's or OVO-Bench's format, :mod:`kvdemo.choices`; answer: the option letter), otherwise asked
 its bare questions as in B and C. The vision heads' loss is off in D (their heads start
 untrained; the encoder already knows shape and colour). AdamW, weight decay on matrices, gradient
 clipping. Reproducible: every step draws its streams from
@@ -49,7 +49,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from .models.qwen2_vl import Qwen2VL, mrope_positions
 from .models.catalog import TINY_NAME
 from .models.tiny import ByteTokenizer, save_tokenizer_spec, tiny_config
-from .choices import multiple_choice
+from .choices import CHOICE_FORMATS, multiple_choice
 from .synthetic import COLOURS, SHAPES, Episode, Question, StreamSpec, STREAM_KINDS, generate_episode
 
 #: The question head's classes: the shape asked about, or "which shape appeared first".
@@ -196,11 +196,13 @@ def dialogue(adapter: Qwen2VL, questions: list[Question], order: np.ndarray) -> 
 
 def asked_questions(episode: Episode, choices: float, rng: np.random.Generator) -> list[Question]:
     """With probability ``choices``, a multiple-choice stream: :data:`CHOICE_QUESTIONS` of ``episode``'s
-    questions (drawn at random) in their multiple-choice form, nothing else; otherwise its bare questions."""
+    questions (drawn at random) in their multiple-choice form (VideoMME's or OVO-Bench's prompt, drawn per
+    question), nothing else; otherwise its bare questions."""
     if choices <= 0 or rng.random() >= choices:
         return list(episode.questions)
     picked = rng.permutation(len(episode.questions))[:CHOICE_QUESTIONS]
-    return [multiple_choice(episode.questions[i], rng).as_question() for i in sorted(picked)]
+    forms = [CHOICE_FORMATS[int(rng.integers(len(CHOICE_FORMATS)))] for _ in picked]
+    return [multiple_choice(episode.questions[i], rng, form).as_question() for i, form in zip(sorted(picked), forms)]
 
 
 def build_batch(

@@ -74,6 +74,6 @@ Train the offline tiny model (transformers' Qwen2_5_VLForConditionalGeneration, 
 generated streams, reproducibly, check it on held-out streams and write its weights, config and tokenizer
 to --out (default ./tiny-trained; an existing model there is never overwritten without --overwrite, so the
 bundled weights stay as they are). The recipe has two stages: the base stage from scratch (bare questions;
-about 36 min on two quiet CPU cores) and the choice stage (VideoMME's multiple-choice questions mixed in;
+about 36 min on two quiet CPU cores) and the choice stage (VideoMME's and OVO-Bench's multiple-choice questions mixed in;
 about 25 min). --from DIR starts from DIR's weights and runs the choice stage only: the bundled weights
 are the base stage's followed by `train-tiny --from` on them."""
