@@ -21,8 +21,8 @@ from .evaluation import DEFAULT_DELAYS, EVAL_KINDS, QUESTION_FORMS  # light: tor
 from .synthetic import STREAM_KINDS, grade, sample_episode  # light: numpy
 from .video import VideoError, open_video  # light: numpy and, when a file is opened, PyAV
 from .usage import (BENCH_DESCRIPTION, BENCH_EXAMPLES, COMPARE_DESCRIPTION, COMPARE_EXAMPLES, DESCRIPTION,  # help texts
-                    DOCTOR_DESCRIPTION, DOCTOR_EXAMPLES, EVAL_DESCRIPTION, EVAL_EXAMPLES, RUN_DESCRIPTION, RUN_EXAMPLES,
-                    TRAIN_DESCRIPTION)
+                    DOCTOR_DESCRIPTION, DOCTOR_EXAMPLES, EVAL_DESCRIPTION, EVAL_EXAMPLES, MAKE_TASKS_DESCRIPTION,
+                    RESULTS_DESCRIPTION, RUN_DESCRIPTION, RUN_EXAMPLES, TRAIN_DESCRIPTION)
 
 
 class UsageError(ValueError):
@@ -69,7 +69,7 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
         prog="python -m kvdemo", description=DESCRIPTION, formatter_class=formatter,
         epilog="Run 'python -m kvdemo <command> --help' for a command's options and examples.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,compare,bench,eval,doctor,train-tiny}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,compare,bench,eval,results,make-tasks,doctor,train-tiny}")
 
     # What run and compare share: the stream (a file or the bundled sample), its sampling, the model, questions, output.
     stream = argparse.ArgumentParser(add_help=False)
@@ -151,7 +151,22 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     evaluate.add_argument("--questions", choices=QUESTION_FORMS, default="bare",
                           help="bare questions (default) or a benchmark's multiple-choice prompt of them (answer: the letter)")
     evaluate.add_argument("--json", metavar="OUT", help="write the results here")
+    evaluate.add_argument("--runs", default="runs", metavar="DIR",
+                          help="write the run folder (config, metrics, predictions) under DIR (default runs; '' for none)")
     evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    results = commands.add_parser("results", help="tabulate run folders side by side and chart accuracy vs budget or delay",
+                                  description=RESULTS_DESCRIPTION, formatter_class=formatter)
+    results.add_argument("folders", nargs="+", metavar="DIR", help="run folders (of kvdemo eval or of --model kvdemo in lmms-eval)")
+    results.add_argument("--x", choices=("budget", "delay"), default="budget", help="the chart's x axis (default budget)")
+    results.add_argument("--chart", default="kvdemo-results", metavar="PREFIX",
+                         help="write PREFIX.html (Plotly) and PREFIX.png (default kvdemo-results; '' for none)")
+
+    tasks = commands.add_parser("make-tasks", help="write offline lmms-eval tasks (VideoMME, OVO-Bench layouts) on generated streams",
+                                description=MAKE_TASKS_DESCRIPTION, formatter_class=formatter)
+    tasks.add_argument("folder", metavar="DIR", help="where the tasks' data, videos and YAMLs go")
+    tasks.add_argument("--streams", type=int, default=8, help="generated streams per task (default 8)")
+    tasks.add_argument("--seed", type=int, default=0, help="seed of the streams (default 0)")
 
     doctor = commands.add_parser("doctor", help="the device checklist (every policy x family on this machine's device)",
                                  description=DOCTOR_DESCRIPTION, epilog=DOCTOR_EXAMPLES, formatter_class=formatter)
@@ -194,6 +209,21 @@ def main(argv: list[str] | None = None) -> int:
             return eval_command(args)
         if args.command == "train-tiny":
             return train_command(args)
+        if args.command == "results":
+            from .results import results_command  # deferred: plotly for the chart
+
+            return results_command(args.folders, args.x, args.chart or None)
+        if args.command == "make-tasks":
+            from .integrations.local_tasks import make_tasks  # deferred: PyAV writes the videos
+
+            if args.streams <= 0:
+                raise UsageError(f"--streams must be positive, got {args.streams}")
+            counts = make_tasks(args.folder, args.streams, args.seed)
+            folder = Path(args.folder).resolve()
+            print(", ".join(f"{task}: {n} rows" for task, n in counts.items()))
+            print(f"run: HF_HOME={folder / 'hf'} HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m lmms_eval --model kvdemo "
+                  f"--tasks kvdemo_videomme --include_path {folder} --output_path {folder / 'results'}")
+            return 0
         if args.command == "doctor":
             from .bench.doctor import doctor  # deferred: the checklist loads torch and the models
 

@@ -128,22 +128,26 @@ def build_engines(model: VideoLM, policies: list[str], budget: int | None, keep:
 
 
 def run_episode(
-    model: VideoLM, episode: Episode, items: list[Item], policies: list[str], budget: int | None, keep: int | None
+    model: VideoLM, episode: Episode, items: list[Item], policies: list[str], budget: int | None, keep: int | None,
+    delays: tuple[float, ...] = (), predictions: list[dict[str, Any]] | None = None,
 ) -> dict[str, list[list[bool]]]:
-    """Stream ``episode`` into one engine per policy and ask every item at each of its grids.
+    """Stream ``episode`` into one engine per policy and ask every item at each of its grids (``delays``: their
+    delays, for ``predictions``, which gets one record per answer when given).
 
     Returns, per policy, ``[item][delay] -> correct``.
     """
     results = {name: [[False] * len(item.ask_after) for item in items] for name in policies}
-    for i, d, name, right in episode_answers(model, episode, items, policies, budget, keep):
+    for i, d, name, right in episode_answers(model, episode, items, policies, budget, keep, delays, predictions):
         results[name][i][d] = right
     return results
 
 
 def episode_answers(
-    model: VideoLM, episode: Episode, items: list[Item], policies: list[str], budget: int | None, keep: int | None
+    model: VideoLM, episode: Episode, items: list[Item], policies: list[str], budget: int | None, keep: int | None,
+    delays: tuple[float, ...] = (), predictions: list[dict[str, Any]] | None = None,
 ) -> Iterator[tuple[int, int, str, bool]]:
-    """:func:`run_episode` as it happens: ``(item, delay index, policy, correct)`` for each answer, in stream order."""
+    """:func:`run_episode` as it happens: ``(item, delay index, policy, correct)`` for each answer, in stream order
+    (and a record per answer appended to ``predictions`` when given: :mod:`kvdemo.results`)."""
     from .streaming import EngineGroup  # deferred on purpose (torch), as above
 
     video = episode.video
@@ -162,7 +166,15 @@ def episode_answers(
                 for name, engine in engines.items():
                     answer = engine.answer(question.text, ANSWER_TOKENS)
                     engine.reset_dialogue()
-                    yield i, d, name, grade_answer(question.answer, answer.answer)
+                    right = grade_answer(question.answer, answer.answer)
+                    if predictions is not None:
+                        predictions.append({
+                            "episode": items[i].episode, "question": question.text, "answer": answer.answer,
+                            "truth": question.answer, "correct": right, "delay_s": delays[d] if delays else None,
+                            "policy": name, "M": engine.budget.M, "C": engine.budget.C,
+                            "tokens_held": engine.memory.visual_tokens, "compressions": engine.stats.compressions,
+                            "frames_fed": engine.frames_fed, "answer_ms": answer.ms})
+                    yield i, d, name, right
             if newest >= last:
                 return
 
@@ -225,6 +237,7 @@ def evaluate(
     progress: bool = False,
     kind: str = "static",
     questions: str = "bare",
+    predictions: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Accuracy per policy and delay on ``episodes`` held-out streams of ``kind`` (``static``, ``moving`` or
     ``mixed``; see the module docstring), ``questions`` bare or in a benchmark's multiple-choice form. ``spec``, when given, is every episode's spec (its kind wins).
@@ -263,7 +276,7 @@ def evaluate(
             episode_items = [replace(item, question=multiple_choice(item.question, rng, questions).as_question(), choice=True)
                              for item in episode_items]
         if episode_items:
-            results = run_episode(model, episode, episode_items, policies, budget, keep)
+            results = run_episode(model, episode, episode_items, policies, budget, keep, delays, predictions)
             for name, per_item in results.items():
                 for item, row in zip(episode_items, per_item):
                     question_kind = ("colour", "first").index(item.question.kind)
@@ -358,13 +371,32 @@ def eval_command(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     if model.notice:
         print(f"note: {model.notice}", file=sys.stderr)
+    predictions: list[dict[str, Any]] = []
     report = evaluate(
         model, args.policies, args.delays, args.episodes, args.seed, budget, keep, progress=not args.quiet,
-        kind=args.kind, questions=args.questions,
+        kind=args.kind, questions=args.questions, predictions=predictions,
     )
     print(accuracy_table(report))
+    if getattr(args, "runs", ""):
+        write_policy_runs(Path(args.runs), args, report, predictions)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         print(f"results written to {args.json}", file=sys.stderr)
     return 0
+
+
+def write_policy_runs(root: Path, args: argparse.Namespace, report: dict[str, Any], predictions: list[dict[str, Any]]) -> None:
+    """One run folder per policy under ``root`` (:mod:`kvdemo.results`): the config, the report's rows of that
+    policy as the metrics, its predictions."""
+    from .results import new_run_folder, write_eval_run  # deferred: only when runs are written
+
+    for name in report["accuracy"]:
+        bounds = report["budgets"][name]
+        config = {"harness": "kvdemo eval", "model": report["model"], "policy": name, "params": {},
+                  "M": bounds["budget"], "C": bounds["keep"], "fps": 2.0, "seed": report["seed"],
+                  "episodes": report["episodes"], "kind": report["kind"], "questions": report["question_form"],
+                  "delays_s": report["delays_s"]}
+        own = {key: (value[name] if isinstance(value, dict) and name in value else value) for key, value in report.items()}
+        folder = write_eval_run(new_run_folder(root, f"eval-{name}"), config, own, [p for p in predictions if p["policy"] == name])
+        print(f"run folder: {folder}", file=sys.stderr)

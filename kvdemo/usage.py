@@ -77,3 +77,13 @@ bundled weights stay as they are). The recipe has two stages: the base stage fro
 about 36 min on two quiet CPU cores) and the choice stage (VideoMME's and OVO-Bench's multiple-choice questions mixed in;
 about 25 min). --from DIR starts from DIR's weights and runs the choice stage only: the bundled weights
 are the base stage's followed by `train-tiny --from` on them."""
+
+RESULTS_DESCRIPTION = """\
+Tabulate run folders side by side (written by `python -m kvdemo eval` and by lmms-eval's --model kvdemo: config,
+metrics, predictions) and draw accuracy against the budget M (one line per policy, the full cache dashed) or
+against the delay (one line per run), as a Plotly HTML and a PNG."""
+
+MAKE_TASKS_DESCRIPTION = """\
+Write offline lmms-eval tasks on generated streams into DIR: a VideoMME-format task and OVO-Bench-format
+backward and forward tasks, scored by lmms-eval's own VideoMME and OVO-Bench functions, and kvdemo's bare-question
+task (each question asked at a stream time). Run them with --include_path DIR and HF_HOME=DIR/hf (docs/lmms-eval.md)."""
