@@ -212,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "results":
             from .results import results_command  # deferred: plotly for the chart
 
-            return results_command(args.folders, args.x, args.chart or None)
+            try:
+                return results_command(args.folders, args.x, args.chart or None)
+            except ValueError as exc:  # a folder that is not a run, a chart with nothing to draw
+                raise UsageError(str(exc)) from None
         if args.command == "make-tasks":
             from .integrations.local_tasks import make_tasks  # deferred: PyAV writes the videos
 

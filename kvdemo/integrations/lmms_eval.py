@@ -33,23 +33,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmms_eval.api.instance import Instance
-from lmms_eval.api.model import lmms
-from lmms_eval.models.registry_v2 import ModelManifest
-
-from ..budget import Budget
-from ..engine import EngineError, StreamEngine
-from ..models.loading import load_model
-from ..policies import make_policy
-from ..results import RunWriter, grade_prediction
-from ..video import VideoError, open_video
-
 MODEL_ID = "kvdemo"
 
 
-def manifest() -> ModelManifest:
-    """The ``lmms_eval.models`` entry point's payload: ``--model kvdemo`` is :class:`KVDemoLMM`."""
+def manifest() -> Any:
+    """The ``lmms_eval.models`` entry point's payload (lmms-eval's ``ModelManifest``): ``--model kvdemo`` is
+    :class:`KVDemoLMM`. Defined before this module imports lmms-eval: importing lmms-eval's model base loads its
+    registry, which calls this function (on this module, still being imported) when kvdemo is imported first."""
+    from lmms_eval.models.registry_v2 import ModelManifest
+
     return ModelManifest(model_id=MODEL_ID, simple_class_path=f"{__name__}.KVDemoLMM")
+
+
+from lmms_eval.api.instance import Instance  # noqa: E402 (after manifest(): see its docstring)
+from lmms_eval.api.model import lmms  # noqa: E402
+
+from ..budget import Budget  # noqa: E402
+from ..engine import EngineError, StreamEngine  # noqa: E402
+from ..models.loading import load_model  # noqa: E402
+from ..policies import make_policy  # noqa: E402
+from ..results import RunWriter, grade_prediction  # noqa: E402
+from ..video import VideoError, open_video  # noqa: E402
 
 
 @dataclass
@@ -82,7 +86,8 @@ class KVDemoLMM(lmms):
         self.checkpoint = str(checkpoint or pretrained)
         self.policy_name, self.budget, self.keep, self.policy_params = str(policy), M, C, params
         self.fps, self.max_new_tokens, self.time_field = float(fps), max_new_tokens, time_field
-        Budget.resolve(make_policy(self.policy_name, **params), M, C)  # bad arguments fail before the model loads
+        # Bad arguments fail before the model loads; C defaults to 0.75 M, as on the command line.
+        self.bounds = Budget.resolve(make_policy(self.policy_name, **params), M, C, default_ratio=0.75)
         self._rank, self._world_size, local_device = _process_placement()
         self.accelerator = _accelerator() if self._world_size > 1 else None
         self.model = load_model(self.checkpoint, device=device or local_device)
@@ -151,7 +156,8 @@ class KVDemoLMM(lmms):
             video = open_video(path, fps=self.fps, geometry=self.geometry)
             for _, frames, times in video.chunks(self.geometry.frames_per_grid):
                 while pending and asks[pending[0]].time_s is not None and asks[pending[0]].time_s < float(times[0]):
-                    answers[pending[0]] = self._answer(engine, asks[pending.pop(0)], path)
+                    due = pending.pop(0)
+                    answers[due] = self._answer(engine, asks[due], path)
                 engine.feed(frames, times)
             engine.flush()
         except (VideoError, EngineError) as exc:
@@ -199,8 +205,7 @@ class KVDemoLMM(lmms):
         return text
 
     def _engine(self) -> StreamEngine:
-        return StreamEngine(self.model, self.policy_name, budget=self.budget, keep=self.keep, fps=self.fps,
-                            policy_params=self.policy_params)
+        return StreamEngine(self.model, self.policy_name, budget=self.bounds, fps=self.fps, policy_params=self.policy_params)
 
     def _ask(self, index: int, context: str, gen_kwargs: dict[str, Any], doc: dict[str, Any], task: str) -> Ask:
         until = gen_kwargs.get("until") or ()
@@ -217,7 +222,7 @@ class KVDemoLMM(lmms):
 
     def _config(self) -> dict[str, Any]:
         return {"harness": "lmms-eval", "model": self.model.name, "checkpoint": self.checkpoint, "policy": self.policy_name,
-                "params": self.policy_params, "M": self.budget, "C": self.keep, "fps": self.fps,
+                "params": self.policy_params, "M": self.bounds.M, "C": self.bounds.C, "fps": self.fps,
                 "min_pixels": self.geometry.min_pixels, "max_pixels": self.geometry.max_pixels,
                 "time_field": self.time_field, "world_size": self._world_size}
 
