@@ -92,14 +92,13 @@ class RunWriter:
         self.predictions: list[dict[str, Any]] = []
 
     @classmethod
-    def open(cls, root: Path, name: str, config: dict[str, Any], rank: int = 0, accelerator: Any = None) -> "RunWriter":
-        """A new run folder under ``root``; with several processes (``accelerator``) rank 0 names it for all."""
-        world = accelerator.num_processes if accelerator is not None else 1
+    def open(cls, root: Path, name: str, config: dict[str, Any], rank: int = 0, world: int = 1) -> "RunWriter":
+        """A new run folder under ``root``; with several processes (the launcher's process group) rank 0 names it."""
         folder = [str(new_run_folder(root, name)) if rank == 0 else None]
         if world > 1:
-            from accelerate.utils import broadcast_object_list
+            import torch.distributed as dist
 
-            folder = broadcast_object_list(folder, from_process=0)
+            dist.broadcast_object_list(folder, src=0)
         writer = cls(Path(folder[0]), rank, world)
         if rank == 0:
             (writer.folder / "config.json").write_text(json.dumps({**config, "versions": versions()}, indent=1) + "\n")

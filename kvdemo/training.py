@@ -117,7 +117,7 @@ CHOICE_STAGE = TrainConfig(
 #: A second choice stage at a higher learning rate on 16 s streams (the VideoMME-format task's length): the first
 #: one left the letter questions at ~0.3 (measured: docs/lmms-eval.md).
 CHOICE_STAGE_2 = TrainConfig(
-    phases=(Phase("E choices", 200, 6, (2, 16), choices=0.75),),
+    phases=(Phase("E choices", 160, 6, (2, 16), choices=0.75),),
     lr=1.5e-3, final_lr=1.5e-4, warmup=10, vision_weight=0.0, streams=5,
 )
 #: ``python -m kvdemo train-tiny``: the base stage from scratch, then the choice stages.

@@ -141,7 +141,8 @@ def _launch(tasks: Path, out: Path, processes: int) -> dict[int, str]:
     env = {**os.environ, "HF_HOME": str(tasks / "hf"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     args = ["-m", "lmms_eval", "--model", "kvdemo", "--model_args", f"pretrained=tiny,time_field=ask_s,runs={out / 'runs'}",
             "--tasks", "kvdemo_bare", "--include_path", str(tasks), "--output_path", str(out), "--log_samples"]
-    launcher = [sys.executable] if processes == 1 else [sys.executable, "-m", "accelerate.commands.launch", "--cpu",
+    # accelerate's --cpu flag runs one process whatever --num_processes says; --multi_gpu starts them (gloo on a CPU).
+    launcher = [sys.executable] if processes == 1 else [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
                                                         "--num_processes", str(processes), "--num_machines", "1",
                                                         "--mixed_precision", "no", "--dynamo_backend", "no"]
     done = subprocess.run(launcher + args, env=env, capture_output=True, text=True, timeout=600)

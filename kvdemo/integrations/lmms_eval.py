@@ -92,7 +92,7 @@ class KVDemoLMM(lmms):
         self.accelerator = _accelerator() if self._world_size > 1 else None
         self.model = load_model(self.checkpoint, device=device or local_device)
         self.geometry = self.model.geometry.with_pixels(min_pixels, max_pixels)
-        self.writer = RunWriter.open(Path(runs), f"lmms-eval-{self.policy_name}", self._config(), self._rank, self.accelerator)
+        self.writer = RunWriter.open(Path(runs), f"lmms-eval-{self.policy_name}", self._config(), self._rank, self._world_size)
 
     # --- lmms-eval's API --------------------------------------------------------------------------
     @property
@@ -242,6 +242,12 @@ def _process_placement() -> tuple[int, int, str | None]:
 
 
 def _accelerator() -> Any:
+    """The launcher's accelerator. On CPUs the gloo process group is started first (accelerate starts none for a
+    CPU-only launch, and lmms-eval gathers the processes' answers through it); on GPUs accelerate starts NCCL."""
+    import torch
+    import torch.distributed as dist
     from accelerate import Accelerator
 
+    if not torch.cuda.is_available() and dist.is_available() and not dist.is_initialized():
+        dist.init_process_group("gloo")
     return Accelerator()
