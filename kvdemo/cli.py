@@ -177,7 +177,7 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
                         help="also time one compression pass on two layers at Qwen2.5-VL-3B/-7B per-layer shapes")
     doctor.add_argument("--json", metavar="OUT", help="write the checklist's results here")
 
-    train = commands.add_parser("train-tiny", help="train the offline tiny model (~1 h on 2 cores; writes ./tiny-trained)",
+    train = commands.add_parser("train-tiny", help="train the offline tiny model (~36 min on 2 quiet cores; writes ./tiny-trained)",
                                 description=TRAIN_DESCRIPTION, formatter_class=formatter)
     train.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     train.add_argument("--threads", type=int, default=1, help="torch threads (default 1; fixed for reproducibility; "
@@ -185,7 +185,7 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     train.add_argument("--out", default="tiny-trained", help="output folder (default ./tiny-trained)")
     train.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
     train.add_argument("--from", dest="start", metavar="DIR",
-                       help="start from DIR's weights and run the choice stage only (e.g. the bundled assets/tiny)")
+                       help="start from DIR's weights and run the choice stages (VideoMME/OVO-Bench option letters; experimental)")
     train.add_argument("--check-episodes", type=int, default=100, help="held-out streams for the final full-cache check")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -456,7 +456,7 @@ def train_command(args: argparse.Namespace) -> int:
     import torch  # deferred on purpose (as every heavy import of the CLI): training loads torch and transformers
 
     from .evaluation import evaluate  # deferred with torch
-    from .training import RECIPE, train_tiny  # deferred with torch
+    from .training import CHOICE_STAGES, RECIPE, train_tiny  # deferred with torch
 
     if args.threads <= 0 or args.check_episodes < 0:
         raise UsageError("--threads must be positive and --check-episodes non-negative")
@@ -466,7 +466,7 @@ def train_command(args: argparse.Namespace) -> int:
     start = Path(args.start) if args.start else None
     if start is not None and not (start / "model.safetensors").exists():
         raise UsageError(f"--from {start}: no model.safetensors there")
-    stages = tuple(replace(stage, seed=args.seed, threads=args.threads) for stage in (RECIPE[1:] if start else RECIPE))
+    stages = tuple(replace(stage, seed=args.seed, threads=args.threads) for stage in (CHOICE_STAGES if start else RECIPE))
     load_before = os.getloadavg()
     trainer, record = train_tiny(stages, out=None, progress=not args.quiet, start=start)
     record["load_average_before"], record["load_average_after"] = list(load_before), list(os.getloadavg())

@@ -70,13 +70,12 @@ examples:
       the same on streams with camera motion, a drifting background and reappearing objects"""
 
 TRAIN_DESCRIPTION = """\
-Train the offline tiny model (transformers' Qwen2_5_VLForConditionalGeneration, 0.92M parameters) on
-generated streams, reproducibly, check it on held-out streams and write its weights, config and tokenizer
-to --out (default ./tiny-trained; an existing model there is never overwritten without --overwrite, so the
-bundled weights stay as they are). The recipe has two stages: the base stage from scratch (bare questions;
-about 36 min on two quiet CPU cores) and the choice stage (VideoMME's and OVO-Bench's multiple-choice questions mixed in;
-about 25 min). --from DIR starts from DIR's weights and runs the choice stage only: the bundled weights
-are the base stage's followed by `train-tiny --from` on them."""
+Train the offline tiny model (transformers' Qwen2_5_VLForConditionalGeneration, 0.92M parameters) from
+scratch on generated streams, reproducibly (about 36 min on two quiet CPU cores), check it on held-out streams
+and write its weights, config and tokenizer to --out (default ./tiny-trained; a model already there is never
+overwritten without --overwrite, so the bundled weights stay as they are). --from DIR instead starts from DIR's
+weights and runs the experimental choice stages (VideoMME's and OVO-Bench's option-letter questions mixed in;
+about 70 min on a busy machine; they have not taught the letters yet: docs/lmms-eval.md)."""
 
 RESULTS_DESCRIPTION = """\
 Tabulate run folders side by side (written by `python -m kvdemo eval` and by lmms-eval's --model kvdemo: config,
