@@ -96,7 +96,7 @@ class RunWriter:
         """A new run folder under ``root``; with several processes (the launcher's process group) rank 0 names it."""
         folder = [str(new_run_folder(root, name)) if rank == 0 else None]
         if world > 1:
-            import torch.distributed as dist
+            import torch.distributed as dist  # deferred: only data-parallel launches broadcast
 
             dist.broadcast_object_list(folder, src=0)
         writer = cls(Path(folder[0]), rank, world)
@@ -197,7 +197,7 @@ def accuracy_chart(runs: list[Run], x: str = "budget") -> Chart:
 
 def results_command(folders: list[str], x: str = "budget", out: str | None = None) -> int:
     """``python -m kvdemo results``: the table on stdout, the chart as ``<out>.html`` and ``<out>.png``."""
-    import sys
+    import sys  # deferred: only the command prints
 
     runs = [read_run(Path(f)) for f in folders]
     print(results_table(runs))

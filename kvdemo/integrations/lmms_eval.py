@@ -40,7 +40,7 @@ def manifest() -> Any:
     """The ``lmms_eval.models`` entry point's payload (lmms-eval's ``ModelManifest``): ``--model kvdemo`` is
     :class:`KVDemoLMM`. Defined before this module imports lmms-eval: importing lmms-eval's model base loads its
     registry, which calls this function (on this module, still being imported) when kvdemo is imported first."""
-    from lmms_eval.models.registry_v2 import ModelManifest
+    from lmms_eval.models.registry_v2 import ModelManifest  # deferred: see above (an import circle otherwise)
 
     return ModelManifest(model_id=MODEL_ID, simple_class_path=f"{__name__}.KVDemoLMM")
 
@@ -230,9 +230,9 @@ class KVDemoLMM(lmms):
 def _process_placement() -> tuple[int, int, str | None]:
     """This process's rank, the number of processes, and its device (``cuda:<local rank>`` when data parallel on
     GPUs; None: the model's own choice) from the launcher's environment (``accelerate launch`` sets it)."""
-    import os
+    import os  # deferred with torch, below
 
-    import torch
+    import torch  # deferred: read only once a model is made
 
     rank, world, local = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     if world > 1 and torch.cuda.is_available():
@@ -244,9 +244,9 @@ def _process_placement() -> tuple[int, int, str | None]:
 def _accelerator() -> Any:
     """The launcher's accelerator. On CPUs the gloo process group is started first (accelerate starts none for a
     CPU-only launch, and lmms-eval gathers the processes' answers through it); on GPUs accelerate starts NCCL."""
-    import torch
-    import torch.distributed as dist
-    from accelerate import Accelerator
+    import torch  # deferred: only data-parallel launches need these three
+    import torch.distributed as dist  # deferred (as above)
+    from accelerate import Accelerator  # deferred (as above)
 
     if not torch.cuda.is_available() and dist.is_available() and not dist.is_initialized():
         dist.init_process_group("gloo")

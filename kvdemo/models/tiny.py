@@ -180,10 +180,9 @@ def export_transformers_folder(folder: str | Path, out: str | Path) -> Path:
     weights and config, a byte-level fast tokenizer (the same ids), and a processor whose image and video processors
     keep frames in the model's pixel range (112 x 112 stays 112 x 112) with Qwen2.5-VL's own chat template (kvdemo's
     prompt is that template's text). What lmms-eval's own ``qwen2_5_vl`` model loads (the cross-check)."""
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor  # deferred: export only
 
-    from .catalog import OFFLINE_MODELS
-    from .tiny_random import byte_tokenizer
+    from .tiny_random import byte_tokenizer  # deferred: that module loads every family's adapter
 
     out = Path(out)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
