@@ -14,16 +14,17 @@ import json
 import os
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from .dialogue import ECHO_LIMIT, QuestionError, check_question, check_question_text, clipped  # light: no torch
-from .evaluation import DEFAULT_DELAYS, EVAL_KINDS  # light: torch loads when an evaluation runs
+from .evaluation import DEFAULT_DELAYS, EVAL_KINDS, QUESTION_FORMS  # light: torch loads when an evaluation runs
 from .synthetic import STREAM_KINDS, grade, sample_episode  # light: numpy
 from .video import VideoError, open_video  # light: numpy and, when a file is opened, PyAV
 from .usage import (BENCH_DESCRIPTION, BENCH_EXAMPLES, COMPARE_DESCRIPTION, COMPARE_EXAMPLES, DESCRIPTION,  # help texts
-                    DOCTOR_DESCRIPTION, DOCTOR_EXAMPLES, EVAL_DESCRIPTION, EVAL_EXAMPLES, RUN_DESCRIPTION, RUN_EXAMPLES,
-                    TRAIN_DESCRIPTION)
+                    DOCTOR_DESCRIPTION, DOCTOR_EXAMPLES, EVAL_DESCRIPTION, EVAL_EXAMPLES, MAKE_TASKS_DESCRIPTION,
+                    RESULTS_DESCRIPTION, RUN_DESCRIPTION, RUN_EXAMPLES, TRAIN_DESCRIPTION)
 
 
 class UsageError(ValueError):
@@ -90,7 +91,7 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
         prog="python -m kvdemo", description=DESCRIPTION, formatter_class=formatter,
         epilog="Run 'python -m kvdemo <command> --help' for a command's options and examples.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,compare,bench,eval,doctor,train-tiny}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,compare,bench,eval,results,make-tasks,doctor,train-tiny}")
 
     # What run and compare share: the stream (a file or the bundled sample), its sampling, the model, questions, output.
     stream = Parser(add_help=False)
@@ -169,8 +170,25 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     evaluate.add_argument("--model", default="tiny", help="the model (default: the trained tiny model)")
     evaluate.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the tiny model's matrices "
                           "are small, and on a busy machine more threads stall each other)")
+    evaluate.add_argument("--questions", choices=QUESTION_FORMS, default="bare",
+                          help="bare questions (default) or a benchmark's multiple-choice prompt of them (answer: the letter)")
     evaluate.add_argument("--json", metavar="OUT", help="write the results here")
+    evaluate.add_argument("--runs", default="runs", metavar="DIR",
+                          help="write the run folder (config, metrics, predictions) under DIR (default runs; '' for none)")
     evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    results = commands.add_parser("results", help="tabulate run folders side by side and chart accuracy vs budget or delay",
+                                  description=RESULTS_DESCRIPTION, formatter_class=formatter)
+    results.add_argument("folders", nargs="+", metavar="DIR", help="run folders (of kvdemo eval or of --model kvdemo in lmms-eval)")
+    results.add_argument("--x", choices=("budget", "delay"), default="budget", help="the chart's x axis (default budget)")
+    results.add_argument("--chart", default="kvdemo-results", metavar="PREFIX",
+                         help="write PREFIX.html (Plotly) and PREFIX.png (default kvdemo-results; '' for none)")
+
+    tasks = commands.add_parser("make-tasks", help="write offline lmms-eval tasks (VideoMME, OVO-Bench layouts) on generated streams",
+                                description=MAKE_TASKS_DESCRIPTION, formatter_class=formatter)
+    tasks.add_argument("folder", metavar="DIR", help="where the tasks' data, videos and YAMLs go")
+    tasks.add_argument("--streams", type=int, default=8, help="generated streams per task (default 8)")
+    tasks.add_argument("--seed", type=int, default=0, help="seed of the streams (default 0)")
 
     doctor = commands.add_parser("doctor", help="the device checklist (every policy x family on this machine's device)",
                                  description=DOCTOR_DESCRIPTION, epilog=DOCTOR_EXAMPLES, formatter_class=formatter)
@@ -181,12 +199,15 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
                         help="also time one compression pass on two layers at Qwen2.5-VL-3B/-7B per-layer shapes")
     doctor.add_argument("--json", metavar="OUT", help="write the checklist's results here")
 
-    train = commands.add_parser("train-tiny", help="train the offline tiny model from scratch (writes kvdemo/assets/tiny)",
+    train = commands.add_parser("train-tiny", help="train the offline tiny model (~36 min on 2 quiet cores; writes ./tiny-trained)",
                                 description=TRAIN_DESCRIPTION, formatter_class=formatter)
     train.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     train.add_argument("--threads", type=int, default=1, help="torch threads (default 1; fixed for reproducibility; "
                        "the next step's streams are generated on a second thread meanwhile)")
-    train.add_argument("--out", help="output folder (default kvdemo/assets/tiny)")
+    train.add_argument("--out", default="tiny-trained", help="output folder (default ./tiny-trained)")
+    train.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
+    train.add_argument("--from", dest="start", metavar="DIR",
+                       help="start from DIR's weights and run the choice stages (VideoMME/OVO-Bench option letters; experimental)")
     train.add_argument("--check-episodes", type=int, default=100, help="held-out streams for the final full-cache check")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -210,6 +231,24 @@ def main(argv: list[str] | None = None) -> int:
             return eval_command(args)
         if args.command == "train-tiny":
             return train_command(args)
+        if args.command == "results":
+            from .results import results_command  # deferred: plotly for the chart
+
+            try:
+                return results_command(args.folders, args.x, args.chart or None)
+            except ValueError as exc:  # a folder that is not a run, a chart with nothing to draw
+                raise UsageError(str(exc)) from None
+        if args.command == "make-tasks":
+            from .integrations.local_tasks import make_tasks  # deferred: PyAV writes the videos
+
+            if args.streams <= 0:
+                raise UsageError(f"--streams must be positive, got {args.streams}")
+            counts = make_tasks(args.folder, args.streams, args.seed)
+            folder = Path(args.folder).resolve()
+            print(", ".join(f"{task}: {n} rows" for task, n in counts.items()))
+            print(f"run: HF_HOME={folder / 'hf'} HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m lmms_eval --model kvdemo "
+                  f"--tasks kvdemo_videomme --include_path {folder} --output_path {folder / 'results'}")
+            return 0
         if args.command == "doctor":
             from .bench.doctor import doctor  # deferred: the checklist loads torch and the models
 
@@ -452,17 +491,24 @@ def check_eval_arguments(args: argparse.Namespace) -> None:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    """Train the tiny model, check it on held-out streams (full cache, every default delay), save it."""
+    """Train the tiny model, check it on held-out streams (full cache, every default delay, bare and
+    multiple-choice questions), save it."""
     import torch  # deferred on purpose (as every heavy import of the CLI): training loads torch and transformers
 
     from .evaluation import evaluate  # deferred with torch
-    from .models.tiny import TRAINED_DIR  # deferred with torch
-    from .training import TrainConfig, train_tiny  # deferred with torch
+    from .training import CHOICE_STAGES, RECIPE, train_tiny  # deferred with torch
 
     if args.threads <= 0 or args.check_episodes < 0:
         raise UsageError("--threads must be positive and --check-episodes non-negative")
+    out = Path(args.out)
+    if (out / "model.safetensors").exists() and not args.overwrite:
+        raise UsageError(f"{out} already holds a model: pass another --out, or --overwrite to replace it")
+    start = Path(args.start) if args.start else None
+    if start is not None and not (start / "model.safetensors").exists():
+        raise UsageError(f"--from {start}: no model.safetensors there")
+    stages = tuple(replace(stage, seed=args.seed, threads=args.threads) for stage in (CHOICE_STAGES if start else RECIPE))
     load_before = os.getloadavg()
-    trainer, record = train_tiny(TrainConfig(seed=args.seed, threads=args.threads), out=None, progress=not args.quiet)
+    trainer, record = train_tiny(stages, out=None, progress=not args.quiet, start=start)
     record["load_average_before"], record["load_average_after"] = list(load_before), list(os.getloadavg())
     minutes = record["train_seconds"] / 60
     print(f"trained in {minutes:.1f} min, {record['train_cpu_seconds'] / 60:.1f} CPU-min ({args.threads} threads; "
@@ -471,13 +517,16 @@ def train_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
         record["check"] = {}
         for kind in STREAM_KINDS:
-            # Seed + 1: other held-out streams than the benchmark's default seed 0.
-            check = evaluate(trainer.adapter, ["full"], episodes=args.check_episodes, seed=args.seed + 1,
-                             progress=not args.quiet, kind=kind)
-            record["check"][kind] = {key: check[key] for key in ("accuracy", "by_kind", "questions", "chance", "episodes")}
-            row = check["accuracy"]["full"]
-            print(f"held-out full-cache accuracy by delay, {kind} streams: " + ", ".join(f"{d} s {a:.3f}" for d, a in row.items())
-                  + f" ({check['questions']['total']} questions, chance {check['chance']:.3f})")
-    folder = trainer.save(Path(args.out) if args.out else TRAINED_DIR, record)
+            for questions in QUESTION_FORMS:
+                # Seed + 1: other held-out streams than the benchmark's default seed 0.
+                check = evaluate(trainer.adapter, ["full"], episodes=args.check_episodes, seed=args.seed + 1,
+                                 progress=not args.quiet, kind=kind, questions=questions)
+                key = kind if questions == "bare" else f"{kind} {questions}"
+                record["check"][key] = {k: check[k] for k in ("accuracy", "by_kind", "questions", "chance", "episodes")}
+                row = check["accuracy"]["full"]
+                print(f"held-out full-cache accuracy by delay, {kind} streams, {questions} questions: "
+                      + ", ".join(f"{d} s {a:.3f}" for d, a in row.items())
+                      + f" ({check['questions']['total']} questions, chance {check['chance']:.3f})")
+    folder = trainer.save(out, record)
     print(f"weights, config and tokenizer written to {folder}", file=sys.stderr)
     return 0

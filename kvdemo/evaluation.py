@@ -17,7 +17,9 @@ invariant ground truth (both kinds here are: shapes are unique per stream, and t
 stays first); only questions that can be asked at every delay of the sweep inside the stream, so every
 delay is measured on the same questions. An answer is right when the greedy answer is the expected word.
 Chance is the mean over questions of 1 / (size of the answer vocabulary): 1/7 for colours, 1/6 for
-shapes. The interval is Wilson's 95% score interval over questions (questions of one stream are not
+shapes; 1/4 with ``--questions videomme`` or ``ovobench``, which ask every question in that benchmark's
+multiple-choice prompt (:mod:`kvdemo.choices`; the options of episode ``i`` drawn from ``(seed, 2, i, 1)``)
+and grade the letter. The interval is Wilson's 95% score interval over questions (questions of one stream are not
 independent, so it is a little optimistic).
 """
 
@@ -28,10 +30,13 @@ import json
 import math
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from .choices import CHOICE_FORMATS, LETTERS, multiple_choice
 from .synthetic import COLOURS, SHAPES, STREAM_KINDS, Episode, Question, StreamSpec, generate_episode, grade_answer
 from .video import frames_for
 from .views import Chart, Series, counted
@@ -43,6 +48,8 @@ if TYPE_CHECKING:  # the engine imports torch: loaded when an evaluation runs, n
 #: Seed-sequence tag of evaluation streams (training uses another, so these streams are held out).
 EVAL_STREAMS = 2
 DEFAULT_DELAYS = (0, 4, 8, 16, 32)
+#: What ``--questions`` takes: the bare questions, or a benchmark's multiple-choice form of them.
+QUESTION_FORMS = ("bare", *CHOICE_FORMATS)
 #: What ``--kind`` takes: a stream kind, or both alternating.
 EVAL_KINDS = (*STREAM_KINDS, "mixed")
 #: Longest answer word ("triangle", "diamond", "purple", ...) plus the stop token, with room to spare.
@@ -56,9 +63,12 @@ class Item:
     episode: int
     question: Question
     ask_after: tuple[int, ...]
+    choice: bool = False
 
     @property
     def chance(self) -> float:
+        if self.choice:
+            return 1.0 / len(LETTERS)
         return 1.0 / (len(COLOURS) if self.question.kind == "colour" else len(SHAPES))
 
 
@@ -119,22 +129,26 @@ def build_engines(model: VideoLM, policies: list[str], budget: int | None, keep:
 
 
 def run_episode(
-    model: VideoLM, episode: Episode, items: list[Item], policies: list[str], budget: int | None, keep: int | None
+    model: VideoLM, episode: Episode, items: list[Item], policies: list[str], budget: int | None, keep: int | None,
+    delays: tuple[float, ...] = (), predictions: list[dict[str, Any]] | None = None,
 ) -> dict[str, list[list[bool]]]:
-    """Stream ``episode`` into one engine per policy and ask every item at each of its grids.
+    """Stream ``episode`` into one engine per policy and ask every item at each of its grids (``delays``: their
+    delays, for ``predictions``, which gets one record per answer when given).
 
     Returns, per policy, ``[item][delay] -> correct``.
     """
     results = {name: [[False] * len(item.ask_after) for item in items] for name in policies}
-    for i, d, name, right in episode_answers(model, episode, items, policies, budget, keep):
+    for i, d, name, right in episode_answers(model, episode, items, policies, budget, keep, delays, predictions):
         results[name][i][d] = right
     return results
 
 
 def episode_answers(
-    model: VideoLM, episode: Episode, items: list[Item], policies: list[str], budget: int | None, keep: int | None
+    model: VideoLM, episode: Episode, items: list[Item], policies: list[str], budget: int | None, keep: int | None,
+    delays: tuple[float, ...] = (), predictions: list[dict[str, Any]] | None = None,
 ) -> Iterator[tuple[int, int, str, bool]]:
-    """:func:`run_episode` as it happens: ``(item, delay index, policy, correct)`` for each answer, in stream order."""
+    """:func:`run_episode` as it happens: ``(item, delay index, policy, correct)`` for each answer, in stream order
+    (and a record per answer appended to ``predictions`` when given: :mod:`kvdemo.results`)."""
     from .streaming import EngineGroup  # deferred on purpose (torch), as above
 
     video = episode.video
@@ -153,7 +167,15 @@ def episode_answers(
                 for name, engine in engines.items():
                     answer = engine.answer(question.text, ANSWER_TOKENS)
                     engine.reset_dialogue()
-                    yield i, d, name, grade_answer(question.answer, answer.answer)
+                    right = grade_answer(question.answer, answer.answer)
+                    if predictions is not None:
+                        predictions.append({
+                            "episode": items[i].episode, "question": question.text, "answer": answer.answer,
+                            "truth": question.answer, "correct": right, "delay_s": delays[d] if delays else None,
+                            "policy": name, "M": engine.budget.M, "C": engine.budget.C,
+                            "tokens_held": engine.memory.visual_tokens, "compressions": engine.stats.compressions,
+                            "frames_fed": engine.frames_fed, "answer_ms": answer.ms})
+                    yield i, d, name, right
             if newest >= last:
                 return
 
@@ -215,9 +237,11 @@ def evaluate(
     spec: StreamSpec | None = None,
     progress: bool = False,
     kind: str = "static",
+    questions: str = "bare",
+    predictions: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Accuracy per policy and delay on ``episodes`` held-out streams of ``kind`` (``static``, ``moving`` or
-    ``mixed``; see the module docstring). ``spec``, when given, is every episode's spec (its kind wins).
+    ``mixed``; see the module docstring), ``questions`` bare or in a benchmark's multiple-choice form. ``spec``, when given, is every episode's spec (its kind wins).
 
     Returns the JSON report: ``chance``, ``episodes``, ``budget``, ``keep``, ``accuracy[policy][delay]``,
     plus ``interval`` (95%), ``by_kind`` (question kinds), ``by_stream`` (``[policy][delay][stream kind]``:
@@ -231,6 +255,8 @@ def evaluate(
         raise BudgetError(f"--episodes must be positive, got {episodes}")
     if not delays or min(delays) < 0:
         raise BudgetError(f"delays must be non-negative seconds, got {list(delays)}")
+    if questions not in QUESTION_FORMS:
+        raise BudgetError(f"unknown question form {questions!r}: one of {', '.join(QUESTION_FORMS)}")
     specs = [spec] if spec is not None else [eval_spec(delays, kind=k) for k in stream_kinds(kind)]
     kind = spec.kind if spec is not None else kind
     budgets = {name: {"budget": e.budget.M, "keep": e.budget.C} for name, e in build_engines(model, policies, budget, keep, specs[0].fps).items()}
@@ -246,8 +272,12 @@ def evaluate(
     for index in range(episodes):
         episode = generate_episode((seed, EVAL_STREAMS, index), specs[index % len(specs)])
         episode_items = valid_items(episode, index, delays)
+        if questions != "bare":
+            rng = np.random.default_rng((seed, EVAL_STREAMS, index, 1))
+            episode_items = [replace(item, question=multiple_choice(item.question, rng, questions).as_question(), choice=True)
+                             for item in episode_items]
         if episode_items:
-            results = run_episode(model, episode, episode_items, policies, budget, keep)
+            results = run_episode(model, episode, episode_items, policies, budget, keep, delays, predictions)
             for name, per_item in results.items():
                 for item, row in zip(episode_items, per_item):
                     question_kind = ("colour", "first").index(item.question.kind)
@@ -290,6 +320,7 @@ def evaluate(
         "questions": {"total": total, "colour": counts[0], "first": counts[1], **{f"{k} streams": n for k, n in stream_counts.items()}},
         "delays_s": [_delay_key(d) for d in delays],
         "kind": kind,
+        "question_form": questions,
         "stream_pairs": specs[0].pairs[0],
         "seed": seed,
         "model": model.name,
@@ -341,13 +372,32 @@ def eval_command(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     if model.notice:
         print(f"note: {model.notice}", file=sys.stderr)
+    predictions: list[dict[str, Any]] = []
     report = evaluate(
         model, args.policies, args.delays, args.episodes, args.seed, budget, keep, progress=not args.quiet,
-        kind=args.kind,
+        kind=args.kind, questions=args.questions, predictions=predictions,
     )
     print(accuracy_table(report))
+    if getattr(args, "runs", ""):
+        write_policy_runs(Path(args.runs), args, report, predictions)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         print(f"results written to {args.json}", file=sys.stderr)
     return 0
+
+
+def write_policy_runs(root: Path, args: argparse.Namespace, report: dict[str, Any], predictions: list[dict[str, Any]]) -> None:
+    """One run folder per policy under ``root`` (:mod:`kvdemo.results`): the config, the report's rows of that
+    policy as the metrics, its predictions."""
+    from .results import new_run_folder, write_eval_run  # deferred: only when runs are written
+
+    for name in report["accuracy"]:
+        bounds = report["budgets"][name]
+        config = {"harness": "kvdemo eval", "model": report["model"], "policy": name, "params": {},
+                  "M": bounds["budget"], "C": bounds["keep"], "fps": 2.0, "seed": report["seed"],
+                  "episodes": report["episodes"], "kind": report["kind"], "questions": report["question_form"],
+                  "delays_s": report["delays_s"]}
+        own = {key: (value[name] if isinstance(value, dict) and name in value else value) for key, value in report.items()}
+        folder = write_eval_run(new_run_folder(root, f"eval-{name}"), config, own, [p for p in predictions if p["policy"] == name])
+        print(f"run folder: {folder}", file=sys.stderr)

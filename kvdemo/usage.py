@@ -71,5 +71,18 @@ examples:
 
 TRAIN_DESCRIPTION = """\
 Train the offline tiny model (transformers' Qwen2_5_VLForConditionalGeneration, 0.92M parameters) from
-scratch on generated streams, reproducibly, then check it on held-out streams and write its weights,
-config and tokenizer (kvdemo/assets/tiny by default)."""
+scratch on generated streams, reproducibly (about 36 min on two quiet CPU cores), check it on held-out streams
+and write its weights, config and tokenizer to --out (default ./tiny-trained; a model already there is never
+overwritten without --overwrite, so the bundled weights stay as they are). --from DIR instead starts from DIR's
+weights and runs the experimental choice stages (VideoMME's and OVO-Bench's option-letter questions mixed in;
+about 70 min on a busy machine; they have not taught the letters yet: docs/lmms-eval.md)."""
+
+RESULTS_DESCRIPTION = """\
+Tabulate run folders side by side (written by `python -m kvdemo eval` and by lmms-eval's --model kvdemo: config,
+metrics, predictions) and draw accuracy against the budget M (one line per policy, the full cache dashed) or
+against the delay (one line per run), as a Plotly HTML and a PNG."""
+
+MAKE_TASKS_DESCRIPTION = """\
+Write offline lmms-eval tasks on generated streams into DIR: a VideoMME-format task and OVO-Bench-format
+backward and forward tasks, scored by lmms-eval's own VideoMME and OVO-Bench functions, and kvdemo's bare-question
+task (each question asked at a stream time). Run them with --include_path DIR and HF_HOME=DIR/hf (docs/lmms-eval.md)."""

@@ -211,7 +211,7 @@ def test_absurd_budgets_and_parameters_are_one_line_and_exit_2(args, message):
 
 
 def test_eval_runs_without_options_its_help_calls_optional(capsys):
-    assert main(["eval", "--episodes", "1", "--delays", "0", "--quiet", "--policies", "full,sliding-window,protokv"]) == 0
+    assert main(["eval", "--runs", "", "--episodes", "1", "--delays", "0", "--quiet", "--policies", "full,sliding-window,protokv"]) == 0
     table = capsys.readouterr().out
     assert "64 / 48" in table and re.search(r"protokv\s+64 ", table), table
 

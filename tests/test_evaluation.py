@@ -38,9 +38,21 @@ def test_only_questions_askable_at_every_delay_count():
 def test_the_eval_command_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "eval.json"
     code = main(["eval", "--policies", "full,sliding-window", "--delays", "0,4", "--episodes", "3", "--seed", "5",
-                 "--budget", "48", "--keep", "32", "--json", str(out), "--quiet"])
+                 "--budget", "48", "--keep", "32", "--json", str(out), "--quiet", "--runs", str(tmp_path / "runs")])
     assert code == 0
     report = json.loads(out.read_text())
+    # One run folder per policy; its predictions restate the report's accuracy (kvdemo.results).
+    folders = sorted((tmp_path / "runs").iterdir())
+    assert [f.name.split("-2")[0] for f in folders] == ["eval-full", "eval-sliding-window"]
+    for folder in folders:
+        config = json.loads((folder / "config.json").read_text())
+        lines = [json.loads(line) for line in (folder / "predictions.jsonl").read_text().splitlines()]
+        assert config["M"] == (48 if config["policy"] == "sliding-window" else None) and config["seed"] == 5
+        assert len(lines) == 2 * report["questions"]["total"] and {p["policy"] for p in lines} == {config["policy"]}
+        for delay in ("0", "4"):
+            at = [p["correct"] for p in lines if f"{p['delay_s']:g}" == delay]
+            assert sum(at) / len(at) == pytest.approx(report["accuracy"][config["policy"]][delay])
+        assert all(p["truth"] and isinstance(p["tokens_held"], int) for p in lines)
     assert report["episodes"] == 3 and report["budget"] == 48 and report["keep"] == 32
     assert set(report["accuracy"]) == {"full", "sliding-window"}
     assert set(report["accuracy"]["full"]) == {"0", "4"}
@@ -81,7 +93,7 @@ def test_moving_questions_are_asked_after_the_last_sighting():
 
 def test_the_eval_command_alternates_kinds_when_mixed(tmp_path):
     out = tmp_path / "eval.json"
-    code = main(["eval", "--policies", "full", "--delays", "0", "--episodes", "4", "--kind", "mixed",
+    code = main(["eval", "--runs", "", "--policies", "full", "--delays", "0", "--episodes", "4", "--kind", "mixed",
                  "--json", str(out), "--quiet"])
     assert code == 0
     report = json.loads(out.read_text())
@@ -99,7 +111,7 @@ def test_the_eval_command_alternates_kinds_when_mixed(tmp_path):
                                             (["--policies", "uniform", "-M", "1e25"], "more visual tokens than any stream holds"),
                                             (["--delays", "0,soon"], "--delays takes seconds")])
 def test_eval_user_errors_are_one_line(capsys, extra, message):
-    assert main(["eval", "--episodes", "1", "--quiet", *extra]) == 2
+    assert main(["eval", "--runs", "", "--episodes", "1", "--quiet", *extra]) == 2
     assert message in capsys.readouterr().err
 
 

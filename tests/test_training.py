@@ -98,5 +98,31 @@ def test_the_same_seed_trains_the_same_weights():
     second, _ = train_tiny(config, out=None, progress=False)
     for a, b in zip(first.model.parameters(), second.model.parameters()):
         assert torch.equal(a, b)
-    assert [p["phase"] for p in record["phases"]] == ["A", "B"] and record["parameters"] > 900_000
+    assert [p["phase"] for p in record["stages"][0]["phases"]] == ["A", "B"] and record["parameters"] > 900_000
     assert not torch.are_deterministic_algorithms_enabled()  # global settings restored
+
+
+def test_a_choice_stream_asks_its_questions_in_the_benchmarks_format():
+    from kvdemo.choices import LETTERS
+    from kvdemo.training import CHOICE_QUESTIONS, asked_questions
+
+    episode = generate_episode(4, StreamSpec(pairs=(12, 12), objects=(4, 4)))
+    always = asked_questions(episode, 1.0, np.random.default_rng(0))
+    assert len(always) == CHOICE_QUESTIONS and all(q.answer in LETTERS for q in always)
+    assert all(q.text == q.text.strip() and q.subject in q.text and "A. " in q.text for q in always)
+    assert {q.kind for q in always} <= {"colour", "first"}
+    assert asked_questions(episode, 0.0, np.random.default_rng(0)) == list(episode.questions)
+
+
+def test_a_later_stage_continues_from_the_earlier_ones_weights():
+    """Two stages in one call train what the second stage trains when started from the first stage's weights."""
+    from kvdemo.training import train_tiny
+
+    first = TrainConfig(phases=TINY_PHASES)
+    second = TrainConfig(phases=(Phase("D", 2, 2, (2, 3), choices=1.0),), streams=3, vision_weight=0.0)
+    both, record = train_tiny((first, second), out=None, progress=False)
+    alone, _ = train_tiny(first, out=None, progress=False)
+    then, _ = train_tiny(second, out=None, progress=False, start=alone.model)
+    for a, b in zip(both.model.parameters(), then.model.parameters()):
+        assert torch.equal(a, b)
+    assert [s["phases"][0]["phase"] for s in record["stages"]] == ["A", "D"]

@@ -5,8 +5,10 @@ means before anything loads is :mod:`.catalog`; how each model is built or loade
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 
 from .base import VideoLM
 from .catalog import checkpoint_config, family_spec, offline_model, resolve_model_name
@@ -14,8 +16,14 @@ from .catalog import checkpoint_config, family_spec, offline_model, resolve_mode
 log = logging.getLogger("kvdemo")
 
 
-def load_model(name: str | None = None) -> VideoLM:
-    """Load ``tiny`` (trained), ``tiny-random``, ``tiny-random-<family>``, ``auto`` or a Hugging Face id / local path."""
+def load_model(name: str | None = None, device: str | None = None) -> VideoLM:
+    """Load ``tiny`` (trained), ``tiny-random``, ``tiny-random-<family>``, ``auto`` or a Hugging Face id / local path
+    (a folder written by ``python -m kvdemo train-tiny`` loads as the trained tiny model). ``device`` places a real
+    checkpoint (e.g. ``cuda:1`` for one data-parallel process; default: every GPU, or the CPU)."""
+    if name and is_tiny_folder(name):
+        from .qwen2_vl import load_trained_tiny  # deferred on purpose: the catalog imports family files on demand
+
+        return load_trained_tiny(name)
     resolved = resolve_model_name(name)
     log.info("loading model %s%s", resolved, f" ({name} resolves to it)" if name and name != resolved else "")
     start = time.perf_counter()
@@ -24,10 +32,19 @@ def load_model(name: str | None = None) -> VideoLM:
         model = offline.build()
     else:
         config = checkpoint_config(resolved)
-        model = family_spec(config.model_type).load(resolved, config, None)
+        model = family_spec(config.model_type).load(resolved, config, device)
     log.info(
         "loaded %s (%s, %d attention layers, %d KV heads) on %s as %s in %.1f s%s",
         model.name, model.family, model.num_layers, model.num_kv_heads, model.device, str(model.dtype).replace("torch.", ""),
         time.perf_counter() - start, "; random weights" if model.random_weights else "",
     )
     return model
+
+
+def is_tiny_folder(name: str) -> bool:
+    """Whether ``name`` is a folder of tiny-model weights (its ``tokenizer.json`` is kvdemo's byte spec)."""
+    spec = Path(name) / "tokenizer.json"
+    try:
+        return Path(name).is_dir() and spec.is_file() and json.loads(spec.read_text()).get("kind") == "bytes"
+    except (OSError, ValueError):
+        return False

@@ -139,3 +139,44 @@ def tiny_config(initializer_range: float = 0.1):
 #: questions (about 250 tokens); measured on the bundled sample, it answers every colour question right after one
 #: earlier turn of 426 tokens and gets three of four wrong after two.
 TRAINED_DIALOGUE_TOKENS = 512
+
+
+def export_transformers_folder(folder: str | Path, out: str | Path) -> Path:
+    """The trained tiny model in ``folder`` written to ``out`` as an ordinary transformers Qwen2.5-VL folder: the
+    weights and config, a byte-level fast tokenizer (the same ids), and a processor whose image and video processors
+    keep frames in the model's pixel range (112 x 112 stays 112 x 112) with Qwen2.5-VL's own chat template (kvdemo's
+    prompt is that template's text). What lmms-eval's own ``qwen2_5_vl`` model loads (the cross-check)."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor  # deferred: export only
+
+    import torch  # deferred with transformers' model class: this module stays light (config and tokenizer)
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from .catalog import TINY_NAME, offline_model
+    from .tiny_random import byte_tokenizer  # deferred: that module loads every family's adapter
+
+    out = Path(out)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    model.save_pretrained(out)
+    geometry = offline_model(TINY_NAME).geometry
+    size = {"shortest_edge": geometry.min_pixels, "longest_edge": geometry.max_pixels}
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=size), video_processor=Qwen2VLVideoProcessor(size=size),
+        tokenizer=byte_tokenizer(), chat_template=QWEN_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    return out
+
+
+#: Qwen2.5-VL's chat template (system turn, then each turn's pictures/videos before its text).
+QWEN_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
