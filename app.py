@@ -39,8 +39,8 @@ def main() -> None:
     start = time.perf_counter()
     import gradio  # noqa: F401  (the slowest import: done here so the log says where the time goes)
 
-    from kvdemo.models.base import ModelError
     from kvdemo.app import launch
+    from kvdemo.models.base import ModelError
 
     log.info("imported in %.1f s", time.perf_counter() - start)
     try:

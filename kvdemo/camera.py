@@ -7,8 +7,25 @@ from __future__ import annotations
 import numpy as np
 
 from .scene import (
-    CELL, COLOURS, DECOY_SHAPES, FRAMES_PER_PAIR, LIGHT_AMPLITUDE, LIGHT_PERIOD_S, SHAPES, TURN, ZOOM_CHANGE,
-    ZOOMED_START, ZOOMS, COLOUR_NAMES, Camera, Clutter, SceneObject, StreamSpec, grid_path, shape_mask, world_size,
+    CELL,
+    COLOUR_NAMES,
+    COLOURS,
+    DECOY_SHAPES,
+    FRAMES_PER_PAIR,
+    LIGHT_AMPLITUDE,
+    LIGHT_PERIOD_S,
+    SHAPES,
+    TURN,
+    ZOOM_CHANGE,
+    ZOOMED_START,
+    ZOOMS,
+    Camera,
+    Clutter,
+    SceneObject,
+    StreamSpec,
+    grid_path,
+    shape_mask,
+    world_size,
 )
 
 

@@ -21,10 +21,23 @@ from typing import Any
 from .dialogue import ECHO_LIMIT, QuestionError, check_question, check_question_text, clipped  # light: no torch
 from .evaluation import DEFAULT_DELAYS, EVAL_KINDS, QUESTION_FORMS  # light: torch loads when an evaluation runs
 from .synthetic import STREAM_KINDS, grade, sample_episode  # light: numpy
+from .usage import (  # help texts
+    BENCH_DESCRIPTION,
+    BENCH_EXAMPLES,
+    COMPARE_DESCRIPTION,
+    COMPARE_EXAMPLES,
+    DESCRIPTION,
+    DOCTOR_DESCRIPTION,
+    DOCTOR_EXAMPLES,
+    EVAL_DESCRIPTION,
+    EVAL_EXAMPLES,
+    MAKE_TASKS_DESCRIPTION,
+    RESULTS_DESCRIPTION,
+    RUN_DESCRIPTION,
+    RUN_EXAMPLES,
+    TRAIN_DESCRIPTION,
+)
 from .video import VideoError, open_video  # light: numpy and, when a file is opened, PyAV
-from .usage import (BENCH_DESCRIPTION, BENCH_EXAMPLES, COMPARE_DESCRIPTION, COMPARE_EXAMPLES, DESCRIPTION,  # help texts
-                    DOCTOR_DESCRIPTION, DOCTOR_EXAMPLES, EVAL_DESCRIPTION, EVAL_EXAMPLES, MAKE_TASKS_DESCRIPTION,
-                    RESULTS_DESCRIPTION, RUN_DESCRIPTION, RUN_EXAMPLES, TRAIN_DESCRIPTION)
 
 
 class UsageError(ValueError):
@@ -326,9 +339,9 @@ def run_command(args: argparse.Namespace) -> int:
 
     from .coverage import coverage, coverage_table  # deferred on purpose: the budget is good, the model comes now
     from .engine import StreamEngine  # deferred with it
-    from .streaming import stream_video  # deferred with it
-    from .models.loading import load_model  # deferred with it (transformers)
     from .models.catalog import caveat_for  # deferred with it
+    from .models.loading import load_model  # deferred with it (transformers)
+    from .streaming import stream_video  # deferred with it
 
     model = load_model(args.model)
     check_questions(model, args.ask)
@@ -408,12 +421,14 @@ def compare(args: argparse.Namespace) -> int:
     check_run_arguments(args)
     if args.video:
         open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
-    from .compare import compare_budget, compare_command, parse_overrides  # deferred on purpose: comparing loads torch and the model
-    from .models.loading import load_model  # deferred with it
-
-    from .policies import COMPARE_POLICIES  # deferred with them
-
+    from .compare import (  # deferred on purpose: comparing loads torch and the model
+        compare_budget,
+        compare_command,
+        parse_overrides,
+    )
     from .models.catalog import default_budget  # deferred with them
+    from .models.loading import load_model  # deferred with it
+    from .policies import COMPARE_POLICIES  # deferred with them
 
     args.policies = args.policies or ",".join(COMPARE_POLICIES)
     if args.budget is None:

@@ -18,10 +18,10 @@ import torch
 
 from .attention import MemoryCache
 from .budget import Budget
+from .chunk import VisualChunk
 from .dialogue import QuestionError, check_question, replayed_dialogue
 from .explain import Attribution, AttributionTally
 from .memory import KVMemory, OccupancyEvent
-from .chunk import VisualChunk
 from .models.base import VideoLM
 from .policies import BudgetError, Policy, Probed, make_policy
 from .survival import survival_fraction

@@ -42,8 +42,8 @@ event, then :class:`KVMemory`: its layout, the layer buffers, the writes, what a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch

@@ -14,7 +14,6 @@ from PIL import Image, ImageDraw
 
 from .video import Video, VideoError
 
-
 FPS = 2.0
 FRAMES_PER_PAIR = 2
 #: The vision encoder's patch size: objects sit on this grid and move in steps of it.

@@ -56,9 +56,31 @@ import numpy as np
 
 from .camera import camera_path, place_seen_objects, render_moving
 from .scene import (  # the vocabulary of a stream; the names below are this module's API too
-    CELL, CLUTTER, COLOUR_NAMES, COLOUR_QUESTION, COLOURS, DECOY_SHAPES, FIRST_QUESTION, FRAMES_PER_PAIR,
-    MIN_LABEL_PIXELS, NOTHING, NOTHING_COLOUR, OBJECT_BOX, RESIZE_FACTOR, SHAPES, STREAM_KINDS, Camera, Clutter,
-    Episode, Question, SceneObject, StreamSpec, grid_path, normalise_question, shape_mask, world_size,
+    CELL,
+    CLUTTER,
+    COLOUR_NAMES,
+    COLOUR_QUESTION,
+    COLOURS,
+    DECOY_SHAPES,
+    FIRST_QUESTION,
+    FRAMES_PER_PAIR,
+    MIN_LABEL_PIXELS,
+    NOTHING,
+    NOTHING_COLOUR,
+    OBJECT_BOX,
+    RESIZE_FACTOR,
+    SHAPES,
+    STREAM_KINDS,
+    Camera,
+    Clutter,
+    Episode,
+    Question,
+    SceneObject,
+    StreamSpec,
+    grid_path,
+    normalise_question,
+    shape_mask,
+    world_size,
 )
 from .video import Video, VideoError
 

@@ -47,11 +47,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from .models.qwen2_vl import Qwen2VL, mrope_positions
-from .models.catalog import TINY_NAME
-from .models.tiny import ByteTokenizer, save_tokenizer_spec, tiny_config
 from .choices import CHOICE_FORMATS, multiple_choice
-from .synthetic import COLOURS, SHAPES, Episode, Question, StreamSpec, STREAM_KINDS, generate_episode
+from .models.catalog import TINY_NAME
+from .models.qwen2_vl import Qwen2VL, mrope_positions
+from .models.tiny import ByteTokenizer, save_tokenizer_spec, tiny_config
+from .synthetic import COLOURS, SHAPES, STREAM_KINDS, Episode, Question, StreamSpec, generate_episode
 
 #: The question head's classes: the shape asked about, or "which shape appeared first".
 QUESTION_CLASSES = (*SHAPES, "first")

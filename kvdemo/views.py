@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+
 def counted(count: int, noun: str, plural: str | None = None) -> str:
     """``count`` and ``noun`` in agreement, as every count the app prints says it: "1 token", "2 tokens", "0 tokens"
     (``plural`` for a noun whose plural is not ``noun + "s"``: ``counted(1, "patch", "patches")``)."""

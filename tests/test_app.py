@@ -10,7 +10,6 @@ import pytest
 from gradio_client import Client, handle_file
 
 from conftest import APP_MAX_SESSIONS
-
 from kvdemo.models.catalog import default_budget
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,8 +7,15 @@ import json
 import numpy as np
 import pytest
 
-from kvdemo.app.comparing import (CompareSettings, ask_comparison, compare_fidelity, new_conversation, parse_delays,
-                                  redraw_attribution, run_comparison)
+from kvdemo.app.comparing import (
+    CompareSettings,
+    ask_comparison,
+    compare_fidelity,
+    new_conversation,
+    parse_delays,
+    redraw_attribution,
+    run_comparison,
+)
 from kvdemo.app.sessions import AppServices
 from kvdemo.compare import FULL, compare_engines, parse_overrides
 from kvdemo.explain import fidelity

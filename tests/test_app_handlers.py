@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from kvdemo import viz
-from kvdemo.memory import REASON_NEW
 from kvdemo.app.handlers import ask, run_video, webcam_frame
 from kvdemo.app.layout import CACHE_CLEANUP, build_demo
 from kvdemo.app.sessions import AppServices, RunSettings, Session, Turns
 from kvdemo.app.settings import parse_params, validate_settings
 from kvdemo.app.views import write_chart
+from kvdemo.memory import REASON_NEW
 
 
 @pytest.fixture(scope="module")
@@ -474,8 +474,8 @@ def test_charts_read_as_the_newcomer_expected():
     M label sits at the line's right end, off the tick labels; integer axes (counts, layers) have whole ticks; lines
     of equal values stay apart by dash and marker; a cell grid has a legend of its classes; a title when asked."""
     from kvdemo.memory import OccupancyEvent
-    from kvdemo.viz.charts import log_ticks
     from kvdemo.views import CellGrid, Chart, Histogram, Series
+    from kvdemo.viz.charts import log_ticks
 
     assert log_ticks([64, 96, 640])["tickvals"] == [100, 200, 500]  # 1-2-5 within the range
     assert log_ticks([16, 96])["tickvals"] == [20, 30, 50, 70]  # under a decade: 1-2-3-5-7

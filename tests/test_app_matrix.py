@@ -6,11 +6,10 @@ never used: a view drew a grid whose thumbnail the stream segment did not carry.
 import pytest
 from gradio_client import handle_file
 
-from test_app import FULL_CHAT, POLICY_CHAT, REPORT, STATUS, answer_text, fetch_json, new_client
-
 from kvdemo.app.layout import UI_POLICIES
 from kvdemo.models.catalog import OFFLINE_MODELS, default_budget
 from kvdemo.policies import policy_class
+from test_app import REPORT, STATUS, answer_text, fetch_json, new_client
 
 #: Outputs of /run and /run_sample after the named ones: each policy-view slot's text, image and chart.
 FIRST_PANEL = 13

@@ -9,13 +9,12 @@ import json
 import pytest
 from gradio_client import handle_file
 
-from test_app import fetch_json, new_client
-
 from kvdemo.cli import main
 from kvdemo.compare import compare_engines, memory_bound, parse_overrides
 from kvdemo.policies import BudgetError
 from kvdemo.streaming import stream_video
 from kvdemo.synthetic import sample_episode
+from test_app import fetch_json, new_client
 
 FOUR = ["infinipot-v", "cords", "protokv", "hybridkv"]
 # Outputs of /compare_sample and /compare_run, and of /compare_ask, by position (the session state is not an output).

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvdemo.coverage import coverage, coverage_summary, nearest_retained_distances, nearest_retained_cosine
+from kvdemo.coverage import coverage, coverage_summary, nearest_retained_cosine, nearest_retained_distances
 from kvdemo.policies import BudgetError, LayerView, make_policy, policy_params
 from kvdemo.policies.cords import REASON_COVERAGE, REASON_FILL, REASON_RECENT, REASON_UNCOMPRESSED, layer_schedule
 
@@ -310,7 +310,6 @@ def test_selection_equals_a_plain_loop_restatement(seed):
     values = value_c.repeat_interleave(P, 1) + 0.4 * torch.randn(heads, frames * P, DIM, generator=g)
     token = torch.arange(frames * P)
     slot = torch.stack([torch.randperm(frames * P, generator=g) for _ in range(heads)])  # slot -> token
-    at = lambda x: torch.gather(x, 1, slot)  # noqa: E731
     at3 = lambda x: torch.gather(x, 1, slot[..., None].expand(-1, -1, DIM))  # noqa: E731
     view = LayerView(layer=0, num_layers=1, keys=at3(keys), values=at3(values), frame=(slot // P).int(),
                      row=((slot % P) // COLS).int(), col=(slot % COLS).int(), grid=(ROWS, COLS), newest_frame=frames - 1,

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvdemo.engine import EngineError, FrameStream, MemoryCapError, StreamEngine
-from kvdemo.streaming import stream_video
 from kvdemo.policies import BudgetError, make_policy, policy_names
+from kvdemo.streaming import stream_video
 
 
 def feed_all(model, video, engines, frames_per_chunk=2):

@@ -15,8 +15,8 @@ from kvdemo.engine import StreamEngine
 from kvdemo.models import catalog, qwen2_vl
 from kvdemo.models.base import ModelError
 from kvdemo.models.loading import load_model
-from kvdemo.models.spec import FamilySpec, OfflineModel
 from kvdemo.models.qwen2_vl import build_tiny_model
+from kvdemo.models.spec import FamilySpec, OfflineModel
 from kvdemo.streaming import stream_video
 from kvdemo.video import load_video, write_video
 

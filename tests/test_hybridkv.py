@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from kvdemo.engine import StreamEngine
-from kvdemo.streaming import stream_video
 from kvdemo.offload import OffloadStore
 from kvdemo.policies import BudgetError, LayerView, make_policy
 from kvdemo.policies.base import select_ranked
 from kvdemo.policies.hybridkv import capped_allocation
+from kvdemo.streaming import stream_video
 
 
 def hand_view(heads=2, frames=3, rows=2, cols=2, dim=4, probe=None, keys=None):

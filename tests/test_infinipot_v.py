@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvdemo.policies import BudgetError, LayerView, make_policy, policy_params
+from kvdemo.policies.grid import pool_on_grid
 from kvdemo.policies.infinipot_v import (
     REASON_RECENT,
     REASON_TAR,
@@ -14,7 +15,6 @@ from kvdemo.policies.infinipot_v import (
     calibrate_cv_thresholds,
     kernel_for_cv,
 )
-from kvdemo.policies.grid import pool_on_grid
 
 ROWS, COLS, DIM = 4, 4, 16
 P = ROWS * COLS

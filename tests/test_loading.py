@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvdemo.engine import StreamEngine
-from kvdemo.streaming import stream_video
 from kvdemo.models.loading import load_model
 from kvdemo.models.tiny import SPECIAL_TOKENS, tiny_config
+from kvdemo.streaming import stream_video
 
 
 def save_byte_tokenizer(folder):

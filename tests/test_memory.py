@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from kvdemo.attention import MemoryCache
-from kvdemo.testing import synthetic_chunk, synthetic_memory
 from kvdemo.engine import StreamEngine
-from kvdemo.streaming import stream_video
 from kvdemo.memory import REASON_NEW, KVMemory
 from kvdemo.models.qwen2_vl import mrope_positions
 from kvdemo.policies import Selection
 from kvdemo.policies.base import SummaryUpdate
+from kvdemo.streaming import stream_video
 from kvdemo.survival import survival_counts
+from kvdemo.testing import synthetic_chunk, synthetic_memory
 
 GRID = (2, 3)  # 6 tokens per temporal grid, non-square
 

@@ -9,10 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvdemo.attention import ATTN_IMPLEMENTATION
-from kvdemo.testing import synthetic_chunk
+from kvdemo.attention import ATTN_IMPLEMENTATION, MemoryCache
 from kvdemo.engine import StreamEngine
-from kvdemo.streaming import stream_video
 from kvdemo.memory import KVMemory
 from kvdemo.models.qwen2_vl import Qwen2VL, RegionCursor, mrope_positions
 from kvdemo.models.tiny import ByteTokenizer, tiny_config
@@ -21,8 +19,8 @@ from kvdemo.policies.base import SummaryUpdate
 from kvdemo.policies.protokv.bank import Tokens
 from kvdemo.policies.protokv.ema import mahalanobis
 from kvdemo.policies.protokv.pq import beam_search, pq_decode, pq_encode, train_codebooks
-from kvdemo.attention import MemoryCache
-
+from kvdemo.streaming import stream_video
+from kvdemo.testing import synthetic_chunk
 
 # --- budget ---------------------------------------------------------------------------------------
 

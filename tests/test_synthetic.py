@@ -10,8 +10,8 @@ from kvdemo.synthetic import (
     CELL,
     CLUTTER,
     COLOUR_NAMES,
-    DECOY_SHAPES,
     COLOURS,
+    DECOY_SHAPES,
     MIN_LABEL_PIXELS,
     NOTHING,
     NOTHING_COLOUR,
@@ -21,9 +21,9 @@ from kvdemo.synthetic import (
     grade,
     grade_answer,
     sample_episode,
-    synthetic_video,
     sample_manifest,
     shape_mask,
+    synthetic_video,
 )
 from kvdemo.video import VideoError
 

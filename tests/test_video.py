@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvdemo.synthetic import synthetic_video
 from kvdemo.models.catalog import geometry_for
+from kvdemo.synthetic import synthetic_video
 from kvdemo.video import (
     VideoError,
     load_video,

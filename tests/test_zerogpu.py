@@ -110,11 +110,11 @@ def test_an_engine_continues_a_stream_in_the_worker_exactly(emulate, tiny, panca
 def test_a_question_that_runs_a_pass_sends_its_engine_back(emulate, pancake):
     """HybridKV with ``classify_with=question`` compresses when asked: answered in an emulated GPU call, the
     engine comes back and equals one that answered in this process (memory, timeline, classes)."""
-    from kvdemo.engine import StreamEngine
-    from kvdemo.streaming import stream_video
-    from kvdemo.policies import make_policy
     from kvdemo.app.gpu import answer_question
     from kvdemo.app.sessions import model_by_name
+    from kvdemo.engine import StreamEngine
+    from kvdemo.policies import make_policy
+    from kvdemo.streaming import stream_video
 
     model = model_by_name("tiny-random")
     engines = {name: StreamEngine(model, make_policy("hybridkv", classify_with="question"), budget=540, keep=405,

@@ -12,8 +12,17 @@ from typing import Any
 from ..compare import MAX_POLICIES, compare_budget
 from ..policies import COMPARE_POLICIES
 from ..synthetic import sample_episode
-from .comparing import (SLOTS, CompareSettings, ask_comparison, compare_fidelity, kept_previous, new_conversation,
-                        redraw_attribution, run_comparison, run_sweep)
+from .comparing import (
+    SLOTS,
+    CompareSettings,
+    ask_comparison,
+    compare_fidelity,
+    kept_previous,
+    new_conversation,
+    redraw_attribution,
+    run_comparison,
+    run_sweep,
+)
 from .sessions import SESSION_TTL_S, AppServices
 from .settings import SAMPLE_KIND_HELP, USER_ERRORS, baseline_cap_default
 

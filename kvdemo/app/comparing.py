@@ -15,8 +15,17 @@ from typing import Any
 import numpy as np
 
 from .. import viz
-from ..compare import (FULL, MAX_POLICIES, check_chunks, compare_engines, comparison_report, memory_bound, model_seconds,
-                       parse_overrides, question_record)
+from ..compare import (
+    FULL,
+    MAX_POLICIES,
+    check_chunks,
+    compare_engines,
+    comparison_report,
+    memory_bound,
+    model_seconds,
+    parse_overrides,
+    question_record,
+)
 from ..engine import EngineError
 from ..explain import attribution_views, fidelity_views
 from ..policies import BudgetError

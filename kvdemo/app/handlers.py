@@ -11,18 +11,28 @@ from typing import Any
 
 import numpy as np
 
-from .. import viz
+from .. import viz, zerogpu
 from ..engine import EngineError, StreamEngine
 from ..streaming import EngineGroup
 from ..video import resize_frames
 from ..views import counted
-from .. import zerogpu
 from .gpu import Segment, answer_into, segment_frames, stream_segment
 from .sessions import AppServices, RunSettings, Session
 from .settings import FRAMES_PER_CHUNK, USER_ERRORS, open_stream, resolve_settings, within_max_pixels
-from .views import (ViewChoice, answer_note, finish, fresh_views, heatmap_image, kept_previous, legend, live_update,
-                    occupancy_plot,
-                    policy_panels, status_text, write_report)
+from .views import (
+    ViewChoice,
+    answer_note,
+    finish,
+    fresh_views,
+    heatmap_image,
+    kept_previous,
+    legend,
+    live_update,
+    occupancy_plot,
+    policy_panels,
+    status_text,
+    write_report,
+)
 
 
 def start_session(

@@ -9,17 +9,25 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .. import viz
 from ..budget import Budget
+from ..models.catalog import default_budget, geometry_for
 from ..policies import DEFAULT_POLICY, REGISTRY, policy_class, policy_params
 from ..synthetic import sample_episode, sample_manifest
-from .. import viz
 from .compare_page import ComparePage
 from .handlers import ask, redraw, request_stop, reset_chat, run_video, webcam_frame
 from .inputs import guard_inputs
 from .sessions import SESSION_TTL_S, STATIC_DIR, AppServices, CacheSweeper, RunSettings, Session
-from ..models.catalog import default_budget, geometry_for
+from .settings import (
+    SAMPLE_KIND_HELP,
+    USER_ERRORS,
+    baseline_cap_default,
+    parse_params,
+    policy_label,
+    takes_keep,
+    validate_settings,
+)
 from .slots import STREAM_SLOTS, WAITING_ROOM
-from .settings import SAMPLE_KIND_HELP, USER_ERRORS, baseline_cap_default, parse_params, policy_label, takes_keep, validate_settings
 from .views import (
     ViewChoice,
     banner_html,

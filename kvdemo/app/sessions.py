@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from ..engine import StreamEngine
-from ..streaming import EngineGroup
 from ..models.catalog import OFFLINE_MODELS, REAL_MODELS, resolve_model_name
 from ..models.loading import load_model
+from ..streaming import EngineGroup
 from ..synthetic import Episode
 from .slots import STREAM_SLOTS, StreamSlots
 

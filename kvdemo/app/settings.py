@@ -6,16 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .. import zerogpu
 from ..budget import Budget
+from ..engine import EngineError
+from ..geometry import FrameGeometry
 from ..models.base import ModelError
 from ..models.catalog import geometry_for, resolve_model_name
 from ..policies import BudgetError, Policy, coerce_param, make_policy, policy_class, policy_params
-from ..geometry import FrameGeometry
 from ..synthetic import sample_episode
 from ..video import VideoError, open_video
 from ..views import counted
-from .. import zerogpu
-from ..engine import EngineError
 from .sessions import CACHE_TTL_S, RunSettings
 
 FRAMES_PER_CHUNK = 2

@@ -13,8 +13,8 @@ import numpy as np
 
 from .. import viz
 from ..coverage import coverage
-from ..policies import REGISTRY
 from ..models.catalog import TRAINED_NOTICE, caveat_for, family_of, family_spec, offline_model
+from ..policies import REGISTRY
 from ..synthetic import grade
 from ..views import View, counted
 from .sessions import CACHE_TTL_S, STATIC_DIR, Session

@@ -24,7 +24,6 @@ from ..testing import QWEN7B_SHAPE, synthetic_chunk, synthetic_memory, synthetic
 from ..timing import Stopwatch
 
 
-
 def _summary(times: list[float]) -> dict[str, float]:
     return {"median": statistics.median(times), "min": min(times)}
 

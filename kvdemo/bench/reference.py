@@ -18,6 +18,7 @@ from ..memory import KVMemory
 from ..policies import Policy, make_policy
 from ..testing import QWEN7B_SHAPE, synthetic_memory
 
+
 def load_reference(path: str | Path) -> Any:
     """The authors' ``process_kv_cache`` (github.com/aiha-lab/InfiniPot-V, ``kvcache_utils.py``), loaded from
     ``path``: that file, or a directory holding it (a clone of their repository). kvdemo ships none of their

@@ -11,6 +11,7 @@ import torch
 
 from ..testing import QWEN3B_SHAPE, synthetic_memory
 
+
 def zerogpu_transfer_benchmark(seconds: tuple[int, ...] = (10, 30, 60), repeats: int = 3) -> dict[str, Any]:
     """What crosses the ZeroGPU boundary per call at Qwen2.5-VL-3B's cache shape in bf16 and the app's
     defaults (M=6144, one temporal grid of 768 tokens per second of video at 2 fps): the pickled KV memory of

@@ -146,10 +146,13 @@ def export_transformers_folder(folder: str | Path, out: str | Path) -> Path:
     weights and config, a byte-level fast tokenizer (the same ids), and a processor whose image and video processors
     keep frames in the model's pixel range (112 x 112 stays 112 x 112) with Qwen2.5-VL's own chat template (kvdemo's
     prompt is that template's text). What lmms-eval's own ``qwen2_5_vl`` model loads (the cross-check)."""
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor  # deferred: export only
-
     import torch  # deferred with transformers' model class: this module stays light (config and tokenizer)
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import (  # deferred: export only
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
 
     from .catalog import TINY_NAME, offline_model
     from .tiny_random import byte_tokenizer  # deferred: that module loads every family's adapter

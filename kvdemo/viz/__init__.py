@@ -46,7 +46,7 @@ from .views import Panel, draw_view, draw_views
 
 __all__ = [
     "EVICTED", "HELD", "NEW_COLOUR", "OFFLOADED", "REASON_COLOURS", "RETRIEVED", "STATUS_COLOURS", "STATUS_NAMES",
-    "SUMMARISED", "Panel", "chart_figure", "coverage_figure", "draw_view", "draw_views", "drawable", "engine_gallery", "engine_strip",
+    "SUMMARISED", "Panel", "chart_figure", "coverage_figure", "draw_view", "draw_views", "drawable", "figure_html", "plotly_js_file", "engine_gallery", "engine_strip",
     "frame_strip", "labelled_rows", "legend_text", "occupancy_figure", "overlay_fraction", "overlay_reasons", "overlay_status",
     "overlay_status_fractions", "overlay_values", "patch_status", "possible_statuses", "reason_map", "status_fractions", "status_legend",
     "summarised", "survival_fraction_map", "survivor_gallery", "survivor_strip", "thumbnail", "wrap_caption",

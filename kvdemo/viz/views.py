@@ -13,6 +13,7 @@ from ..views import LOST, UNLABELLED, Chart, PatchLabels, View
 from .charts import chart_figure
 from .frames import _grid_lines, _upsample, drawable, frame_strip, overlay_values
 
+
 @dataclass
 class Panel:
     """One drawn view: a title, ``kind`` "image" (numpy RGB) or "plot" (Plotly figure), the drawn value and a

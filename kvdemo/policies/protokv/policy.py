@@ -73,7 +73,17 @@ import torch
 import torch.nn.functional as F
 
 from ...views import LOST, Chart, Histogram, PatchLabels, Series, View, ViewContext
-from ..base import BudgetError, LayerView, PhaseTimer, Policy, Selection, SummaryRegion, SummaryUpdate, register, select_with_text
+from ..base import (
+    BudgetError,
+    LayerView,
+    PhaseTimer,
+    Policy,
+    Selection,
+    SummaryRegion,
+    SummaryUpdate,
+    register,
+    select_with_text,
+)
 from .bank import NearTokens, ProtoBank, Tokens
 from .ema import mahalanobis
 from .pq import beam_search, pq_decode
