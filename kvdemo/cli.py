@@ -101,7 +101,7 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     update_owner = ", ".join(updating) if updating else "a policy with an update benchmark"
     formatter = argparse.RawDescriptionHelpFormatter
     parser = Parser(
-        prog="python -m kvdemo", description=DESCRIPTION, formatter_class=formatter,
+        prog="kvdemo" if Path(sys.argv[0]).name == "kvdemo" else "python -m kvdemo", description=DESCRIPTION, formatter_class=formatter,
         epilog="Run 'python -m kvdemo <command> --help' for a command's options and examples.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{run,compare,bench,eval,results,make-tasks,doctor,train-tiny}")
