@@ -79,7 +79,7 @@ def test_questions_get_the_library_answers_graded_with_attribution(compared, lib
     question = next(q for q in episode.questions if q.kind == "colour")
     updates = list(ask_comparison(state, question.text, attribute=True, max_new_tokens=12))
     final = updates[-1]
-    assert final["ask_status"] == f"✓ answered by {len(engines)} engine(s)"
+    assert final["ask_status"] == f"✓ answered by {len(engines)} engines"
     for slot, name in enumerate(state.engines):
         expected = engines[name].answer(question.text, 12).answer
         engines[name].reset_dialogue()
@@ -123,9 +123,10 @@ def test_user_mistakes_are_one_line_messages_and_keep_the_previous_comparison(se
     _, state = compared
     failed = list(run_comparison(services, state, None, settings(budget=10, keep=5)))
     assert len(failed) == 1 and failed[0]["session"] is state and failed[0]["status"].startswith("⚠️ **")
-    assert "\n" not in failed[0]["status"]
+    message, _, note = failed[0]["status"].partition("\n")  # the message is one line; a note under it says what stays
+    assert message.endswith("**") and "Still showing the previous comparison" in note
     failed = list(run_comparison(services, state, None, settings(fps=0)))
-    assert failed[0]["status"] == "⚠️ **sampling fps must be positive, got 0**"
+    assert failed[0]["status"].split("\n")[0] == "⚠️ **sampling fps must be positive, got 0**"
     assert list(ask_comparison(None, "What?"))[-1]["ask_status"] == "⚠️ no video yet: run a comparison first, then ask"
     assert list(ask_comparison(state, "   "))[-1]["ask_status"] == "⚠️ type a question first"
     assert compare_fidelity(None, "What?")["fidelity_text"] == "⚠️ no video yet: run a comparison first"

@@ -154,7 +154,7 @@ def export_transformers_folder(folder: str | Path, out: str | Path) -> Path:
         Qwen2VLVideoProcessor,
     )
 
-    from .catalog import TINY_NAME, offline_model
+    from .catalog import TINY_NAME, offline_model  # deferred: the catalog reads the family files, which import this one
     from .tiny_random import byte_tokenizer  # deferred: that module loads every family's adapter
 
     out = Path(out)
