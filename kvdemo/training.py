@@ -47,14 +47,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from .choices import CHOICE_FORMATS, multiple_choice
+from .choices import CHOICE_FORMATS, LETTERS, MultipleChoice, multiple_choice
 from .models.catalog import TINY_NAME
 from .models.qwen2_vl import Qwen2VL, mrope_positions
 from .models.tiny import ByteTokenizer, save_tokenizer_spec, tiny_config
-from .synthetic import COLOURS, SHAPES, STREAM_KINDS, Episode, Question, StreamSpec, generate_episode
+from .synthetic import COLOUR_NAMES, COLOURS, SHAPES, STREAM_KINDS, Episode, Question, StreamSpec, generate_episode
 
 #: The question head's classes: the shape asked about, or "which shape appeared first".
 QUESTION_CLASSES = (*SHAPES, "first")
+#: The option heads' classes: every word an option can hold (colour names, then shape names).
+OPTION_WORDS = (*COLOUR_NAMES, *SHAPES)
 #: Seed-sequence tags of training streams (1, 3, 5; evaluation uses 2 and the local lmms-eval tasks 4: held out).
 TRAIN_STREAMS = 1
 CHOICE_STREAMS = 3
@@ -106,24 +108,24 @@ class TrainConfig:
     question_layer: int = 2
     #: Weight of the colour and shape heads' losses on the visual tokens.
     vision_weight: float = 1.0
+    #: Weight of each option head's loss (multiple-choice questions only; see :class:`Heads`).
+    option_weight: float = 0.5
+    #: The option heads read the hidden state after these layers: what an option says (its word and letter),
+    #: then whether it is right and which word the answer position retrieved.
+    option_layer: int = 2
+    verdict_layer: int = 3
     #: The streams' seed-sequence tag.
     streams: int = TRAIN_STREAMS
 
 
-#: The choice stage: from the base stage's weights, bare and multiple-choice questions mixed.
+#: The choice stage (``python -m kvdemo train-tiny --from DIR``): from the base stage's weights, bare and
+#: multiple-choice questions mixed, with the option heads (:class:`Heads`) guiding the lookup from the word seen to
+#: its option's letter.
 CHOICE_STAGE = TrainConfig(
-    phases=(Phase("D choices", 280, 6, (2, 24), choices=0.75),),
-    lr=5e-4, final_lr=5e-5, warmup=30, vision_weight=0.0, streams=CHOICE_STREAMS,
+    phases=(Phase("D choices", 1500, 6, (2, 24), choices=0.75),),
+    lr=1e-3, final_lr=1e-4, warmup=100, vision_weight=0.0, streams=CHOICE_STREAMS,
 )
-#: A second choice stage at a higher learning rate on 16 s streams (the VideoMME-format task's length).
-CHOICE_STAGE_2 = TrainConfig(
-    phases=(Phase("E choices", 160, 6, (2, 16), choices=0.75),),
-    lr=1.5e-3, final_lr=1.5e-4, warmup=10, vision_weight=0.0, streams=5,
-)
-#: ``python -m kvdemo train-tiny --from DIR``: the choice stages, from DIR's weights. Measured (docs/lmms-eval.md):
-#: they did not teach the option letters (held-out VideoMME-format questions 0.23 after D, 0.32 after E, chance
-#: 0.25: the model answers a near-constant letter), so the bundled weights are the base stage's alone.
-CHOICE_STAGES = (CHOICE_STAGE, CHOICE_STAGE_2)
+CHOICE_STAGES = (CHOICE_STAGE,)
 #: ``python -m kvdemo train-tiny``: the base stage from scratch (the bundled weights).
 RECIPE = (TrainConfig(),)
 
@@ -136,7 +138,10 @@ class Batch:
     (video placeholders at ``visual``), positions ``[3, B, L]``; colour/shape labels ``[B * tokens]``;
     answer_at/question_at ``[2, n]`` (row, position) with their targets, answer_of ``[n]`` the question
     each answer token belongs to (for question accuracy), first_kind ``[questions]`` True for "which shape
-    appeared first?"; moving_tokens ``[B * tokens]`` / moving_questions ``[questions]``: from a moving stream.
+    appeared first?"; moving_tokens ``[B * tokens]`` / moving_questions ``[questions]``: from a moving stream;
+    choice_kind ``[questions]`` True for a multiple-choice question; option_at ``[2, o]`` (row, position) of each
+    option's last word character with option_targets ``[3, o]`` (word, letter, right); choice_at ``[2, c]`` the
+    positions answering multiple-choice questions with choice_words ``[c]`` (the word the right letter stands for).
     """
 
     pixels: torch.Tensor
@@ -155,6 +160,11 @@ class Batch:
     first_kind: torch.Tensor
     moving_tokens: torch.Tensor | None = None
     moving_questions: torch.Tensor | None = None
+    choice_kind: torch.Tensor | None = None
+    option_at: torch.Tensor | None = None
+    option_targets: torch.Tensor | None = None
+    choice_at: torch.Tensor | None = None
+    choice_words: torch.Tensor | None = None
 
 
 @dataclass
@@ -167,44 +177,76 @@ class StepStats:
     question_acc: float = float("nan")
     moving_shape_acc: float = float("nan")
     moving_answer_acc: float = float("nan")
+    choice_acc: float = float("nan")
+    option_acc: float = float("nan")
 
 
 class Heads(torch.nn.Module):
-    """The training-only heads (not saved): colour and shape per visual token, what the question asks."""
+    """The training-only heads (not saved): colour and shape per visual token, what the question asks, and for
+    multiple-choice questions the steps of the option lookup (kvdemo's own aids, in the spirit of the question head):
+    at the last character of each option's word, its word and its letter (after ``option_layer``) and whether it
+    is the right one (after ``verdict_layer``); at the position that answers, the right word (after
+    ``verdict_layer``), so the last layer only has to match that word to an option and copy its letter."""
 
     def __init__(self, vision_dim: int, text_dim: int) -> None:
         super().__init__()
         self.colour = torch.nn.Linear(vision_dim, len(COLOURS) + 1)
         self.shape = torch.nn.Linear(vision_dim, len(SHAPES) + 2)
         self.question = torch.nn.Linear(text_dim, len(QUESTION_CLASSES))
+        self.option_word = torch.nn.Linear(text_dim, len(OPTION_WORDS))
+        self.option_letter = torch.nn.Linear(text_dim, len(LETTERS))
+        self.option_right = torch.nn.Linear(text_dim, 2)
+        self.answer_word = torch.nn.Linear(text_dim, len(OPTION_WORDS))
 
 
-def dialogue(adapter: Qwen2VL, questions: list[Question], order: np.ndarray) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int, int]]]:
-    """Token ids after the video for every one of ``questions`` in ``order``, as the engine would
-    encode the dialogue (the adapter's own ``question_text``), with the answers filled in.
+@dataclass
+class Turns:
+    """One stream's dialogue as token ids (answers filled in) and where its supervised positions are.
 
-    Returns ``(ids, answers, questions)``: ``answers`` are ``(start, length)`` spans of the answer tokens
-    (word + ``<|im_end|>``); ``questions`` are ``(start, stop, class)`` spans from the question's "?" to the
-    last token before its answer. Each turn's text is a prefix of the next one's, so spans are found
-    by tokenizing the prefixes.
-    """
+    ``answers``: ``(start, length)`` spans of the answer tokens (word + ``<|im_end|>``); ``questions``:
+    ``(start, stop, class)`` spans from the question's "?" to the last token before its answer; ``options``:
+    ``(position, word, letter, right)`` at the last character of each multiple-choice option's word;
+    ``choice_answers``: ``(position, word)``, the position whose logits give a multiple-choice answer's letter
+    and the word that letter stands for."""
+
+    ids: list[int]
+    answers: list[tuple[int, int]]
+    questions: list[tuple[int, int, int]]
+    options: list[tuple[int, int, int, bool]]
+    choice_answers: list[tuple[int, int]]
+
+
+def dialogue(adapter: Qwen2VL, questions: list[Question | MultipleChoice], order: np.ndarray) -> Turns:
+    """Token ids after the video for every one of ``questions`` in ``order`` (a multiple-choice question asked in
+    its benchmark's prompt, answered by its letter), as the engine would encode the dialogue (the adapter's own
+    ``question_text``), with the answers filled in. Each turn's text is a prefix of the next one's, so positions
+    are found by tokenizing prefixes."""
     asked = [questions[i] for i in order]
     history: list[tuple[str, str]] = []
-    answers, questions = [], []
+    turns = Turns([], [], [], [], [])
     question_mark = adapter.tokenize("?")[0]
-    for question in asked:
-        prompt = adapter.tokenize(adapter.question_text(history, question.text))
-        mark = len(prompt) - 1 - prompt[::-1].index(question_mark)
+    for item in asked:
+        question = item.as_question() if isinstance(item, MultipleChoice) else item
+        text = adapter.question_text(history, question.text)
+        prompt = adapter.tokenize(text)
+        mark = len(prompt) - 1 - prompt[::-1].index(question_mark)  # the options and instructions hold no "?"
         target = QUESTION_CLASSES.index("first" if question.kind == "first" else question.subject)
-        questions.append((mark, len(prompt), target))
-        answers.append((len(prompt), len(adapter.tokenize(question.answer)) + 1))
+        turns.questions.append((mark, len(prompt), target))
+        turns.answers.append((len(prompt), len(adapter.tokenize(question.answer)) + 1))
+        if isinstance(item, MultipleChoice):
+            begin = text.rindex(question.text)
+            for letter, (option, word) in enumerate(zip(item.options, item.words)):
+                end = text.index(option, begin) + len(option)
+                turns.options.append((len(adapter.tokenize(text[:end])) - 1, OPTION_WORDS.index(word), letter,
+                                      LETTERS[letter] == item.letter))
+            turns.choice_answers.append((len(prompt) - 1, OPTION_WORDS.index(item.question.answer)))
         history.append((question.text, question.answer))
-    last = asked[-1]
-    ids = adapter.tokenize(adapter.question_text(history[:-1], last.text) + last.answer + "<|im_end|>")
-    return ids, answers, questions
+    last = asked[-1].as_question() if isinstance(asked[-1], MultipleChoice) else asked[-1]
+    turns.ids = adapter.tokenize(adapter.question_text(history[:-1], last.text) + last.answer + "<|im_end|>")
+    return turns
 
 
-def asked_questions(episode: Episode, choices: float, rng: np.random.Generator) -> list[Question]:
+def asked_questions(episode: Episode, choices: float, rng: np.random.Generator) -> list[Question | MultipleChoice]:
     """With probability ``choices``, a multiple-choice stream: :data:`CHOICE_QUESTIONS` of ``episode``'s
     questions (drawn at random) in their multiple-choice form (VideoMME's or OVO-Bench's prompt, drawn per
     question), nothing else; otherwise its bare questions."""
@@ -212,7 +254,7 @@ def asked_questions(episode: Episode, choices: float, rng: np.random.Generator) 
         return list(episode.questions)
     picked = rng.permutation(len(episode.questions))[:CHOICE_QUESTIONS]
     forms = [CHOICE_FORMATS[int(rng.integers(len(CHOICE_FORMATS)))] for _ in picked]
-    return [multiple_choice(episode.questions[i], rng, form).as_question() for i, form in zip(sorted(picked), forms)]
+    return [multiple_choice(episode.questions[i], rng, form) for i, form in zip(sorted(picked), forms)]
 
 
 def build_batch(
@@ -239,14 +281,23 @@ def build_batch(
     )
     text_start = max(len(prefix) - 1, int(visual_positions.max())) + 1
     texts, answer_at, answer_targets, answer_of, question_at, question_targets, first_kind = [], [], [], [], [], [], []
-    moving_questions = []
+    moving_questions, choice_kind, option_at, option_targets, choice_at, choice_words = [], [], [], [], [], []
     questions = 0
     if with_text:
         for row, episode in enumerate(episodes):
             questions_asked = asked_questions(episode, choices, rng) if choices > 0 else episode.questions
-            ids, answers, spans = dialogue(adapter, questions_asked, rng.permutation(len(questions_asked)))
+            turns = dialogue(adapter, questions_asked, rng.permutation(len(questions_asked)))
+            ids = turns.ids
             offset = len(prefix) + tokens
-            for (start, length), (mark, stop, target) in zip(answers, spans):
+            choice_starts = {position + 1 for position, _ in turns.choice_answers}
+            for position, word, letter, right in turns.options:
+                option_at.append((row, offset + position))
+                option_targets.append((word, letter, int(right)))
+            for position, word in turns.choice_answers:
+                choice_at.append((row, offset + position))
+                choice_words.append(word)
+            for (start, length), (mark, stop, target) in zip(turns.answers, turns.questions):
+                choice_kind.append(start in choice_starts)
                 for k in range(length):
                     answer_at.append((row, offset + start + k - 1))  # the logits at j-1 predict token j
                     answer_targets.append(ids[start + k])
@@ -288,6 +339,11 @@ def build_batch(
         first_kind=torch.tensor(first_kind, dtype=torch.bool),
         moving_tokens=torch.tensor([e.kind == "moving" for e in episodes]).repeat_interleave(tokens),
         moving_questions=torch.tensor(moving_questions, dtype=torch.bool),
+        choice_kind=torch.tensor(choice_kind, dtype=torch.bool),
+        option_at=torch.tensor(option_at, dtype=torch.long).reshape(-1, 2).t(),
+        option_targets=torch.tensor(option_targets, dtype=torch.long).reshape(-1, 3).t(),
+        choice_at=torch.tensor(choice_at, dtype=torch.long).reshape(-1, 2).t(),
+        choice_words=torch.tensor(choice_words, dtype=torch.long),
     )
 
 
@@ -392,8 +448,26 @@ class TinyTrainer:
             if batch.moving_questions is not None and batch.moving_questions.any():
                 stats.moving_answer_acc = right_per_question[batch.moving_questions].float().mean().item()
             stats.question_acc = (question_logits.argmax(-1) == batch.question_targets).float().mean().item()
+            if batch.choice_kind is not None and batch.choice_kind.any():
+                stats.choice_acc = right_per_question[batch.choice_kind].float().mean().item()
+                loss = loss + self._option_loss(batch, output.hidden_states, stats)
         stats.loss = loss.item()
         return loss, stats
+
+    def _option_loss(self, batch: Batch, hidden: tuple[torch.Tensor, ...], stats: StepStats) -> torch.Tensor:
+        """The option heads' losses (:class:`Heads`), each weighted ``option_weight``; ``stats.option_acc``: how
+        often the verdict head picks the right option of a question (argmax over its options)."""
+        config, heads = self.config, self.heads
+        at, targets = batch.option_at, batch.option_targets
+        said = hidden[config.option_layer][at[0], at[1]]
+        judged = hidden[config.verdict_layer][at[0], at[1]]
+        answering = hidden[config.verdict_layer][batch.choice_at[0], batch.choice_at[1]]
+        verdict = heads.option_right(judged)
+        loss = (F.cross_entropy(heads.option_word(said), targets[0]) + F.cross_entropy(heads.option_letter(said), targets[1])
+                + F.cross_entropy(verdict, targets[2]) + F.cross_entropy(heads.answer_word(answering), batch.choice_words))
+        margin = (verdict[:, 1] - verdict[:, 0]).view(-1, len(LETTERS))
+        stats.option_acc = (margin.argmax(-1) == targets[2].view(-1, len(LETTERS)).argmax(-1)).float().mean().item()
+        return config.option_weight * loss
 
     def step(self, phase_index: int, step: int, batch: Batch | None = None) -> StepStats:
         """One optimiser step on the streams of ``(phase_index, step)`` (``batch``: those, made in advance)."""
@@ -465,6 +539,8 @@ def _postfix(phase: str, recent: list[StepStats]) -> str:
     if "answer_acc" in mean:
         text += (f" answers {mean['answer_acc']:.2f} (first {mean.get('first_acc', nan):.2f}, moving "
                  f"{mean.get('moving_answer_acc', nan):.2f}) question {mean['question_acc']:.2f}")
+    if "choice_acc" in mean:
+        text += f" choices {mean['choice_acc']:.2f} (options {mean.get('option_acc', nan):.2f})"
     return text
 
 
