@@ -126,3 +126,32 @@ def test_a_later_stage_continues_from_the_earlier_ones_weights():
     for a, b in zip(both.model.parameters(), then.model.parameters()):
         assert torch.equal(a, b)
     assert [s["phases"][0]["phase"] for s in record["stages"]] == ["A", "D"]
+
+
+def test_multiple_choice_turns_mark_each_options_word_its_letter_and_the_answering_position(trainer):
+    """A multiple-choice turn is asked in its benchmark's prompt and answered by its letter; the option heads read
+    the last character of each option's word (checked here by decoding the ids up to it, not by the code's
+    tokenizing of prefixes) and the position whose logits give the letter."""
+    from kvdemo.choices import multiple_choice
+    from kvdemo.training import OPTION_WORDS, dialogue
+
+    adapter = trainer.adapter
+    episode = generate_episode(5, StreamSpec(pairs=(3, 3), objects=(3, 3)))
+    rng = np.random.default_rng(1)
+    asked = [multiple_choice(episode.questions[0], rng, "videomme"), episode.questions[1],
+             multiple_choice(episode.questions[2], rng, "ovobench")]
+    turns = dialogue(adapter, asked, np.arange(3))
+    decode = adapter.tokenizer.decode
+    text = decode(turns.ids)
+    assert len(turns.options) == 8 and len(turns.choice_answers) == 2
+    for item, options, after in ((asked[0], turns.options[:4], "\n"), (asked[2], turns.options[4:], ";")):
+        for letter, (position, word, letter_index, right) in enumerate(options):
+            assert decode(turns.ids[: position + 1]).endswith(f"{'ABCD'[letter]}. {item.words[letter]}")
+            assert decode(turns.ids[position + 1 : position + 2]) == after
+            assert OPTION_WORDS[word] == item.words[letter] and letter_index == letter
+            assert right == (item.words[letter] == item.question.answer)
+    for (position, word), item in zip(turns.choice_answers, (asked[0], asked[2])):
+        assert decode(turns.ids[: position + 1]).endswith(item.prompt.strip() + "<|im_end|>\n<|im_start|>assistant\n")
+        assert decode(turns.ids[position + 1 : position + 2]) == item.letter and OPTION_WORDS[word] == item.question.answer
+    # the bare question in between is answered by its word, as before
+    assert f"{asked[1].text}<|im_end|>\n<|im_start|>assistant\n{asked[1].answer}<|im_end|>" in text
