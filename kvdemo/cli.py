@@ -338,14 +338,16 @@ def run_command(args: argparse.Namespace) -> int:
     budget.check_chunk(chunk_tokens, shape)
 
     from .coverage import coverage, coverage_table  # deferred on purpose: the budget is good, the model comes now
-    from .engine import StreamEngine  # deferred with it
+    from .lineup import Contender, make_engines  # deferred with it
     from .models.catalog import caveat_for  # deferred with it
     from .models.loading import load_model  # deferred with it (transformers)
     from .streaming import stream_video  # deferred with it
 
     model = load_model(args.model)
     check_questions(model, args.ask)
-    engine = StreamEngine(model, policy, budget=budget, fps=video.fps, max_new_tokens=args.max_new_tokens)
+    engines = make_engines(model, [Contender(policy.name, policy=policy, budget=budget)], fps=video.fps,
+                           max_new_tokens=args.max_new_tokens, baseline=bool(args.coverage and policy.bounded))
+    engine = engines[policy.name]
 
     print(video.describe(), file=sys.stderr)
     print(f"model {model.name}; policy {policy.name}" + (f", {budget.describe()}{note}" if budget.bounded else ""), file=sys.stderr)
@@ -354,9 +356,6 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"note: {model.notice}{elsewhere}", file=sys.stderr)
     if caveat := caveat_for(model.family):
         print(f"note: {caveat}", file=sys.stderr)
-    engines = {"policy": engine}
-    if args.coverage and policy.bounded:
-        engines["full"] = StreamEngine(model, "full", fps=video.fps)
     progress = _progress(video.num_frames, args.quiet)
     try:
         for step in stream_video(model, video, engines, args.frames_per_chunk):

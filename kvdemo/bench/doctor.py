@@ -28,6 +28,7 @@ from ..budget import DEFAULT_KEEP_RATIO, Budget
 from ..emulated_device import DEVICE as EMULATED
 from ..emulated_device import EmulatedDevice
 from ..engine import StreamEngine
+from ..lineup import Contender, make_engines
 from ..models.catalog import OFFLINE_MODELS, families
 from ..models.loading import load_model
 from ..policies import make_policy, policy_names
@@ -62,8 +63,7 @@ def _digest(engine: StreamEngine) -> str:
 
 def _one_run(model: Any, policy: str, frames: Any, budget: Budget | None, device: torch.device) -> dict[str, Any]:
     """Stream ``frames`` one temporal grid (two frames) at a time, ask twice; what the checklist records of one run."""
-    kwargs = {} if budget is None else {"budget": budget}
-    engine = StreamEngine(model, policy, max_new_tokens=8, **kwargs)
+    engine = make_engines(model, [Contender(policy, budget=budget)], fps=2.0, max_new_tokens=8)[policy]
     for start in range(0, len(frames), 2):
         engine.feed(frames[start : start + 2])
     before = _digest(engine)

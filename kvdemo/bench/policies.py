@@ -15,7 +15,8 @@ import torch
 
 from ..attention import MemoryCache, kvdemo_attention
 from ..budget import DEFAULT_KEEP_RATIO, Budget
-from ..engine import StreamEngine, must_compress
+from ..engine import must_compress
+from ..lineup import Contender, make_engines
 from ..memory import KVMemory
 from ..models.catalog import TINY_RANDOM_NAME
 from ..models.loading import load_model
@@ -210,8 +211,8 @@ def tiny_decode_benchmark(policy: Policy, frames: int = 240, budget_share: float
     per_grid = (224 // 28) * (336 // 28)
     total = frames // 2 * per_grid
     budget = Budget.from_user(policy, max(4 * per_grid, int(total * budget_share)), None, DEFAULT_KEEP_RATIO)
-    engines = {"full": StreamEngine(model, "full", fps=2.0, max_new_tokens=tokens),
-               policy.name: StreamEngine(model, policy, budget=budget, fps=2.0, max_new_tokens=tokens)}
+    engines = make_engines(model, [Contender(policy.name, policy=policy, budget=budget)], fps=2.0,
+                           max_new_tokens=tokens, baseline=True)
     for _ in stream_video(model, video, engines):
         pass
     model.logit_bias = None  # let answers run to the token cap (random weights stop anywhere otherwise)

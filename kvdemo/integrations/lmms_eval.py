@@ -50,6 +50,7 @@ from lmms_eval.api.model import lmms  # noqa: E402
 
 from ..budget import DEFAULT_KEEP_RATIO, Budget  # noqa: E402
 from ..engine import EngineError, StreamEngine  # noqa: E402
+from ..lineup import Contender, make_engines  # noqa: E402
 from ..models.loading import load_model  # noqa: E402
 from ..policies import make_policy  # noqa: E402
 from ..results import RunWriter, grade_prediction  # noqa: E402
@@ -205,7 +206,9 @@ class KVDemoLMM(lmms):
         return text
 
     def _engine(self) -> StreamEngine:
-        return StreamEngine(self.model, self.policy_name, budget=self.bounds, fps=self.fps, policy_params=self.policy_params)
+        """A fresh engine (a fresh policy, its state its own) under the budget resolved once, for one video."""
+        contender = Contender(self.policy_name, self.policy_params, budget=self.bounds)
+        return make_engines(self.model, [contender], fps=self.fps)[self.policy_name]
 
     def _ask(self, index: int, context: str, gen_kwargs: dict[str, Any], doc: dict[str, Any], task: str) -> Ask:
         until = gen_kwargs.get("until") or ()
