@@ -46,7 +46,9 @@ def simulated_stream(
     split when it reports one), apply ms.
     """
     shape = shape or QWEN7B_SHAPE
-    budget = Budget.from_user(policy, shape["budget"], shape["keep"], DEFAULT_KEEP_RATIO)
+    per_grid = shape["grid"][0] * shape["grid"][1]
+    # split for grids of this size, as the engine splits M at its first chunk (Budget.fit_chunk)
+    budget = Budget.from_user(policy, shape["budget"], shape["keep"], DEFAULT_KEEP_RATIO).fit_chunk(per_grid)
     generator = torch.Generator().manual_seed(seed)
     memory = KVMemory(shape["num_layers"], shape["num_kv_heads"], visual_capacity=budget.window, summary_slots=budget.summary)
     cache = MemoryCache(memory)
@@ -56,7 +58,6 @@ def simulated_stream(
     memory.commit_prefix(PREFIX_TOKENS)
     rotary = qwen7b_rotation(shape["head_dim"])
     heads = shape.get("num_heads", shape["num_kv_heads"])
-    per_grid = shape["grid"][0] * shape["grid"][1]
     passes = []
     uncompressed: tuple[int, ...] = ()
     with torch.inference_mode():
