@@ -243,7 +243,7 @@ class Demo:
         form = {field_name: values[key] for key, (owner, field_name, _) in self.param_inputs.items() if owner == chosen}
         settings = RunSettings(
             model=values["model"] or self.services.models.default, policy=chosen, params=parse_params(chosen, form),
-            budget=values["budget"], keep=values["keep"], fps=float(values["fps"] or 0),
+            budget=values["budget"], keep=values["keep"] if takes_keep(chosen) else None, fps=float(values["fps"] or 0),
             max_pixels=int(values["max_pixels"] or 0), baseline=bool(values["baseline"]),
             cap_mb=float(values["baseline_cap_mb"] or 0), sample=values.get("sample_kind") or "static",
         )

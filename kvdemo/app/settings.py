@@ -10,7 +10,6 @@ from .. import zerogpu
 from ..budget import Budget
 from ..engine import EngineError
 from ..geometry import FrameGeometry
-from ..lineup import cap_bytes
 from ..models.base import ModelError
 from ..models.catalog import geometry_for, resolve_model_name
 from ..policies import BudgetError, Policy, coerce_param, make_policy, policy_class, policy_params
@@ -72,8 +71,12 @@ def resolve_settings(settings: RunSettings) -> tuple[Policy, Budget]:
     if settings.fps is None or float(settings.fps) <= 0:
         raise BudgetError(f"sampling fps must be positive, got {settings.fps}")
     settings_geometry(settings)
-    cap_bytes(settings.cap_mb)  # a negative cap is a one-line message
-    return policy, Budget.from_user(policy, settings.budget, settings.keep)
+    if settings.cap_mb is not None and settings.cap_mb < 0:
+        raise BudgetError(f"the baseline memory cap must be 0 (no cap) or more MB, got {settings.cap_mb:g}")
+    takes_keep = type(policy).takes_keep()
+    if settings.budget is None or (takes_keep and settings.keep is None):
+        raise BudgetError("set both M and C" if takes_keep else "set M")
+    return policy, Budget.resolve(policy, settings.budget, settings.keep if takes_keep else None)
 
 
 def validate_settings(
