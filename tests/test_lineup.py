@@ -57,7 +57,7 @@ def test_the_librarys_exact_form_refuses_a_c_the_policy_does_not_take():
     assert str(error.value) == "policy 'protokv' is sized by M alone; C does not apply (leave it out)"
     assert Budget.resolve(make_policy("protokv"), 540) == Budget.from_user(make_policy("protokv"), 540, 405)
     assert (Budget.resolve(make_policy("uniform"), 96, 72).M, Budget.resolve(make_policy("uniform"), 96, 72).C) == (96, 72)
-    assert Budget.resolve(make_policy("full"), None, None) == Budget()
+    assert Budget.resolve(make_policy("full"), None, None) == Budget() == Budget.resolve(make_policy("full"), 96, 72)
 
 
 def test_a_policy_instance_splits_m_with_its_own_parameters():
