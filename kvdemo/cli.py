@@ -317,14 +317,14 @@ def run_command(args: argparse.Namespace) -> int:
     params = check_run_arguments(args)
     if args.video:
         open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
-    from .budget import Budget  # deferred from here on: torch loads only once the file is known to be good
+    from .budget import DEFAULT_KEEP_RATIO, Budget  # deferred from here on: torch loads only once the file is good
     from .policies import DEFAULT_POLICY, make_policy  # deferred with Budget
 
     policy = make_policy(args.policy or DEFAULT_POLICY, **params)
     if args.keep is not None and args.budget is None and policy.bounded:
         raise UsageError("--keep needs --budget")
     if args.budget is not None:
-        Budget.resolve(policy, args.budget, args.keep, default_ratio=0.75)  # its own rule, before frames are sized
+        Budget.from_user(policy, args.budget, args.keep, DEFAULT_KEEP_RATIO)  # its own rule, before frames are sized
 
     video, episode, geometry = open_source(args)
     chunk_tokens, shape = geometry.chunk_tokens(video.size, args.frames_per_chunk)
@@ -334,18 +334,20 @@ def run_command(args: argparse.Namespace) -> int:
         budget = Budget.auto(policy, chunk_tokens, stream_tokens)
         note = " (auto: about a third of this stream's visual tokens)"
     else:
-        budget = Budget.resolve(policy, args.budget, args.keep, default_ratio=0.75)
+        budget = Budget.from_user(policy, args.budget, args.keep, DEFAULT_KEEP_RATIO)
     budget.check_chunk(chunk_tokens, shape)
 
     from .coverage import coverage, coverage_table  # deferred on purpose: the budget is good, the model comes now
-    from .engine import StreamEngine  # deferred with it
+    from .lineup import Contender, make_engines  # deferred with it
     from .models.catalog import caveat_for  # deferred with it
     from .models.loading import load_model  # deferred with it (transformers)
     from .streaming import stream_video  # deferred with it
 
     model = load_model(args.model)
     check_questions(model, args.ask)
-    engine = StreamEngine(model, policy, budget=budget, fps=video.fps, max_new_tokens=args.max_new_tokens)
+    engines = make_engines(model, [Contender(policy.name, policy=policy, budget=budget)], fps=video.fps,
+                           max_new_tokens=args.max_new_tokens, baseline=bool(args.coverage and policy.bounded))
+    engine = engines[policy.name]
 
     print(video.describe(), file=sys.stderr)
     print(f"model {model.name}; policy {policy.name}" + (f", {budget.describe()}{note}" if budget.bounded else ""), file=sys.stderr)
@@ -354,9 +356,6 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"note: {model.notice}{elsewhere}", file=sys.stderr)
     if caveat := caveat_for(model.family):
         print(f"note: {caveat}", file=sys.stderr)
-    engines = {"policy": engine}
-    if args.coverage and policy.bounded:
-        engines["full"] = StreamEngine(model, "full", fps=video.fps)
     progress = _progress(video.num_frames, args.quiet)
     try:
         for step in stream_video(model, video, engines, args.frames_per_chunk):

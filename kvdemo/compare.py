@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .budget import Budget
 from .dialogue import clipped
 from .engine import StreamEngine
 from .explain import evidence_ratio, fidelity
-from .policies import COMPARE_POLICIES, BudgetError, make_policy
+from .lineup import FULL, Contender, cap_bytes, make_engines
+from .policies import COMPARE_POLICIES, BudgetError
 from .streaming import EngineGroup
 from .views import counted
 
@@ -34,18 +33,6 @@ MAX_POLICIES = 4
 #: The shared M and C a comparison starts with: two thirds of the model's single-policy defaults (kvdemo's choice:
 #: several engines share the memory one would have; for the tiny model 64 and 48, the eval's defaults).
 COMPARE_BUDGET_SHARE = 2 / 3
-#: Engine name of the full-cache baseline.
-FULL = "full"
-
-
-@dataclass
-class Contender:
-    """One compared policy: its name, its parameters and its own ``M``/``C`` (None: the shared ones)."""
-
-    name: str
-    params: dict[str, Any] = field(default_factory=dict)
-    budget: Any = None
-    keep: Any = None
 
 
 def compare_budget(budget: int, keep: int) -> tuple[int, int]:
@@ -84,20 +71,10 @@ def parse_overrides(names: list[str], text: str = "") -> list[Contender]:
 
 def compare_engines(model, contenders: list[Contender], budget: Any, keep: Any, fps: float,
                     full_cap_bytes: int | None = None, max_new_tokens: int = 64) -> dict[str, StreamEngine]:
-    """One engine per contender (its own budget, else the shared ``budget``/``keep``; a policy sized by ``M`` alone
-    ignores ``C``) and the full cache (stopped at ``full_cap_bytes``), in that order."""
-    engines = {}
-    for contender in contenders:
-        policy = make_policy(contender.name, **contender.params)
-        m = contender.budget if contender.budget is not None else budget
-        c = contender.keep if contender.keep is not None else keep
-        takes_keep = type(policy).takes_keep()
-        if m is None or (takes_keep and c is None):
-            raise BudgetError(f"{contender.name}: set M" + (" and C" if takes_keep else ""))
-        bounds = Budget.resolve(policy, m, c if takes_keep else None)
-        engines[contender.name] = StreamEngine(model, policy, budget=bounds, fps=fps, max_new_tokens=max_new_tokens)
-    engines[FULL] = StreamEngine(model, FULL, fps=fps, max_cache_bytes=full_cap_bytes, max_new_tokens=max_new_tokens)
-    return engines
+    """The comparison's lineup (:func:`kvdemo.lineup.make_engines`): one engine per contender (its own budget, else
+    the shared ``budget``/``keep``), then the full cache stopped at ``full_cap_bytes``."""
+    return make_engines(model, contenders, budget, keep, fps=fps, max_new_tokens=max_new_tokens, baseline=True,
+                        baseline_cap_bytes=full_cap_bytes)
 
 
 def check_chunks(engines: dict[str, StreamEngine], tokens: int, shape: str) -> None:
@@ -186,7 +163,7 @@ def compare_command(args, model, video, episode=None) -> int:
     """``python -m kvdemo compare`` on ``video`` (the CLI parsed and checked the arguments and opened the stream;
     ``episode``: its generated ground truth, for the bundled sample)."""
     contenders = parse_overrides((args.policies or ",".join(COMPARE_POLICIES)).split(","), "\n".join(args.override))
-    cap = int(args.full_cap_mb * 2**20) if args.full_cap_mb else None
+    cap = cap_bytes(args.full_cap_mb)
     engines = compare_engines(model, contenders, args.budget, args.keep, video.fps, cap, args.max_new_tokens)
     tokens, shape = model.geometry.chunk_tokens(video.size, 2)
     check_chunks(engines, tokens, shape)

@@ -170,7 +170,7 @@ class StreamEngine:
                 raise BudgetError("give C inside the Budget, not as keep=")
             self.budget = budget
         else:
-            self.budget = Budget.resolve(self.policy, budget if self.policy.bounded else None, keep if self.policy.bounded else None)
+            self.budget = Budget.resolve(self.policy, budget, keep)  # full ignores both numbers
         self.fps = float(fps)
         self.max_new_tokens = int(max_new_tokens)
         self.max_cache_bytes = max_cache_bytes

@@ -112,20 +112,11 @@ def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def build_engines(model: VideoLM, policies: list[str], budget: int | None, keep: int | None, fps: float) -> dict[str, StreamEngine]:
-    """One engine per policy, each under the :class:`~kvdemo.budget.Budget` its policy takes of ``M`` and
-    ``C`` (a policy sized by ``M`` alone gets no ``C``; ``full`` neither)."""
-    from .budget import Budget  # deferred on purpose: the CLI imports this module for its defaults, before torch
-    from .engine import StreamEngine  # deferred with it
-    from .policies import BudgetError, make_policy  # deferred with it
+    """One engine per policy (:func:`kvdemo.lineup.make_engines`), each under the budget its policy takes of
+    ``M`` and ``C`` (a policy sized by ``M`` alone gets no ``C``; ``full`` neither)."""
+    from .lineup import make_engines  # deferred on purpose: the CLI imports this module for its defaults, before torch
 
-    engines = {}
-    for name in policies:
-        policy = make_policy(name)
-        if policy.bounded and budget is None:
-            raise BudgetError(f"policy {name!r} needs --budget (M) for the evaluation")
-        bounds = Budget.resolve(policy, budget, keep if type(policy).takes_keep() else None)
-        engines[name] = StreamEngine(model, policy, budget=bounds, fps=fps, max_new_tokens=ANSWER_TOKENS)
-    return engines
+    return make_engines(model, policies, budget, keep, fps=fps, max_new_tokens=ANSWER_TOKENS)
 
 
 def run_episode(
@@ -360,14 +351,14 @@ def eval_command(args: argparse.Namespace) -> int:
     """``python -m kvdemo eval`` (arguments checked by the CLI before anything heavy loads)."""
     import torch  # deferred on purpose (as above)
 
-    from .budget import token_count  # deferred with torch
+    from .budget import DEFAULT_KEEP_RATIO, token_count  # deferred with torch
     from .models.loading import load_model  # deferred with torch
     from .policies import make_policy  # deferred with torch
 
     for name in args.policies:
         make_policy(name)  # an unknown name fails here, before the model loads
     budget = token_count("M", args.budget)  # M and C are checked by the budget's rule before the model loads
-    keep = token_count("C", args.keep) if args.keep is not None else int(budget * 0.75)
+    keep = token_count("C", args.keep) if args.keep is not None else int(budget * DEFAULT_KEEP_RATIO)
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
     if model.notice:

@@ -78,3 +78,31 @@ def test_reference_comparison_loads_the_users_file_and_compares_kept_tokens(tmp_
         assert row["shared_token_fraction"] == pytest.approx(shared)
         assert row["ratio"] == pytest.approx(row["kvdemo_ms"] / row["reference_ms"])
     assert f"{identical}/4 layer-heads identical" in reference_table(result)
+
+
+@pytest.mark.parametrize("name, params", [("uniform", {}), ("sliding-window", {}), ("infinipot-v", {}), ("cords", {}),
+                                          ("protokv", {"warmup": 8})])
+def test_the_simulated_stream_compresses_where_the_engine_does(tiny, name, params):
+    """The bench's simulated stream (random keys, no model) and the engine on the tiny model compress before the
+    same grids. 12 chunks of t = 135 tokens (9 x 15), M = 4t, C = 2t: a selection policy holds 4t after four
+    chunks, so it compresses before chunks 4, 6, 8 and 10. ProtoKV at M = 540 with chunks of 135 has 33 prototypes
+    x 8 = 264 summary slots and a near window of 276 (two chunks at least): the first two chunks fit, every later
+    one overflows (split without the chunk size, as the bench did, the window was 140 and it compressed at 1)."""
+    from kvdemo.bench.policies import simulated_stream
+    from kvdemo.engine import FrameStream
+    from kvdemo.lineup import Contender, make_engines
+    from kvdemo.policies import make_policy
+    from kvdemo.synthetic import synthetic_video
+
+    video = synthetic_video(num_frames=24, height=252, width=420, fps=2.0, seed=5).resized(tiny.geometry)
+    stream = FrameStream(tiny, 2.0)
+    chunks = [stream.push(video.frames[i : i + 2]) for i in range(0, 24, 2)]
+    assert {(c.rows, c.cols, c.num_tokens) for c in chunks} == {(9, 15, 135)}
+    engine = make_engines(tiny, [Contender(name, params)], 540, 270, fps=2.0)[name]
+    engine_grids = [g for g, chunk in enumerate(chunks) if any(e.event == "compress" for e in engine.feed_chunk(chunk))]
+    shape = dict(num_layers=tiny.num_layers, num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
+                 budget=540, keep=270, grid=(9, 15))
+    _, passes = simulated_stream(make_policy(name, **params), len(chunks), shape)
+    expected = list(range(2, 12)) if name == "protokv" else [4, 6, 8, 10]
+    assert engine_grids == expected
+    assert [p["grid"] for p in passes] == expected

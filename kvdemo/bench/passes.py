@@ -13,7 +13,7 @@ import torch
 
 from ..attention import MemoryCache
 from ..budget import Budget
-from ..engine import StreamEngine
+from ..lineup import Contender, make_engines
 from ..memory import KVMemory
 from ..models.catalog import TINY_RANDOM_NAME
 from ..models.loading import load_model
@@ -260,10 +260,7 @@ def stream_benchmark(policy: Policy, frames: int, budget: Budget) -> dict[str, A
     encoding)."""
     model = load_model(TINY_RANDOM_NAME)
     video = synthetic_video(num_frames=frames, height=224, width=336, fps=2.0, seed=1)
-    engines = {
-        "full": StreamEngine(model, "full", fps=video.fps),
-        policy.name: StreamEngine(model, policy, budget=budget, fps=video.fps),
-    }
+    engines = make_engines(model, [Contender(policy.name, policy=policy, budget=budget)], fps=video.fps, baseline=True)
     encode_ms = 0.0
     for step in stream_video(model, video, engines, frames_per_chunk=2):
         encode_ms += step.chunk.encode_ms

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from ..attention import MemoryCache, kvdemo_attention
-from ..budget import Budget
-from ..engine import StreamEngine, must_compress
+from ..budget import DEFAULT_KEEP_RATIO, Budget
+from ..engine import must_compress
+from ..lineup import Contender, make_engines
 from ..memory import KVMemory
 from ..models.catalog import TINY_RANDOM_NAME
 from ..models.loading import load_model
@@ -45,7 +46,9 @@ def simulated_stream(
     split when it reports one), apply ms.
     """
     shape = shape or QWEN7B_SHAPE
-    budget = Budget.resolve(policy, shape["budget"], shape["keep"], default_ratio=0.75)
+    per_grid = shape["grid"][0] * shape["grid"][1]
+    # split for grids of this size, as the engine splits M at its first chunk (Budget.fit_chunk)
+    budget = Budget.from_user(policy, shape["budget"], shape["keep"], DEFAULT_KEEP_RATIO).fit_chunk(per_grid)
     generator = torch.Generator().manual_seed(seed)
     memory = KVMemory(shape["num_layers"], shape["num_kv_heads"], visual_capacity=budget.window, summary_slots=budget.summary)
     cache = MemoryCache(memory)
@@ -55,7 +58,6 @@ def simulated_stream(
     memory.commit_prefix(PREFIX_TOKENS)
     rotary = qwen7b_rotation(shape["head_dim"])
     heads = shape.get("num_heads", shape["num_kv_heads"])
-    per_grid = shape["grid"][0] * shape["grid"][1]
     passes = []
     uncompressed: tuple[int, ...] = ()
     with torch.inference_mode():
@@ -209,9 +211,9 @@ def tiny_decode_benchmark(policy: Policy, frames: int = 240, budget_share: float
     video = synthetic_video(num_frames=frames, height=224, width=336, fps=2.0, seed=1)
     per_grid = (224 // 28) * (336 // 28)
     total = frames // 2 * per_grid
-    budget = Budget.resolve(policy, max(4 * per_grid, int(total * budget_share)), None, default_ratio=0.75)
-    engines = {"full": StreamEngine(model, "full", fps=2.0, max_new_tokens=tokens),
-               policy.name: StreamEngine(model, policy, budget=budget, fps=2.0, max_new_tokens=tokens)}
+    budget = Budget.from_user(policy, max(4 * per_grid, int(total * budget_share)), None, DEFAULT_KEEP_RATIO)
+    engines = make_engines(model, [Contender(policy.name, policy=policy, budget=budget)], fps=2.0,
+                           max_new_tokens=tokens, baseline=True)
     for _ in stream_video(model, video, engines):
         pass
     model.logit_bias = None  # let answers run to the token cap (random weights stop anywhere otherwise)
