@@ -155,3 +155,28 @@ def test_multiple_choice_turns_mark_each_options_word_its_letter_and_the_answeri
         assert decode(turns.ids[position + 1 : position + 2]) == item.letter and OPTION_WORDS[word] == item.question.answer
     # the bare question in between is answered by its word, as before
     assert f"{asked[1].text}<|im_end|>\n<|im_start|>assistant\n{asked[1].answer}<|im_end|>" in text
+
+
+def test_the_pointer_loss_reads_the_attention_from_each_answering_position_to_its_right_options_word(trainer):
+    """The pointer loss is -log of one head's attention weight from the position that answers a multiple-choice
+    question to the last character of its right option's word; restated here with a loop over the batch's decoded
+    text (the right option found by its word, not by the code's verdict targets)."""
+    from kvdemo.training import OPTION_WORDS
+
+    batch = build_batch(trainer.adapter, [generate_episode(s, StreamSpec(pairs=(2, 2))) for s in (3, 4)],
+                        np.random.default_rng(2), choices=1.0)
+    rows, length = batch.input_ids.shape
+    attention = torch.rand(rows, 4, length, length, generator=torch.Generator().manual_seed(0))
+    expected, decode = [], trainer.adapter.tokenizer.decode
+    for k in range(batch.choice_at.shape[1]):
+        row, at = batch.choice_at[:, k].tolist()
+        word = OPTION_WORDS[int(batch.choice_words[k])]
+        options = [int(p) for p in batch.option_at[1, 4 * k : 4 * k + 4]]
+        target = next(p for p in options if decode(batch.input_ids[row, : p + 1].tolist()).endswith(". " + word))
+        expected.append(-np.log(float(attention[row, 2, at, target]) + 1e-6))
+    probe = TinyTrainer.__new__(TinyTrainer)
+    probe.config = TrainConfig(pointer_head=2)
+    stats = type("Stats", (), {})()
+    loss = probe._pointer_loss(batch, attention, stats)
+    assert len(expected) == batch.choice_at.shape[1] > 0
+    assert loss.item() == pytest.approx(float(np.mean(expected)), rel=1e-5)
