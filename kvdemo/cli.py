@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .dialogue import ECHO_LIMIT, QuestionError, check_question, check_question_text, clipped  # light: no torch
+from .errors import UserError  # light: imports nothing
 from .evaluation import DEFAULT_DELAYS, EVAL_KINDS, QUESTION_FORMS  # light: torch loads when an evaluation runs
 from .synthetic import STREAM_KINDS, grade, sample_episode  # light: numpy
 from .usage import (  # help texts
@@ -37,22 +38,11 @@ from .usage import (  # help texts
     RUN_EXAMPLES,
     TRAIN_DESCRIPTION,
 )
-from .video import VideoError, open_video  # light: numpy and, when a file is opened, PyAV
+from .video import open_video  # light: numpy and, when a file is opened, PyAV
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """A command-line argument that cannot work (the message names it)."""
-
-
-def user_errors() -> tuple[type[Exception], ...]:
-    """The exceptions a user can cause, from the kvdemo modules loaded so far (an error class of a
-    module that is not loaded cannot have been raised, and loading one here would cost seconds)."""
-    errors: list[type[Exception]] = [UsageError, VideoError]
-    for module, name in (("kvdemo.policies.base", "BudgetError"), ("kvdemo.engine", "EngineError"),
-                         ("kvdemo.models.base", "ModelError")):
-        if module in sys.modules:
-            errors.append(getattr(sys.modules[module], name))
-    return tuple(errors)
 
 
 def one_line(message: str, argv: list[str]) -> str:
@@ -97,7 +87,7 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     sized_by_m = [name for name, cls in (policies or {}).items() if cls.bounded and not cls.takes_keep()]
     no_keep = f"{', '.join(sized_by_m)} take{'s' if len(sized_by_m) == 1 else ''} none: sized by M alone" if sized_by_m else \
         "a policy sized by M alone takes none"
-    updating = [name for name, cls in (policies or {}).items() if "update" in cls.benchmarks]
+    updating = [name for name in policies if "update" in catalog.policy_card(name).bench.benchmarks]
     update_owner = ", ".join(updating) if updating else "a policy with an update benchmark"
     formatter = argparse.RawDescriptionHelpFormatter
     parser = Parser(
@@ -272,9 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.policy = args.policy or BENCH_POLICY
         return bench_command(args, dict(parse_param(p) for p in args.param))
-    except Exception as exc:
-        if not isinstance(exc, user_errors()):
-            raise
+    except UserError as exc:
         print(f"error: {one_line(str(exc), argv)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

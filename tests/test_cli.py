@@ -202,6 +202,8 @@ def test_min_pixels_beyond_the_models_own_maximum_is_one_line(media):
     (["-M", "abc"], "M is a number of visual tokens, got 'abc'"),
     (["-M", "96", "-C", "-3"], "M and C must be positive, got C=-3"),
     (["--param", "alpha=abc"], "infinipot-v's alpha takes a number (float), got 'abc'"),
+    (["--param", "tar=sideways"], "infinipot-v's tar must be one of patch, frame, reverse, got 'sideways'"),
+    (["--policy", "nope"], "unknown policy 'nope'; choose one of: infinipot-v, cords"),
 ])
 def test_absurd_budgets_and_parameters_are_one_line_and_exit_2(args, message):
     done, imported = run_cli_in_a_fresh_process("run", "--quiet", *args)
