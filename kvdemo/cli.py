@@ -89,6 +89,8 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
         "a policy sized by M alone takes none"
     updating = [name for name in policies if "update" in catalog.policy_card(name).bench.benchmarks]
     update_owner = ", ".join(updating) if updating else "a policy with an update benchmark"
+    # What each policy keeps, from its card (the run command's help lists them above its examples).
+    summaries = "".join(f"\n  {name:<15} {catalog.policy_card(name).summary}" for name in policies)
     formatter = argparse.RawDescriptionHelpFormatter
     parser = Parser(
         prog="kvdemo" if Path(sys.argv[0]).name == "kvdemo" else "python -m kvdemo", description=DESCRIPTION, formatter_class=formatter,
@@ -112,7 +114,8 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     stream.add_argument("--json", metavar="OUT", help="write the report here")
 
     run = commands.add_parser("run", help="stream a video through one policy (and optionally ask questions)", parents=[stream],
-                              description=RUN_DESCRIPTION, epilog=RUN_EXAMPLES, formatter_class=formatter)
+                              description=RUN_DESCRIPTION, epilog=(f"policies:{summaries}\n\n" if policies else "") + RUN_EXAMPLES,
+                              formatter_class=formatter)
     run.add_argument("--policy", help=named(f"compression policy, {listed}", catalog and catalog.DEFAULT_POLICY))
     # M and C are read as text and checked by the budget's one rule (1e25 is a one-line error, not argparse's).
     run.add_argument("--budget", "-M", help="M: max visual tokens held (default: about a third of the stream's, at most 6144)")

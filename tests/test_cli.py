@@ -187,6 +187,16 @@ def test_help_is_plain_text_with_descriptions_and_examples():
     assert "default infinipot-v" in " ".join(run_help.split())  # argparse wraps lines at the terminal's width
 
 
+def test_run_help_lists_every_policy_with_the_summary_its_card_declares(capsys):
+    from kvdemo.policies import CARDS
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = capsys.readouterr().out
+    listed = text.split("policies:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert [line.split(None, 1) for line in listed] == [[name, card.summary] for name, card in CARDS.items()]
+
+
 def test_min_pixels_beyond_the_models_own_maximum_is_one_line(media):
     """Without --max-pixels the model's own maximum applies: known once the model is named, still before it loads."""
     done, imported = run_cli_in_a_fresh_process("run", "--video", str(media / "flipping_a_pancake.mkv"), "--model", "tiny",

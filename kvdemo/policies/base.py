@@ -4,8 +4,9 @@ The contract is :mod:`.contract`, the scored core and top-k kernels :mod:`.topk`
 """
 
 from ..errors import BudgetError
+from ..timing import PhaseTimer
 from .contract import LayerView, OffloadUpdate, Policy, Probed, Selection, SummaryRegion, SummaryUpdate
-from .registry import ParamSpec, coerce_param, make_policy, policy_class, policy_names, policy_params
+from .registry import REGISTRY, ParamSpec, coerce_param, make_policy, policy_class, policy_names, policy_params
 from .topk import (
     Ranking,
     ScoredPolicy,
@@ -19,10 +20,12 @@ from .topk import (
 )
 
 __all__ = [
+    "REGISTRY",
     "BudgetError",
     "LayerView",
     "OffloadUpdate",
     "ParamSpec",
+    "PhaseTimer",
     "Policy",
     "Probed",
     "Ranking",

@@ -28,7 +28,7 @@ from .contract import Policy
 @dataclass(frozen=True)
 class BenchDeclaration:
     """What ``python -m kvdemo bench`` measures about a policy beyond its compression pass, as data the bench
-    reads (the runners are the bench's own, :func:`kvdemo.bench.policies.bench_plan`).
+    reads (the runners are the bench's own, :func:`kvdemo.bench.plans.bench_plan`).
 
     benchmarks: names of the bench's policy benchmarks (``update``: its per-chunk update over a long stream;
     ``decode``: decode-step attention against the full cache). variants: parameter changes its pass is also timed
@@ -45,7 +45,7 @@ class BenchDeclaration:
 class PolicyCard:
     """What is said and shown about a policy, declared beside its class and registered with it.
 
-    summary: one line for the CLI's and the app's help. reasons: the names of the reason codes it reports per
+    summary: one line saying what it keeps (for help texts). reasons: the names of the reason codes it reports per
     kept token in ``Selection.info["reason"]`` (code -> name; the legends). view_titles: the titles of the views
     its ``views()`` may return (the app makes room for as many as any policy declares). bench: what the benchmark
     measures about it (:class:`BenchDeclaration`).
