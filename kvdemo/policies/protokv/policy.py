@@ -72,7 +72,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...errors import BudgetError, PolicyParameterError
+from ...errors import PolicyParameterError
 from ...timing import PhaseTimer
 from ...views import LOST, View, ViewContext
 from ..contract import LayerView, Policy, Selection, SummaryRegion, SummaryUpdate
@@ -81,12 +81,10 @@ from ..topk import select_with_text
 from .bank import NearTokens, ProtoBank, Tokens
 from .ema import mahalanobis
 from .pq import beam_search, pq_decode
+from .split import near_and_bank
 from .views import bank_churn, prototype_views
 
 REASON_NEAR = 0
-#: The near window holds at least this many chunks (kvdemo's rule, see the module docstring): the newest chunk,
-#: still exact while the next one is prefilled.
-NEAR_CHUNKS = 2
 REASON_NAMES = {REASON_NEAR: "near window (exact)"}
 
 
@@ -153,31 +151,8 @@ class ProtoKV(Policy, SummaryRegion):
 
     # --- budget ---------------------------------------------------------------------------
     def split(self, budget: int, chunk: int = 0) -> tuple[int, int]:
-        """``(W, K_max)`` for budget ``M`` and chunks of ``chunk`` visual tokens (0 = not known yet): the paper's
-        ``K_max = floor((1 - near_share) M / S)``, lowered until the near window holds two chunks
-        (:data:`NEAR_CHUNKS`: the newest chunk stays exact while the next one comes in); ``W = M - K_max S``."""
-        near_min = NEAR_CHUNKS * int(chunk)
-        prototypes = min(int((1.0 - self.near_share) * budget), budget - near_min) // self.pseudo_tokens
-        near = budget - prototypes * self.pseudo_tokens
-        if prototypes < 1 or near < max(1, near_min):
-            if near_min:
-                raise BudgetError(
-                    f"M={budget} cannot hold ProtoKV's near window of {near_min} tokens (the newest chunk of {chunk} "
-                    f"stays exact while the next comes in) and one prototype of S={self.pseudo_tokens} pseudo-tokens; "
-                    f"raise M to at least {self._smallest_budget(near_min)}"
-                )
-            raise BudgetError(
-                f"M={budget} is too small for ProtoKV: it needs room for a near window and at least one prototype "
-                f"of S={self.pseudo_tokens} pseudo-tokens"
-            )
-        return near, prototypes
-
-    def _smallest_budget(self, near_min: int) -> int:
-        """The smallest ``M`` that holds a near window of ``near_min`` tokens and one prototype."""
-        budget = near_min + self.pseudo_tokens
-        while int((1.0 - self.near_share) * budget) < self.pseudo_tokens:
-            budget += 1
-        return budget
+        """``(W, K_max)`` for budget ``M`` and chunks of ``chunk`` visual tokens (:func:`.split.near_and_bank`)."""
+        return near_and_bank(budget, chunk, self.near_share, self.pseudo_tokens)
 
     def summary_slots(self, budget: int, chunk: int = 0) -> int:
         return self.split(budget, chunk)[1] * self.pseudo_tokens
