@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "BudgetError": ".policies",
+    "BudgetError": ".errors",
     "EngineError": ".engine",
     "FrameStream": ".engine",
     "KVMemory": ".memory",
@@ -20,6 +20,7 @@ _EXPORTS = {
     "Policy": ".policies",
     "Selection": ".policies",
     "StreamEngine": ".engine",
+    "UserError": ".errors",
     "Video": ".video",
     "VideoError": ".video",
     "evaluate": ".evaluation",

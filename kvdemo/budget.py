@@ -66,7 +66,7 @@ class Budget:
         if not takes_keep:
             splitter = policy if isinstance(policy, SummaryRegion) else policy_cls()
             summary = splitter.summary_slots(M)  # raises if M cannot be split as the policy needs
-            return cls(M, None, summary, splitter.describe_split(M), getattr(splitter, "window_name", "window"),
+            return cls(M, None, summary, splitter.describe_split(M), splitter.window_name,
                        splitter.summary_slots, splitter.describe_split)
         C = token_count("C", keep)
         if C >= M:

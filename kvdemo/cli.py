@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .dialogue import ECHO_LIMIT, QuestionError, check_question, check_question_text, clipped  # light: no torch
+from .errors import UserError  # light: imports nothing
 from .evaluation import DEFAULT_DELAYS, EVAL_KINDS, QUESTION_FORMS  # light: torch loads when an evaluation runs
 from .synthetic import STREAM_KINDS, grade, sample_episode  # light: numpy
 from .usage import (  # help texts
@@ -37,22 +38,11 @@ from .usage import (  # help texts
     RUN_EXAMPLES,
     TRAIN_DESCRIPTION,
 )
-from .video import VideoError, open_video  # light: numpy and, when a file is opened, PyAV
+from .video import open_video  # light: numpy and, when a file is opened, PyAV
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """A command-line argument that cannot work (the message names it)."""
-
-
-def user_errors() -> tuple[type[Exception], ...]:
-    """The exceptions a user can cause, from the kvdemo modules loaded so far (an error class of a
-    module that is not loaded cannot have been raised, and loading one here would cost seconds)."""
-    errors: list[type[Exception]] = [UsageError, VideoError]
-    for module, name in (("kvdemo.policies.base", "BudgetError"), ("kvdemo.engine", "EngineError"),
-                         ("kvdemo.models.base", "ModelError")):
-        if module in sys.modules:
-            errors.append(getattr(sys.modules[module], name))
-    return tuple(errors)
 
 
 def one_line(message: str, argv: list[str]) -> str:
@@ -97,8 +87,10 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     sized_by_m = [name for name, cls in (policies or {}).items() if cls.bounded and not cls.takes_keep()]
     no_keep = f"{', '.join(sized_by_m)} take{'s' if len(sized_by_m) == 1 else ''} none: sized by M alone" if sized_by_m else \
         "a policy sized by M alone takes none"
-    updating = [name for name, cls in (policies or {}).items() if "update" in cls.benchmarks]
+    updating = [name for name in policies if "update" in catalog.policy_card(name).bench.benchmarks]
     update_owner = ", ".join(updating) if updating else "a policy with an update benchmark"
+    # What each policy keeps, from its card (the run command's help lists them above its examples).
+    summaries = "".join(f"\n  {name:<15} {catalog.policy_card(name).summary}" for name in policies)
     formatter = argparse.RawDescriptionHelpFormatter
     parser = Parser(
         prog="kvdemo" if Path(sys.argv[0]).name == "kvdemo" else "python -m kvdemo", description=DESCRIPTION, formatter_class=formatter,
@@ -122,7 +114,8 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     stream.add_argument("--json", metavar="OUT", help="write the report here")
 
     run = commands.add_parser("run", help="stream a video through one policy (and optionally ask questions)", parents=[stream],
-                              description=RUN_DESCRIPTION, epilog=RUN_EXAMPLES, formatter_class=formatter)
+                              description=RUN_DESCRIPTION, epilog=(f"policies:{summaries}\n\n" if policies else "") + RUN_EXAMPLES,
+                              formatter_class=formatter)
     run.add_argument("--policy", help=named(f"compression policy, {listed}", catalog and catalog.DEFAULT_POLICY))
     # M and C are read as text and checked by the budget's one rule (1e25 is a one-line error, not argparse's).
     run.add_argument("--budget", "-M", help="M: max visual tokens held (default: about a third of the stream's, at most 6144)")
@@ -272,9 +265,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.policy = args.policy or BENCH_POLICY
         return bench_command(args, dict(parse_param(p) for p in args.param))
-    except Exception as exc:
-        if not isinstance(exc, user_errors()):
-            raise
+    except UserError as exc:
         print(f"error: {one_line(str(exc), argv)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

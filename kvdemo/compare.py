@@ -22,6 +22,7 @@ import torch
 
 from .dialogue import clipped
 from .engine import StreamEngine
+from .errors import PolicyChoiceError, PolicyParameterError
 from .explain import evidence_ratio, fidelity
 from .lineup import FULL, Contender, cap_bytes, make_engines
 from .policies import COMPARE_POLICIES, BudgetError
@@ -42,26 +43,29 @@ def compare_budget(budget: int, keep: int) -> tuple[int, int]:
 
 def parse_overrides(names: list[str], text: str = "") -> list[Contender]:
     """The compared policies, with the lines of ``text`` (``"policy: M=96 C=72 key=value ..."``, one per policy)
-    giving a policy its own budget and parameters; :class:`BudgetError` with a one-line reason otherwise."""
+    giving a policy its own budget and parameters; a one-line :class:`~kvdemo.errors.PolicyChoiceError` (which
+    policies) or :class:`~kvdemo.errors.PolicyParameterError` (a line) otherwise."""
     names = [n.strip() for n in names if n and n.strip()]
     if not names:
-        raise BudgetError("choose at least one policy to compare")
+        raise PolicyChoiceError("choose at least one policy to compare")
     if len(names) > MAX_POLICIES:
-        raise BudgetError(f"compare at most {MAX_POLICIES} policies at once (memory grows with each), got {len(names)}")
+        raise PolicyChoiceError(f"compare at most {MAX_POLICIES} policies at once (memory grows with each), "
+                                f"got {len(names)}")
     if len(set(names)) != len(names) or FULL in names:
-        raise BudgetError(f"each policy once, and not {FULL!r} (the full cache is always the baseline): {', '.join(names)}")
+        raise PolicyChoiceError(f"each policy once, and not {FULL!r} (the full cache is always the baseline): "
+                                f"{', '.join(names)}")
     contenders = {name: Contender(name) for name in names}
     for line in (text or "").splitlines():
         if not line.strip():
             continue
         name, _, rest = line.partition(":")
         if name.strip() not in contenders:
-            raise BudgetError(f"the line {line.strip()!r} names no compared policy ({', '.join(names)})")
+            raise PolicyParameterError(f"the line {line.strip()!r} names no compared policy ({', '.join(names)})")
         contender = contenders[name.strip()]
         for item in rest.split():
             key, eq, value = item.partition("=")
             if not eq:
-                raise BudgetError(f"{item!r} in {name.strip()}'s line is not key=value")
+                raise PolicyParameterError(f"{item!r} in {name.strip()}'s line is not key=value")
             if key in ("M", "C"):
                 setattr(contender, "budget" if key == "M" else "keep", value)
             else:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .errors import UserError
+
 if TYPE_CHECKING:
     import torch
 
@@ -20,7 +22,7 @@ MAX_DIALOGUE_TOKENS = 1024
 MAX_QUESTION_CHARS = 8 * MAX_QUESTION_TOKENS
 
 
-class QuestionError(ValueError):
+class QuestionError(UserError):
     """A question that cannot be asked (the message says why)."""
 
 

@@ -20,6 +20,7 @@ from .attention import MemoryCache
 from .budget import Budget
 from .chunk import VisualChunk
 from .dialogue import QuestionError, check_question, replayed_dialogue
+from .errors import UserError
 from .explain import Attribution, AttributionTally
 from .memory import KVMemory, OccupancyEvent
 from .models.base import VideoLM
@@ -31,7 +32,7 @@ from .views import View, ViewContext
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
-class EngineError(ValueError):
+class EngineError(UserError):
     """A request the engine cannot serve (asking before any frame, an empty question...)."""
 
 
@@ -269,7 +270,7 @@ class StreamEngine:
     def compress(self, incoming: int = 0, probe_text: str | None = None) -> OccupancyEvent:
         """Run the policy on the current memory, keeping ``C`` visual tokens per layer and KV head (for a
         policy sized by ``M`` alone, what leaves room for ``incoming`` tokens: :meth:`Budget.keep_for`).
-        A :class:`~kvdemo.policies.base.Probed` policy reads the memory with ``probe_text`` (its own proxy by
+        A :class:`~kvdemo.policies.contract.Probed` policy reads the memory with ``probe_text`` (its own proxy by
         default)."""
         watch = self._stopwatch()
         keep = self.budget.keep_for(incoming)
@@ -325,7 +326,8 @@ class StreamEngine:
 
     def _probe(self, text: str) -> list[torch.Tensor]:
         """Every layer's queries ``[H_q, T, D]`` for ``text`` asked as a question after the memory (written
-        into the slack, never committed): what a :class:`~kvdemo.policies.base.Probed` policy reads the memory with."""
+        into the slack, never committed): what a :class:`~kvdemo.policies.contract.Probed` policy reads the memory
+        with."""
         embeds = self.model.question_embeds([], text)
         positions, _ = self.model.text_positions(self.memory.cursor, int(embeds.shape[0]))
         cache = MemoryCache(self.memory)

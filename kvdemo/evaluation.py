@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .choices import CHOICE_FORMATS, LETTERS, multiple_choice
+from .errors import EvaluationSettingError, PolicyChoiceError, StreamSettingError
 from .synthetic import COLOURS, SHAPES, STREAM_KINDS, Episode, Question, StreamSpec, generate_episode, grade_answer
 from .video import frames_for
 from .views import Chart, Series, counted
@@ -238,16 +239,14 @@ def evaluate(
     plus ``interval`` (95%), ``by_kind`` (question kinds), ``by_stream`` (``[policy][delay][stream kind]``:
     accuracy and question count), ``questions`` and the engines' actual ``budgets``.
     """
-    from .policies import BudgetError  # deferred on purpose (torch), as above
-
     if not policies:
-        raise BudgetError("name at least one policy")
+        raise PolicyChoiceError("name at least one policy")
     if episodes <= 0:
-        raise BudgetError(f"--episodes must be positive, got {episodes}")
+        raise EvaluationSettingError(f"--episodes must be positive, got {episodes}")
     if not delays or min(delays) < 0:
-        raise BudgetError(f"delays must be non-negative seconds, got {list(delays)}")
+        raise StreamSettingError(f"delays must be non-negative seconds, got {list(delays)}")
     if questions not in QUESTION_FORMS:
-        raise BudgetError(f"unknown question form {questions!r}: one of {', '.join(QUESTION_FORMS)}")
+        raise EvaluationSettingError(f"unknown question form {questions!r}: one of {', '.join(QUESTION_FORMS)}")
     specs = [spec] if spec is not None else [eval_spec(delays, kind=k) for k in stream_kinds(kind)]
     kind = spec.kind if spec is not None else kind
     budgets = {name: {"budget": e.budget.M, "keep": e.budget.C} for name, e in build_engines(model, policies, budget, keep, specs[0].fps).items()}

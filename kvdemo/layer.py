@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .offload import OffloadStore
-from .policies.base import OffloadUpdate, SummaryUpdate
+from .policies.contract import OffloadUpdate, SummaryUpdate
 from .tensors import as_words
 
 #: Reason code of a visual slot appended since the last compression (no policy reason yet).

@@ -50,7 +50,7 @@ import torch
 
 from .chunk import VisualChunk
 from .layer import BIAS_DTYPE, PROVENANCE, PROVENANCE_WIDTH, REASON_NEW, LayerMemory
-from .policies.base import LayerView, Selection
+from .policies.contract import LayerView, Selection
 
 #: Slots kept free after the live part for a question and its answer (grown on demand beyond that).
 TEXT_RESERVE = 256

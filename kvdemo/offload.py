@@ -2,7 +2,7 @@
 index of chunk mean keys, retrieved per forward while a question is answered (:mod:`kvdemo.attention`).
 
 The memory owns one store per layer (:attr:`kvdemo.memory.LayerMemory.offload`) and fills it through
-:meth:`OffloadStore.add_rows` during a compression (:class:`kvdemo.policies.base.OffloadUpdate`).
+:meth:`OffloadStore.add_rows` during a compression (:class:`kvdemo.policies.contract.OffloadUpdate`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class OffloadStore:
     partial), provenance ``frame/row/col/order [H, chunks, chunk]``, ``mean_keys [H, chunks, D]`` on the
     model's device, ``count [H]`` chunks per head, ``retrieve [H]`` tokens each head brings back per decode
     step, ``retrieved [H, chunks]`` the chunks a head brought back during the last question; ``counted``: whether
-    the tokens a head may retrieve count toward the budget (see :class:`kvdemo.policies.base.OffloadUpdate`);
+    the tokens a head may retrieve count toward the budget (see :class:`kvdemo.policies.contract.OffloadUpdate`);
     ``last_fetched [3, H, R]`` the frame/row/col of the tokens the last :meth:`fetch` brought back (host; for answer
     attribution).
     """

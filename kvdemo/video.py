@@ -20,6 +20,7 @@ from typing import Any
 import av
 import numpy as np
 
+from .errors import UserError
 from .geometry import FrameGeometry
 from .views import counted
 
@@ -27,7 +28,7 @@ from .views import counted
 MAX_SOURCE_PIXELS = 8192 * 8192
 
 
-class VideoError(ValueError):
+class VideoError(UserError):
     """A video could not be used; the message names the file and says why."""
 
 

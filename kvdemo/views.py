@@ -2,7 +2,7 @@
 answer's attribution), drawn by :mod:`kvdemo.viz`, laid out by the app. Nothing here draws, and nothing
 here knows a policy, a model or Gradio.
 
-A policy declares its views with :meth:`kvdemo.policies.base.Policy.views`, which receives a
+A policy declares its views with :meth:`kvdemo.policies.contract.Policy.views`, which receives a
 :class:`ViewContext` (what the memory looked like) and returns a list of :data:`View`: a strip of frames
 whose patches carry integer labels (:class:`PatchLabels`), a strip of frames whose patches carry a value
 (:class:`PatchValues`), or a chart made of parts (:class:`Chart`: histograms, series, a grid of labelled

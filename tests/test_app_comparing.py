@@ -18,8 +18,8 @@ from kvdemo.app.comparing import (
 )
 from kvdemo.app.sessions import AppServices
 from kvdemo.compare import FULL, compare_engines, parse_overrides
+from kvdemo.errors import StreamSettingError
 from kvdemo.explain import fidelity
-from kvdemo.policies import BudgetError
 from kvdemo.streaming import stream_video
 from kvdemo.synthetic import sample_episode
 
@@ -138,6 +138,6 @@ def test_delays_are_parsed_or_refused_in_one_line():
     for text, message in (("a,b", "delays are seconds separated by commas, got 'a,b'"),
                           ("-1", "delays must be non-negative seconds, got '-1'"),
                           ("", "delays must be non-negative seconds, got ''")):
-        with pytest.raises(BudgetError) as error:
+        with pytest.raises(StreamSettingError) as error:
             parse_delays(text)
         assert str(error.value) == message

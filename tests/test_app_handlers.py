@@ -12,6 +12,7 @@ from kvdemo.app.sessions import AppServices, RunSettings, Session, Turns
 from kvdemo.app.settings import parse_params, validate_settings
 from kvdemo.app.views import write_chart
 from kvdemo.memory import REASON_NEW
+from kvdemo.policies import policy_card
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +156,9 @@ def test_baselines_colour_by_their_own_reasons(tiny, pancake, policy, names):
     assert set(np.unique(held)) <= names | {REASON_NEW}
     assert (held == REASON_NEW).sum() == 135  # the last grid arrived after the last compression
     assert 0 in held
-    legend = viz.legend_text(engine.policy.reason_names)
-    assert all(name in legend for name in engine.policy.reason_names.values()) and "new since" in legend
+    reasons = policy_card(engine.policy.name).reasons
+    legend = viz.legend_text(reasons)
+    assert all(name in legend for name in reasons.values()) and "new since" in legend
 
 
 def test_budget_validation_as_you_type():

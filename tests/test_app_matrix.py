@@ -8,7 +8,7 @@ from gradio_client import handle_file
 
 from kvdemo.app.layout import UI_POLICIES
 from kvdemo.models.catalog import OFFLINE_MODELS, default_budget
-from kvdemo.policies import policy_class
+from kvdemo.policies import policy_card, policy_class
 from test_app import REPORT, STATUS, answer_text, fetch_json, new_client
 
 #: Outputs of /run and /run_sample after the named ones: each policy-view slot's text, image and chart.
@@ -47,8 +47,8 @@ def test_every_policy_runs_in_the_app_at_several_budgets(client, app, media, pol
         report = fetch_json(final[REPORT])
         assert report["policy"] == policy and report["peak_visual_tokens"] <= budget
         drawn = set(panel_titles(final))
-        if policy_class(policy).view_titles and any(event["event"] == "compress" for event in report["timeline"]):
-            assert drawn == set(policy_class(policy).view_titles), f"{policy} at M={budget}: drew {drawn}"
+        if policy_card(policy).view_titles and any(event["event"] == "compress" for event in report["timeline"]):
+            assert drawn == set(policy_card(policy).view_titles), f"{policy} at M={budget}: drew {drawn}"
         if budget == 192:
             _, policy_chat, full_chat, _ = client.predict("What colour was the circle?", api_name="/ask")
             assert "first token" in answer_text(policy_chat) and "first token" in answer_text(full_chat)

@@ -187,6 +187,16 @@ def test_help_is_plain_text_with_descriptions_and_examples():
     assert "default infinipot-v" in " ".join(run_help.split())  # argparse wraps lines at the terminal's width
 
 
+def test_run_help_lists_every_policy_with_the_summary_its_card_declares(capsys):
+    from kvdemo.policies import CARDS
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = capsys.readouterr().out
+    listed = text.split("policies:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert [line.split(None, 1) for line in listed] == [[name, card.summary] for name, card in CARDS.items()]
+
+
 def test_min_pixels_beyond_the_models_own_maximum_is_one_line(media):
     """Without --max-pixels the model's own maximum applies: known once the model is named, still before it loads."""
     done, imported = run_cli_in_a_fresh_process("run", "--video", str(media / "flipping_a_pancake.mkv"), "--model", "tiny",
@@ -202,6 +212,8 @@ def test_min_pixels_beyond_the_models_own_maximum_is_one_line(media):
     (["-M", "abc"], "M is a number of visual tokens, got 'abc'"),
     (["-M", "96", "-C", "-3"], "M and C must be positive, got C=-3"),
     (["--param", "alpha=abc"], "infinipot-v's alpha takes a number (float), got 'abc'"),
+    (["--param", "tar=sideways"], "infinipot-v's tar must be one of patch, frame, reverse, got 'sideways'"),
+    (["--policy", "nope"], "unknown policy 'nope'; choose one of: infinipot-v, cords"),
 ])
 def test_absurd_budgets_and_parameters_are_one_line_and_exit_2(args, message):
     done, imported = run_cli_in_a_fresh_process("run", "--quiet", *args)

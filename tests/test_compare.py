@@ -11,7 +11,7 @@ from gradio_client import handle_file
 
 from kvdemo.cli import main
 from kvdemo.compare import compare_engines, memory_bound, parse_overrides
-from kvdemo.policies import BudgetError
+from kvdemo.errors import PolicyChoiceError, PolicyParameterError
 from kvdemo.streaming import stream_video
 from kvdemo.synthetic import sample_episode
 from test_app import fetch_json, new_client
@@ -23,16 +23,16 @@ TITLES, CHATS = 8, 13
 ASK_STATUS, ASK_ATTRIBUTION, ASK_ATTRIBUTION_TEXT, ASK_REPORT, ASK_CHATS = range(5)
 
 
-@pytest.mark.parametrize("names, text, message", [
-    (FOUR + ["uniform"], "", "at most 4"),
-    (["cords", "cords"], "", "each policy once"),
-    (["full"], "", "each policy once"),
-    ([], "", "at least one"),
-    (["cords"], "uniform: M=10", "names no compared policy"),
-    (["cords"], "cords: M96", "not key=value"),
+@pytest.mark.parametrize("names, text, message, kind", [
+    (FOUR + ["uniform"], "", "at most 4", PolicyChoiceError),
+    (["cords", "cords"], "", "each policy once", PolicyChoiceError),
+    (["full"], "", "each policy once", PolicyChoiceError),
+    ([], "", "at least one", PolicyChoiceError),
+    (["cords"], "uniform: M=10", "names no compared policy", PolicyParameterError),
+    (["cords"], "cords: M96", "not key=value", PolicyParameterError),
 ])
-def test_bad_choices_are_one_line_errors(names, text, message):
-    with pytest.raises(BudgetError, match=message):
+def test_bad_choices_are_one_line_errors(names, text, message, kind):
+    with pytest.raises(kind, match=message):
         parse_overrides(names, text)
 
 
@@ -43,7 +43,7 @@ def test_a_policy_line_gives_it_its_own_budget_and_parameters(tiny):
     assert (engines["infinipot-v"].budget.M, engines["infinipot-v"].budget.C) == (320, 240)
     assert (engines["hybridkv"].budget.M, engines["hybridkv"].budget.C) == (480, 360)
     assert engines["hybridkv"].policy.share == 0.5 and engines["full"].budget.M is None
-    with pytest.raises(BudgetError, match="alpha"):
+    with pytest.raises(PolicyParameterError, match="alpha"):
         compare_engines(tiny, parse_overrides(["cords"], "cords: alpha=x"), 320, 240, 2.0)
 
 

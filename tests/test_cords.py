@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvdemo.coverage import coverage, coverage_summary, nearest_retained_cosine, nearest_retained_distances
-from kvdemo.policies import BudgetError, LayerView, make_policy, policy_params
+from kvdemo.policies import LayerView, PolicyParameterError, make_policy, policy_params
 from kvdemo.policies.cords import REASON_COVERAGE, REASON_FILL, REASON_RECENT, REASON_UNCOMPRESSED, layer_schedule
 
 ROWS, COLS, DIM = 2, 2, 8
@@ -94,7 +94,7 @@ def test_layer_schedules_match_the_paper():
     assert layer_schedule(28, "bottom25", False)[:8] == [0, 1, 2, 3, 4, 5, 6, 6]
     assert len(set(layer_schedule(28, "all", False))) == 28
     assert layer_schedule(28, "bottom25", True, above="keep") == [0, 0, 2, 2, 4, 4, 4] + [None] * 21
-    with pytest.raises(BudgetError):
+    with pytest.raises(PolicyParameterError):
         make_policy("cords", layers="top")
 
 
@@ -336,7 +336,7 @@ def test_single_layer_defaults_to_the_middle_layer_and_is_a_parameter():
     assert set(layer_schedule(36, "single", False, single_depth=0.5)) == {18}
     assert set(layer_schedule(28, "single", True, single_depth=1.0)) == {27}
     assert layer_schedule(28, "single", True, above="keep") == [None] * 14 + [14] + [None] * 13
-    with pytest.raises(BudgetError, match="single_depth"):
+    with pytest.raises(PolicyParameterError, match="single_depth"):
         make_policy("cords", single_depth=1.5)
 
 
@@ -356,7 +356,7 @@ def test_above_keep_leaves_layers_outside_the_active_set_uncompressed():
         assert torch.equal(reuse.indices[layer], reuse.indices[0])
         assert torch.equal(kept.indices[layer], torch.arange(8 * P).expand(2, -1))  # every token stays
         assert (kept.info["reason"][layer] == REASON_UNCOMPRESSED).all()
-    with pytest.raises(BudgetError, match="above"):
+    with pytest.raises(PolicyParameterError, match="above"):
         make_policy("cords", above="drop")
 
 

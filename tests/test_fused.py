@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kvdemo.policies import LayerView, fused, make_policy
-from kvdemo.policies.base import kept_indices
 from kvdemo.policies.infinipot_v import recent_reference
+from kvdemo.policies.topk import kept_indices
 
 needs_compiler = pytest.mark.skipif(fused.compile_unavailable() is not None, reason=f"{fused.compile_unavailable()}")
 

@@ -9,9 +9,9 @@ import torch
 
 from kvdemo.engine import StreamEngine
 from kvdemo.offload import OffloadStore
-from kvdemo.policies import BudgetError, LayerView, make_policy
-from kvdemo.policies.base import select_ranked
+from kvdemo.policies import LayerView, PolicyParameterError, make_policy
 from kvdemo.policies.hybridkv import capped_allocation
+from kvdemo.policies.topk import select_ranked
 from kvdemo.streaming import stream_video
 
 
@@ -169,7 +169,7 @@ def test_classify_with_question_runs_one_pass_with_the_question_as_the_probe(tin
     default.answer(question)
     assert default.stats.compressions == passes
     assert all(torch.equal(a, b) for a, b in zip(before, default.memory.keys))
-    with pytest.raises(BudgetError, match="classify_with"):
+    with pytest.raises(PolicyParameterError, match="classify_with"):
         make_policy("hybridkv", classify_with="answer")
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvdemo.policies import BudgetError, LayerView, make_policy, policy_params
+from kvdemo.policies import LayerView, PolicyParameterError, make_policy, policy_params
 from kvdemo.policies.grid import pool_on_grid
 from kvdemo.policies.infinipot_v import (
     REASON_RECENT,
@@ -119,7 +119,7 @@ def test_kernel_mapping_and_calibration():
     thresholds = (0.1, 0.2, 0.3)
     assert [kernel_for_cv(cv, thresholds) for cv in (0.05, 0.1, 0.25, 0.3, 2.0)] == [7, 5, 3, 1, 1]
     assert calibrate_cv_thresholds([0.1, 0.2, 0.3, 0.4, 0.5]) == pytest.approx((0.2, 0.3, 0.4))
-    with pytest.raises(BudgetError, match="increasing"):
+    with pytest.raises(PolicyParameterError, match="increasing"):
         make_policy("infinipot-v", cv_thresholds=[0.3, 0.2, 0.1])
 
 

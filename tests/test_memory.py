@@ -12,7 +12,7 @@ from kvdemo.engine import StreamEngine
 from kvdemo.memory import REASON_NEW, KVMemory
 from kvdemo.models.qwen2_vl import mrope_positions
 from kvdemo.policies import Selection
-from kvdemo.policies.base import SummaryUpdate
+from kvdemo.policies.contract import SummaryUpdate
 from kvdemo.streaming import stream_video
 from kvdemo.survival import survival_counts
 from kvdemo.testing import synthetic_chunk, synthetic_memory

@@ -1,11 +1,16 @@
 """Baseline policies on small hand-made views, and the registry."""
 
+import dataclasses
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
-from kvdemo.policies import REGISTRY, BudgetError, LayerView, make_policy
-from kvdemo.policies.base import top_k_sorted
+from kvdemo.errors import BudgetError, PolicyParameterError, UnknownPolicyError, UserError
+from kvdemo.policies import CARDS, REGISTRY, LayerView, PolicyCard, make_policy, policy_card, policy_params
 from kvdemo.policies.grid import frame_rank
+from kvdemo.policies.topk import top_k_sorted
 
 
 class IdentityRotation:
@@ -132,7 +137,82 @@ def test_frame_rank_ranks_each_head_among_its_own_frames():
 
 
 def test_unknown_policy_and_parameter_are_clear_errors():
-    with pytest.raises(BudgetError, match="unknown policy 'nope'"):
+    with pytest.raises(UnknownPolicyError, match="unknown policy 'nope'"):
         make_policy("nope")
-    with pytest.raises(BudgetError, match="has no parameter"):
+    with pytest.raises(PolicyParameterError, match="has no parameter"):
         make_policy("uniform", alpha=0.3)
+
+
+@pytest.mark.parametrize("name, params, kind, message", [
+    ("nope", {}, UnknownPolicyError, "unknown policy 'nope'; choose one of: infinipot-v, cords"),
+    ("uniform", {"alpha": 0.3}, PolicyParameterError, "policy 'uniform' has no parameter(s) alpha; it takes none"),
+    ("infinipot-v", {"alpha": "abc"}, PolicyParameterError, "infinipot-v's alpha takes a number (float), got 'abc'"),
+    ("infinipot-v", {"alpha": 1.5}, PolicyParameterError, "alpha must be in [0, 1], got 1.5"),
+    ("infinipot-v", {"tar": "sideways"}, PolicyParameterError,
+     "infinipot-v's tar must be one of patch, frame, reverse, got 'sideways'"),
+    ("cords", {"followers": "maybe"}, PolicyParameterError, "cords's followers takes true or false, got 'maybe'"),
+    ("protokv", {"pseudo_tokens": 2.5}, PolicyParameterError, "protokv's pseudo_tokens takes a number (int), got 2.5"),
+    ("hybridkv", {"chunk": 0}, PolicyParameterError,
+     "share must be >= 0, chunk >= 1 and pool_kernel an odd number >= 1"),
+])
+def test_each_bad_policy_input_raises_its_own_kind_in_one_line(name, params, kind, message):
+    with pytest.raises(kind) as error:
+        make_policy(name, **params)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+    assert isinstance(error.value, UserError) and not isinstance(error.value, BudgetError)
+
+
+def test_parameter_help_and_choices_come_from_the_dataclass_fields():
+    for name, cls in REGISTRY.items():
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+        specs = policy_params(name)
+        assert [spec.name for spec in specs] == list(fields)
+        for spec in specs:
+            metadata = fields[spec.name].metadata
+            assert spec.help == metadata["help"] and spec.help, f"{name}.{spec.name} has no help text"
+            assert spec.choices == tuple(metadata.get("choices", ()))
+            assert (spec.kind == "choice") == bool(spec.choices)
+            if spec.choices:
+                assert spec.default in spec.choices
+
+
+UI_AND_BENCH_FACTS = ("summary", "help", "choices", "view_titles", "reason_names", "benchmarks", "bench_variants",
+                      "synthesize_all")
+
+
+def test_the_policy_classes_hold_no_ui_or_bench_facts_and_every_one_has_a_card():
+    for name, cls in REGISTRY.items():
+        assert [fact for fact in UI_AND_BENCH_FACTS if hasattr(cls, fact)] == [], name
+        card = policy_card(name)
+        assert card.summary and isinstance(card, PolicyCard)
+    assert set(CARDS) == set(REGISTRY)
+
+
+def test_the_policy_written_in_the_docs_runs_and_keeps_what_it_says():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "policies.md").read_text()
+    section = text[text.index("## Writing a policy"):]
+    code = re.search(r"^```python\n(.*?)^```", section, flags=re.DOTALL | re.MULTILINE).group(1)
+    namespace: dict = {"__name__": "docs_policies_example"}
+    try:
+        exec(compile(code, "docs/policies.md", "exec"), namespace)
+        (name,) = [n for n in REGISTRY if n not in BUILT_IN]
+        assert policy_card(name).reasons == {0: "large value"}
+        assert [(s.name, s.kind, s.default) for s in policy_params(name)] == [("norm", "float", 2.0)]
+        assert policy_params(name)[0].help.startswith("p of the value norm")
+        # Two heads of five tokens; head 0's values have norms 1, 5, 2, 4, 3 and head 1's the reverse order.
+        scale = torch.tensor([[1.0, 5, 2, 4, 3], [3.0, 4, 2, 5, 1]])
+        values = scale[..., None] * torch.tensor([0.6, 0.8])  # ||(0.6, 0.8)|| = 1 in the L2 norm
+        view = LayerView(0, 1, torch.zeros(2, 5, 2), values, torch.zeros(2, 5, dtype=torch.long),
+                         torch.zeros(2, 5, dtype=torch.long), torch.arange(5).expand(2, -1), (1, 5), 0)
+        selection = make_policy(name, norm="1").compress([view], 3)  # L1: 1.4 x the L2 norm, the same order
+        assert selection.indices[0].tolist() == [[1, 3, 4], [0, 1, 3]]
+        assert (selection.info["reason"][0] == 0).all()
+        with pytest.raises(PolicyParameterError, match="takes a number"):
+            make_policy(name, norm="loud")
+    finally:
+        for registry in (REGISTRY, CARDS):
+            for added in [n for n in registry if n not in BUILT_IN]:
+                del registry[added]
+
+
+BUILT_IN = tuple(REGISTRY)

@@ -14,8 +14,8 @@ from kvdemo.engine import StreamEngine
 from kvdemo.memory import KVMemory
 from kvdemo.models.qwen2_vl import Qwen2VL, RegionCursor, mrope_positions
 from kvdemo.models.tiny import ByteTokenizer, tiny_config
-from kvdemo.policies import BudgetError, Selection, make_policy
-from kvdemo.policies.base import SummaryUpdate
+from kvdemo.policies import BudgetError, PolicyParameterError, Selection, make_policy
+from kvdemo.policies.contract import SummaryUpdate
 from kvdemo.policies.protokv.bank import Tokens
 from kvdemo.policies.protokv.ema import mahalanobis
 from kvdemo.policies.protokv.pq import beam_search, pq_decode, pq_encode, train_codebooks
@@ -494,7 +494,7 @@ def test_beam_search_finds_the_brute_force_top_tuples(groups, codewords, modes, 
     ({"beam": 3, "pseudo_tokens": 4}, "beam=3 is narrower than S=4"),
 ])
 def test_a_beam_narrower_than_s_is_refused_in_one_line(params, message):
-    with pytest.raises(BudgetError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
+    with pytest.raises(PolicyParameterError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
         make_policy("protokv", **params)
     assert "\n" not in str(error.value)
     assert make_policy("protokv", beam=8).beam == 8 and make_policy("protokv", beam=0).beam == 0  # 0 = 4 S

@@ -27,8 +27,8 @@ from ..compare import (
     question_record,
 )
 from ..engine import EngineError
+from ..errors import BudgetError, StreamSettingError, UserError
 from ..explain import attribution_views, fidelity_views
-from ..policies import BudgetError
 from ..streaming import EngineGroup
 from ..views import counted
 from .gpu import Segment, answer_into, measure_fidelity, segment_frames, stream_segment, sweep_delays
@@ -73,7 +73,7 @@ class Comparison(Session):
 def start_comparison(services: AppServices, settings: CompareSettings, source: str, frame_size: tuple[int, int],
                      fps: float) -> Comparison:
     """A fresh comparison for ``settings`` on frames of ``frame_size``: the choices and every engine's budget checked
-    against one chunk of such frames (:class:`BudgetError` with a one-line reason otherwise)."""
+    against one chunk of such frames (a one-line :class:`~kvdemo.errors.UserError` otherwise)."""
     model = services.models.get(settings.model)
     contenders = parse_overrides(settings.policies, settings.overrides)
     cap = int(settings.cap_mb * 2**20) if settings.cap_mb and settings.cap_mb > 0 else None
@@ -94,7 +94,7 @@ def run_comparison(services: AppServices, previous: Comparison | None, video_pat
     try:
         geometry = within_max_pixels(services.models.get(settings.model).geometry, settings.max_pixels)
         if settings.fps is None or float(settings.fps) <= 0:
-            raise BudgetError(f"sampling fps must be positive, got {settings.fps}")
+            raise StreamSettingError(f"sampling fps must be positive, got {settings.fps}")
         video, episode = open_stream(geometry, video_path, settings.fps, settings.sample)
         state = start_comparison(services, settings, video.describe(), video.size, video.fps)
         state.episode = episode
@@ -318,9 +318,9 @@ def parse_delays(text: str) -> tuple[float, ...]:
     try:
         delays = tuple(float(d) for d in (text or "").replace(" ", "").split(",") if d)
     except ValueError:
-        raise BudgetError(f"delays are seconds separated by commas, got {text!r}") from None
+        raise StreamSettingError(f"delays are seconds separated by commas, got {text!r}") from None
     if not delays or min(delays) < 0:
-        raise BudgetError(f"delays must be non-negative seconds, got {text!r}")
+        raise StreamSettingError(f"delays must be non-negative seconds, got {text!r}")
     return delays
 
 
@@ -330,11 +330,11 @@ def run_sweep(settings: CompareSettings, delays_text: str, more_streams: int) ->
     try:
         delays = parse_delays(delays_text)
         if not 0 <= int(more_streams or 0) <= 20:
-            raise BudgetError(f"more streams: 0 to 20, got {more_streams}")
+            raise StreamSettingError(f"more streams: 0 to 20, got {more_streams}")
         contenders = parse_overrides(settings.policies, "")
         if settings.overrides.strip():
             raise BudgetError("the delay sweep runs every policy at the shared M and C (clear the per-policy lines)")
-    except BudgetError as exc:
+    except UserError as exc:
         yield {"sweep_text": f"⚠️ {exc}"}
         return
     names = [c.name for c in contenders] + [FULL]

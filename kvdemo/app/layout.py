@@ -12,7 +12,7 @@ from typing import Any
 from .. import viz
 from ..budget import Budget
 from ..models.catalog import default_budget, geometry_for
-from ..policies import DEFAULT_POLICY, REGISTRY, policy_class, policy_params
+from ..policies import CARDS, DEFAULT_POLICY, REGISTRY, policy_class, policy_params
 from ..synthetic import sample_episode, sample_manifest
 from .compare_page import ComparePage
 from .handlers import ask, redraw, request_stop, reset_chat, run_video, webcam_frame
@@ -60,8 +60,8 @@ CSS = ("#policy-chat button[aria-label='Clear'], #full-chat button[aria-label='C
        " font-size: 11px; line-height: 1.25; }")
 #: The policies offered in the app (every bounded one; the full cache is the baseline beside it).
 UI_POLICIES = [name for name, cls in REGISTRY.items() if cls.bounded]
-#: Panel slots for the views a policy declares (``Policy.view_titles``): as many as any policy has.
-MAX_PANELS = max(len(cls.view_titles) for cls in REGISTRY.values())
+#: Panel slots for the views a policy declares (its card's ``view_titles``): as many as any policy has.
+MAX_PANELS = max(len(card.view_titles) for card in CARDS.values())
 
 
 class Demo:

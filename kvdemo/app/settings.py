@@ -8,9 +8,8 @@ from typing import Any
 
 from .. import zerogpu
 from ..budget import Budget
-from ..engine import EngineError
+from ..errors import StreamSettingError, UserError
 from ..geometry import FrameGeometry
-from ..models.base import ModelError
 from ..models.catalog import geometry_for, resolve_model_name
 from ..policies import BudgetError, Policy, coerce_param, make_policy, policy_class, policy_params
 from ..synthetic import sample_episode
@@ -27,8 +26,8 @@ SAMPLE_KIND_HELP = {
     "moving": "moving: the camera pans and zooms, the background drifts, objects reappear among look-alike decoys "
               "(where the policies differ)",
 }
-#: The errors a user can cause: shown as one-line messages, never tracebacks.
-USER_ERRORS = (VideoError, BudgetError, EngineError, ModelError)
+#: The errors a user can cause (every kind of :class:`~kvdemo.errors.UserError`): one-line messages, never tracebacks.
+USER_ERRORS = (UserError,)
 
 
 def parse_params(policy: str, values: dict[str, Any]) -> dict[str, Any]:
@@ -38,10 +37,10 @@ def parse_params(policy: str, values: dict[str, Any]) -> dict[str, Any]:
 
 def within_max_pixels(geometry: FrameGeometry, max_pixels: Any) -> FrameGeometry:
     """``geometry`` (how the model sizes frames) within the chosen max pixels (its own minimum, or less if the
-    maximum is below it); :class:`BudgetError` if the maximum is below one token."""
+    maximum is below it); :class:`~kvdemo.errors.StreamSettingError` if the maximum is below one token."""
     if max_pixels is None or int(max_pixels) < geometry.smallest_frame:
-        raise BudgetError(f"max pixels must be at least {geometry.smallest_frame} (one token of {geometry.factor}x"
-                          f"{geometry.factor} pixels), got {max_pixels}")
+        raise StreamSettingError(f"max pixels must be at least {geometry.smallest_frame} (one token of "
+                                 f"{geometry.factor}x{geometry.factor} pixels), got {max_pixels}")
     return geometry.with_pixels(min(geometry.min_pixels, int(max_pixels)), int(max_pixels))
 
 
@@ -65,14 +64,14 @@ def settings_geometry(settings: RunSettings) -> FrameGeometry:
 
 def resolve_settings(settings: RunSettings) -> tuple[Policy, Budget]:
     """The settings as the engine will take them: the policy (with its parameters) and its budget, resolved
-    once; :class:`BudgetError` with a one-line reason if they cannot work (the sampling and pixel numbers
+    once; a one-line :class:`~kvdemo.errors.UserError` if they cannot work (the sampling and pixel numbers
     too). A policy sized by ``M`` alone ignores ``C``."""
     policy = make_policy(settings.policy, **settings.params)
     if settings.fps is None or float(settings.fps) <= 0:
-        raise BudgetError(f"sampling fps must be positive, got {settings.fps}")
+        raise StreamSettingError(f"sampling fps must be positive, got {settings.fps}")
     settings_geometry(settings)
     if settings.cap_mb is not None and settings.cap_mb < 0:
-        raise BudgetError(f"the baseline memory cap must be 0 (no cap) or more MB, got {settings.cap_mb:g}")
+        raise StreamSettingError(f"the baseline memory cap must be 0 (no cap) or more MB, got {settings.cap_mb:g}")
     takes_keep = type(policy).takes_keep()
     if settings.budget is None or (takes_keep and settings.keep is None):
         raise BudgetError("set both M and C" if takes_keep else "set M")

@@ -14,7 +14,7 @@ import numpy as np
 from .. import viz
 from ..coverage import coverage
 from ..models.catalog import TRAINED_NOTICE, caveat_for, family_of, family_spec, offline_model
-from ..policies import REGISTRY
+from ..policies import CARDS, policy_card
 from ..synthetic import grade
 from ..views import View, counted
 from .sessions import CACHE_TTL_S, STATIC_DIR, Session
@@ -49,7 +49,7 @@ heatmaps, reports, charts) are deleted {cache_age} after they were written.
 
 def how_to_read(max_sessions: int) -> str:
     """The page's reading guide, with every registered policy's reasons for keeping a token."""
-    reasons = "; ".join(f"{name}: {', '.join(cls.reason_names.values())}" for name, cls in REGISTRY.items() if cls.reason_names)
+    reasons = "; ".join(f"{name}: {', '.join(card.reasons.values())}" for name, card in CARDS.items() if card.reasons)
     cache_age = "an hour" if CACHE_TTL_S == 3600 else f"{CACHE_TTL_S:g} s"
     return HOW_TO_READ.format(max_sessions=max_sessions, reasons=reasons, cache_age=cache_age)
 
@@ -237,7 +237,7 @@ def legend(state: Session, view: ViewChoice = ViewChoice()) -> str:
         if fractions is not None:
             present = np.array([code for code, share in zip(viz.STATUS_COLOURS, fractions) if share.any()])
             return viz.status_legend(present) + " (tint = share of the (layer, KV head) copies in each state)"
-    names = engine.policy.reason_names if engine else {}
+    names = policy_card(engine.policy.name).reasons if engine else {}
     if names and view.by_reason:
         return viz.legend_text(names)
     note = " Pick a layer and a KV head to see what one head holds" + (", and colour by reason." if names else ".")

@@ -24,6 +24,7 @@ from .passes import (
     stream_benchmark,
     stream_table,
 )
+from .plans import bench_plan
 from .policies import BENCHMARKS
 from .reference import load_reference, reference_benchmark, reference_table
 from .zerogpu import zerogpu_table, zerogpu_transfer_benchmark
@@ -56,7 +57,7 @@ def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
         print("\nwhat a ZeroGPU call pickles at Qwen2.5-VL-3B's defaults...", file=sys.stderr)
         results["zerogpu"] = zerogpu_transfer_benchmark()
         print(zerogpu_table(results["zerogpu"]))
-    for name in policy.benchmarks if not args.skip_pass else ():
+    for name in bench_plan(policy).benchmarks if not args.skip_pass else ():
         what, runner = BENCHMARKS[name]
         print(f"\n{policy.name}: {what}...", file=sys.stderr)
         parts, table = runner(policy, args.stream_factor)

@@ -22,6 +22,7 @@ from ..streaming import stream_video
 from ..synthetic import synthetic_video
 from ..testing import QWEN7B_SHAPE, synthetic_chunk, synthetic_memory, synthetic_positions, synthetic_probe
 from ..timing import Stopwatch
+from .plans import bench_plan
 
 
 def _summary(times: list[float]) -> dict[str, float]:
@@ -148,15 +149,15 @@ def pass_benchmark(
     code, side by side, and the two selections are compared; the compilations are reported apart.
 
     Returns ``{"shape", "pass_7b": {label: {dtype: {...}}}, "append_7b": {dtype: {...}}, "compile": {...}}``. A
-    policy's declared variants (``Policy.bench_variants``, e.g. CoRDS without its cross-layer followers) are timed
+    policy's declared variants (:func:`.plans.bench_plan`, e.g. CoRDS without its cross-layer followers) are timed
     too. ``shape`` defaults to :data:`QWEN7B_SHAPE`; a policy sized by ``M`` alone is timed in its own benchmark.
     ``compiled=False`` times the eager code alone (as where compiling is unavailable).
     """
     shape = shape or QWEN7B_SHAPE
     policies = {policy.name: policy} if type(policy).takes_keep() else {}
     if policies:
-        for label, change in type(policy).bench_variants.items():
-            policies[f"{policy.name} ({label})"] = dataclasses.replace(policy, **change)
+        for label, variant in bench_plan(policy).variants.items():
+            policies[f"{policy.name} ({label})"] = variant
     for name in BASELINES:
         policies.setdefault(name, make_policy(name))
     args = (shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], shape["budget"], shape["grid"])

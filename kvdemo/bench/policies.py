@@ -1,4 +1,4 @@
-"""What a policy declares worth measuring about itself (``Policy.benchmarks``), at Qwen2.5-VL-7B's cache
+"""What a policy declares worth measuring about itself (:func:`.plans.bench_plan`), at Qwen2.5-VL-7B's cache
 shape with random keys and values through the real memory: ``update``, the per-chunk cost over a simulated
 stream and a much longer one (a policy whose pass runs at every chunk), split by the phases the policy
 reports; ``decode``, one decode step's attention through kvdemo's attention function against the full
@@ -33,6 +33,7 @@ from ..testing import (
     synthetic_probe,
 )
 from ..timing import Stopwatch
+from .plans import bench_plan
 
 
 def simulated_stream(
@@ -103,10 +104,11 @@ def update_benchmark(policy: Policy, grids: int = 48, factor: int = 20, window: 
         per_grid = _mean_phases(tail)
         out[label] = {"per_grid_ms": per_grid, "per_frame_ms": {k: v / 2 for k, v in per_grid.items()},
                       "passes": len(passes), "bank": fresh.report()}
-        if label == "1x" and isinstance(fresh, SummaryRegion):
+        refresh_all = bench_plan(fresh).refresh_all
+        if label == "1x" and isinstance(fresh, SummaryRegion) and refresh_all is not None:
             with torch.inference_mode():
                 watch = Stopwatch(memory.devices)
-                fresh.synthesize_all(qwen7b_rotation(shape["head_dim"]), shape["num_kv_heads"])
+                refresh_all(fresh, qwen7b_rotation(shape["head_dim"]), shape["num_kv_heads"])
                 out["synthesis_all_ms"] = watch.ms()
     reference = make_policy(DEFAULT_POLICY)  # the project's default policy, InfiniPot-V
     ref_shape = {**shape, "keep": shape["keep"]}
@@ -257,7 +259,7 @@ def run_decode(policy: Policy, factor: int) -> tuple[dict[str, Any], str]:
     return {"7b": decode, "tiny": tiny}, decode_table(decode, tiny, policy.name)
 
 
-#: The benchmarks a policy may declare (``Policy.benchmarks``): name -> (what it measures, runner). A runner
+#: The benchmarks a policy may declare (its card's ``bench.benchmarks``): name -> (what it measures, runner). A runner
 #: takes the policy and ``--stream-factor`` and returns its JSON parts (``{suffix: result}``, written as
 #: ``{policy}_{suffix}``) and its table.
 BENCHMARKS = {

@@ -17,10 +17,11 @@ import numpy as np
 import torch
 
 from ..chunk import VisualChunk
+from ..errors import UserError
 from ..geometry import FrameGeometry
 
 
-class ModelError(ValueError):
+class ModelError(UserError):
     """A model could not be loaded or used; the message says which and why."""
 
 

@@ -1,25 +1,27 @@
-"""KV-cache compression policies, registered by name (``make_policy("uniform")``)."""
+"""KV-cache compression policies, registered by name (``make_policy("uniform")``): the contract
+(:mod:`.contract`), the scored core and its top-k (:mod:`.topk`), registration, parameters and cards
+(:mod:`.registry`), and one module per policy."""
 
 # Registration, in the order the CLI's help and the app list them: the papers' policies, then the baselines.
 from . import infinipot_v, cords, protokv, hybridkv, uniform, window, full  # noqa: F401, I001
-from .base import (
+from ..errors import BudgetError, PolicyParameterError, UnknownPolicyError
+from .contract import LayerView, OffloadUpdate, Policy, Probed, Selection, SummaryRegion, SummaryUpdate
+from .registry import (
+    CARDS,
     REGISTRY,
-    BudgetError,
-    LayerView,
+    BenchDeclaration,
     ParamSpec,
-    Policy,
-    Probed,
-    Ranking,
-    ScoredPolicy,
-    Selection,
-    SummaryRegion,
+    PolicyCard,
     coerce_param,
     make_policy,
+    param,
+    policy_card,
     policy_class,
     policy_names,
     policy_params,
     register,
 )
+from .topk import Ranking, ScoredPolicy
 
 #: The policy the CLI and the app start with; the ones ``python -m kvdemo eval`` compares by default; the
 #: baselines every pass benchmark is timed next to; the policy ``bench`` measures by default.
@@ -33,21 +35,30 @@ BENCH_POLICY = "sliding-window"
 __all__ = [
     "BASELINES",
     "BENCH_POLICY",
+    "CARDS",
     "DEFAULT_POLICY",
     "COMPARE_POLICIES",
     "EVAL_POLICIES",
     "REGISTRY",
+    "BenchDeclaration",
     "BudgetError",
     "LayerView",
+    "OffloadUpdate",
     "ParamSpec",
+    "PolicyCard",
+    "PolicyParameterError",
     "Policy",
     "Probed",
     "Ranking",
     "ScoredPolicy",
     "Selection",
     "SummaryRegion",
+    "SummaryUpdate",
+    "UnknownPolicyError",
     "coerce_param",
     "make_policy",
+    "param",
+    "policy_card",
     "policy_class",
     "policy_names",
     "policy_params",

@@ -55,8 +55,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import BudgetError, LayerView, Ranking, ScoredPolicy, Selection, minmax, register
+from ..errors import PolicyParameterError
+from .contract import LayerView, Selection
 from .grid import recent_window
+from .registry import BenchDeclaration, PolicyCard, param, register
+from .topk import Ranking, ScoredPolicy, minmax
 
 REASON_RECENT, REASON_COVERAGE, REASON_FILL, REASON_UNCOMPRESSED = 0, 1, 2, 3
 REASON_NAMES = {
@@ -78,7 +81,7 @@ def active_layers(num_layers: int, layers: str, single_depth: float = 0.5) -> li
         return list(range(max(1, round(0.25 * num_layers))))
     if layers == "single":
         return [min(num_layers - 1, int(single_depth * num_layers))]
-    raise BudgetError(f"layers must be one of {', '.join(SCHEDULES)}, got {layers!r}")
+    raise PolicyParameterError(f"layers must be one of {', '.join(SCHEDULES)}, got {layers!r}")
 
 
 def layer_schedule(
@@ -102,55 +105,49 @@ def _pairwise_sq(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (x.square().sum(-1)[..., None] - 2 * x @ y.transpose(1, 2) + y.square().sum(-1)[:, None]).clamp_min(0)
 
 
-@register
+CARD = PolicyCard(
+    "Coreset selection: old frames chosen farthest-first in joint key/value space, with a diversity bonus.",
+    reasons=REASON_NAMES,
+    # its pass is also timed without the cross-layer followers (every active layer selecting)
+    bench=BenchDeclaration(variants={"followers=False": {"followers": False}}),
+)
+
+
+@register(CARD)
 @dataclass
 class CoRDS(ScoredPolicy):
     """Coreset of old frames in joint K/V space (D2 farthest-first + orthogonal bonus), recent tail kept."""
 
     name = "cords"
-    reason_names = REASON_NAMES
-    choices = {"layers": SCHEDULES, "above": OUTSIDE_ACTIVE}
-    bench_variants = {"followers=False": {"followers": False}}
-    summary = "Coreset selection: old frames chosen farthest-first in joint key/value space, with a diversity bonus."
-    help = {
-        "beta": "key weight in the bicriteria distance beta*d_K + (1-beta)*d_V (0.25: value-favouring)",
-        "gamma": "key weight in the orthogonal anti-redundancy bonus",
-        "bonus": "weight of the orthogonal bonus (0 = bicriteria coverage only)",
-        "eps": "epsilon of the min-max normalisation",
-        "recent_ratio": "recent tail r = ratio x frames held (at least one frame), always kept",
-        "layers": "where selection is active, counted over the attention layers (the memory's): bottom25 (paper), "
-        "all, single (one layer, see single_depth)",
-        "followers": "only every other active layer selects; the others reuse their anchor's indices",
-        "above": "layers outside the active set: reuse the last active selection, or keep them uncompressed "
-        "(keep breaks the budget M on those layers)",
-        "single_depth": "layers=single: the attention layer at this relative depth, floor(depth x attention layers) "
-        "(0.5 = the middle layer, as the paper's single-layer run; 0 = layer 0)",
-    }
 
-    beta: float = 0.25
-    gamma: float = 0.25
-    bonus: float = 0.25
-    eps: float = 1e-6
-    recent_ratio: float = 0.125
-    layers: str = "bottom25"
-    followers: bool = True
-    above: str = "reuse"
-    single_depth: float = 0.5
+    beta: float = param(0.25, "key weight in the bicriteria distance beta*d_K + (1-beta)*d_V (0.25: value-favouring)")
+    gamma: float = param(0.25, "key weight in the orthogonal anti-redundancy bonus")
+    bonus: float = param(0.25, "weight of the orthogonal bonus (0 = bicriteria coverage only)")
+    eps: float = param(1e-6, "epsilon of the min-max normalisation")
+    recent_ratio: float = param(0.125, "recent tail r = ratio x frames held (at least one frame), always kept")
+    layers: str = param("bottom25", "where selection is active, counted over the attention layers (the memory's): "
+                                    "bottom25 (paper), all, single (one layer, see single_depth)", choices=SCHEDULES)
+    followers: bool = param(True, "only every other active layer selects; the others reuse their anchor's indices")
+    above: str = param("reuse", "layers outside the active set: reuse the last active selection, or keep them "
+                                "uncompressed (keep breaks the budget M on those layers)", choices=OUTSIDE_ACTIVE)
+    single_depth: float = param(0.5, "layers=single: the attention layer at this relative depth, floor(depth x "
+                                     "attention layers) (0.5 = the middle layer, as the paper's single-layer run; 0 = "
+                                     "layer 0)")
 
     def __post_init__(self) -> None:
         for name in ("beta", "gamma"):
             if not 0.0 <= float(getattr(self, name)) <= 1.0:
-                raise BudgetError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+                raise PolicyParameterError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if float(self.bonus) < 0 or float(self.eps) <= 0:
-            raise BudgetError(f"bonus must be >= 0 and eps > 0, got bonus={self.bonus}, eps={self.eps}")
+            raise PolicyParameterError(f"bonus must be >= 0 and eps > 0, got bonus={self.bonus}, eps={self.eps}")
         if not 0.0 < float(self.recent_ratio) <= 1.0:
-            raise BudgetError(f"recent_ratio must be in (0, 1], got {self.recent_ratio}")
+            raise PolicyParameterError(f"recent_ratio must be in (0, 1], got {self.recent_ratio}")
         if self.layers not in SCHEDULES:
-            raise BudgetError(f"layers must be one of {', '.join(SCHEDULES)}, got {self.layers!r}")
+            raise PolicyParameterError(f"layers must be one of {', '.join(SCHEDULES)}, got {self.layers!r}")
         if self.above not in OUTSIDE_ACTIVE:
-            raise BudgetError(f"above must be one of {', '.join(OUTSIDE_ACTIVE)}, got {self.above!r}")
+            raise PolicyParameterError(f"above must be one of {', '.join(OUTSIDE_ACTIVE)}, got {self.above!r}")
         if not 0.0 <= float(self.single_depth) <= 1.0:
-            raise BudgetError(f"single_depth must be in [0, 1], got {self.single_depth}")
+            raise PolicyParameterError(f"single_depth must be in [0, 1], got {self.single_depth}")
 
     def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
         source = layer_schedule(len(views), self.layers, self.followers, self.single_depth, self.above)

@@ -6,17 +6,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import LayerView, Policy, Selection, register
+from .contract import LayerView, Policy, Selection
+from .registry import PolicyCard, register
+
+CARD = PolicyCard("No compression: the cache grows with the stream (the reference).")
 
 
-@register
+@register(CARD)
 @dataclass
 class FullCache(Policy):
     """Keeps every token; the engine never triggers it (``bounded = False``)."""
 
     name = "full"
     bounded = False
-    summary = "No compression: the cache grows with the stream (the reference)."
 
     def compress(self, views: list[LayerView], keep: int) -> Selection:
         return Selection([torch.arange(v.length, device=v.keys.device).expand(v.num_heads, -1).clone() for v in views])

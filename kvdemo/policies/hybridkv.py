@@ -58,21 +58,13 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..errors import PolicyParameterError
+from ..timing import PhaseTimer
 from ..views import CellGrid, Chart, View, ViewContext
-from .base import (
-    BudgetError,
-    LayerView,
-    OffloadUpdate,
-    PhaseTimer,
-    Policy,
-    Probed,
-    Ranking,
-    Selection,
-    register,
-    select_ranked,
-    top_k_mask,
-)
+from .contract import LayerView, OffloadUpdate, Policy, Probed, Selection
 from .grid import frame_rank, pool_on_grid
+from .registry import BenchDeclaration, PolicyCard, param, register
+from .topk import Ranking, select_ranked, top_k_mask
 
 REASON_LOCAL, REASON_SALIENT, REASON_RESIDENT = 0, 1, 2
 REASON_NAMES = {REASON_LOCAL: "static: local (newest)", REASON_SALIENT: "static: text-prior salient",
@@ -97,60 +89,57 @@ def capped_allocation(desired: torch.Tensor, cap: torch.Tensor, total: torch.Ten
     return (base.long() + extra.long()).clamp(max=cap)
 
 
-@register
+CARD = PolicyCard(
+    "Heads classified static/dynamic by text-centric sparsity; static heads pruned, dynamic heads retrieve chunks "
+    "while decoding.",
+    reasons=REASON_NAMES,
+    view_titles=("Head types",),
+    bench=BenchDeclaration(benchmarks=("decode",)),
+)
+
+
+@register(CARD)
 @dataclass
 class HybridKV(Policy, Probed):
     """Static heads pruned by text-prior attention, dynamic heads retrieving chunks at decode time."""
 
     name = "hybridkv"
-    reason_names = REASON_NAMES
-    benchmarks = ("decode",)
-    choices = {"cutoff": CUTOFFS, "classify_with": CLASSIFY_WITH, "accounting": ACCOUNTINGS}
-    summary = "Heads classified static/dynamic by text-centric sparsity; static heads pruned, dynamic heads retrieve chunks while decoding."
     #: The proxy instruction each compression probes the memory with (see the module docstring).
     probe_text: ClassVar[str] = "What happens in the video?"
-    help = {
-        "theta": "classification cutoff: heads with sparsity above it are static (a quantile, or a score; see cutoff)",
-        "cutoff": "quantile: theta is a quantile of all heads' scores; score: theta is the score itself",
-        "share": "r: each dynamic head gets r x C (the rest goes to static heads)",
-        "alpha": "static heads: share of their budget split evenly (the rest in proportion to sparsity)",
-        "top_k": "fraction of the visual tokens whose attention mass makes a row's sparsity",
-        "local_ratio": "static heads: share of their budget kept for the newest tokens",
-        "pool_kernel": "static heads: spatial pooling kernel of the text-prior scores (1 = none)",
-        "chunk": "dynamic heads: tokens per offloaded chunk (one mean key each)",
-        "classify_with": "probe: classify at each compression with the proxy probe; question: also run a pass with "
-                         "the question itself as the probe when one arrives (changes the memory)",
-        "accounting": "budget: a dynamic head's resident + retrieved tokens fit its budget (the paper's; M bounds what a "
-                      "question attends to); resident: the budget bounds resident tokens, retrieval adds up to as many",
-        "retrieve_share": "accounting=budget: share of a dynamic head's budget kept free for chunks retrieved while "
-                          "answering (whole chunks; the rest stays resident)",
-    }
 
-    theta: float = 0.9
-    cutoff: str = "quantile"
-    share: float = 0.75
-    alpha: float = 0.5
-    top_k: float = 0.05
-    local_ratio: float = 0.125
-    pool_kernel: int = 3
-    chunk: int = 8
-    classify_with: str = "probe"
-    accounting: str = "budget"
-    retrieve_share: float = 0.5
+    theta: float = param(0.9, "classification cutoff: heads with sparsity above it are static (a quantile, or a score; "
+                              "see cutoff)")
+    cutoff: str = param("quantile", "quantile: theta is a quantile of all heads' scores; score: theta is the score "
+                                    "itself", choices=CUTOFFS)
+    share: float = param(0.75, "r: each dynamic head gets r x C (the rest goes to static heads)")
+    alpha: float = param(0.5, "static heads: share of their budget split evenly (the rest in proportion to sparsity)")
+    top_k: float = param(0.05, "fraction of the visual tokens whose attention mass makes a row's sparsity")
+    local_ratio: float = param(0.125, "static heads: share of their budget kept for the newest tokens")
+    pool_kernel: int = param(3, "static heads: spatial pooling kernel of the text-prior scores (1 = none)")
+    chunk: int = param(8, "dynamic heads: tokens per offloaded chunk (one mean key each)")
+    classify_with: str = param("probe", "probe: classify at each compression with the proxy probe; question: also run "
+                                        "a pass with the question itself as the probe when one arrives (changes the "
+                                        "memory)", choices=CLASSIFY_WITH)
+    accounting: str = param("budget", "budget: a dynamic head's resident + retrieved tokens fit its budget (the "
+                                      "paper's; M bounds what a question attends to); resident: the budget bounds "
+                                      "resident tokens, retrieval adds up to as many", choices=ACCOUNTINGS)
+    retrieve_share: float = param(0.5, "accounting=budget: share of a dynamic head's budget kept free for chunks "
+                                       "retrieved while answering (whole chunks; the rest stays resident)")
     _last: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.cutoff not in CUTOFFS:
-            raise BudgetError(f"cutoff must be one of {', '.join(CUTOFFS)}, got {self.cutoff!r}")
+            raise PolicyParameterError(f"cutoff must be one of {', '.join(CUTOFFS)}, got {self.cutoff!r}")
         if self.classify_with not in CLASSIFY_WITH:
-            raise BudgetError(f"classify_with must be one of {', '.join(CLASSIFY_WITH)}, got {self.classify_with!r}")
+            raise PolicyParameterError(f"classify_with must be one of {', '.join(CLASSIFY_WITH)}, "
+                                       f"got {self.classify_with!r}")
         if self.accounting not in ACCOUNTINGS:
-            raise BudgetError(f"accounting must be one of {', '.join(ACCOUNTINGS)}, got {self.accounting!r}")
+            raise PolicyParameterError(f"accounting must be one of {', '.join(ACCOUNTINGS)}, got {self.accounting!r}")
         for name in ("theta", "alpha", "top_k", "local_ratio", "retrieve_share"):
             if not 0.0 <= float(getattr(self, name)) <= 1.0:
-                raise BudgetError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+                raise PolicyParameterError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.share < 0 or self.chunk < 1 or self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
-            raise BudgetError("share must be >= 0, chunk >= 1 and pool_kernel an odd number >= 1")
+            raise PolicyParameterError("share must be >= 0, chunk >= 1 and pool_kernel an odd number >= 1")
 
     @property
     def compresses_on_question(self) -> bool:
@@ -158,7 +147,7 @@ class HybridKV(Policy, Probed):
 
     def compress(self, views: list[LayerView], keep: int) -> Selection:
         if any(view.probe is None for view in views):
-            raise BudgetError("HybridKV needs probe queries in its views (use StreamEngine, which runs the probe)")
+            raise ValueError("HybridKV needs probe queries in its views (use StreamEngine, which runs the probe)")
         home = views[0].keys.device
         timer = PhaseTimer()
         with timer.phase("probe attention", home):  # the policy's own arithmetic: the probe's queries over every key
@@ -285,8 +274,6 @@ class HybridKV(Policy, Probed):
                              counted=self.accounting == "budget")
 
     # --- what it shows ----------------------------------------------------------------------
-    view_titles = ("Head types",)
-
     def views(self, context: ViewContext, layer: int, head: int) -> list[View]:
         """The layers x KV heads map of the last pass (static / dynamic), each cell's query-time context written in
         (resident + retrievable tokens; the hover splits it and gives the budget)."""

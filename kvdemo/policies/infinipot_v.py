@@ -44,10 +44,14 @@ from typing import Any
 
 import torch
 
+from ..errors import PolicyParameterError
 from ..tensors import as_words
-from .base import BudgetError, LayerView, PhaseTimer, Ranking, ScoredPolicy, minmax, register, top_k_mask
+from ..timing import PhaseTimer
+from .contract import LayerView
 from .fused import compiled_enabled, run_compiled, tar_and_van_terms
 from .grid import pool_on_grid, recent_window
+from .registry import PolicyCard, param, register
+from .topk import Ranking, ScoredPolicy, minmax, top_k_mask
 
 KERNELS = (7, 5, 3, 1)
 #: Reason codes reported per kept token (``Selection.info["reason"]``).
@@ -97,43 +101,41 @@ def coefficient_of_variation(van: torch.Tensor) -> float:
     return float(van.std(unbiased=False) / van.mean().clamp_min(1e-12))
 
 
-@register
+CARD = PolicyCard("TaR (temporal redundancy vs the recent frames, patch-wise) + VaN (value norm, adaptively pooled).",
+                  reasons=REASON_NAMES)
+
+
+@register(CARD)
 @dataclass
 class InfiniPotV(ScoredPolicy):
     """InfiniPot-V: ``alpha*C`` tokens by TaR (recent window included), the rest by pooled VaN."""
 
     name = "infinipot-v"
-    reason_names = REASON_NAMES
-    choices = {"tar": ("patch", "frame", "reverse"), "van": ("pool", "plain", "reverse")}
-    summary = "TaR (temporal redundancy vs the recent frames, patch-wise) + VaN (value norm, adaptively pooled)."
-    help = {
-        "alpha": "share of C chosen by TaR (recent frames included); the rest by pooled VaN. 0 = VaN only, 1 = TaR only",
-        "recent_ratio": "recent window r = ratio x frames held (at least one frame), kept whole",
-        "tar": "TaR scoring: patch (paper), frame (whole-frame similarity), reverse (keep the most redundant)",
-        "van": "VaN scoring: pool (layer-adaptive pooling), plain (no pooling), reverse (keep the lowest norms)",
-        "cv_thresholds": "tau1<tau2<tau3 mapping a layer's VaN CV to kernel 7/5/3/1; empty = calibrate on the first pass",
-    }
 
-    alpha: float = 0.5
-    recent_ratio: float = 0.125
-    tar: str = "patch"
-    van: str = "pool"
-    cv_thresholds: tuple[float, float, float] | None = None
+    alpha: float = param(0.5, "share of C chosen by TaR (recent frames included); the rest by pooled VaN. 0 = VaN "
+                              "only, 1 = TaR only")
+    recent_ratio: float = param(0.125, "recent window r = ratio x frames held (at least one frame), kept whole")
+    tar: str = param("patch", "TaR scoring: patch (paper), frame (whole-frame similarity), reverse (keep the most "
+                              "redundant)", choices=("patch", "frame", "reverse"))
+    van: str = param("pool", "VaN scoring: pool (layer-adaptive pooling), plain (no pooling), reverse (keep the lowest "
+                             "norms)", choices=("pool", "plain", "reverse"))
+    cv_thresholds: tuple[float, float, float] | None = param(None, "tau1<tau2<tau3 mapping a layer's VaN CV to kernel "
+                                                                   "7/5/3/1; empty = calibrate on the first pass")
     _calibrated: tuple[float, float, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.alpha) <= 1.0:
-            raise BudgetError(f"alpha must be in [0, 1], got {self.alpha}")
+            raise PolicyParameterError(f"alpha must be in [0, 1], got {self.alpha}")
         if not 0.0 < float(self.recent_ratio) <= 1.0:
-            raise BudgetError(f"recent_ratio must be in (0, 1], got {self.recent_ratio}")
+            raise PolicyParameterError(f"recent_ratio must be in (0, 1], got {self.recent_ratio}")
         if self.tar not in ("patch", "frame", "reverse"):
-            raise BudgetError(f"tar must be patch, frame or reverse, got {self.tar!r}")
+            raise PolicyParameterError(f"tar must be patch, frame or reverse, got {self.tar!r}")
         if self.van not in ("pool", "plain", "reverse"):
-            raise BudgetError(f"van must be pool, plain or reverse, got {self.van!r}")
+            raise PolicyParameterError(f"van must be pool, plain or reverse, got {self.van!r}")
         if self.cv_thresholds is not None:
             thresholds = tuple(float(t) for t in self.cv_thresholds)
             if len(thresholds) != 3 or not thresholds[0] < thresholds[1] < thresholds[2]:
-                raise BudgetError(f"cv_thresholds must be three increasing numbers, got {self.cv_thresholds}")
+                raise PolicyParameterError(f"cv_thresholds must be three increasing numbers, got {self.cv_thresholds}")
             self.cv_thresholds = thresholds
 
     def thresholds_for(self, cvs: list[float]) -> tuple[float, float, float]:

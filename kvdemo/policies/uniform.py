@@ -7,13 +7,19 @@ from typing import Any
 
 import torch
 
-from .base import LayerView, Ranking, ScoredPolicy, register
+from .contract import LayerView
 from .grid import frame_rank
+from .registry import PolicyCard, register
+from .topk import Ranking, ScoredPolicy
 
 REASON_FRAME, REASON_FILL = 0, 1
 
 
-@register
+CARD = PolicyCard("Keep whole frames at regular intervals over the stream so far.",
+                  reasons={REASON_FRAME: "evenly spaced frame", REASON_FILL: "newest leftover tokens"})
+
+
+@register(CARD)
 @dataclass
 class UniformFrames(ScoredPolicy):
     """Of the ``F`` frames a head holds, keep ``k = keep // tokens_per_frame`` whole frames evenly spaced
@@ -22,8 +28,6 @@ class UniformFrames(ScoredPolicy):
     """
 
     name = "uniform"
-    summary = "Keep whole frames at regular intervals over the stream so far."
-    reason_names = {REASON_FRAME: "evenly spaced frame", REASON_FILL: "newest leftover tokens"}
 
     def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
         return [self._rank(view, keep) for view in views], {}

@@ -7,19 +7,23 @@ from typing import Any
 
 import torch
 
-from .base import LayerView, Ranking, ScoredPolicy, register
+from .contract import LayerView
+from .registry import PolicyCard, register
+from .topk import Ranking, ScoredPolicy
 
 REASON_RECENT = 0
 
 
-@register
+CARD = PolicyCard("Keep the newest C visual tokens; older ones are dropped.",
+                  reasons={REASON_RECENT: "newest C tokens"})
+
+
+@register(CARD)
 @dataclass
 class SlidingWindow(ScoredPolicy):
     """The newest ``keep`` tokens of every head by arrival order (the memory's slots are not in stream order)."""
 
     name = "sliding-window"
-    summary = "Keep the newest C visual tokens; older ones are dropped."
-    reason_names = {REASON_RECENT: "newest C tokens"}
 
     def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
         return [Ranking(view.order.double(), torch.full_like(view.frame, REASON_RECENT, dtype=torch.int8)) for view in views], {}

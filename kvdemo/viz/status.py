@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..policies.base import SummaryRegion
+from ..policies.contract import SummaryRegion
 from ..survival import survival_counts
 from .frames import EVICTED, _grid_lines, _upsample, drawable, frame_strip, survivor_gallery, survivor_strip, thumbnail
 
@@ -20,7 +20,7 @@ STATUS_NAMES = {HELD: "held exactly", SUMMARISED: "summarised (represented in th
 
 def summarised(engine, layer: int, head: int) -> np.ndarray | None:
     """``[grids, rows, cols]`` bool: the patches a policy with a summary region still represents for one
-    (layer, KV head) (:meth:`~kvdemo.policies.base.SummaryRegion.summarised`); None for any other policy."""
+    (layer, KV head) (:meth:`~kvdemo.policies.contract.SummaryRegion.summarised`); None for any other policy."""
     if not isinstance(engine.policy, SummaryRegion):
         return None
     return engine.policy.summarised(engine.view_context(), layer, head)

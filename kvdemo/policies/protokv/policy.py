@@ -72,129 +72,90 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...views import LOST, Chart, Histogram, PatchLabels, Series, View, ViewContext
-from ..base import (
-    BudgetError,
-    LayerView,
-    PhaseTimer,
-    Policy,
-    Selection,
-    SummaryRegion,
-    SummaryUpdate,
-    register,
-    select_with_text,
-)
+from ...errors import PolicyParameterError
+from ...timing import PhaseTimer
+from ...views import LOST, View, ViewContext
+from ..contract import LayerView, Policy, Selection, SummaryRegion, SummaryUpdate
+from ..registry import BenchDeclaration, PolicyCard, param, register
+from ..topk import select_with_text
 from .bank import NearTokens, ProtoBank, Tokens
 from .ema import mahalanobis
 from .pq import beam_search, pq_decode
+from .split import near_and_bank
+from .views import bank_churn, prototype_views
 
 REASON_NEAR = 0
-#: The near window holds at least this many chunks (kvdemo's rule, see the module docstring): the newest chunk,
-#: still exact while the next one is prefilled.
-NEAR_CHUNKS = 2
 REASON_NAMES = {REASON_NEAR: "near window (exact)"}
 
 
-@register
+def refresh_every_entry(policy: ProtoKV, rotary: Any, heads: int) -> None:
+    """Recompute every pseudo-token of ``policy``'s bank at once (what synthesising at read time would cost; the
+    policy itself refreshes only the prototypes a chunk changed). The benchmark times it."""
+    if policy._bank is not None:
+        policy.synthesize(policy._bank, torch.ones_like(policy._bank.used), rotary, heads)
+
+
+CARD = PolicyCard(
+    "Exact near window + a prototype bank summarising evicted tokens, read through log-mass-biased pseudo-tokens.",
+    reasons=REASON_NAMES,
+    view_titles=("Prototype assignments", "Prototype bank"),
+    bench=BenchDeclaration(benchmarks=("update",), refresh_all=refresh_every_entry),
+)
+
+
+@register(CARD)
 @dataclass
 class ProtoKV(Policy, SummaryRegion):
     """An exact near window of ``W`` tokens plus ``K_max`` prototypes exposed as ``S`` pseudo-tokens each."""
 
     name = "protokv"
-    reason_names = REASON_NAMES
-    benchmarks = ("update",)
-    summary = "Exact near window + a prototype bank summarising evicted tokens, read through log-mass-biased pseudo-tokens."
-    help = {
-        "near_share": "W / M: the exact near window's share of the budget (paper: W : K_max*S = 1 : 3)",
-        "pseudo_tokens": "S: pseudo-tokens per prototype at read time (K_max = (1 - near_share) M / S)",
-        "lambda_sp": "weight of the spatial Mahalanobis term in the assignment (0 = no continuity)",
-        "lambda_idle": "penalty for assigning to a prototype idle longer than t_idle",
-        "t_idle": "idle threshold in temporal grids (aging and the idle penalty)",
-        "centre_rate": "EMA rate of the key/value centres (alpha = beta)",
-        "spatial_rate": "EMA rate of the spatial mean and covariance (eta)",
-        "decay": "mass decay of idle prototypes per maintenance (gamma)",
-        "merge_k": "merge threshold on normalised key centres (eps_K)",
-        "merge_v": "merge threshold on normalised value centres (eps_V)",
-        "subquantizers": "G: PQ sub-quantisers of the residual histograms",
-        "codewords": "C: codewords per sub-quantiser",
-        "beam": "beam width of the residual-mode search (0 = 4 S; at least S)",
-        "warmup": "residuals per row collected before the PQ codebooks are trained (T_warm)",
-        "smoothing": "epsilon of the smoothed PQ probabilities",
-        "residuals": "decode residual modes (off = pseudo-tokens are the centres: 'w/o residual stats')",
-        "mass_bias": "add log n_k to pseudo-token logits (off = 'w/o mass bias')",
-        "history": "absorbed temporal grids whose prototype assignment is kept for the views",
-    }
+    window_name = "near window"
 
-    near_share: float = 0.25
-    pseudo_tokens: int = 8
-    lambda_sp: float = 0.1
-    lambda_idle: float = 0.01
-    t_idle: int = 120
-    centre_rate: float = 0.05
-    spatial_rate: float = 0.05
-    decay: float = 0.05
-    merge_k: float = 0.20
-    merge_v: float = 0.25
-    subquantizers: int = 8
-    codewords: int = 16
-    beam: int = 0
-    warmup: int = 256
-    smoothing: float = 0.1
-    residuals: bool = True
-    mass_bias: bool = True
-    history: int = 16
+    near_share: float = param(0.25, "W / M: the exact near window's share of the budget (paper: W : K_max*S = 1 : 3)")
+    pseudo_tokens: int = param(8, "S: pseudo-tokens per prototype at read time (K_max = (1 - near_share) M / S)")
+    lambda_sp: float = param(0.1, "weight of the spatial Mahalanobis term in the assignment (0 = no continuity)")
+    lambda_idle: float = param(0.01, "penalty for assigning to a prototype idle longer than t_idle")
+    t_idle: int = param(120, "idle threshold in temporal grids (aging and the idle penalty)")
+    centre_rate: float = param(0.05, "EMA rate of the key/value centres (alpha = beta)")
+    spatial_rate: float = param(0.05, "EMA rate of the spatial mean and covariance (eta)")
+    decay: float = param(0.05, "mass decay of idle prototypes per maintenance (gamma)")
+    merge_k: float = param(0.20, "merge threshold on normalised key centres (eps_K)")
+    merge_v: float = param(0.25, "merge threshold on normalised value centres (eps_V)")
+    subquantizers: int = param(8, "G: PQ sub-quantisers of the residual histograms")
+    codewords: int = param(16, "C: codewords per sub-quantiser")
+    beam: int = param(0, "beam width of the residual-mode search (0 = 4 S; at least S)")
+    warmup: int = param(256, "residuals per row collected before the PQ codebooks are trained (T_warm)")
+    smoothing: float = param(0.1, "epsilon of the smoothed PQ probabilities")
+    residuals: bool = param(True, "decode residual modes (off = pseudo-tokens are the centres: 'w/o residual stats')")
+    mass_bias: bool = param(True, "add log n_k to pseudo-token logits (off = 'w/o mass bias')")
+    history: int = param(16, "absorbed temporal grids whose prototype assignment is kept for the views")
     _bank: ProtoBank | None = field(default=None, init=False, repr=False, compare=False)
     _last: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0.0 < float(self.near_share) < 1.0:
-            raise BudgetError(f"near_share must be in (0, 1), got {self.near_share}")
+            raise PolicyParameterError(f"near_share must be in (0, 1), got {self.near_share}")
         for name in ("pseudo_tokens", "subquantizers", "codewords", "warmup", "history"):
             if int(getattr(self, name)) < 1:
-                raise BudgetError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise PolicyParameterError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("centre_rate", "decay"):
             if not 0.0 <= float(getattr(self, name)) <= 1.0:
-                raise BudgetError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+                raise PolicyParameterError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if not 0.0 <= float(self.spatial_rate) < 1.0:
-            raise BudgetError(f"spatial_rate must be in [0, 1), got {self.spatial_rate}")
+            raise PolicyParameterError(f"spatial_rate must be in [0, 1), got {self.spatial_rate}")
         if self.beam < 0 or self.t_idle < 0 or self.smoothing <= 0:
-            raise BudgetError("beam and t_idle must be >= 0 and smoothing > 0")
+            raise PolicyParameterError("beam and t_idle must be >= 0 and smoothing > 0")
         if 0 < self.beam < self.pseudo_tokens:
-            raise BudgetError(f"beam={self.beam} is narrower than S={self.pseudo_tokens} pseudo-tokens (it would repeat "
-                              f"code tuples); use beam >= {self.pseudo_tokens}, or 0 for 4 S")
+            raise PolicyParameterError(f"beam={self.beam} is narrower than S={self.pseudo_tokens} pseudo-tokens (it "
+                                       f"would repeat code tuples); use beam >= {self.pseudo_tokens}, or 0 for 4 S")
 
     # --- budget ---------------------------------------------------------------------------
     def split(self, budget: int, chunk: int = 0) -> tuple[int, int]:
-        """``(W, K_max)`` for budget ``M`` and chunks of ``chunk`` visual tokens (0 = not known yet): the paper's
-        ``K_max = floor((1 - near_share) M / S)``, lowered until the near window holds two chunks
-        (:data:`NEAR_CHUNKS`: the newest chunk stays exact while the next one comes in); ``W = M - K_max S``."""
-        near_min = NEAR_CHUNKS * int(chunk)
-        prototypes = min(int((1.0 - self.near_share) * budget), budget - near_min) // self.pseudo_tokens
-        near = budget - prototypes * self.pseudo_tokens
-        if prototypes < 1 or near < max(1, near_min):
-            if near_min:
-                raise BudgetError(
-                    f"M={budget} cannot hold ProtoKV's near window of {near_min} tokens (the newest chunk of {chunk} "
-                    f"stays exact while the next comes in) and one prototype of S={self.pseudo_tokens} pseudo-tokens; "
-                    f"raise M to at least {self._smallest_budget(near_min)}"
-                )
-            raise BudgetError(
-                f"M={budget} is too small for ProtoKV: it needs room for a near window and at least one prototype "
-                f"of S={self.pseudo_tokens} pseudo-tokens"
-            )
-        return near, prototypes
-
-    def _smallest_budget(self, near_min: int) -> int:
-        """The smallest ``M`` that holds a near window of ``near_min`` tokens and one prototype."""
-        budget = near_min + self.pseudo_tokens
-        while int((1.0 - self.near_share) * budget) < self.pseudo_tokens:
-            budget += 1
-        return budget
+        """``(W, K_max)`` for budget ``M`` and chunks of ``chunk`` visual tokens (:func:`.split.near_and_bank`)."""
+        return near_and_bank(budget, chunk, self.near_share, self.pseudo_tokens)
 
     def summary_slots(self, budget: int, chunk: int = 0) -> int:
         return self.split(budget, chunk)[1] * self.pseudo_tokens
-
-    window_name = "near window"
 
     def describe_split(self, budget: int, chunk: int = 0) -> str:
         near, prototypes = self.split(budget, chunk)
@@ -221,7 +182,7 @@ class ProtoKV(Policy, SummaryRegion):
         if self._bank is None:
             prototypes = views[0].summary_slots // self.pseudo_tokens
             if prototypes < 1:
-                raise BudgetError("ProtoKV needs a memory with a summary region (use StreamEngine, which sizes it from M)")
+                raise ValueError("ProtoKV needs a memory with a summary region (StreamEngine sizes it from M)")
             self._bank = self._new_bank(len(views) * heads, prototypes, dim, views[0].grid, device)
         bank = self._bank
         t = int(views[0].newest_frame)
@@ -253,14 +214,10 @@ class ProtoKV(Policy, SummaryRegion):
         kept = select_with_text(view.order.double(), keep, view.order, view.frame, view.grid_text)
         return int(kept.sum(dim=1).min())
 
-    def synthesize_all(self, rotary: Any, heads: int) -> None:
-        if self._bank is not None:
-            self.synthesize(self._bank, torch.ones_like(self._bank.used), rotary, heads)
-
     def _new_bank(self, rows: int, prototypes: int, dim: int, grid: tuple[int, int], device: torch.device) -> ProtoBank:
         """An empty bank of ``rows x prototypes`` slots with this policy's PQ shape, warm-up and view history."""
         if dim % self.subquantizers:
-            raise BudgetError(f"head dim {dim} is not divisible by {self.subquantizers} PQ sub-quantisers")
+            raise PolicyParameterError(f"head dim {dim} is not divisible by {self.subquantizers} PQ sub-quantisers")
         return ProtoBank.empty(rows, prototypes, dim, grid, self.subquantizers, self.codewords, self.warmup, self.history, device)
 
     @staticmethod
@@ -285,7 +242,7 @@ class ProtoKV(Policy, SummaryRegion):
         keys = torch.cat(keys)
         rotary = views[0].rotary
         if rotary is None:
-            raise BudgetError("ProtoKV needs the model's rotation to keep keys before RoPE (views without rotary)")
+            raise ValueError("ProtoKV needs the model's rotation to keep keys before RoPE (views without rotary)")
         keys = rotary.unrotate(keys.float(), position)
         rows, cols = views[0].grid
         row, col = torch.cat(row).float(), torch.cat(col).float()
@@ -433,8 +390,6 @@ class ProtoKV(Policy, SummaryRegion):
         return out[0], out[1]
 
     # --- what it shows ----------------------------------------------------------------------
-    view_titles = ("Prototype assignments", "Prototype bank")
-
     def assignments(self, layer: int, head: int, heads: int) -> dict[str, Any] | None:
         """The last absorbed grids of one (layer, KV head) as plain data: ``grids`` (oldest first),
         ``prototype [n, rows, cols]`` (``UNLABELLED`` = not absorbed: still exact in the near window, or never
@@ -456,50 +411,15 @@ class ProtoKV(Policy, SummaryRegion):
         return represented
 
     def views(self, context: ViewContext, layer: int, head: int, last: int = 4) -> list[View]:
-        """The prototype each patch of the newest absorbed grids went to, and the bank: its mass histogram
-        and the pseudo-tokens attention can see over stream time."""
+        """The prototype each patch of the newest absorbed grids went to, and the bank (:mod:`.views`)."""
         data = self.assignments(layer, head, context.num_kv_heads)
         if data is None:
             return []
-        views: list[View] = []
-        shown = [(g, ids) for g, ids in zip(data["grids"][-last:], data["prototype"][-last:]) if g < context.num_grids]
-        mass = data["mass"]
-        if shown:
-            labels = np.stack([ids for _, ids in shown])
-            ids = np.unique(labels[labels >= 0])
-            top = sorted(ids.tolist(), key=lambda k: -int(mass[k]))[:8]
-            listed = ", ".join(f"<b>{k}</b> (mass {int(mass[k])})" for k in top)
-            caption = (f"Layer {layer}, KV head {head}: each patch of these absorbed frames is represented by the prototype "
-                       f"whose id it shows (same colour = same prototype); untinted = still exact in the near window"
-                       + ("; dark red = its prototype was recycled since" if (labels == LOST).any() else "")
-                       + (f". Heaviest here: {listed}." if listed else "."))
-            frame_captions = [f"t={context.grid_times_s[g]:.1f}s  {100 * (ids >= 0).mean():.0f}% in the bank" for g, ids in shown]
-            views.append(PatchLabels("Prototype assignments", caption, [g for g, _ in shown], labels, frame_captions))
-        active = mass[mass > 0]
-        events = context.timeline
-        occupancy = Series([e.time_s for e in events], {"pseudo-tokens visible": [e.summary_active for e in events]},
-                           "stream time (s)", "pseudo-tokens", limit=context.summary_slots)
-        histogram = Histogram(active, f"mass n_k (layer {layer}, head {head})", "prototypes")
-        churn = self.churn(layer * context.num_kv_heads + head)
-        times = [context.grid_times_s[g] if g < context.num_grids else float(g) for g in churn["grids"]]
-        churn_part = Series(times, {"merged away": churn["merged"], "recycled": churn["recycled"]}, "stream time (s)",
-                            "prototypes per pass", markers=True)
-        caption = (f"{int(active.size)} of {len(mass)} prototypes active in this bank, total mass {int(active.sum())}; "
-                   f"middle: pseudo-tokens attention can see (capacity {context.summary_slots}, dashed); right: the "
-                   f"bank's churn, {churn['merged_per_pass']:.2f} merges and {churn['recycled_per_pass']:.2f} recyclings "
-                   f"per pass here over the last {len(times)} passes.")
-        views.append(Chart("Prototype bank", caption, [histogram, occupancy, churn_part]))
-        return views
+        return prototype_views(data, self.churn(layer * context.num_kv_heads + head), context, layer, head, last)
 
     def churn(self, row: int) -> dict[str, Any]:
-        """Bank row ``row``'s churn over the last passes as plain data: ``grids`` (the temporal grid of each pass),
-        ``merged`` and ``recycled`` (prototypes merged away and slots recycled in each pass), and their means."""
-        bank = self._bank
-        counts = bank.churn[:, :, row].cpu()
-        merged, recycled = counts[:, 0].tolist(), counts[:, 1].tolist()
-        passes = max(len(merged), 1)
-        return {"grids": bank.churn_grid.cpu().tolist(), "merged": merged, "recycled": recycled,
-                "merged_per_pass": sum(merged) / passes, "recycled_per_pass": sum(recycled) / passes}
+        """Bank row ``row``'s churn over the last passes (:func:`.views.bank_churn`)."""
+        return bank_churn(self._bank, row)
 
     def report(self) -> dict[str, Any]:
         bank = self._bank

@@ -1,0 +1,235 @@
+"""The policy contract: what every policy needs, and nothing one policy alone needs.
+
+A policy is a dataclass of its paper's parameters (with their defaults; each field's help text in its
+``metadata``) and one method, ``compress(views, keep) -> Selection``: from per-layer views of the visual part of
+the KV cache (:class:`LayerView`) it chooses, per layer and KV head, the sorted indices of the tokens to keep.
+Policies know nothing of models, of the UI or of the benchmarks: they see keys, values and provenance.
+
+- :class:`Policy`: the contract (``name``, ``bounded``, ``compress``), with ``report()`` for the run report and
+  ``views(context, layer, head)`` for the views it declares (:mod:`kvdemo.views`, drawn by :mod:`kvdemo.viz`; none
+  by default).
+- Opt-in protocols for what only some policies do: :class:`SummaryRegion` (the policy owns synthetic entries in
+  the memory's summary region and is sized by ``M`` alone), :class:`Probed` (the engine runs a probe text after the
+  memory before each compression and passes its queries in the views).
+
+The scored core most policies build on (a priority per token, one shared top-k) is :mod:`.topk`; registration by
+name, parameter forms and what is said about a policy (:class:`~.registry.PolicyCard`) are :mod:`.registry`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..tensors import move_tensors
+from ..views import View, ViewContext
+
+
+@dataclass
+class LayerView:
+    """What a policy sees of one layer's visual tokens.
+
+    Every policy reads the keys, values and provenance (with ``order``, ``valid`` and ``grid_text``, which the
+    shared top-k honours). The rest serve one opt-in need each and are None/0 where it does not apply:
+    ``position``, ``rotary`` and ``summary_slots`` a :class:`SummaryRegion` policy (keys before RoPE, its region's
+    size), ``probe`` a :class:`Probed` one, ``offloaded`` one that offloads (``Selection.offload``).
+
+    keys, values: ``[H_kv, L, D]`` post-RoPE, exactly as cached (views of the memory's buffers).
+    frame, row, col: ``[H_kv, L]`` provenance of each token: the temporal grid it came from (a pair of
+    sampled frames; called "frame" as in the papers) and its merged-patch row and column.
+    order: ``[H_kv, L]`` arrival number of each token in the stream (larger = newer). The memory compacts
+    in place, so slots are *not* in stream order; ``None`` (hand-made views) means slot order.
+    position: ``[H_kv, L, 3]`` the 3-D M-RoPE position each key was rotated at (None if unknown).
+    valid: ``[H_kv, L]`` bool when heads hold different numbers of tokens (ragged), else None.
+    rotary: the model's rotation (``rotate(x, position)`` / ``unrotate(x, position)``), for policies that
+    need keys before RoPE; None when the caller has no model.
+    summary_slots: size of the memory's summary region the policy owns (see :meth:`SummaryRegion.summary_slots`).
+    probe: ``[H_q, T, D]`` post-RoPE queries of a probe text run after the memory (for a
+    :class:`Probed` policy, e.g. HybridKV's text-centric head classification); query head ``h`` reads KV head
+    ``h // (H_q / H_kv)``.
+    offloaded: ``[H_kv]`` tokens each head keeps in the memory's offload store (retrievable while answering);
+    None when the layer has no store.
+    grid_text: ``[H_kv, grids]`` stream-text slots each head holds per temporal grid (Qwen3-VL's timestamps and
+    delimiters), None when the stream carries no text. They are not in the view; they stay while a head keeps
+    at least one visual token of their grid, and count against the budget: keeping the first token of a grid
+    costs ``1 + grid_text`` (:func:`~.topk.select_with_text`).
+    """
+
+    layer: int
+    num_layers: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    frame: torch.Tensor
+    row: torch.Tensor
+    col: torch.Tensor
+    grid: tuple[int, int]
+    newest_frame: int
+    order: torch.Tensor | None = None
+    position: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    rotary: Any = None
+    summary_slots: int = 0
+    probe: torch.Tensor | None = None
+    offloaded: torch.Tensor | None = None
+    grid_text: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.order is None:
+            self.order = torch.arange(self.keys.shape[1], device=self.keys.device).expand(self.keys.shape[0], -1)
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.keys.shape[0])
+
+    @property
+    def length(self) -> int:
+        return int(self.keys.shape[1])
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+@dataclass
+class SummaryUpdate:
+    """A policy's synthetic entries for one layer's summary region (ProtoKV's pseudo-tokens).
+
+    keys, values: ``[H_kv, U, D]`` post-RoPE, as attention reads them, written at ``slots [H_kv, U]`` of the
+    region (all ``S`` slots in order when ``slots`` is None); bias: ``[H_kv, S]`` additive key bias of every
+    slot (``-inf`` hides an unused one).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor
+    slots: torch.Tensor | None = None
+
+
+@dataclass
+class OffloadUpdate:
+    """One layer's tokens to move to the offload store, and what each head retrieves at decode time.
+
+    tokens: ``[H_kv, E]`` indices into the layer's view (arrival order), ``valid [H_kv, E]`` which count;
+    they are stored in chunks of ``chunk`` tokens per head with a resident mean-key index.
+    retrieve: ``[H_kv]`` visual tokens each head brings back per decode step (0: it does not retrieve).
+    counted: whether those retrieved tokens count toward the budget ``M`` (the memory's visual tokens include
+    them, so a head's query-time context, resident + retrieved, stays within what the budget bounds) or come on
+    top of it.
+    """
+
+    tokens: torch.Tensor
+    valid: torch.Tensor
+    retrieve: torch.Tensor
+    chunk: int = 8
+    counted: bool = False
+
+
+@dataclass
+class Selection:
+    """Per layer, ``LongTensor [H_kv, keep]`` of sorted indices into that layer's view.
+
+    ``valid`` (optional, per layer ``[H_kv, keep]`` bool) marks the entries that count when heads keep
+    different numbers of tokens (ragged budgets); ``summary`` (optional, per layer) refreshes the memory's
+    summary region; ``offload`` (optional, per layer) moves evicted tokens to the memory's offload store
+    instead of dropping them, and sets what each head retrieves from it at decode time; ``uncompressed``
+    lists the layers this pass left whole (every index kept): they do not count toward ``M`` (CoRDS'
+    ``above=keep``), so the engine does not compress again because of them.
+    """
+
+    indices: list[torch.Tensor]
+    #: Optional per-layer extras a policy reports for explanation (e.g. why each kept token was kept).
+    info: dict[str, Any] = field(default_factory=dict)
+    valid: list[torch.Tensor] | None = None
+    summary: list[SummaryUpdate | None] | None = None
+    offload: list[OffloadUpdate | None] | None = None
+    uncompressed: tuple[int, ...] = ()
+
+
+@dataclass
+class Policy(abc.ABC):
+    """Base of every policy: a dataclass of its paper's parameters, registered by ``name``
+    (:func:`~.registry.register`)."""
+
+    name: ClassVar[str] = ""
+    #: False for ``full``: the engine never compresses.
+    bounded: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def compress(self, views: list[LayerView], keep: int) -> Selection:
+        """Choose ``keep`` tokens per layer and KV head from ``views`` (one per layer)."""
+
+    @classmethod
+    def takes_keep(cls) -> bool:
+        """Whether the budget has a ``C`` (a bounded policy that is not sized by ``M`` alone)."""
+        return cls.bounded and not issubclass(cls, SummaryRegion)
+
+    def params(self) -> dict[str, Any]:
+        """The policy's parameters (its own state, fields starting with ``_``, left out)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
+
+    def report(self) -> dict[str, Any]:
+        """What the policy's own state looks like now (for the run report); ``{}`` for a stateless policy."""
+        return {}
+
+    def views(self, context: ViewContext, layer: int, head: int) -> list[View]:
+        """The policy's own views of its state for one layer and KV head (their titles are declared in its
+        :class:`~.registry.PolicyCard`); none by default."""
+        return []
+
+    def to(self, device: torch.device | str) -> "Policy":
+        """Move the policy's own state (its ``_``-fields: tensors, and dataclasses/containers of them) to
+        ``device``; returns self."""
+        for f in dataclasses.fields(self):
+            if f.name.startswith("_"):
+                setattr(self, f.name, move_tensors(getattr(self, f.name), device))
+        return self
+
+
+# --- opt-in protocols --------------------------------------------------------------------------------
+
+
+class SummaryRegion(abc.ABC):
+    """A policy that owns synthetic entries in the memory's summary region (ProtoKV's pseudo-tokens). It is
+    sized by ``M`` alone: ``M`` = its summary slots + the real visual tokens it holds exactly; each
+    compression keeps the newest real tokens that leave room for the incoming chunk
+    (:meth:`kvdemo.budget.Budget.keep_for`). The split may depend on the chunk size, which the budget learns when
+    chunks are sized (:meth:`kvdemo.budget.Budget.fit_chunk`)."""
+
+    #: What messages call the exact tokens it holds (e.g. "near window").
+    window_name: ClassVar[str] = "window"
+
+    @abc.abstractmethod
+    def summary_slots(self, budget: int, chunk: int = 0) -> int:
+        """Slots of the memory's summary region this policy owns under budget ``M`` for chunks of ``chunk`` visual
+        tokens (0 = not known yet); raises :class:`~kvdemo.errors.BudgetError` when ``M`` cannot be split as the
+        policy needs."""
+
+    def describe_split(self, budget: int, chunk: int = 0) -> str:
+        """``M``'s split in words (for the settings line and messages)."""
+        slots = self.summary_slots(budget, chunk)
+        return f"{budget - slots} exact tokens + {slots} summary slots"
+
+    def summarised(self, context: ViewContext, layer: int, head: int) -> np.ndarray | None:
+        """``[grids, rows, cols]`` bool: the patches the summary still represents (whether or not they are
+        also held exactly), for the views; None when nothing is summarised yet."""
+        return None
+
+
+class Probed(abc.ABC):
+    """A policy that reads the memory with a probe: before each compression the engine asks
+    :attr:`probe_text` after the memory (uncommitted) and passes each layer's queries as ``LayerView.probe``."""
+
+    #: The text the memory is probed with (a proxy for a question).
+    probe_text: ClassVar[str] = ""
+
+    @property
+    def compresses_on_question(self) -> bool:
+        """True when a question first runs one more pass with itself as the probe (it changes the memory);
+        answering alone never does."""
+        return False
+

@@ -1,0 +1,202 @@
+"""The scored core and the one shared top-k: most policies score every token (:class:`ScoredPolicy` returns one
+:class:`Ranking` per layer: a priority and a reason per token, optionally a per-head count) and
+:func:`select_ranked` turns rankings into a :class:`~.contract.Selection` (in the spirit of kvpress's
+``ScorerPress``). The kernels below it (masks, ties to the newer token, the stream's text counted against the
+budget, normalisation) are shared by every policy that selects.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..timing import PhaseTimer
+from .contract import LayerView, Policy, Selection
+
+
+@dataclass
+class Ranking:
+    """One layer's scores: ``priority [H, L]`` (higher is kept first; exact ties go to the newer token),
+    ``reason [H, L]`` int8 code of each token, and ``keep``: the tokens each head keeps (``None``: the pass's
+    ``keep``; an int; or ``[H]`` per head, a ragged selection)."""
+
+    priority: torch.Tensor
+    reason: torch.Tensor
+    keep: int | torch.Tensor | None = None
+
+
+class ScoredPolicy(Policy):
+    """A policy that scores every token; the shared top-k (:func:`select_ranked`) keeps the best."""
+
+    @abc.abstractmethod
+    def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
+        """One :class:`Ranking` per layer (layers may share one object) and the pass's explanation
+        (``Selection.info``)."""
+
+    def compress(self, views: list[LayerView], keep: int) -> Selection:
+        """Rank, then the shared top-k; ``info["phase_ms"]`` splits the time (the phases ``rank`` reports in its
+        own ``phase_ms``, else all of it as ``scoring``; the top-k is ``selection``)."""
+        timer = PhaseTimer()
+        device = views[0].keys.device if views else None
+        with timer.phase("rank", device):
+            rankings, info = self.rank(views, keep)
+        phases = dict(info.pop("phase_ms", None) or {"scoring": timer.ms["rank"]})
+        with timer.phase("selection", device):
+            selection, _ = select_ranked(views, rankings, keep, info)
+        phases["selection"] = phases.get("selection", 0.0) + timer.ms["selection"]
+        selection.info["phase_ms"] = phases
+        return selection
+
+
+def select_ranked(
+    views: list[LayerView], rankings: list[Ranking], keep: int, info: dict[str, Any] | None = None
+) -> tuple[Selection, list[torch.Tensor]]:
+    """The shared top-k: per layer, the ``keep`` tokens of highest priority per head (ties to the newer
+    token), as sorted indices with their reasons in ``info["reason"]``; a ranking with a per-head ``keep``
+    gives a ragged selection (indices padded to the largest count, ``valid`` marking the real ones).
+    Layers sharing a ranking object are ranked once; layers of equal length are ranked together as one
+    ``[layers * H, L]`` batch (per device, when a model's layers sit on several). Returns the selection and each
+    layer's kept mask ``[H, L]``."""
+    info = dict(info or {})
+    unique: dict[int, int] = {}
+    for layer, ranking in enumerate(rankings):
+        unique.setdefault(id(ranking), layer)
+    kept: dict[int, torch.Tensor] = {}
+    batches: dict[tuple[int, int, torch.device], list[int]] = {}
+    for first in unique.values():
+        ranking = rankings[first]
+        count = keep if ranking.keep is None else ranking.keep
+        view = views[first]
+        if view.grid_text is not None:
+            kept[first] = select_with_text(ranking.priority, count, view.order, view.frame, view.grid_text)
+        elif isinstance(count, torch.Tensor) and count.numel() > 1:
+            kept[first] = top_k_mask(ranking.priority, count, view.order)
+        else:
+            batches.setdefault((view.length, int(count), ranking.priority.device), []).append(first)
+    for (length, count, _), members in batches.items():
+        priority = torch.cat([rankings[m].priority for m in members])
+        order = torch.cat([views[m].order.to(priority.device) for m in members])
+        masks = top_k_mask(priority, min(count, length), order).chunk(len(members))
+        kept.update(zip(members, masks))
+    indices, valids, reasons = [], [], []
+    ragged = False
+    done: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for ranking in rankings:
+        first = unique[id(ranking)]
+        if first not in done:  # layers sharing a ranking share its (read-only) indices
+            index, valid = kept_indices(kept[first])
+            done[first] = index, valid, torch.gather(ranking.reason, 1, index)
+        index, valid, reason = done[first]
+        ragged |= not bool(valid.all())
+        indices.append(index)
+        valids.append(valid)
+        reasons.append(reason)
+    info["reason"] = reasons
+    selection = Selection(indices, info, valid=valids if ragged else None)
+    return selection, [kept[unique[id(r)]] for r in rankings]
+
+
+def kept_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kept mask ``[H, L]`` as ascending indices ``[H, width]`` (``width`` the largest count) and ``valid
+    [H, width]``; a row keeping fewer is padded with index 0, marked invalid. Rows keeping the same count (the
+    usual case) are one ``nonzero``; ragged rows are sorted."""
+    heads, length = mask.shape
+    counts = mask.sum(dim=1)
+    width = int(counts.max()) if counts.numel() else 0
+    if heads and bool((counts == width).all()):
+        return mask_to_indices(mask), torch.ones(heads, width, dtype=torch.bool, device=mask.device)
+    slots = torch.arange(length, device=mask.device)
+    index = torch.sort(torch.where(mask, slots, length), dim=1).values[:, :width]
+    valid = index < length
+    return index.masked_fill(~valid, 0), valid
+
+
+
+def top_k_mask(scores: torch.Tensor, k: int | torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean mask ``[H, L]`` of the ``k`` highest ``scores [H, L]`` per row (``k`` an int or ``[H]`` per row).
+
+    Exact ties go to the newer token (larger ``order [H, L]``, the tokens' arrival numbers; slot order when
+    None): a ramp far below float32 resolution is added in float64, so the choice is deterministic and
+    never reorders distinct scores.
+    """
+    heads, length = scores.shape
+    key = scores.double() + tie_ramp(order, length, scores.device)
+    mask = torch.zeros(heads, length, dtype=torch.bool, device=scores.device)
+    if isinstance(k, torch.Tensor) and k.numel() > 1 and bool((k != k.flatten()[0]).any()):
+        k = k.to(scores.device).clamp(0, length)
+        order = torch.topk(key, int(k.max()), dim=-1, sorted=True).indices
+        return mask.scatter_(1, order, torch.arange(order.shape[1], device=scores.device)[None] < k[:, None])
+    k = min(int(k.flatten()[0]) if isinstance(k, torch.Tensor) else int(k), length)
+    if k <= 0:
+        return mask
+    if 2 * k > length:  # cheaper to find the (distinct, thanks to the ramp) L - k lowest and keep the rest
+        return mask.fill_(True).scatter_(1, torch.topk(key, length - k, dim=-1, largest=False, sorted=False).indices, False)
+    return mask.scatter_(1, torch.topk(key, k, dim=-1, sorted=False).indices, True)
+
+
+def select_with_text(
+    priority: torch.Tensor, keep: int | torch.Tensor, order: torch.Tensor, frame: torch.Tensor, grid_text: torch.Tensor
+) -> torch.Tensor:
+    """Kept mask ``[H, L]`` when the stream's own text counts against the budget (kvdemo's rule).
+
+    ``keep`` (an int or ``[H]``) bounds the visual tokens kept plus the stream-text slots of their grids
+    (``grid_text [H, grids]``; ``frame [H, L]`` is each token's grid). In priority order (ties to the newer
+    token, as :func:`top_k_mask`), a token costs 1, plus its grid's text when it is the first of its grid;
+    the longest prefix within ``keep`` is kept, then the room left goes to the next tokens of grids already
+    kept (they cost 1). Without text this is exactly :func:`top_k_mask`.
+    """
+    heads, length = priority.shape
+    device = priority.device
+    budget = (keep.to(device).long() if isinstance(keep, torch.Tensor) else torch.full((heads,), int(keep), device=device))
+    budget = budget.expand(heads)
+    key = priority.double() + tie_ramp(order, length, device)
+    ranked = torch.argsort(key, dim=1, descending=True)  # best first
+    grid = torch.gather(frame.long(), 1, ranked)  # [H, L]
+    grids = grid_text.shape[1]
+    rank = torch.arange(length, device=device).expand(heads, -1)
+    first_rank = torch.full((heads, grids), length, device=device).scatter_reduce(1, grid, rank, reduce="amin")
+    opens = torch.gather(first_rank, 1, grid) == rank
+    cost = 1 + opens.long() * torch.gather(grid_text.to(device).long(), 1, grid)
+    total = torch.cumsum(cost, dim=1)
+    prefix = total <= budget[:, None]
+    opened = torch.zeros(heads, grids + 1, dtype=torch.bool, device=device).scatter_(1, torch.where(prefix, grid, grids), True)
+    room = budget - (cost * prefix).sum(dim=1)
+    later = ~prefix & torch.gather(opened, 1, grid)
+    fill = later & (torch.cumsum(later.long(), dim=1) <= room[:, None])
+    return torch.zeros(heads, length, dtype=torch.bool, device=device).scatter_(1, ranked, prefix | fill)
+
+
+def minmax(x: torch.Tensor, valid: torch.Tensor | None = None, eps: float = 1e-12) -> torch.Tensor:
+    """Per-row min-max normalisation of ``x [H, N]`` to [0, 1], over ``valid`` entries only if given
+    (invalid entries come out as 0); ``eps`` keeps a constant row finite."""
+    if valid is None:
+        low, high = x.min(dim=-1, keepdim=True).values, x.max(dim=-1, keepdim=True).values
+        return (x - low) / (high - low + eps)
+    big = torch.finfo(x.dtype).max
+    low = torch.where(valid, x, big).min(dim=-1, keepdim=True).values
+    high = torch.where(valid, x, -big).max(dim=-1, keepdim=True).values
+    return torch.where(valid, (x - low) / (high - low + eps), torch.zeros_like(x))
+
+
+def mask_to_indices(mask: torch.Tensor) -> torch.Tensor:
+    """A mask ``[H, L]`` with the same count per row -> ascending indices ``[H, count]``."""
+    return torch.nonzero(mask, as_tuple=False)[:, 1].view(mask.shape[0], -1)
+
+
+def top_k_sorted(scores: torch.Tensor, keep: int, order: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices ``[H, keep]`` of the ``keep`` highest ``scores [H, L]`` per row, in ascending order
+    (ties to the newer token, see :func:`top_k_mask`)."""
+    return mask_to_indices(top_k_mask(scores, min(keep, scores.shape[-1]), order))
+
+
+def tie_ramp(order: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
+    """A float64 ramp below 1e-9, increasing with ``order`` (``[H, L]`` or None = slot order)."""
+    if order is None:
+        return torch.arange(length, device=device, dtype=torch.float64) * (1e-9 / max(length, 1))
+    order = order.to(device=device, dtype=torch.float64)
+    low = order.min(dim=-1, keepdim=True).values if order.numel() else order
+    span = (order.max(dim=-1, keepdim=True).values - low + 1) if order.numel() else order
+    return (order - low) * (1e-9 / span)
