@@ -8,6 +8,7 @@ from typing import Any
 
 from .. import zerogpu
 from ..budget import Budget
+from ..compare import Contender
 from ..engine import EngineError
 from ..geometry import FrameGeometry
 from ..models.base import ModelError
@@ -16,7 +17,7 @@ from ..policies import BudgetError, Policy, coerce_param, make_policy, policy_cl
 from ..synthetic import sample_episode
 from ..video import VideoError, open_video
 from ..views import counted
-from .sessions import CACHE_TTL_S, RunSettings
+from .sessions import CACHE_TTL_S, CompareSettings, RunSettings
 
 FRAMES_PER_CHUNK = 2
 
@@ -58,25 +59,47 @@ def open_stream(geometry: FrameGeometry, video_path: str | None, fps: float, sam
     return open_video(Path(video_path), fps=fps, geometry=geometry), None
 
 
-def settings_geometry(settings: RunSettings) -> FrameGeometry:
+def settings_geometry(settings: RunSettings | CompareSettings) -> FrameGeometry:
     """How the chosen model sizes frames (known before it loads), within the chosen max pixels."""
     return within_max_pixels(geometry_for(settings.model), settings.max_pixels)
 
 
-def resolve_settings(settings: RunSettings) -> tuple[Policy, Budget]:
-    """The settings as the engine will take them: the policy (with its parameters) and its budget, resolved
-    once; :class:`BudgetError` with a one-line reason if they cannot work (the sampling and pixel numbers
-    too). A policy sized by ``M`` alone ignores ``C``."""
-    policy = make_policy(settings.policy, **settings.params)
+def cap_bytes(cap_mb: float | None) -> int | None:
+    """The full cache's memory cap as typed (MB; 0 or none: no cap) in bytes."""
+    return int(cap_mb * 2**20) if cap_mb and cap_mb > 0 else None
+
+
+def resolve_contender(contender: Contender, budget: Any, keep: Any) -> tuple[Policy, Budget]:
+    """One contender as its engine takes it: the policy with its parameters and its budget (its own ``M``/``C``,
+    else the shared ``budget``/``keep``; a policy sized by ``M`` alone ignores ``C``), resolved once."""
+    policy = make_policy(contender.name, **contender.params)
+    m = contender.budget if contender.budget is not None else budget
+    c = contender.keep if contender.keep is not None else keep
+    takes_keep = type(policy).takes_keep()
+    if m is None or (takes_keep and c is None):
+        raise BudgetError("set both M and C" if takes_keep else "set M")
+    return policy, Budget.resolve(policy, m, c if takes_keep else None)
+
+
+def resolve_settings(settings: RunSettings | CompareSettings) -> dict[str, tuple[Policy, Budget]]:
+    """Either page's settings as the engines will take them: each contender's policy and budget by name, resolved
+    once; :class:`BudgetError` with a one-line reason if they cannot work (the sampling, pixel and cap numbers
+    too). With several contenders the reason names the one it is about."""
+    contenders = settings.contenders()
+    resolved = {}
+    for contender in contenders:
+        try:
+            resolved[contender.name] = resolve_contender(contender, settings.budget, settings.keep)
+        except BudgetError as exc:
+            if len(contenders) == 1:
+                raise
+            raise BudgetError(f"{contender.name}: {exc}") from None
     if settings.fps is None or float(settings.fps) <= 0:
         raise BudgetError(f"sampling fps must be positive, got {settings.fps}")
     settings_geometry(settings)
     if settings.cap_mb is not None and settings.cap_mb < 0:
         raise BudgetError(f"the baseline memory cap must be 0 (no cap) or more MB, got {settings.cap_mb:g}")
-    takes_keep = type(policy).takes_keep()
-    if settings.budget is None or (takes_keep and settings.keep is None):
-        raise BudgetError("set both M and C" if takes_keep else "set M")
-    return policy, Budget.resolve(policy, settings.budget, settings.keep if takes_keep else None)
+    return resolved
 
 
 def validate_settings(
@@ -88,7 +111,7 @@ def validate_settings(
     bundled sample (what runs without an upload)."""
     try:
         settings = RunSettings(model or resolve_model_name(None), policy, {}, budget, keep, fps, max_pixels, False, 0)
-        _, resolved = resolve_settings(settings)
+        [(_, resolved)] = resolve_settings(settings).values()
         geometry = settings_geometry(settings)
         if video:
             size = open_video(video, fps=float(fps), geometry=geometry).size
