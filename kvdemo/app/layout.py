@@ -102,8 +102,9 @@ class Demo(Page):
                         self.build_chat()
                 self.wire()
             with gr.Tab("Compare policies", elem_id="compare-tab"):
-                ComparePage(gr, self.services, UI_POLICIES, (self.budget0, self.keep0, self.pixels0), STREAMS,
-                            QUESTIONS).build()
+                self.compare = ComparePage(gr, self.services, UI_POLICIES, (self.budget0, self.keep0, self.pixels0),
+                                           STREAMS, QUESTIONS)
+                self.compare.build()
         guard_inputs(gr, demo)  # values sent through the API that no component takes: one line, no traceback
         return demo
 
