@@ -3,8 +3,9 @@ compression), from a policy and the user's numbers, with the one rule that says 
 
 Who takes what: ``full`` takes neither (unbounded); a selection policy takes ``M`` and ``C`` with ``C < M``;
 a policy with a summary region (:class:`~kvdemo.policies.base.SummaryRegion`, e.g. ProtoKV) takes ``M``
-alone and splits it into its summary slots and a window of real tokens held exactly. The engine, the CLI,
-the app, the evaluation and the benchmarks all hold a :class:`Budget` and never decide this again.
+alone and splits it into its summary slots and a window of real tokens held exactly. :meth:`Budget.from_user` is
+the one place that decides this for what a user typed; the engine, the CLI, the app, the evaluation and the
+benchmarks hold the :class:`Budget` it returns (through :mod:`kvdemo.lineup`) and never decide it again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from .policies.base import BudgetError, Policy, SummaryRegion
 #: The largest M or C accepted: token counts are int32 in the memory's provenance, and no stream reaches it
 #: (a larger M would never compress: that is the ``full`` policy).
 MAX_TOKENS = 2**31 - 1
+#: ``C`` as a share of ``M`` where a front end lets the user leave ``C`` out (the CLI, lmms-eval, the benchmarks).
+DEFAULT_KEEP_RATIO = 0.75
 
 
 @dataclass(frozen=True)
@@ -40,28 +43,25 @@ class Budget:
 
     # --- resolving ------------------------------------------------------------------------
     @classmethod
-    def resolve(
+    def from_user(
         cls, policy: Policy | type[Policy], budget: Any = None, keep: Any = None, default_ratio: float | None = None
     ) -> "Budget":
-        """Check the user's ``budget`` (M) and ``keep`` (C) for ``policy`` (a class or an instance: an
-        instance's parameters may change how ``M`` splits) and resolve them; :class:`BudgetError` with a
-        one-line reason otherwise. ``default_ratio`` sets ``C = ratio * M`` when a policy that takes ``C`` got
-        ``M`` alone (the CLI's default); numbers given to a policy that does not use them are ignored
-        (``full``'s ``M``, ProtoKV's ``C`` when ``default_ratio`` is given)."""
+        """The budget ``policy`` (a class or an instance: an instance's parameters may change how ``M`` splits)
+        takes of the ``M`` (``budget``) and ``C`` (``keep``) a user typed: the takes-C rule, decided here and
+        nowhere else. ``full`` ignores both; a policy sized by ``M`` alone ignores ``C``; a policy that takes
+        ``C`` and got none gets ``C = default_ratio * M`` when a ratio is given. Blank (None or "") is missing;
+        what is missing, or a number that cannot work, is a :class:`BudgetError` with a one-line reason."""
         policy_cls = policy if isinstance(policy, type) else type(policy)
         if not policy_cls.bounded:
             return cls()
         takes_keep = policy_cls.takes_keep()
-        if default_ratio is not None:
-            if not takes_keep:
-                keep = None
-            elif keep is None and budget is not None:
-                keep = int(token_count("M", budget) * default_ratio)
+        budget, keep = _blank_is_none(budget), (_blank_is_none(keep) if takes_keep else None)
+        if takes_keep and keep is None and budget is not None and default_ratio is not None:
+            keep = int(token_count("M", budget) * default_ratio)
         if budget is None or (takes_keep and keep is None):
-            needed = "a budget M and a keep size C" if takes_keep else "a budget M"
-            raise BudgetError(f"policy {policy_cls.name!r} needs {needed} (visual tokens)")
-        if not takes_keep and keep is not None:
-            raise BudgetError(f"policy {policy_cls.name!r} is sized by M alone; C does not apply (leave it out)")
+            needed = "a budget M" if not takes_keep or default_ratio is not None else "a budget M and a keep size C"
+            defaulted = f"; C defaults to {default_ratio:g} M" if takes_keep and default_ratio is not None else ""
+            raise BudgetError(f"policy {policy_cls.name!r} needs {needed} (visual tokens{defaulted})")
         M = token_count("M", budget)
         if not takes_keep:
             splitter = policy if isinstance(policy, SummaryRegion) else policy_cls()
@@ -74,12 +74,23 @@ class Budget:
         return cls(M, C)
 
     @classmethod
-    def auto(cls, policy: Policy | type[Policy], chunk_tokens: int, stream_tokens: int, ratio: float = 0.75) -> "Budget":
+    def resolve(cls, policy: Policy | type[Policy], budget: Any = None, keep: Any = None) -> "Budget":
+        """The library's exact form of :meth:`from_user` (e.g. ``StreamEngine(model, policy, budget=M, keep=C)``):
+        the same rule, except that a ``C`` given to a policy sized by ``M`` alone is a :class:`BudgetError` (a
+        program that passes one means something the policy does not do)."""
+        policy_cls = policy if isinstance(policy, type) else type(policy)
+        if policy_cls.bounded and not policy_cls.takes_keep() and _blank_is_none(keep) is not None:
+            raise BudgetError(f"policy {policy_cls.name!r} is sized by M alone; C does not apply (leave it out)")
+        return cls.from_user(policy, budget, keep)
+
+    @classmethod
+    def auto(cls, policy: Policy | type[Policy], chunk_tokens: int, stream_tokens: int,
+             ratio: float = DEFAULT_KEEP_RATIO) -> "Budget":
         """A budget that makes compression visible on a stream of ``stream_tokens`` visual tokens: ``M`` a third
         of them (at most 6144, InfiniPot-V's budget), at least ``chunk_tokens / (1 - ratio)`` so that ``M - C``
         takes a chunk, and ``C = ratio * M`` for a policy that takes one."""
         floor_m = int(math.ceil(chunk_tokens / (1 - ratio)))
-        return cls.resolve(policy, max(floor_m, min(6144, stream_tokens // 3)), None, default_ratio=ratio)
+        return cls.from_user(policy, max(floor_m, min(6144, stream_tokens // 3)), None, default_ratio=ratio)
 
     # --- what it says -------------------------------------------------------------------------
     @property
@@ -155,6 +166,11 @@ class Budget:
         if self.M is None:
             return "unbounded"
         return f"M={self.M}" + (f", C={self.C}" if self.C is not None else "")
+
+
+def _blank_is_none(value: Any) -> Any:
+    """None for a field left blank (None, or a string of spaces), else ``value`` as given."""
+    return None if value is None or (isinstance(value, str) and not value.strip()) else value
 
 
 def token_count(name: str, value: Any) -> int:

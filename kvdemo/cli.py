@@ -317,14 +317,14 @@ def run_command(args: argparse.Namespace) -> int:
     params = check_run_arguments(args)
     if args.video:
         open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
-    from .budget import Budget  # deferred from here on: torch loads only once the file is known to be good
+    from .budget import DEFAULT_KEEP_RATIO, Budget  # deferred from here on: torch loads only once the file is good
     from .policies import DEFAULT_POLICY, make_policy  # deferred with Budget
 
     policy = make_policy(args.policy or DEFAULT_POLICY, **params)
     if args.keep is not None and args.budget is None and policy.bounded:
         raise UsageError("--keep needs --budget")
     if args.budget is not None:
-        Budget.resolve(policy, args.budget, args.keep, default_ratio=0.75)  # its own rule, before frames are sized
+        Budget.from_user(policy, args.budget, args.keep, DEFAULT_KEEP_RATIO)  # its own rule, before frames are sized
 
     video, episode, geometry = open_source(args)
     chunk_tokens, shape = geometry.chunk_tokens(video.size, args.frames_per_chunk)
@@ -334,7 +334,7 @@ def run_command(args: argparse.Namespace) -> int:
         budget = Budget.auto(policy, chunk_tokens, stream_tokens)
         note = " (auto: about a third of this stream's visual tokens)"
     else:
-        budget = Budget.resolve(policy, args.budget, args.keep, default_ratio=0.75)
+        budget = Budget.from_user(policy, args.budget, args.keep, DEFAULT_KEEP_RATIO)
     budget.check_chunk(chunk_tokens, shape)
 
     from .coverage import coverage, coverage_table  # deferred on purpose: the budget is good, the model comes now

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..budget import Budget
+from ..budget import DEFAULT_KEEP_RATIO, Budget
 from ..policies import make_policy
 from ..testing import QWEN7B_SHAPE
 from .passes import (
@@ -42,7 +42,7 @@ def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
         except (OSError, AttributeError, ImportError, SyntaxError) as error:
             print(f"error: --reference: {error}", file=sys.stderr)
             return 2
-    budget = Budget.resolve(policy, args.budget, args.keep, default_ratio=0.75)
+    budget = Budget.from_user(policy, args.budget, args.keep, DEFAULT_KEEP_RATIO)
     results: dict[str, Any] = {
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads()},
         "policy": policy.name,

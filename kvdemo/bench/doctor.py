@@ -24,7 +24,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..attention import fused_needs_expanded_kv, grouped_sdpa
-from ..budget import Budget
+from ..budget import DEFAULT_KEEP_RATIO, Budget
 from ..emulated_device import DEVICE as EMULATED
 from ..emulated_device import EmulatedDevice
 from ..engine import StreamEngine
@@ -105,7 +105,7 @@ def model_matrix(models: list[str], device: torch.device, frames: int) -> list[d
         M = None
         for policy_name in names:
             policy = make_policy(policy_name)
-            budget = Budget.resolve(policy, M, default_ratio=0.75) if policy.bounded else None
+            budget = Budget.from_user(policy, M, None, DEFAULT_KEEP_RATIO) if policy.bounded else None
             with torch.inference_mode():
                 first = _one_run(model, policy_name, clip, budget, device)
                 second = _one_run(model, policy_name, clip, budget, device)
@@ -129,7 +129,7 @@ def split_matrix(device: torch.device) -> list[dict[str, Any]]:
         outcome = []
         for placement in ("one device", "split"):
             policy = make_policy(name)
-            budget = Budget.resolve(policy, 64, default_ratio=0.625)
+            budget = Budget.from_user(policy, 64, None, default_ratio=0.625)
             summary, keep = budget.summary, budget.keep_for(0)
             memory = synthetic_memory(3, 2, 16, 64, (2, 4), torch.float32, visual_tokens=64, summary_slots=summary)
             probe = synthetic_probe(3, 4, 16, torch.float32)
@@ -178,7 +178,7 @@ def real_shape_passes(device: torch.device, repeats: int) -> list[dict[str, Any]
     for label, shape in (("3B", QWEN3B_SHAPE), ("7B", QWEN7B_SHAPE)):
         for name in [p for p in policy_names() if make_policy(p).bounded]:
             policy = make_policy(name)
-            budget = Budget.resolve(policy, shape["budget"], default_ratio=shape["keep"] / shape["budget"])
+            budget = Budget.from_user(policy, shape["budget"], None, default_ratio=shape["keep"] / shape["budget"])
             summary, keep = budget.summary, budget.keep_for(0)
             memory = synthetic_memory(2, shape["num_kv_heads"], shape["head_dim"], shape["budget"], shape["grid"], dtype,
                                       summary_slots=summary).to(device)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..attention import MemoryCache, kvdemo_attention
-from ..budget import Budget
+from ..budget import DEFAULT_KEEP_RATIO, Budget
 from ..engine import StreamEngine, must_compress
 from ..memory import KVMemory
 from ..models.catalog import TINY_RANDOM_NAME
@@ -45,7 +45,7 @@ def simulated_stream(
     split when it reports one), apply ms.
     """
     shape = shape or QWEN7B_SHAPE
-    budget = Budget.resolve(policy, shape["budget"], shape["keep"], default_ratio=0.75)
+    budget = Budget.from_user(policy, shape["budget"], shape["keep"], DEFAULT_KEEP_RATIO)
     generator = torch.Generator().manual_seed(seed)
     memory = KVMemory(shape["num_layers"], shape["num_kv_heads"], visual_capacity=budget.window, summary_slots=budget.summary)
     cache = MemoryCache(memory)
@@ -209,7 +209,7 @@ def tiny_decode_benchmark(policy: Policy, frames: int = 240, budget_share: float
     video = synthetic_video(num_frames=frames, height=224, width=336, fps=2.0, seed=1)
     per_grid = (224 // 28) * (336 // 28)
     total = frames // 2 * per_grid
-    budget = Budget.resolve(policy, max(4 * per_grid, int(total * budget_share)), None, default_ratio=0.75)
+    budget = Budget.from_user(policy, max(4 * per_grid, int(total * budget_share)), None, DEFAULT_KEEP_RATIO)
     engines = {"full": StreamEngine(model, "full", fps=2.0, max_new_tokens=tokens),
                policy.name: StreamEngine(model, policy, budget=budget, fps=2.0, max_new_tokens=tokens)}
     for _ in stream_video(model, video, engines):

@@ -48,7 +48,7 @@ def manifest() -> Any:
 from lmms_eval.api.instance import Instance  # noqa: E402 (after manifest(): see its docstring)
 from lmms_eval.api.model import lmms  # noqa: E402
 
-from ..budget import Budget  # noqa: E402
+from ..budget import DEFAULT_KEEP_RATIO, Budget  # noqa: E402
 from ..engine import EngineError, StreamEngine  # noqa: E402
 from ..models.loading import load_model  # noqa: E402
 from ..policies import make_policy  # noqa: E402
@@ -87,7 +87,7 @@ class KVDemoLMM(lmms):
         self.policy_name, self.budget, self.keep, self.policy_params = str(policy), M, C, params
         self.fps, self.max_new_tokens, self.time_field = float(fps), max_new_tokens, time_field
         # Bad arguments fail before the model loads; C defaults to 0.75 M, as on the command line.
-        self.bounds = Budget.resolve(make_policy(self.policy_name, **params), M, C, default_ratio=0.75)
+        self.bounds = Budget.from_user(make_policy(self.policy_name, **params), M, C, DEFAULT_KEEP_RATIO)
         self._rank, self._world_size, local_device = _process_placement()
         self.accelerator = _accelerator() if self._world_size > 1 else None
         self.model = load_model(self.checkpoint, device=device or local_device)

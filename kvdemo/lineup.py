@@ -1,0 +1,103 @@
+"""The engines of one run, built in one place: one :class:`~kvdemo.engine.StreamEngine` per contender (a policy,
+its parameters and its budget) and, when asked, the full-cache baseline beside them, stopped at its byte cap.
+
+Every front end builds its engines here: ``python -m kvdemo run``, ``compare`` and ``eval``, the app, the
+lmms-eval model and the benchmarks (a single engine is a lineup of one). The budget each contender takes of the
+user's ``M`` and ``C`` is :meth:`~kvdemo.budget.Budget.from_user`'s (the takes-C rule lives there, once): a
+policy sized by ``M`` alone ignores ``C``, ``full`` ignores both, and what is missing is a one-line message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .budget import Budget
+from .engine import DEFAULT_MAX_NEW_TOKENS, StreamEngine
+from .models.base import VideoLM
+from .policies import BudgetError, Policy, make_policy
+
+#: Engine name of the full-cache baseline (and the unbounded policy it runs).
+FULL = "full"
+
+
+@dataclass
+class Contender:
+    """One engine of a run: ``name`` (the engine's name, and the registered policy it runs unless ``policy`` is
+    given), the policy's parameters, and its own ``M`` (``budget``: as typed, or an already resolved
+    :class:`~kvdemo.budget.Budget`) and ``C`` (``keep``); None takes the run's shared ones. ``policy``: an
+    instance to run as is (its state is the engine's: give a name to get a fresh policy at each build)."""
+
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+    budget: Any = None
+    keep: Any = None
+    policy: Policy | None = None
+
+    def resolve(self, budget: Any = None, keep: Any = None, default_ratio: float | None = None) -> tuple[Policy, Budget]:
+        """The policy (made from ``name`` and ``params``, or the given instance) and the budget it takes of this
+        contender's ``M``/``C``, else of the shared ``budget``/``keep`` (:meth:`Budget.from_user`, with
+        ``default_ratio`` for a ``C`` left out)."""
+        policy = self.policy if self.policy is not None else make_policy(self.name, **self.params)
+        if isinstance(self.budget, Budget):
+            return policy, self.budget
+        own_m = self.budget if self.budget is not None else budget
+        own_c = self.keep if self.keep is not None else keep
+        return policy, Budget.from_user(policy, own_m, own_c, default_ratio)
+
+
+def contender(entry: str | Policy | Contender) -> Contender:
+    """``entry`` as a :class:`Contender`: a registered name, a policy instance (run as is) or a contender."""
+    if isinstance(entry, Contender):
+        return entry
+    if isinstance(entry, Policy):
+        return Contender(entry.name, policy=entry)
+    return Contender(str(entry))
+
+
+def resolve_lineup(
+    contenders: Sequence[str | Policy | Contender], budget: Any = None, keep: Any = None,
+    default_ratio: float | None = None, baseline: bool = False,
+) -> dict[str, tuple[Policy, Budget]]:
+    """Engine name -> (policy, budget) for every contender (:meth:`Contender.resolve`), with nothing loaded: the
+    checks a run makes before its model, each a :class:`BudgetError` with a one-line reason (a name twice, or
+    the baseline's name taken while ``baseline`` is asked for)."""
+    entries = [contender(entry) for entry in contenders]
+    names = [entry.name for entry in entries] + ([FULL] if baseline else [])
+    for name in names:
+        if names.count(name) > 1:
+            raise BudgetError(f"each engine once: {name!r} is named twice"
+                              + (" (the full cache is the baseline)" if baseline and name == FULL else ""))
+    resolved = {entry.name: entry.resolve(budget, keep, default_ratio) for entry in entries}
+    return resolved
+
+
+def make_engines(
+    model: VideoLM,
+    contenders: Sequence[str | Policy | Contender],
+    budget: Any = None,
+    keep: Any = None,
+    *,
+    fps: float,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    baseline: bool = False,
+    baseline_cap_bytes: int | None = None,
+    default_ratio: float | None = None,
+) -> dict[str, StreamEngine]:
+    """The run's engines, in order: one per contender (name -> engine, under the budget :func:`resolve_lineup`
+    gives it of its own or the shared ``budget`` = M and ``keep`` = C), then, with ``baseline``, the full cache
+    as :data:`FULL` (stopped by :class:`~kvdemo.engine.MemoryCapError` at ``baseline_cap_bytes``; None: no cap).
+    Every engine samples at ``fps`` and answers with at most ``max_new_tokens``."""
+    engines = {name: StreamEngine(model, policy, budget=bounds, fps=fps, max_new_tokens=max_new_tokens)
+               for name, (policy, bounds) in resolve_lineup(contenders, budget, keep, default_ratio, baseline).items()}
+    if baseline:
+        engines[FULL] = StreamEngine(model, FULL, fps=fps, max_cache_bytes=baseline_cap_bytes, max_new_tokens=max_new_tokens)
+    return engines
+
+
+def cap_bytes(megabytes: float | None) -> int | None:
+    """A baseline cap typed in MB as bytes; None for no cap (None or 0). :class:`BudgetError` below 0."""
+    if megabytes is not None and megabytes < 0:
+        raise BudgetError(f"the baseline memory cap must be 0 (no cap) or more MB, got {megabytes:g}")
+    return int(megabytes * 2**20) if megabytes else None
