@@ -13,15 +13,16 @@ from typing import Any
 
 import numpy as np
 
-from ..compare import FULL, memory_bound
-from ..engine import EngineError, StreamEngine
+from ..compare import memory_bound
+from ..engine import EngineError
+from ..lineup import Contender, cap_bytes, make_engines
 from ..streaming import EngineGroup
 from ..video import resize_frames
 from ..views import counted
 from .gpu import answer_into, feed_segment, segment_frames, to_the_end
 from .page_views import PageViews, answer_markdown
 from .sessions import AppServices, CompareSettings, RunSettings, Session
-from .settings import FRAMES_PER_CHUNK, USER_ERRORS, cap_bytes, open_stream, resolve_settings, within_max_pixels
+from .settings import FRAMES_PER_CHUNK, USER_ERRORS, open_stream, resolve_settings, within_max_pixels
 from .views import SingleViews, ViewChoice
 
 Settings = RunSettings | CompareSettings
@@ -30,7 +31,8 @@ Settings = RunSettings | CompareSettings
 def start_session(services: AppServices, settings: Settings, source: str, frame_size: tuple[int, int],
                   fps: float | None = None) -> Session:
     """A fresh session for ``settings`` (either page's) on frames of ``frame_size`` (resized): one engine per
-    contender, then the full cache (stopped at its cap) when the baseline runs, behind one group.
+    contender, then the full cache (stopped at its cap) when the baseline runs (:func:`kvdemo.lineup.make_engines`,
+    the one engine factory), behind one group.
 
     The settings are resolved once (:func:`~kvdemo.app.settings.resolve_settings`) and every budget checked against
     one chunk of such frames (with several contenders, the message names the one it is about). The caller's previous
@@ -48,10 +50,9 @@ def start_session(services: AppServices, settings: Settings, source: str, frame_
             if len(resolved) == 1:
                 raise
             raise type(exc)(f"{name}: {exc}") from None
-    engines = {name: StreamEngine(model, policy, budget=budget, fps=fps) for name, (policy, budget) in resolved.items()}
     cap = cap_bytes(settings.cap_mb)
-    if settings.baseline:
-        engines[FULL] = StreamEngine(model, FULL, fps=fps, max_cache_bytes=cap)
+    engines = make_engines(model, [Contender(name, policy=policy, budget=budget) for name, (policy, budget) in resolved.items()],
+                           fps=fps, baseline=settings.baseline, baseline_cap_bytes=cap)
     state = Session(settings=settings, group=EngineGroup(model, engines, fps), source=source, frame_size=tuple(frame_size))
     state.chat = {name: [] for name in engines}
     state.bound = memory_bound(model, engines, tokens * fps / FRAMES_PER_CHUNK, cap)

@@ -199,7 +199,7 @@ class Demo(Page):
                                    label="Questions about the bundled sample (click to ask both engines)", elem_id="examples")
         with gr.Row():
             with gr.Column():
-                self.policy_title = gr.Markdown(policy_label(DEFAULT_POLICY, Budget.resolve(policy_class(DEFAULT_POLICY), self.budget0, self.keep0)),
+                self.policy_title = gr.Markdown(policy_label(DEFAULT_POLICY, Budget.from_user(policy_class(DEFAULT_POLICY), self.budget0, self.keep0)),
                                                 label="Policy chat title", elem_id="policy-chat-title")
                 self.policy_chat = gr.Chatbot(label="Policy engine chat", show_label=False, height=300, buttons=["copy"],
                                               elem_id="policy-chat")
@@ -245,7 +245,7 @@ class Demo(Page):
         form = {field_name: values[key] for key, (owner, field_name, _) in self.param_inputs.items() if owner == chosen}
         settings = RunSettings(
             model=values["model"] or self.services.models.default, policy=chosen, params=parse_params(chosen, form),
-            budget=values["budget"], keep=values["keep"] if takes_keep(chosen) else None, fps=float(values["fps"] or 0),
+            budget=values["budget"], keep=values["keep"], fps=float(values["fps"] or 0),
             max_pixels=int(values["max_pixels"] or 0), baseline=bool(values["baseline"]),
             cap_mb=float(values["baseline_cap_mb"] or 0), sample=values.get("sample_kind") or "static",
         )

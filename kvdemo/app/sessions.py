@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from ..compare import FULL, Contender, parse_overrides
+from ..compare import parse_overrides
 from ..engine import StreamEngine
+from ..lineup import FULL, Contender
 from ..models.catalog import OFFLINE_MODELS, REAL_MODELS, resolve_model_name
 from ..models.loading import load_model
 from ..streaming import EngineGroup
@@ -147,7 +148,7 @@ class CompareSettings:
 
     def contenders(self) -> list[Contender]:
         """The compared policies with their own lines (:func:`kvdemo.compare.parse_overrides`)."""
-        return parse_overrides(self.policies, self.overrides)
+        return [Contender(c.name, c.params, c.budget, c.keep) for c in parse_overrides(self.policies, self.overrides)]
 
 
 @dataclass(eq=False)  # sessions are compared by identity (the pool holds them in a list)

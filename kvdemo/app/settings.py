@@ -8,12 +8,12 @@ from typing import Any
 
 from .. import zerogpu
 from ..budget import Budget
-from ..compare import Contender
 from ..engine import EngineError
 from ..geometry import FrameGeometry
+from ..lineup import cap_bytes
 from ..models.base import ModelError
 from ..models.catalog import geometry_for, resolve_model_name
-from ..policies import BudgetError, Policy, coerce_param, make_policy, policy_class, policy_params
+from ..policies import BudgetError, Policy, coerce_param, policy_class, policy_params
 from ..synthetic import sample_episode
 from ..video import VideoError, open_video
 from ..views import counted
@@ -64,32 +64,16 @@ def settings_geometry(settings: RunSettings | CompareSettings) -> FrameGeometry:
     return within_max_pixels(geometry_for(settings.model), settings.max_pixels)
 
 
-def cap_bytes(cap_mb: float | None) -> int | None:
-    """The full cache's memory cap as typed (MB; 0 or none: no cap) in bytes."""
-    return int(cap_mb * 2**20) if cap_mb and cap_mb > 0 else None
-
-
-def resolve_contender(contender: Contender, budget: Any, keep: Any) -> tuple[Policy, Budget]:
-    """One contender as its engine takes it: the policy with its parameters and its budget (its own ``M``/``C``,
-    else the shared ``budget``/``keep``; a policy sized by ``M`` alone ignores ``C``), resolved once."""
-    policy = make_policy(contender.name, **contender.params)
-    m = contender.budget if contender.budget is not None else budget
-    c = contender.keep if contender.keep is not None else keep
-    takes_keep = type(policy).takes_keep()
-    if m is None or (takes_keep and c is None):
-        raise BudgetError("set both M and C" if takes_keep else "set M")
-    return policy, Budget.resolve(policy, m, c if takes_keep else None)
-
-
 def resolve_settings(settings: RunSettings | CompareSettings) -> dict[str, tuple[Policy, Budget]]:
-    """Either page's settings as the engines will take them: each contender's policy and budget by name, resolved
-    once; :class:`BudgetError` with a one-line reason if they cannot work (the sampling, pixel and cap numbers
-    too). With several contenders the reason names the one it is about."""
+    """Either page's settings as the engines will take them: each contender's policy and budget by engine name,
+    resolved once (:meth:`kvdemo.lineup.Contender.resolve`: the takes-C rule is
+    :meth:`~kvdemo.budget.Budget.from_user`'s); :class:`BudgetError` with a one-line reason if they cannot work
+    (the sampling, pixel and cap numbers too). With several contenders the reason names the one it is about."""
     contenders = settings.contenders()
     resolved = {}
     for contender in contenders:
         try:
-            resolved[contender.name] = resolve_contender(contender, settings.budget, settings.keep)
+            resolved[contender.name] = contender.resolve(settings.budget, settings.keep)
         except BudgetError as exc:
             if len(contenders) == 1:
                 raise
@@ -97,8 +81,7 @@ def resolve_settings(settings: RunSettings | CompareSettings) -> dict[str, tuple
     if settings.fps is None or float(settings.fps) <= 0:
         raise BudgetError(f"sampling fps must be positive, got {settings.fps}")
     settings_geometry(settings)
-    if settings.cap_mb is not None and settings.cap_mb < 0:
-        raise BudgetError(f"the baseline memory cap must be 0 (no cap) or more MB, got {settings.cap_mb:g}")
+    cap_bytes(settings.cap_mb)
     return resolved
 
 
