@@ -86,7 +86,8 @@ def test_one_question_gets_the_library_answers_on_both_pages(both, library):
     compared = list(ask(both[1]["session"], QUESTION, CompareViews()))[-1]
     assert single["ask_status"] == "✓ answered by infinipot-v and the full cache"
     assert compared["ask_status"] == "✓ answered by 2 engines"
-    panes = {"infinipot-v": (single["policy_chat"], compared["chat:0"]), "full": (single["full_chat"], compared["chat:1"])}
+    panes = {"infinipot-v": (single["policy_chat"], compared["chat:0"]),
+             "full": (single["full_chat"], compared["chat:1"])}
     for name, chats in panes.items():
         for chat in chats:
             assert chat[0] == {"role": "user", "content": QUESTION}
@@ -105,7 +106,8 @@ def test_a_new_conversation_clears_the_dialogue_and_keeps_the_memory_on_both_pag
         assert all(chat == [] for key, chat in update.items() if "chat" in key)
         assert all(engine.history == [] for engine in state.engines.values())
         assert {name: engine.memory.nbytes for name, engine in state.engines.items()} == held
-    assert list(state.engines) == ["infinipot-v", "full"] and new_conversation(None, views) == {"session": None, "ask_status": ""}
+    assert list(state.engines) == ["infinipot-v", "full"]
+    assert new_conversation(None, views) == {"session": None, "ask_status": ""}
 
 
 @pytest.mark.parametrize("views", [SingleViews(), CompareViews()], ids=["single", "compare"])
@@ -131,8 +133,8 @@ def test_stop_ends_either_pages_run_after_the_current_chunk(services, views):
 def test_several_contenders_name_the_one_a_message_is_about_and_one_does_not(services):
     one = list(run_stream(services, None, None, single_settings(budget=10, keep=5), SingleViews()))
     assert one[-1]["status"].startswith("⚠️ **M=10 is smaller than one chunk")
-    several = list(run_stream(services, None, None, compare_settings(policies=["sliding-window", "infinipot-v"],
-                                                                     overrides="infinipot-v: M=10 C=5"), CompareViews()))
+    settings = compare_settings(policies=["sliding-window", "infinipot-v"], overrides="infinipot-v: M=10 C=5")
+    several = list(run_stream(services, None, None, settings, CompareViews()))
     assert several[-1]["status"].startswith("⚠️ **infinipot-v: M=10 is smaller than one chunk")
 
 
@@ -148,14 +150,16 @@ def test_the_one_guard_says_a_users_mistake_and_a_bug_in_one_line_on_both_pages(
         raise AttributeError("first line\nsecond line")
 
     monkeypatch.setattr(compare_page, "compare_fidelity", refused)
-    assert compare.on_fidelity(None, "What?") == {compare.fidelity_text: "⚠️ delays must be non-negative seconds, got '-1'"}
+    refusal = "⚠️ delays must be non-negative seconds, got '-1'"
+    assert compare.on_fidelity(None, "What?") == {compare.fidelity_text: refusal}
     monkeypatch.setattr(compare_page, "compare_fidelity", broken)
     monkeypatch.setattr(page, "ask", broken)
     with caplog.at_level("ERROR", logger="kvdemo"):
         said = compare.on_fidelity(None, "What?")[compare.fidelity_text]
         asked = list(demo.on_ask(None, "hi"))[-1][demo.ask_status]
     for message in (said, asked):
-        assert message == "⚠️ **internal error** (AttributeError: first line); it is logged, and the app keeps serving"
+        assert message == ("⚠️ **internal error** (AttributeError: first line); it is logged, and the app keeps "
+                           "serving")
     assert caplog.text.count("Traceback") == 2
     values = dict(model="tiny", policy="infinipot-v", budget=64, keep=48, fps=FPS, max_pixels=PIXELS, baseline=False,
                   baseline_cap_mb=0, view_layer="all", view_head="all", colour_by_reason=False, log_scale=False,

@@ -111,10 +111,10 @@ class ComparePage(Page):
     # --- from handler updates to components --------------------------------------------------------
     def named(self) -> dict[str, Any]:
         return {"session": self.state, "status": self.status, "plot": self.plot, "strips": self.strips,
-                "ask_status": self.ask_status, "attribution": self.attribution, "attribution_text": self.attribution_text,
-                "fidelity_plot": self.fidelity_plot, "fidelity_text": self.fidelity_text, "sweep_plot": self.sweep_plot,
-                "sweep_text": self.sweep_text, "report": self.report, "question": self.question,
-                "strips_legend": self.strips_legend}
+                "ask_status": self.ask_status, "attribution": self.attribution,
+                "attribution_text": self.attribution_text, "fidelity_plot": self.fidelity_plot,
+                "fidelity_text": self.fidelity_text, "sweep_plot": self.sweep_plot, "sweep_text": self.sweep_text,
+                "report": self.report, "question": self.question, "strips_legend": self.strips_legend}
 
     def slot_components(self, update: dict[str, Any]) -> dict[Any, Any]:
         """Each engine's answer pane (``chat:i``), its title (``title:i``) and whether it shows (``visible:i``)."""
@@ -135,9 +135,9 @@ class ComparePage(Page):
 
     def run_settings(self, values: dict[str, Any]) -> tuple[CompareSettings, CompareViews]:
         settings = CompareSettings(values["model"] or self.services.models.default, list(values["policies"] or []),
-                                   values["overrides"] or "", values["budget"], values["keep"], float(values["fps"] or 0),
-                                   int(values["max_pixels"] or 0), float(values["cap_mb"] or 0),
-                                   values["sample_kind"] or "static")
+                                   values["overrides"] or "", values["budget"], values["keep"],
+                                   float(values["fps"] or 0), int(values["max_pixels"] or 0),
+                                   float(values["cap_mb"] or 0), values["sample_kind"] or "static")
         return settings, self.views
 
     # --- the comparison's own handlers (the shared ones are Page's) ------------------------------------
@@ -168,8 +168,8 @@ class ComparePage(Page):
         for event in started:
             event.then(self.on_view_choices, [self.state], [self.layer, self.head], api_visibility="private")
         for control in (self.layer, self.head):
-            control.change(self.on_attribution, [self.state, self.layer, self.head], [self.attribution, self.attribution_text],
-                           api_visibility="private", show_progress="hidden")
+            control.change(self.on_attribution, [self.state, self.layer, self.head],
+                           [self.attribution, self.attribution_text], api_visibility="private", show_progress="hidden")
         self.stop_button.click(request_stop, [self.state], None, api_name="compare_stop", concurrency_limit=None,
                                show_progress="hidden")
         asked = [self.state, self.ask_status, self.attribution, self.attribution_text, self.report, *self.chats]

@@ -53,7 +53,8 @@ class CompareViews(PageViews):
         return {**titles(state), **self.chats(state), "ask_status": "", "attribution": None, "attribution_text": "",
                 "fidelity_plot": None, "report": None}
 
-    def live(self, state: Session, done: int | None = None, total: int | None = None, force: bool = False) -> dict[str, Any]:
+    def live(self, state: Session, done: int | None = None, total: int | None = None,
+             force: bool = False) -> dict[str, Any]:
         return {"session": state, "status": status(state, total), "plot": occupancy(state), "strips": strips(state),
                 "strips_legend": strips_legend(state), **titles(state)}
 
@@ -61,8 +62,8 @@ class CompareViews(PageViews):
         final = self.live(state, done, total)
         if state.lost_frames:
             were = "was" if state.lost_frames == 1 else "were"
-            final["status"] = (f"⚠️ **{counted(state.lost_frames, 'damaged frame')} could not be decoded and {were} "
-                               f"skipped**\n\n" + final["status"])
+            lost = counted(state.lost_frames, "damaged frame")
+            final["status"] = f"⚠️ **{lost} could not be decoded and {were} skipped**\n\n" + final["status"]
         return {**final, "report": self.write_report(state)}
 
     def previous_views(self, previous: Session) -> dict[str, Any]:
@@ -75,8 +76,8 @@ class CompareViews(PageViews):
     def answered(self, state: Session, question: str, answers: dict[str, Any]) -> dict[str, Any]:
         state.questions.append(question_record(question, answers, state.episode, state.engines[FULL].last_time_s))
         state.attributions = {name: a.attribution for name, a in answers.items() if a.attribution is not None}
-        return {"ask_status": f"✓ answered by {counted(len(answers), 'engine')}", **attribution_update(state, question),
-                "report": self.write_report(state)}
+        return {"ask_status": f"✓ answered by {counted(len(answers), 'engine')}",
+                **attribution_update(state, question), "report": self.write_report(state)}
 
     def report(self, state: Session) -> dict[str, Any] | None:
         """The comparison report (the CLI's ``compare --json`` format) with the fidelity measured."""
@@ -198,7 +199,8 @@ def compare_fidelity(state: Session | None, question: str) -> dict[str, Any]:
         text = (f"**Measured for {measured}** (the question alone, every engine's memory as it is now)\n\n"
                 "| policy | first-token KL (nats) | mean layer error | worst layer |\n|---|---|---|---|\n" + rows)
         figure = viz.chart_figure(chart, f"What compression changed for {measured}")
-        return {"session": state, "fidelity_plot": figure, "fidelity_text": text, "report": CompareViews().write_report(state)}
+        return {"session": state, "fidelity_plot": figure, "fidelity_text": text,
+                "report": CompareViews().write_report(state)}
 
 
 def parse_delays(text: str) -> tuple[float, ...]:

@@ -51,9 +51,10 @@ def start_session(services: AppServices, settings: Settings, source: str, frame_
                 raise
             raise type(exc)(f"{name}: {exc}") from None
     cap = cap_bytes(settings.cap_mb)
-    engines = make_engines(model, [Contender(name, policy=policy, budget=budget) for name, (policy, budget) in resolved.items()],
-                           fps=fps, baseline=settings.baseline, baseline_cap_bytes=cap)
-    state = Session(settings=settings, group=EngineGroup(model, engines, fps), source=source, frame_size=tuple(frame_size))
+    contenders = [Contender(name, policy=policy, budget=budget) for name, (policy, budget) in resolved.items()]
+    engines = make_engines(model, contenders, fps=fps, baseline=settings.baseline, baseline_cap_bytes=cap)
+    state = Session(settings=settings, group=EngineGroup(model, engines, fps), source=source,
+                    frame_size=tuple(frame_size))
     state.chat = {name: [] for name in engines}
     state.bound = memory_bound(model, engines, tokens * fps / FRAMES_PER_CHUNK, cap)
     return state

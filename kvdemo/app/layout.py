@@ -199,7 +199,8 @@ class Demo(Page):
                                    label="Questions about the bundled sample (click to ask both engines)", elem_id="examples")
         with gr.Row():
             with gr.Column():
-                self.policy_title = gr.Markdown(policy_label(DEFAULT_POLICY, Budget.from_user(policy_class(DEFAULT_POLICY), self.budget0, self.keep0)),
+                budget = Budget.from_user(policy_class(DEFAULT_POLICY), self.budget0, self.keep0)
+                self.policy_title = gr.Markdown(policy_label(DEFAULT_POLICY, budget),
                                                 label="Policy chat title", elem_id="policy-chat-title")
                 self.policy_chat = gr.Chatbot(label="Policy engine chat", show_label=False, height=300, buttons=["copy"],
                                               elem_id="policy-chat")
@@ -249,8 +250,9 @@ class Demo(Page):
             max_pixels=int(values["max_pixels"] or 0), baseline=bool(values["baseline"]),
             cap_mb=float(values["baseline_cap_mb"] or 0), sample=values.get("sample_kind") or "static",
         )
-        return settings, SingleViews(ViewChoice(values["view_layer"], values["view_head"], bool(values["colour_by_reason"]),
-                                                bool(values["log_scale"])))
+        view = ViewChoice(values["view_layer"], values["view_head"], bool(values["colour_by_reason"]),
+                          bool(values["log_scale"]))
+        return settings, SingleViews(view)
 
     # --- the single page's own handlers (bound to components in wire; the shared ones are Page's) ---------------
     @guard("status")

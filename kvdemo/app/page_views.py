@@ -41,7 +41,8 @@ class PageViews:
         and downloads)."""
         return {}
 
-    def live(self, state: Session, done: int | None = None, total: int | None = None, force: bool = False) -> dict[str, Any]:
+    def live(self, state: Session, done: int | None = None, total: int | None = None,
+             force: bool = False) -> dict[str, Any]:
         """The update after a chunk (``force``: everything redrawn now)."""
         raise NotImplementedError
 

@@ -298,7 +298,8 @@ class SingleViews(PageViews):
         return {"policy_title": chat_title(state, "policy"), "full_title": chat_title(state, "full"),
                 "policy_chat": [], "full_chat": [], "ask_status": "", "coverage": None, "report": None, "chart": None}
 
-    def live(self, state: Session, done: int | None = None, total: int | None = None, force: bool = False) -> dict[str, Any]:
+    def live(self, state: Session, done: int | None = None, total: int | None = None,
+             force: bool = False) -> dict[str, Any]:
         return live_update(state, self.view, done, total, force=force)
 
     def segment_update(self, state: Session, total: int | None, first: bool) -> dict[str, Any]:
