@@ -41,6 +41,7 @@ class CompareViews(PageViews):
     what = "comparison"
     no_video = "no video yet: run a comparison first, then ask"
     report_name = "kvdemo-compare.json"
+    answer_details = False  # narrow panes: the answer stays in view (the status says every engine's cache)
 
     def status(self, state: Session, done: int | None = None, total: int | None = None, error: str = "",
                stopped: bool = False) -> str:

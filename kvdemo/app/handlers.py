@@ -191,7 +191,7 @@ def ask(session: Session | None, question: str, views: PageViews, attribute: boo
             yield {"session": state, "ask_status": "⏳ answering…", **views.chats(state)}
         answers = {name: state.engines[name].answers[-1] for name in asked}
         for name, answer in answers.items():
-            state.chat[name][-1]["content"] = answer_markdown(state, answer)
+            state.chat[name][-1]["content"] = answer_markdown(state, answer, views.answer_details)
         update = {"session": state, **views.chats(state), **views.answered(state, question, answers)}
     yield update
 

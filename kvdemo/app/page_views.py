@@ -26,6 +26,9 @@ class PageViews:
     no_video: ClassVar[str] = "no video yet: run a video first, then ask"
     #: The report file's name.
     report_name: ClassVar[str] = "kvdemo-report.json"
+    #: Whether the line under an answer says its time to first token and the cache it came from
+    #: (:func:`answer_markdown`).
+    answer_details: ClassVar[bool] = True
 
     # --- the stream --------------------------------------------------------------------------------
     def status(self, state: Session, done: int | None = None, total: int | None = None, error: str = "",
@@ -110,11 +113,14 @@ def answer_note(state: Session, answer) -> str:
     return ""
 
 
-def answer_markdown(state: Session, answer) -> str:
-    """An answer as its chat pane shows it (either page): the text, then its time to first token, tokens and time,
-    the cache it was answered from, the dialogue turns left out, what it is worth (:func:`answer_note`) and, when
-    it was attributed, where its attention went."""
-    tokens = counted(answer.tokens, "token")
+def answer_markdown(state: Session, answer, details: bool = True) -> str:
+    """An answer as its chat pane shows it (either page): the text, then (``details``) its time to first token, its
+    tokens and time, (``details``) the cache it was answered from, the dialogue turns left out, what it is worth
+    (:func:`answer_note`) and, when it was attributed, where its attention went."""
+    timing = f"{counted(answer.tokens, 'token')} in {answer.ms:.0f} ms"
+    if details:
+        timing = (f"first token {answer.ttft_ms:.0f} ms · {timing} · cache {answer.cache_bytes / 2**20:.2f} MB, "
+                  f"{counted(answer.visual_tokens, 'visual token')}")
     dropped = ""
     if answer.dropped_turns:
         oldest = "the oldest turn was" if answer.dropped_turns == 1 else f"the {answer.dropped_turns} oldest turns were"
@@ -124,6 +130,5 @@ def answer_markdown(state: Session, answer) -> str:
     if answer.attribution is not None:
         parts = answer.attribution.share()
         share = " · attention: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in parts.items() if v >= 0.005)
-    return (f"{answer.answer or '(empty answer)'}\n\n<small>first token {answer.ttft_ms:.0f} ms · {tokens} in "
-            f"{answer.ms:.0f} ms · cache {answer.cache_bytes / 2**20:.2f} MB, "
-            f"{counted(answer.visual_tokens, 'visual token')}{dropped}{answer_note(state, answer)}{share}</small>")
+    return (f"{answer.answer or '(empty answer)'}\n\n<small>{timing}{dropped}{answer_note(state, answer)}{share}"
+            "</small>")
