@@ -48,7 +48,8 @@ class CompareViews(PageViews):
         return status(state, total, error)
 
     def starting(self, state: Session, source: str) -> dict[str, Any]:
-        return {"session": state, "status": f"⏳ starting {source}\n\n{state.bound['text']}"}
+        # The comparison clears the last question's panes and status as it starts (the single page: at its first chunk).
+        return {"session": state, "status": f"⏳ starting {source}\n\n{state.bound['text']}", **self.fresh(state)}
 
     def fresh(self, state: Session) -> dict[str, Any]:
         return {**titles(state), **self.chats(state), "ask_status": "", "attribution": None, "attribution_text": "",
