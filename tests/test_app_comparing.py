@@ -7,16 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from kvdemo.app.comparing import (
-    CompareSettings,
-    ask_comparison,
-    compare_fidelity,
-    new_conversation,
-    parse_delays,
-    redraw_attribution,
-    run_comparison,
-)
-from kvdemo.app.sessions import AppServices
+from kvdemo.app import handlers
+from kvdemo.app.comparing import CompareViews, compare_fidelity, parse_delays, redraw_attribution
+from kvdemo.app.sessions import AppServices, CompareSettings
 from kvdemo.compare import FULL, compare_engines, parse_overrides
 from kvdemo.errors import StreamSettingError
 from kvdemo.explain import fidelity
@@ -31,6 +24,16 @@ def settings(**overrides) -> CompareSettings:
                 max_pixels=112 * 112, cap_mb=2048, sample="static")
     base.update(overrides)
     return CompareSettings(**base)
+
+
+def run_comparison(services, previous, path, compare_settings):
+    """A run of the comparison page (the one stream path with the comparison's views)."""
+    return handlers.run_stream(services, previous, path, compare_settings, CompareViews())
+
+
+def ask_comparison(state, question, attribute=True, max_new_tokens=64):
+    """A question on the comparison page (the one ask path with the comparison's views)."""
+    return handlers.ask(state, question, CompareViews(), attribute, max_new_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +117,7 @@ def test_a_new_conversation_clears_every_chat_and_dialogue(services):
     state = list(run_comparison(services, None, None, settings(policies=["sliding-window"])))[-1]["session"]
     list(ask_comparison(state, "Which shape appeared first?", attribute=False, max_new_tokens=4))
     assert all(len(chat) == 2 for chat in state.chat.values())
-    update = new_conversation(state)
+    update = handlers.new_conversation(state, CompareViews())
     assert update["chat:0"] == [] and update["chat:1"] == []
     assert all(engine.history == [] for engine in state.engines.values())
 

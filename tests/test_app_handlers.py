@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from kvdemo import viz
-from kvdemo.app.handlers import ask, run_video, webcam_frame
+from kvdemo.app import handlers
+from kvdemo.app.handlers import run_stream, webcam_frame
 from kvdemo.app.layout import CACHE_CLEANUP, build_demo
 from kvdemo.app.sessions import AppServices, RunSettings, Session, Turns
 from kvdemo.app.settings import parse_params, validate_settings
-from kvdemo.app.views import write_chart
+from kvdemo.app.views import SingleViews, write_chart
 from kvdemo.memory import REASON_NEW
 from kvdemo.policies import policy_card
 
@@ -25,6 +26,16 @@ def settings(**overrides):
                 max_pixels=256 * 28 * 28, baseline=True, cap_mb=2048)
     base.update(overrides)
     return RunSettings(**base)
+
+
+def run_video(hub, session, path, run_settings):
+    """A run of the single page (the one stream path with the single page's views)."""
+    return run_stream(hub, session, path, run_settings, SingleViews())
+
+
+def ask(session, question):
+    """A question on the single page (the one ask path with the single page's views)."""
+    return handlers.ask(session, question, SingleViews())
 
 
 def run(hub, session, path, **overrides):
@@ -104,7 +115,7 @@ def test_ask_streams_both_answers_and_keeps_memory(hub, media):
         assert "first token" in chat[1]["content"] and "its answers mean little" in chat[1]["content"]
     assert session.engine.memory.nbytes == before
     list(ask(session, "And then?"))
-    assert len(session.chat["policy"]) == 4 and len(session.engine.history) == 2
+    assert len(session.chat["infinipot-v"]) == 4 and len(session.engine.history) == 2
 
 
 def test_baseline_over_its_memory_cap_stops_with_a_message(hub, media):
@@ -346,7 +357,7 @@ def test_a_redraw_while_a_webcam_chunk_is_fed_waits_for_it(hub, monkeypatch):
     viz.survivor_strip. A redraw takes the session's turn like a question, so it sees a whole chunk."""
     import threading
 
-    from kvdemo.app import gpu
+    from kvdemo.app import views
     from kvdemo.app.layout import Demo
 
     demo = Demo(hub)
@@ -357,14 +368,14 @@ def test_a_redraw_while_a_webcam_chunk_is_fed_waits_for_it(hub, monkeypatch):
     for frame in frames[:2]:
         session = webcam_frame(hub, session, frame, settings(budget=1024, keep=768))["session"]
     half_fed, go = threading.Event(), threading.Event()
-    real = gpu.live_update
+    real = views.live_update
 
     def paused(*args, **kwargs):  # inside the segment: the memory holds the new grid, the session not its thumbnail
         half_fed.set()
         go.wait(30)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gpu, "live_update", paused)
+    monkeypatch.setattr(views, "live_update", paused)
     feeder = threading.Thread(target=lambda: [webcam_frame(hub, session, f, settings(budget=1024, keep=768)) for f in frames[2:]])
     feeder.start()
     assert half_fed.wait(30)
@@ -401,7 +412,7 @@ def test_live_updates_of_gpu_calls_draw_the_policys_views_over_every_thumbnail(h
 
 
 def test_a_bug_in_a_handler_is_a_logged_one_line_message_not_a_bare_error_badge(hub, monkeypatch, caplog):
-    from kvdemo.app import layout
+    from kvdemo.app import layout, page
 
     demo = layout.Demo(hub)
     demo.build()
@@ -409,8 +420,8 @@ def test_a_bug_in_a_handler_is_a_logged_one_line_message_not_a_bare_error_badge(
     def broken(*args, **kwargs):
         raise AttributeError("'NoneType' object has no attribute 'shape'\nsecond line")
 
-    monkeypatch.setattr(layout, "run_video", broken)
-    monkeypatch.setattr(layout, "ask", broken)
+    monkeypatch.setattr(page, "run_stream", broken)
+    monkeypatch.setattr(page, "ask", broken)
     values = dict(model="tiny", policy="infinipot-v", budget=96, keep=72, fps=2, max_pixels=12544, baseline=False,
                   baseline_cap_mb=0, view_layer="all", view_head="all", colour_by_reason=False, log_scale=False,
                   **{key: component.value for key, (_, _, component) in demo.param_inputs.items()})
@@ -428,13 +439,13 @@ def test_a_bug_in_a_handler_is_a_logged_one_line_message_not_a_bare_error_badge(
 def test_small_things_a_new_user_saw_are_right():
     """Issue 23, item 7, in the drawing: "1 token" (not "1 tokens"); the empty chart starts at 0 s; a patch still
     exact in ProtoKV's prototype map is drawn as it is (dimmed, it read as evicted next to the survivor strip)."""
-    from kvdemo.app.handlers import _answer_markdown
+    from kvdemo.app.page_views import answer_markdown
     from kvdemo.engine import Answer
     from kvdemo.views import UNLABELLED
     from kvdemo.viz.views import _label_tile
 
     one = Answer("q", "a", ms=5.0, ttft_ms=1.0, tokens=1, cache_bytes=2**20, visual_tokens=16)
-    assert "1 token in 5 ms" in _answer_markdown(Session(), "policy", one)
+    assert "1 token in 5 ms" in answer_markdown(Session(), one)
     empty = viz.occupancy_figure({"policy": [], "full cache": []}, 96)
     assert list(empty.layout.xaxis.range) == [0, 10]
     frame = np.random.default_rng(0).integers(0, 255, (112, 112, 3), dtype=np.uint8)
@@ -451,7 +462,7 @@ def test_counts_agree_and_the_compression_time_is_said_in_words(hub):
     sample's button (a sample kind is always chosen)."""
     from types import SimpleNamespace
 
-    from kvdemo.app.comparing import Comparison, answer_markdown
+    from kvdemo.app.page_views import answer_markdown
     from kvdemo.app.views import READY, compression_time, status_text
     from kvdemo.engine import Answer
     from kvdemo.views import counted
@@ -465,7 +476,7 @@ def test_counts_agree_and_the_compression_time_is_said_in_words(hub):
     assert compression_time(SimpleNamespace(compressions=0, compress_ms=0.0, prefill_ms=120.0)) == "0 compressions"
     assert status_text(Session()) == READY and "Run the bundled sample" in READY and "pick the sample" not in READY
     one = Answer("q", "a", ms=5.0, ttft_ms=1.0, tokens=1, cache_bytes=2**20, visual_tokens=1)
-    assert "1 token in 5 ms" in answer_markdown(Comparison(), one)
+    assert "1 token in 5 ms" in answer_markdown(Session(), one)
     updates, session = run(hub, None, None, budget=96, keep=72, fps=0.5)
     status = updates[-1]["status"]
     assert "compressions, taking" in status and "% as long as prefilling the chunks" in status and "overhead" not in status

@@ -317,7 +317,9 @@ def test_four_policies_compared_in_chromium(browser, app_url, artifacts):
     status = page.locator("#compare-status").inner_text()
     for name in ("infinipot-v", "cords", "protokv", "hybridkv", "full cache"):
         assert name in status
-    assert "faster than real time" in status and "memory grows with the number of policies" in status
+    # The status says whether the model work kept up with the stream; which one depends on the machine's load (issue 31:
+    # no test asserts wall time), so only that it says it.
+    assert re.search(r"(faster|slower) than real time", status) and "memory grows with the number of policies" in status
     page.locator("#compare-examples button").first.click()  # one click asks every engine
     for slot in range(5):
         page.wait_for_function(f"document.querySelector('#compare-chat-{slot}').innerText.includes('tokens in')", timeout=120_000)

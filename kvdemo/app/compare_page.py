@@ -5,41 +5,32 @@ sweep), its components and their wiring to :mod:`kvdemo.app.comparing`. Built in
 
 from __future__ import annotations
 
-import functools
-import logging
 from typing import Any
 
 from ..compare import MAX_POLICIES, compare_budget
 from ..policies import COMPARE_POLICIES
 from ..synthetic import sample_episode
-from .comparing import (
-    SLOTS,
-    CompareSettings,
-    ask_comparison,
-    compare_fidelity,
-    kept_previous,
-    new_conversation,
-    redraw_attribution,
-    run_comparison,
-    run_sweep,
-)
-from .sessions import SESSION_TTL_S, AppServices
-from .settings import SAMPLE_KIND_HELP, USER_ERRORS, baseline_cap_default
-
-log = logging.getLogger("kvdemo")
-#: Outputs shown only once they have something to show.
-HIDDEN_WHEN_EMPTY = {"attribution", "fidelity_plot", "sweep_plot"}
+from .comparing import SLOTS, CompareViews, compare_fidelity, redraw_attribution, run_sweep
+from .handlers import request_stop
+from .page import Page, guard
+from .sessions import SESSION_TTL_S, AppServices, CompareSettings
+from .settings import SAMPLE_KIND_HELP, baseline_cap_default
 
 
-class ComparePage:
+class ComparePage(Page):
     """The comparison tab's components (:meth:`build`) and events (:meth:`wire`); ``gr`` is the Gradio module."""
+
+    views = CompareViews()
+    no_upload = "upload a video first (or compare on the bundled sample)"
+    hidden_when_empty = frozenset({"attribution", "fidelity_plot", "sweep_plot"})
+    view_choices_reset = True  # a new comparison's attributions are drawn over every layer and head first
 
     def __init__(self, gr, services: AppServices, policies: list[str], defaults: tuple[int, int, int], streams: dict,
                  question_slots: dict) -> None:
-        self.gr, self.services, self.policies = gr, services, policies
+        super().__init__(gr, services)
+        self.policies = policies
         (self.budget0, self.keep0), self.pixels0 = compare_budget(*defaults[:2]), defaults[2]
         self.streams, self.questions_slots = streams, question_slots  # concurrency of streams and of questions
-        self.questions = sample_questions()
 
     def build(self) -> None:
         gr = self.gr
@@ -84,7 +75,7 @@ class ComparePage:
             self.ask_button = gr.Button("Ask", variant="primary", scale=1, elem_id="compare-ask")
             self.clear_button = gr.Button("New conversation", scale=1)
         self.ask_status = gr.Markdown("", label="Question status", elem_id="compare-ask-status")
-        self.examples = gr.Dataset(components=[self.question], samples=self.questions["static"],
+        self.examples = gr.Dataset(components=[self.question], samples=[[q.text] for q in sample_episode().questions],
                                    label="Questions about the bundled sample (click to ask every engine)",
                                    elem_id="compare-examples")
         self.columns, self.titles, self.chats = [], [], []
@@ -118,16 +109,16 @@ class ComparePage:
         self.wire()
 
     # --- from handler updates to components --------------------------------------------------------
-    def to_components(self, update: dict[str, Any]) -> dict[Any, Any]:
-        gr = self.gr
-        named = {"session": self.state, "status": self.status, "plot": self.plot, "strips": self.strips,
-                 "ask_status": self.ask_status, "attribution": self.attribution, "attribution_text": self.attribution_text,
-                 "fidelity_plot": self.fidelity_plot, "fidelity_text": self.fidelity_text, "sweep_plot": self.sweep_plot,
-                 "sweep_text": self.sweep_text, "report": self.report, "question": self.question,
-                 "strips_legend": self.strips_legend}
-        out = {named[key]: value for key, value in update.items() if key in named}
-        for key in HIDDEN_WHEN_EMPTY.intersection(update):  # no empty placeholder box before there is something to show
-            out[named[key]] = gr.update(value=update[key], visible=update[key] is not None)
+    def named(self) -> dict[str, Any]:
+        return {"session": self.state, "status": self.status, "plot": self.plot, "strips": self.strips,
+                "ask_status": self.ask_status, "attribution": self.attribution,
+                "attribution_text": self.attribution_text, "fidelity_plot": self.fidelity_plot,
+                "fidelity_text": self.fidelity_text, "sweep_plot": self.sweep_plot, "sweep_text": self.sweep_text,
+                "report": self.report, "question": self.question, "strips_legend": self.strips_legend}
+
+    def slot_components(self, update: dict[str, Any]) -> dict[Any, Any]:
+        """Each engine's answer pane (``chat:i``), its title (``title:i``) and whether it shows (``visible:i``)."""
+        out = {}
         for key, value in update.items():
             kind, _, slot = key.partition(":")
             if kind == "chat":
@@ -135,70 +126,33 @@ class ComparePage:
             elif kind == "title":
                 out[self.titles[int(slot)]] = value
             elif kind == "visible":
-                out[self.columns[int(slot)]] = gr.update(visible=value)
+                out[self.columns[int(slot)]] = self.gr.update(visible=value)
         return out
 
     def outputs(self) -> list[Any]:
         return [self.state, self.status, self.plot, self.strips, self.ask_status, self.attribution, self.attribution_text,
                 self.fidelity_plot, self.report, *self.titles, *self.chats, *self.columns, self.strips_legend]
 
-    def settings(self, values: dict[str, Any]) -> CompareSettings:
-        return CompareSettings(values["model"] or self.services.models.default, list(values["policies"] or []),
-                               values["overrides"] or "", values["budget"], values["keep"], float(values["fps"] or 0),
-                               int(values["max_pixels"] or 0), float(values["cap_mb"] or 0), values["sample_kind"] or "static")
+    def run_settings(self, values: dict[str, Any]) -> tuple[CompareSettings, CompareViews]:
+        settings = CompareSettings(values["model"] or self.services.models.default, list(values["policies"] or []),
+                                   values["overrides"] or "", values["budget"], values["keep"],
+                                   float(values["fps"] or 0), int(values["max_pixels"] or 0),
+                                   float(values["cap_mb"] or 0), values["sample_kind"] or "static")
+        return settings, self.views
 
-    def guarded(self, fn, key: str):
-        """``fn``'s updates as components; an unexpected error is logged and said in one line (the app keeps serving)."""
-        @functools.wraps(fn)  # Gradio reads fn's signature: the API's parameter names
-        def run(*args, **kwargs):
-            try:
-                result = fn(*args, **kwargs)
-                for update in ([result] if isinstance(result, dict) else result):
-                    yield self.to_components(update)
-            except USER_ERRORS as exc:
-                yield self.to_components({key: f"⚠️ {exc}"})
-            except Exception as exc:
-                log.exception("unexpected error in a comparison handler")
-                yield self.to_components({key: f"⚠️ **internal error** ({type(exc).__name__}: {str(exc)[:200]}); it is "
-                                               "logged, and the app keeps serving"})
-        return run
-
-    # --- handlers ------------------------------------------------------------------------------------
-    def on_run(self, state, video, **values):
-        if not video:
-            return kept_previous(state, "upload a video first (or compare on the bundled sample)")
-        return self.in_line(lambda: run_comparison(self.services, state, video, self.settings(values)))
-
-    def on_sample(self, state, **values):
-        return self.in_line(lambda: run_comparison(self.services, state, None, self.settings(values)))
-
-    def in_line(self, run, key: str = "status"):
-        """``run()``'s updates once it holds one of the app's stream slots; while it waits, where it stands."""
-        return self.services.streams.held(run, key)
-
-    def on_stop(self, state):
-        if state is not None and state.running:
-            state.stop_requested = True
-
-    def on_example(self, state, example, attribute):
-        """A sample question clicked: it goes in the box and to every engine at once (one event, no race with Ask)."""
-        for update in ask_comparison(state, example[0], attribute):
-            yield {**update, "question": example[0]}
-
+    # --- the comparison's own handlers (the shared ones are Page's) ------------------------------------
+    @guard("sweep_text")
     def on_sweep(self, delays, more, **values):
-        return self.in_line(lambda: run_sweep(self.settings(values), delays, more), "sweep_text")
+        settings, _ = self.run_settings(values)
+        yield from self.in_line(lambda: run_sweep(settings, delays, more), "sweep_text")
 
-    def on_view_choices(self, state):
-        """The layers and KV heads of the comparison's model, for the attribution's selectors."""
-        engine = next(iter(state.engines.values()), None) if state is not None else None
-        if engine is None:
-            return self.gr.update(), self.gr.update()
-        return (self.gr.update(choices=["all"] + [str(i) for i in range(engine.model.num_layers)], value="all"),
-                self.gr.update(choices=["all"] + [str(i) for i in range(engine.model.num_kv_heads)], value="all"))
+    @guard("fidelity_text")
+    def on_fidelity(self, state, question):
+        return compare_fidelity(state, question)
 
-    def on_sample_kind(self, kind):
-        return (self.gr.Dataset(samples=self.questions[kind or "static"]),
-                self.gr.update(info=SAMPLE_KIND_HELP.get(kind or "static", "")))
+    @guard("attribution_text")
+    def on_attribution(self, state, layer, head):
+        return redraw_attribution(state, layer, head)
 
     def wire(self) -> None:
         settings = {"model": self.model, "policies": self.chosen, "overrides": self.overrides, "budget": self.budget,
@@ -206,40 +160,32 @@ class ComparePage:
                     "sample_kind": self.sample_kind}
         runs = self.outputs()
         started = [
-            self.run_button.click(self.guarded(self.on_run, "status"), [self.state, self.video], runs, inputs_kwargs=settings,
+            self.run_button.click(self.on_run, [self.state, self.video], runs, inputs_kwargs=settings,
                                   api_name="compare_run", show_progress_on=[self.status], **self.streams),
-            self.sample_button.click(self.guarded(self.on_sample, "status"), [self.state], runs, inputs_kwargs=settings,
+            self.sample_button.click(self.on_run_sample, [self.state], runs, inputs_kwargs=settings,
                                      api_name="compare_sample", show_progress_on=[self.status], **self.streams),
         ]
         for event in started:
             event.then(self.on_view_choices, [self.state], [self.layer, self.head], api_visibility="private")
-        attribution = self.guarded(redraw_attribution, "attribution_text")
         for control in (self.layer, self.head):
-            control.change(attribution, [self.state, self.layer, self.head], [self.attribution, self.attribution_text],
-                           api_visibility="private", show_progress="hidden")
-        self.stop_button.click(self.on_stop, [self.state], None, api_name="compare_stop", concurrency_limit=None,
+            control.change(self.on_attribution, [self.state, self.layer, self.head],
+                           [self.attribution, self.attribution_text], api_visibility="private", show_progress="hidden")
+        self.stop_button.click(request_stop, [self.state], None, api_name="compare_stop", concurrency_limit=None,
                                show_progress="hidden")
         asked = [self.state, self.ask_status, self.attribution, self.attribution_text, self.report, *self.chats]
-        ask = self.guarded(ask_comparison, "ask_status")
-        self.ask_button.click(ask, [self.state, self.question, self.attribute], asked, api_name="compare_ask",
+        self.ask_button.click(self.on_ask, [self.state, self.question, self.attribute], asked, api_name="compare_ask",
                               show_progress_on=[self.ask_status], **self.questions_slots)
-        self.question.submit(ask, [self.state, self.question, self.attribute], asked, api_visibility="private",
+        self.question.submit(self.on_ask, [self.state, self.question, self.attribute], asked, api_visibility="private",
                              show_progress_on=[self.ask_status], **self.questions_slots)
-        self.examples.click(self.guarded(self.on_example, "ask_status"), [self.state, self.examples, self.attribute],
-                            [*asked, self.question], api_visibility="private", show_progress_on=[self.ask_status],
-                            **self.questions_slots)
-        self.clear_button.click(self.guarded(new_conversation, "ask_status"), [self.state], [self.state, self.ask_status, *self.chats],
+        self.examples.click(self.on_example, [self.state, self.examples, self.attribute], [*asked, self.question],
+                            api_visibility="private", show_progress_on=[self.ask_status], **self.questions_slots)
+        self.clear_button.click(self.on_new_conversation, [self.state], [self.state, self.ask_status, *self.chats],
                                 api_name="compare_new_conversation", concurrency_limit=None)
-        self.fidelity_button.click(self.guarded(compare_fidelity, "fidelity_text"), [self.state, self.question],
+        self.fidelity_button.click(self.on_fidelity, [self.state, self.question],
                                    [self.state, self.fidelity_plot, self.fidelity_text, self.report], api_name="compare_fidelity",
                                    show_progress_on=[self.fidelity_text], **self.questions_slots)
-        self.sweep_button.click(self.guarded(self.on_sweep, "sweep_text"), [self.delays, self.more],
-                                [self.sweep_plot, self.sweep_text], inputs_kwargs=settings, api_name="compare_sweep",
-                                show_progress_on=[self.sweep_text], **self.streams)
+        self.sweep_button.click(self.on_sweep, [self.delays, self.more], [self.sweep_plot, self.sweep_text],
+                                inputs_kwargs=settings, api_name="compare_sweep", show_progress_on=[self.sweep_text],
+                                **self.streams)
         self.sample_kind.change(self.on_sample_kind, [self.sample_kind], [self.examples, self.sample_kind], api_visibility="private",
                                 show_progress="hidden")
-
-
-def sample_questions() -> dict[str, list[list[str]]]:
-    """The bundled samples' questions, per kind, as the examples list takes them."""
-    return {kind: [[q.text] for q in sample_episode(kind).questions] for kind in ("static", "moving")}

@@ -1,12 +1,13 @@
 """The app's model work as calls that take and return a session's state explicitly, so that each can run
-wherever the model is: a stream segment (:func:`stream_segment`) and a question (:func:`answer_question`).
+wherever the model is: a stream segment (:func:`stream_segment`, fed by :func:`feed_segment`, the one feed path of
+both pages) and a question (:func:`answer_question`, asked by :func:`answer_into`, the one ask path).
 On a ZeroGPU Space (or its emulation, :mod:`kvdemo.zerogpu`) each runs in a forked worker with pickled
 arguments and results; elsewhere in place."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +18,9 @@ from ..engine import StreamEngine
 from ..evaluation import Sweep, delay_sweep
 from ..explain import fidelity
 from ..streaming import EngineGroup
+from .page_views import PageViews
 from .sessions import Session, model_by_name
 from .settings import FRAMES_PER_CHUNK
-from .views import ViewChoice, live_update
 
 #: Frames per GPU call when calls cross a process boundary (a ZeroGPU Space, or its emulation): every call
 #: pickles the session's engines in and out and waits for a GPU, so one call streams a segment of frames
@@ -64,7 +65,7 @@ class Segment:
     times: np.ndarray | None
     flush: bool
     thumbnails: list[np.ndarray | None]
-    view: ViewChoice
+    views: PageViews
     total: int | None
     source: str
     chunk_ms: float = 0.0
@@ -72,10 +73,10 @@ class Segment:
 
     @classmethod
     def of(cls, state: Session, frames: np.ndarray, times: np.ndarray | None, flush: bool,
-           view: ViewChoice, total: int | None) -> "Segment":
+           views: PageViews, total: int | None) -> "Segment":
         old = len(state.thumbnails)
         recent = [None] * max(0, old - SEGMENT_THUMBNAILS) + state.thumbnails[-SEGMENT_THUMBNAILS:]
-        return cls(state.settings.model, state.group, frames, times, flush, recent, view, total, state.source)
+        return cls(state.settings.model, state.group, frames, times, flush, recent, views, total, state.source)
 
     def apply_to(self, state: Session, old_thumbnails: int) -> int:
         """Adopt what the call changed (the same objects when it ran in place, new ones from a worker, which
@@ -97,8 +98,8 @@ def segment_duration(segment: Segment) -> int:
 
 @zerogpu.gpu(duration=segment_duration)
 def stream_segment(segment: Segment) -> Iterator[dict[str, Any]]:
-    """Stream the segment's frames into its engines chunk by chunk; after each chunk yield a light live update
-    (status, occupancy chart, newest-frames heatmap), and finally ``{"segment": segment}``.
+    """Stream the segment's frames into its engines chunk by chunk; after each chunk yield the page's light live
+    update (:meth:`PageViews.segment_update`, if it has one), and finally ``{"segment": segment}``.
 
     On ZeroGPU (or its emulation) this runs in a forked worker: the engines arrive pickled without their
     model, the model is resolved here by name, and the engines go back on the CPU.
@@ -114,16 +115,43 @@ def stream_segment(segment: Segment) -> Iterator[dict[str, Any]]:
         times = segment.times[start : start + FRAMES_PER_CHUNK] if segment.times is not None else None
         if feed_frames(state, segment.frames[start : start + FRAMES_PER_CHUNK], times, flush=last and segment.flush):
             segment.fed += 1
-            # The gallery and the policy's views are drawn by the caller, which holds every thumbnail.
-            update = live_update(state, segment.view, segment.group.frames_seen, segment.total, force=segment.fed == 1,
-                                 gallery=False, draw_views=False)
-            update.pop("session", None)
-            yield update
+            update = segment.views.segment_update(state, segment.total, first=segment.fed == 1)
+            if update:
+                yield update
     segment.chunk_ms = state.chunk_ms  # the thumbnails of the new grids were appended to segment.thumbnails
     if zerogpu.active():
         for engine in segment.group.engines.values():
             engine.to("cpu")
     yield {"segment": segment}
+
+
+def feed_segment(state: Session, frames: np.ndarray, times: np.ndarray | None, flush: bool, views: PageViews,
+                 total: int | None, live: bool = False) -> Generator[dict[str, Any], None, int]:
+    """The one feed path of both pages (a file, the bundled sample, the webcam): ``frames`` streamed into the
+    session's engines in its turn, as one GPU call (:func:`stream_segment`); returns the chunks fed (0 if the session
+    was freed meanwhile). With ``live``, when one call streams many chunks (ZeroGPU), its live updates are yielded
+    as they come, drawn here where every thumbnail is (:meth:`PageViews.drawn`)."""
+    fed = 0
+    with state.turns.chunk():
+        if state.freed:
+            return 0
+        segment = Segment.of(state, frames, times, flush, views, total)
+        old = len(segment.thumbnails)
+        for update in stream_segment(segment):
+            if "segment" in update:
+                fed = update["segment"].apply_to(state, old)
+            elif live and zerogpu.active():
+                yield {"session": state, **views.drawn(update, state)}
+    return fed
+
+
+def to_the_end(steps: Generator[Any, None, Any]) -> Any:
+    """Run ``steps`` to its end, dropping what it yields; what it returns (e.g. :func:`feed_segment`'s chunks fed)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
 
 
 def answer_duration(model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int,

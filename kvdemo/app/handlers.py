@@ -1,6 +1,8 @@
-"""What the app's buttons do, as plain functions (tested without a browser): start a session, stream a file
-or the bundled sample, stream the webcam, ask both engines, start a new conversation. Each yields or returns
-update dicts keyed by view name (:mod:`kvdemo.app.layout` maps them to components); errors a user can cause
+"""What the buttons of both pages do, as plain functions (tested without a browser): start a session (the one place
+the app builds engines), stream a file or the bundled sample (:func:`run_stream`) or the webcam, ask every engine
+(:func:`ask`), start a new conversation, stop. The single page is a comparison with one contender: each handler
+takes the page's :class:`~kvdemo.app.page_views.PageViews`, which says what the page shows at each step. Each
+yields or returns update dicts keyed by view name (the pages map them to components); errors a user can cause
 end in a message, never an exception."""
 
 from __future__ import annotations
@@ -11,69 +13,61 @@ from typing import Any
 
 import numpy as np
 
-from .. import viz, zerogpu
-from ..engine import EngineError, StreamEngine
+from ..compare import memory_bound
+from ..engine import EngineError
+from ..lineup import Contender, cap_bytes, make_engines
 from ..streaming import EngineGroup
 from ..video import resize_frames
 from ..views import counted
-from .gpu import Segment, answer_into, segment_frames, stream_segment
-from .sessions import AppServices, RunSettings, Session
+from .gpu import answer_into, feed_segment, segment_frames, to_the_end
+from .page_views import PageViews, answer_markdown
+from .sessions import AppServices, CompareSettings, RunSettings, Session
 from .settings import FRAMES_PER_CHUNK, USER_ERRORS, open_stream, resolve_settings, within_max_pixels
-from .views import (
-    ViewChoice,
-    answer_note,
-    finish,
-    fresh_views,
-    heatmap_image,
-    kept_previous,
-    legend,
-    live_update,
-    occupancy_plot,
-    policy_panels,
-    status_text,
-    write_report,
-)
+from .views import SingleViews, ViewChoice
+
+Settings = RunSettings | CompareSettings
 
 
-def start_session(
-    services: AppServices,
-    settings: RunSettings,
-    source: str,
-    frame_size: tuple[int, int],
-    fps: float | None = None,
-) -> Session:
-    """A fresh session (engines behind one group) for ``settings`` and frames of ``frame_size`` (resized).
+def start_session(services: AppServices, settings: Settings, source: str, frame_size: tuple[int, int],
+                  fps: float | None = None) -> Session:
+    """A fresh session for ``settings`` (either page's) on frames of ``frame_size`` (resized): one engine per
+    contender, then the full cache (stopped at its cap) when the baseline runs (:func:`kvdemo.lineup.make_engines`,
+    the one engine factory), behind one group.
 
-    The settings are resolved once (policy and :class:`~kvdemo.budget.Budget`) and the budget checked against
-    one chunk of such frames. The caller's previous session is left alone: the pool replaces it once the new
-    stream is under way. ``fps`` is the stream's real sampling rate when it differs from the setting (a file
-    sampled faster than it was recorded streams at its own rate).
+    The settings are resolved once (:func:`~kvdemo.app.settings.resolve_settings`) and every budget checked against
+    one chunk of such frames (with several contenders, the message names the one it is about). The caller's previous
+    session is left alone: the pool replaces it once the new stream is under way. ``fps`` is the stream's real
+    sampling rate when it differs from the setting (a file sampled faster than it was recorded streams at its own).
     """
     fps = fps or settings.fps
     model = services.models.get(settings.model)
-    policy, budget = resolve_settings(settings)
-    budget.check_chunk(*model.geometry.chunk_tokens(frame_size, FRAMES_PER_CHUNK))
-    engines = {"policy": StreamEngine(model, policy, budget=budget, fps=fps)}
-    if settings.baseline:
-        cap = int(settings.cap_mb * 2**20) if settings.cap_mb and settings.cap_mb > 0 else None
-        engines["full"] = StreamEngine(model, "full", fps=fps, max_cache_bytes=cap)
-    return Session(settings=settings, group=EngineGroup(model, engines, fps), source=source, frame_size=tuple(frame_size))
+    resolved = resolve_settings(settings)
+    tokens, shape = model.geometry.chunk_tokens(frame_size, FRAMES_PER_CHUNK)
+    for name, (_, budget) in resolved.items():
+        try:
+            budget.check_chunk(tokens, shape)
+        except USER_ERRORS as exc:
+            if len(resolved) == 1:
+                raise
+            raise type(exc)(f"{name}: {exc}") from None
+    cap = cap_bytes(settings.cap_mb)
+    contenders = [Contender(name, policy=policy, budget=budget) for name, (policy, budget) in resolved.items()]
+    engines = make_engines(model, contenders, fps=fps, baseline=settings.baseline, baseline_cap_bytes=cap)
+    state = Session(settings=settings, group=EngineGroup(model, engines, fps), source=source,
+                    frame_size=tuple(frame_size))
+    state.chat = {name: [] for name in engines}
+    state.bound = memory_bound(model, engines, tokens * fps / FRAMES_PER_CHUNK, cap)
+    return state
 
 
-def run_video(
-    services: AppServices,
-    session: Session | None,
-    video_path: str | None,
-    settings: RunSettings,
-    view: ViewChoice = ViewChoice(),
-) -> Iterator[dict[str, Any]]:
-    """Stream a file (the bundled sample when ``video_path`` is None) into a fresh session; yields update dicts
-    (keys: session, status, plot, heatmap, gallery, report, chart, coverage, legend, panels, chat panes and
-    their titles). Errors end the run with a message, never an exception.
+def run_stream(services: AppServices, session: Session | None, video_path: str | None, settings: Settings,
+               views: PageViews) -> Iterator[dict[str, Any]]:
+    """Stream a file (the bundled sample of ``settings.sample`` when ``video_path`` is None) into a fresh session;
+    yields the page's updates (``views``) after every chunk. Errors end the run with a message, never an exception.
 
-    The previous session and its views stay until the first chunk of the new stream has been fed; a run
-    that fails before that leaves them as they were. ``request_stop`` ends the run after the current
-    chunk with the report of what ran.
+    The previous session and its views stay until the first chunk of the new stream has been fed; a run that fails
+    before that leaves them as they were. :func:`request_stop` ends the run after the current chunk with the report
+    of what ran.
     """
     previous = session
     try:
@@ -83,52 +77,42 @@ def run_video(
         state = start_session(services, settings, video.describe(), video.size, video.fps)
         state.episode = episode
     except USER_ERRORS as exc:
-        yield kept_previous(previous, str(exc))
+        yield views.kept_previous(previous, str(exc))
         return
     state.running = True
     total = video.num_frames
     committed = False
     try:
-        yield {"session": state, "status": f"⏳ starting {video.describe()}"}
+        yield views.starting(state, video.describe())
         chunks = video.chunks(segment_frames())  # decoded lazily, batch by batch, outside the session's turn
         current = next(chunks, None)
-        while current is not None and not state.stop_requested:
+        while current is not None and not state.stop_requested and not state.freed:
             following = next(chunks, None)
             _, frames, times = current
-            fed = False
-            with state.turns.chunk():
-                if state.freed:
-                    break
-                segment = Segment.of(state, frames, times, following is None, view, total)
-                old = len(segment.thumbnails)
-                for update in stream_segment(segment):
-                    if "segment" in update:
-                        fed = update["segment"].apply_to(state, old) > 0
-                    elif committed and zerogpu.active():  # a segment of many chunks: show each as it comes
-                        yield {"session": state, **drawn(update, state)}
+            fed = yield from feed_segment(state, frames, times, following is None, views, total, live=committed)
             current = following
             if fed and not committed:
                 services.sessions.replace(previous, state)
                 committed = True
-                yield {**live_update(state, view, state.group.frames_seen, total, force=True), **fresh_views(state)}
+                yield {**views.live(state, state.group.frames_seen, total, force=True), **views.fresh(state)}
             elif fed:
-                yield live_update(state, view, done=state.group.frames_seen, total=total)
+                yield views.live(state, state.group.frames_seen, total)
     except USER_ERRORS as exc:
         if not committed:
             state.free()
-            yield kept_previous(previous, str(exc))
+            yield views.kept_previous(previous, str(exc))
             return
-        yield {"session": state, "status": status_text(state, error=str(exc))}
+        yield {"session": state, "status": views.status(state, error=str(exc))}
         return
     finally:
         state.running = False
         if not committed:
             state.free()  # ended before its first chunk (an error, Stop, or the client went away)
     if not committed:
-        yield kept_previous(previous, "stopped before the first chunk")
+        yield views.kept_previous(previous, "stopped before the first chunk")
         return
     if state.freed:
-        yield {"session": state, "status": status_text(state)}
+        yield {"session": state, "status": views.status(state)}
         return
     stopped = state.stop_requested
     state.stop_requested = False
@@ -137,17 +121,7 @@ def run_video(
         state.stopped["run"] = f"stopped by the user at {done} of {counted(total, 'frame')}"
     else:
         state.source, state.lost_frames = video.describe(), video.lost_frames  # now knows the damaged frames
-    final = finish(state, view)
-    final["status"] = status_text(state, done, total if stopped else total - video.lost_frames, stopped=stopped)
-    yield final
-
-
-def drawn(update: dict[str, Any], state: Session) -> dict[str, Any]:
-    """A GPU call's live update with the policy's declared views drawn here, where every thumbnail is."""
-    if "views" in update:
-        update = {**update, "panels": viz.draw_views(update["views"], state.thumbnails)}
-        del update["views"]
-    return update
+    yield views.finished(state, done, total if stopped else total - video.lost_frames, stopped)
 
 
 def request_stop(session: Session | None) -> None:
@@ -156,13 +130,8 @@ def request_stop(session: Session | None) -> None:
         session.stop_requested = True
 
 
-def webcam_frame(
-    services: AppServices,
-    session: Session | None,
-    frame: np.ndarray | None,
-    settings: RunSettings,
-    view: ViewChoice = ViewChoice(),
-) -> dict[str, Any]:
+def webcam_frame(services: AppServices, session: Session | None, frame: np.ndarray | None, settings: RunSettings,
+                 views: SingleViews = SingleViews()) -> dict[str, Any]:
     """One webcam frame: buffered into segments for the engines (never one model call per frame). Starts a
     fresh session on the first frame or when the settings changed."""
     state = session or Session()
@@ -178,96 +147,69 @@ def webcam_frame(
             services.sessions.replace(session, state)
             started = True
         state.webcam_frames.append(resized[0])
-        fed = False
+        fed = 0
         if len(state.webcam_frames) >= segment_frames():
             frames, state.webcam_frames = np.stack(state.webcam_frames), []
-            with state.turns.chunk():
-                if not state.freed:
-                    segment = Segment.of(state, frames, None, False, view, None)
-                    old = len(segment.thumbnails)
-                    for item in stream_segment(segment):
-                        if "segment" in item:
-                            fed = item["segment"].apply_to(state, old) > 0
+            fed = to_the_end(feed_segment(state, frames, None, False, views, None))  # reports once it is fed
     except USER_ERRORS as exc:
-        return {"session": state, "status": status_text(state, error=str(exc))}
-    update = live_update(state, view) if fed else {"session": state}
+        return {"session": state, "status": views.status(state, error=str(exc))}
+    update = views.live(state) if fed else {"session": state}
     if started:
-        update.update(fresh_views(state))
+        update.update(views.fresh(state))
     return update
 
 
-def ask(session: Session | None, question: str, max_new_tokens: int = 64) -> Iterator[dict[str, Any]]:
-    """Ask both engines; yields {ask_status, policy_chat, full_chat} (the chats always as lists of messages, the
-    status a line beside the question box: why it was not asked, or that it was). Answers stream interleaved.
+def ask(session: Session | None, question: str, views: PageViews, attribute: bool = False,
+        max_new_tokens: int = 64) -> Iterator[dict[str, Any]]:
+    """Ask every engine that runs (each in its own dialogue; ``attribute``: each answer records what it looked at);
+    yields the page's chats as the answers stream in, interleaved, and an ``ask_status`` line beside the question
+    box: why it was not asked, or that it was; the last update adds what the answers change (``views.answered``).
 
-    The question takes the session's turn before the stream's next chunk (the stream pauses meanwhile,
-    and nothing frees the engines until the answer is done).
+    The question takes the session's turn before the stream's next chunk (the stream pauses meanwhile, and nothing
+    frees the engines until the answer is done).
     """
     state = session or Session()
     question = (question or "").strip()
     with state.turns.question():
         try:
-            if state.freed and state.engine is None:
+            if state.freed and state.group is None:
                 raise EngineError(state.freed)
-            if state.engine is None or state.engine.memory.num_grids == 0:
-                raise EngineError("no video yet: run a video or the webcam first, then ask")
+            if not any(engine.memory.num_grids for engine in state.engines.values()):
+                raise EngineError(views.no_video)
             if not question:
                 raise EngineError("type a question first")
-            state.engine.check_question(question)
+            next(iter(state.engines.values())).check_question(question)
         except EngineError as exc:
-            yield {"session": state, "ask_status": f"⚠️ {exc}", **chats(state)}
+            yield {"session": state, "ask_status": f"⚠️ {exc}", **views.chats(state)}
             return
         state.last_used = time.monotonic()
-        asked = {}
-        for name, engine in state.engines.items():
-            state.chat[name].append({"role": "user", "content": question})
-            if name in state.stopped:
-                state.chat[name].append({"role": "assistant", "content": f"*{state.stopped[name]}; no answer.*"})
-                continue
-            state.chat[name].append({"role": "assistant", "content": ""})
-            asked[name] = engine
-        for _ in answer_into(state, asked, question, max_new_tokens):
-            yield {"session": state, "ask_status": "⏳ answering…", **chats(state)}
-        for name in asked:
-            state.chat[name][-1]["content"] = _answer_markdown(state, name, state.engines[name].answers[-1])
-        report = write_report(state)
-    answered = " and ".join("the full cache" if name == "full" else engine.policy.name for name, engine in asked.items())
-    status = f"✓ answered by {answered}" if asked else "⚠️ no engine answered: every engine has stopped"
-    yield {"session": state, "ask_status": status, **chats(state), "report": report}
+        asked = {name: engine for name, engine in state.engines.items() if name not in state.stopped}
+        for name in state.engines:
+            reply = "" if name in asked else f"*{state.stopped[name]}; no answer.*"
+            state.chat[name] += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+        for _ in answer_into(state, asked, question, max_new_tokens, attribute):
+            yield {"session": state, "ask_status": "⏳ answering…", **views.chats(state)}
+        answers = {name: state.engines[name].answers[-1] for name in asked}
+        for name, answer in answers.items():
+            state.chat[name][-1]["content"] = answer_markdown(state, answer, views.answer_details)
+        update = {"session": state, **views.chats(state), **views.answered(state, question, answers)}
+    yield update
 
 
-def chats(state: Session) -> dict[str, list[dict[str, str]]]:
-    """Both chat panes as lists of messages (copies: Gradio keeps what it is given)."""
-    return {"policy_chat": list(state.chat["policy"]), "full_chat": list(state.chat["full"])}
-
-
-def _answer_markdown(state: Session, name: str, answer) -> str:
-    text = answer.answer or "(empty answer)"
-    tokens = counted(answer.tokens, "token")
-    oldest = "the oldest turn was" if answer.dropped_turns == 1 else f"the {answer.dropped_turns} oldest turns were"
-    dropped = (f" · {oldest} left out of the replayed dialogue (it keeps at most "
-               f"{counted(state.group.stream.model.max_dialogue_tokens, 'token')})") if answer.dropped_turns else ""
-    return (
-        f"{text}\n\n<small>first token {answer.ttft_ms:.0f} ms · {tokens} in {answer.ms:.0f} ms · "
-        f"cache {answer.cache_bytes / 2**20:.2f} MB, {counted(answer.visual_tokens, 'visual token')}{dropped}"
-        f"{answer_note(state, answer)}</small>"
-    )
+def new_conversation(session: Session | None, views: PageViews) -> dict[str, Any]:
+    """Every engine's dialogue and chat pane cleared (the memory stays)."""
+    if session is not None:
+        for engine in session.engines.values():
+            engine.reset_dialogue()
+        session.chat = {name: [] for name in session.engines}
+    return {"session": session, **views.chats(session), "ask_status": ""}
 
 
 def redraw(session: Session | None, view: ViewChoice) -> dict[str, Any]:
-    """The chart, the newest-frames view, its legend and the policy's views as ``view`` chooses, drawn in the
+    """The single page's chart, newest-frames view, legend and policy views as ``view`` chooses, drawn in the
     session's turn: between two chunks, never while one is half-fed (its grid in the memory, its thumbnail not
     yet in the session)."""
     if session is None:
         return {"heatmap": None}
     with session.turns.question():
-        return {"plot": occupancy_plot(session, view.log_scale), "heatmap": heatmap_image(session, view),
-                "legend": legend(session, view), "panels": policy_panels(session, view)}
-
-
-def reset_chat(session: Session | None) -> dict[str, Any]:
-    state = session or Session()
-    for engine in state.engines.values():
-        engine.reset_dialogue()
-    state.chat = {"policy": [], "full": []}
-    return {"session": state, "policy_chat": [], "full_chat": [], "ask_status": ""}
+        return SingleViews(view).redraw(session)

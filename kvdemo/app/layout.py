@@ -1,5 +1,6 @@
-"""The page: components built by named builders (inputs, settings, what to watch, the chat), and the wiring
-of their events to the handlers (:mod:`kvdemo.app.handlers`). The only module here that imports Gradio."""
+"""The app's Blocks and its single page (:class:`Demo`, a :class:`~kvdemo.app.page.Page`): components built by named
+builders (inputs, settings, what to watch, the chat), and the wiring of their events to the handlers
+(:mod:`kvdemo.app.handlers`). The only module here that imports Gradio."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .. import viz
 from ..budget import Budget
 from ..models.catalog import default_budget, geometry_for
 from ..policies import CARDS, DEFAULT_POLICY, REGISTRY, policy_class, policy_params
 from ..synthetic import sample_episode, sample_manifest
 from .compare_page import ComparePage
-from .handlers import ask, redraw, request_stop, reset_chat, run_video, webcam_frame
+from .handlers import redraw, request_stop, webcam_frame
 from .inputs import guard_inputs
+from .page import Page, guard
 from .sessions import SESSION_TTL_S, STATIC_DIR, AppServices, CacheSweeper, RunSettings, Session
 from .settings import (
     SAMPLE_KIND_HELP,
@@ -29,12 +30,12 @@ from .settings import (
 )
 from .slots import STREAM_SLOTS, WAITING_ROOM
 from .views import (
+    SingleViews,
     ViewChoice,
     banner_html,
     chat_title,
     empty_occupancy_plot,
     how_to_read,
-    kept_previous,
     legend,
     status_text,
     write_chart,
@@ -64,11 +65,16 @@ UI_POLICIES = [name for name, cls in REGISTRY.items() if cls.bounded]
 MAX_PANELS = max(len(card.view_titles) for card in CARDS.values())
 
 
-class Demo:
-    """The Blocks app for ``services`` (:meth:`build`); builders add components, :meth:`wire` connects them."""
+class Demo(Page):
+    """The Blocks app for ``services`` (:meth:`build`) and its single page (one policy against the full cache);
+    builders add components, :meth:`wire` connects them."""
+
+    views = SingleViews()
+    no_upload = "upload a video first (or click Run the bundled sample)"
+    hidden_when_empty = frozenset({"coverage"})
 
     def __init__(self, services: AppServices) -> None:
-        self.services = services
+        super().__init__(None, services)
         self.budget0, self.keep0, self.pixels0 = default_budget(services.models.default)
         self.sample = sample_episode()
 
@@ -96,8 +102,9 @@ class Demo:
                         self.build_chat()
                 self.wire()
             with gr.Tab("Compare policies", elem_id="compare-tab"):
-                ComparePage(gr, self.services, UI_POLICIES, (self.budget0, self.keep0, self.pixels0), STREAMS,
-                            QUESTIONS).build()
+                self.compare = ComparePage(gr, self.services, UI_POLICIES, (self.budget0, self.keep0, self.pixels0),
+                                           STREAMS, QUESTIONS)
+                self.compare.build()
         guard_inputs(gr, demo)  # values sent through the API that no component takes: one line, no traceback
         return demo
 
@@ -192,7 +199,8 @@ class Demo:
                                    label="Questions about the bundled sample (click to ask both engines)", elem_id="examples")
         with gr.Row():
             with gr.Column():
-                self.policy_title = gr.Markdown(policy_label(DEFAULT_POLICY, Budget.resolve(policy_class(DEFAULT_POLICY), self.budget0, self.keep0)),
+                budget = Budget.from_user(policy_class(DEFAULT_POLICY), self.budget0, self.keep0)
+                self.policy_title = gr.Markdown(policy_label(DEFAULT_POLICY, budget),
                                                 label="Policy chat title", elem_id="policy-chat-title")
                 self.policy_chat = gr.Chatbot(label="Policy engine chat", show_label=False, height=300, buttons=["copy"],
                                               elem_id="policy-chat")
@@ -209,17 +217,21 @@ class Demo:
             gr.Markdown(how_to_read(self.services.sessions.limit))
 
     # --- from handler updates to components ------------------------------------------------------
-    def outputs(self) -> dict[str, Any]:
+    def named(self) -> dict[str, Any]:
         return {"session": self.session, "status": self.status, "plot": self.plot, "heatmap": self.heatmap,
                 "gallery": self.gallery, "report": self.report_file, "chart": self.chart_file, "coverage": self.coverage_plot,
                 "legend": self.legend, "policy_title": self.policy_title, "full_title": self.full_title,
-                "policy_chat": self.policy_chat, "full_chat": self.full_chat, "ask_status": self.ask_status}
+                "policy_chat": self.policy_chat, "full_chat": self.full_chat, "ask_status": self.ask_status,
+                "question": self.question}
 
     def panel_components(self) -> list[Any]:
         return [component for slot in self.panel_slots for component in slot]
 
-    def panel_updates(self, panels: list[viz.Panel]) -> dict[Any, Any]:
-        gr, out = self.gr, {}
+    def slot_components(self, update: dict[str, Any]) -> dict[Any, Any]:
+        """The policy's drawn views into the panel slots, in order (the slots left over hidden)."""
+        if "panels" not in update:
+            return {}
+        gr, out, panels = self.gr, {}, update["panels"]
         for index, (box, text, image, plot) in enumerate(self.panel_slots):
             panel = panels[index] if index < len(panels) else None
             out[box] = gr.update(visible=panel is not None)
@@ -229,97 +241,29 @@ class Demo:
                 out[plot] = gr.update(value=panel.value if panel.kind == "plot" else None, visible=panel.kind == "plot")
         return out
 
-    def to_components(self, update: dict[str, Any]) -> dict[Any, Any]:
-        names = self.outputs()
-        out = {names[key]: value for key, value in update.items() if key in names and key != "coverage"}
-        if "coverage" in update:
-            out[self.coverage_plot] = self.gr.update(value=update["coverage"], visible=update["coverage"] is not None)
-        if "panels" in update:
-            out.update(self.panel_updates(update["panels"]))
-        return out
-
-    def settings_from(self, values: dict[str, Any]) -> tuple[RunSettings, ViewChoice]:
+    def run_settings(self, values: dict[str, Any]) -> tuple[RunSettings, SingleViews]:
         chosen = values["policy"]
         form = {field_name: values[key] for key, (owner, field_name, _) in self.param_inputs.items() if owner == chosen}
         settings = RunSettings(
             model=values["model"] or self.services.models.default, policy=chosen, params=parse_params(chosen, form),
-            budget=values["budget"], keep=values["keep"] if takes_keep(chosen) else None, fps=float(values["fps"] or 0),
+            budget=values["budget"], keep=values["keep"], fps=float(values["fps"] or 0),
             max_pixels=int(values["max_pixels"] or 0), baseline=bool(values["baseline"]),
             cap_mb=float(values["baseline_cap_mb"] or 0), sample=values.get("sample_kind") or "static",
         )
-        return settings, ViewChoice(values["view_layer"], values["view_head"], bool(values["colour_by_reason"]),
-                                    bool(values["log_scale"]))
+        view = ViewChoice(values["view_layer"], values["view_head"], bool(values["colour_by_reason"]),
+                          bool(values["log_scale"]))
+        return settings, SingleViews(view)
 
-    # --- handlers (bound to components in wire) --------------------------------------------------
-    # Every handler ends in a message, never in Gradio's bare "Error" badge: a user's mistake is a one-line
-    # message from the handlers, anything else (a bug) is logged with its traceback and said in one line.
-    def internal_error(self, exc: Exception, key: str = "status") -> dict[Any, Any]:
-        log.exception("unexpected error in a handler")
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
-        return self.to_components({key: f"⚠️ **internal error** ({type(exc).__name__}: {first}); it is logged, and the "
-                                        "app keeps serving"})
-
-    def on_run(self, session, video, **settings):
-        if not video:
-            yield self.to_components(kept_previous(session, "upload a video first (or click Run the bundled sample)"))
-            return
-        yield from self.on_run_sample(session, video=video, **settings)
-
-    def on_run_sample(self, session, video=None, **settings):
-        try:
-            run_settings, view = self.settings_from(settings)
-            # In line for a stream slot first: while it waits, the status says where it stands.
-            runs = self.services.streams.held(lambda: run_video(self.services, session, video, run_settings, view))
-            for update in runs:
-                yield self.to_components(update)
-        except USER_ERRORS as exc:
-            yield self.to_components(kept_previous(session, str(exc)))
-        except Exception as exc:
-            yield self.internal_error(exc)
-
+    # --- the single page's own handlers (bound to components in wire; the shared ones are Page's) ---------------
+    @guard("status")
     def on_webcam(self, session, frame, **settings):
-        try:
-            run_settings, view = self.settings_from(settings)
-            with self.services.streams.hold():
-                return self.to_components(webcam_frame(self.services, session, frame, run_settings, view))
-        except USER_ERRORS as exc:
-            return self.to_components({"session": session, "status": status_text(session or Session(), error=str(exc))})
-        except Exception as exc:
-            return self.internal_error(exc)
+        run_settings, views = self.run_settings(settings)
+        with self.services.streams.hold():
+            return webcam_frame(self.services, session, frame, run_settings, views)
 
-    def on_ask(self, session, question):
-        yield from self._ask(session, question, {})
-
-    def on_example(self, session, example):
-        yield from self._ask(session, example[0], {self.question: example[0]})
-
-    def _ask(self, session, question, extra):
-        try:
-            for update in ask(session, question):
-                yield {**self.to_components(update), **extra}
-        except Exception as exc:
-            yield self.internal_error(exc, "ask_status")
-
-    def on_new_conversation(self, session):
-        try:
-            return self.to_components(reset_chat(session))
-        except Exception as exc:
-            return self.internal_error(exc, "ask_status")
-
+    @guard("legend")
     def on_redraw(self, session, layer, head, by_reason, log_scale):
-        try:
-            return self.to_components(redraw(session, ViewChoice(layer, head, bool(by_reason), bool(log_scale))))
-        except Exception as exc:
-            return self.internal_error(exc, "legend")
-
-    def on_view_choices(self, state):
-        gr = self.gr
-        engine = state.engine if state else None
-        if engine is None:
-            return gr.update(), gr.update()
-        layers = ["all"] + [str(i) for i in range(engine.model.num_layers)]
-        heads = ["all"] + [str(i) for i in range(engine.model.num_kv_heads)]
-        return gr.update(choices=layers), gr.update(choices=heads)
+        return redraw(session, ViewChoice(layer, head, bool(by_reason), bool(log_scale)))
 
     def on_policy(self, name: str):
         gr = self.gr
@@ -339,16 +283,10 @@ class Demo:
         pixels_field = gr.update(value=pixels, info=geometry_for(name).describe())
         return gr.update(value=banner, visible=bool(banner)), gr.update(value=budget), gr.update(value=keep), pixels_field
 
-    def on_sample_kind(self, kind: str):
-        """The bundled sample's kind chosen: what it shows, and its questions."""
-        episode = sample_episode(kind or "static")
-        return (sample_manifest(episode), self.gr.Dataset(samples=[[q.text] for q in episode.questions]),
-                self.gr.update(info=SAMPLE_KIND_HELP.get(kind or "static", "")))
-
     # --- wiring ---------------------------------------------------------------------------
     def wire(self) -> None:
         gr = self.gr
-        run_outputs = [*self.outputs().values(), *self.panel_components()]
+        run_outputs = [*(c for key, c in self.named().items() if key != "question"), *self.panel_components()]
         ask_outputs = [self.session, self.ask_status, self.policy_chat, self.full_chat, self.report_file]
         settings_inputs = {"model": self.model, "policy": self.policy, "budget": self.budget, "keep": self.keep,
                            "fps": self.fps, "max_pixels": self.max_pixels, "baseline": self.baseline,
@@ -381,7 +319,8 @@ class Demo:
         for event in asked:  # answering changes what some heads hold (retrieval): redraw the views
             event.then(self.on_redraw, [self.session, *view_inputs], view_outputs, api_visibility="private",
                        show_progress="hidden")
-        self.clear_button.click(self.on_new_conversation, [self.session], [self.session, self.policy_chat, self.full_chat, self.ask_status],
+        self.clear_button.click(self.on_new_conversation, [self.session],
+                                [self.session, self.policy_chat, self.full_chat, self.ask_status],
                                 api_name="new_conversation", concurrency_limit=None)
         def export_chart(session, request):  # the request: the address plotly.js is loaded from
             return write_chart(session, request)

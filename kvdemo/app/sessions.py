@@ -1,7 +1,8 @@
-"""Process-wide models and per-session state: each model loaded once (:class:`ModelHub`), at most so many
-sessions holding engines (:class:`SessionPool`), one session's engines, thumbnails and dialogue
-(:class:`Session`), whose turn it is to use them (:class:`Turns`), and the files served to them, deleted
-after an hour (:class:`CacheSweeper`)."""
+"""Process-wide models and per-session state: each model loaded once (:class:`ModelHub`), what a user chose on
+either page (:class:`RunSettings`, :class:`CompareSettings`: both name their contenders), at most so many sessions
+holding engines (:class:`SessionPool`), one session's engines, thumbnails and dialogue (:class:`Session`, one type
+for both pages: the single page is a comparison with one contender), whose turn it is to use them
+(:class:`Turns`), and the files served to them, deleted after an hour (:class:`CacheSweeper`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from ..compare import parse_overrides
 from ..engine import StreamEngine
+from ..lineup import FULL, Contender
 from ..models.catalog import OFFLINE_MODELS, REAL_MODELS, resolve_model_name
 from ..models.loading import load_model
 from ..streaming import EngineGroup
@@ -108,8 +111,8 @@ class Turns:
 
 @dataclass
 class RunSettings:
-    """What the user chose: the model, the policy and its parameters, ``M``/``C`` as typed (resolved into a
-    :class:`~kvdemo.budget.Budget` when a run starts), sampling and the baseline."""
+    """What the user chose on the single page: the model, the policy and its parameters, ``M``/``C`` as typed
+    (resolved into a :class:`~kvdemo.budget.Budget` when a run starts), sampling and the baseline."""
 
     model: str
     policy: str
@@ -122,16 +125,43 @@ class RunSettings:
     cap_mb: float
     sample: str = "static"  # the bundled sample's stream kind (kvdemo.synthetic.STREAM_KINDS)
 
+    def contenders(self) -> list[Contender]:
+        """The one policy under study (its parameters parsed from the form)."""
+        return [Contender(self.policy, dict(self.params))]
+
+
+@dataclass
+class CompareSettings:
+    """What the user chose on the comparison page: the model, up to four policies (with per-policy lines of their
+    own ``M``/``C``/parameters), the shared ``M``/``C``, sampling, the full cache's cap and the sample's kind."""
+
+    model: str
+    policies: list[str]
+    overrides: str
+    budget: Any
+    keep: Any
+    fps: float
+    max_pixels: int
+    cap_mb: float
+    sample: str = "static"
+    baseline: bool = True  # the full cache is always compared
+
+    def contenders(self) -> list[Contender]:
+        """The compared policies with their own lines (:func:`kvdemo.compare.parse_overrides`)."""
+        return [Contender(c.name, c.params, c.budget, c.keep) for c in parse_overrides(self.policies, self.overrides)]
+
 
 @dataclass(eq=False)  # sessions are compared by identity (the pool holds them in a list)
 class Session:
-    """One browser session's stream: its engines behind one :class:`~kvdemo.streaming.EngineGroup`, thumbnails
-    and chat (freed when the session ends, or earlier by the :class:`SessionPool`)."""
+    """One browser session's stream on either page: its engines (the contenders in order, then :data:`FULL` when
+    the baseline runs) behind one :class:`~kvdemo.streaming.EngineGroup`, thumbnails and a chat per engine (freed
+    when the session ends, or earlier by the :class:`SessionPool`)."""
 
-    settings: RunSettings | None = None
+    settings: RunSettings | CompareSettings | None = None
     group: EngineGroup | None = None
     thumbnails: list[np.ndarray] = field(default_factory=list)
-    chat: dict[str, list[dict[str, str]]] = field(default_factory=lambda: {"policy": [], "full": []})
+    #: Engine name -> its chat pane's messages.
+    chat: dict[str, list[dict[str, str]]] = field(default_factory=dict)
     source: str = ""
     #: The generated stream being played (its ground truth grades the answers); None for files and the webcam.
     episode: Episode | None = None
@@ -139,6 +169,12 @@ class Session:
     frame_size: tuple[int, int] | None = None
     chunk_ms: float = 0.0
     coverage: dict[str, Any] | None = None
+    #: What the engines may hold (:func:`kvdemo.compare.memory_bound`; the comparison's status says it).
+    bound: dict[str, Any] = field(default_factory=dict)
+    #: The last answers' attributions, the questions asked (with their grades) and the fidelity measured.
+    attributions: dict[str, Any] = field(default_factory=dict)
+    questions: list[dict[str, Any]] = field(default_factory=list)
+    fidelity: dict[str, Any] = field(default_factory=dict)
     #: Webcam frames (resized) waiting to make a segment (one GPU call per segment, never per frame).
     webcam_frames: list[np.ndarray] = field(default_factory=list)
     #: A file run is streaming; ``stop_requested`` ends it after the current chunk.
@@ -163,9 +199,19 @@ class Session:
         return self.group.stopped if self.group is not None else {}
 
     @property
+    def contenders(self) -> dict[str, StreamEngine]:
+        """The engines under study (every one but the full-cache baseline), in order."""
+        return {name: engine for name, engine in self.engines.items() if name != FULL}
+
+    @property
     def engine(self) -> StreamEngine | None:
-        """The policy's engine (the one under study; "full" is the baseline)."""
-        return self.engines.get("policy")
+        """The first contender's engine (the single page's only one)."""
+        return next(iter(self.contenders.values()), None)
+
+    @property
+    def full(self) -> StreamEngine | None:
+        """The full-cache baseline's engine (None when it does not run)."""
+        return self.engines.get(FULL)
 
     @property
     def model(self):

@@ -10,12 +10,13 @@ from .. import zerogpu
 from ..budget import Budget
 from ..errors import StreamSettingError, UserError
 from ..geometry import FrameGeometry
+from ..lineup import cap_bytes
 from ..models.catalog import geometry_for, resolve_model_name
-from ..policies import BudgetError, Policy, coerce_param, make_policy, policy_class, policy_params
+from ..policies import BudgetError, Policy, coerce_param, policy_class, policy_params
 from ..synthetic import sample_episode
 from ..video import VideoError, open_video
 from ..views import counted
-from .sessions import CACHE_TTL_S, RunSettings
+from .sessions import CACHE_TTL_S, CompareSettings, RunSettings
 
 FRAMES_PER_CHUNK = 2
 
@@ -57,25 +58,30 @@ def open_stream(geometry: FrameGeometry, video_path: str | None, fps: float, sam
     return open_video(Path(video_path), fps=fps, geometry=geometry), None
 
 
-def settings_geometry(settings: RunSettings) -> FrameGeometry:
+def settings_geometry(settings: RunSettings | CompareSettings) -> FrameGeometry:
     """How the chosen model sizes frames (known before it loads), within the chosen max pixels."""
     return within_max_pixels(geometry_for(settings.model), settings.max_pixels)
 
 
-def resolve_settings(settings: RunSettings) -> tuple[Policy, Budget]:
-    """The settings as the engine will take them: the policy (with its parameters) and its budget, resolved
-    once; a one-line :class:`~kvdemo.errors.UserError` if they cannot work (the sampling and pixel numbers
-    too). A policy sized by ``M`` alone ignores ``C``."""
-    policy = make_policy(settings.policy, **settings.params)
+def resolve_settings(settings: RunSettings | CompareSettings) -> dict[str, tuple[Policy, Budget]]:
+    """Either page's settings as the engines will take them: each contender's policy and budget by engine name,
+    resolved once (:meth:`kvdemo.lineup.Contender.resolve`: the takes-C rule is
+    :meth:`~kvdemo.budget.Budget.from_user`'s); :class:`BudgetError` with a one-line reason if they cannot work
+    (the sampling, pixel and cap numbers too). With several contenders the reason names the one it is about."""
+    contenders = settings.contenders()
+    resolved = {}
+    for contender in contenders:
+        try:
+            resolved[contender.name] = contender.resolve(settings.budget, settings.keep)
+        except BudgetError as exc:
+            if len(contenders) == 1:
+                raise
+            raise BudgetError(f"{contender.name}: {exc}") from None
     if settings.fps is None or float(settings.fps) <= 0:
         raise StreamSettingError(f"sampling fps must be positive, got {settings.fps}")
     settings_geometry(settings)
-    if settings.cap_mb is not None and settings.cap_mb < 0:
-        raise StreamSettingError(f"the baseline memory cap must be 0 (no cap) or more MB, got {settings.cap_mb:g}")
-    takes_keep = type(policy).takes_keep()
-    if settings.budget is None or (takes_keep and settings.keep is None):
-        raise BudgetError("set both M and C" if takes_keep else "set M")
-    return policy, Budget.resolve(policy, settings.budget, settings.keep if takes_keep else None)
+    cap_bytes(settings.cap_mb)
+    return resolved
 
 
 def validate_settings(
@@ -87,7 +93,7 @@ def validate_settings(
     bundled sample (what runs without an upload)."""
     try:
         settings = RunSettings(model or resolve_model_name(None), policy, {}, budget, keep, fps, max_pixels, False, 0)
-        _, resolved = resolve_settings(settings)
+        [(_, resolved)] = resolve_settings(settings).values()
         geometry = settings_geometry(settings)
         if video:
             size = open_video(video, fps=float(fps), geometry=geometry).size

@@ -1,10 +1,9 @@
-"""What the app shows of a session: the status line, the occupancy chart, the newest frames and gallery, the
-views the policy declares (drawn by :mod:`kvdemo.viz`), the legend, chat titles, the run report and the chart
-file. Pure functions of a :class:`~kvdemo.app.sessions.Session`; no Gradio here."""
+"""What the single page shows of a session (:class:`SingleViews`): the status line, the occupancy chart, the newest
+frames and gallery, the views the policy declares (drawn by :mod:`kvdemo.viz`), the legend, chat titles, the run
+report and the chart file. Pure functions of a :class:`~kvdemo.app.sessions.Session`; no Gradio here."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -12,11 +11,12 @@ from typing import Any
 import numpy as np
 
 from .. import viz
+from ..compare import FULL
 from ..coverage import coverage
 from ..models.catalog import TRAINED_NOTICE, caveat_for, family_of, family_spec, offline_model
 from ..policies import CARDS, policy_card
-from ..synthetic import grade
 from ..views import View, counted
+from .page_views import PageViews
 from .sessions import CACHE_TTL_S, STATIC_DIR, Session
 from .settings import policy_label
 
@@ -76,9 +76,9 @@ def status_text(
             + (f" + {offloaded / 2**20:.2f} MB offloaded" if offloaded else "")
             + f" · {session.chunk_ms:.0f} ms/chunk · {compression_time(stats)}"
         )
-        full = session.engines.get("full")
+        full = session.full
         if full is not None:
-            state = session.stopped.get("full")
+            state = session.stopped.get(FULL)
             lines.append(
                 f"full cache: {counted(full.memory.visual_tokens, 'visual token')}, {full.memory.nbytes / 2**20:.2f} MB"
                 + (f" — {state}" if state else "")
@@ -114,29 +114,6 @@ def summary_note(memory) -> str:
             f"{memory.summary_active} in use")
 
 
-def kept_previous(previous: Session | None, error: str) -> dict[str, Any]:
-    """A run that failed before its first chunk: the previous session and its views stay as they were;
-    the status says what failed (and, if there is one, that the previous run is what is shown)."""
-    status = f"⚠️ **{error}**"
-    if previous is not None and previous.engine is not None:
-        status += f"\n\n<small>Still showing the previous run: {previous.source}</small>"
-    return {"session": previous or Session(), "status": status}
-
-
-def answer_note(state: Session, answer) -> str:
-    """What an answer is worth (either tab): graded against the ground truth on a generated stream; on other inputs,
-    a warning when the model is an offline tiny one (random, or trained only on generated streams)."""
-    engine = next(iter(state.engines.values()), None)
-    model = engine.model if engine is not None else None
-    if model is not None and model.random_weights:
-        return " · random weights"
-    if state.episode is not None and engine is not None:
-        return " · " + grade(state.episode, answer.question, answer.answer, engine.last_time_s).note
-    if model is not None and model.notice:
-        return " · the tiny model knows only its generated streams: on this video its answers mean little"
-    return ""
-
-
 def chat_title(state: Session, name: str) -> str:
     """The label over a chat pane: the policy and its numbers, or the full cache (and whether it runs)."""
     settings = state.settings
@@ -149,13 +126,6 @@ def chat_title(state: Session, name: str) -> str:
         return "**full cache** (baseline off)"
     cap = f", stops at {settings.cap_mb:g} MB" if settings is not None and settings.cap_mb and settings.cap_mb > 0 else ""
     return f"**full cache**{cap}"
-
-
-def fresh_views(state: Session) -> dict[str, Any]:
-    """What a newly started stream clears or relabels: chat panes and their titles, the question status, the previous
-    run's coverage and downloads."""
-    return {"policy_title": chat_title(state, "policy"), "full_title": chat_title(state, "full"),
-            "policy_chat": [], "full_chat": [], "ask_status": "", "coverage": None, "report": None, "chart": None}
 
 
 @dataclass(frozen=True)
@@ -180,8 +150,8 @@ def occupancy_plot(session: Session, log_scale: bool = False):
     if engine is None:
         return None
     series = {_series_label(engine.policy.name, engine.budget.M): engine.memory.timeline}
-    if "full" in session.engines:
-        series["full cache"] = session.engines["full"].memory.timeline
+    if session.full is not None:
+        series["full cache"] = session.full.memory.timeline
     return viz.occupancy_figure(series, engine.budget.M, log_scale=log_scale)
 
 
@@ -268,23 +238,6 @@ def live_update(state: Session, view: ViewChoice, done: int | None = None, total
     return update
 
 
-def write_report(session: Session) -> str | None:
-    """The run report (the CLI's JSON format, plus the baseline's report) as a file to download."""
-    engine = session.engine
-    if engine is None:
-        return None
-    report = engine.report(video=session.source, lost_frames=session.lost_frames)
-    if "full" in session.engines:
-        report["baseline"] = session.engines["full"].report(video=session.source, lost_frames=session.lost_frames)
-    if session.stopped:
-        report["stopped"] = dict(session.stopped)
-    if session.coverage:
-        report["coverage"] = session.coverage
-    report_path = session.report_dir / "kvdemo-report.json"
-    report_path.write_text(json.dumps(report, indent=1))
-    return str(report_path)
-
-
 def write_chart(session: Session | None, request: Any = None) -> str | None:
     """The occupancy chart as an HTML file, made only when asked for; it loads plotly.js from the app's one copy
     (:data:`~kvdemo.app.sessions.STATIC_DIR`), at the address the browser reached the app by (``request``, a
@@ -310,17 +263,6 @@ def app_origin(request: Any) -> str:
     return f"{scheme.split(',')[0].strip()}://{host.split(',')[0].strip()}"
 
 
-def finish(state: Session, view: ViewChoice) -> dict[str, Any]:
-    """Final update of a run: everything redrawn, the coverage CDF (with a baseline), the report."""
-    update = live_update(state, view, force=True)
-    full = state.engines.get("full")
-    if full is not None and "full" not in state.stopped and state.engine is not None and state.engine.memory.num_grids:
-        state.coverage = {state.engine.policy.name: coverage(full.memory, state.engine.memory)}
-        update["coverage"] = viz.coverage_figure(state.coverage)
-    update["report"] = write_report(state)
-    return update
-
-
 def banner_html(model_name: str | None) -> str:
     """What the page says over the settings about model ``name``: for an offline tiny model what its answers are
     worth, and for a family whose spec has a caveat about a streaming memory that caveat ('' if neither)."""
@@ -339,3 +281,76 @@ def banner_html(model_name: str | None) -> str:
         return ""
     return ("<div style='padding:8px;border-radius:6px;background:#fff3cd;color:#664d03'>"
             + "<br>".join(lines) + "</div>")
+
+
+@dataclass(frozen=True)
+class SingleViews(PageViews):
+    """What the single page shows (one policy against the full cache) as the user's ``view`` chooses."""
+
+    view: ViewChoice = ViewChoice()
+    no_video = "no video yet: run a video or the webcam first, then ask"
+
+    def status(self, state: Session, done: int | None = None, total: int | None = None, error: str = "",
+               stopped: bool = False) -> str:
+        return status_text(state, done, total, error, stopped)
+
+    def fresh(self, state: Session) -> dict[str, Any]:
+        return {"policy_title": chat_title(state, "policy"), "full_title": chat_title(state, "full"),
+                "policy_chat": [], "full_chat": [], "ask_status": "", "coverage": None, "report": None, "chart": None}
+
+    def live(self, state: Session, done: int | None = None, total: int | None = None,
+             force: bool = False) -> dict[str, Any]:
+        return live_update(state, self.view, done, total, force=force)
+
+    def segment_update(self, state: Session, total: int | None, first: bool) -> dict[str, Any]:
+        # The gallery and the policy's views are drawn by the caller, which holds every thumbnail.
+        update = live_update(state, self.view, state.group.frames_seen, total, force=first, gallery=False,
+                             draw_views=False)
+        update.pop("session", None)
+        return update
+
+    def drawn(self, update: dict[str, Any], state: Session) -> dict[str, Any]:
+        if "views" in update:
+            update = {**update, "panels": viz.draw_views(update["views"], state.thumbnails)}
+            del update["views"]
+        return update
+
+    def finished(self, state: Session, done: int, total: int, stopped: bool) -> dict[str, Any]:
+        """Everything redrawn, the coverage CDF (with a baseline that ran to the end) and the report."""
+        update = live_update(state, self.view, force=True)
+        full, engine = state.full, state.engine
+        if full is not None and FULL not in state.stopped and engine is not None and engine.memory.num_grids:
+            state.coverage = {engine.policy.name: coverage(full.memory, engine.memory)}
+            update["coverage"] = viz.coverage_figure(state.coverage)
+        update["report"] = self.write_report(state)
+        update["status"] = status_text(state, done, total, stopped=stopped)
+        return update
+
+    def chats(self, state: Session | None) -> dict[str, Any]:
+        chat = state.chat if state is not None else {}
+        policy = next(iter(state.contenders), None) if state is not None else None
+        return {"policy_chat": list(chat.get(policy, [])), "full_chat": list(chat.get(FULL, []))}
+
+    def answered(self, state: Session, question: str, answers: dict[str, Any]) -> dict[str, Any]:
+        names = " and ".join("the full cache" if name == FULL else state.engines[name].policy.name for name in answers)
+        status = f"✓ answered by {names}" if answers else "⚠️ no engine answered: every engine has stopped"
+        return {"ask_status": status, "report": self.write_report(state)}
+
+    def report(self, state: Session) -> dict[str, Any] | None:
+        """The run report (the CLI's JSON format, plus the baseline's report, why engines stopped, the coverage)."""
+        engine = state.engine
+        if engine is None:
+            return None
+        report = engine.report(video=state.source, lost_frames=state.lost_frames)
+        if state.full is not None:
+            report["baseline"] = state.full.report(video=state.source, lost_frames=state.lost_frames)
+        if state.stopped:
+            report["stopped"] = dict(state.stopped)
+        if state.coverage:
+            report["coverage"] = state.coverage
+        return report
+
+    def redraw(self, state: Session) -> dict[str, Any]:
+        """The chart, the newest-frames view, its legend and the policy's views, drawn now."""
+        return {"plot": occupancy_plot(state, self.view.log_scale), "heatmap": heatmap_image(state, self.view),
+                "legend": legend(state, self.view), "panels": policy_panels(state, self.view)}
