@@ -56,8 +56,8 @@ def check_wheel(wheel: Path, src: Path) -> None:
 
 def write_clip(path: Path, frames: int = 8) -> None:
     """The first ``frames`` frames of the bundled sample as an mp4 (the example opens ``clip.mp4``)."""
-    from kvdemo.synthetic import sample_episode
-    from kvdemo.video import write_video
+    from kvdemo.media.video import write_video
+    from kvdemo.world.synthetic import sample_episode
 
     video = sample_episode().video
     write_video(path, video.frames[:frames], video.fps)

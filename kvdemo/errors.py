@@ -3,8 +3,8 @@
 bug: a traceback in the log.
 
 The kinds here are the settings every front end shares; the modules that own a kind of input keep theirs,
-also below :class:`UserError`: :class:`kvdemo.video.VideoError` (a file), :class:`kvdemo.models.base.ModelError`
-(a model), :class:`kvdemo.dialogue.QuestionError` (a question), :class:`kvdemo.engine.EngineError` (a request the
+also below :class:`UserError`: :class:`kvdemo.media.video.VideoError` (a file), :class:`kvdemo.models.base.ModelError`
+(a model), :class:`kvdemo.dialogue.QuestionError` (a question), :class:`kvdemo.stream.engine.EngineError` (a request the
 engine cannot serve), :class:`kvdemo.cli.UsageError` (a command-line argument).
 
 This module imports nothing from kvdemo, so every layer can raise and catch these without importing torch.

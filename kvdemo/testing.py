@@ -1,14 +1,14 @@
 """Fixtures shared by the tests and the benchmarks: memories and chunks of random keys and values at real
-per-layer shapes, written the way a model writes them (through :class:`~kvdemo.attention.MemoryCache`), with
+per-layer shapes, written the way a model writes them (through :class:`~kvdemo.cache.attention.MemoryCache`), with
 no model; the M-RoPE rotation of a Qwen2.5-VL-shaped language model; random probe queries."""
 
 from __future__ import annotations
 
 import torch
 
-from .attention import MemoryCache
-from .chunk import VisualChunk
-from .memory import KVMemory
+from .cache.attention import MemoryCache
+from .cache.chunk import VisualChunk
+from .cache.memory import KVMemory
 from .models.catalog import DEFAULT_REAL_MODEL, families
 
 #: Qwen2.5-VL-7B's language model cache geometry, and InfiniPot-V's budget.

@@ -38,14 +38,14 @@ def tiny():
 @pytest.fixture(scope="session")
 def pancake(media, tiny):
     """The real clip at 2 fps, frames sized for the random tiny model (Qwen's video defaults: 252 x 420)."""
-    from kvdemo.video import load_video
+    from kvdemo.media.video import load_video
 
     return load_video(media / "flipping_a_pancake.mkv", fps=2.0, model=tiny)
 
 
 @pytest.fixture
 def small_video():
-    from kvdemo.synthetic import synthetic_video
+    from kvdemo.world.synthetic import synthetic_video
 
     return synthetic_video(num_frames=12, height=112, width=168, fps=2.0, seed=3)
 

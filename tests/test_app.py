@@ -319,7 +319,7 @@ def test_questions_and_the_replayed_dialogue_are_bounded(client, app):
     (the whole dialogue is replayed before each question). Now: a one-line message beside the question box,
     and the oldest turns leave the replay, which the answer says."""
     from kvdemo.dialogue import MAX_QUESTION_TOKENS
-    from kvdemo.synthetic import sample_episode
+    from kvdemo.world.synthetic import sample_episode
 
     client.predict(*sample_settings(2), api_name="/run_sample")
     before = app.log.read_text().count("Traceback")
@@ -365,7 +365,7 @@ def test_the_bundled_sample_offers_the_moving_camera_kind(client, app):
     """Issue 22: the sample's kind is a choice (and an API parameter). Choosing "moving" shows what that stream
     holds and its questions; running it streams that stream, and its questions are graded against its own
     ground truth, not the still sample's."""
-    from kvdemo.synthetic import sample_episode
+    from kvdemo.world.synthetic import sample_episode
 
     fresh = new_client(app.url)
     moving = sample_episode("moving")

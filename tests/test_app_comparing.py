@@ -1,5 +1,5 @@
 """The comparison page's handlers (kvdemo.app.comparing) called as the app calls them, checked against the library
-path (kvdemo.compare's engines streamed by kvdemo.streaming, asked directly): the same answers, the same fidelity,
+path (kvdemo.experiments.compare's engines streamed by kvdemo.stream.streaming, asked directly): the same answers, the same fidelity,
 and one-line messages for what a user can get wrong."""
 
 import json
@@ -7,14 +7,14 @@ import json
 import numpy as np
 import pytest
 
+from kvdemo.analysis.explain import fidelity
 from kvdemo.app import handlers
 from kvdemo.app.comparing import CompareViews, compare_fidelity, parse_delays, redraw_attribution
 from kvdemo.app.sessions import AppServices, CompareSettings
-from kvdemo.compare import FULL, compare_engines, parse_overrides
 from kvdemo.errors import StreamSettingError
-from kvdemo.explain import fidelity
-from kvdemo.streaming import stream_video
-from kvdemo.synthetic import sample_episode
+from kvdemo.experiments.compare import FULL, compare_engines, parse_overrides
+from kvdemo.stream.streaming import stream_video
+from kvdemo.world.synthetic import sample_episode
 
 POLICIES = ["infinipot-v", "hybridkv"]
 
@@ -50,7 +50,7 @@ def compared(services):
 
 @pytest.fixture(scope="module")
 def library(services):
-    """The same comparison by the library path: engines from kvdemo.compare streamed by stream_video."""
+    """The same comparison by the library path: engines from kvdemo.experiments.compare streamed by stream_video."""
     model = services.models.get("tiny")
     episode = sample_episode("static")
     video = episode.video.sampled(2.0).resized(model.geometry)

@@ -12,7 +12,7 @@ from kvdemo.app.layout import CACHE_CLEANUP, build_demo
 from kvdemo.app.sessions import AppServices, RunSettings, Session, Turns
 from kvdemo.app.settings import parse_params, validate_settings
 from kvdemo.app.views import SingleViews, write_chart
-from kvdemo.memory import REASON_NEW
+from kvdemo.cache.memory import REASON_NEW
 from kvdemo.policies import policy_card
 
 
@@ -87,7 +87,7 @@ def test_the_bundled_sample_runs_without_a_file(hub):
 
 
 def test_answers_on_the_sample_are_graded_against_the_ground_truth(hub):
-    from kvdemo.synthetic import sample_episode
+    from kvdemo.world.synthetic import sample_episode
 
     _, session = run(hub, None, None, budget=128, keep=96)
     question = next(q for q in sample_episode().questions if q.kind == "colour")
@@ -157,8 +157,8 @@ def test_single_layer_head_view_colours_by_reason(hub, media):
 @pytest.mark.parametrize("policy, names", [("uniform", {0, 1}), ("sliding-window", {0})])
 def test_baselines_colour_by_their_own_reasons(tiny, pancake, policy, names):
     """Uniform and sliding-window say why they kept a token; tokens appended since the last pass are 'new'."""
-    from kvdemo.engine import StreamEngine
-    from kvdemo.streaming import stream_video
+    from kvdemo.stream.engine import StreamEngine
+    from kvdemo.stream.streaming import stream_video
 
     engine = StreamEngine(tiny, policy, budget=540, keep=405, fps=pancake.fps)
     list(stream_video(tiny, pancake, {"p": engine}))
@@ -307,8 +307,8 @@ def test_small_frames_get_enlarged_thumbnails_with_crisp_patches():
 def test_policies_declare_their_views_and_viz_draws_them(tiny, pancake):
     """ProtoKV's assignment map and bank, HybridKV's head map: declared by the policy, drawn by viz; per-head
     views show summarised (ProtoKV) and offloaded / retrieved (HybridKV) patches."""
-    from kvdemo.engine import StreamEngine
-    from kvdemo.streaming import stream_video
+    from kvdemo.stream.engine import StreamEngine
+    from kvdemo.stream.streaming import stream_video
 
     proto = StreamEngine(tiny, "protokv", budget=560, fps=pancake.fps, policy_params={"warmup": 64})
     hybrid = StreamEngine(tiny, "hybridkv", budget=540, keep=405, fps=pancake.fps, max_new_tokens=4)
@@ -440,7 +440,7 @@ def test_small_things_a_new_user_saw_are_right():
     """Issue 23, item 7, in the drawing: "1 token" (not "1 tokens"); the empty chart starts at 0 s; a patch still
     exact in ProtoKV's prototype map is drawn as it is (dimmed, it read as evicted next to the survivor strip)."""
     from kvdemo.app.page_views import answer_markdown
-    from kvdemo.engine import Answer
+    from kvdemo.stream.engine import Answer
     from kvdemo.views import UNLABELLED
     from kvdemo.viz.views import _label_tile
 
@@ -464,7 +464,7 @@ def test_counts_agree_and_the_compression_time_is_said_in_words(hub):
 
     from kvdemo.app.page_views import answer_markdown
     from kvdemo.app.views import READY, compression_time, status_text
-    from kvdemo.engine import Answer
+    from kvdemo.stream.engine import Answer
     from kvdemo.views import counted
 
     assert [counted(n, "token") for n in (0, 1, 2)] == ["0 tokens", "1 token", "2 tokens"]
@@ -486,7 +486,7 @@ def test_charts_read_as_the_newcomer_expected():
     """Issue 34, item 5: log axes get a few spaced ticks (plotly labelled every digit, the labels ran together) and the
     M label sits at the line's right end, off the tick labels; integer axes (counts, layers) have whole ticks; lines
     of equal values stay apart by dash and marker; a cell grid has a legend of its classes; a title when asked."""
-    from kvdemo.memory import OccupancyEvent
+    from kvdemo.cache.memory import OccupancyEvent
     from kvdemo.views import CellGrid, Chart, Histogram, Series
     from kvdemo.viz.charts import log_ticks
 

@@ -12,10 +12,10 @@ from kvdemo.app.handlers import ask, new_conversation, request_stop, run_stream
 from kvdemo.app.layout import Demo
 from kvdemo.app.sessions import AppServices, CompareSettings, RunSettings
 from kvdemo.app.views import SingleViews
-from kvdemo.engine import StreamEngine
 from kvdemo.policies import BudgetError
-from kvdemo.streaming import stream_video
-from kvdemo.synthetic import sample_episode
+from kvdemo.stream.engine import StreamEngine
+from kvdemo.stream.streaming import stream_video
+from kvdemo.world.synthetic import sample_episode
 
 QUESTION = "What colour was the circle?"
 #: The bundled sample at 0.5 fps: 20 frames, 10 chunks of the tiny model's 112 x 112 frames.

@@ -89,10 +89,10 @@ def test_the_simulated_stream_compresses_where_the_engine_does(tiny, name, param
     x 8 = 264 summary slots and a near window of 276 (two chunks at least): the first two chunks fit, every later
     one overflows (split without the chunk size, as the bench did, the window was 140 and it compressed at 1)."""
     from kvdemo.bench.policies import simulated_stream
-    from kvdemo.engine import FrameStream
-    from kvdemo.lineup import Contender, make_engines
     from kvdemo.policies import make_policy
-    from kvdemo.synthetic import synthetic_video
+    from kvdemo.stream.engine import FrameStream
+    from kvdemo.stream.lineup import Contender, make_engines
+    from kvdemo.world.synthetic import synthetic_video
 
     video = synthetic_video(num_frames=24, height=252, width=420, fps=2.0, seed=5).resized(tiny.geometry)
     stream = FrameStream(tiny, 2.0)

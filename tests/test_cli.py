@@ -49,7 +49,7 @@ def test_real_videos_reach_the_trained_tiny_model_at_its_own_resolution(media, t
 
 
 def test_run_without_video_uses_the_bundled_sample(capsys):
-    from kvdemo.synthetic import sample_episode
+    from kvdemo.world.synthetic import sample_episode
 
     question = next(q for q in sample_episode().questions if q.kind == "colour")
     assert main(["run", "--quiet", "--policy", "full", "--ask", question.text]) == 0

@@ -1,4 +1,4 @@
-"""Several policies on one stream (kvdemo.compare): the choices and their errors, the memory bound held by real
+"""Several policies on one stream (kvdemo.experiments.compare): the choices and their errors, the memory bound held by real
 bytes, the CLI's one-file report, and the app's comparison page through gradio_client (directly and under ZeroGPU
 emulation)."""
 
@@ -10,10 +10,10 @@ import pytest
 from gradio_client import handle_file
 
 from kvdemo.cli import main
-from kvdemo.compare import compare_engines, memory_bound, parse_overrides
 from kvdemo.errors import PolicyChoiceError, PolicyParameterError
-from kvdemo.streaming import stream_video
-from kvdemo.synthetic import sample_episode
+from kvdemo.experiments.compare import compare_engines, memory_bound, parse_overrides
+from kvdemo.stream.streaming import stream_video
+from kvdemo.world.synthetic import sample_episode
 from test_app import fetch_json, new_client
 
 FOUR = ["infinipot-v", "cords", "protokv", "hybridkv"]

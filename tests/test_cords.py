@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvdemo.coverage import coverage, coverage_summary, nearest_retained_cosine, nearest_retained_distances
+from kvdemo.analysis.coverage import coverage, coverage_summary, nearest_retained_cosine, nearest_retained_distances
 from kvdemo.policies import LayerView, PolicyParameterError, make_policy, policy_params
 from kvdemo.policies.cords import REASON_COVERAGE, REASON_FILL, REASON_RECENT, REASON_UNCOMPRESSED, layer_schedule
 
@@ -133,8 +133,8 @@ def test_recent_tail_is_always_kept():
 
 
 def test_coverage_of_full_is_zero_and_of_a_policy_is_positive(tiny, pancake):
-    from kvdemo.engine import StreamEngine
-    from kvdemo.streaming import stream_video
+    from kvdemo.stream.engine import StreamEngine
+    from kvdemo.stream.streaming import stream_video
 
     full = StreamEngine(tiny, "full", fps=2.0)
     cords = StreamEngine(tiny, "cords", budget=540, keep=405, fps=2.0)
@@ -363,8 +363,8 @@ def test_above_keep_leaves_layers_outside_the_active_set_uncompressed():
 def test_above_keep_through_the_engine_keeps_every_token_above_the_active_set(tiny, small_video):
     """6 temporal grids of 4 x 6 tokens; bottom 25% of the tiny model's layers = layer 0 only. Layer 0 stays
     under M; the other layers hold the whole stream (the documented price of ``above=keep``)."""
-    from kvdemo.engine import StreamEngine
-    from kvdemo.streaming import stream_video
+    from kvdemo.stream.engine import StreamEngine
+    from kvdemo.stream.streaming import stream_video
 
     engine = StreamEngine(tiny, "cords", budget=72, keep=48, fps=2.0, policy_params={"above": "keep"})
     list(stream_video(tiny, small_video, {"cords": engine}))

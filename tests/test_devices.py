@@ -1,6 +1,6 @@
 """Device discipline without a GPU (issue 18): every tensor kvdemo creates lives beside the data it meets.
 
-The emulated device (:mod:`kvdemo.emulated_device`) runs whole compressions, the memory's writes and forks, the
+The emulated device (:mod:`kvdemo.devices.emulated_device`) runs whole compressions, the memory's writes and forks, the
 offload store and the attention seam with real values while refusing what CUDA refuses; the ``meta`` device
 stands in for a second device where only placement matters (``bind``); a static check reads the sources.
 """
@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvdemo.attention import grouped_sdpa
-from kvdemo.emulated_device import DEVICE, FACTORIES, DeviceMixError, EmulatedDevice, place_module
-from kvdemo.engine import StreamEngine
+from kvdemo.cache.attention import grouped_sdpa
+from kvdemo.devices.emulated_device import DEVICE, FACTORIES, DeviceMixError, EmulatedDevice, place_module
 from kvdemo.policies import make_policy
 from kvdemo.policies.hybridkv import capped_allocation
-from kvdemo.synthetic import sample_episode
+from kvdemo.stream.engine import StreamEngine
 from kvdemo.testing import qwen7b_rotation, synthetic_memory, synthetic_probe
+from kvdemo.world.synthetic import sample_episode
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvdemo"
 POLICIES = ["sliding-window", "uniform", "infinipot-v", "cords", "hybridkv", "protokv"]
@@ -195,7 +195,7 @@ def _factories_without_a_device(path: Path, root: Path = PACKAGE.parent) -> list
 def test_every_tensor_factory_in_the_core_names_its_device():
     """In the policies, the memory, the offload store and the attention seam, a tensor is made on the device of
     the data it meets (``device=``, or ``new_*``/``*_like``); host tensors say ``device="cpu"`` on purpose."""
-    files = sorted((PACKAGE / "policies").rglob("*.py")) + [PACKAGE / f"{n}.py" for n in ("memory", "attention", "offload")]
+    files = sorted((PACKAGE / "policies").rglob("*.py")) + [PACKAGE / "cache" / f"{n}.py" for n in ("memory", "attention", "offload")]
     assert len(files) > 8
     found = [line for path in files for line in _factories_without_a_device(path)]
     assert found == []

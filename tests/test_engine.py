@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvdemo.engine import EngineError, FrameStream, MemoryCapError, StreamEngine
 from kvdemo.policies import BudgetError, make_policy, policy_names
-from kvdemo.streaming import stream_video
+from kvdemo.stream.engine import EngineError, FrameStream, MemoryCapError, StreamEngine
+from kvdemo.stream.streaming import stream_video
 
 
 def feed_all(model, video, engines, frames_per_chunk=2):

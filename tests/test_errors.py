@@ -9,11 +9,9 @@ import pytest
 from kvdemo import errors
 from kvdemo.app.sessions import RunSettings
 from kvdemo.app.settings import USER_ERRORS, resolve_settings
-from kvdemo.budget import Budget
+from kvdemo.cache.budget import Budget
 from kvdemo.cli import UsageError
-from kvdemo.compare import parse_overrides
 from kvdemo.dialogue import QuestionError, check_question_text
-from kvdemo.engine import EngineError, MemoryCapError
 from kvdemo.errors import (
     BudgetError,
     EvaluationSettingError,
@@ -23,10 +21,12 @@ from kvdemo.errors import (
     UnknownPolicyError,
     UserError,
 )
-from kvdemo.evaluation import evaluate
+from kvdemo.experiments.compare import parse_overrides
+from kvdemo.experiments.evaluation import evaluate
+from kvdemo.media.video import VideoError, open_video
 from kvdemo.models.base import ModelError
 from kvdemo.policies import make_policy
-from kvdemo.video import VideoError, open_video
+from kvdemo.stream.engine import EngineError, MemoryCapError
 
 OWNED_KINDS = (VideoError, ModelError, QuestionError, EngineError, MemoryCapError, UsageError)
 
@@ -36,7 +36,7 @@ def test_every_kind_is_a_user_error_and_a_value_error():
         assert issubclass(kind, UserError) and issubclass(kind, ValueError), kind
     assert issubclass(UnknownPolicyError, PolicyChoiceError)
     # The old import paths still name the same class.
-    from kvdemo.budget import BudgetError as from_budget
+    from kvdemo.cache.budget import BudgetError as from_budget
     from kvdemo.policies import BudgetError as from_policies
     from kvdemo.policies.base import BudgetError as from_base
 

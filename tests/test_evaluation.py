@@ -6,8 +6,8 @@ import json
 import pytest
 
 from kvdemo.cli import build_parser, check_eval_arguments, main
-from kvdemo.evaluation import ask_grids, eval_spec, evaluate, stream_kinds, valid_items, wilson
-from kvdemo.synthetic import Question, StreamSpec, generate_episode
+from kvdemo.experiments.evaluation import ask_grids, eval_spec, evaluate, stream_kinds, valid_items, wilson
+from kvdemo.world.synthetic import Question, StreamSpec, generate_episode
 
 
 def test_wilson_interval_matches_the_formula_worked_by_hand():
@@ -41,7 +41,7 @@ def test_the_eval_command_runs_end_to_end(tmp_path, capsys):
                  "--budget", "48", "--keep", "32", "--json", str(out), "--quiet", "--runs", str(tmp_path / "runs")])
     assert code == 0
     report = json.loads(out.read_text())
-    # One run folder per policy; its predictions restate the report's accuracy (kvdemo.results).
+    # One run folder per policy; its predictions restate the report's accuracy (kvdemo.experiments.results).
     folders = sorted((tmp_path / "runs").iterdir())
     assert [f.name.split("-2")[0] for f in folders] == ["eval-full", "eval-sliding-window"]
     for folder in folders:
@@ -132,9 +132,9 @@ def test_the_committed_weights_answer_from_the_evidence(kind):
 def test_the_delay_sweep_is_the_eval_protocol_on_the_sample_then_held_out_streams():
     """The app's delay sweep: the bundled sample's questions askable at every delay, then held-out streams, each
     answer round yielded as it happens; its totals equal the evaluation's on the same held-out streams."""
-    from kvdemo.evaluation import delay_sweep, valid_items
+    from kvdemo.experiments.evaluation import delay_sweep, valid_items
     from kvdemo.models.loading import load_model
-    from kvdemo.synthetic import sample_episode
+    from kvdemo.world.synthetic import sample_episode
 
     model = load_model("tiny")
     delays = (0, 8)

@@ -1,4 +1,4 @@
-"""Answer attribution and fidelity (kvdemo.explain), checked against plain restatements: a per-head softmax loop
+"""Answer attribution and fidelity (kvdemo.analysis.explain), checked against plain restatements: a per-head softmax loop
 over the memory's keys, a per-slot scatter through provenance, and the KL divergence from torch's own kl_div;
 and on generated streams, where the ground truth says which frames show the asked object."""
 
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvdemo.attention import MemoryCache, attention_weights
-from kvdemo.engine import StreamEngine
-from kvdemo.explain import SHARES, evidence_grids, evidence_ratio, fidelity, first_token_kl
-from kvdemo.streaming import stream_video
-from kvdemo.synthetic import StreamSpec, generate_episode, sample_episode
+from kvdemo.analysis.explain import SHARES, evidence_grids, evidence_ratio, fidelity, first_token_kl
+from kvdemo.cache.attention import MemoryCache, attention_weights
+from kvdemo.stream.engine import StreamEngine
+from kvdemo.stream.streaming import stream_video
+from kvdemo.world.synthetic import StreamSpec, generate_episode, sample_episode
 
 
 def loop_weights(query, key, bias, scale, extra=None):
@@ -226,7 +226,7 @@ def test_evidence_and_object_token_shares_by_hand():
     and token (1, 0) of grid 2. Shares worked by hand."""
     from types import SimpleNamespace
 
-    from kvdemo.explain import Attribution, evidence_share, object_token_share
+    from kvdemo.analysis.explain import Attribution, evidence_share, object_token_share
 
     labels = np.full((3, 4), 7)
     labels[1, 1] = labels[2, 2] = 4

@@ -22,13 +22,13 @@ from transformers import (
 )
 from transformers.video_utils import VideoMetadata
 
-from kvdemo.engine import StreamEngine
+from kvdemo.media.video import load_video, resize_frames
 from kvdemo.models.catalog import OFFLINE_MODELS
 from kvdemo.models.loading import load_model
 from kvdemo.models.tiny_random import TOKEN_ID, byte_tokenizer
 from kvdemo.policies import policy_names
-from kvdemo.streaming import EngineGroup, stream_video
-from kvdemo.video import load_video, resize_frames
+from kvdemo.stream.engine import StreamEngine
+from kvdemo.stream.streaming import EngineGroup, stream_video
 
 FAMILIES = ("tiny-random-qwen2-vl", "tiny-random-qwen3-vl", "tiny-random-qwen3.5", "tiny-random-llava-ov")
 QUESTION = "What is in the video?"

@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvdemo.engine import StreamEngine
+from kvdemo.media.video import load_video, write_video
 from kvdemo.models import catalog, qwen2_vl
 from kvdemo.models.base import ModelError
 from kvdemo.models.loading import load_model
 from kvdemo.models.qwen2_vl import build_tiny_model
 from kvdemo.models.spec import FamilySpec, OfflineModel
-from kvdemo.streaming import stream_video
-from kvdemo.video import load_video, write_video
+from kvdemo.stream.engine import StreamEngine
+from kvdemo.stream.streaming import stream_video
 
 MODELS = Path(catalog.__file__).parent
 
@@ -144,8 +144,8 @@ def test_a_video_opened_for_no_model_keeps_its_size_and_streams_into_any_family(
 
 def test_the_evaluation_streams_its_generated_frames_into_a_32_pixel_family():
     """Generated streams (112 x 112) are sized for the model on the way in, so Qwen3-VL's grid takes them."""
-    from kvdemo.evaluation import episode_answers, valid_items
-    from kvdemo.synthetic import sample_episode
+    from kvdemo.experiments.evaluation import episode_answers, valid_items
+    from kvdemo.world.synthetic import sample_episode
 
     model = load_model("tiny-random-qwen3-vl")
     episode = sample_episode("static")

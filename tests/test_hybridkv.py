@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from kvdemo.engine import StreamEngine
-from kvdemo.offload import OffloadStore
+from kvdemo.cache.offload import OffloadStore
 from kvdemo.policies import LayerView, PolicyParameterError, make_policy
 from kvdemo.policies.hybridkv import capped_allocation
 from kvdemo.policies.topk import select_ranked
-from kvdemo.streaming import stream_video
+from kvdemo.stream.engine import StreamEngine
+from kvdemo.stream.streaming import stream_video
 
 
 def hand_view(heads=2, frames=3, rows=2, cols=2, dim=4, probe=None, keys=None):
@@ -234,7 +234,7 @@ def test_static_heads_keep_local_then_salient_tokens():
 
 
 def test_hybridkv_on_a_long_stream_stays_within_m(tiny):
-    from kvdemo.synthetic import synthetic_video
+    from kvdemo.world.synthetic import synthetic_video
 
     video = synthetic_video(num_frames=80, height=112, width=168, fps=2.0, seed=4)
     engine = StreamEngine(tiny, "hybridkv", budget=96, keep=48, fps=2.0, max_new_tokens=4)
@@ -250,7 +250,7 @@ def test_query_time_context_fits_the_budget_and_m_by_default(tiny, pancake, monk
     the default accounting (the chunk fed after the last pass aside), and its layer's mean never exceeds M; the
     head map and the report say the same. ``accounting=resident`` (kvdemo's earlier reading) lets a dynamic head
     attend to its budget again on top, as the report then says."""
-    from kvdemo.attention import MemoryCache
+    from kvdemo.cache.attention import MemoryCache
 
     fetched: dict[int, torch.Tensor] = {}
     original = MemoryCache.retrieval

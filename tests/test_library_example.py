@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvdemo.media.video import write_video
 from kvdemo.models.catalog import OFFLINE_MODELS
-from kvdemo.video import write_video
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -1,5 +1,5 @@
-"""The takes-C rule (kvdemo.budget.Budget.from_user, the one place that decides what a policy takes of the user's M
-and C) and the one engine factory (kvdemo.lineup). Expected budgets are worked by hand: a selection policy keeps
+"""The takes-C rule (kvdemo.cache.budget.Budget.from_user, the one place that decides what a policy takes of the user's M
+and C) and the one engine factory (kvdemo.stream.lineup). Expected budgets are worked by hand: a selection policy keeps
 the C it was given (or 3/4 of M when C is left out and the ratio is 0.75); ProtoKV at M = 540 splits into a near
 window of 140 and 50 prototypes x 8 pseudo-tokens = 400 summary slots (its Table 5 ratio, tests/test_protokv.py),
 at M = 64 into 16 and 6 x 8 = 48."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvdemo.budget import Budget
-from kvdemo.lineup import FULL, Contender, cap_bytes, make_engines, resolve_lineup
+from kvdemo.cache.budget import Budget
 from kvdemo.policies import BudgetError, make_policy
+from kvdemo.stream.lineup import FULL, Contender, cap_bytes, make_engines, resolve_lineup
 
 NEEDS_M_AND_C = "policy 'uniform' needs a budget M and a keep size C (visual tokens)"
 NEEDS_M = "policy 'protokv' needs a budget M (visual tokens)"

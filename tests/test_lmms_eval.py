@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("lmms_eval", reason="lmms-eval is not installed (pip install -e '.[eval]')")
 
-from kvdemo.choices import VIDEOMME_POST_PROMPT, multiple_choice  # noqa: E402
 from kvdemo.integrations.local_tasks import make_tasks  # noqa: E402
-from kvdemo.synthetic import sample_episode  # noqa: E402
+from kvdemo.world.choices import VIDEOMME_POST_PROMPT, multiple_choice  # noqa: E402
+from kvdemo.world.synthetic import sample_episode  # noqa: E402
 
 TASKS = ["kvdemo_videomme", "kvdemo_ovo_backward", "kvdemo_ovo_forward", "kvdemo_bare"]
 
@@ -84,9 +84,9 @@ def _rows(folder: Path, task: str) -> list[dict]:
 def test_local_tasks_answer_like_a_plain_streamed_loop(tasks, tmp_path):
     """Streamed once per video and asked in time order, every answer equals the answer of a fresh engine fed the
     same frames up to the question's time; the scores are lmms-eval's own."""
-    from kvdemo.engine import StreamEngine
     from kvdemo.integrations.lmms_eval import KVDemoLMM
-    from kvdemo.video import open_video
+    from kvdemo.media.video import open_video
+    from kvdemo.stream.engine import StreamEngine
 
     model = KVDemoLMM(pretrained="tiny", time_field="ask_s", runs=str(tmp_path))
     out = _evaluate(model, tasks, TASKS)

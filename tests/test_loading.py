@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from kvdemo.engine import StreamEngine
 from kvdemo.models.loading import load_model
 from kvdemo.models.tiny import SPECIAL_TOKENS, tiny_config
-from kvdemo.streaming import stream_video
+from kvdemo.stream.engine import StreamEngine
+from kvdemo.stream.streaming import stream_video
 
 
 def save_byte_tokenizer(folder):

@@ -7,14 +7,14 @@ import copy
 import pytest
 import torch
 
-from kvdemo.attention import MemoryCache
-from kvdemo.engine import StreamEngine
-from kvdemo.memory import REASON_NEW, KVMemory
+from kvdemo.analysis.survival import survival_counts
+from kvdemo.cache.attention import MemoryCache
+from kvdemo.cache.memory import REASON_NEW, KVMemory
 from kvdemo.models.qwen2_vl import mrope_positions
 from kvdemo.policies import Selection
 from kvdemo.policies.contract import SummaryUpdate
-from kvdemo.streaming import stream_video
-from kvdemo.survival import survival_counts
+from kvdemo.stream.engine import StreamEngine
+from kvdemo.stream.streaming import stream_video
 from kvdemo.testing import synthetic_chunk, synthetic_memory
 
 GRID = (2, 3)  # 6 tokens per temporal grid, non-square
@@ -196,7 +196,7 @@ def test_an_engine_pickles_without_its_model_and_continues_identically(tiny, pan
     re-bound to the model, streams and answers exactly as the engine that never left."""
     import pickle
 
-    from kvdemo.engine import FrameStream
+    from kvdemo.stream.engine import FrameStream
 
     stay = StreamEngine(tiny, policy, fps=2.0, max_new_tokens=5, **params)
     stream = FrameStream(tiny, 2.0)

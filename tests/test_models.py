@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kvdemo.chunk import VisualChunk
+from kvdemo.cache.chunk import VisualChunk
 from kvdemo.models.qwen2_vl import mrope_positions
 from kvdemo.models.tiny import ByteTokenizer
 
@@ -68,7 +68,7 @@ def test_text_after_a_long_video_starts_after_the_largest_position(tiny, monkeyp
     so the original rule starts the question at s + 597, while transformers 5.23 starts it at s + 3: 594
     positions earlier, back inside the video's first seconds, where the question would sit among the video's
     own temporal positions. kvdemo keeps the original rule (and computes positions itself)."""
-    from kvdemo.engine import StreamEngine
+    from kvdemo.stream.engine import StreamEngine
 
     fps, grids, rows, cols, per_chunk = 1.0, 150, 2, 3, 10
     per_grid = rows * cols

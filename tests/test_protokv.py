@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvdemo.attention import ATTN_IMPLEMENTATION, MemoryCache
-from kvdemo.engine import StreamEngine
-from kvdemo.memory import KVMemory
+from kvdemo.cache.attention import ATTN_IMPLEMENTATION, MemoryCache
+from kvdemo.cache.memory import KVMemory
 from kvdemo.models.qwen2_vl import Qwen2VL, RegionCursor, mrope_positions
 from kvdemo.models.tiny import ByteTokenizer, tiny_config
 from kvdemo.policies import BudgetError, PolicyParameterError, Selection, make_policy
@@ -19,7 +18,8 @@ from kvdemo.policies.contract import SummaryUpdate
 from kvdemo.policies.protokv.bank import Tokens
 from kvdemo.policies.protokv.ema import mahalanobis
 from kvdemo.policies.protokv.pq import beam_search, pq_decode, pq_encode, train_codebooks
-from kvdemo.streaming import stream_video
+from kvdemo.stream.engine import StreamEngine
+from kvdemo.stream.streaming import stream_video
 from kvdemo.testing import synthetic_chunk
 
 # --- budget ---------------------------------------------------------------------------------------
@@ -61,7 +61,7 @@ def test_the_near_window_holds_two_chunks_and_the_bank_takes_the_rest(chunk):
 
 
 def test_a_budget_that_cannot_hold_two_chunks_and_a_prototype_is_one_line():
-    from kvdemo.budget import Budget
+    from kvdemo.cache.budget import Budget
 
     budget = Budget.resolve(make_policy("protokv"), 39)
     with pytest.raises(BudgetError) as error:
@@ -91,7 +91,7 @@ def test_engine_takes_m_alone_and_checks_the_near_window(tiny, pancake):
 def test_the_newest_chunk_stays_exact_through_every_compression(tiny):
     """At the eval's M = 64 on 16-token grids, after every chunk the memory holds every token of the two newest
     grids exactly (read from its provenance), so a question asked right after the evidence left view sees it."""
-    from kvdemo.synthetic import synthetic_video
+    from kvdemo.world.synthetic import synthetic_video
 
     video = synthetic_video(num_frames=24, height=112, width=112, fps=2.0, seed=3)
     engine = StreamEngine(tiny, "protokv", budget=64, fps=2.0)
@@ -149,7 +149,7 @@ def test_unrotate_then_rotate_returns_the_cached_key(tiny, family):
 def test_unrotated_cached_keys_are_the_projection_before_rope(tiny, small_video):
     """End to end: the keys the memory caches for a chunk, un-rotated at their stored positions, equal
     layer 0's key projection of the chunk's embeddings (which never saw a position)."""
-    from kvdemo.engine import FrameStream
+    from kvdemo.stream.engine import FrameStream
 
     engine = StreamEngine(tiny, "full", fps=2.0)
     stream = FrameStream(tiny, 2.0)
@@ -572,7 +572,7 @@ def test_protokv_streams_the_real_clip_within_m_and_answers(tiny, pancake):
 
 
 def test_protokv_bookkeeping_stays_bounded_on_a_long_stream(tiny):
-    from kvdemo.synthetic import synthetic_video
+    from kvdemo.world.synthetic import synthetic_video
 
     video = synthetic_video(num_frames=120, height=112, width=112, fps=2.0, seed=2)
     engine = StreamEngine(tiny, "protokv", budget=96, fps=2.0, policy_params={"warmup": 32, "history": 8})
@@ -638,7 +638,7 @@ def test_every_token_counts_once_in_the_bank_mass(tiny):
     """``n_k`` counts the tokens a prototype summarises: with aging off, every row's total mass equals the tokens
     that left its near window (counted from the memory: tokens fed minus tokens held), on the bundled sample at
     M=128, where prototypes merge and slots are recycled many times."""
-    from kvdemo.synthetic import sample_episode
+    from kvdemo.world.synthetic import sample_episode
 
     video = sample_episode().video
     engine = StreamEngine(tiny, "protokv", budget=128, fps=video.fps, policy_params={"decay": 0.0})
@@ -705,7 +705,7 @@ def test_the_bias_of_a_bfloat16_memory_is_log_mass_in_float32():
 def attend_to_a_prototype_of_mass(mass: int, others: int, device: torch.device) -> torch.Tensor:
     """bfloat16 queries, keys and values on ``device`` through kvdemo's attention function, every logit 0 but the
     pseudo-token's bias ``log mass``; the pseudo-token alone has value 1, so its weight is output channel 0."""
-    from kvdemo.attention import kvdemo_attention
+    from kvdemo.cache.attention import kvdemo_attention
 
     memory = KVMemory(1, 1, summary_slots=1)
     cache = MemoryCache(memory)
@@ -740,8 +740,8 @@ def test_bfloat16_attention_reads_the_log_mass_unrounded(device, monkeypatch):
     bfloat16 bias (log 838 read as log ~828) would be 1.9e-3 off: the control below measures it."""
     import contextlib
 
-    from kvdemo import attention
-    from kvdemo.emulated_device import DEVICE, EmulatedDevice
+    from kvdemo.cache import attention
+    from kvdemo.devices.emulated_device import DEVICE, EmulatedDevice
 
     mass, others = 838, 3328
     expected = mass / (mass + 1 + others + 1)  # prefix, near tokens and the new token each weigh e^0
@@ -759,8 +759,8 @@ def test_bfloat16_attention_reads_the_log_mass_unrounded(device, monkeypatch):
 
 
 def test_only_a_narrow_mask_with_a_summary_region_takes_the_float32_softmax():
-    from kvdemo.attention import bias_needs_float32
-    from kvdemo.emulated_device import DEVICE, EmulatedDevice
+    from kvdemo.cache.attention import bias_needs_float32
+    from kvdemo.devices.emulated_device import DEVICE, EmulatedDevice
 
     with_region, without = KVMemory(1, 1, summary_slots=8), KVMemory(1, 1)
     with_region.summary_open = without.summary_open = True

@@ -32,7 +32,7 @@ def report_of(policy: str, folder: Path) -> dict:
     """``python -m kvdemo run`` on the bundled sample at the tiny model's app budget (M=96, C=72), asking every
     question the sample has a ground truth for."""
     from kvdemo.cli import main
-    from kvdemo.synthetic import sample_episode
+    from kvdemo.world.synthetic import sample_episode
 
     out = folder / f"{policy}.json"
     args = ["run", "--policy", policy, "--quiet", "--json", str(out)]

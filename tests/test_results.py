@@ -7,7 +7,14 @@ import pytest
 from PIL import Image
 
 from kvdemo.cli import main
-from kvdemo.results import accuracy_chart, accuracy_metrics, grade_prediction, read_run, results_table, write_eval_run
+from kvdemo.experiments.results import (
+    accuracy_chart,
+    accuracy_metrics,
+    grade_prediction,
+    read_run,
+    results_table,
+    write_eval_run,
+)
 from kvdemo.viz.png import chart_png
 
 

@@ -6,7 +6,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from kvdemo.synthetic import (
+from kvdemo.media.video import VideoError
+from kvdemo.world.synthetic import (
     CELL,
     CLUTTER,
     COLOUR_NAMES,
@@ -25,7 +26,6 @@ from kvdemo.synthetic import (
     shape_mask,
     synthetic_video,
 )
-from kvdemo.video import VideoError
 
 
 def test_the_same_seed_gives_the_same_stream_and_another_seed_another():

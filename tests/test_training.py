@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvdemo.synthetic import StreamSpec, generate_episode
-from kvdemo.training import QUESTION_CLASSES, Phase, TinyTrainer, TrainConfig, build_batch
+from kvdemo.world.synthetic import StreamSpec, generate_episode
+from kvdemo.world.training import QUESTION_CLASSES, Phase, TinyTrainer, TrainConfig, build_batch
 
 TINY_PHASES = (Phase("A", 2, 4, (2, 2), (3, 3), vision_only=True), Phase("B", 3, 2, (2, 3)))
 
@@ -91,7 +91,7 @@ def test_a_few_steps_lower_the_loss():
 
 
 def test_the_same_seed_trains_the_same_weights():
-    from kvdemo.training import train_tiny
+    from kvdemo.world.training import train_tiny
 
     config = TrainConfig(phases=TINY_PHASES)
     first, record = train_tiny(config, out=None, progress=False)
@@ -103,8 +103,8 @@ def test_the_same_seed_trains_the_same_weights():
 
 
 def test_a_choice_stream_asks_its_questions_in_the_benchmarks_format():
-    from kvdemo.choices import LETTERS
-    from kvdemo.training import CHOICE_QUESTIONS, asked_questions
+    from kvdemo.world.choices import LETTERS
+    from kvdemo.world.training import CHOICE_QUESTIONS, asked_questions
 
     episode = generate_episode(4, StreamSpec(pairs=(12, 12), objects=(4, 4)))
     always = asked_questions(episode, 1.0, np.random.default_rng(0))
@@ -116,7 +116,7 @@ def test_a_choice_stream_asks_its_questions_in_the_benchmarks_format():
 
 def test_a_later_stage_continues_from_the_earlier_ones_weights():
     """Two stages in one call train what the second stage trains when started from the first stage's weights."""
-    from kvdemo.training import train_tiny
+    from kvdemo.world.training import train_tiny
 
     first = TrainConfig(phases=TINY_PHASES)
     second = TrainConfig(phases=(Phase("D", 2, 2, (2, 3), choices=1.0),), streams=3, vision_weight=0.0)
@@ -132,8 +132,8 @@ def test_multiple_choice_turns_mark_each_options_word_its_letter_and_the_answeri
     """A multiple-choice turn is asked in its benchmark's prompt and answered by its letter; the option heads read
     the last character of each option's word (checked here by decoding the ids up to it, not by the code's
     tokenizing of prefixes) and the position whose logits give the letter."""
-    from kvdemo.choices import multiple_choice
-    from kvdemo.training import OPTION_WORDS, dialogue
+    from kvdemo.world.choices import multiple_choice
+    from kvdemo.world.training import OPTION_WORDS, dialogue
 
     adapter = trainer.adapter
     episode = generate_episode(5, StreamSpec(pairs=(3, 3), objects=(3, 3)))
@@ -161,7 +161,7 @@ def test_the_pointer_loss_reads_the_attention_from_each_answering_position_to_it
     """The pointer loss is -log of one head's attention weight from the position that answers a multiple-choice
     question to the last character of its right option's word; restated here with a loop over the batch's decoded
     text (the right option found by its word, not by the code's verdict targets)."""
-    from kvdemo.training import OPTION_WORDS
+    from kvdemo.world.training import OPTION_WORDS
 
     batch = build_batch(trainer.adapter, [generate_episode(s, StreamSpec(pairs=(2, 2))) for s in (3, 4)],
                         np.random.default_rng(2), choices=1.0)

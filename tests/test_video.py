@@ -4,15 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvdemo.models.catalog import geometry_for
-from kvdemo.synthetic import synthetic_video
-from kvdemo.video import (
+from kvdemo.media.video import (
     VideoError,
     load_video,
     resize_frames,
     sample_count,
     write_video,
 )
+from kvdemo.models.catalog import geometry_for
+from kvdemo.world.synthetic import synthetic_video
 
 #: Qwen2-VL / Qwen2.5-VL's video defaults per frame (128 to 768 merged tokens of 28 x 28 pixels), as the random tiny
 #: model declares them.
@@ -108,7 +108,7 @@ def native_frames(path, indices):
 
 def test_decoded_frames_equal_decords(media, pancake):
     """The sampled frames are exactly decord's frames at the same indices (then resized)."""
-    from kvdemo.video import resize_frames
+    from kvdemo.media.video import resize_frames
 
     expected = resize_frames(native_frames(media / "flipping_a_pancake.mkv", range(0, 300, 15)), QWEN2_GEOMETRY)
     np.testing.assert_array_equal(pancake.frames, expected)
@@ -131,7 +131,7 @@ def test_pixel_values_match_transformers_video_processor(pancake, media):
 
 
 def test_streamed_decoding_matches_loading_and_counts_damage(media):
-    from kvdemo.video import open_video
+    from kvdemo.media.video import open_video
 
     source = open_video(media / "flipping_a_pancake.mkv", fps=2.0, geometry=QWEN2_GEOMETRY)
     assert source.num_frames == 20 and source.size == (252, 420)
@@ -167,7 +167,7 @@ def test_every_sampled_frame_is_delivered_at_any_rate(tmp_path, container):
 
 
 def test_the_real_clip_loses_no_frame_at_the_apps_rates(media):
-    from kvdemo.video import open_video
+    from kvdemo.media.video import open_video
 
     for fps in (0.5, 1, 2, 4, 6, 8):
         source = open_video(media / "flipping_a_pancake.mkv", fps=fps)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvdemo import zerogpu
+from kvdemo.devices import zerogpu
 
 
 @pytest.fixture
@@ -78,8 +78,8 @@ def test_unpicklable_arguments_fail_in_the_caller_as_on_zerogpu(emulate):
 def test_an_engine_continues_a_stream_in_the_worker_exactly(emulate, tiny, pancake):
     """Half the clip in the main process, the rest in an emulated GPU call that gets the engine pickled
     (no model) and returns it: the memory equals an engine that never left, and torch runs in the fork."""
-    from kvdemo.engine import FrameStream, StreamEngine
     from kvdemo.models.qwen2_vl import build_tiny_model
+    from kvdemo.stream.engine import FrameStream, StreamEngine
 
     stream = FrameStream(tiny, 2.0)
     chunks = [stream.push(pancake.frames[i : i + 2]) for i in range(0, 20, 2)]
@@ -112,9 +112,9 @@ def test_a_question_that_runs_a_pass_sends_its_engine_back(emulate, pancake):
     engine comes back and equals one that answered in this process (memory, timeline, classes)."""
     from kvdemo.app.gpu import answer_question
     from kvdemo.app.sessions import model_by_name
-    from kvdemo.engine import StreamEngine
     from kvdemo.policies import make_policy
-    from kvdemo.streaming import stream_video
+    from kvdemo.stream.engine import StreamEngine
+    from kvdemo.stream.streaming import stream_video
 
     model = model_by_name("tiny-random")
     engines = {name: StreamEngine(model, make_policy("hybridkv", classify_with="question"), budget=540, keep=405,

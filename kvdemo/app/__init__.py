@@ -6,7 +6,7 @@ Rooms: :mod:`.sessions` (models loaded once, settings, one session type for N en
 state, ZeroGPU-ready: the one feed and ask paths), :mod:`.handlers` (what both pages' buttons do),
 :mod:`.page_views` (what a page shows at each step), :mod:`.page` (both pages' shared events and their one error
 guard); the single page: :mod:`.views` and :mod:`.layout` (also the Blocks; the only Gradio import); the comparison
-page: :mod:`.comparing` and :mod:`.compare_page`. No model logic here: handlers drive :mod:`kvdemo.engine` and draw
+page: :mod:`.comparing` and :mod:`.compare_page`. No model logic here: handlers drive :mod:`kvdemo.stream.engine` and draw
 with :mod:`kvdemo.viz`. The single page is a comparison with one contender.
 """
 

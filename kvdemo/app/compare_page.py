@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..compare import MAX_POLICIES, compare_budget
+from ..experiments.compare import MAX_POLICIES, compare_budget
 from ..policies import COMPARE_POLICIES
-from ..synthetic import sample_episode
+from ..world.synthetic import sample_episode
 from .comparing import SLOTS, CompareViews, compare_fidelity, redraw_attribution, run_sweep
 from .handlers import request_stop
 from .page import Page, guard

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 
 from .. import viz
-from ..compare import FULL, MAX_POLICIES, comparison_report, model_seconds, parse_overrides, question_record
-from ..engine import EngineError
+from ..analysis.explain import attribution_views, fidelity_views
 from ..errors import BudgetError, StreamSettingError, UserError
-from ..explain import attribution_views, fidelity_views
+from ..experiments.compare import FULL, MAX_POLICIES, comparison_report, model_seconds, parse_overrides, question_record
+from ..stream.engine import EngineError
 from ..views import counted
 from .gpu import measure_fidelity, sweep_delays
 from .page_views import PageViews

@@ -1,7 +1,7 @@
 """The app's model work as calls that take and return a session's state explicitly, so that each can run
 wherever the model is: a stream segment (:func:`stream_segment`, fed by :func:`feed_segment`, the one feed path of
 both pages) and a question (:func:`answer_question`, asked by :func:`answer_into`, the one ask path).
-On a ZeroGPU Space (or its emulation, :mod:`kvdemo.zerogpu`) each runs in a forked worker with pickled
+On a ZeroGPU Space (or its emulation, :mod:`kvdemo.devices.zerogpu`) each runs in a forked worker with pickled
 arguments and results; elsewhere in place."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import viz, zerogpu
-from ..engine import StreamEngine
-from ..evaluation import Sweep, delay_sweep
-from ..explain import fidelity
-from ..streaming import EngineGroup
+from .. import viz
+from ..analysis.explain import fidelity
+from ..devices import zerogpu
+from ..experiments.evaluation import Sweep, delay_sweep
+from ..stream.engine import StreamEngine
+from ..stream.streaming import EngineGroup
 from .page_views import PageViews
 from .sessions import Session, model_by_name
 from .settings import FRAMES_PER_CHUNK
@@ -163,7 +164,7 @@ def answer_duration(model: str, engines: dict[str, StreamEngine], question: str,
 @zerogpu.gpu(duration=answer_duration)
 def answer_question(model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int,
                     attribute: bool = False) -> Iterator[dict[str, Any]]:
-    """Ask every engine (``attribute``: each answer records what it looked at, :mod:`kvdemo.explain`); yields
+    """Ask every engine (``attribute``: each answer records what it looked at, :mod:`kvdemo.analysis.explain`); yields
     ``{"piece": (engine name, text)}`` as tokens come, interleaved, and finally
     ``{"answered": {name: answer state}, "engines": {name: engine}}``: what answering changed (answering
     never changes the memory), which is all a ZeroGPU worker sends back for most engines, and the whole
@@ -211,7 +212,7 @@ def answer_into(state: Session, asked: dict[str, StreamEngine], question: str, m
 
 @zerogpu.gpu(duration=lambda model, full, engines, question: int(min(120, 15 + 2 * len(engines))))
 def measure_fidelity(model: str, full: StreamEngine, engines: dict[str, StreamEngine], question: str) -> dict[str, Any]:
-    """:func:`kvdemo.explain.fidelity` of ``engines`` against the full cache's engine ``full`` (memories unchanged)."""
+    """:func:`kvdemo.analysis.explain.fidelity` of ``engines`` against the full cache's engine ``full`` (memories unchanged)."""
     resolved = model_by_name(model)
     for engine in [full, *engines.values()]:
         engine.bind(resolved)
@@ -221,5 +222,5 @@ def measure_fidelity(model: str, full: StreamEngine, engines: dict[str, StreamEn
 @zerogpu.gpu(duration=lambda model, policies, delays, budget, keep, kind, more_streams: int(min(120, 30 + 15 * more_streams)))
 def sweep_delays(model: str, policies: list[str], delays: tuple[float, ...], budget: int | None, keep: int | None,
                  kind: str, more_streams: int) -> Iterator[Sweep]:
-    """:func:`kvdemo.evaluation.delay_sweep` on the bundled sample (and ``more_streams`` held-out streams) as it goes."""
+    """:func:`kvdemo.experiments.evaluation.delay_sweep` on the bundled sample (and ``more_streams`` held-out streams) as it goes."""
     yield from delay_sweep(model_by_name(model), policies, delays, budget, keep, kind, more_streams)

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from ..compare import memory_bound
-from ..engine import EngineError
-from ..lineup import Contender, cap_bytes, make_engines
-from ..streaming import EngineGroup
-from ..video import resize_frames
+from ..experiments.compare import memory_bound
+from ..media.video import resize_frames
+from ..stream.engine import EngineError
+from ..stream.lineup import Contender, cap_bytes, make_engines
+from ..stream.streaming import EngineGroup
 from ..views import counted
 from .gpu import answer_into, feed_segment, segment_frames, to_the_end
 from .page_views import PageViews, answer_markdown
@@ -31,7 +31,7 @@ Settings = RunSettings | CompareSettings
 def start_session(services: AppServices, settings: Settings, source: str, frame_size: tuple[int, int],
                   fps: float | None = None) -> Session:
     """A fresh session for ``settings`` (either page's) on frames of ``frame_size`` (resized): one engine per
-    contender, then the full cache (stopped at its cap) when the baseline runs (:func:`kvdemo.lineup.make_engines`,
+    contender, then the full cache (stopped at its cap) when the baseline runs (:func:`kvdemo.stream.lineup.make_engines`,
     the one engine factory), behind one group.
 
     The settings are resolved once (:func:`~kvdemo.app.settings.resolve_settings`) and every budget checked against

@@ -10,10 +10,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..budget import Budget
+from ..cache.budget import Budget
 from ..models.catalog import default_budget, geometry_for
 from ..policies import CARDS, DEFAULT_POLICY, REGISTRY, policy_class, policy_params
-from ..synthetic import sample_episode, sample_manifest
+from ..world.synthetic import sample_episode, sample_manifest
 from .compare_page import ComparePage
 from .handlers import redraw, request_stop, webcam_frame
 from .inputs import guard_inputs

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..synthetic import sample_episode, sample_manifest
+from ..world.synthetic import sample_episode, sample_manifest
 from .handlers import ask, new_conversation, run_stream
 from .page_views import PageViews
 from .sessions import AppServices

@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..synthetic import grade
 from ..views import counted
+from ..world.synthetic import grade
 from .sessions import Session
 
 

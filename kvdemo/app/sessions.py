@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from ..compare import parse_overrides
-from ..engine import StreamEngine
-from ..lineup import FULL, Contender
+from ..experiments.compare import parse_overrides
 from ..models.catalog import OFFLINE_MODELS, REAL_MODELS, resolve_model_name
 from ..models.loading import load_model
-from ..streaming import EngineGroup
-from ..synthetic import Episode
+from ..stream.engine import StreamEngine
+from ..stream.lineup import FULL, Contender
+from ..stream.streaming import EngineGroup
+from ..world.synthetic import Episode
 from .slots import STREAM_SLOTS, StreamSlots
 
 log = logging.getLogger("kvdemo")
@@ -112,7 +112,7 @@ class Turns:
 @dataclass
 class RunSettings:
     """What the user chose on the single page: the model, the policy and its parameters, ``M``/``C`` as typed
-    (resolved into a :class:`~kvdemo.budget.Budget` when a run starts), sampling and the baseline."""
+    (resolved into a :class:`~kvdemo.cache.budget.Budget` when a run starts), sampling and the baseline."""
 
     model: str
     policy: str
@@ -123,7 +123,7 @@ class RunSettings:
     max_pixels: int
     baseline: bool
     cap_mb: float
-    sample: str = "static"  # the bundled sample's stream kind (kvdemo.synthetic.STREAM_KINDS)
+    sample: str = "static"  # the bundled sample's stream kind (kvdemo.world.synthetic.STREAM_KINDS)
 
     def contenders(self) -> list[Contender]:
         """The one policy under study (its parameters parsed from the form)."""
@@ -147,14 +147,14 @@ class CompareSettings:
     baseline: bool = True  # the full cache is always compared
 
     def contenders(self) -> list[Contender]:
-        """The compared policies with their own lines (:func:`kvdemo.compare.parse_overrides`)."""
+        """The compared policies with their own lines (:func:`kvdemo.experiments.compare.parse_overrides`)."""
         return [Contender(c.name, c.params, c.budget, c.keep) for c in parse_overrides(self.policies, self.overrides)]
 
 
 @dataclass(eq=False)  # sessions are compared by identity (the pool holds them in a list)
 class Session:
     """One browser session's stream on either page: its engines (the contenders in order, then :data:`FULL` when
-    the baseline runs) behind one :class:`~kvdemo.streaming.EngineGroup`, thumbnails and a chat per engine (freed
+    the baseline runs) behind one :class:`~kvdemo.stream.streaming.EngineGroup`, thumbnails and a chat per engine (freed
     when the session ends, or earlier by the :class:`SessionPool`)."""
 
     settings: RunSettings | CompareSettings | None = None
@@ -169,7 +169,7 @@ class Session:
     frame_size: tuple[int, int] | None = None
     chunk_ms: float = 0.0
     coverage: dict[str, Any] | None = None
-    #: What the engines may hold (:func:`kvdemo.compare.memory_bound`; the comparison's status says it).
+    #: What the engines may hold (:func:`kvdemo.experiments.compare.memory_bound`; the comparison's status says it).
     bound: dict[str, Any] = field(default_factory=dict)
     #: The last answers' attributions, the questions asked (with their grades) and the fidelity measured.
     attributions: dict[str, Any] = field(default_factory=dict)

@@ -1,21 +1,21 @@
 """The settings a user types, checked with the same rules as a run: the policy's parameters from the form, the
-budget resolved once (:class:`~kvdemo.budget.Budget`), and the chunk it must hold; the defaults per model."""
+budget resolved once (:class:`~kvdemo.cache.budget.Budget`), and the chunk it must hold; the defaults per model."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from .. import zerogpu
-from ..budget import Budget
+from ..cache.budget import Budget
+from ..devices import zerogpu
 from ..errors import StreamSettingError, UserError
-from ..geometry import FrameGeometry
-from ..lineup import cap_bytes
+from ..media.geometry import FrameGeometry
+from ..media.video import VideoError, open_video
 from ..models.catalog import geometry_for, resolve_model_name
 from ..policies import BudgetError, Policy, coerce_param, policy_class, policy_params
-from ..synthetic import sample_episode
-from ..video import VideoError, open_video
+from ..stream.lineup import cap_bytes
 from ..views import counted
+from ..world.synthetic import sample_episode
 from .sessions import CACHE_TTL_S, CompareSettings, RunSettings
 
 FRAMES_PER_CHUNK = 2
@@ -65,8 +65,8 @@ def settings_geometry(settings: RunSettings | CompareSettings) -> FrameGeometry:
 
 def resolve_settings(settings: RunSettings | CompareSettings) -> dict[str, tuple[Policy, Budget]]:
     """Either page's settings as the engines will take them: each contender's policy and budget by engine name,
-    resolved once (:meth:`kvdemo.lineup.Contender.resolve`: the takes-C rule is
-    :meth:`~kvdemo.budget.Budget.from_user`'s); :class:`BudgetError` with a one-line reason if they cannot work
+    resolved once (:meth:`kvdemo.stream.lineup.Contender.resolve`: the takes-C rule is
+    :meth:`~kvdemo.cache.budget.Budget.from_user`'s); :class:`BudgetError` with a one-line reason if they cannot work
     (the sampling, pixel and cap numbers too). With several contenders the reason names the one it is about."""
     contenders = settings.contenders()
     resolved = {}

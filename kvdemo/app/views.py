@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from .. import viz
-from ..compare import FULL
-from ..coverage import coverage
+from ..analysis.coverage import coverage
+from ..experiments.compare import FULL
 from ..models.catalog import TRAINED_NOTICE, caveat_for, family_of, family_spec, offline_model
 from ..policies import CARDS, policy_card
 from ..views import View, counted

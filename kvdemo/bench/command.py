@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..budget import DEFAULT_KEEP_RATIO, Budget
+from ..cache.budget import DEFAULT_KEEP_RATIO, Budget
 from ..policies import make_policy
 from ..testing import QWEN7B_SHAPE
 from .passes import (

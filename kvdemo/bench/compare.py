@@ -6,7 +6,7 @@
    attribution (what tallying in the attention seam adds).
 2. Attribution against ground truth: on held-out generated streams (seed tag 3), every question asked of every
    engine with attribution; per engine, the evidence ratio (attention per frame showing the asked object over
-   attention per frame, :func:`kvdemo.explain.evidence_ratio`): geometric mean, share of questions above 1, and
+   attention per frame, :func:`kvdemo.analysis.explain.evidence_ratio`): geometric mean, share of questions above 1, and
    accuracy.
 3. Fidelity: per engine, the mean first-token KL and the mean per-layer attention-output error against the full
    cache, over the same questions.
@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..compare import FULL, compare_engines, model_seconds, parse_overrides
-from ..explain import evidence_grids, evidence_ratio, evidence_share, fidelity, object_token_share
+from ..analysis.explain import evidence_grids, evidence_ratio, evidence_share, fidelity, object_token_share
+from ..experiments.compare import FULL, compare_engines, model_seconds, parse_overrides
 from ..models.loading import load_model
 from ..policies import COMPARE_POLICIES
-from ..streaming import stream_video
-from ..synthetic import STREAM_KINDS, StreamSpec, generate_episode, grade_answer, sample_episode
+from ..stream.streaming import stream_video
+from ..world.synthetic import STREAM_KINDS, StreamSpec, generate_episode, grade_answer, sample_episode
 
 
 def realtime(model, policies: list[str], budget: int, keep: int) -> dict[str, Any]:

@@ -5,7 +5,7 @@ CPU): stream the bundled sample twice at ``M`` = half of what the full cache hol
 policy stays under ``M``, that asking leaves the memory bit-identical, and whether the answers and the memory are
 identical across the two runs (the table says where they are not). Then the placement checks: every policy's
 compression with the memory's layers split across two devices (``cpu`` and ``cuda:0``; without a GPU, the
-CPU and :mod:`kvdemo.emulated_device`), the attention backend SDPA takes for kvdemo's masked calls, and timings
+CPU and :mod:`kvdemo.devices.emulated_device`), the attention backend SDPA takes for kvdemo's masked calls, and timings
 per policy (prefill per chunk, compression pass, decode per token, compression as % of prefill) on the tiny
 model and, with ``--real-shapes``, one compression pass on two layers at Qwen2.5-VL-3B/-7B's per-layer cache
 shapes. Prints tables, writes JSON; asserts nothing about speed.
@@ -23,18 +23,18 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..attention import fused_needs_expanded_kv, grouped_sdpa
-from ..budget import DEFAULT_KEEP_RATIO, Budget
-from ..emulated_device import DEVICE as EMULATED
-from ..emulated_device import EmulatedDevice
-from ..engine import StreamEngine
-from ..lineup import Contender, make_engines
+from ..cache.attention import fused_needs_expanded_kv, grouped_sdpa
+from ..cache.budget import DEFAULT_KEEP_RATIO, Budget
+from ..devices.emulated_device import DEVICE as EMULATED
+from ..devices.emulated_device import EmulatedDevice
+from ..devices.timing import Stopwatch, synchronize
 from ..models.catalog import OFFLINE_MODELS, families
 from ..models.loading import load_model
 from ..policies import make_policy, policy_names
-from ..synthetic import sample_episode
+from ..stream.engine import StreamEngine
+from ..stream.lineup import Contender, make_engines
 from ..testing import QWEN3B_SHAPE, QWEN7B_SHAPE, qwen7b_rotation, synthetic_memory, synthetic_probe
-from ..timing import Stopwatch, synchronize
+from ..world.synthetic import sample_episode
 from .passes import time_pass
 
 QUESTION = "What colour was the circle?"

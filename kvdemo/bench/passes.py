@@ -11,17 +11,17 @@ from typing import Any
 
 import torch
 
-from ..attention import MemoryCache
-from ..budget import Budget
-from ..lineup import Contender, make_engines
-from ..memory import KVMemory
+from ..cache.attention import MemoryCache
+from ..cache.budget import Budget
+from ..cache.memory import KVMemory
+from ..devices.timing import Stopwatch
 from ..models.catalog import TINY_RANDOM_NAME
 from ..models.loading import load_model
 from ..policies import BASELINES, DEFAULT_POLICY, Policy, Probed, fused, make_policy
-from ..streaming import stream_video
-from ..synthetic import synthetic_video
+from ..stream.lineup import Contender, make_engines
+from ..stream.streaming import stream_video
 from ..testing import QWEN7B_SHAPE, synthetic_chunk, synthetic_memory, synthetic_positions, synthetic_probe
-from ..timing import Stopwatch
+from ..world.synthetic import synthetic_video
 from .plans import bench_plan
 
 
@@ -42,7 +42,7 @@ def time_pass(policy: Policy, memory: KVMemory, keep: int, repeats: int, floor: 
     after one warm-up, the phases the policy reports (``phases_ms``, means, plus ``apply``) and the key/value
     bytes ``apply`` moved. With ``floor``, each run is preceded by one timing of the memory-bound floor
     (:func:`time_floor`) in the same process, alternating, and ``total_over_floor`` is the median of the runs'
-    ratios (a loaded machine slows both alike). Timed with kvdemo's one timer (:mod:`kvdemo.timing`)."""
+    ratios (a loaded machine slows both alike). Timed with kvdemo's one timer (:mod:`kvdemo.devices.timing`)."""
     select, apply, total, floors, ratios = [], [], [], [], []
     phases: dict[str, list[float]] = {}
     moved = 0

@@ -13,16 +13,16 @@ from typing import Any
 
 import torch
 
-from ..attention import MemoryCache, kvdemo_attention
-from ..budget import DEFAULT_KEEP_RATIO, Budget
-from ..engine import must_compress
-from ..lineup import Contender, make_engines
-from ..memory import KVMemory
+from ..cache.attention import MemoryCache, kvdemo_attention
+from ..cache.budget import DEFAULT_KEEP_RATIO, Budget
+from ..cache.memory import KVMemory
+from ..devices.timing import Stopwatch
 from ..models.catalog import TINY_RANDOM_NAME
 from ..models.loading import load_model
 from ..policies import DEFAULT_POLICY, Policy, Probed, SummaryRegion, make_policy
-from ..streaming import stream_video
-from ..synthetic import synthetic_video
+from ..stream.engine import must_compress
+from ..stream.lineup import Contender, make_engines
+from ..stream.streaming import stream_video
 from ..testing import (
     PREFIX_TOKENS,
     QWEN7B_SHAPE,
@@ -32,7 +32,7 @@ from ..testing import (
     synthetic_memory,
     synthetic_probe,
 )
-from ..timing import Stopwatch
+from ..world.synthetic import synthetic_video
 from .plans import bench_plan
 
 
@@ -40,7 +40,7 @@ def simulated_stream(
     policy: Policy, grids: int, shape: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> tuple[KVMemory, list[dict[str, Any]]]:
     """Stream ``grids`` temporal grids of random keys/values into a memory managed by ``policy`` exactly as
-    the engine does (compress when the engine's trigger, :func:`kvdemo.engine.must_compress`, says the next grid
+    the engine does (compress when the engine's trigger, :func:`kvdemo.stream.engine.must_compress`, says the next grid
     would overflow ``M``, then append), with no model.
 
     Returns the memory and one record per compression: grid, selection ms (and the policy's own phase

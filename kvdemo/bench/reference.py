@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..memory import KVMemory
+from ..cache.memory import KVMemory
 from ..policies import Policy, make_policy
 from ..testing import QWEN7B_SHAPE, synthetic_memory
 

@@ -13,7 +13,7 @@ class is a "simple" lmms-eval model (``is_simple = True``: requests carry the ta
 - ``time_field``: a document field holding the stream time (seconds) to ask at; without it (or where a document
   lacks it) a question is asked at the end of its video, which is where VideoMME, MLVU and OVO-Bench ask
   (OVO-Bench cuts each clip at its question's time).
-- ``runs``: where the run folder goes (default ``runs``; one folder per run, :mod:`kvdemo.results`).
+- ``runs``: where the run folder goes (default ``runs``; one folder per run, :mod:`kvdemo.experiments.results`).
 
 Protocol (kvdemo's own): requests are grouped by video; each video is decoded and streamed once through one
 engine, and its questions are asked in time order, each from the memory alone (the dialogue is reset after each
@@ -48,13 +48,13 @@ def manifest() -> Any:
 from lmms_eval.api.instance import Instance  # noqa: E402 (after manifest(): see its docstring)
 from lmms_eval.api.model import lmms  # noqa: E402
 
-from ..budget import DEFAULT_KEEP_RATIO, Budget  # noqa: E402
-from ..engine import EngineError, StreamEngine  # noqa: E402
-from ..lineup import Contender, make_engines  # noqa: E402
+from ..cache.budget import DEFAULT_KEEP_RATIO, Budget  # noqa: E402
+from ..experiments.results import RunWriter, grade_prediction  # noqa: E402
+from ..media.video import VideoError, open_video  # noqa: E402
 from ..models.loading import load_model  # noqa: E402
 from ..policies import make_policy  # noqa: E402
-from ..results import RunWriter, grade_prediction  # noqa: E402
-from ..video import VideoError, open_video  # noqa: E402
+from ..stream.engine import EngineError, StreamEngine  # noqa: E402
+from ..stream.lineup import Contender, make_engines  # noqa: E402
 
 
 @dataclass

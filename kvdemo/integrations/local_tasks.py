@@ -17,8 +17,8 @@ templates shipped in ``kvdemo/integrations/tasks/``, the data folder written in)
 - ``kvdemo_bare``: the stream's own questions ("What colour was the star?" -> a word), each asked at a stream
   time (``ask_s``, the model argument ``time_field=ask_s``) 0, 4 or 8 s after its evidence left view; scored here.
 
-Streams are :mod:`kvdemo.synthetic`'s, of seeds ``(seed, 4, i)`` (training uses tags 1 and 3, ``kvdemo eval`` 2),
-static and moving alternating. The options' draws: :func:`kvdemo.choices.multiple_choice`.
+Streams are :mod:`kvdemo.world.synthetic`'s, of seeds ``(seed, 4, i)`` (training uses tags 1 and 3, ``kvdemo eval`` 2),
+static and moving alternating. The options' draws: :func:`kvdemo.world.choices.multiple_choice`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from ..choices import multiple_choice
-from ..synthetic import Episode, StreamSpec, generate_episode, grade_answer
-from ..video import write_video
+from ..media.video import write_video
+from ..world.choices import multiple_choice
+from ..world.synthetic import Episode, StreamSpec, generate_episode, grade_answer
 
 TASK_STREAMS = 4
 TASKS = ("kvdemo_videomme", "kvdemo_ovo_backward", "kvdemo_ovo_forward", "kvdemo_bare")
@@ -129,5 +129,5 @@ def bare_doc_to_text(doc: dict[str, Any], lmms_eval_specific_kwargs: dict[str, A
 
 
 def bare_process_results(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
-    """Right when the answer is the expected word (:func:`kvdemo.synthetic.grade_answer`)."""
+    """Right when the answer is the expected word (:func:`kvdemo.world.synthetic.grade_answer`)."""
     return {"accuracy": float(grade_answer(doc["answer"], results[0]))}

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, AutoVideoProcessor
 
-from ..attention import ATTN_IMPLEMENTATION
-from ..chunk import VisualChunk
+from ..cache.attention import ATTN_IMPLEMENTATION
+from ..cache.chunk import VisualChunk
+from ..devices.zerogpu import on_zerogpu
 from ..dialogue import MAX_DIALOGUE_TOKENS
-from ..zerogpu import on_zerogpu
 from .base import FrameGeometry
 
 SYSTEM_PROMPT = "You are a helpful assistant."
@@ -220,7 +220,7 @@ class TransformersAdapter(abc.ABC):
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any, chunk: VisualChunk | None = None) -> torch.Tensor:
-        """Run ``embeds [n, d]`` at ``positions [3, n]`` on ``cache`` (a :class:`~kvdemo.attention.MemoryCache`,
+        """Run ``embeds [n, d]`` at ``positions [3, n]`` on ``cache`` (a :class:`~kvdemo.cache.attention.MemoryCache`,
         extended in place) through the model's own text model and head; last-token logits ``[vocab]``. The cache
         also reaches kvdemo's attention function (``kvdemo=cache``)."""
         output = self.text_model(

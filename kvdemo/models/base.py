@@ -3,7 +3,7 @@
 A family is one file (:mod:`.qwen2_vl`, :mod:`.qwen3_vl`, :mod:`.qwen3_5`, :mod:`.llava_onevision`): its spec
 (:mod:`.spec`: what the rest of kvdemo knows of it) and its adapter behind :class:`VideoLM`. The adapter turns
 frames into a chunk (the tokens a temporal grid puts in the sequence: visual tokens, and the text the stream
-itself carries around them; :class:`~kvdemo.chunk.VisualChunk`), gives every token its position through a
+itself carries around them; :class:`~kvdemo.cache.chunk.VisualChunk`), gives every token its position through a
 cursor (:class:`Cursor`, pickled with the memory), embeds the prefix and a question, runs the language model
 on a given cache, and rotates keys (for policies that keep keys before RoPE). How frames are sized is a
 :class:`FrameGeometry`, known before any weight loads. Models know nothing of policies.
@@ -16,9 +16,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..chunk import VisualChunk
+from ..cache.chunk import VisualChunk
 from ..errors import UserError
-from ..geometry import FrameGeometry
+from ..media.geometry import FrameGeometry
 
 
 class ModelError(UserError):

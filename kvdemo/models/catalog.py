@@ -1,6 +1,6 @@
 """What a model name means before its weights load: the families (each declared by one spec in its own file,
 :mod:`.spec`, found here by looking through this package), the offline models, what ``auto`` resolves to, the real
-checkpoints the app offers, and each name's :class:`~kvdemo.geometry.FrameGeometry` and starting budget.
+checkpoints the app offers, and each name's :class:`~kvdemo.media.geometry.FrameGeometry` and starting budget.
 
 Importing this module is light (the CLI checks its arguments first); the family files, which import
 transformers, are imported the first time a family is asked for.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..geometry import FrameGeometry
+from ..media.geometry import FrameGeometry
 from .base import ModelError
 from .spec import RANDOM_WEIGHTS_NOTICE, TINY_NAME, TINY_RANDOM_NAME, TRAINED_NOTICE, FamilySpec, OfflineModel
 

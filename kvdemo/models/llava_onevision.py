@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, LlavaOnevisionVideoProcessor
 
-from ..chunk import VisualChunk
-from ..geometry import FrameGeometry
+from ..cache.chunk import VisualChunk
+from ..media.geometry import FrameGeometry
 from .adapter import TextCursor, TransformersAdapter, load_checkpoint
 from .spec import RANDOM_WEIGHTS_NOTICE, FamilySpec, OfflineModel
 from .tiny_random import TEXT_IDS, TOKEN_ID, VOCAB, build_hf_model, byte_tokenizer, printable_answers

@@ -29,9 +29,9 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-from ..attention import ATTN_IMPLEMENTATION
-from ..chunk import VisualChunk
-from ..geometry import FrameGeometry
+from ..cache.attention import ATTN_IMPLEMENTATION
+from ..cache.chunk import VisualChunk
+from ..media.geometry import FrameGeometry
 from .adapter import SYSTEM_PROMPT, TransformersAdapter, load_checkpoint
 from .base import ModelError
 from .spec import RANDOM_WEIGHTS_NOTICE, TINY_NAME, TINY_RANDOM_NAME, TRAINED_NOTICE, FamilySpec, OfflineModel

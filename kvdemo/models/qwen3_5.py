@@ -5,7 +5,7 @@ Three of every four decoder layers are Gated DeltaNet linear attention: they hol
 fixed-size state (a convolution state and a float32 recurrent state) that every forward overwrites. The memory
 covers the full-attention layers alone (``layer_map``: model layer -> memory layer); the budget, eviction and
 provenance exist there only, and frames evicted from them keep influencing answers through the recurrent state.
-A question runs on a copy-on-write fork of that state (:class:`kvdemo.attention.LinearStateLayer`). Partial
+A question runs on a copy-on-write fork of that state (:class:`kvdemo.cache.attention.LinearStateLayer`). Partial
 rotary: 64 of the 256 head dims rotate (:class:`~kvdemo.models.adapter.Rotation` rotates the first
 ``rotary_dim`` channels only). :data:`SPEC` is what the rest of kvdemo knows of the family.
 """

@@ -2,7 +2,7 @@
 
 Every temporal grid is ``<{t:.1f} seconds><|vision_start|>`` + its visual tokens + ``<|vision_end|>``, ``t`` the
 mean time of the grid's two frames: the stream carries that text, which lives in the memory's stream-text
-region (it counts against ``M`` and leaves with the grid's last visual token; :mod:`kvdemo.memory`).
+region (it counts against ``M`` and leaves with the grid's last visual token; :mod:`kvdemo.cache.memory`).
 
 kvdemo follows the layout the model was trained with: the per-grid wrappers replace the chat template's video
 placeholder whole, as Qwen's own pipeline (qwen-vl-utils) and transformers' Qwen3-VL processor did at the
@@ -29,8 +29,8 @@ import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLVideoProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
-from ..chunk import VisualChunk
-from ..geometry import FrameGeometry
+from ..cache.chunk import VisualChunk
+from ..media.geometry import FrameGeometry
 from .adapter import TextCursor, TransformersAdapter, load_checkpoint
 from .spec import RANDOM_WEIGHTS_NOTICE, FamilySpec, OfflineModel
 from .tiny_random import TEXT_IDS, VOCAB, build_hf_model, byte_tokenizer, printable_answers, qwen_ids

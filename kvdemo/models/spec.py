@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ..chunk import VisualChunk
-from ..geometry import FrameGeometry
+from ..cache.chunk import VisualChunk
+from ..media.geometry import FrameGeometry
 
 #: The offline models' names: the trained tiny model and its random-weight twin (what ``auto`` means on a CPU).
 TINY_NAME = "tiny"
@@ -43,7 +43,7 @@ class FamilySpec:
 
     model_types: the checkpoints' ``config.model_type`` values the family's file loads.
     geometry: a checkpoint's config -> how it sizes frames (patch x merge = the resize factor, the pixel range
-    per frame, the family's resize rule; :class:`~kvdemo.geometry.FrameGeometry`).
+    per frame, the family's resize rule; :class:`~kvdemo.media.geometry.FrameGeometry`).
     pixel_mean / pixel_std: the normalisation its vision tower was trained with (a test checks them against the
     family's video processor).
     load: ``(checkpoint id or folder, its config, device or None)`` -> the model behind the family's adapter.

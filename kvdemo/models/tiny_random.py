@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from ..attention import ATTN_IMPLEMENTATION
+from ..cache.attention import ATTN_IMPLEMENTATION
 
 #: The chat's special tokens, after the 256 bytes (the trained tiny model's seven first, then LLaVA's placeholders).
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>",

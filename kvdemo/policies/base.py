@@ -3,8 +3,8 @@ The contract is :mod:`.contract`, the scored core and top-k kernels :mod:`.topk`
 :mod:`.registry`, the error kinds :mod:`kvdemo.errors`; new code imports from those (or from :mod:`kvdemo.policies`).
 """
 
+from ..devices.timing import PhaseTimer
 from ..errors import BudgetError
-from ..timing import PhaseTimer
 from .contract import LayerView, OffloadUpdate, Policy, Probed, Selection, SummaryRegion, SummaryUpdate
 from .registry import REGISTRY, ParamSpec, coerce_param, make_policy, policy_class, policy_names, policy_params
 from .topk import (

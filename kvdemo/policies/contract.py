@@ -197,8 +197,8 @@ class SummaryRegion(abc.ABC):
     """A policy that owns synthetic entries in the memory's summary region (ProtoKV's pseudo-tokens). It is
     sized by ``M`` alone: ``M`` = its summary slots + the real visual tokens it holds exactly; each
     compression keeps the newest real tokens that leave room for the incoming chunk
-    (:meth:`kvdemo.budget.Budget.keep_for`). The split may depend on the chunk size, which the budget learns when
-    chunks are sized (:meth:`kvdemo.budget.Budget.fit_chunk`)."""
+    (:meth:`kvdemo.cache.budget.Budget.keep_for`). The split may depend on the chunk size, which the budget learns when
+    chunks are sized (:meth:`kvdemo.cache.budget.Budget.fit_chunk`)."""
 
     #: What messages call the exact tokens it holds (e.g. "near window").
     window_name: ClassVar[str] = "window"

@@ -36,7 +36,7 @@ The paper compresses once, at prefill, with the user's prompt present. kvdemo's 
   with a resident mean-key index. While a question is answered (its prefill, kvdemo's addition: the
   paper's prefill saw the whole context, and every decode step), inside the attention function, each
   dynamic head scores its chunks with the forward's query and attends to its top chunks together with its
-  resident tokens (:mod:`kvdemo.attention`). New chunks' prefill during the stream attends to the resident
+  resident tokens (:mod:`kvdemo.cache.attention`). New chunks' prefill during the stream attends to the resident
   tokens only.
 - **Query-time accounting.** The paper's retrieval fills a GPU buffer allocated from the head's budget: what a
   dynamic head attends to while decoding is bounded by its budget. ``accounting=budget`` (the default) keeps
@@ -58,8 +58,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..devices.timing import PhaseTimer
 from ..errors import PolicyParameterError
-from ..timing import PhaseTimer
 from ..views import CellGrid, Chart, View, ViewContext
 from .contract import LayerView, OffloadUpdate, Policy, Probed, Selection
 from .grid import frame_rank, pool_on_grid

@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
+from ..devices.timing import PhaseTimer
 from ..errors import PolicyParameterError
 from ..tensors import as_words
-from ..timing import PhaseTimer
 from .contract import LayerView
 from .fused import compiled_enabled, run_compiled, tar_and_van_terms
 from .grid import pool_on_grid, recent_window

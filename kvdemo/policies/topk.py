@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..timing import PhaseTimer
+from ..devices.timing import PhaseTimer
 from .contract import LayerView, Policy, Selection
 
 

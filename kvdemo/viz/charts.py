@@ -11,7 +11,7 @@ import numpy as np
 import plotly
 import plotly.graph_objects as go
 
-from ..memory import OccupancyEvent
+from ..cache.memory import OccupancyEvent
 from ..views import CellGrid, Chart, Histogram, Series
 
 CHART_COLOURS = ["#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#ff7f0e", "#8c564b"]

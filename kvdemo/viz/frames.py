@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from ..memory import KVMemory
-from ..survival import survival_counts
+from ..analysis.survival import survival_counts
+from ..cache.memory import KVMemory
 
 #: Reason code of a patch that is not held (evicted).
 EVICTED = -1

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..analysis.survival import survival_counts
 from ..policies.contract import SummaryRegion
-from ..survival import survival_counts
 from .frames import EVICTED, _grid_lines, _upsample, drawable, frame_strip, survivor_gallery, survivor_strip, thumbnail
 
 #: Per-patch status codes of :func:`patch_status`.

@@ -12,7 +12,7 @@ stay exact; its 1 : 3 split leaves less than that at small budgets (``M = 64`` o
 chunk, so the chunk before the newest, where evidence that just left view sits, was already in the bank).
 So ``W >= 2 x`` the chunk's visual tokens: a compression, which runs before a chunk is prefilled, keeps the
 newest chunk exact, and the bank takes the rest (``K_max = floor(min(3M/4, M - 2 chunk) / S)``). The split is
-fitted when the first chunk is sized (:meth:`kvdemo.budget.Budget.fit_chunk`); an ``M`` that cannot hold both the
+fitted when the first chunk is sized (:meth:`kvdemo.cache.budget.Budget.fit_chunk`); an ``M`` that cannot hold both the
 two chunks and one prototype is refused with one line naming the smallest ``M`` that can.
 
 Each compression (the engine runs one when the next chunk would overflow ``M``, i.e. when the near window
@@ -57,7 +57,7 @@ states how tied tuples are ordered) over the smoothed histograms (kvdemo's ``eps
 paired by rank; ``n_res = 0`` gives zero residuals. Residuals that are exactly zero stay out of the warm-up
 reservoir. Each of the ``S`` pseudo-tokens carries bias ``log n_k``, computed in float64 and kept in float32 by
 the memory whatever the cache dtype, and float32 up to the softmax on every device
-(:func:`kvdemo.attention.bias_needs_float32`).
+(:func:`kvdemo.cache.attention.bias_needs_float32`).
 
 Time ``t`` (idleness, ``T_idle``) counts temporal grids (the unit a Qwen chunk adds: two sampled frames):
 kvdemo's reading of the paper's "steps".
@@ -72,8 +72,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...devices.timing import PhaseTimer
 from ...errors import PolicyParameterError
-from ...timing import PhaseTimer
 from ...views import LOST, View, ViewContext
 from ..contract import LayerView, Policy, Selection, SummaryRegion, SummaryUpdate
 from ..registry import BenchDeclaration, PolicyCard, param, register

@@ -1,10 +1,10 @@
 """Several policies side by side on one stream: ``python -m kvdemo compare`` and the app's comparison page.
 
 Up to :data:`MAX_POLICIES` bounded policies and the full-cache baseline watch one stream through one
-:class:`~kvdemo.streaming.EngineGroup` (one vision encoding per chunk feeds them all). Each policy takes the shared
+:class:`~kvdemo.stream.streaming.EngineGroup` (one vision encoding per chunk feeds them all). Each policy takes the shared
 ``M``/``C`` unless its own line says otherwise (:func:`parse_overrides`: ``"hybridkv: M=96 C=72 share=0.5"``). Every
 question goes to every engine (each keeps its own dialogue), optionally with answer attribution, and the
-per-layer fidelity of each policy against the full cache (:mod:`kvdemo.explain`).
+per-layer fidelity of each policy against the full cache (:mod:`kvdemo.analysis.explain`).
 
 Memory grows with the number of engines: each bounded one holds at most its ``M`` visual tokens (plus the text
 prefix and an answer's slack), the full cache grows with the stream until its byte cap stops it
@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from .dialogue import clipped
-from .engine import StreamEngine
-from .errors import PolicyChoiceError, PolicyParameterError
-from .explain import evidence_ratio, fidelity
-from .lineup import FULL, Contender, cap_bytes, make_engines
-from .policies import COMPARE_POLICIES, BudgetError
-from .streaming import EngineGroup
-from .views import counted
+from ..analysis.explain import evidence_ratio, fidelity
+from ..dialogue import clipped
+from ..errors import PolicyChoiceError, PolicyParameterError
+from ..policies import COMPARE_POLICIES, BudgetError
+from ..stream.engine import StreamEngine
+from ..stream.lineup import FULL, Contender, cap_bytes, make_engines
+from ..stream.streaming import EngineGroup
+from ..views import counted
 
 #: Bounded policies compared at once (and the full cache beside them).
 MAX_POLICIES = 4
@@ -75,7 +75,7 @@ def parse_overrides(names: list[str], text: str = "") -> list[Contender]:
 
 def compare_engines(model, contenders: list[Contender], budget: Any, keep: Any, fps: float,
                     full_cap_bytes: int | None = None, max_new_tokens: int = 64) -> dict[str, StreamEngine]:
-    """The comparison's lineup (:func:`kvdemo.lineup.make_engines`): one engine per contender (its own budget, else
+    """The comparison's lineup (:func:`kvdemo.stream.lineup.make_engines`): one engine per contender (its own budget, else
     the shared ``budget``/``keep``), then the full cache stopped at ``full_cap_bytes``."""
     return make_engines(model, contenders, budget, keep, fps=fps, max_new_tokens=max_new_tokens, baseline=True,
                         baseline_cap_bytes=full_cap_bytes)
@@ -115,14 +115,14 @@ def memory_bound(model, engines: dict[str, StreamEngine], tokens_per_second: flo
 
 def ask_all(engines: dict[str, StreamEngine], stopped: dict[str, str], question: str, attribute: bool = False,
             max_new_tokens: int | None = None) -> dict[str, Any]:
-    """Ask every engine that has not stopped (each in its own dialogue); name -> its :class:`~kvdemo.engine.Answer`."""
+    """Ask every engine that has not stopped (each in its own dialogue); name -> its :class:`~kvdemo.stream.engine.Answer`."""
     return {name: engine.answer(question, max_new_tokens, attribute) for name, engine in engines.items() if name not in stopped}
 
 
 def question_record(question: str, answers: dict[str, Any], episode=None, time_s: float = 0.0) -> dict[str, Any]:
     """One question's entry of the comparison report: each engine's answer, grade (on a generated stream),
     attribution and, where the ground truth names the object, the evidence ratio of its attribution."""
-    from .synthetic import grade  # deferred on purpose: grading needs the generated world only on its streams
+    from ..world.synthetic import grade  # deferred on purpose: grading needs the generated world only on its streams
 
     known = episode.answer_for(question) if episode is not None else None
     record: dict[str, Any] = {"question": question, "expected": known.answer if known else None, "answers": {}}

@@ -1,14 +1,14 @@
 """``python -m kvdemo eval``: accuracy vs query delay on held-out generated streams (ProtoKV's protocol).
 
-Every episode is one generated stream (:mod:`kvdemo.synthetic`) fed frame pair by frame pair through
-one :class:`~kvdemo.engine.FrameStream` (one vision encoding per chunk) into one engine per policy.
+Every episode is one generated stream (:mod:`kvdemo.world.synthetic`) fed frame pair by frame pair through
+one :class:`~kvdemo.stream.engine.FrameStream` (one vision encoding per chunk) into one engine per policy.
 Each question is asked of every engine at every delay ``d`` after its evidence left view: once the
 frame pair starting at ``left_s + d`` (or the first one after it) has been fed, so even at ``d = 0``
 the newest frames no longer show the evidence. Asking never changes the memory, and the dialogue is
 reset after each question, so every answer comes from the memory alone.
 
 Stream kinds (``--kind``): ``static`` (the default, the benchmark as it was), ``moving`` (camera motion,
-drifting background, reappearing objects: :mod:`kvdemo.synthetic`) or ``mixed`` (episode ``i`` of kind
+drifting background, reappearing objects: :mod:`kvdemo.world.synthetic`) or ``mixed`` (episode ``i`` of kind
 ``static`` when ``i`` is even, ``moving`` when odd; the report then also gives the accuracy per kind).
 Episode ``i`` is the stream of seed ``(seed, 2, i)`` of its kind.
 
@@ -18,7 +18,7 @@ stays first); only questions that can be asked at every delay of the sweep insid
 delay is measured on the same questions. An answer is right when the greedy answer is the expected word.
 Chance is the mean over questions of 1 / (size of the answer vocabulary): 1/7 for colours, 1/6 for
 shapes; 1/4 with ``--questions videomme`` or ``ovobench``, which ask every question in that benchmark's
-multiple-choice prompt (:mod:`kvdemo.choices`; the options of episode ``i`` drawn from ``(seed, 2, i, 1)``)
+multiple-choice prompt (:mod:`kvdemo.world.choices`; the options of episode ``i`` drawn from ``(seed, 2, i, 1)``)
 and grade the letter. The interval is Wilson's 95% score interval over questions (questions of one stream are not
 independent, so it is a little optimistic).
 """
@@ -36,15 +36,24 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .choices import CHOICE_FORMATS, LETTERS, multiple_choice
-from .errors import EvaluationSettingError, PolicyChoiceError, StreamSettingError
-from .synthetic import COLOURS, SHAPES, STREAM_KINDS, Episode, Question, StreamSpec, generate_episode, grade_answer
-from .video import frames_for
-from .views import Chart, Series, counted
+from ..errors import EvaluationSettingError, PolicyChoiceError, StreamSettingError
+from ..media.video import frames_for
+from ..views import Chart, Series, counted
+from ..world.choices import CHOICE_FORMATS, LETTERS, multiple_choice
+from ..world.synthetic import (
+    COLOURS,
+    SHAPES,
+    STREAM_KINDS,
+    Episode,
+    Question,
+    StreamSpec,
+    generate_episode,
+    grade_answer,
+)
 
 if TYPE_CHECKING:  # the engine imports torch: loaded when an evaluation runs, not with the CLI's defaults
-    from .engine import StreamEngine
-    from .models.base import VideoLM
+    from ..models.base import VideoLM
+    from ..stream.engine import StreamEngine
 
 #: Seed-sequence tag of evaluation streams (training uses another, so these streams are held out).
 EVAL_STREAMS = 2
@@ -113,9 +122,11 @@ def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def build_engines(model: VideoLM, policies: list[str], budget: int | None, keep: int | None, fps: float) -> dict[str, StreamEngine]:
-    """One engine per policy (:func:`kvdemo.lineup.make_engines`), each under the budget its policy takes of
+    """One engine per policy (:func:`kvdemo.stream.lineup.make_engines`), each under the budget its policy takes of
     ``M`` and ``C`` (a policy sized by ``M`` alone gets no ``C``; ``full`` neither)."""
-    from .lineup import make_engines  # deferred on purpose: the CLI imports this module for its defaults, before torch
+    from ..stream.lineup import (
+        make_engines,  # deferred on purpose: the CLI imports this module for its defaults, before torch
+    )
 
     return make_engines(model, policies, budget, keep, fps=fps, max_new_tokens=ANSWER_TOKENS)
 
@@ -140,8 +151,8 @@ def episode_answers(
     delays: tuple[float, ...] = (), predictions: list[dict[str, Any]] | None = None,
 ) -> Iterator[tuple[int, int, str, bool]]:
     """:func:`run_episode` as it happens: ``(item, delay index, policy, correct)`` for each answer, in stream order
-    (and a record per answer appended to ``predictions`` when given: :mod:`kvdemo.results`)."""
-    from .streaming import EngineGroup  # deferred on purpose (torch), as above
+    (and a record per answer appended to ``predictions`` when given: :mod:`kvdemo.experiments.results`)."""
+    from ..stream.streaming import EngineGroup  # deferred on purpose (torch), as above
 
     video = episode.video
     engines = build_engines(model, policies, budget, keep, video.fps)
@@ -199,7 +210,7 @@ def delay_sweep(model: VideoLM, policies: list[str], delays: tuple[float, ...], 
                 kind: str = "static", more_streams: int = 0, seed: int = 0) -> Iterator[Sweep]:
     """The eval protocol on the bundled sample of ``kind``, then on ``more_streams`` held-out streams of that kind;
     yields the :class:`Sweep` after every answer round (one question at one delay, every policy)."""
-    from .synthetic import sample_episode  # deferred: the bundled sample is needed only by a sweep
+    from ..world.synthetic import sample_episode  # deferred: the bundled sample is needed only by a sweep
 
     if not delays or min(delays) < 0:
         raise ValueError(f"delays must be non-negative seconds, got {list(delays)}")
@@ -350,9 +361,9 @@ def eval_command(args: argparse.Namespace) -> int:
     """``python -m kvdemo eval`` (arguments checked by the CLI before anything heavy loads)."""
     import torch  # deferred on purpose (as above)
 
-    from .budget import DEFAULT_KEEP_RATIO, token_count  # deferred with torch
-    from .models.loading import load_model  # deferred with torch
-    from .policies import make_policy  # deferred with torch
+    from ..cache.budget import DEFAULT_KEEP_RATIO, token_count  # deferred with torch
+    from ..models.loading import load_model  # deferred with torch
+    from ..policies import make_policy  # deferred with torch
 
     for name in args.policies:
         make_policy(name)  # an unknown name fails here, before the model loads
@@ -378,7 +389,7 @@ def eval_command(args: argparse.Namespace) -> int:
 
 
 def write_policy_runs(root: Path, args: argparse.Namespace, report: dict[str, Any], predictions: list[dict[str, Any]]) -> None:
-    """One run folder per policy under ``root`` (:mod:`kvdemo.results`): the config, the report's rows of that
+    """One run folder per policy under ``root`` (:mod:`kvdemo.experiments.results`): the config, the report's rows of that
     policy as the metrics, its predictions."""
     from .results import new_run_folder, write_eval_run  # deferred: only when runs are written
 

@@ -5,7 +5,7 @@ Who takes what: ``full`` takes neither (unbounded); a selection policy takes ``M
 a policy with a summary region (:class:`~kvdemo.policies.base.SummaryRegion`, e.g. ProtoKV) takes ``M``
 alone and splits it into its summary slots and a window of real tokens held exactly. :meth:`Budget.from_user` is
 the one place that decides this for what a user typed; the engine, the CLI, the app, the evaluation and the
-benchmarks hold the :class:`Budget` it returns (through :mod:`kvdemo.lineup`) and never decide it again.
+benchmarks hold the :class:`Budget` it returns (through :mod:`kvdemo.stream.lineup`) and never decide it again.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .policies.base import BudgetError, Policy, SummaryRegion
+from ..policies.base import BudgetError, Policy, SummaryRegion
 
 #: The largest M or C accepted: token counts are int32 in the memory's provenance, and no stream reaches it
 #: (a larger M would never compress: that is the ``full`` policy).

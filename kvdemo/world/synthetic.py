@@ -54,6 +54,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..media.video import Video, VideoError
 from .camera import camera_path, place_seen_objects, render_moving
 from .scene import (  # the vocabulary of a stream; the names below are this module's API too
     CELL,
@@ -82,7 +83,6 @@ from .scene import (  # the vocabulary of a stream; the names below are this mod
     shape_mask,
     world_size,
 )
-from .video import Video, VideoError
 
 __all__ = [
     "CELL", "CLUTTER", "COLOUR_NAMES", "COLOURS", "DECOY_SHAPES", "MIN_LABEL_PIXELS", "NOTHING", "NOTHING_COLOUR",
@@ -366,7 +366,7 @@ def synthetic_video(
     fps: float = 2.0,
     seed: int = 0,
 ) -> Video:
-    """``num_frames`` frames of a generated stream (:mod:`kvdemo.synthetic`: shapes appearing, moving and
+    """``num_frames`` frames of a generated stream (:mod:`kvdemo.world.synthetic`: shapes appearing, moving and
     leaving on a textured background) at ``height`` x ``width`` (multiples of 28); no file, no download.
 
     Deterministic for a given ``seed``.

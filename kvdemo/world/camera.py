@@ -1,4 +1,4 @@
-"""The moving kind of generated stream (:mod:`kvdemo.synthetic`): a camera that pans and zooms over a world larger
+"""The moving kind of generated stream (:mod:`kvdemo.world.synthetic`): a camera that pans and zooms over a world larger
 than the frame, objects and decoys seen once or twice at places the camera shows, a drifting background and
 lighting, and the frames rendered through that camera."""
 
@@ -165,7 +165,7 @@ def render_moving(
     objects: list[SceneObject],
     clutter: list[Clutter],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Frames ``[T, H, W, 3]`` uint8, owner maps ``[T, H, W]`` int8 (as :func:`kvdemo.synthetic._render`; ``objects`` here are
+    """Frames ``[T, H, W, 3]`` uint8, owner maps ``[T, H, W]`` int8 (as :func:`kvdemo.world.synthetic._render`; ``objects`` here are
     the objects then the decoys) and the lighting gain
     ``[T]``. Background: the world's texture (grey 45-95, a gradient, a tint, an 8-px block texture) seen
     through the camera (nearest pixel), plus two plane waves of 5-10 grey levels drifting 0.5-2 px per frame

@@ -1,5 +1,5 @@
 """What an answer looked at, and what compression changed: two observers of the attention seam
-(:class:`~kvdemo.attention.MemoryCache` ``.observers``), off unless asked for.
+(:class:`~kvdemo.cache.attention.MemoryCache` ``.observers``), off unless asked for.
 
 - :class:`AttributionTally`: while an engine answers (the question's prefill and every generated token), the
   attention mass each memory layer's query heads put on every held slot, summed per KV head; :meth:`result`
@@ -7,7 +7,7 @@
   the prefix, the stream's own text and the dialogue (question, earlier turns, generated tokens) is "text",
   on the summary region "summary" (ProtoKV's pseudo-tokens), on chunks brought back from the offload store
   "retrieved" (HybridKV's dynamic heads). It reads the same query and keys the forward attends with (no second
-  pass); the weights are recomputed in float32 from them (:func:`~kvdemo.attention.attention_weights`).
+  pass); the weights are recomputed in float32 from them (:func:`~kvdemo.cache.attention.attention_weights`).
 - :func:`fidelity`: teacher-forced per-layer relative error of a policy's attention output against the full
   cache's on the same question: one forward on the full cache, and in every layer the same query (computed from
   the full cache's hidden states) and the question's own keys/values attend over each policy's memory instead;
@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .attention import MemoryCache, attention_weights, weighted_values
-from .memory import KVMemory
-from .views import Chart, PatchValues, Series, View
+from ..cache.attention import MemoryCache, attention_weights, weighted_values
+from ..cache.memory import KVMemory
+from ..views import Chart, PatchValues, Series, View
 
 #: Where an answer's attention mass went, besides the held visual tokens (the order of ``Attribution.shares``).
 SHARES = ("text", "summary", "visual", "retrieved")
@@ -161,8 +161,8 @@ def attribution_views(attributions: dict[str, Attribution], grid_times_s: list[f
 
 def evidence_grids(episode, subject: str, num_grids: int) -> np.ndarray:
     """``[num_grids]`` bool: the temporal grids of a generated stream in which a visual token shows ``subject``
-    (a shape name; per-token ground truth, :attr:`~kvdemo.synthetic.Episode.shape_labels`)."""
-    from .synthetic import SHAPES  # deferred on purpose: the generated world is needed only to validate
+    (a shape name; per-token ground truth, :attr:`~kvdemo.world.synthetic.Episode.shape_labels`)."""
+    from ..world.synthetic import SHAPES  # deferred on purpose: the generated world is needed only to validate
 
     labels = episode.shape_labels[:num_grids]
     return (labels == SHAPES.index(subject)).any(axis=1)
@@ -192,9 +192,9 @@ def evidence_share(attribution: Attribution, episode, subject: str) -> float:
 def object_token_share(attribution: Attribution, episode, subject: str, layer: int | None = None) -> tuple[float, float]:
     """``(share of the visual attention on tokens that show subject, share of the attended tokens that show it)``
     in ``layer`` (None: every layer), each token's label read through its provenance from the stream's per-token
-    ground truth (:attr:`~kvdemo.synthetic.Episode.shape_labels` ``[grids, rows * cols]``): the first above the
+    ground truth (:attr:`~kvdemo.world.synthetic.Episode.shape_labels` ``[grids, rows * cols]``): the first above the
     second is attention on the object itself rather than on its frame. ``nan`` when nothing visual is attended."""
-    from .synthetic import SHAPES  # deferred on purpose: the generated world is needed only to validate
+    from ..world.synthetic import SHAPES  # deferred on purpose: the generated world is needed only to validate
 
     cols = attribution.grid_shape[1]
     on, tokens, mass = 0.0, 0, 0.0
@@ -213,7 +213,7 @@ class FidelityProbe:
     """Observer on the full cache's question forward: in every layer, the same query and the question's own
     keys/values attend over each other memory too; accumulates the squared error of each memory's attention
     output against the full cache's, and the squared norm of the full cache's (both float32, the same
-    :func:`~kvdemo.attention.attention_weights`, so the full cache against itself is exactly 0)."""
+    :func:`~kvdemo.cache.attention.attention_weights`, so the full cache against itself is exactly 0)."""
 
     def __init__(self, memories: dict[str, KVMemory]) -> None:
         self.memories = memories

@@ -4,12 +4,12 @@ The model is transformers' own ``Qwen2_5_VLForConditionalGeneration`` built from
 :func:`~kvdemo.models.tiny.tiny_config` (initializer range 0.02). Each training sequence is exactly what
 the engine feeds at inference: the chat prefix, the stream's visual tokens at the project's M-RoPE
 positions (2 fps), then every question of the stream as a multi-turn dialogue in random order, in the
-adapter's own template. Every batch mixes the two stream kinds of :mod:`kvdemo.synthetic` (stream ``i``
+adapter's own template. Every batch mixes the two stream kinds of :mod:`kvdemo.world.synthetic` (stream ``i``
 is static when ``i`` is even, moving when odd), so one model answers on both. Losses:
 
 - cross-entropy on the answer tokens (answer word + ``<|im_end|>``);
 - per-token colour and shape heads on the vision merger's output (weight 1 each), each token labelled
-  with the item covering most of it (:mod:`kvdemo.synthetic`): they teach the two-block vision encoder
+  with the item covering most of it (:mod:`kvdemo.world.synthetic`): they teach the two-block vision encoder
   shape and colour before the language model can use them;
 - a question head on the language model's hidden state after layer 2, at the question's "?" and the
   template tokens up to the answer, predicting what is asked (the shape, or "which came first"; weight
@@ -22,7 +22,7 @@ learning-rate schedule (linear warm-up, cosine decay). ``--from DIR`` runs the c
 (:data:`CHOICE_STAGES`, an experiment that has not worked yet: see :data:`CHOICE_STAGES`), each of which
 starts from the base stage's weights with fresh heads and its own optimiser and schedule: D) streams of
 up to 24 s, each with probability ``Phase.choices`` a multiple-choice stream (:data:`CHOICE_QUESTIONS` of
-its questions in VideoMME's or OVO-Bench's format, :mod:`kvdemo.choices`; answer: the option letter), otherwise asked
+its questions in VideoMME's or OVO-Bench's format, :mod:`kvdemo.world.choices`; answer: the option letter), otherwise asked
 its bare questions as in B and C. The vision heads' loss is off in D (their heads start
 untrained; the encoder already knows shape and colour). AdamW, weight decay on matrices, gradient
 clipping. Reproducible: every step draws its streams from
@@ -47,10 +47,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import Qwen2_5_VLForConditionalGeneration
 
+from ..models.catalog import TINY_NAME
+from ..models.qwen2_vl import Qwen2VL, mrope_positions
+from ..models.tiny import ByteTokenizer, save_tokenizer_spec, tiny_config
 from .choices import CHOICE_FORMATS, LETTERS, MultipleChoice, multiple_choice
-from .models.catalog import TINY_NAME
-from .models.qwen2_vl import Qwen2VL, mrope_positions
-from .models.tiny import ByteTokenizer, save_tokenizer_spec, tiny_config
 from .synthetic import COLOUR_NAMES, COLOURS, SHAPES, STREAM_KINDS, Episode, Question, StreamSpec, generate_episode
 
 #: The question head's classes: the shape asked about, or "which shape appeared first".

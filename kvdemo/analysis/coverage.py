@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .memory import KVMemory
+from ..cache.memory import KVMemory
 
 SPACES = ("joint", "key", "value")
 THRESHOLDS = (0.05, 0.1, 0.2, 0.3, 0.5)

@@ -1,4 +1,4 @@
-"""The engines watching one stream: one :class:`~kvdemo.engine.FrameStream` (one vision encoding per chunk)
+"""The engines watching one stream: one :class:`~kvdemo.stream.engine.FrameStream` (one vision encoding per chunk)
 feeds every engine that has not stopped (:class:`EngineGroup`); :func:`stream_video` streams a video file
 through one, its frames sized for the model. The CLI, the app, the evaluation and the benchmarks all stream this way.
 """
@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .chunk import VisualChunk
+from ..cache.chunk import VisualChunk
+from ..cache.memory import OccupancyEvent
+from ..media.video import Video, VideoFile, frames_for
+from ..models.base import VideoLM
 from .engine import EngineStop, FrameStream, StreamEngine
-from .memory import OccupancyEvent
-from .models.base import VideoLM
-from .video import Video, VideoFile, frames_for
 
 
 @dataclass
@@ -84,7 +84,7 @@ def stream_video(
 ) -> Iterator[StreamStep]:
     """Stream ``video`` into every engine through one :class:`EngineGroup`; yields after each chunk. Frames not on
     ``model``'s grid (a video opened for no model, or for another family) are resized as its family does
-    (:func:`~kvdemo.video.frames_for`); frames already on it pass unchanged."""
+    (:func:`~kvdemo.media.video.frames_for`); frames already on it pass unchanged."""
     group = EngineGroup(model, engines, video.fps)
     parts = video.chunks(frames_per_chunk)
     current = next(parts, None)

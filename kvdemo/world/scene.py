@@ -1,6 +1,6 @@
-"""What a generated stream is made of (:mod:`kvdemo.synthetic` generates them, :mod:`kvdemo.camera` adds the moving
+"""What a generated stream is made of (:mod:`kvdemo.world.synthetic` generates them, :mod:`kvdemo.world.camera` adds the moving
 kind's camera): the vocabulary of shapes and colours, the patch grid objects sit on, a stream's specification,
-its objects, clutter, camera and questions, and the shapes' pixel masks. See :mod:`kvdemo.synthetic` for what the
+its objects, clutter, camera and questions, and the shapes' pixel masks. See :mod:`kvdemo.world.synthetic` for what the
 two kinds of stream show and how questions get their ground truth."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from functools import lru_cache
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .video import Video, VideoError
+from ..media.video import Video, VideoError
 
 FPS = 2.0
 FRAMES_PER_PAIR = 2

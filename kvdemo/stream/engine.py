@@ -1,7 +1,7 @@
 """The streaming engine: frames in, a KV memory under a hard budget, answers from a fork of it.
 
 ``FrameStream`` turns incoming frames into vision-encoded chunks (one encoding per chunk, shared by
-every engine watching the stream: :mod:`kvdemo.streaming`). ``StreamEngine.feed_chunk`` prefills a chunk on the current
+every engine watching the stream: :mod:`kvdemo.stream.streaming`). ``StreamEngine.feed_chunk`` prefills a chunk on the current
 memory and compresses with the policy whenever the next chunk would push visual tokens past ``M``,
 so visual tokens never exceed ``M``. ``StreamEngine.ask`` answers on a fork and leaves the memory
 exactly as it was.
@@ -16,18 +16,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from .attention import MemoryCache
-from .budget import Budget
-from .chunk import VisualChunk
-from .dialogue import QuestionError, check_question, replayed_dialogue
-from .errors import UserError
-from .explain import Attribution, AttributionTally
-from .memory import KVMemory, OccupancyEvent
-from .models.base import VideoLM
-from .policies import BudgetError, Policy, Probed, make_policy
-from .survival import survival_fraction
-from .timing import Stopwatch
-from .views import View, ViewContext
+from ..analysis.explain import Attribution, AttributionTally
+from ..analysis.survival import survival_fraction
+from ..cache.attention import MemoryCache
+from ..cache.budget import Budget
+from ..cache.chunk import VisualChunk
+from ..cache.memory import KVMemory, OccupancyEvent
+from ..devices.timing import Stopwatch
+from ..dialogue import QuestionError, check_question, replayed_dialogue
+from ..errors import UserError
+from ..models.base import VideoLM
+from ..policies import BudgetError, Policy, Probed, make_policy
+from ..views import View, ViewContext
 
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -63,7 +63,7 @@ class Answer:
     cache_bytes: int
     visual_tokens: int
     dropped_turns: int = 0  # earlier turns left out of the replayed dialogue (kvdemo.dialogue)
-    attribution: Attribution | None = None  # what the answer looked at, when asked for (kvdemo.explain)
+    attribution: Attribution | None = None  # what the answer looked at, when asked for (kvdemo.analysis.explain)
 
 
 class FrameStream:
@@ -148,7 +148,7 @@ class StreamEngine:
     """A model's KV memory kept under budget ``M`` (visual tokens) by ``policy``, compressed to ``C``.
 
     ``policy`` is a registered name or a :class:`Policy`; ``budget`` a resolved
-    :class:`~kvdemo.budget.Budget`, or ``M`` with ``keep`` = ``C`` as numbers (resolved here, once; ignored by
+    :class:`~kvdemo.cache.budget.Budget`, or ``M`` with ``keep`` = ``C`` as numbers (resolved here, once; ignored by
     ``full``). ``max_cache_bytes`` (optional) stops the stream with :class:`MemoryCapError` before the cache
     would exceed it.
     """
@@ -336,13 +336,13 @@ class StreamEngine:
         return [cache.capture[layer] for layer in range(self.memory.num_layers)]
 
     def _stopwatch(self) -> Stopwatch:
-        """kvdemo's one timer (:mod:`kvdemo.timing`), synchronised on the model's and the memory's devices."""
+        """kvdemo's one timer (:mod:`kvdemo.devices.timing`), synchronised on the model's and the memory's devices."""
         return Stopwatch({self.model.device, *self.memory.devices})
 
     # --- answering ------------------------------------------------------------------------
     def ask(self, question: str, max_new_tokens: int | None = None, attribute: bool = False) -> Iterator[str]:
         """Answer ``question`` from the memory; yields text pieces as tokens are generated. With ``attribute`` the
-        answer records what it looked at (``Answer.attribution``, :mod:`kvdemo.explain`), tallied in the
+        answer records what it looked at (``Answer.attribution``, :mod:`kvdemo.analysis.explain`), tallied in the
         attention seam while it is generated.
 
         The question and answer tokens are written into the memory's slack and never committed, so the

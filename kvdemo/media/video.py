@@ -1,10 +1,10 @@
-"""Video in: decoding, fps sampling, resizing as the model's family does (its :class:`~kvdemo.geometry.FrameGeometry`),
+"""Video in: decoding, fps sampling, resizing as the model's family does (its :class:`~kvdemo.media.geometry.FrameGeometry`),
 chunking; writing a clip (tests, examples).
 
 Frames are sized by the model that will watch them: ``load_video(path, fps, model=model)`` (or ``geometry=`` for
 a pixel range of one's own) gives uint8 arrays ``[T, H, W, 3]`` already on that model's grid, so every engine and
 every view shares one exact pixel grid. Opened for no model, frames keep the source's size (right for nothing in
-particular: :func:`kvdemo.streaming.stream_video` sizes them for the model it streams into). No family's size is
+particular: :func:`kvdemo.stream.streaming.stream_video` sizes them for the model it streams into). No family's size is
 ever assumed here.
 """
 
@@ -20,9 +20,9 @@ from typing import Any
 import av
 import numpy as np
 
-from .errors import UserError
+from ..errors import UserError
+from ..views import counted
 from .geometry import FrameGeometry
-from .views import counted
 
 #: Largest decoded frame we accept before resizing (a 16K frame costs ~0.8 GB per frame to decode).
 MAX_SOURCE_PIXELS = 8192 * 8192

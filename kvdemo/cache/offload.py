@@ -1,7 +1,7 @@
 """HybridKV's host-memory store: one layer's offloaded visual tokens per KV head, in chunks, with a resident
-index of chunk mean keys, retrieved per forward while a question is answered (:mod:`kvdemo.attention`).
+index of chunk mean keys, retrieved per forward while a question is answered (:mod:`kvdemo.cache.attention`).
 
-The memory owns one store per layer (:attr:`kvdemo.memory.LayerMemory.offload`) and fills it through
+The memory owns one store per layer (:attr:`kvdemo.cache.memory.LayerMemory.offload`) and fills it through
 :meth:`OffloadStore.add_rows` during a compression (:class:`kvdemo.policies.contract.OffloadUpdate`).
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tensors import as_words
+from ..tensors import as_words
 
 
 @dataclass

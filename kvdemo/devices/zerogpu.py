@@ -4,7 +4,7 @@ On a ZeroGPU Space a ``@spaces.GPU`` function runs in a forked worker that holds
 arguments and results are pickled through queues (generator functions stream pickled items back), and
 whatever the worker changes in memory is lost when the call ends. kvdemo therefore keeps every session's
 engine state on the CPU in the main process between calls and passes it in and out explicitly
-(:meth:`kvdemo.engine.StreamEngine.__getstate__` drops the model; the worker re-binds it by name).
+(:meth:`kvdemo.stream.engine.StreamEngine.__getstate__` drops the model; the worker re-binds it by name).
 
 :func:`gpu` is the decorator kvdemo uses:
 

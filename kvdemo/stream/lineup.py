@@ -1,9 +1,9 @@
-"""The engines of one run, built in one place: one :class:`~kvdemo.engine.StreamEngine` per contender (a policy,
+"""The engines of one run, built in one place: one :class:`~kvdemo.stream.engine.StreamEngine` per contender (a policy,
 its parameters and its budget) and, when asked, the full-cache baseline beside them, stopped at its byte cap.
 
 Every front end builds its engines here: ``python -m kvdemo run``, ``compare`` and ``eval``, the app, the
 lmms-eval model and the benchmarks (a single engine is a lineup of one). The budget each contender takes of the
-user's ``M`` and ``C`` is :meth:`~kvdemo.budget.Budget.from_user`'s (the takes-C rule lives there, once): a
+user's ``M`` and ``C`` is :meth:`~kvdemo.cache.budget.Budget.from_user`'s (the takes-C rule lives there, once): a
 policy sized by ``M`` alone ignores ``C``, ``full`` ignores both, and what is missing is a one-line message.
 """
 
@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .budget import Budget
+from ..cache.budget import Budget
+from ..models.base import VideoLM
+from ..policies import BudgetError, Policy, make_policy
 from .engine import DEFAULT_MAX_NEW_TOKENS, StreamEngine
-from .models.base import VideoLM
-from .policies import BudgetError, Policy, make_policy
 
 #: Engine name of the full-cache baseline (and the unbounded policy it runs).
 FULL = "full"
@@ -26,7 +26,7 @@ FULL = "full"
 class Contender:
     """One engine of a run: ``name`` (the engine's name, and the registered policy it runs unless ``policy`` is
     given), the policy's parameters, and its own ``M`` (``budget``: as typed, or an already resolved
-    :class:`~kvdemo.budget.Budget`) and ``C`` (``keep``); None takes the run's shared ones. ``policy``: an
+    :class:`~kvdemo.cache.budget.Budget`) and ``C`` (``keep``); None takes the run's shared ones. ``policy``: an
     instance to run as is (its state is the engine's: give a name to get a fresh policy at each build)."""
 
     name: str
@@ -87,7 +87,7 @@ def make_engines(
 ) -> dict[str, StreamEngine]:
     """The run's engines, in order: one per contender (name -> engine, under the budget :func:`resolve_lineup`
     gives it of its own or the shared ``budget`` = M and ``keep`` = C), then, with ``baseline``, the full cache
-    as :data:`FULL` (stopped by :class:`~kvdemo.engine.MemoryCapError` at ``baseline_cap_bytes``; None: no cap).
+    as :data:`FULL` (stopped by :class:`~kvdemo.stream.engine.MemoryCapError` at ``baseline_cap_bytes``; None: no cap).
     Every engine samples at ``fps`` and answers with at most ``max_new_tokens``."""
     engines = {name: StreamEngine(model, policy, budget=bounds, fps=fps, max_new_tokens=max_new_tokens)
                for name, (policy, bounds) in resolve_lineup(contenders, budget, keep, default_ratio, baseline).items()}

@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .views import Chart, Series
+from ..views import Chart, Series
 
 PREDICTIONS = "predictions*.jsonl"
 
@@ -203,8 +203,8 @@ def results_command(folders: list[str], x: str = "budget", out: str | None = Non
     print(results_table(runs))
     if out is None:
         return 0
-    from .viz.charts import chart_figure  # deferred: plotly
-    from .viz.png import chart_png  # deferred: PIL
+    from ..viz.charts import chart_figure  # deferred: plotly
+    from ..viz.png import chart_png  # deferred: PIL
 
     chart = accuracy_chart(runs, x)
     html, png = Path(f"{out}.html"), Path(f"{out}.png")

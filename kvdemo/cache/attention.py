@@ -7,7 +7,7 @@ the keyword argument ``kvdemo=cache``, which transformers hands to the attention
 
 transformers builds no mask for an implementation it does not know, so the function builds its own:
 every cached slot is visible, the new tokens attend causally among themselves (they always sit after the
-cache, see :mod:`kvdemo.memory`). On top of that it applies what the memory supplies per layer:
+cache, see :mod:`kvdemo.cache.memory`). On top of that it applies what the memory supplies per layer:
 
 - an additive key bias ``[H_kv, L]`` (ProtoKV's ``log n_k`` on pseudo-tokens, ``-inf`` on the padding of
   ragged heads), broadcast to each KV head's group of query heads (GQA), on prefill chunks and on every
@@ -17,7 +17,7 @@ cache, see :mod:`kvdemo.memory`). On top of that it applies what the memory supp
   back from host memory and are attended together with the cache under one softmax.
 
 With nothing supplied it is SDPA with that causal mask, equal to transformers' ``sdpa`` path. Observers
-(``MemoryCache.observers``, off unless asked for: :mod:`kvdemo.explain`'s answer attribution and fidelity probe)
+(``MemoryCache.observers``, off unless asked for: :mod:`kvdemo.analysis.explain`'s answer attribution and fidelity probe)
 see every layer's query, keys, values, bias and retrieved chunks in the same forward, and read the attention
 weights with :func:`attention_weights`.
 """
@@ -297,7 +297,7 @@ class MemoryCache(Cache):
     step) turns on retrieval from the memory's offload stores; ``capture`` (a dict) makes the attention
     function record each memory layer's queries ``[H_q, q, D]`` (post-RoPE), which is how a probe text is read;
     ``observers`` are called in every layer's attention with ``(memory layer, query, key, value, bias, retrieved,
-    scale)`` (:mod:`kvdemo.explain`).
+    scale)`` (:mod:`kvdemo.analysis.explain`).
     """
 
     def __init__(self, memory: KVMemory) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .memory import KVMemory
+from ..cache.memory import KVMemory
 
 
 def survival_counts(memory: KVMemory, layer: int | None = None, head: int | None = None) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""One layer of the memory (:class:`kvdemo.memory.KVMemory`): its buffers and provenance, and the moves that keep
+"""One layer of the memory (:class:`kvdemo.cache.memory.KVMemory`): its buffers and provenance, and the moves that keep
 them compact. Every move is one ``index_select``/``index_copy_`` over all heads on the flattened buffer; keys
 (heads ``0..H-1``) and values (heads ``H..2H-1``) share one buffer so they move together. ``start`` is where the
-visual slots begin (after the prefix and the summary region); the layout is in :mod:`kvdemo.memory`.
+visual slots begin (after the prefix and the summary region); the layout is in :mod:`kvdemo.cache.memory`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..policies.contract import OffloadUpdate, SummaryUpdate
+from ..tensors import as_words
 from .offload import OffloadStore
-from .policies.contract import OffloadUpdate, SummaryUpdate
-from .tensors import as_words
 
 #: Reason code of a visual slot appended since the last compression (no policy reason yet).
 REASON_NEW = -2
@@ -24,7 +24,7 @@ PROVENANCE = {"frame": 0, "row": 1, "col": 2, "order": 3, "position": slice(4, 7
 PROVENANCE_WIDTH = 8
 #: The key bias is kept in float32 whatever the cache dtype: a bfloat16 ``log n_k`` is off by up to half an ulp
 #: (0.0156 for n_k in [55, 2980], an effective mass 1.6% off). The attention seam keeps it float32 up to the softmax
-#: on every device (:func:`kvdemo.attention.mask_dtype`, :func:`kvdemo.attention.bias_needs_float32`).
+#: on every device (:func:`kvdemo.cache.attention.mask_dtype`, :func:`kvdemo.cache.attention.bias_needs_float32`).
 BIAS_DTYPE = torch.float32
 
 

@@ -18,7 +18,7 @@ Layout of one layer's buffers ``keys/values [1, H_kv, capacity, D]`` (slots, not
   them: their views hold the visual slots only, and ``LayerView.grid_text`` says what keeping a grid costs;
 - slack: where a forward writes new tokens. A chunk's prefill writes there and is committed
   (:meth:`KVMemory.commit_append`); a question writes there and is simply not committed, so the memory
-  after :meth:`~kvdemo.engine.StreamEngine.ask` is bit-identical without any copy or rollback.
+  after :meth:`~kvdemo.stream.engine.StreamEngine.ask` is bit-identical without any copy or rollback.
 
 Every byte moves once: an append copies the chunk into the slack; a compression moves only the kept tokens
 that sit at or beyond slot ``C`` into the evicted slots below ``C`` (at most ``M - C`` tokens per head,
@@ -29,13 +29,13 @@ geometrically as chunks arrive, never past what ``M`` (and a question) needs, so
 reaches costs nothing. The visual slots are *not* in stream order: ``order`` (arrival number) and ``frame``
 say what is older.
 
-What transformers sees is :class:`kvdemo.attention.MemoryCache(memory) <kvdemo.attention.MemoryCache>`, a
+What transformers sees is :class:`kvdemo.cache.attention.MemoryCache(memory) <kvdemo.cache.attention.MemoryCache>`, a
 ``Cache`` whose layers are views of the live part, built by the memory's users (the engine, the benchmarks)
 and writing through :meth:`KVMemory.ensure_layer` / :meth:`KVMemory.reserve`; kvdemo's attention function
-reads the key bias. HybridKV's offload store is :mod:`kvdemo.offload`; what survives of each frame, which
-only views and reports read, is :mod:`kvdemo.survival`.
+reads the key bias. HybridKV's offload store is :mod:`kvdemo.cache.offload`; what survives of each frame, which
+only views and reports read, is :mod:`kvdemo.analysis.survival`.
 
-One layer's buffers and the moves that compact them are :mod:`kvdemo.layer`. Reading order here: the timeline
+One layer's buffers and the moves that compact them are :mod:`kvdemo.cache.layer`. Reading order here: the timeline
 event, then :class:`KVMemory`: its layout, the layer buffers, the writes, what a policy sees and decides
 (``views``/``apply``), the timeline, pickling and devices.
 """
@@ -48,9 +48,9 @@ from typing import Any
 
 import torch
 
+from ..policies.contract import LayerView, Selection
 from .chunk import VisualChunk
 from .layer import BIAS_DTYPE, PROVENANCE, PROVENANCE_WIDTH, REASON_NEW, LayerMemory
-from .policies.contract import LayerView, Selection
 
 #: Slots kept free after the live part for a question and its answer (grown on demand beyond that).
 TEXT_RESERVE = 256

@@ -1,0 +1,1 @@
+"""The KV memory under a hard budget: one encoded chunk, a layer's buffers and provenance, the offload store, the memory, the attention seam over it, and the budget that sizes it. Nothing here imports kvdemo.models: the families sit above the memory."""

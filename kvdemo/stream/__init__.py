@@ -1,0 +1,1 @@
+"""The engine: frames in, a KV memory under a budget, answers from a fork of it (engine); the engines that watch one stream fed by one encoding (streaming), and the one factory that builds a run's engines (lineup)."""

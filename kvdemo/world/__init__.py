@@ -1,0 +1,1 @@
+"""The generated world: what a stream is made of (scene), the moving kind's camera, the streams and their questions (synthetic), their multiple-choice prompts (choices), and the tiny model trained on them (training)."""
