@@ -1,5 +1,6 @@
-"""The package's shape, checked by parsing it: no import circles, imports at the top of files unless deferred on
-purpose (and saying so), files a newcomer reads in one sitting, and no policy named outside ``kvdemo/policies``."""
+"""The package's shape, checked by parsing it: no import circles, every module on a floor that imports only its own
+floor and those below (data flows down), imports at the top of files unless deferred on purpose (and saying so),
+files a newcomer reads in one sitting (or that say why not), and no policy named outside ``kvdemo/policies``."""
 
 from __future__ import annotations
 
@@ -9,9 +10,19 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvdemo"
-#: Lines a module may have; longer ones must be one algorithm read top to bottom (listed, with why).
-MAX_LINES = 560
-LONG_MODULES: dict[str, str] = {}
+#: Lines a module may have before it must say why it is longer: a comment line starting with LONG_REASON in its
+#: head (before its first definition), giving the reason, e.g. one algorithm or one unit a reader needs whole.
+MAX_LINES = 450
+LONG_REASON = "# Long on purpose:"
+#: Long modules that other branches of this session are changing (their owners' edits land first; the reason is
+#: written in the module then, and the entry goes). Nothing is added here: a new long module says why in itself.
+REASON_TO_COME = {
+    "world/training.py": "the lmms-eval retraining branch edits it",
+    "stream/engine.py": "the budget branch puts the one engine factory here",
+    "policies/base.py": "the contract branch splits it (contract, top-k, registry)",
+    "policies/protokv/policy.py": "the contract branch edits the policies' declarations",
+    "policies/protokv/bank.py": "the contract branch edits the policies",
+}
 #: Modules outside kvdemo/policies that may name a policy, and why.
 NAMES_A_POLICY = {
     "bench/reference.py": "it compares kvdemo's InfiniPot-V with the authors' own InfiniPot-V code: that policy by definition",
@@ -102,10 +113,33 @@ def test_imports_are_at_the_top_unless_deferred_on_purpose():
     assert hidden == [], "an import inside a function must say why it is deferred"
 
 
-def test_modules_are_read_in_one_sitting():
-    long = {str(path.relative_to(PACKAGE)): len(path.read_text().split("\n")) for path in PACKAGE.rglob("*.py")}
-    too_long = {name: n for name, n in long.items() if n > MAX_LINES and name not in LONG_MODULES}
-    assert too_long == {}
+def reason_for_length(text: str) -> str:
+    """The reason a module gives for its length: the text after LONG_REASON on a comment line of its head (before
+    its first function or class); '' when it gives none."""
+    tree = ast.parse(text)
+    head_end = min((node.lineno for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                            ast.ClassDef))), default=None)
+    lines = text.splitlines()[: head_end - 1 if head_end else None]
+    said = [line.strip()[len(LONG_REASON):].strip() for line in lines if line.strip().startswith(LONG_REASON)]
+    return said[0] if said else ""
+
+
+def test_modules_are_read_in_one_sitting_or_say_why_not():
+    long = {str(path.relative_to(PACKAGE)): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
+    unexplained = {name: len(text.splitlines()) for name, text in long.items()
+                   if len(text.splitlines()) > MAX_LINES and name not in REASON_TO_COME
+                   and len(reason_for_length(text).split()) < 4}
+    assert unexplained == {}, f"over {MAX_LINES} lines with no '{LONG_REASON} <why>' comment in the module's head"
+    stale = [name for name in REASON_TO_COME if name not in long or len(long[name].splitlines()) <= MAX_LINES
+             or reason_for_length(long[name])]
+    assert stale == [], "listed as awaiting a reason, but short now or already saying why: remove them from the list"
+
+
+def test_the_reason_for_length_is_read_from_the_head_only():
+    said = f'"""Doc."""\n\n{LONG_REASON} one algorithm, read top to bottom.\nimport os\n\n\ndef f():\n    pass\n'
+    assert reason_for_length(said) == "one algorithm, read top to bottom."
+    late = f'"""Doc."""\n\n\ndef f():\n    pass\n\n{LONG_REASON} too late: a reader meets it at the end.\n'
+    assert reason_for_length(late) == ""
 
 
 def docstrings(tree: ast.AST) -> set[int]:
@@ -123,9 +157,8 @@ def docstrings(tree: ast.AST) -> set[int]:
     return out
 
 
-@pytest.mark.parametrize("scope", ["app", "viz", "bench", "models", "stream/engine.py", "cache/memory.py", "cache/attention.py", "cli.py",
-                                   "experiments/evaluation.py", "cache/budget.py", "cache/offload.py", "views.py", "analysis/survival.py", "testing.py",
-                                   "experiments/compare.py", "analysis/explain.py"])
+@pytest.mark.parametrize("scope", ["app", "viz", "bench", "models", "cache", "stream", "analysis", "experiments",
+                                   "media", "devices", "world", "cli.py", "usage.py", "views.py", "testing.py"])
 def test_nothing_outside_the_policies_names_a_policy(scope):
     """Outside ``kvdemo/policies`` code never names a policy (the full cache, the baseline every tool shows, is
     the one exception): what a policy does is reached through its class's declarations and protocols."""
@@ -146,24 +179,59 @@ def test_nothing_outside_the_policies_names_a_policy(scope):
     assert offenders == []
 
 
-#: Modules below the model families (the cache core, and the chunk a family makes for it): none of them imports
-#: ``kvdemo.models``, even through another module, so no arrow runs back up from the memory to the models.
-BELOW_THE_MODELS = ("kvdemo.cache.chunk", "kvdemo.media.geometry", "kvdemo.cache.memory", "kvdemo.cache.layer", "kvdemo.cache.attention",
-                    "kvdemo.cache.offload", "kvdemo.cache.budget")
+#: The floors of the house, ground first. A module imports only modules on its own floor or below, so data flows
+#: down and no arrow runs back up (the memory knows no model family, the families no engine, the engine no app).
+#: A package's modules are on its floor; every module of kvdemo is on one (a new root module is placed here).
+FLOORS: list[tuple[str, list[str]]] = [
+    ("the vocabulary every floor shares", ["kvdemo.tensors", "kvdemo.views", "kvdemo.dialogue", "kvdemo.errors",
+                                           "kvdemo.devices"]),
+    ("what a policy decides; frames in", ["kvdemo.policies", "kvdemo.media"]),
+    ("the memory under a budget", ["kvdemo.cache"]),
+    ("the model families", ["kvdemo.models"]),
+    ("the generated world", ["kvdemo.world"]),
+    ("reading a memory and an answer", ["kvdemo.analysis"]),
+    ("the engine", ["kvdemo.stream"]),
+    ("drawing", ["kvdemo.viz"]),
+    ("policies measured on streams", ["kvdemo.experiments"]),
+    ("the faces: app, command line, benchmarks, integrations, test fixtures",
+     ["kvdemo.app", "kvdemo.cli", "kvdemo.usage", "kvdemo.bench", "kvdemo.integrations", "kvdemo.testing",
+      "kvdemo.__main__", "kvdemo"]),
+]
 
 
-def test_the_cache_core_sits_below_the_models():
+def floor_of(module: str) -> int | None:
+    """The floor (index into FLOORS) of a dotted module name: its longest listed prefix's; None if unplaced."""
+    best, floor = -1, None
+    for index, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            placed = module == prefix or (prefix != "kvdemo" and module.startswith(prefix + "."))
+            if placed and len(prefix) > best:
+                best, floor = len(prefix), index
+    return floor
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``module (floor) -> module (floor)`` for every import that runs to a higher floor."""
+    return sorted(f"{a} ({FLOORS[floor_of(a)][0]}) -> {b} ({FLOORS[floor_of(b)][0]})"
+                  for a, targets in graph.items() for b in targets if floor_of(b) > floor_of(a))
+
+
+def test_every_module_is_on_a_floor():
+    assert sorted(name for name in modules() if floor_of(name) is None) == []
+
+
+def test_no_module_imports_upward():
     known = modules()
     graph = {name: imported(name, path, set(known)) for name, path in known.items()}
-    upward = {}
-    for start in BELOW_THE_MODELS:
-        reached, frontier = set(), [start]
-        while frontier:
-            for nxt in graph[frontier.pop()] - reached:
-                reached.add(nxt)
-                frontier.append(nxt)
-        upward[start] = sorted(name for name in reached if name == "kvdemo.models" or name.startswith("kvdemo.models."))
-    assert upward == {name: [] for name in BELOW_THE_MODELS}
+    assert upward_imports(graph) == []
+
+
+def test_the_floor_check_finds_an_upward_import():
+    graph = {"kvdemo.cache.memory": {"kvdemo.models.base", "kvdemo.policies.base"}, "kvdemo.models.base": set()}
+    assert upward_imports(graph) == ["kvdemo.cache.memory (the memory under a budget) -> kvdemo.models.base "
+                                     "(the model families)"]
+    assert floor_of("kvdemo") == floor_of("kvdemo.cli") != floor_of("kvdemo.cache")
+    assert floor_of("kvdemo.somewhere_new") is None
 
 
 #: Modules outside kvdemo/models that may name a model family, and why.

@@ -40,6 +40,10 @@ event, then :class:`KVMemory`: its layout, the layer buffers, the writes, what a
 (``views``/``apply``), the timeline, pickling and devices.
 """
 
+# Long on purpose: one class, KVMemory, whose every method keeps the one slot layout drawn above (prefix | summary |
+# visual | stream text | slack) true in every layer and head; a layer's buffers and their moves are already
+# kvdemo/cache/layer.py, and what survives of each frame kvdemo/analysis/survival.py.
+
 from __future__ import annotations
 
 from collections.abc import Mapping
