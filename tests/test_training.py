@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvdemo.world.batches import QUESTION_CLASSES, build_batch
 from kvdemo.world.synthetic import StreamSpec, generate_episode
-from kvdemo.world.training import QUESTION_CLASSES, Phase, TinyTrainer, TrainConfig, build_batch
+from kvdemo.world.training import Phase, TinyTrainer, TrainConfig
 
 TINY_PHASES = (Phase("A", 2, 4, (2, 2), (3, 3), vision_only=True), Phase("B", 3, 2, (2, 3)))
 
@@ -103,11 +104,11 @@ def test_the_same_seed_trains_the_same_weights():
 
 
 def test_a_choice_stream_asks_its_questions_in_the_benchmarks_format():
+    from kvdemo.world.batches import CHOICE_QUESTIONS, asked_questions
     from kvdemo.world.choices import LETTERS
-    from kvdemo.world.training import CHOICE_QUESTIONS, asked_questions
 
     episode = generate_episode(4, StreamSpec(pairs=(12, 12), objects=(4, 4)))
-    always = asked_questions(episode, 1.0, np.random.default_rng(0))
+    always = [item.as_question() for item in asked_questions(episode, 1.0, np.random.default_rng(0))]
     assert len(always) == CHOICE_QUESTIONS and all(q.answer in LETTERS for q in always)
     assert all(q.text == q.text.strip() and q.subject in q.text and "A. " in q.text for q in always)
     assert {q.kind for q in always} <= {"colour", "first"}
@@ -132,8 +133,8 @@ def test_multiple_choice_turns_mark_each_options_word_its_letter_and_the_answeri
     """A multiple-choice turn is asked in its benchmark's prompt and answered by its letter; the option heads read
     the last character of each option's word (checked here by decoding the ids up to it, not by the code's
     tokenizing of prefixes) and the position whose logits give the letter."""
+    from kvdemo.world.batches import OPTION_WORDS, dialogue
     from kvdemo.world.choices import multiple_choice
-    from kvdemo.world.training import OPTION_WORDS, dialogue
 
     adapter = trainer.adapter
     episode = generate_episode(5, StreamSpec(pairs=(3, 3), objects=(3, 3)))
@@ -161,7 +162,7 @@ def test_the_pointer_loss_reads_the_attention_from_each_answering_position_to_it
     """The pointer loss is -log of one head's attention weight from the position that answers a multiple-choice
     question to the last character of its right option's word; restated here with a loop over the batch's decoded
     text (the right option found by its word, not by the code's verdict targets)."""
-    from kvdemo.world.training import OPTION_WORDS
+    from kvdemo.world.batches import OPTION_WORDS
 
     batch = build_batch(trainer.adapter, [generate_episode(s, StreamSpec(pairs=(2, 2))) for s in (3, 4)],
                         np.random.default_rng(2), choices=1.0)

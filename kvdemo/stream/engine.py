@@ -7,6 +7,10 @@ so visual tokens never exceed ``M``. ``StreamEngine.ask`` answers on a fork and 
 exactly as it was.
 """
 
+# Long on purpose: StreamEngine is one life cycle (feed, compress, ask on a fork, report) whose steps share the
+# memory, the budget and the timeline; the chunk's encoding is FrameStream's, building engines is lineup.py's, and
+# the memory's own moves are kvdemo/cache.
+
 from __future__ import annotations
 
 from collections.abc import Iterator

@@ -28,6 +28,10 @@ recycling). A token already seeding a slot does not seed another.
 Nothing here loops over tokens, heads or prototypes; every tensor is created on the bank's device.
 """
 
+# Long on purpose: the bank's operations (seed, update, residuals, aging, merging, recycling) all keep one invariant
+# of the same tensors (rows x K prototypes with their masses, EMAs and codes) and are read together against App. A.1;
+# the codebooks are pq.py's and the EMAs ema.py's.
+
 from __future__ import annotations
 
 from collections.abc import Callable
