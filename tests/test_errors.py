@@ -71,7 +71,7 @@ def run_settings(**changes) -> RunSettings:
     (lambda: resolve_settings(run_settings(fps=0)), StreamSettingError, "sampling fps must be positive, got 0"),
     (lambda: resolve_settings(run_settings(max_pixels=10)), StreamSettingError, "max pixels must be at least"),
     (lambda: resolve_settings(run_settings(cap_mb=-1.0)), StreamSettingError, "the baseline memory cap must be 0"),
-    (lambda: resolve_settings(run_settings(keep=None)), BudgetError, "set both M and C"),
+    (lambda: resolve_settings(run_settings(keep=None)), BudgetError, "needs a budget M and a keep size C"),
     (lambda: resolve_settings(run_settings(policy="nope")), UnknownPolicyError, "unknown policy 'nope'"),
     (lambda: check_question_text(""), QuestionError, "empty"),
     (lambda: open_video("no/such/file.mp4"), VideoError, "no such file"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvdemo.cache.budget import Budget
+from kvdemo.errors import StreamSettingError
 from kvdemo.policies import BudgetError, make_policy
 from kvdemo.stream.lineup import FULL, Contender, cap_bytes, make_engines, resolve_lineup
 
@@ -112,6 +113,6 @@ def test_the_baseline_cap_in_megabytes(megabytes, expected):
 
 
 def test_a_negative_cap_is_one_line():
-    with pytest.raises(BudgetError) as error:
+    with pytest.raises(StreamSettingError) as error:
         cap_bytes(-1)
     assert str(error.value) == "the baseline memory cap must be 0 (no cap) or more MB, got -1"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cache.budget import Budget
+from ..errors import StreamSettingError
 from ..models.base import VideoLM
 from ..policies import BudgetError, Policy, make_policy
 from .engine import DEFAULT_MAX_NEW_TOKENS, StreamEngine
@@ -97,7 +98,8 @@ def make_engines(
 
 
 def cap_bytes(megabytes: float | None) -> int | None:
-    """A baseline cap typed in MB as bytes; None for no cap (None or 0). :class:`BudgetError` below 0."""
+    """A baseline cap typed in MB as bytes; None for no cap (None or 0).
+    :class:`~kvdemo.errors.StreamSettingError` below 0."""
     if megabytes is not None and megabytes < 0:
-        raise BudgetError(f"the baseline memory cap must be 0 (no cap) or more MB, got {megabytes:g}")
+        raise StreamSettingError(f"the baseline memory cap must be 0 (no cap) or more MB, got {megabytes:g}")
     return int(megabytes * 2**20) if megabytes else None
