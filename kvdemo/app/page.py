@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -63,7 +64,7 @@ def guard(key: str) -> Callable:
     return decorate
 
 
-class Page:
+class Page(ABC):
     """A page's shared parts. A page sets :attr:`views`, :attr:`no_upload` and the components the shared events use
     (``examples``, ``sample_kind``, and ``manifest`` if it has one), and implements :meth:`named` and
     :meth:`run_settings`."""
@@ -82,6 +83,7 @@ class Page:
         self.gr, self.services = gr, services
 
     # --- from handler updates to components --------------------------------------------------------
+    @abstractmethod
     def named(self) -> dict[str, Any]:
         """The page's components by the update keys they show."""
         raise NotImplementedError
@@ -99,6 +101,7 @@ class Page:
         return out
 
     # --- the events both pages have ------------------------------------------------------------------
+    @abstractmethod
     def run_settings(self, values: dict[str, Any]) -> tuple[Any, PageViews]:
         """The settings form's values as the page's settings, and the views the run shows."""
         raise NotImplementedError

@@ -7,6 +7,7 @@ file. Pure functions of a :class:`~kvdemo.app.sessions.Session`; no Gradio here.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -16,7 +17,7 @@ from .sessions import Session
 
 
 @dataclass(frozen=True)
-class PageViews:
+class PageViews(ABC):
     """What one page shows of a session as the stream and the questions go (update dicts keyed by view name, which
     the page maps to its components). Instances are small, frozen and picklable: a GPU call carries one."""
 
@@ -31,6 +32,7 @@ class PageViews:
     answer_details: ClassVar[bool] = True
 
     # --- the stream --------------------------------------------------------------------------------
+    @abstractmethod
     def status(self, state: Session, done: int | None = None, total: int | None = None, error: str = "",
                stopped: bool = False) -> str:
         raise NotImplementedError
@@ -44,6 +46,7 @@ class PageViews:
         and downloads)."""
         return {}
 
+    @abstractmethod
     def live(self, state: Session, done: int | None = None, total: int | None = None,
              force: bool = False) -> dict[str, Any]:
         """The update after a chunk (``force``: everything redrawn now)."""
@@ -58,6 +61,7 @@ class PageViews:
         """A GPU call's :meth:`segment_update` finished where every thumbnail is."""
         return update
 
+    @abstractmethod
     def finished(self, state: Session, done: int, total: int, stopped: bool) -> dict[str, Any]:
         """The last update of a stream that ran (``done`` of ``total`` frames; ``stopped`` by the user)."""
         raise NotImplementedError
@@ -76,15 +80,18 @@ class PageViews:
         return {}
 
     # --- questions ---------------------------------------------------------------------------------
+    @abstractmethod
     def chats(self, state: Session | None) -> dict[str, Any]:
         """The chat panes (copies: Gradio keeps what it is given)."""
         raise NotImplementedError
 
+    @abstractmethod
     def answered(self, state: Session, question: str, answers: dict[str, Any]) -> dict[str, Any]:
         """The last update of a question: its status (``ask_status``) and what the answers change on the page."""
         raise NotImplementedError
 
     # --- the report --------------------------------------------------------------------------------
+    @abstractmethod
     def report(self, state: Session) -> dict[str, Any] | None:
         """The page's report of the session (None before there is one)."""
         raise NotImplementedError
