@@ -89,8 +89,8 @@ Train the offline tiny model (transformers' Qwen2_5_VLForConditionalGeneration, 
 scratch on generated streams, reproducibly (about 36 min on two quiet CPU cores), check it on held-out streams
 and write its weights, config and tokenizer to --out (default ./tiny-trained; a model already there is never
 overwritten without --overwrite, so the bundled weights stay as they are). --from DIR instead starts from DIR's
-weights and runs the experimental choice stages (VideoMME's and OVO-Bench's option-letter questions mixed in;
-about 70 min on a busy machine; they have not taught the letters yet: docs/lmms-eval.md)."""
+weights and runs the choice stages D-G (VideoMME's and OVO-Bench's option-letter questions mixed in; about
+2 h on a busy machine; held-out option letters 1.00 after G: docs/lmms-eval.md)."""
 
 RESULTS_DESCRIPTION = """\
 Tabulate run folders side by side (written by `python -m kvdemo eval` and by lmms-eval's --model kvdemo: config,
@@ -275,7 +275,7 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     train.add_argument("--out", default="tiny-trained", help="output folder (default ./tiny-trained)")
     train.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
     train.add_argument("--from", dest="start", metavar="DIR",
-                       help="start from DIR's weights and run the choice stages (VideoMME/OVO-Bench option letters; experimental)")
+                       help="start from DIR's weights and run the choice stages D-G (VideoMME/OVO-Bench option letters)")
     train.add_argument("--check-episodes", type=int, default=100, help="held-out streams for the final full-cache check")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser

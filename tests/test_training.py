@@ -181,3 +181,27 @@ def test_the_pointer_loss_reads_the_attention_from_each_answering_position_to_it
     loss = probe._pointer_loss(batch, attention, stats)
     assert len(expected) == batch.choice_at.shape[1] > 0
     assert loss.item() == pytest.approx(float(np.mean(expected)), rel=1e-5)
+
+
+def test_the_letter_loss_is_the_cross_entropy_of_the_right_options_letter_where_the_question_is_answered(trainer):
+    """The letter loss: at each position that answers a multiple-choice question, the cross-entropy of the model's
+    next-token logits against the right option's letter; restated with the letter found in the decoded text (the
+    option whose word is the answer), not the code's next-token ids."""
+    from kvdemo.world.batches import OPTION_WORDS
+
+    batch = build_batch(trainer.adapter, [generate_episode(s, StreamSpec(pairs=(2, 2))) for s in (5, 6)],
+                        np.random.default_rng(3), choices=1.0)
+    rows, length = batch.input_ids.shape
+    hidden = torch.randn(rows, length, trainer.model.config.text_config.hidden_size, generator=torch.Generator().manual_seed(1))
+    decode, expected = trainer.adapter.tokenizer.decode, []
+    with torch.no_grad():
+        for k in range(batch.choice_at.shape[1]):
+            row, at = batch.choice_at[:, k].tolist()
+            word = OPTION_WORDS[int(batch.choice_words[k])]
+            text = decode(batch.input_ids[row, : at + 1].tolist())
+            letter = next(c for c in "ABCD" if f"{c}. {word}" in text[text.rindex("A. "):])
+            logits = trainer.model.lm_head(hidden[row, at]).double()
+            expected.append(float(torch.logsumexp(logits, 0) - logits[trainer.adapter.tokenize(letter)[0]]))
+        loss = trainer._letter_loss(batch, hidden)
+    assert len(expected) == batch.choice_at.shape[1] > 0
+    assert loss.item() == pytest.approx(float(np.mean(expected)), rel=1e-4)
