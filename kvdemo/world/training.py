@@ -116,8 +116,7 @@ class TrainConfig:
     #: letter of the option judged right (measured: the letter stayed at chance). Needs eager attention (weights out).
     pointer_weight: float = 0.0
     pointer_head: int = 0
-    #: Extra weight on the cross-entropy of the letter a multiple-choice question is answered with (on top of the
-    #: answer loss, where it is one token among every answer's): kvdemo's own aid, see :data:`LETTER_STAGE`.
+    #: Extra weight on the cross-entropy of the letter answering a multiple-choice question (kvdemo's: LETTER_STAGE).
     letter_weight: float = 0.0
     #: The streams' seed-sequence tag.
     streams: int = TRAIN_STREAMS
@@ -137,10 +136,9 @@ POINTER_STAGE = TrainConfig(
     phases=(Phase("E pointer", 300, 6, (2, 24), choices=0.75),),
     lr=1e-3, final_lr=1e-4, warmup=20, vision_weight=0.0, streams=5, pointer_weight=1.0,
 )
-#: The letter stage: after E a linear probe read every option's letter from its word (after layer 2, held out 1.00)
-#: and the pointer head looked at the right option, yet the last layer did not carry the letter to the answer: the
-#: answered letter is one token among every answer's in the answer loss. F weighs it 5 times more
-#: (:attr:`TrainConfig.letter_weight`); measured: the letter answered rose from 0.33 to 0.93 in 200 steps.
+#: The letter stage: after E a probe read each option's letter from its word (held out 1.00) and the pointer head
+#: looked at the right option, yet the last layer did not carry the letter (one token among every answer's in the
+#: answer loss). F weighs it 5 times (:attr:`TrainConfig.letter_weight`): the letter rose from 0.33 to 0.93.
 LETTER_STAGE = TrainConfig(
     phases=(Phase("F letters", 200, 6, (2, 24), choices=0.75),),
     lr=1e-3, final_lr=1e-4, warmup=20, vision_weight=0.0, streams=9, pointer_weight=1.0, letter_weight=5.0,
