@@ -90,7 +90,7 @@ scratch on generated streams, reproducibly (about 36 min on two quiet CPU cores)
 and write its weights, config and tokenizer to --out (default ./tiny-trained; a model already there is never
 overwritten without --overwrite, so the bundled weights stay as they are). --from DIR instead starts from DIR's
 weights and runs the choice stages D-G (VideoMME's and OVO-Bench's option-letter questions mixed in; about
-2 h on a busy machine; held-out option letters 1.00 after G: docs/lmms-eval.md)."""
+50 min on a quiet machine): the bundled weights are the base stage's followed by D-G (docs/tiny-model.md)."""
 
 RESULTS_DESCRIPTION = """\
 Tabulate run folders side by side (written by `python -m kvdemo eval` and by lmms-eval's --model kvdemo: config,
