@@ -101,9 +101,17 @@ def test_offload_store_retrieves_the_chunks_whose_mean_keys_score_highest():
     torch.testing.assert_close(v[0, :2], 10 * keys[0, 4:6])
 
 
-def test_offload_store_lays_out_ragged_adds_in_chunks_as_a_plain_loop_does():
+def test_offload_store_lays_out_ragged_adds_in_chunks_as_a_plain_loop_does(monkeypatch):
     """Two passes with different valid tokens per head (partial last chunks): every head's valid tokens go,
-    in arrival order, into fresh chunks of 3 after its earlier ones; mean keys are per chunk."""
+    in arrival order, into fresh chunks of 3 after its earlier ones; mean keys are per chunk; a partial chunk's
+    tail is zeros although the store's new chunks start as garbage (here NaN: they are not zeroed when grown)."""
+    empty = torch.empty
+
+    def garbage(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", garbage)
     g = torch.Generator().manual_seed(5)
     store = OffloadStore.empty(heads=2, dim=4, chunk=3, dtype=torch.bfloat16, device=torch.device("cpu"))
     expected = {h: [] for h in range(2)}  # per head: list of chunks, each a list of (key, value, order)
@@ -124,6 +132,7 @@ def test_offload_store_lays_out_ragged_adds_in_chunks_as_a_plain_loop_does():
         for c, chunk in enumerate(expected[h]):
             n = len(chunk)
             assert store.valid[h, c].tolist() == [True] * n + [False] * (3 - n)
+            assert (store.keys[h, c, n:] == 0).all() and (store.values[h, c, n:] == 0).all()
             torch.testing.assert_close(store.keys[h, c, :n], torch.stack([k for k, _, _ in chunk]), rtol=0, atol=0)
             torch.testing.assert_close(store.values[h, c, :n], torch.stack([v for _, v, _ in chunk]), rtol=0, atol=0)
             assert store.provenance["order"][h, c, :n].tolist() == [o for _, _, o in chunk]
@@ -190,10 +199,15 @@ def test_ragged_budgets_are_real_bytes_and_the_memory_survives_a_question(tiny, 
         2 * memory.visual_start * tiny.num_kv_heads * tiny.head_dim * 4 for _ in range(tiny.num_layers))
     assert memory.offloaded_bytes > 0 and memory.timeline[-1].offloaded_bytes == memory.offloaded_bytes
     stores = [s.offload for s in memory.layers]
-    before = [t.clone() for t in memory.keys + memory.values] + [s.keys.clone() for s in stores if s is not None]
+    # the offloaded tokens (a store's spare capacity past each head's chunks is left unwritten)
+    before = [t.clone() for t in memory.keys + memory.values] + [s.keys[s.valid].clone() for s in stores if s is not None]
     engine.answer("What is in the pan?")
-    after = memory.keys + memory.values + [s.keys for s in stores if s is not None]
+    after = memory.keys + memory.values + [s.keys[s.valid] for s in stores if s is not None]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
+    for s in stores:  # every slot of a head's chunks is written: its tokens, then zeros in a partial chunk's tail
+        if s is not None:
+            live = torch.arange(s.capacity)[None] < s.count[:, None]
+            assert bool(torch.isfinite(s.keys[live]).all()) and bool((s.keys[live][~s.valid[live]] == 0).all())
     assert any(bool(s.retrieved.any()) for s in stores if s is not None)  # dynamic heads retrieved while answering
     report = engine.report()
     assert report["largest_head_tokens"] == int(kept.max()) + 135  # the most a head holds (retrieval aside)

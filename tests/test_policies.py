@@ -10,7 +10,7 @@ import torch
 from kvdemo.errors import BudgetError, PolicyParameterError, UnknownPolicyError, UserError
 from kvdemo.policies import CARDS, REGISTRY, LayerView, PolicyCard, make_policy, policy_card, policy_params
 from kvdemo.policies.grid import frame_rank
-from kvdemo.policies.topk import top_k_sorted
+from kvdemo.policies.topk import top_k_indices, top_k_mask, top_k_sorted, top_k_sum
 
 
 class IdentityRotation:
@@ -127,6 +127,33 @@ def test_uniform_single_frame_keeps_the_newest():
 def test_top_k_sorted_breaks_ties_towards_newer_tokens():
     scores = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     assert top_k_sorted(scores, 2).tolist() == [[1, 2]]
+
+
+@pytest.mark.parametrize("k", [1, 5, 37, 63, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_cpu_top_k_kernels_match_a_plain_sort(k, dtype):
+    """numpy's selection on a CPU (top_k_indices, top_k_sum, top_k_mask) against each row sorted in Python."""
+    g = torch.Generator().manual_seed(k)
+    scores = torch.randn(6, 64, generator=g).to(dtype)
+    order = torch.randperm(64, generator=g).repeat(6, 1)
+    for row in range(6):
+        values = scores[row].tolist()
+        best = sorted(range(64), key=lambda j: values[j], reverse=True)[:k]
+        worst = sorted(range(64), key=lambda j: values[j])[:k]
+        assert sorted(top_k_indices(scores, k)[row].tolist()) == sorted(best)
+        assert sorted(top_k_indices(scores, k, largest=False)[row].tolist()) == sorted(worst)
+        assert float(top_k_sum(scores, k)[row]) == pytest.approx(sum(values[j] for j in best), rel=1e-6, abs=1e-6)
+        assert sorted(torch.nonzero(top_k_mask(scores, k, order)[row]).flatten().tolist()) == sorted(best)
+
+
+def test_top_k_mask_breaks_exact_ties_towards_newer_tokens_on_the_numpy_path():
+    scores = torch.zeros(3, 40)  # every score tied: the newest k (largest order) must win
+    order = torch.stack([torch.arange(40), torch.arange(40).flip(0), torch.randperm(40, generator=torch.Generator().manual_seed(0))])
+    for k in (3, 30):  # the k-largest and the (L - k)-smallest paths
+        mask = top_k_mask(scores, k, order)
+        for row in range(3):
+            newest = sorted(range(40), key=lambda j: int(order[row, j]), reverse=True)[:k]
+            assert sorted(torch.nonzero(mask[row]).flatten().tolist()) == sorted(newest)
 
 
 def test_frame_rank_ranks_each_head_among_its_own_frames():

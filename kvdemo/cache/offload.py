@@ -81,15 +81,18 @@ class OffloadStore:
             return
         capacity = max(chunks, int(self.capacity * 1.5) + 4)
 
-        def grown(t: torch.Tensor) -> torch.Tensor:
+        def grown(t: torch.Tensor, zero: bool = True) -> torch.Tensor:
             # One copy of the old chunks and one zeroing of the new ones (not a zero tensor then a cat).
             out = torch.empty(t.shape[0], capacity, *t.shape[2:], dtype=t.dtype, device=t.device,
                               pin_memory=t.is_pinned())
             out[:, : t.shape[1]] = t
-            out[:, t.shape[1] :] = 0
+            if zero:
+                out[:, t.shape[1] :] = 0
             return out
 
-        self.keys, self.values, self.valid = grown(self.keys), grown(self.values), grown(self.valid)
+        # New key/value chunks are not zeroed: add_rows writes every slot of the chunks it opens (the tokens, then
+        # zeros in a partial chunk's tail), and a chunk past a head's count is never read.
+        self.keys, self.values, self.valid = grown(self.keys, zero=False), grown(self.values, zero=False), grown(self.valid)
         self.provenance = {name: grown(t) for name, t in self.provenance.items()}
         self.mean_keys, self.retrieved = grown(self.mean_keys), grown(self.retrieved)
 
@@ -116,11 +119,16 @@ class OffloadStore:
         new_chunk = rank[h, e] // self.chunk  # 0.. among the head's new chunks
         dest = (h * self.capacity + self.count[h] + new_chunk) * self.chunk + rank[h, e] % self.chunk
         source_words = as_words(rows)
+        # The tail of each head's last new chunk (a partial chunk): zeros, so that a retrieved chunk is finite.
+        opened = new_chunks * self.chunk
+        tail_head, tail_slot = torch.nonzero(torch.arange(self.chunk)[None] < (opened - valid.sum(dim=1))[:, None], as_tuple=True)
+        tail = (tail_head * self.capacity + self.count[tail_head]) * self.chunk + opened[tail_head] - 1 - tail_slot
         moved = {}
         for name, store, index in (("keys", self.keys, key_rows), ("values", self.values, value_rows)):
             # int64-word rows with index_select / index_copy_ (see as_words)
             moved[name] = source_words.index_select(0, index.cpu()[h, e].to(rows.device)).cpu()
             as_words(store.view(-1, dim)).index_copy_(0, dest, moved[name])
+            store.view(-1, dim)[tail] = 0
         self.valid.view(-1)[dest] = True
         for name, values_of in provenance.items():
             self.provenance[name].view(-1).index_copy_(0, dest, values_of.cpu()[h, e].long())

@@ -64,7 +64,7 @@ from ..views import CellGrid, Chart, View, ViewContext
 from .contract import LayerView, OffloadUpdate, Policy, Probed, Selection
 from .grid import frame_rank, pool_on_grid
 from .registry import BenchDeclaration, PolicyCard, param, register
-from .topk import Ranking, select_ranked, top_k_mask
+from .topk import Ranking, select_ranked, top_k_mask, top_k_sum
 
 REASON_LOCAL, REASON_SALIENT, REASON_RESIDENT = 0, 1, 2
 REASON_NAMES = {REASON_LOCAL: "static: local (newest)", REASON_SALIENT: "static: text-prior salient",
@@ -208,7 +208,7 @@ class HybridKV(Policy, Probed):
         attention = torch.softmax(logits, dim=-1)
         held = valid_counts(view)
         k = max(1, int(torch.ceil(self.top_k * held.max().float())))
-        sparsity = torch.topk(attention, min(k, length), dim=-1, sorted=False).values.sum(-1).mean(-1)  # [H]
+        sparsity = top_k_sum(attention.view(-1, length), min(k, length)).view(heads, -1).mean(-1)  # [H]
         prior = attention.sum(dim=1)  # [H, L]
         if self.pool_kernel > 1:
             rank, _ = frame_rank(view.frame)
