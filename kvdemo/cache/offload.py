@@ -121,7 +121,7 @@ class OffloadStore:
         source_words = as_words(rows)
         # The tail of each head's last new chunk (a partial chunk): zeros, so that a retrieved chunk is finite.
         opened = new_chunks * self.chunk
-        tail_head, tail_slot = torch.nonzero(torch.arange(self.chunk)[None] < (opened - valid.sum(dim=1))[:, None], as_tuple=True)
+        tail_head, tail_slot = torch.nonzero(torch.arange(self.chunk, device=valid.device)[None] < (opened - valid.sum(dim=1))[:, None], as_tuple=True)
         tail = (tail_head * self.capacity + self.count[tail_head]) * self.chunk + opened[tail_head] - 1 - tail_slot
         moved = {}
         for name, store, index in (("keys", self.keys, key_rows), ("values", self.values, value_rows)):
