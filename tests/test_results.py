@@ -78,3 +78,8 @@ def test_delay_chart_has_a_line_per_run_and_a_bad_folder_says_why(tmp_path, caps
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text(json.dumps({"policy": "full"}))
     assert main(["results", str(tmp_path / "empty")]) == 2
+    assert "did the run finish" in capsys.readouterr().err
+    # An unfinished run beside a finished one is skipped with a word; the finished one is still tabulated.
+    assert main(["results", str(folder), str(tmp_path / "empty"), "--x", "delay"]) == 0
+    out, err = capsys.readouterr()
+    assert f"skipped {tmp_path / 'empty'}: no predictions" in err and folder.name in out

@@ -143,6 +143,10 @@ class Run:
         return f"{c.get('policy', '?')}{budget}"
 
 
+class UnfinishedRun(ValueError):
+    """A run folder with its config but no predictions: the run failed or is still going."""
+
+
 def read_run(folder: Path) -> Run:
     """The run in ``folder``; ValueError naming what is missing."""
     folder = Path(folder)
@@ -150,7 +154,7 @@ def read_run(folder: Path) -> Run:
         raise ValueError(f"{folder}: not a run folder (no config.json)")
     files = sorted(folder.glob(PREDICTIONS))
     if not files:
-        raise ValueError(f"{folder}: no predictions*.jsonl (did the run finish?)")
+        raise UnfinishedRun(f"{folder}: no predictions*.jsonl (did the run finish?)")
     predictions = [json.loads(line) for path in files for line in path.read_text().splitlines() if line.strip()]
     return Run(folder, json.loads((folder / "config.json").read_text()), accuracy_metrics(predictions), predictions)
 
@@ -199,7 +203,16 @@ def results_command(folders: list[str], x: str = "budget", out: str | None = Non
     """``python -m kvdemo results``: the table on stdout, the chart as ``<out>.html`` and ``<out>.png``."""
     import sys  # deferred: only the command prints
 
-    runs = [read_run(Path(f)) for f in folders]
+    runs, unfinished = [], []
+    for folder in folders:
+        try:
+            runs.append(read_run(Path(folder)))
+        except UnfinishedRun as error:  # a run that failed (lmms-eval exits 0 then) leaves its config alone
+            unfinished.append(str(error))
+    if not runs:
+        raise ValueError("; ".join(unfinished))
+    for reason in unfinished:
+        print(f"skipped {reason}", file=sys.stderr)
     print(results_table(runs))
     if out is None:
         return 0
