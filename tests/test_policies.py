@@ -141,9 +141,17 @@ def test_the_cpu_top_k_kernels_match_a_plain_sort(k, dtype):
         best = sorted(range(64), key=lambda j: values[j], reverse=True)[:k]
         worst = sorted(range(64), key=lambda j: values[j])[:k]
         assert sorted(top_k_indices(scores, k)[row].tolist()) == sorted(best)
+        assert top_k_indices(scores, k, ordered=True)[row].tolist() == best  # best first
         assert sorted(top_k_indices(scores, k, largest=False)[row].tolist()) == sorted(worst)
         assert float(top_k_sum(scores, k)[row]) == pytest.approx(sum(values[j] for j in best), rel=1e-6, abs=1e-6)
         assert sorted(torch.nonzero(top_k_mask(scores, k, order)[row]).flatten().tolist()) == sorted(best)
+    # A count per row (a ragged selection): row r keeps its own best k_r.
+    counts = torch.tensor([k, max(1, k // 2), 1, k, 0, min(64, k + 3)])
+    ragged = top_k_mask(scores, counts, order)
+    for row in range(6):
+        values = scores[row].tolist()
+        best = sorted(range(64), key=lambda j: values[j], reverse=True)[: int(counts[row])]
+        assert sorted(torch.nonzero(ragged[row]).flatten().tolist()) == sorted(best)
 
 
 def test_top_k_mask_breaks_exact_ties_towards_newer_tokens_on_the_numpy_path():

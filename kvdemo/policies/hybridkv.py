@@ -249,7 +249,10 @@ class HybridKV(Policy, Probed):
         budget, static = budget.to(device), static.to(device)
         valid = view.valid if view.valid is not None else torch.ones(heads, length, dtype=torch.bool, device=device)
         order = torch.where(valid, view.order, -1)  # padding is older than anything
-        newest_rank = torch.argsort(torch.argsort(order, dim=1, descending=True), dim=1)  # 0 = newest
+        # Each token's place from the newest (0 = newest): the inverse of the sort, by one scatter instead of a second sort.
+        newest_first = torch.argsort(order, dim=1, descending=True)
+        slots = torch.arange(length, device=device).expand(heads, -1)
+        newest_rank = torch.empty_like(newest_first).scatter_(1, newest_first, slots)
         local = newest_rank < torch.ceil(self.local_ratio * budget.double()).long()[:, None]
         lo, hi = prior.min(dim=1, keepdim=True).values, prior.max(dim=1, keepdim=True).values
         salience = (prior - lo) / (hi - lo).clamp_min(1e-12)  # [0, 1]
