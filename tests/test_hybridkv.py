@@ -101,6 +101,33 @@ def test_offload_store_retrieves_the_chunks_whose_mean_keys_score_highest():
     torch.testing.assert_close(v[0, :2], 10 * keys[0, 4:6])
 
 
+def test_a_head_retrieving_fewer_chunks_attends_to_finite_keys_and_values(monkeypatch):
+    """Heads retrieve different numbers of chunks: the narrower head's extra picks lie past its chunks, in storage
+    that was never written (NaN here); what fetch returns is finite and attention over it stays finite."""
+    empty = torch.empty
+
+    def garbage(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", garbage)
+    g = torch.Generator().manual_seed(3)
+    store = OffloadStore.empty(heads=2, dim=4, chunk=2, dtype=torch.float32, device=torch.device("cpu"))
+    valid = torch.zeros(2, 8, dtype=torch.bool)
+    valid[0] = True  # head 0: 4 chunks
+    valid[1, :3] = True  # head 1: 2 chunks, the second one partial
+    prov = {name: torch.arange(8).expand(2, -1) for name in ("frame", "row", "col", "order")}
+    keys = torch.randn(2, 8, 4, generator=g)
+    store.add(keys, keys + 1, valid, prov)
+    store.retrieve = torch.tensor([8, 8])  # 4 chunks each, as many as head 1 holds: 2
+    query = torch.randn(4, 1, 4, generator=g)
+    k, v, bias = store.fetch(query, scale=0.5)
+    assert k.shape == (2, 8, 4) and bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())
+    assert int(torch.isfinite(bias[1]).sum()) == 3  # head 1 attends to its 3 tokens, nothing else
+    weights = torch.softmax(query.view(2, 2, 4) @ k.transpose(1, 2) * 0.5 + bias[:, None], dim=-1)
+    assert bool(torch.isfinite(weights @ v).all())
+
+
 def test_offload_store_lays_out_ragged_adds_in_chunks_as_a_plain_loop_does(monkeypatch):
     """Two passes with different valid tokens per head (partial last chunks): every head's valid tokens go,
     in arrival order, into fresh chunks of 3 after its earlier ones; mean keys are per chunk; a partial chunk's

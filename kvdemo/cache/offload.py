@@ -91,7 +91,7 @@ class OffloadStore:
             return out
 
         # New key/value chunks are not zeroed: add_rows writes every slot of the chunks it opens (the tokens, then
-        # zeros in a partial chunk's tail), and a chunk past a head's count is never read.
+        # zeros in a partial chunk's tail), and fetch zeroes whatever it gathers that it did not choose.
         self.keys, self.values, self.valid = grown(self.keys, zero=False), grown(self.values, zero=False), grown(self.valid)
         self.provenance = {name: grown(t) for name, t in self.provenance.items()}
         self.mean_keys, self.retrieved = grown(self.mean_keys), grown(self.retrieved)
@@ -170,6 +170,9 @@ class OffloadStore:
         values = self.values[rows, top_host].to(query.device, non_blocking=True)
         self.last_fetched = torch.stack([self.provenance[name][rows, top_host] for name in ("frame", "row", "col")]).reshape(3, heads, -1)
         ok = (self.valid[rows, top_host] & chosen.cpu()[..., None]).to(query.device)
+        # What was not chosen (a head retrieving fewer chunks than the widest: its extra picks may lie past its count,
+        # never written) and a partial chunk's tail read as zeros: masked by the bias, but NaN * 0 is NaN.
+        keys, values = keys.masked_fill(~ok[..., None], 0), values.masked_fill(~ok[..., None], 0)
         bias = torch.zeros(ok.shape, dtype=query.dtype, device=query.device).masked_fill(~ok, float("-inf"))
         dim = keys.shape[-1]
         return keys.reshape(heads, -1, dim), values.reshape(heads, -1, dim), bias.reshape(heads, -1)
