@@ -78,6 +78,18 @@ def test_a_head_never_gets_more_than_it_holds_and_the_excess_moves_to_heads_with
     assert alloc.tolist() == [[120, 185, 95]] and int(alloc.sum()) == 400
 
 
+@pytest.fixture
+def nan_filled_empty(monkeypatch):
+    """``torch.empty`` hands out NaN-filled floating-point storage: memory the store grows but never writes shows up."""
+    empty = torch.empty
+
+    def garbage(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", garbage)
+
+
 def test_offload_store_retrieves_the_chunks_whose_mean_keys_score_highest():
     store = OffloadStore.empty(heads=2, dim=4, chunk=2, dtype=torch.float32, device=torch.device("cpu"))
     keys = torch.zeros(2, 8, 4)
@@ -101,16 +113,9 @@ def test_offload_store_retrieves_the_chunks_whose_mean_keys_score_highest():
     torch.testing.assert_close(v[0, :2], 10 * keys[0, 4:6])
 
 
-def test_a_head_retrieving_fewer_chunks_attends_to_finite_keys_and_values(monkeypatch):
+def test_a_head_retrieving_fewer_chunks_attends_to_finite_keys_and_values(nan_filled_empty):
     """Heads retrieve different numbers of chunks: the narrower head's extra picks lie past its chunks, in storage
     that was never written (NaN here); what fetch returns is finite and attention over it stays finite."""
-    empty = torch.empty
-
-    def garbage(*args, **kwargs):
-        out = empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty", garbage)
     g = torch.Generator().manual_seed(3)
     store = OffloadStore.empty(heads=2, dim=4, chunk=2, dtype=torch.float32, device=torch.device("cpu"))
     valid = torch.zeros(2, 8, dtype=torch.bool)
@@ -128,17 +133,10 @@ def test_a_head_retrieving_fewer_chunks_attends_to_finite_keys_and_values(monkey
     assert bool(torch.isfinite(weights @ v).all())
 
 
-def test_offload_store_lays_out_ragged_adds_in_chunks_as_a_plain_loop_does(monkeypatch):
+def test_offload_store_lays_out_ragged_adds_in_chunks_as_a_plain_loop_does(nan_filled_empty):
     """Two passes with different valid tokens per head (partial last chunks): every head's valid tokens go,
     in arrival order, into fresh chunks of 3 after its earlier ones; mean keys are per chunk; a partial chunk's
     tail is zeros although the store's new chunks start as garbage (here NaN: they are not zeroed when grown)."""
-    empty = torch.empty
-
-    def garbage(*args, **kwargs):
-        out = empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty", garbage)
     g = torch.Generator().manual_seed(5)
     store = OffloadStore.empty(heads=2, dim=4, chunk=3, dtype=torch.bfloat16, device=torch.device("cpu"))
     expected = {h: [] for h in range(2)}  # per head: list of chunks, each a list of (key, value, order)
