@@ -603,6 +603,61 @@ def test_merging_checks_pairs_with_a_changed_prototype_from_either_side():
     torch.testing.assert_close(bank.centre_k[0, 2], (3 * e[1] + (e[1] + 0.01 * e[2])) / 4)
 
 
+def plain_merge(centre_k, centre_v, mass, candidates, eps_k, eps_v):
+    """Alg. 2's merge decision restated as plain loops over one row: each active prototype's partner is the
+    lowest-index active prototype below it whose unit key and value centres are within (eps_k, eps_v), the pair
+    having a candidate on either side; a prototype merges when its partner merges nowhere itself."""
+    slots = len(mass)
+    def unit(c):
+        norm = max(math.sqrt(sum(x * x for x in c)), 1e-12)
+        return [x / norm for x in c]
+
+    unit_k, unit_v = [unit(c) for c in centre_k], [unit(c) for c in centre_v]
+
+    def close(i, j):
+        dk = math.sqrt(sum((a - b) ** 2 for a, b in zip(unit_k[i], unit_k[j])))
+        dv = math.sqrt(sum((a - b) ** 2 for a, b in zip(unit_v[i], unit_v[j])))
+        return dk < eps_k and dv < eps_v
+
+    partner = [None] * slots
+    for j in range(slots):
+        if mass[j] > 0:
+            partner[j] = next((i for i in range(j) if mass[i] > 0 and (candidates[i] or candidates[j]) and close(i, j)), None)
+    merging = [p is not None and partner[p] is None for p in partner]
+    new_mass = list(mass)
+    for j, p in enumerate(partner):
+        if merging[j]:
+            new_mass[p] += mass[j]
+            new_mass[j] = 0
+    pending = [p is not None and not m for p, m in zip(partner, merging)]
+    return new_mass, pending
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_merging_matches_a_plain_loop_over_clustered_prototypes(seed):
+    """Three rows of 48 prototypes drawn around 5 directions (many close pairs, chains of them, some close in keys
+    but not values), half of them changed: the masses after merging and the pairs left pending are those of a
+    plain per-pair loop."""
+    g = torch.Generator().manual_seed(seed)
+    policy = make_policy("protokv", subquantizers=2)
+    rows, slots, dim = 3, 48, 8
+    bank = fresh_bank(policy, slots, dim, rows=rows)
+    bank.used[:] = True
+    directions = torch.randn(5, dim, generator=g)
+    pick = torch.randint(0, 5, (rows, slots), generator=g)
+    bank.centre_k[:] = directions[pick] + 0.02 * torch.randn(rows, slots, dim, generator=g)
+    other = torch.where(torch.rand(rows, slots, generator=g) < 0.3, torch.randint(0, 5, (rows, slots), generator=g), pick)
+    bank.centre_v[:] = directions[other] + 0.02 * torch.randn(rows, slots, dim, generator=g)
+    bank.mass[:] = torch.randint(0, 4, (rows, slots), generator=g)  # some empty slots
+    changed = torch.rand(rows, slots, generator=g) < 0.5
+    expected = [plain_merge(bank.centre_k[r].tolist(), bank.centre_v[r].tolist(), bank.mass[r].tolist(), changed[r].tolist(),
+                            policy.merge_k, policy.merge_v) for r in range(rows)]
+    bank.merge(changed, policy.merge_k, policy.merge_v)
+    assert bank.mass.tolist() == [mass for mass, _ in expected]
+    assert bank.pending.tolist() == [pending for _, pending in expected]
+    assert bank.merged > 0 and bool(bank.pending.any())  # the case exercises merges and chains
+
+
 def test_the_assignment_view_follows_merges_and_marks_recycled_prototypes_lost():
     policy = make_policy("protokv", subquantizers=2)
     bank = policy._new_bank(1, 3, 4, (1, 3), torch.device("cpu"))

@@ -382,20 +382,24 @@ class ProtoBank:
         unit_k = F.normalize(self.centre_k, dim=-1)
         picked_k = torch.gather(unit_k, 1, chosen[..., None].expand(-1, -1, unit_k.shape[-1]))
         # ||a - b||^2 = 2 - 2 cos for unit vectors, so ||a - b|| < eps  <=>  cos > 1 - eps^2 / 2
-        close = (picked_k @ unit_k.transpose(1, 2)) > 1 - eps_k**2 / 2
-        slots = torch.arange(capacity, device=device)
-        close &= real[..., None] & active[:, None, :] & (chosen[..., None] != slots)  # [B, U, K]
-        # Value centres only for the pairs whose keys are close (few): one dot product each, not a [B, U, K] product.
-        b, u, k = torch.nonzero(close, as_tuple=True)
+        # Pairs (row b, candidate u, slot k) whose keys are close: few, so everything after the one [B, U, K] product
+        # works on the pairs, not on [B, U, K] tensors.
+        b, u, k = torch.nonzero((picked_k @ unit_k.transpose(1, 2)) > 1 - eps_k**2 / 2, as_tuple=True)
+        j = chosen[b, u]
+        b, u, k, j = (x[real[b, u] & active[b, k] & (j != k)] for x in (b, u, k, j))
+        # Value centres only for those pairs: one dot product each.
         unit_v = F.normalize(self.centre_v, dim=-1)
-        close[b, u, k] = (unit_v[b, chosen[b, u]] * unit_v[b, k]).sum(-1) > 1 - eps_v**2 / 2
-        # partner(j) = lowest i < j with close(i, j); close is symmetric, so a pair appears from a candidate side.
-        # int32 slot ids: the [B, U, K] temporaries are the largest tensors of a pass.
-        big = torch.tensor(capacity, dtype=torch.int32, device=device)
-        chosen32, slots32 = chosen.to(torch.int32)[..., None], slots.to(torch.int32)
-        from_candidates = torch.where(close & (chosen32 < slots32), chosen32, big).amin(dim=1)
-        own = torch.where(close & (slots32 < chosen32), slots32, big).amin(dim=2)  # candidate j's lower partners
-        partner = from_candidates.long().scatter_reduce(1, chosen, torch.where(real, own, big).long(), reduce="amin")
+        close = (unit_v[b, j] * unit_v[b, k]).sum(-1) > 1 - eps_v**2 / 2
+        b, u, k, j = (x[close] for x in (b, u, k, j))
+        # partner(j) = lowest i < j with close(i, j); close is symmetric, so a pair appears from a candidate side:
+        # slot k's lowest candidate partner below it, and candidate j's lowest partner below it (any slot).
+        from_candidates = torch.full((rows, capacity), capacity, dtype=torch.long, device=device)
+        below = j < k
+        from_candidates.view(-1).scatter_reduce_(0, (b * capacity + k)[below], j[below], reduce="amin")
+        own = torch.full(chosen.shape, capacity, dtype=torch.long, device=device)
+        above = k < j
+        own.view(-1).scatter_reduce_(0, (b * width + u)[above], k[above], reduce="amin")
+        partner = from_candidates.scatter_reduce(1, chosen, own, reduce="amin")
         has_partner = partner < capacity
         root = ~has_partner
         merging = has_partner & torch.gather(torch.cat([root, root.new_zeros(rows, 1)], 1), 1, partner)
