@@ -10,7 +10,7 @@ import torch
 from kvdemo.errors import BudgetError, PolicyParameterError, UnknownPolicyError, UserError
 from kvdemo.policies import CARDS, REGISTRY, LayerView, PolicyCard, make_policy, policy_card, policy_params
 from kvdemo.policies.grid import frame_rank
-from kvdemo.policies.topk import top_k_indices, top_k_mask, top_k_sorted, top_k_sum
+from kvdemo.policies.topk import arg_min, top_k_indices, top_k_mask, top_k_sorted, top_k_sum, top_k_values
 
 
 class IdentityRotation:
@@ -152,6 +152,26 @@ def test_the_cpu_top_k_kernels_match_a_plain_sort(k, dtype):
         values = scores[row].tolist()
         best = sorted(range(64), key=lambda j: values[j], reverse=True)[: int(counts[row])]
         assert sorted(torch.nonzero(ragged[row]).flatten().tolist()) == sorted(best)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.float64])
+def test_top_k_values_and_arg_min_match_a_plain_loop(dtype):
+    """The values path (numpy's sort on a CPU) over [2, 5, 16] rows with repeated entries, against each row sorted in
+    Python; arg_min (numpy's on a CPU) against the first smallest entry of each row, ties included."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randint(-6, 6, (2, 5, 16), generator=g).to(dtype)  # many equal entries
+    for k in (1, 8, 16):
+        values = top_k_values(x, k)
+        assert values.shape == (2, 5, k)
+        for a in range(2):
+            for b in range(5):
+                assert values[a, b].tolist() == sorted(x[a, b].tolist(), reverse=True)[:k]
+    if dtype.is_floating_point:
+        smallest = arg_min(x)
+        for a in range(2):
+            for b in range(5):
+                row = x[a, b].tolist()
+                assert int(smallest[a, b]) == row.index(min(row))
 
 
 def test_top_k_mask_breaks_exact_ties_towards_newer_tokens_on_the_numpy_path():

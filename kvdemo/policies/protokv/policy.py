@@ -77,7 +77,7 @@ from ...errors import PolicyParameterError
 from ...views import LOST, View, ViewContext
 from ..contract import LayerView, Policy, Selection, SummaryRegion, SummaryUpdate
 from ..registry import BenchDeclaration, PolicyCard, param, register
-from ..topk import select_with_text
+from ..topk import arg_min, select_with_text
 from .bank import NearTokens, ProtoBank, Tokens
 from .ema import mahalanobis
 from .pq import beam_search, pq_decode
@@ -290,7 +290,7 @@ class ProtoKV(Policy, SummaryRegion):
         rest = ~initialise & ~seeds
         if bool(rest.any()):
             with timer.phase("assignment", device):
-                choice = self.assignment_cost(bank, keys, spatial, t).argmin(dim=-1)  # [B, E]
+                choice = arg_min(self.assignment_cost(bank, keys, spatial, t))  # [B, E]
             assigned = torch.where(rest, choice, assigned)
             with timer.phase("update", device):
                 cell, residual_k, residual_v = bank.update(keys, values, spatial, position, choice, rest, t,

@@ -7,9 +7,12 @@ Shapes: ``B`` bank rows (layer x KV head), ``G`` sub-quantisers of ``C`` codewor
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...tensors import as_words
+from ..topk import arg_min, top_k_values
 
 
 def train_codebooks(reservoir: torch.Tensor, groups: int, codewords: int, iterations: int = 20) -> torch.Tensor:
@@ -23,7 +26,7 @@ def train_codebooks(reservoir: torch.Tensor, groups: int, codewords: int, iterat
     start = torch.linspace(0, count - 1, codewords, device=reservoir.device).round().long()
     centres = points[:, start].clone()
     for _ in range(iterations):
-        nearest = torch.cdist(points, centres).argmin(dim=-1)  # [BG, R]
+        nearest = arg_min(torch.cdist(points, centres))  # [BG, R]
         sums = torch.zeros_like(centres).scatter_add_(1, nearest[..., None].expand_as(points), points)
         counts = torch.zeros(centres.shape[:2], device=points.device).scatter_add_(1, nearest, torch.ones_like(nearest, dtype=torch.float32))
         centres = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], centres)
@@ -37,7 +40,7 @@ def pq_encode(residual: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     groups, codewords, sub = codebook.shape[1:]
     parts = residual.view(rows, tokens, groups, sub).transpose(1, 2).reshape(rows * groups, tokens, sub)
     distance = torch.cdist(parts, codebook.reshape(rows * groups, codewords, sub))  # [B*G, E, C]
-    return distance.argmin(dim=-1).view(rows, groups, tokens).transpose(1, 2)
+    return arg_min(distance).view(rows, groups, tokens).transpose(1, 2)
 
 
 def pq_decode(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
@@ -56,6 +59,16 @@ def pq_decode(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
 SCORE_SCALE = 2**32
 
 
+def _dominance_pairs(beams: int, codes: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (beam ``i``, code ``j``) pairs of one beam-search step that can be among its ``width`` best: ``(i+1)(j+1) <=
+    width``, as two index tensors ``[P]``. Beams and codes both come best first under the search's order, and a
+    candidate's order is monotone in each (a better prefix or a better code gives a better tuple, ties included), so
+    ``(i, j)`` is beaten by every ``(i', j') <= (i, j)``: ``(i+1)(j+1) - 1`` candidates."""
+    pairs = [(i, j) for i in range(beams) for j in range(codes) if (i + 1) * (j + 1) <= width]
+    index = torch.tensor(pairs, dtype=torch.long, device=device)
+    return index[:, 0], index[:, 1]
+
+
 def beam_search(hist: torch.Tensor, modes: int, beam: int, smoothing: float) -> torch.Tensor:
     """Alg. 3: the top-``modes`` code tuples of the factorised distribution of ``hist [..., G, C]``
     (Eq. 3 smoothing), by beam search over sub-quantisers -> codes ``[..., modes, G]``, best first.
@@ -72,32 +85,49 @@ def beam_search(hist: torch.Tensor, modes: int, beam: int, smoothing: float) -> 
     ones, each of which completes with the same suffix to a better tuple (integer sums are exact, and a tie between
     prefixes is decided by the prefixes, whatever follows). So ``beam`` (the paper's B = 4S) is honoured as an upper
     bound and the search runs ``min(beam, modes)`` wide, returning exactly the top ``modes`` tuples of the order.
+    Within a step only the candidates :func:`_dominance_pairs` leaves can be among its ``width`` best (20 of 64 at
+    ``S = 8``: kvdemo's), so the others are never formed; a sorted key carries its codeword and prefix in its low
+    digits, so the search sorts values (:func:`~kvdemo.policies.topk.top_k_values`) and takes no indices.
     """
     *lead, groups, codewords = hist.shape
     counts = hist.double()
-    logp = torch.log((counts + smoothing) / (counts.sum(-1, keepdim=True) + codewords * smoothing))
-    score = torch.round(logp * SCORE_SCALE).long()  # [..., G, C]
+    total = counts.sum(-1, keepdim=True).add_(codewords * smoothing)
+    score = torch.round(counts.add_(smoothing).div_(total).log_().mul_(SCORE_SCALE)).long()  # [..., G, C]
     code = torch.arange(codewords, device=hist.device)
     top = min(modes, codewords)
     width_max = min(beam, modes)
-    if (int(score.abs().max()) * groups + 1) * max(width_max, 1) * codewords >= 2**62:
+    # |score| is largest for an empty codeword of the fullest histogram: log(smoothing / total) * SCORE_SCALE.
+    largest = math.log(float(total.max()) / smoothing) * SCORE_SCALE + 1 if total.numel() else 0.0
+    if (largest * groups + 1) * max(width_max, 1) * codewords >= 2**62:
         raise ValueError("beam search scores would overflow int64: fewer pseudo-tokens or codewords")
-    # Per sub-quantiser, its best codewords (score first, then the lower codeword): one unique int64 key each.
-    code_ids = torch.topk(score * codewords + (codewords - 1 - code), top, dim=-1).indices  # [..., G, top], best first
-    code_score = torch.gather(score, -1, code_ids)
+    # Per sub-quantiser, its best codewords (score first, then the lower codeword): one unique int64 key each, which
+    # carries its codeword in its low digit (so sorting the keys gives the codewords too).
+    best = top_k_values(score.mul_(codewords).add_(codewords - 1 - code), top).movedim(-2, 0).contiguous()  # [G, ..., top]
+    code_ids = codewords - 1 - best % codewords
+    code_score = torch.div(best, codewords, rounding_mode="floor")
     scores = torch.zeros(*lead, 1, dtype=torch.long, device=hist.device)
     lex = torch.zeros_like(scores)  # each beam's rank in lexicographic order of its prefix
     parents, picked = [], []  # per sub-quantiser: each beam's parent beam and its codeword [..., width]
     for g in range(groups):
-        candidates = (scores[..., :, None] + code_score[..., None, g, :]).flatten(-2)  # [..., width * top]
-        order = (lex[..., :, None] * codewords + code_ids[..., None, g, :]).flatten(-2)  # lexicographic rank of prefix+code
-        span = scores.shape[-1] * codewords  # order < span
-        width = min(beam, modes, candidates.shape[-1])
-        pick = torch.topk(candidates * span + (span - 1 - order), width, dim=-1).indices  # unique keys, best first
-        scores = torch.gather(candidates, -1, pick)
-        lex = torch.argsort(torch.argsort(torch.gather(order, -1, pick), dim=-1), dim=-1)
-        parents.append(torch.div(pick, top, rounding_mode="floor"))
-        picked.append(torch.gather(code_ids[..., g, :], -1, pick % top))
+        beams = scores.shape[-1]
+        width = min(beam, modes, beams * top)
+        beam_of, code_of = (index.expand(*lead, -1) for index in _dominance_pairs(beams, top, width, hist.device))
+        # A candidate's key (score, then its prefix + code in lexicographic order, both in one int64 whose low digit
+        # is span - 1 - order) splits into a beam's part and a code's part: [..., beams] + [..., top], then one sum
+        # per candidate pair.
+        span = beams * codewords
+        beam_key = scores * span - lex * codewords + (span - codewords)
+        code_key = code_score[g] * (span - codewords) + best[g]
+        kept = top_k_values(torch.gather(beam_key, -1, beam_of) + torch.gather(code_key, -1, code_of), width)  # best first
+        scores = torch.div(kept, span, rounding_mode="floor")
+        order = span - 1 - kept % span  # the prefix's lexicographic rank * codewords + the code
+        beam_with_lex = torch.empty_like(lex).scatter_(-1, lex, torch.arange(beams, device=lex.device).expand_as(lex))
+        parents.append(torch.gather(beam_with_lex, -1, torch.div(order, codewords, rounding_mode="floor")))
+        picked.append(order % codewords)
+        # The kept prefixes' ranks among themselves: sort their (unique) orders with each one's position in the low digit.
+        position = torch.arange(width, device=order.device)
+        largest_first = top_k_values(order * width + position, width) % width
+        lex = torch.empty_like(order).scatter_(-1, largest_first, position.flip(0).expand_as(order))
     # Backtrack the best beams through their parents (instead of copying every beam's tuple at every step).
     beams = torch.arange(min(modes, width), device=hist.device).expand(*lead, -1).contiguous()
     tuple_codes = []
