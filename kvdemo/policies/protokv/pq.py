@@ -103,7 +103,6 @@ def beam_search(hist: torch.Tensor, modes: int, beam: int, smoothing: float) -> 
     # Per sub-quantiser, its best codewords (score first, then the lower codeword): one unique int64 key each, which
     # carries its codeword in its low digit (so sorting the keys gives the codewords too).
     best = top_k_values(score.mul_(codewords).add_(codewords - 1 - code), top).movedim(-2, 0).contiguous()  # [G, ..., top]
-    code_ids = codewords - 1 - best % codewords
     code_score = torch.div(best, codewords, rounding_mode="floor")
     scores = torch.zeros(*lead, 1, dtype=torch.long, device=hist.device)
     lex = torch.zeros_like(scores)  # each beam's rank in lexicographic order of its prefix
