@@ -64,8 +64,11 @@ class Rotation:
         xf = x.float()
         # x cos + sign * rotate_half(x) sin on the rotary channels, rotate_half(x) = [-x2, x1] added half by half in
         # place (no concatenated copy); cos/sin broadcast, so positions shared along a dimension can stay size 1.
-        out = xf.clone() if rot < x.shape[-1] else torch.empty_like(xf)
-        out[..., :rot] = xf[..., :rot] * cos
+        if rot < x.shape[-1]:
+            out = xf.clone()
+            out[..., :rot].mul_(cos)
+        else:
+            out = xf * cos  # one pass (broadcast cos), no product copied into a second buffer
         out[..., :half].addcmul_(xf[..., half:rot], sin[..., :half], value=-sign)
         out[..., half:rot].addcmul_(xf[..., :half], sin[..., half:], value=sign)
         return out.to(x.dtype)
