@@ -90,19 +90,22 @@ def beam_search(hist: torch.Tensor, modes: int, beam: int, smoothing: float) -> 
     digits, so the search sorts values (:func:`~kvdemo.policies.topk.top_k_values`) and takes no indices.
     """
     *lead, groups, codewords = hist.shape
-    counts = hist.double()
-    total = counts.sum(-1, keepdim=True).add_(codewords * smoothing)
-    score = torch.round(counts.add_(smoothing).div_(total).log_().mul_(SCORE_SCALE)).long()  # [..., G, C]
     code = torch.arange(codewords, device=hist.device)
     top = min(modes, codewords)
     width_max = min(beam, modes)
+    counts = hist.long()
+    total = counts.sum(-1, keepdim=True).double().add_(codewords * smoothing)  # [..., G, 1]
     # |score| is largest for an empty codeword of the fullest histogram: log(smoothing / total) * SCORE_SCALE.
     largest = math.log(float(total.max()) / smoothing) * SCORE_SCALE + 1 if total.numel() else 0.0
-    if (largest * groups + 1) * max(width_max, 1) * codewords >= 2**62:
+    if (largest * groups + 1) * max(width_max, 1) * codewords >= 2**62 or largest >= 2**31 * SCORE_SCALE:
         raise ValueError("beam search scores would overflow int64: fewer pseudo-tokens or codewords")
-    # Per sub-quantiser, its best codewords (score first, then the lower codeword): one unique int64 key each, which
-    # carries its codeword in its low digit (so sorting the keys gives the codewords too).
-    best = top_k_values(score.mul_(codewords).add_(codewords - 1 - code), top).movedim(-2, 0).contiguous()  # [G, ..., top]
+    # Per sub-quantiser, its best codewords (score first, then the lower codeword). A score grows strictly with its
+    # count (two counts below 2^31 differ by more than 2^-32 in log-probability), so they are the codewords with the
+    # most counts: integer keys that carry their codeword in the low digit, sorted, then scored (``top`` of ``C``).
+    best = top_k_values(counts * codewords + (codewords - 1 - code), top)  # [..., G, top], best first
+    low = best % codewords  # codewords - 1 - the codeword
+    logp = torch.div(best, codewords, rounding_mode="floor").double().add_(smoothing).div_(total).log_()
+    best = torch.round(logp.mul_(SCORE_SCALE)).long().mul_(codewords).add_(low).movedim(-2, 0).contiguous()  # [G, ..., top]
     code_score = torch.div(best, codewords, rounding_mode="floor")
     scores = torch.zeros(*lead, 1, dtype=torch.long, device=hist.device)
     lex = torch.zeros_like(scores)  # each beam's rank in lexicographic order of its prefix
