@@ -33,6 +33,7 @@ def test_protokv_and_hybridkv_benchmarks_on_a_small_shape():
     result = update_benchmark(make_policy("protokv", warmup=16), grids=20, factor=2, window=4, shape=shape)
     near = make_policy("protokv").split(256)[0]  # 64 tokens = 4 grids
     assert result["1x"]["passes"] == 20 - near // 16 and result["2x"]["passes"] == 40 - near // 16
+    assert result["1x bfloat16"]["passes"] == result["1x"]["passes"]  # the same stream with a bfloat16 cache
     assert {"assignment", "update", "residuals", "maintenance", "synthesis", "total"} <= set(result["1x"]["per_frame_ms"])
     assert result["infinipot_v"]["passes"] >= 1 and "InfiniPot-V" in update_table(result, "protokv")
     assert result["synthesis_all_ms"] > 0, "a policy with a summary region times synthesising every entry at once"

@@ -92,14 +92,16 @@ def update_benchmark(policy: Policy, grids: int = 48, factor: int = 20, window: 
                      shape: dict[str, Any] | None = None) -> dict[str, Any]:
     """A policy's per-chunk update at 7B shape (for one sized by ``M`` alone, one pass per temporal grid once
     its window is full), split by the phases it reports, averaged over the last ``window`` passes of a
-    ``grids``-grid stream and of a ``factor`` times longer one; next to InfiniPot-V's pass amortised per grid
-    on the same stream shape, and, for a policy with a summary region, the cost of synthesising every summary
-    entry at once (what a read-time synthesis would cost; the policy refreshes during ingestion)."""
+    ``grids``-grid stream and of a ``factor`` times longer one (float32), and of the ``grids``-grid stream in bfloat16
+    (``"1x bfloat16"``); next to InfiniPot-V's pass amortised per grid on the same stream shape, and, for a policy
+    with a summary region, the cost of synthesising every summary entry at once (what a read-time synthesis would
+    cost; the policy refreshes during ingestion)."""
     shape = shape or QWEN7B_SHAPE
     out: dict[str, Any] = {"shape": {**shape, "grid": list(shape["grid"])}, "grids": grids, "factor": factor}
-    for label, length in (("1x", grids), (f"{factor}x", grids * factor)):
+    runs = (("1x", grids, torch.float32), (f"{factor}x", grids * factor, torch.float32), (UPDATE_BF16, grids, torch.bfloat16))
+    for label, length, dtype in runs:
         fresh = dataclasses.replace(policy)
-        memory, passes = simulated_stream(fresh, length, shape)
+        memory, passes = simulated_stream(fresh, length, shape, dtype)
         tail = passes[-window:]
         per_grid = _mean_phases(tail)
         out[label] = {"per_grid_ms": per_grid, "per_frame_ms": {k: v / 2 for k, v in per_grid.items()},
@@ -120,15 +122,20 @@ def update_benchmark(policy: Policy, grids: int = 48, factor: int = 20, window: 
     return out
 
 
+#: The update benchmark's bfloat16 run (the ``grids``-grid stream with a bfloat16 cache).
+UPDATE_BF16 = "1x bfloat16"
+
+
 def update_table(result: dict[str, Any], name: str) -> str:
     factor = f"{result['factor']}x"
+    columns = ["1x", factor] + [UPDATE_BF16] * (UPDATE_BF16 in result)
     phases = [k for k in result["1x"]["per_frame_ms"] if k != "total"] + ["total"]
     shape = result["shape"]
     lines = [f"{name} update per frame ({shape['num_layers']} layers x {shape['num_kv_heads']} KV heads x {shape['head_dim']}, "
-             f"M={shape['budget']}), ms, mean of the last passes:", f"  {'phase':<12} {'1x':>9} {factor:>9}"]
+             f"M={shape['budget']}), ms, mean of the last passes (float32 unless named):",
+             f"  {'phase':<12} " + " ".join(f"{column:>12}" for column in columns)]
     for name in phases:
-        a, b = result["1x"]["per_frame_ms"].get(name, 0.0), result[factor]["per_frame_ms"].get(name, 0.0)
-        lines.append(f"  {name:<12} {a:>9.1f} {b:>9.1f}")
+        lines.append(f"  {name:<12} " + " ".join(f"{result[column]['per_frame_ms'].get(name, 0.0):>12.1f}" for column in columns))
     ref = result["infinipot_v"]
     lines.append(f"  InfiniPot-V pass amortised per frame: {ref['per_frame_ms']:.1f} ms ({ref['passes']} passes of {ref['pass_ms']:.0f} ms)")
     lines.append(f"  {name} / InfiniPot-V per frame: {result['1x']['per_frame_ms']['total'] / max(ref['per_frame_ms'], 1e-9):.2f}x"
