@@ -59,6 +59,15 @@ def pq_decode(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
 SCORE_SCALE = 2**32
 
 
+def _floor_divmod(x: torch.Tensor, divisor: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x // divisor, x mod divisor)`` of int64 ``x`` (floor division, non-negative remainder), by a shift and a mask
+    when ``divisor`` is a power of two (exact for negative ``x`` in two's complement; CPU int64 division is not
+    vectorised)."""
+    if divisor & (divisor - 1) == 0:
+        return x >> (divisor.bit_length() - 1), x & (divisor - 1)
+    return torch.div(x, divisor, rounding_mode="floor"), x % divisor
+
+
 def _dominance_pairs(beams: int, codes: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The (beam ``i``, code ``j``) pairs of one beam-search step that can be among its ``width`` best: ``(i+1)(j+1) <=
     width``, as two index tensors ``[P]``. Beams and codes both come best first under the search's order, and a
@@ -103,10 +112,10 @@ def beam_search(hist: torch.Tensor, modes: int, beam: int, smoothing: float) -> 
     # count (two counts below 2^31 differ by more than 2^-32 in log-probability), so they are the codewords with the
     # most counts: integer keys that carry their codeword in the low digit, sorted, then scored (``top`` of ``C``).
     best = top_k_values(counts * codewords + (codewords - 1 - code), top)  # [..., G, top], best first
-    low = best % codewords  # codewords - 1 - the codeword
-    logp = torch.div(best, codewords, rounding_mode="floor").double().add_(smoothing).div_(total).log_()
+    best_count, low = _floor_divmod(best, codewords)  # low: codewords - 1 - the codeword
+    logp = best_count.double().add_(smoothing).div_(total).log_()
     best = torch.round(logp.mul_(SCORE_SCALE)).long().mul_(codewords).add_(low).movedim(-2, 0).contiguous()  # [G, ..., top]
-    code_score = torch.div(best, codewords, rounding_mode="floor")
+    code_score = _floor_divmod(best, codewords)[0]
     scores = torch.zeros(*lead, 1, dtype=torch.long, device=hist.device)
     lex = torch.zeros_like(scores)  # each beam's rank in lexicographic order of its prefix
     parents, picked = [], []  # per sub-quantiser: each beam's parent beam and its codeword [..., width]
@@ -121,14 +130,15 @@ def beam_search(hist: torch.Tensor, modes: int, beam: int, smoothing: float) -> 
         beam_key = scores * span - lex * codewords + (span - codewords)
         code_key = code_score[g] * (span - codewords) + best[g]
         kept = top_k_values(torch.gather(beam_key, -1, beam_of) + torch.gather(code_key, -1, code_of), width)  # best first
-        scores = torch.div(kept, span, rounding_mode="floor")
-        order = span - 1 - kept % span  # the prefix's lexicographic rank * codewords + the code
+        scores, low = _floor_divmod(kept, span)
+        order = span - 1 - low  # the prefix's lexicographic rank * codewords + the code
+        prefix, code_of_beam = _floor_divmod(order, codewords)
         beam_with_lex = torch.empty_like(lex).scatter_(-1, lex, torch.arange(beams, device=lex.device).expand_as(lex))
-        parents.append(torch.gather(beam_with_lex, -1, torch.div(order, codewords, rounding_mode="floor")))
-        picked.append(order % codewords)
+        parents.append(torch.gather(beam_with_lex, -1, prefix))
+        picked.append(code_of_beam)
         # The kept prefixes' ranks among themselves: sort their (unique) orders with each one's position in the low digit.
         position = torch.arange(width, device=order.device)
-        largest_first = top_k_values(order * width + position, width) % width
+        largest_first = _floor_divmod(top_k_values(order * width + position, width), width)[1]
         lex = torch.empty_like(order).scatter_(-1, largest_first, position.flip(0).expand_as(order))
     # Backtrack the best beams through their parents (instead of copying every beam's tuple at every step).
     beams = torch.arange(min(modes, width), device=hist.device).expand(*lead, -1).contiguous()
