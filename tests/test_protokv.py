@@ -525,6 +525,15 @@ def test_beam_search_orders_tied_tuples_as_its_rule_says(groups, codewords, mode
         assert codes[p].tolist() == [list(z) for z in ranked[:modes]], p
 
 
+def test_beam_search_refuses_histograms_too_full_to_rank_by_count():
+    """Codewords are ranked by their counts, which matches the score order only while two counts differ by more than
+    2^-32 in log-probability: a histogram of 2^31 residuals or more is refused, one below is searched."""
+    with pytest.raises(ValueError, match="fewer than 2\\^31 residuals"):
+        beam_search(torch.full((1, 2, 4), 2**29), modes=2, beam=8, smoothing=0.1)
+    codes = beam_search(torch.tensor([[[2**29 - 1, 2**29, 2**29, 7]] * 2]), modes=2, beam=8, smoothing=0.1)
+    assert codes.tolist() == [[[1, 1], [1, 2]]]  # the two tied largest counts, lower codeword first
+
+
 def test_pq_codebooks_encode_and_decode_clustered_residuals():
     g = torch.Generator().manual_seed(4)
     centres = torch.randn(2, 16, 8, generator=g) * 5  # two rows, 16 clusters in an 8-d space

@@ -106,8 +106,10 @@ def beam_search(hist: torch.Tensor, modes: int, beam: int, smoothing: float) -> 
     total = counts.sum(-1, keepdim=True).double().add_(codewords * smoothing)  # [..., G, 1]
     # |score| is largest for an empty codeword of the fullest histogram: log(smoothing / total) * SCORE_SCALE.
     largest = math.log(float(total.max()) / smoothing) * SCORE_SCALE + 1 if total.numel() else 0.0
-    if (largest * groups + 1) * max(width_max, 1) * codewords >= 2**62 or largest >= 2**31 * SCORE_SCALE:
+    if (largest * groups + 1) * max(width_max, 1) * codewords >= 2**62:
         raise ValueError("beam search scores would overflow int64: fewer pseudo-tokens or codewords")
+    if total.numel() and float(total.max()) >= 2**31:
+        raise ValueError("beam search needs histograms of fewer than 2^31 residuals (their codewords are ranked by count)")
     # Per sub-quantiser, its best codewords (score first, then the lower codeword). A score grows strictly with its
     # count (two counts below 2^31 differ by more than 2^-32 in log-probability), so they are the codewords with the
     # most counts: integer keys that carry their codeword in the low digit, sorted, then scored (``top`` of ``C``).
