@@ -186,7 +186,7 @@ def arg_min(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.argmin(x.detach().numpy(), axis=-1))
 
 
-#: The dtypes numpy selects in (it has no bfloat16; every key passed here is float32 or float64).
+#: The float dtypes numpy selects in (it has no bfloat16); :func:`top_k_values` also takes int64 keys.
 _NUMPY_SELECTABLE = (torch.float32, torch.float64)
 
 
