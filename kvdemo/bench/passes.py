@@ -48,9 +48,10 @@ def time_pass(policy: Policy, memory: KVMemory, keep: int, repeats: int, floor: 
     moved = 0
     devices = memory.devices
     probe = _probe(policy, memory)
+    targets = floor_targets(memory, keep) if floor else []
     with torch.inference_mode():
         for run in range(repeats + 1):
-            floor_ms = time_floor(memory, keep, 1, warmup=False)["floor_ms"] if floor else 0.0
+            floor_ms = time_floor(memory, keep, 1, warmup=False, targets=targets)["floor_ms"] if floor else 0.0
             fresh = copy.deepcopy(memory)
             watch = Stopwatch(devices)
             selection = policy.compress(fresh.views(probe=probe), keep)
@@ -76,27 +77,41 @@ def time_pass(policy: Policy, memory: KVMemory, keep: int, repeats: int, floor: 
     return out
 
 
-def time_floor(memory: KVMemory, keep: int, repeats: int, warmup: bool = True) -> dict[str, float]:
-    """The memory-bound floor of any selection pass: read every visual key and value once and write ``keep``
-    tokens' keys and values; median and min ms. Both are raw byte streams, whatever the dtype: the read is a
-    sum over the buffers viewed as int64 words (a bfloat16 sum would time the conversion, not the memory), the
-    write a fill of preallocated buffers."""
+def _words(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int64) if t.shape[-1] * t.element_size() % 8 == 0 else t
+
+
+def floor_targets(memory: KVMemory, keep: int) -> list[torch.Tensor]:
+    """What the floor writes: ``keep`` tokens' keys and values per layer, ``[H, keep, D]`` each, allocated and
+    written once here. A pass compacts the memory's own resident buffers, so the floor writes resident memory too:
+    a first write into fresh pages would time the kernel's page faults (measured here up to 10x the write itself,
+    depending on whether the allocator handed back memory it had kept), not the memory."""
     views = memory.views()
     targets = [torch.empty(v.num_heads, keep, v.keys.shape[-1], dtype=v.keys.dtype, device=v.keys.device)
                for v in views for _ in range(2)]
+    with torch.inference_mode():
+        for target in targets:
+            _words(target).fill_(0)
+    return targets
 
-    def words(t: torch.Tensor) -> torch.Tensor:
-        return t.view(torch.int64) if t.shape[-1] * t.element_size() % 8 == 0 else t
 
+def time_floor(memory: KVMemory, keep: int, repeats: int, warmup: bool = True,
+               targets: list[torch.Tensor] | None = None) -> dict[str, float]:
+    """The memory-bound floor of any selection pass: read every visual key and value once and write ``keep``
+    tokens' keys and values; median and min ms. Both are raw byte streams, whatever the dtype: the read is a
+    sum over the buffers viewed as int64 words (a bfloat16 sum would time the conversion, not the memory), the
+    write a fill of resident buffers (``targets`` from :func:`floor_targets`, made here when None)."""
+    views = memory.views()
+    targets = targets if targets is not None else floor_targets(memory, keep)
     times = []
     with torch.inference_mode():
         for run in range(repeats + int(warmup)):
             watch = Stopwatch(memory.devices)
             for view in views:
-                words(view.keys).sum()
-                words(view.values).sum()
+                _words(view.keys).sum()
+                _words(view.values).sum()
             for target in targets:
-                words(target).fill_(1)
+                _words(target).fill_(1)
             if run >= int(warmup):
                 times.append(watch.ms())
     s = _summary(times)
