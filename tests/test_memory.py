@@ -15,6 +15,7 @@ from kvdemo.policies import Selection
 from kvdemo.policies.contract import SummaryUpdate
 from kvdemo.stream.engine import StreamEngine
 from kvdemo.stream.streaming import stream_video
+from kvdemo.tensors import put_rows, take_rows
 from kvdemo.testing import synthetic_chunk, synthetic_memory
 
 GRID = (2, 3)  # 6 tokens per temporal grid, non-square
@@ -115,10 +116,17 @@ def test_a_new_chunk_goes_after_the_compacted_tokens_and_gets_the_new_reason():
 
 def test_ragged_selection_pads_with_a_minus_infinity_bias():
     memory = small_memory(grids=4)
-    index = torch.tensor([[0, 5, 9, 17, 23], [2, 3, 0, 0, 0]])
+    index = torch.tensor([[0, 5, 9, 17, 23], [2, 3, 2, 2, 2]])  # padding that repeats a kept token
     valid = torch.tensor([[True] * 5, [True, True, False, False, False]])
-    memory.apply(Selection([index, index], valid=[valid, valid]))
+    reason = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]], dtype=torch.int8)
+    memory.apply(Selection([index, index], {"reason": [reason, reason]}, valid=[valid, valid]))
     assert held_tokens(memory, 0, 0) == [0, 5, 9, 17, 23] and held_tokens(memory, 0, 1) == [2, 3]
+    # Each kept token carries its own reason; the entries marked invalid wrote none.
+    for layer in range(2):
+        by_token = {int(t): int(r) for t, r in zip(memory.order[layer][0, :5], memory.reason[layer][0, :5])}
+        assert by_token == {0: 5, 5: 6, 9: 7, 17: 8, 23: 9}
+        by_token = {int(t): int(r) for t, r in zip(memory.order[layer][1, :2], memory.reason[layer][1, :2])}
+        assert by_token == {2: 10, 3: 11}
     assert memory.head_counts(0).tolist() == [5, 2]
     assert memory.visual_tokens == 4  # mean over KV heads: (5 + 2) / 2 rounded
     assert memory.largest_head_tokens == 5
@@ -230,3 +238,22 @@ def test_buffers_follow_what_the_stream_holds_not_the_budget_typed(tiny, pancake
     assert memory.allocated_bytes <= 1.5 * streamed + 256 * memory.token_bytes(), (memory.allocated_bytes, streamed)
     if params["budget"] < 1000:
         assert all(s.capacity <= memory.prefix_len + params["budget"] + 256 for s in memory.layers)
+
+
+@pytest.mark.parametrize("dtype, dim", [(torch.float32, 8), (torch.bfloat16, 8), (torch.bfloat16, 3), (torch.int32, 8)])
+def test_row_moves_match_a_plain_loop(dtype, dim):
+    """take_rows / put_rows (int64 words through numpy where they can, index_select / index_copy_ elsewhere: odd
+    bfloat16 rows) against rows copied one at a time."""
+    generator = torch.Generator().manual_seed(3)
+    rows = (torch.randn(40, dim, generator=generator) * 100).to(dtype)
+    source = torch.tensor([7, 0, 39, 12, 12, 5])
+    gathered = take_rows(rows, source)
+    assert gathered.dtype == dtype and gathered.shape == (6, dim)
+    for i, s in enumerate(source.tolist()):
+        assert torch.equal(gathered[i], rows[s])
+    target = torch.tensor([3, 30, 1, 22, 9, 0])
+    expected = rows.clone()
+    for i, t in enumerate(target.tolist()):
+        expected[t] = gathered[i]
+    put_rows(rows, target, gathered)
+    assert torch.equal(rows, expected)

@@ -1,5 +1,6 @@
 """One layer of the memory (:class:`kvdemo.cache.memory.KVMemory`): its buffers and provenance, and the moves that keep
-them compact. Every move is one ``index_select``/``index_copy_`` over all heads on the flattened buffer; keys
+them compact. Every move is one gather and one scatter of rows over all heads on the flattened buffer
+(:func:`kvdemo.tensors.take_rows`, :func:`kvdemo.tensors.put_rows`); keys
 (heads ``0..H-1``) and values (heads ``H..2H-1``) share one buffer so they move together. ``start`` is where the
 visual slots begin (after the prefix and the summary region); the layout is in :mod:`kvdemo.cache.memory`.
 """
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..policies.contract import OffloadUpdate, SummaryUpdate
-from ..tensors import as_words
+from ..tensors import put_rows, take_rows
 from .offload import OffloadStore
 
 #: Reason code of a visual slot appended since the last compression (no policy reason yet).
@@ -79,13 +80,13 @@ class LayerMemory:
         width = int(order.numel())
         base = start + self.visual_len
         heads2, capacity = self.kv.shape[1], self.capacity
-        flat = as_words(self.kv.view(heads2 * capacity, self.kv.shape[-1]))
+        flat = self.kv.view(heads2 * capacity, self.kv.shape[-1])
         offsets = torch.arange(heads2, device=device)[:, None] * capacity + base
-        flat.index_copy_(0, (offsets + torch.arange(width, device=device)).flatten(), flat.index_select(0, (offsets + order).flatten()))
+        put_rows(flat, (offsets + torch.arange(width, device=device)).flatten(), take_rows(flat, (offsets + order).flatten()))
         heads, rows = self.packed.shape[:2]
         packed = self.packed.view(heads * rows, PROVENANCE_WIDTH)
         offsets = torch.arange(heads, device=device)[:, None] * rows + self.visual_len
-        packed.index_copy_(0, (offsets + torch.arange(width, device=device)).flatten(), packed.index_select(0, (offsets + order).flatten()))
+        put_rows(packed, (offsets + torch.arange(width, device=device)).flatten(), take_rows(packed, (offsets + order).flatten()))
 
 
     def compact(self, index: torch.Tensor, valid: torch.Tensor | None, reason: torch.Tensor | None, start: int) -> int:
@@ -106,10 +107,10 @@ class LayerMemory:
             reason = reason.to(device=device, dtype=codes.dtype)
             if valid is None:
                 codes[:, :length].scatter_(1, index, reason)
-            else:
-                rows = torch.arange(heads, device=device)[:, None].expand_as(index)
-                chosen = valid.to(device)
-                codes[rows[chosen], index[chosen]] = reason[chosen]
+            else:  # the same scatter, the invalid entries landing in a dummy column L
+                widened = torch.empty(heads, length + 1, dtype=codes.dtype, device=device)
+                widened[:, :length] = codes[:, :length]
+                codes[:, :length] = widened.scatter_(1, target, reason)[:, :length]
         counts = kept.sum(dim=1)  # [H]
         slot = torch.arange(length, device=device)
         below = slot[None] < counts[:, None]
@@ -121,14 +122,14 @@ class LayerMemory:
         head_of_mover, slot_of_mover = movers // length, movers % length
         rows = self.packed.shape[1]
         packed = self.packed.view(heads * rows, PROVENANCE_WIDTH)
-        packed.index_copy_(0, head_of_hole * rows + slot_of_hole, packed.index_select(0, head_of_mover * rows + slot_of_mover))
+        put_rows(packed, head_of_hole * rows + slot_of_hole, take_rows(packed, head_of_mover * rows + slot_of_mover))
         # Keys (heads 0..H-1) and values (heads H..2H-1) of one buffer move with one gather.
         capacity = self.capacity
         both = torch.tensor([0, heads], device=device)[:, None]
         kv_dst = ((head_of_hole[None] + both) * capacity + start + slot_of_hole[None]).flatten()
         kv_src = ((head_of_mover[None] + both) * capacity + start + slot_of_mover[None]).flatten()
-        flat = as_words(self.kv.view(2 * heads * capacity, self.kv.shape[-1]))
-        flat.index_copy_(0, kv_dst, flat.index_select(0, kv_src))
+        flat = self.kv.view(2 * heads * capacity, self.kv.shape[-1])
+        put_rows(flat, kv_dst, take_rows(flat, kv_src))
         new_len = int(counts.max()) if heads else 0
         if bool((counts == new_len).all()):
             self.valid = None
@@ -179,12 +180,12 @@ class LayerMemory:
         target = torch.cumsum(keep.long(), dim=1)[h, j] - 1
         capacity, rows = self.capacity, self.packed.shape[1]
         both = torch.tensor([0, heads], device=device)[:, None]
-        flat = as_words(self.kv.view(2 * heads * capacity, self.kv.shape[-1]))
+        flat = self.kv.view(2 * heads * capacity, self.kv.shape[-1])
         kv_src = ((h[None] + both) * capacity + start + held + j[None]).flatten()
         kv_dst = ((h[None] + both) * capacity + start + self.visual_len + target[None]).flatten()
-        flat.index_copy_(0, kv_dst, flat.index_select(0, kv_src))
+        put_rows(flat, kv_dst, take_rows(flat, kv_src))
         packed = self.packed.view(heads * rows, PROVENANCE_WIDTH)
-        packed.index_copy_(0, h * rows + self.visual_len + target, packed.index_select(0, h * rows + held + j))
+        put_rows(packed, h * rows + self.visual_len + target, take_rows(packed, h * rows + held + j))
         new_len = int(counts.max()) if heads else 0
         slot = torch.arange(new_len, device=device)
         self.text_valid = None if bool((counts == new_len).all()) else slot[None] < counts[:, None]
@@ -217,6 +218,6 @@ class LayerMemory:
             heads, capacity, dim = self.keys.shape[1], self.capacity, self.keys.shape[-1]
             rows = (torch.arange(heads, device=summary.slots.device)[:, None] * capacity + p + summary.slots).flatten()
             rows = rows.to(self.keys.device)
-            self.keys.view(heads * capacity, dim).index_copy_(0, rows, summary.keys.reshape(-1, dim).to(self.keys.device, self.keys.dtype))
-            self.values.view(heads * capacity, dim).index_copy_(0, rows, summary.values.reshape(-1, dim).to(self.values.device, self.values.dtype))
+            put_rows(self.keys.view(heads * capacity, dim), rows, summary.keys.reshape(-1, dim).to(self.keys.device, self.keys.dtype))
+            put_rows(self.values.view(heads * capacity, dim), rows, summary.values.reshape(-1, dim).to(self.values.device, self.values.dtype))
         self.bias[:, p:s] = summary.bias.to(self.bias.dtype)

@@ -22,7 +22,8 @@ Layout of one layer's buffers ``keys/values [1, H_kv, capacity, D]`` (slots, not
 
 Every byte moves once: an append copies the chunk into the slack; a compression moves only the kept tokens
 that sit at or beyond slot ``C`` into the evicted slots below ``C`` (at most ``M - C`` tokens per head,
-``index_select``/``index_copy_`` on the flattened ``[H * capacity, D]`` buffer), never the prefix. Keys
+one gather and one scatter of rows of the flattened ``[H * capacity, D]`` buffer: :func:`kvdemo.tensors.take_rows`,
+:func:`kvdemo.tensors.put_rows`), never the prefix. Keys
 carry their rotation (post-RoPE), so attention does not care where a token sits: only a new chunk must
 come after what it attends to, which the slack guarantees. Buffers follow what the stream holds: they grow
 geometrically as chunks arrive, never past what ``M`` (and a question) needs, so an ``M`` the stream never
@@ -394,7 +395,7 @@ class KVMemory:
         key/value bytes moved.
 
         Compaction in place: head ``h`` keeps ``c_h`` tokens, so its kept tokens at slots ``>= c_h`` move
-        into its evicted slots ``< c_h`` (one ``index_select`` + ``index_copy_`` over all heads).
+        into its evicted slots ``< c_h`` (one gather and one scatter of rows over all heads).
         ``selection.indices[l]`` is ``[H, keep]`` (sorted), ``selection.valid[l]`` (optional) marks the
         entries that count when heads keep different numbers. The prefix is never touched. A policy's
         reasons (``selection.info["reason"]``) are stored per slot and move along. A ``selection.summary``

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tensors import as_words
+from ..tensors import put_rows, take_rows
 
 
 @dataclass
@@ -115,27 +115,29 @@ class OffloadStore:
         rank = torch.cumsum(valid.long(), dim=1) - 1  # position among the head's valid tokens
         new_chunks = (valid.sum(dim=1) + self.chunk - 1) // self.chunk
         self._grow(int((self.count + new_chunks).max()) if heads else 0)
-        h, e = torch.nonzero(valid, as_tuple=True)
-        new_chunk = rank[h, e] // self.chunk  # 0.. among the head's new chunks
-        dest = (h * self.capacity + self.count[h] + new_chunk) * self.chunk + rank[h, e] % self.chunk
-        source_words = as_words(rows)
+        # The valid (h, e) as flat indices h * E + e (row-major, as nonzero gives them): 1-D gathers below.
+        picked = torch.nonzero(valid.flatten()).squeeze(1)
+        h = torch.div(picked, tokens, rounding_mode="floor")
+        slot = rank.flatten().index_select(0, picked)  # place among its head's new tokens: chunk slot // chunk
+        new_chunk = torch.div(slot, self.chunk, rounding_mode="floor")  # 0.. among the head's new chunks
+        first = (torch.arange(heads, device=valid.device) * self.capacity + self.count) * self.chunk  # [H] first new slot
+        dest = first.index_select(0, h) + slot
         # The tail of each head's last new chunk (a partial chunk): zeros, so that a retrieved chunk is finite.
         opened = new_chunks * self.chunk
         tail_head, tail_slot = torch.nonzero(torch.arange(self.chunk, device=valid.device)[None] < (opened - valid.sum(dim=1))[:, None], as_tuple=True)
         tail = (tail_head * self.capacity + self.count[tail_head]) * self.chunk + opened[tail_head] - 1 - tail_slot
         moved = {}
         for name, store, index in (("keys", self.keys, key_rows), ("values", self.values, value_rows)):
-            # int64-word rows with index_select / index_copy_ (see as_words)
-            moved[name] = source_words.index_select(0, index.cpu()[h, e].to(rows.device)).cpu()
-            as_words(store.view(-1, dim)).index_copy_(0, dest, moved[name])
+            moved[name] = take_rows(rows, index.cpu().flatten().index_select(0, picked)).cpu()
+            put_rows(store.view(-1, dim), dest, moved[name])
             store.view(-1, dim)[tail] = 0
         self.valid.view(-1)[dest] = True
         for name, values_of in provenance.items():
-            self.provenance[name].view(-1).index_copy_(0, dest, values_of.cpu()[h, e].long())
+            put_rows(self.provenance[name].view(-1, 1), dest, values_of.cpu().flatten().index_select(0, picked).long()[:, None])
         # Mean keys of the new chunks only (float32), on the model's device.
         width = int(new_chunks.max()) if heads else 0
         cell = h * width + new_chunk
-        new_keys = moved["keys"].view(rows.dtype).view(-1, dim).float()
+        new_keys = moved["keys"].float()
         sums = torch.zeros(heads * width, dim, dtype=torch.float32, device="cpu").index_add_(0, cell, new_keys)
         counts = torch.bincount(cell, minlength=heads * width)
         fresh = counts > 0

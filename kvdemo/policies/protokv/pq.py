@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ...tensors import as_words
+from ...tensors import take_rows
 from ..topk import arg_min, top_k_values
 
 
@@ -49,8 +49,7 @@ def pq_decode(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     codewords, sub = codebook.shape[-2:]
     row_ids = torch.arange(rows, device=codes.device)[:, None, None, None]
     flat = ((row_ids * groups + torch.arange(groups, device=codes.device)) * codewords + codes).reshape(-1)
-    # One index_select of codeword rows (as int64 words when they are whole words: see as_words).
-    picked = as_words(codebook.reshape(-1, sub).contiguous()).index_select(0, flat).view(codebook.dtype)
+    picked = take_rows(codebook.reshape(-1, sub).contiguous(), flat)  # one gather of codeword rows
     return picked.view(rows, protos, modes, groups * sub)
 
 
