@@ -145,6 +145,10 @@ def test_the_cpu_top_k_kernels_match_a_plain_sort(k, dtype):
         assert sorted(top_k_indices(scores, k, largest=False)[row].tolist()) == sorted(worst)
         assert float(top_k_sum(scores, k)[row]) == pytest.approx(sum(values[j] for j in best), rel=1e-6, abs=1e-6)
         assert sorted(torch.nonzero(top_k_mask(scores, k, order)[row]).flatten().tolist()) == sorted(best)
+    # In place (the caller's tensor reordered within its rows): the same sums, and the same values in each row.
+    scratch = scores.clone()
+    assert torch.equal(top_k_sum(scratch, k, overwrite=True), top_k_sum(scores, k))
+    assert torch.equal(scratch.sort(dim=1).values, scores.sort(dim=1).values)
     # A count per row (a ragged selection): row r keeps its own best k_r.
     counts = torch.tensor([k, max(1, k // 2), 1, k, 0, min(64, k + 3)])
     ragged = top_k_mask(scores, counts, order)

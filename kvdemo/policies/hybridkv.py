@@ -53,6 +53,7 @@ The paper compresses once, at prefill, with the user's prompt present. kvdemo's 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -151,7 +152,8 @@ class HybridKV(Policy, Probed):
         home = views[0].keys.device
         timer = PhaseTimer()
         with timer.phase("probe attention", home):  # the policy's own arithmetic: the probe's queries over every key
-            scores, priors = zip(*(self.text_centric(view) for view in views))
+            scratch: dict[tuple[str, torch.device], torch.Tensor] = {}  # buffers every layer reuses
+            scores, priors = zip(*(self.text_centric(view, scratch) for view in views))
         with timer.phase("budgets", home):
             # The classification and budgets need every layer's [H] scores together: only those small vectors move
             # to the first layer's device (a model split over devices keeps each layer's tokens where they are).
@@ -196,20 +198,27 @@ class HybridKV(Policy, Probed):
         return budget - retrieve, retrieve
 
     # --- Sec. 3.1 ---------------------------------------------------------------------------
-    def text_centric(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+    def text_centric(self, view: LayerView, scratch: dict[tuple[str, torch.device], torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 2-3 for one layer: sparsity ``S [H]`` and the static-head prior ``[H, L]`` (the probe rows'
-        attention summed per token, spatially pooled)."""
+        attention summed per token, spatially pooled). ``scratch``: float32 buffers a pass's layers share for the
+        logits and a widened copy of the keys (see :func:`scratch_buffer`)."""
         heads, length, dim = view.keys.shape
-        probe = view.probe.to(view.keys.device)
-        rows = probe.reshape(heads, -1, dim)  # query heads of a group stacked: [H, group * T, D]
-        logits = (rows.float() @ view.keys.float().transpose(1, 2)) * dim**-0.5  # [H, rows, L]
+        device = view.keys.device
+        rows = view.probe.to(device).reshape(heads, -1, dim)  # query heads of a group stacked: [H, group * T, D]
+        keys = view.keys
+        if keys.dtype != torch.float32:
+            keys = scratch_buffer(scratch, "keys", (heads, length, dim), device).copy_(keys)
+        logits = scratch_buffer(scratch, "logits", (heads, rows.shape[1], length), device)
+        torch.matmul(rows.float(), keys.transpose(1, 2), out=logits).mul_(dim**-0.5)  # [H, rows, L]
         if view.valid is not None:
-            logits = logits.masked_fill(~view.valid[:, None, :], float("-inf"))
+            logits.masked_fill_(~view.valid[:, None, :], float("-inf"))
         attention = torch.softmax(logits, dim=-1)
+        prior = attention.sum(dim=1)  # [H, L]
         held = valid_counts(view)
         k = max(1, int(torch.ceil(self.top_k * held.max().float())))
-        sparsity = top_k_sum(attention.view(-1, length), min(k, length)).view(heads, -1).mean(-1)  # [H]
-        prior = attention.sum(dim=1)  # [H, L]
+        # The top-k mass last: it reorders each row of the attention in place.
+        sparsity = top_k_sum(attention.view(-1, length), min(k, length), overwrite=True).view(heads, -1).mean(-1)  # [H]
         if self.pool_kernel > 1:
             rank, _ = frame_rank(view.frame)
             pos = view.row.long() * view.grid[1] + view.col.long()
@@ -318,6 +327,20 @@ class HybridKV(Policy, Probed):
             "query_context": context_tokens.tolist(),
             "query_context_tokens": round(float(context_tokens.double().mean(dim=1).max())),
         }
+
+
+def scratch_buffer(pool: dict[tuple[str, torch.device], torch.Tensor] | None, name: str, shape: tuple[int, ...],
+                   device: torch.device) -> torch.Tensor:
+    """A float32 tensor of ``shape`` on ``device``: a view of ``pool``'s buffer ``name`` there (grown when too small),
+    or a fresh tensor without a pool. kvdemo's: the probe attention's per-layer tensors (8 MB of logits at 7B shape)
+    written into one buffer a pass's layers share; fresh ones cost their first writes' page faults."""
+    size = math.prod(shape)
+    if pool is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    held = pool.get((name, device))
+    if held is None or held.numel() < size:
+        pool[(name, device)] = torch.empty(size, dtype=torch.float32, device=device)
+    return pool[(name, device)][:size].view(shape)
 
 
 def valid_counts(view: LayerView) -> torch.Tensor:

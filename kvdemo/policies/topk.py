@@ -156,14 +156,18 @@ def top_k_indices(x: torch.Tensor, k: int, largest: bool = True, ordered: bool =
     return torch.from_numpy(np.argpartition(rows, k - 1, axis=-1)[:, :k])
 
 
-def top_k_sum(x: torch.Tensor, k: int) -> torch.Tensor:
+def top_k_sum(x: torch.Tensor, k: int, overwrite: bool = False) -> torch.Tensor:
     """Sum ``[R]`` of the ``k`` largest entries of each row of ``x [R, N]`` (float32 or float64, ``0 < k <= N``),
     summed in ``x``'s dtype. On a CPU through numpy's ``partition`` (as :func:`top_k_indices`), elsewhere
-    ``torch.topk``; the order of the additions differs between the two (last-bit differences)."""
+    ``torch.topk``; the order of the additions differs between the two (last-bit differences). ``overwrite``: the
+    caller no longer needs ``x``, so a contiguous CPU ``x`` is partitioned in place (its rows end up reordered)
+    instead of copied first; the sums are the same."""
     if x.device.type != "cpu" or k >= x.shape[-1] or x.dtype not in _NUMPY_SELECTABLE:
         return torch.topk(x, k, dim=-1, sorted=False).values.sum(-1)
-    rows = x.detach().contiguous().numpy()
-    return torch.from_numpy(np.partition(rows, rows.shape[-1] - k, axis=-1)[:, rows.shape[-1] - k :].sum(-1))
+    writable = overwrite and x.is_contiguous()
+    rows = (x.detach() if writable else x.detach().clone(memory_format=torch.contiguous_format)).numpy()
+    rows.partition(rows.shape[-1] - k, axis=-1)
+    return torch.from_numpy(rows[:, rows.shape[-1] - k :].sum(-1))
 
 
 def top_k_values(x: torch.Tensor, k: int) -> torch.Tensor:
