@@ -15,7 +15,7 @@ from kvdemo.policies import Selection
 from kvdemo.policies.contract import SummaryUpdate
 from kvdemo.stream.engine import StreamEngine
 from kvdemo.stream.streaming import stream_video
-from kvdemo.tensors import put_rows, take_rows
+from kvdemo.tensors import gather_rows, put_rows, take_rows
 from kvdemo.testing import synthetic_chunk, synthetic_memory
 
 GRID = (2, 3)  # 6 tokens per temporal grid, non-square
@@ -257,3 +257,14 @@ def test_row_moves_match_a_plain_loop(dtype, dim):
         expected[t] = gathered[i]
     put_rows(rows, target, gathered)
     assert torch.equal(rows, expected)
+
+
+def test_gather_rows_matches_a_plain_loop():
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 1000, (3, 7, 2, 4), generator=generator, dtype=torch.int32)
+    index = torch.tensor([[6, 0, 0], [2, 5, 1], [3, 3, 6]])
+    out = gather_rows(x, index)
+    assert out.shape == (3, 3, 2, 4)
+    for b in range(3):
+        for u in range(3):
+            assert torch.equal(out[b, u], x[b, int(index[b, u])])

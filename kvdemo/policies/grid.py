@@ -62,15 +62,16 @@ def pool_on_grid(
     rows, cols = grid
     frames = int(rank.max()) + 1 if length else 1
     flat = ((torch.arange(heads, device=score.device)[:, None] * frames + rank) * (rows * cols) + pos).flatten()
-    dense = torch.zeros(heads * frames * rows * cols, dtype=torch.float32, device=score.device)
-    mask = torch.zeros_like(dense)
-    dense[flat] = score.float().flatten()
-    mask[flat] = 1.0
+    # The scores and a mask of held tokens on the dense grid: scatter_ / index_select rather than dense[flat] = ...
+    # (the same writes, several times faster on a CPU; so is a ones tensor over scatter_'s scalar overload).
+    values = score.float().flatten()
+    dense = torch.zeros(2, heads * frames * rows * cols, dtype=torch.float32, device=score.device)
+    dense[0].scatter_(0, flat, values)
+    dense[1].scatter_(0, flat, torch.ones_like(values))
     # Frames as channels of one channels-last image: the fast layout for CPU pooling. Zero padding
     # counts alike in values and mask, so the ratio below averages over the neighbours that exist.
-    images = torch.stack([dense, mask]).view(1, 2 * heads * frames, rows, cols)
-    images = images.contiguous(memory_format=torch.channels_last)
+    images = dense.view(1, 2 * heads * frames, rows, cols).contiguous(memory_format=torch.channels_last)
     pooled = F.avg_pool2d(images, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
     pooled = pooled.contiguous().view(2, -1)
     sums, counts = pooled[0], pooled[1]
-    return (sums[flat] / counts[flat].clamp_min(1e-12)).view(heads, length).to(score.dtype)
+    return (sums.index_select(0, flat) / counts.index_select(0, flat).clamp_min(1e-12)).view(heads, length).to(score.dtype)

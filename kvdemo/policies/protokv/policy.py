@@ -74,6 +74,7 @@ import torch.nn.functional as F
 
 from ...devices.timing import PhaseTimer
 from ...errors import PolicyParameterError
+from ...tensors import gather_rows
 from ...views import LOST, View, ViewContext
 from ..contract import LayerView, Policy, Selection, SummaryRegion, SummaryUpdate
 from ..registry import BenchDeclaration, PolicyCard, param, register
@@ -348,11 +349,10 @@ class ProtoKV(Policy, SummaryRegion):
         order = torch.argsort((~touched).to(torch.int8), dim=1, stable=True)[:, : max(count, 1)]
         valid = torch.gather(touched, 1, order)
         order = torch.where(valid, order, order[:, :1])
-        rows_idx = torch.arange(rows, device=order.device)[:, None].expand_as(order)
-        residual_k, residual_v = self.residual_modes(bank, rows_idx, order)  # [B, U, S, D], fresh tensors
-        keys = residual_k.add_(bank.centre_k[rows_idx, order][:, :, None])
-        values = residual_v.add_(bank.centre_v[rows_idx, order][:, :, None])
-        keys = rotary.rotate(keys, bank.tau_pos[rows_idx, order][:, :, None])  # one position per prototype [B, U, 1, 3]
+        residual_k, residual_v = self.residual_modes(bank, order)  # [B, U, S, D], fresh tensors
+        keys = residual_k.add_(gather_rows(bank.centre_k, order)[:, :, None])
+        values = residual_v.add_(gather_rows(bank.centre_v, order)[:, :, None])
+        keys = rotary.rotate(keys, gather_rows(bank.tau_pos, order)[:, :, None])  # one position per prototype [B, U, 1, 3]
         slots = (order[:, :, None] * s + torch.arange(s, device=order.device)).flatten(1)  # [B, U*S]
         mass = bank.mass.double()
         bias = torch.where(mass > 0, mass.clamp_min(1).log() if self.mass_bias else torch.zeros_like(mass), float("-inf"))
@@ -371,7 +371,7 @@ class ProtoKV(Policy, SummaryRegion):
             )
         return updates
 
-    def residual_modes(self, bank: ProtoBank, rows: torch.Tensor, protos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def residual_modes(self, bank: ProtoBank, protos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Alg. 3 for prototypes ``protos [B, U]``: decoded top-S key and value residual modes ``[B, U, S, D]``
         (zero where ``n_res = 0``, before the codebooks exist, or with ``residuals`` off)."""
         dim = bank.centre_k.shape[-1]
@@ -379,14 +379,14 @@ class ProtoKV(Policy, SummaryRegion):
         if bank.codebook_k is None or not self.residuals:
             return torch.zeros(shape, device=protos.device), torch.zeros(shape, device=protos.device)
         out = []
-        empty = (bank.n_res[rows, protos] == 0)[:, :, None, None]  # [B, U, 1, 1]
+        empty = (gather_rows(bank.n_res, protos) == 0)[:, :, None, None]  # [B, U, 1, 1]
         for hist, codebook in ((bank.hist_k, bank.codebook_k), (bank.hist_v, bank.codebook_v)):
-            codes = beam_search(hist[rows, protos], self.pseudo_tokens, self.beam or 4 * self.pseudo_tokens, self.smoothing)
+            codes = beam_search(gather_rows(hist, protos), self.pseudo_tokens, self.beam or 4 * self.pseudo_tokens, self.smoothing)
             # A prototype without residuals decodes an appended all-zero codeword in every sub-space, so the decode
             # writes its zeros directly (no masking pass over the [B, U, S, D] result).
             with_zero = torch.cat([codebook, codebook.new_zeros(*codebook.shape[:2], 1, codebook.shape[-1])], dim=2)
             codes = torch.where(empty, codebook.shape[2], codes)
-            out.append(pq_decode(codes, with_zero[rows[:, 0]]))  # [B, U, S, D]
+            out.append(pq_decode(codes, with_zero))  # [B, U, S, D]
         return out[0], out[1]
 
     # --- what it shows ----------------------------------------------------------------------
