@@ -269,7 +269,7 @@ def recent_reference(
     h_recent, l_recent = torch.nonzero(recent, as_tuple=True)
     recent_keys = keys[h_recent, l_recent].float()
     recent_keys = recent_keys / torch.linalg.vector_norm(recent_keys, dim=-1, keepdim=True).clamp_min(1e-12)
-    recent_rows = row[h_recent, l_recent]
+    recent_rows = row.flatten().index_select(0, h_recent * row.shape[1] + l_recent)
     reference = torch.zeros(rows, keys.shape[-1], dtype=torch.float32, device=keys.device)
     reference.index_add_(0, recent_rows, recent_keys)
     count = torch.bincount(recent_rows, minlength=rows).to(torch.float32)
@@ -304,7 +304,7 @@ def patch_similarity(keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor
         gathered = reference.index_select(0, row[:, start : start + step].reshape(-1)).view(keys.dtype).view(block.shape)
         norms = torch.linalg.vector_norm(block, dim=-1).float().clamp_min(1e-12)  # accumulated in float32
         similarity[:, start : start + step] = (block * gathered).sum(-1, dtype=torch.float32) / norms
-    return similarity / count[row].clamp_min(1.0)
+    return similarity / count.index_select(0, row.flatten()).view(heads, length).clamp_min(1.0)
 
 
 def tar_and_van(
