@@ -3,6 +3,7 @@
 - :mod:`.policy`: the policy (Alg. 1-4 orchestrated over every layer and KV head at once, its report);
 - :mod:`.split`: how ``M`` splits into the near window and the bank (Table 5, and the near window's two chunks);
 - :mod:`.views`: its views as plain data (prototype assignments, the bank);
+- :mod:`.assignment`: Eq. 1, the cost of each prototype for an evicted token and the cheapest per token;
 - :mod:`.bank`: the prototype bank and its operations (seed, update, residuals, aging, merging, recycling,
   the assignment record the views read);
 - :mod:`.pq`: product quantisation of residuals (codebooks, encode/decode, Alg. 3's beam search);

@@ -57,6 +57,12 @@ def mahalanobis(spatial: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) ->
     """``d_Mah(s; mu_k, Sigma_k) = sqrt((s - mu)^T Sigma^-1 (s - mu))`` for ``s [B, E, 2]``, ``mu [B, K, 2]``,
     ``sigma [B, K, 2, 2]`` -> ``[B, E, K]``, as one small matmul of quadratic features (no ``[B, E, K, 2]``
     temporary). ``Sigma + 1e-4 I`` keeps a prototype fed from one place invertible (kvdemo's floor)."""
+    return quadratic_distance(spatial, mahalanobis_form(mu, sigma))
+
+
+def mahalanobis_form(mu: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """The coefficients ``[B, 6, K]`` (float64) of each prototype's quadratic form in the features ``(x^2, xy, y^2, x,
+    y, 1)`` of a position (see :func:`mahalanobis`), computed once for every token that is measured against it."""
     a, b, d = sigma[..., 0, 0] + SIGMA_FLOOR, sigma[..., 0, 1], sigma[..., 1, 1] + SIGMA_FLOOR
     det = (a * d - b * b).clamp_min(1e-12)
     ia, ib, id_ = d / det, -b / det, a / det  # inverse [[ia, ib], [ib, id]]
@@ -66,10 +72,15 @@ def mahalanobis(spatial: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor) ->
         [ia, 2 * ib, id_, -2 * (ia * mx + ib * my), -2 * (ib * mx + id_ * my), ia * mx * mx + 2 * ib * mx * my + id_ * my * my],
         dim=-1,
     )  # [B, K, 6]
+    return coef.double().transpose(1, 2)
+
+
+def quadratic_distance(spatial: torch.Tensor, form: torch.Tensor) -> torch.Tensor:
+    """:func:`mahalanobis` from its form (:func:`mahalanobis_form`): ``spatial [B, E, 2]`` -> ``[B, E, K]`` float32."""
     x, y = spatial[..., 0], spatial[..., 1]
     features = torch.stack([x * x, x * y, y * y, x, y, torch.ones_like(x)], dim=-1)  # [B, E, 6]
     # The quadratic form in float64 (its expanded terms cancel), its square root in float32 (as precise as needed:
     # the distance is returned in float32 either way, and a float64 square root of [B, E, K] costs more than the form).
-    return (features.double() @ coef.double().transpose(1, 2)).clamp_min_(0).float().sqrt_()
+    return (features.double() @ form).clamp_min_(0).float().sqrt_()
 
 

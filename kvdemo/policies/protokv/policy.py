@@ -70,7 +70,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ...devices.timing import PhaseTimer
 from ...errors import PolicyParameterError
@@ -78,9 +77,9 @@ from ...tensors import gather_rows
 from ...views import LOST, View, ViewContext
 from ..contract import LayerView, Policy, Selection, SummaryRegion, SummaryUpdate
 from ..registry import BenchDeclaration, PolicyCard, param, register
-from ..topk import arg_min, select_with_text
+from ..topk import select_with_text
+from .assignment import assign
 from .bank import NearTokens, ProtoBank, Tokens
-from .ema import mahalanobis
 from .pq import beam_search, pq_decode
 from .split import near_and_bank
 from .views import bank_churn, prototype_views
@@ -291,7 +290,7 @@ class ProtoKV(Policy, SummaryRegion):
         rest = ~initialise & ~seeds
         if bool(rest.any()):
             with timer.phase("assignment", device):
-                choice = arg_min(self.assignment_cost(bank, keys, spatial, t))  # [B, E]
+                choice = assign(bank, keys, spatial, t, self.lambda_sp, self.lambda_idle, self.t_idle)  # [B, E]
             assigned = torch.where(rest, choice, assigned)
             with timer.phase("update", device):
                 cell, residual_k, residual_v = bank.update(keys, values, spatial, position, choice, rest, t,
@@ -302,22 +301,6 @@ class ProtoKV(Policy, SummaryRegion):
         touched[arange_rows.expand(-1, tokens), assigned] = True
         bank.record_assignment(assigned, frame, row, col)
         return touched
-
-    def assignment_cost(self, bank: ProtoBank, keys: torch.Tensor, spatial: torch.Tensor, t: int) -> torch.Tensor:
-        """Eq. 1 for every token and prototype, ``[B, E, K]``: ``-cos(K, c_k) + lambda_sp d_Mah(s; mu_k,
-        Sigma_k) + lambda_idle 1(t - tau_k > T_idle)``; slots that are not open (:attr:`ProtoBank.open`) cost ``+inf``."""
-        unit_keys, unit_centres = F.normalize(keys, dim=-1), F.normalize(bank.centre_k, dim=-1)
-        # Per-prototype terms in one [B, 1, K] row: the idle penalty, and +inf on empty slots.
-        per_prototype = torch.zeros(bank.mass.shape, dtype=unit_keys.dtype, device=keys.device)
-        if self.lambda_idle:
-            per_prototype += self.lambda_idle * ((t - bank.tau_time) > self.t_idle).to(per_prototype.dtype)
-        per_prototype.masked_fill_(~bank.open, float("inf"))
-        if self.lambda_sp:
-            cost = mahalanobis(spatial, bank.mu, bank.sigma).mul_(self.lambda_sp)
-            cost.baddbmm_(unit_keys, unit_centres.transpose(1, 2), alpha=-1.0)  # - cos, fused into the sum
-        else:
-            cost = -(unit_keys @ unit_centres.transpose(1, 2))
-        return cost.add_(per_prototype[:, None, :])  # [B, E, K], written in place (no [B, E, K] temporaries)
 
     def _record_residuals(
         self, bank: ProtoBank, cell: torch.Tensor, mask: torch.Tensor, residual_k: torch.Tensor, residual_v: torch.Tensor
