@@ -332,45 +332,53 @@ class ProtoKV(Policy, SummaryRegion):
         order = torch.argsort((~touched).to(torch.int8), dim=1, stable=True)[:, : max(count, 1)]
         valid = torch.gather(touched, 1, order)
         order = torch.where(valid, order, order[:, :1])
-        residual_k, residual_v = self.residual_modes(bank, order)  # [B, U, S, D], fresh tensors
-        keys = residual_k.add_(gather_rows(bank.centre_k, order)[:, :, None])
-        values = residual_v.add_(gather_rows(bank.centre_v, order)[:, :, None])
-        keys = rotary.rotate(keys, gather_rows(bank.tau_pos, order)[:, :, None])  # one position per prototype [B, U, 1, 3]
+        codes = self.residual_codes(bank, order)  # Alg. 3 over every row at once
+        centre_k, centre_v = gather_rows(bank.centre_k, order)[:, :, None], gather_rows(bank.centre_v, order)[:, :, None]
+        position = gather_rows(bank.tau_pos, order)[:, :, None]  # one position per prototype [B, U, 1, 3]
         slots = (order[:, :, None] * s + torch.arange(s, device=order.device)).flatten(1)  # [B, U*S]
         mass = bank.mass.double()
         bias = torch.where(mass > 0, mass.clamp_min(1).log() if self.mass_bias else torch.zeros_like(mass), float("-inf"))
         bias = bias.float().repeat_interleave(s, dim=1)  # [B, K*S]
-        dim = keys.shape[-1]
+        dim = bank.centre_k.shape[-1]
         updates = []
+        # Decoded, centred and rotated layer by layer (kvdemo's): a layer's [H, U, S, D] pseudo-tokens stay in the
+        # processor's cache between those steps, where all rows at once (100 MB at 7B shape) are fresh memory each pass.
         for layer in range(layers):
             part = slice(layer * heads, (layer + 1) * heads)
+            residual_k, residual_v = self.residual_modes(codes, part, (heads, order.shape[1], s, dim), order.device)
             updates.append(
                 SummaryUpdate(
-                    keys=keys[part].reshape(heads, -1, dim),
-                    values=values[part].reshape(heads, -1, dim),
+                    keys=rotary.rotate(residual_k.add_(centre_k[part]), position[part]).reshape(heads, -1, dim),
+                    values=residual_v.add_(centre_v[part]).reshape(heads, -1, dim),
                     bias=bias[part],
                     slots=slots[part] if count else slots[part][:, :0],
                 )
             )
         return updates
 
-    def residual_modes(self, bank: ProtoBank, protos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Alg. 3 for prototypes ``protos [B, U]``: decoded top-S key and value residual modes ``[B, U, S, D]``
-        (zero where ``n_res = 0``, before the codebooks exist, or with ``residuals`` off)."""
-        dim = bank.centre_k.shape[-1]
-        shape = (*protos.shape, self.pseudo_tokens, dim)
+    def residual_codes(self, bank: ProtoBank, protos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Alg. 3 for prototypes ``protos [B, U]``: for keys and for values, the top-S codes ``[B, U, S, G]`` and the
+        codebooks with an appended all-zero codeword that a prototype without residuals decodes to in every sub-space
+        (so the decode writes its zeros directly); None before the codebooks exist or with ``residuals`` off."""
         if bank.codebook_k is None or not self.residuals:
-            return torch.zeros(shape, device=protos.device), torch.zeros(shape, device=protos.device)
+            return None
         out = []
         empty = (gather_rows(bank.n_res, protos) == 0)[:, :, None, None]  # [B, U, 1, 1]
         for hist, codebook in ((bank.hist_k, bank.codebook_k), (bank.hist_v, bank.codebook_v)):
             codes = beam_search(gather_rows(hist, protos), self.pseudo_tokens, self.beam or 4 * self.pseudo_tokens, self.smoothing)
-            # A prototype without residuals decodes an appended all-zero codeword in every sub-space, so the decode
-            # writes its zeros directly (no masking pass over the [B, U, S, D] result).
             with_zero = torch.cat([codebook, codebook.new_zeros(*codebook.shape[:2], 1, codebook.shape[-1])], dim=2)
-            codes = torch.where(empty, codebook.shape[2], codes)
-            out.append(pq_decode(codes, with_zero))  # [B, U, S, D]
-        return out[0], out[1]
+            out.append((torch.where(empty, codebook.shape[2], codes), with_zero))
+        return out
+
+    @staticmethod
+    def residual_modes(codes: list[tuple[torch.Tensor, torch.Tensor]] | None, part: slice, shape: tuple[int, ...],
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoded key and value residual modes ``shape = [rows, U, S, D]`` of rows ``part`` (zero without codes),
+        fresh tensors."""
+        if codes is None:
+            return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+        keys, values = (pq_decode(c[part], book[part]) for c, book in codes)
+        return keys, values
 
     # --- what it shows ----------------------------------------------------------------------
     def assignments(self, layer: int, head: int, heads: int) -> dict[str, Any] | None:
