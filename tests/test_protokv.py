@@ -15,6 +15,7 @@ from kvdemo.models.qwen2_vl import Qwen2VL, RegionCursor, mrope_positions
 from kvdemo.models.tiny import ByteTokenizer, tiny_config
 from kvdemo.policies import BudgetError, PolicyParameterError, Selection, make_policy
 from kvdemo.policies.contract import SummaryUpdate
+from kvdemo.policies.protokv.assignment import ASSIGNMENT_BLOCK, assign
 from kvdemo.policies.protokv.bank import Tokens
 from kvdemo.policies.protokv.ema import mahalanobis
 from kvdemo.policies.protokv.pq import beam_search, pq_decode, pq_encode, train_codebooks
@@ -834,3 +835,36 @@ def test_only_a_narrow_mask_with_a_summary_region_takes_the_float32_softmax():
             assert bias_needs_float32(query, MemoryCache(with_region)) is needs
             assert bias_needs_float32(query, MemoryCache(without)) is False  # 0 and -inf are exact in any dtype
     assert bias_needs_float32(torch.zeros(1, 2, 1, 8, dtype=torch.bfloat16), MemoryCache(with_region)) is False  # CPU
+
+
+def test_assignment_in_blocks_matches_eq1_restated_per_token():
+    """Eq. 1's choice (assign: costs formed ASSIGNMENT_BLOCK tokens at a time) against the cost restated per token and
+    prototype in float64: -cos + lambda_sp * Mahalanobis (Sigma + 1e-4 I) + lambda_idle * idle, +inf on closed slots."""
+    policy = make_policy("protokv")
+    rows, prototypes, dim, tokens, t = 2, 6, 8, 2 * ASSIGNMENT_BLOCK + 6, 200  # three blocks, the last partial
+    bank = fresh_bank(policy, prototypes, dim, rows)
+    g = torch.Generator().manual_seed(11)
+    bank.centre_k.copy_(torch.randn(rows, prototypes, dim, generator=g))
+    bank.mass.copy_(torch.tensor([[3, 1, 0, 2, 5, 1], [0, 4, 2, 2, 0, 1]], dtype=bank.mass.dtype))  # 0: closed
+    bank.mu.copy_(torch.rand(rows, prototypes, 2, generator=g) * 4)
+    a = torch.randn(rows, prototypes, 2, 2, generator=g) * 0.5
+    bank.sigma.copy_(a @ a.transpose(-1, -2) + 0.2 * torch.eye(2))
+    bank.tau_time.copy_(torch.tensor([[190, 10, 0, 195, 50, 199], [0, 5, 198, 60, 0, 200]], dtype=bank.tau_time.dtype))
+    keys = torch.randn(rows, tokens, dim, generator=g)
+    spatial = torch.rand(rows, tokens, 2, generator=g) * 4
+    got = assign(bank, keys, spatial, t, policy.lambda_sp, policy.lambda_idle, policy.t_idle)
+    for r in range(rows):
+        for e in range(tokens):
+            costs = []
+            for k in range(prototypes):
+                if bank.mass[r, k] <= 0:
+                    costs.append(math.inf)
+                    continue
+                key, centre = keys[r, e].double(), bank.centre_k[r, k].double()
+                cos = float(key @ centre / (key.norm() * centre.norm()))
+                d = (spatial[r, e] - bank.mu[r, k]).double()
+                sigma = bank.sigma[r, k].double() + 1e-4 * torch.eye(2, dtype=torch.float64)
+                mahal = math.sqrt(float(d @ torch.linalg.inv(sigma) @ d))
+                idle = policy.lambda_idle * float(t - int(bank.tau_time[r, k]) > policy.t_idle)
+                costs.append(-cos + policy.lambda_sp * mahal + idle)
+            assert int(got[r, e]) == min(range(prototypes), key=costs.__getitem__), (r, e)

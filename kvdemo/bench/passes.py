@@ -84,7 +84,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 def floor_targets(memory: KVMemory, keep: int) -> list[torch.Tensor]:
     """What the floor writes: ``keep`` tokens' keys and values per layer, ``[H, keep, D]`` each, allocated and
     written once here. A pass compacts the memory's own resident buffers, so the floor writes resident memory too:
-    a first write into fresh pages would time the kernel's page faults (measured here up to 10x the write itself,
+    a first write into fresh pages would time the kernel's page faults (measured here 7-9x the write itself,
     depending on whether the allocator handed back memory it had kept), not the memory."""
     views = memory.views()
     targets = [torch.empty(v.num_heads, keep, v.keys.shape[-1], dtype=v.keys.dtype, device=v.keys.device)
