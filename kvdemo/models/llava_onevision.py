@@ -15,7 +15,6 @@ authors never trained. :data:`SPEC` is what the rest of kvdemo knows of the fami
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import numpy as np
@@ -23,6 +22,7 @@ import torch
 from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, LlavaOnevisionVideoProcessor
 
 from ..cache.chunk import VisualChunk
+from ..devices.timing import Stopwatch
 from ..media.geometry import FrameGeometry
 from .adapter import TextCursor, TransformersAdapter, load_checkpoint
 from .spec import RANDOM_WEIGHTS_NOTICE, FamilySpec, OfflineModel
@@ -75,7 +75,7 @@ class LlavaOnevision(TransformersAdapter):
     @torch.inference_mode()
     def encode(self, frames: np.ndarray, first_grid: int, times_s: np.ndarray, fps: float) -> VisualChunk:
         """Vision-encode one chunk of frames ``[T, H, W, 3]`` (already 384 x 384): ``T`` grids of 196 tokens."""
-        start = time.perf_counter()
+        watch = Stopwatch(self.device)  # synchronised: on CUDA the vision tower runs asynchronously
         pixels = self.processor_inputs(frames)["pixel_values_videos"]
         tower = self.hf.model.vision_tower
         config = self.hf.config
@@ -100,7 +100,7 @@ class LlavaOnevision(TransformersAdapter):
             frames=count,
             second_per_grid=1.0 / fps,
             end_time_s=float(times_s[-1]),
-            encode_ms=(time.perf_counter() - start) * 1000,
+            encode_ms=watch.ms(),
         )
 
     def chunk_positions(self, chunk: VisualChunk, cursor: TextCursor) -> tuple[torch.Tensor, TextCursor]:

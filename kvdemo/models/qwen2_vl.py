@@ -14,7 +14,6 @@ by the processor's ``smart_resize`` (:func:`resize`). :data:`SPEC` is what the r
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from ..cache.attention import ATTN_IMPLEMENTATION
 from ..cache.chunk import VisualChunk
+from ..devices.timing import Stopwatch
 from ..media.geometry import FrameGeometry
 from .adapter import SYSTEM_PROMPT, TransformersAdapter, load_checkpoint
 from .base import ModelError
@@ -179,7 +179,7 @@ class Qwen2VL(TransformersAdapter):
     @torch.inference_mode()
     def encode(self, frames: np.ndarray, first_grid: int, times_s: np.ndarray, fps: float) -> VisualChunk:
         """Vision-encode one chunk ``[T, H, W, 3]`` sampled at ``fps`` (an odd tail is paired with a copy of itself)."""
-        start = time.perf_counter()
+        watch = Stopwatch(self.device)  # synchronised: on CUDA the vision tower runs asynchronously
         flat, (grid_t, grid_h, grid_w) = self.pixel_values(frames)
         visual = self.hf.model.visual
         grid_thw = torch.tensor([[grid_t, grid_h, grid_w]], device=visual.device)
@@ -202,7 +202,7 @@ class Qwen2VL(TransformersAdapter):
             frames=int(frames.shape[0]),
             second_per_grid=self.temporal_patch_size / fps,
             end_time_s=float(times_s[-1]),
-            encode_ms=(time.perf_counter() - start) * 1000,
+            encode_ms=watch.ms(),
         )
 
 
@@ -277,6 +277,31 @@ def synthetic_positions(chunk: VisualChunk, start: int) -> torch.Tensor:
     return mrope_positions(chunk.grid, chunk.row, chunk.col, start, chunk.second_per_grid, 2.0)
 
 
+#: Released Qwen2.5-VL configs (the fields that shape the computation, from each checkpoint's ``config.json``), and a
+#: CPU-sized stand-in with the 3B's structure (two layers, small widths) for the tests of the full-depth path.
+_QWEN25_TEXT = dict(max_position_embeddings=128000, rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
+_QWEN25_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
+                      temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu")
+RELEASED = {
+    "qwen2.5-vl-3b": dict(model_type="qwen2_5_vl", tie_word_embeddings=True,
+                          text_config=dict(_QWEN25_TEXT, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                                           num_attention_heads=16, num_key_value_heads=2),
+                          vision_config=dict(_QWEN25_VISION, out_hidden_size=2048)),
+    "qwen2.5-vl-7b": dict(model_type="qwen2_5_vl", tie_word_embeddings=False,
+                          text_config=dict(_QWEN25_TEXT, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                           num_attention_heads=28, num_key_value_heads=4),
+                          vision_config=dict(_QWEN25_VISION, out_hidden_size=3584)),
+    "shrunk-qwen2.5-vl": dict(model_type="qwen2_5_vl", tie_word_embeddings=True,
+                              text_config=dict(_QWEN25_TEXT, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2,
+                                               rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                "mrope_section": [4, 6, 6]}),
+                              vision_config=dict(_QWEN25_VISION, depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                                                 out_hidden_size=128, fullatt_block_indexes=[1])),
+}
+
+
 SPEC = FamilySpec(
     name="Qwen2-VL / Qwen2.5-VL",
     model_types=tuple(MODEL_CLASSES),
@@ -296,4 +321,5 @@ SPEC = FamilySpec(
         OfflineModel("tiny-random-qwen2-vl", "qwen2_vl", RANDOM_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_random_qwen2_vl),
     ),
     synthetic_positions=synthetic_positions,
+    released=RELEASED,
 )

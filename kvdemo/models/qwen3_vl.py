@@ -21,7 +21,6 @@ processor (mean = std = 0.5). :data:`SPEC` is what the rest of kvdemo knows of t
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -30,6 +29,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VL
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
 from ..cache.chunk import VisualChunk
+from ..devices.timing import Stopwatch
 from ..media.geometry import FrameGeometry
 from .adapter import TextCursor, TransformersAdapter, load_checkpoint
 from .spec import RANDOM_WEIGHTS_NOTICE, FamilySpec, OfflineModel
@@ -103,7 +103,7 @@ class Qwen3VL(TransformersAdapter):
     def encode(self, frames: np.ndarray, first_grid: int, times_s: np.ndarray, fps: float) -> VisualChunk:
         """Vision-encode one chunk ``[T, H, W, 3]``: each grid's timestamp and delimiters around its visual
         tokens, and the DeepStack features of the visual tokens (an odd tail is paired with a copy of itself)."""
-        start = time.perf_counter()
+        watch = Stopwatch(self.device)  # synchronised: on CUDA the vision tower runs asynchronously
         inputs = self.processor_inputs(frames)
         grid_thw = inputs["video_grid_thw"]
         visual = self.hf.model.visual
@@ -146,7 +146,7 @@ class Qwen3VL(TransformersAdapter):
             frames=int(frames.shape[0]),
             second_per_grid=self.temporal_patch_size / fps,
             end_time_s=float(times_s[-1]),
-            encode_ms=(time.perf_counter() - start) * 1000,
+            encode_ms=watch.ms(),
             text=torch.cat(text),
             extras=extras,
         )
@@ -214,6 +214,20 @@ def build_tiny_random() -> Qwen3VL:
     return printable_answers(adapter, VOCAB)
 
 
+#: Released Qwen3-VL configs (the fields that shape the computation, from the checkpoint's ``config.json``).
+RELEASED = {
+    "qwen3-vl-8b": dict(
+        model_type="qwen3_vl", tie_word_embeddings=False,
+        text_config=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=4096, num_position_embeddings=2304,
+                           deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh")),
+}
+
+
 SPEC = FamilySpec(
     name="Qwen3-VL",
     model_types=tuple(MODEL_CLASSES),
@@ -227,4 +241,5 @@ SPEC = FamilySpec(
     checkpoints=("Qwen/Qwen3-VL-2B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"),
     offline=(OfflineModel("tiny-random-qwen3-vl", "qwen3_vl", SMALL_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_random,
                           (320, 224)),),
+    released=RELEASED,
 )
