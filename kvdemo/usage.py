@@ -70,7 +70,8 @@ backend kvdemo's masked attention gets; timings per policy. Prints tables and wr
 DOCTOR_EXAMPLES = """\
 examples:
   python -m kvdemo doctor                      # the GPU when there is one, else the CPU
-  python -m kvdemo doctor --device cuda --real-shapes --json doctor.json"""
+  python -m kvdemo doctor --device cuda --real-shapes --json doctor.json
+  python -m kvdemo doctor --device cuda --full-depth qwen2.5-vl-3b,qwen2.5-vl-7b,qwen3-vl-8b --seconds 60"""
 
 EVAL_DESCRIPTION = """\
 Accuracy vs query delay on held-out generated streams (ProtoKV's protocol): every episode streams once
@@ -265,6 +266,14 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     doctor.add_argument("--frames", type=int, default=24, help="frames of the bundled sample per run (default 24)")
     doctor.add_argument("--real-shapes", action="store_true",
                         help="also time one compression pass on two layers at Qwen2.5-VL-3B/-7B per-layer shapes")
+    doctor.add_argument("--full-depth", metavar="MODELS",
+                        help="also stream every policy through random-weight checkpoints at these real configs, all layers "
+                             "(comma-separated: qwen2.5-vl-3b, qwen2.5-vl-7b, qwen3-vl-8b; a GPU's work)")
+    doctor.add_argument("--seconds", type=float, default=60.0, help="with --full-depth: seconds of stream per run (default 60)")
+    doctor.add_argument("--checkpoints", default="full-depth-checkpoints",
+                        help="with --full-depth: where the random checkpoints are written (removed after their runs)")
+    doctor.add_argument("--keep-checkpoints", action="store_true",
+                        help="with --full-depth: keep the checkpoints (e.g. for `python app.py --model FOLDER`)")
     doctor.add_argument("--json", metavar="OUT", help="write the checklist's results here")
 
     train = commands.add_parser("train-tiny", help="train the offline tiny model (~36 min on 2 quiet cores; writes ./tiny-trained)",

@@ -28,13 +28,14 @@ from ..cache.budget import DEFAULT_KEEP_RATIO, Budget
 from ..devices.emulated_device import DEVICE as EMULATED
 from ..devices.emulated_device import EmulatedDevice
 from ..devices.timing import Stopwatch, synchronize
-from ..models.catalog import OFFLINE_MODELS, families
+from ..models.catalog import OFFLINE_MODELS, families, released_configs
 from ..models.loading import load_model
 from ..policies import make_policy, policy_names
 from ..stream.engine import StreamEngine
 from ..stream.lineup import Contender, make_engines
 from ..testing import QWEN3B_SHAPE, QWEN7B_SHAPE, qwen7b_rotation, synthetic_memory, synthetic_probe
 from ..world.synthetic import sample_episode
+from . import fulldepth
 from .passes import time_pass
 
 QUESTION = "What colour was the circle?"
@@ -171,18 +172,22 @@ def attention_backend(device: torch.device) -> dict[str, Any]:
     return result
 
 
-def real_shape_passes(device: torch.device, repeats: int) -> list[dict[str, Any]]:
-    """One compression pass per bounded policy on two layers at Qwen2.5-VL-3B's and -7B's per-layer shapes."""
+def real_shape_passes(device: torch.device, repeats: int,
+                      shapes: tuple[tuple[str, dict[str, Any]], ...] = (("3B", QWEN3B_SHAPE), ("7B", QWEN7B_SHAPE))
+                      ) -> list[dict[str, Any]]:
+    """One compression pass per bounded policy on two layers at each of ``shapes`` (label, per-layer shape;
+    default Qwen2.5-VL-3B's and -7B's), with the M-RoPE rotation a policy that keeps keys before RoPE needs."""
     rows = []
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    for label, shape in (("3B", QWEN3B_SHAPE), ("7B", QWEN7B_SHAPE)):
+    for label, shape in shapes:
         for name in [p for p in policy_names() if make_policy(p).bounded]:
             policy = make_policy(name)
             budget = Budget.from_user(policy, shape["budget"], None, default_ratio=shape["keep"] / shape["budget"])
             summary, keep = budget.summary, budget.keep_for(0)
             memory = synthetic_memory(2, shape["num_kv_heads"], shape["head_dim"], shape["budget"], shape["grid"], dtype,
                                       summary_slots=summary).to(device)
-            rows.append({"shape": label, "policy": name, **time_pass(policy, memory, keep, repeats)})
+            rotary = qwen7b_rotation(shape["head_dim"])  # on the host: it moves its cos and sin to the keys
+            rows.append({"shape": label, "policy": name, **time_pass(policy, memory, keep, repeats, rotary=rotary)})
     return rows
 
 
@@ -201,12 +206,16 @@ MATRIX_COLUMNS = [("model               ", "model", "<20"), ("policy        ", "
 
 
 def doctor(device_name: str = "auto", models: list[str] | None = None, frames: int = 24, real_shapes: bool = False,
-           repeats: int = 3, json_path: str | None = None) -> dict[str, Any]:
+           repeats: int = 3, json_path: str | None = None, full_depth: list[str] | None = None, seconds: float = 60.0,
+           checkpoints: str = "full-depth-checkpoints", keep_checkpoints: bool = False) -> dict[str, Any]:
     """Run the checklist (see the module docstring); print its tables; return (and optionally write) the JSON."""
     device = torch.device("cuda:0" if device_name == "auto" and torch.cuda.is_available() else
                           "cpu" if device_name == "auto" else device_name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but torch sees no GPU (torch.cuda.is_available() is False)")
+    unknown = sorted(set(full_depth or ()) - set(released_configs()))
+    if unknown:
+        raise SystemExit(f"error: --full-depth knows {', '.join(released_configs())}; not {', '.join(unknown)}")
     watch = Stopwatch(device)
     report: dict[str, Any] = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
                                           "device": str(device), "threads": torch.get_num_threads()}}
@@ -225,12 +234,22 @@ def doctor(device_name: str = "auto", models: list[str] | None = None, frames: i
         print(_table(report["real_shapes"], [("shape", "shape", "<5"), ("policy        ", "policy", "<14"),
                                              ("select ms", "select_ms", ".1f"), ("apply ms", "apply_ms", ".1f"),
                                              ("total ms", "total_ms", ".1f")]))
+    if full_depth:
+        _write(report, json_path)  # what is measured so far survives a stream that runs out of time
+        print(f"\nrandom weights at real configs, every layer, {seconds:g} s of stream per policy:")
+        report["full_depth"] = fulldepth.full_depth(full_depth, str(device), seconds, checkpoints,
+                                                    keep_folders=tuple(full_depth) if keep_checkpoints else ())
+        _write(report, json_path)
     failed = [r for r in report["models"] if not (r["under_M"] and r["memory_unchanged_by_asking"])]
     failed += [r for r in report["split"] if not r["same_tokens"]]
     report["ok"] = not failed
     report["seconds"] = watch.ms() / 1000
     print(f"\n{'all checks passed' if not failed else f'{len(failed)} check(s) FAILED'} in {report['seconds']:.0f} s")
+    _write(report, json_path)
+    return report
+
+
+def _write(report: dict[str, Any], json_path: str | None) -> None:
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=1, default=str))
-    return report

@@ -21,7 +21,7 @@ from .spec import RANDOM_WEIGHTS_NOTICE, TINY_NAME, TINY_RANDOM_NAME, TRAINED_NO
 
 __all__ = ["DEFAULT_REAL_MODEL", "RANDOM_WEIGHTS_NOTICE", "TINY_NAME", "TINY_RANDOM_NAME", "TRAINED_NOTICE", "FamilySpec",
            "OfflineModel", "caveat_for", "checkpoint_config", "default_budget", "families", "family_of", "family_spec",
-           "geometry_for", "notice_for", "offline_model", "register_family", "resolve_model_name"]
+           "geometry_for", "notice_for", "offline_model", "register_family", "released_configs", "resolve_model_name"]
 
 #: The real model ``auto`` means on a machine with a CUDA GPU.
 DEFAULT_REAL_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
@@ -162,6 +162,11 @@ def default_budget(name: str | None) -> tuple[int, int, int]:
     config = checkpoint_config(resolve_model_name(name))
     spec = family_spec(config.model_type)
     return (*spec.budget, spec.geometry(config).max_pixels)
+
+
+def released_configs() -> dict[str, dict[str, Any]]:
+    """Every family's released configs by short name (:attr:`FamilySpec.released`), for random weights at real shapes."""
+    return {name: config for spec in dict.fromkeys(families().values()) for name, config in spec.released.items()}
 
 
 def geometry_for(name: str | None) -> FrameGeometry:

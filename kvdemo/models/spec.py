@@ -5,7 +5,7 @@ benchmark fixtures) reads it. Adding a family is adding that one file (see docs/
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +53,9 @@ class FamilySpec:
     checkpoints: real checkpoints the app lists (any other id or local folder of the family loads too).
     offline: its models that run with no download (the tests' models of this family).
     menu_order: where the app and the catalog list the family among the others (lower first).
+    released: released checkpoints' configs by a short name (``model_type``, ``text_config``, ``vision_config``,
+    ``tie_word_embeddings``: the fields that shape the computation, from each ``config.json``), for random weights at
+    real shapes (``python -m kvdemo doctor --full-depth``).
     synthetic_positions: ``(chunk, start)`` -> positions ``[3, n]`` of a chunk's tokens after ``start`` tokens at a
     real checkpoint's settings, without a model (synthetic memories in tests and benchmarks); None where the
     family's positions need a model.
@@ -71,3 +74,4 @@ class FamilySpec:
     offline: tuple[OfflineModel, ...] = ()
     menu_order: int = 100
     synthetic_positions: Callable[[VisualChunk, int], torch.Tensor] | None = None
+    released: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False, compare=False)
