@@ -15,14 +15,16 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import av
 import numpy as np
 
 from ..errors import UserError
 from ..views import counted
 from .geometry import FrameGeometry
+
+if TYPE_CHECKING:
+    import av  # imported where a file is opened or written: the bundled sample, the CLI's checks and the app need no PyAV
 
 #: Largest decoded frame we accept before resizing (a 16K frame costs ~0.8 GB per frame to decode).
 MAX_SOURCE_PIXELS = 8192 * 8192
@@ -207,6 +209,8 @@ class VideoFile:
         self.decoded_frames = 0
 
     def _open(self):
+        import av  # deferred on purpose (see the imports)
+
         try:
             container = av.open(str(self.path))
         except Exception as exc:  # av.error.* (InvalidDataError...), or undecodable metadata
@@ -307,6 +311,8 @@ class VideoFile:
     def _decoded(self, period: float) -> Iterator[tuple[av.VideoFrame, float, int]]:
         """Every frame the decoder delivers, with its time (s) and the decode errors reported since the
         previous one (a damaged packet is skipped; its frames never come)."""
+        import av  # deferred on purpose (see the imports)
+
         errors, index = 0, 0
         with self._open() as container:
             stream = container.streams.video[0]
@@ -397,6 +403,8 @@ def _first_line(exc: Exception, path: Path | None = None) -> str:
 
 def write_video(path: str | Path, frames: np.ndarray, fps: float) -> Path:
     """Encode uint8 frames ``[T, H, W, 3]`` to an H.264 mp4 with PyAV."""
+    import av  # deferred on purpose (see the imports)
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), mode="w") as container:
