@@ -48,15 +48,16 @@ def folder_size(folder: Path) -> tuple[float, int]:
     return total / 2**20, count
 
 
-def start_app(cache: Path, log: Path, ttl_s: float | None) -> tuple[subprocess.Popen, str]:
-    """The app on a free local port with the tiny model, its own cache folder; ``(process, url)`` once it answers."""
+def start_app(cache: Path, log: Path, ttl_s: float | None, model: str = "tiny") -> tuple[subprocess.Popen, str]:
+    """The app on a free local port with ``model`` (the tiny model by default), its own cache folder; ``(process,
+    url)`` once it answers."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", GRADIO_TEMP_DIR=str(cache))
     if ttl_s is not None:
         env["KVDEMO_CACHE_TTL_S"] = str(ttl_s)
-    code = f"from kvdemo.app import launch; launch(port={port}, model='tiny')"
+    code = f"from kvdemo.app import launch; launch(port={port}, model={model!r})"
     with open(log, "w") as out:
         process = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT, env=env)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
