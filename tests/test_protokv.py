@@ -644,10 +644,16 @@ def plain_merge(centre_k, centre_v, mass, candidates, eps_k, eps_v):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_merging_matches_a_plain_loop_over_clustered_prototypes(seed):
+@pytest.mark.parametrize("block, pairs", [(1 << 22, 1 << 16), (1, 7), (3 * 48 * 5, 64)])
+def test_merging_matches_a_plain_loop_over_clustered_prototypes(seed, block, pairs, monkeypatch):
     """Three rows of 48 prototypes drawn around 5 directions (many close pairs, chains of them, some close in keys
     but not values), half of them changed: the masses after merging and the pairs left pending are those of a
-    plain per-pair loop."""
+    plain per-pair loop, whether the candidates go in one block or in blocks of one or five, and the close pairs'
+    value centres all at once or 7 or 64 at a time."""
+    from kvdemo.policies.protokv import bank as bank_module
+
+    monkeypatch.setattr(bank_module, "MERGE_BLOCK", block)
+    monkeypatch.setattr(bank_module, "MERGE_PAIRS", pairs)
     g = torch.Generator().manual_seed(seed)
     policy = make_policy("protokv", subquantizers=2)
     rows, slots, dim = 3, 48, 8

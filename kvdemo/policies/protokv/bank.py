@@ -45,6 +45,13 @@ from ...views import LOST
 from .ema import ema_closed_form, running_mean_before
 from .pq import pq_encode, train_codebooks
 
+#: Key products ``[B, u, K]`` per block of candidates in :meth:`ProtoBank.merge`, and close pairs whose value centres
+#: are compared at a time (kvdemo's): what merging holds is bounded by them, whatever the bank holds. Keys of one
+#: direction (random weights, a static scene) make nearly every pair close: unblocked, the first full-depth GPU run
+#: held 17 GB for ProtoKV at Qwen2.5-VL-3B's shape against a 216 MB budget.
+MERGE_BLOCK = 1 << 22
+MERGE_PAIRS = 1 << 16
+
 #: Padding of :attr:`ProtoBank.seed_order` (sorts after every arrival number).
 NO_SEED = torch.iinfo(torch.int64).max
 #: Passes whose churn (merges, recyclings per row) the bank keeps for the views.
@@ -367,7 +374,8 @@ class ProtoBank:
         prototypes changed ``[B, K]``.
 
         Only pairs with a candidate ``[B, K]`` (a prototype that changed this chunk, or one left pending) can
-        newly qualify, so distances are computed for candidate rows only (``[B, U, K]``, not ``[B, K, K]``).
+        newly qualify, so distances are computed for candidate rows only (``[B, U, K]``, not ``[B, K, K]``), and
+        :data:`MERGE_BLOCK` products at a time.
         """
         rows, capacity = self.mass.shape
         device = self.mass.device
@@ -379,26 +387,29 @@ class ProtoBank:
             return torch.zeros_like(active)
         chosen = torch.argsort((~candidates).to(torch.int8), dim=1, stable=True)[:, :width]  # [B, U] slot ids
         real = torch.gather(candidates, 1, chosen)
-        unit_k = F.normalize(self.centre_k, dim=-1)
+        unit_k, unit_v = F.normalize(self.centre_k, dim=-1), F.normalize(self.centre_v, dim=-1)
         picked_k = torch.gather(unit_k, 1, chosen[..., None].expand(-1, -1, unit_k.shape[-1]))
-        # ||a - b||^2 = 2 - 2 cos for unit vectors, so ||a - b|| < eps  <=>  cos > 1 - eps^2 / 2
-        # Pairs (row b, candidate u, slot k) whose keys are close: few, so everything after the one [B, U, K] product
-        # works on the pairs, not on [B, U, K] tensors.
-        b, u, k = torch.nonzero((picked_k @ unit_k.transpose(1, 2)) > 1 - eps_k**2 / 2, as_tuple=True)
-        j = chosen[b, u]
-        b, u, k, j = (x[real[b, u] & active[b, k] & (j != k)] for x in (b, u, k, j))
-        # Value centres only for those pairs: one dot product each.
-        unit_v = F.normalize(self.centre_v, dim=-1)
-        close = (unit_v[b, j] * unit_v[b, k]).sum(-1) > 1 - eps_v**2 / 2
-        b, u, k, j = (x[close] for x in (b, u, k, j))
         # partner(j) = lowest i < j with close(i, j); close is symmetric, so a pair appears from a candidate side:
-        # slot k's lowest candidate partner below it, and candidate j's lowest partner below it (any slot).
+        # slot k's lowest candidate partner below it, and candidate j's lowest partner below it (any slot). Both are
+        # minima, gathered block by block of candidates (see MERGE_BLOCK).
         from_candidates = torch.full((rows, capacity), capacity, dtype=torch.long, device=device)
-        below = j < k
-        from_candidates.view(-1).scatter_reduce_(0, (b * capacity + k)[below], j[below], reduce="amin")
         own = torch.full(chosen.shape, capacity, dtype=torch.long, device=device)
-        above = k < j
-        own.view(-1).scatter_reduce_(0, (b * width + u)[above], k[above], reduce="amin")
+        step = max(1, MERGE_BLOCK // max(rows * capacity, 1))
+        for start in range(0, width, step):
+            stop = min(start + step, width)
+            # ||a - b||^2 = 2 - 2 cos for unit vectors, so ||a - b|| < eps  <=>  cos > 1 - eps^2 / 2
+            b, u, k = torch.nonzero((picked_k[:, start:stop] @ unit_k.transpose(1, 2)) > 1 - eps_k**2 / 2, as_tuple=True)
+            u = u + start
+            j = chosen[b, u]
+            b, u, k, j = (x[real[b, u] & active[b, k] & (j != k)] for x in (b, u, k, j))
+            close = torch.cat([  # value centres for those pairs only, MERGE_PAIRS pairs at a time
+                (unit_v[b[i : i + MERGE_PAIRS], j[i : i + MERGE_PAIRS]] * unit_v[b[i : i + MERGE_PAIRS], k[i : i + MERGE_PAIRS]])
+                .sum(-1) > 1 - eps_v**2 / 2 for i in range(0, max(b.numel(), 1), MERGE_PAIRS)])
+            b, u, k, j = (x[close] for x in (b, u, k, j))
+            below = j < k
+            from_candidates.view(-1).scatter_reduce_(0, (b * capacity + k)[below], j[below], reduce="amin")
+            above = k < j
+            own.view(-1).scatter_reduce_(0, (b * width + u)[above], k[above], reduce="amin")
         partner = from_candidates.scatter_reduce(1, chosen, own, reduce="amin")
         has_partner = partner < capacity
         root = ~has_partner
