@@ -64,3 +64,15 @@ def test_the_doctor_names_the_configs_it_knows(capsys):
     with pytest.raises(SystemExit) as stopped:
         main(["doctor", "--device", "cpu", "--full-depth", "qwen9-vl"])
     assert all(name in str(stopped.value) for name in ("qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen3-vl-8b", "not qwen9-vl"))
+
+
+def test_the_app_check_reads_model_work_per_second_from_a_run_report(tmp_path):
+    """Prefill and compression ms over the stream's seconds (the last event's time plus one sampling period)."""
+    from kvdemo.bench.appcheck import _report_of, _work
+
+    report = {"fps": 2.0, "timeline": [{"time_s": 0.5, "ms": 10.0}, {"time_s": 1.5, "ms": 30.0}, {"time_s": 1.5, "ms": 4.0}]}
+    assert _work(report) == pytest.approx(44.0 / 2.0)
+    assert _work({"timeline": []}) is None
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert _report_of(["status", {"path": str(path)}, None]) == report and _report_of(["status", "a.png"]) is None
