@@ -2,7 +2,8 @@
 
 Starts the app (``kvdemo.app.launch``) with ``--model`` (e.g. a random-weight checkpoint folder that
 ``python -m kvdemo doctor --full-depth`` writes) and, from one ``gradio_client`` session: the bundled sample streamed
-through every policy (``/run_sample``) with a question asked while the stream runs and another after it (``/ask``),
+through every bounded policy beside the full cache (``/run_sample``) with a question asked while the stream runs
+(its row says so when the stream was already over) and another after it (``/ask``),
 then the comparison page with four policies and the full cache (``/compare_sample``, ``/compare_ask`` with
 attribution). Per step: wall time, whether it raised, and from the run report the model's work per second of
 stream (prefill and compression, ms per second); all along, the app process's peak GPU memory (``nvidia-smi``,
@@ -97,7 +98,9 @@ def check(model: str, policies: list[str], compare: list[str], workdir: Path) ->
         for policy in policies:
             job = client.submit(model=model, policy=policy, api_name="/run_sample")
             time.sleep(2.0)
-            step("ask mid-stream", policy, lambda: client.predict(QUESTION, api_name="/ask"))
+            # a short stream may be over by now: the row says whether the question met it still running
+            step("ask mid-stream" if not job.done() else "ask (stream over)", policy,
+                 lambda: client.predict(QUESTION, api_name="/ask"))
             step("run_sample", policy, job.result)
             step("ask after", policy, lambda: client.predict(QUESTION, api_name="/ask"))
         step("compare_sample", ",".join(compare),

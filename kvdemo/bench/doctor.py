@@ -8,7 +8,8 @@ compression with the memory's layers split across two devices (``cpu`` and ``cud
 CPU and :mod:`kvdemo.devices.emulated_device`), the attention backend SDPA takes for kvdemo's masked calls, and timings
 per policy (prefill per chunk, compression pass, decode per token, compression as % of prefill) on the tiny
 model and, with ``--real-shapes``, one compression pass on two layers at Qwen2.5-VL-3B/-7B's per-layer cache
-shapes. Prints tables, writes JSON; asserts nothing about speed.
+shapes; with ``--full-depth``, whole models at released configs with random weights, streamed per policy
+(:mod:`.fulldepth`). Prints tables, writes JSON; asserts nothing about speed.
 """
 
 from __future__ import annotations

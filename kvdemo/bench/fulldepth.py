@@ -62,11 +62,13 @@ def write_random_checkpoint(name: str, folder: str | Path, device: str | torch.d
 
 def looped_frames(seconds: float, fps: float = 2.0) -> np.ndarray:
     """``seconds`` of the bundled generated sample at ``fps``, looped, upscaled to :data:`SOURCE_SIZE` ``[T, H, W, 3]``."""
+    import torchvision.transforms.v2.functional as tvF  # deferred with torch's vision ops, as in kvdemo.media.video
+
     frames = sample_episode().video.frames
     count = max(int(round(seconds * fps)), 2)
-    looped = torch.from_numpy(frames[np.arange(count) % len(frames)]).permute(0, 3, 1, 2).float()
-    big = torch.nn.functional.interpolate(looped, size=SOURCE_SIZE, mode="bilinear", align_corners=False)
-    return big.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
+    # Each distinct frame upscaled once, in uint8, then looped (not every looped copy in float).
+    big = tvF.resize(torch.from_numpy(frames).permute(0, 3, 1, 2), list(SOURCE_SIZE), antialias=True)
+    return big.permute(0, 2, 3, 1).contiguous().numpy()[np.arange(count) % len(frames)]
 
 
 def _release(device: str | torch.device) -> None:
@@ -82,11 +84,10 @@ def _device_bytes(device: torch.device, peak: bool = False) -> int | None:
 
 
 def stream_run(model: Any, policy_name: str, frames: np.ndarray, budget: Budget | None, fps: float,
-               cap_bytes: int | None = None, max_new_tokens: int = 16) -> dict[str, Any]:
+               max_new_tokens: int = 16) -> dict[str, Any]:
     """One engine over ``frames`` (two at a time), one question at the end: timings, memory, whether it stopped."""
     device = model.device
-    engine = StreamEngine(model, make_policy(policy_name), budget=budget, fps=fps, max_new_tokens=max_new_tokens,
-                          max_cache_bytes=cap_bytes)
+    engine = StreamEngine(model, make_policy(policy_name), budget=budget, fps=fps, max_new_tokens=max_new_tokens)
     before = _device_bytes(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -36,11 +36,13 @@ FLOOR_TARGETS = {DEFAULT_POLICY: 1.3}
 DEFAULT_TARGET = 3.0
 
 
-def time_pass(policy: Policy, memory: KVMemory, keep: int, repeats: int, floor: bool = True, rotary: Any = None) -> dict[str, Any]:
+def time_pass(policy: Policy, memory: KVMemory, keep: int, repeats: int, floor: bool = True,
+              rotary: Any = None) -> dict[str, Any]:
     """The whole compression pass on fresh copies of ``memory``: ``policy.compress`` (selection) and
     :meth:`KVMemory.apply` (the memory's compaction), medians and minima in ms over ``repeats`` runs
-    after one warm-up (views with ``rotary``, the model's rotation, for a policy that needs keys before RoPE), the phases the policy reports (``phases_ms``, means, plus ``apply``) and the key/value
-    bytes ``apply`` moved. With ``floor``, each run is preceded by one timing of the memory-bound floor
+    after one warm-up (views with ``rotary``, the model's rotation, which a policy that keeps keys before RoPE
+    needs), the phases the policy reports (``phases_ms``, means, plus ``apply``) and the key/value bytes ``apply``
+    moved. With ``floor``, each run is preceded by one timing of the memory-bound floor
     (:func:`time_floor`) in the same process, alternating, and ``total_over_floor`` is the median of the runs'
     ratios (a loaded machine slows both alike). Timed with kvdemo's one timer (:mod:`kvdemo.devices.timing`)."""
     select, apply, total, floors, ratios = [], [], [], [], []
