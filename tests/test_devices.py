@@ -8,6 +8,7 @@ stands in for a second device where only placement matters (``bind``); a static 
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -16,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvdemo.cache.attention import grouped_sdpa
+from kvdemo.cache import attention
+from kvdemo.cache.attention import grouped_sdpa, sdpa_backends, sdpa_scope
 from kvdemo.devices.emulated_device import DEVICE, FACTORIES, DeviceMixError, EmulatedDevice, place_module
 from kvdemo.policies import make_policy
 from kvdemo.policies.hybridkv import capped_allocation
@@ -181,6 +183,66 @@ def test_grouped_and_expanded_attention_are_the_same_attention():
         torch.testing.assert_close(out[0], torch.einsum("hqk,hkd->hqd", plain, value[0].repeat_interleave(3, 0)), rtol=1e-12, atol=1e-12)
 
 
+def _sdpa_flags() -> dict[str, bool]:
+    cuda = torch.backends.cuda
+    return {"flash": cuda.flash_sdp_enabled(), "efficient": cuda.mem_efficient_sdp_enabled(), "math": cuda.math_sdp_enabled(),
+            "cudnn": cuda.cudnn_sdp_enabled()}
+
+
+def test_kvdemos_calls_on_cuda_leave_cudnn_out_and_restore_the_flags():
+    """On CUDA kvdemo's SDPA calls choose among the enabled backends but cuDNN's (a plan per new key length); the
+    process-wide flags are back as they were afterwards; a caller that enabled cuDNN alone keeps it; off CUDA, or
+    with cuDNN already off, nothing is switched. The flags are process state, so this runs without a GPU."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    before = _sdpa_flags()
+    cuda = torch.device("cuda")
+    assert sdpa_backends(torch.device("cpu")) is None
+    every = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(every):  # every backend on, whatever this process had
+        assert sdpa_backends(cuda) == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        with sdpa_scope(cuda):
+            assert _sdpa_flags() == {"flash": True, "efficient": True, "math": True, "cudnn": False}
+        assert _sdpa_flags() == {"flash": True, "efficient": True, "math": True, "cudnn": True}
+        with sdpa_scope(torch.device("cpu")):
+            assert _sdpa_flags()["cudnn"]
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):  # the doctor's "cuDNN alone"
+        assert sdpa_backends(cuda) is None
+        with sdpa_scope(cuda):
+            assert _sdpa_flags() == {"flash": False, "efficient": False, "math": False, "cudnn": True}
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        assert sdpa_backends(cuda) == [SDPBackend.EFFICIENT_ATTENTION]
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        assert sdpa_backends(cuda) is None  # cuDNN already off: nothing to switch
+    assert _sdpa_flags() == before
+
+
+def test_grouped_attention_runs_inside_the_backend_scope_of_its_device(monkeypatch):
+    """Every SDPA call of :func:`grouped_sdpa` (grouped or expanded, with or without a mask) happens inside
+    :func:`sdpa_scope` of the query's device."""
+    entered: list[torch.device] = []
+    inside: list[bool] = []
+    scope = attention.sdpa_scope
+
+    @contextlib.contextmanager
+    def recording(device):
+        entered.append(device)
+        inside.append(True)
+        with scope(device):
+            yield
+        inside.append(False)
+
+    calls = []
+    real = attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(attention, "sdpa_scope", recording)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(inside[-1]) or real(*a, **k))
+    query, key = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
+    for mask in (None, torch.zeros(2, 3, 5), torch.ones(3, 5, dtype=torch.bool)):
+        for expand in (False, True):
+            grouped_sdpa(query, key, key, mask, 0.3, expand_kv=expand)
+    assert calls == [True] * 6 and entered == [torch.device("cpu")] * 6
+
+
 def _factories_without_a_device(path: Path, root: Path = PACKAGE.parent) -> list[str]:
     """``torch.<factory>(...)`` calls in ``path`` that name no device (``new_*``/``*_like`` derive theirs)."""
     found = []
@@ -226,4 +288,5 @@ def test_the_doctor_runs_its_small_matrix_on_the_cpu(tmp_path, capsys):
             assert row["compressions"] > 0, row  # M is half the full cache: every bounded policy compresses
     assert [r["same_tokens"] for r in report["split"]] == [True] * len(POLICIES)
     assert report["attention"]["backend"].startswith("cpu") and report["ok"]
+    assert report["key_lengths"] == []  # timed on CUDA only
     assert "all checks passed" in capsys.readouterr().out

@@ -5,7 +5,8 @@ CPU): stream the bundled sample twice at ``M`` = half of what the full cache hol
 policy stays under ``M``, that asking leaves the memory bit-identical, and whether the answers and the memory are
 identical across the two runs (the table says where they are not). Then the placement checks: every policy's
 compression with the memory's layers split across two devices (``cpu`` and ``cuda:0``; without a GPU, the
-CPU and :mod:`kvdemo.devices.emulated_device`), the attention backend SDPA takes for kvdemo's masked calls, and timings
+CPU and :mod:`kvdemo.devices.emulated_device`), the attention backend SDPA takes for kvdemo's masked calls (on CUDA,
+with what a new key length costs each backend: :func:`key_length_cost`), and timings
 per policy (prefill per chunk, compression pass, decode per token, compression as % of prefill) on the tiny
 model and, with ``--real-shapes``, one compression pass on two layers at Qwen2.5-VL-3B/-7B's per-layer cache
 shapes; with ``--full-depth``, whole models at released configs with random weights, streamed per policy
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..cache.attention import fused_needs_expanded_kv, grouped_sdpa
+from ..cache.attention import fused_needs_expanded_kv, grouped_sdpa, sdpa_backends
 from ..cache.budget import DEFAULT_KEEP_RATIO, Budget
 from ..devices.emulated_device import DEVICE as EMULATED
 from ..devices.emulated_device import EmulatedDevice
@@ -173,6 +174,41 @@ def attention_backend(device: torch.device) -> dict[str, Any]:
     return result
 
 
+def key_length_cost(device: torch.device, calls: int = 6) -> list[dict[str, Any]]:
+    """What a new key length costs kvdemo's masked call on CUDA (a streaming cache meets one at every chunk and
+    decoded token): median ms per call (synchronised) over ``calls`` calls that each meet a key length not seen
+    before, and over as many at one repeated length, for a decode step (1 query) and a prefill chunk (256), with
+    the memory-efficient and the cuDNN backend alone and with kvdemo's own choice (:func:`sdpa_backends`). bfloat16,
+    16 query heads over 2 KV heads of width 128, a per-KV-head bias, keys around 4k. Empty off CUDA."""
+    if device.type != "cuda":
+        return []
+    rows = []
+    choices = (("memory-efficient", [SDPBackend.EFFICIENT_ATTENTION]), ("cuDNN", [SDPBackend.CUDNN_ATTENTION]),
+               ("kvdemo's choice", None))
+    for number, (label, backends) in enumerate(choices):
+        for queries in (1, 256):
+            base = 4096 + 4096 * (2 * number + (queries > 1))  # lengths no earlier row used
+            row: dict[str, Any] = {"backend": label, "queries": queries,
+                                   "kvdemo_backends": [b.name for b in sdpa_backends(device) or []] if backends is None else None}
+            try:
+                with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+                    for name, lengths in (("new_length_ms", [base + 64 * i for i in range(calls + 1)]),
+                                          ("same_length_ms", [base] * (calls + 1))):
+                        times = []
+                        for length in lengths:
+                            q = torch.randn(1, 16, queries, 128, device=device, dtype=torch.bfloat16)
+                            k = torch.randn(1, 2, length, 128, device=device, dtype=torch.bfloat16)
+                            mask = torch.zeros(2, queries, length, device=device, dtype=torch.bfloat16)
+                            watch = Stopwatch(device)
+                            grouped_sdpa(q, k, k, mask, 0.088, expand_kv=fused_needs_expanded_kv(q))
+                            times.append(watch.ms())
+                        row[name] = sorted(times[1:])[calls // 2]  # the first call of each list is a warm-up
+            except RuntimeError as error:
+                row["error"] = str(error).splitlines()[0][:80]
+            rows.append(row)
+    return rows
+
+
 def real_shape_passes(device: torch.device, repeats: int,
                       shapes: tuple[tuple[str, dict[str, Any]], ...] = (("3B", QWEN3B_SHAPE), ("7B", QWEN7B_SHAPE))
                       ) -> list[dict[str, Any]]:
@@ -222,6 +258,12 @@ def doctor(device_name: str = "auto", models: list[str] | None = None, frames: i
                                           "device": str(device), "threads": torch.get_num_threads()}}
     report["attention"] = attention_backend(device)
     print(f"attention on {device}: " + ", ".join(f"{k}={v}" for k, v in report["attention"].items()))
+    report["key_lengths"] = key_length_cost(device)
+    if report["key_lengths"]:
+        print("\nkvdemo's masked SDPA call when each call meets a new key length (a stream) or a repeated one, median ms:")
+        print(_table(report["key_lengths"], [("backend         ", "backend", "<16"), ("queries", "queries", "d"),
+                                             ("new length ms", "new_length_ms", ".2f"),
+                                             ("same length ms", "same_length_ms", ".2f"), ("error", "error", "")]))
     report["split"] = split_matrix(device)
     print("\nlayers split across two devices (layer 0 on the host):")
     print(_table(report["split"], [("policy        ", "policy", "<14"), ("devices        ", "devices", "<15"),

@@ -16,7 +16,9 @@ cache, see :mod:`kvdemo.cache.memory`). On top of that it applies what the memor
   the forward's queries score each head's chunk mean keys, the top chunks within the head's budget come
   back from host memory and are attended together with the cache under one softmax.
 
-With nothing supplied it is SDPA with that causal mask, equal to transformers' ``sdpa`` path. Observers
+With nothing supplied it is SDPA with that causal mask, equal to transformers' ``sdpa`` path. On CUDA kvdemo's
+calls leave cuDNN's SDPA backend out (:func:`sdpa_backends`): it builds a plan for every new key length, and a
+streaming cache has a new one at every chunk and every decoded token. Observers
 (``MemoryCache.observers``, off unless asked for: :mod:`kvdemo.analysis.explain`'s answer attribution and fidelity probe)
 see every layer's query, keys, values, bias and retrieved chunks in the same forward, and read the attention
 weights with :func:`attention_weights`.
@@ -24,8 +26,13 @@ weights with :func:`attention_weights`.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
@@ -110,6 +117,40 @@ def fused_needs_expanded_kv(query: torch.Tensor) -> bool:
     return query.device.type == "cuda"
 
 
+#: kvdemo's own switching of SDPA's backend flags, one thread at a time: the flags are process-wide and
+#: ``sdpa_kernel`` restores what it found, so two threads interleaving would restore each other's state.
+_BACKEND_SWITCH = threading.Lock()
+
+
+def sdpa_backends(device: torch.device) -> list[SDPBackend] | None:
+    """The SDPA backends kvdemo's calls on ``device`` choose from, or None to leave SDPA's own choice.
+
+    On CUDA (kvdemo's choice): every backend the caller has enabled except cuDNN's. PyTorch builds a cuDNN plan
+    for every new combination of sizes (its plan cache is keyed on exact sizes, the key length included, and is
+    per thread), and PyTorch 2.10+ puts cuDNN first on Hopper and Blackwell when the bundled cuDNN is 9.15 or
+    newer; a streaming cache meets a new key length at every chunk and every decoded token, so each would pay a plan
+    build where the memory-efficient or flash kernel runs at once (docs/devices.md). A caller that enabled cuDNN
+    alone keeps it (the doctor times each backend alone that way); None where cuDNN is already off, or off CUDA."""
+    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return None
+    enabled = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled(),
+               SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled(),
+               SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled()}
+    return [backend for backend, on in enabled.items() if on] or None
+
+
+@contextlib.contextmanager
+def sdpa_scope(device: torch.device) -> Iterator[None]:
+    """SDPA's backends limited to :func:`sdpa_backends` for the calls inside (nothing changes where it is None);
+    the flags are restored on exit."""
+    backends = sdpa_backends(device)
+    if backends is None:
+        yield
+        return
+    with _BACKEND_SWITCH, sdpa_kernel(backends):
+        yield
+
+
 def grouped_sdpa(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
     expand_kv: bool = False,
@@ -122,6 +163,12 @@ def grouped_sdpa(
     (no copy of keys, values or mask). ``expand_kv=True``: keys and values repeated to ``H_q`` heads and a per-KV
     mask to ``[1, H_q, q, kv]`` in the query's dtype, the input every fused kernel takes. Both are the same
     attention (tests compare them with a hand softmax)."""
+    with sdpa_scope(query.device):
+        return _grouped_sdpa(query, key, value, mask, scale, expand_kv)
+
+
+def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                  expand_kv: bool) -> torch.Tensor:
     _, q_heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
