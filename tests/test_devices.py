@@ -183,6 +183,30 @@ def test_grouped_and_expanded_attention_are_the_same_attention():
         torch.testing.assert_close(out[0], torch.einsum("hqk,hkd->hqd", plain, value[0].repeat_interleave(3, 0)), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4)])
+def test_a_decode_step_is_the_same_attention_grouped_and_expanded(heads):
+    """One query token (a decode step, where the grouped call puts a KV head's query heads as its query rows),
+    with a per-KV-head bias, a bool mask or none, equals a hand softmax in float64."""
+    q_heads, kv_heads = heads
+    group = q_heads // kv_heads
+    g = torch.Generator().manual_seed(5)
+    query = torch.randn(1, q_heads, 1, 8, generator=g, dtype=torch.float64)
+    key, value = (torch.randn(1, kv_heads, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    bias = torch.randn(kv_heads, 1, 9, generator=g, dtype=torch.float64)
+    bias[-1, 0, 3] = float("-inf")
+    visible = torch.ones(1, 9, dtype=torch.bool)
+    visible[0, 5] = False
+    for mask, additive in ((None, torch.zeros(kv_heads, 1, 9, dtype=torch.float64)), (bias, bias),
+                           (visible, torch.zeros(1, 9, dtype=torch.float64).masked_fill(~visible, float("-inf")))):
+        scores = torch.einsum("hd,hkd->hk", query[0, :, 0], key[0].repeat_interleave(group, 0)) * 0.4
+        scores = scores + (additive.repeat_interleave(group, 0)[:, 0] if additive.dim() == 3 else additive)
+        expected = torch.einsum("hk,hkd->hd", torch.softmax(scores, -1), value[0].repeat_interleave(group, 0))
+        for expand in (False, True):
+            out = grouped_sdpa(query, key, value, mask, 0.4, expand_kv=expand)
+            assert out.shape == (1, q_heads, 1, 8)
+            torch.testing.assert_close(out[0, :, 0], expected, rtol=1e-12, atol=1e-12)
+
+
 def _sdpa_flags() -> dict[str, bool]:
     cuda = torch.backends.cuda
     return {"flash": cuda.flash_sdp_enabled(), "efficient": cuda.mem_efficient_sdp_enabled(), "math": cuda.math_sdp_enabled(),
