@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tensors import put_rows, take_rows
+from ..tensors import gather_rows, put_rows, take_rows
 
 
 @dataclass
@@ -164,14 +164,17 @@ class OffloadStore:
         live = torch.arange(self.capacity, device=scores.device)[None] < self.count.to(scores.device)[:, None]
         scores = scores.masked_fill(~live, float("-inf"))
         top = torch.topk(scores, width, dim=1).indices  # [H, width]
-        chosen = torch.arange(width, device=top.device)[None] < wanted.to(top.device)[:, None]
-        self.retrieved[torch.arange(heads, device=top.device)[:, None].expand_as(top)[chosen], top[chosen]] = True
+        # Which picks count: worked out on the host from the host's counts, and marked on the device by a scatter
+        # (the picks of a row are distinct), so the one wait for the device is for the picks themselves.
+        chosen = torch.arange(width, device="cpu")[None] < wanted[:, None]
+        self.retrieved |= torch.zeros_like(self.retrieved).scatter_(1, top, chosen.to(top.device))
         top_host = top.cpu()
-        rows = torch.arange(heads, device="cpu")[:, None]
-        keys = self.keys[rows, top_host].to(query.device, non_blocking=True)  # [H, width, chunk, D]
-        values = self.values[rows, top_host].to(query.device, non_blocking=True)
-        self.last_fetched = torch.stack([self.provenance[name][rows, top_host] for name in ("frame", "row", "col")]).reshape(3, heads, -1)
-        ok = (self.valid[rows, top_host] & chosen.cpu()[..., None]).to(query.device)
+        # Whole chunks gathered as rows (gather_rows: index_select, several times faster than advanced indexing
+        # on half-precision chunks on a CPU).
+        keys = gather_rows(self.keys, top_host).to(query.device, non_blocking=True)  # [H, width, chunk, D]
+        values = gather_rows(self.values, top_host).to(query.device, non_blocking=True)
+        self.last_fetched = torch.stack([gather_rows(self.provenance[name], top_host) for name in ("frame", "row", "col")]).reshape(3, heads, -1)
+        ok = (gather_rows(self.valid, top_host) & chosen[..., None]).to(query.device)
         # What was not chosen (a head retrieving fewer chunks than the widest: its extra picks may lie past its count,
         # never written) and a partial chunk's tail read as zeros: masked by the bias, but NaN * 0 is NaN.
         keys, values = keys.masked_fill(~ok[..., None], 0), values.masked_fill(~ok[..., None], 0)
