@@ -170,14 +170,17 @@ class OffloadStore:
         self.retrieved |= torch.zeros_like(self.retrieved).scatter_(1, top, chosen.to(top.device))
         top_host = top.cpu()
         # Whole chunks gathered as rows (gather_rows: index_select, several times faster than advanced indexing
-        # on half-precision chunks on a CPU).
-        keys = gather_rows(self.keys, top_host).to(query.device, non_blocking=True)  # [H, width, chunk, D]
-        values = gather_rows(self.values, top_host).to(query.device, non_blocking=True)
+        # on half-precision chunks on a CPU), into fresh host tensors.
+        keys, values = gather_rows(self.keys, top_host), gather_rows(self.values, top_host)  # [H, width, chunk, D]
         self.last_fetched = torch.stack([gather_rows(self.provenance[name], top_host) for name in ("frame", "row", "col")]).reshape(3, heads, -1)
-        ok = (gather_rows(self.valid, top_host) & chosen[..., None]).to(query.device)
+        ok = gather_rows(self.valid, top_host) & chosen[..., None]  # [H, width, chunk]
         # What was not chosen (a head retrieving fewer chunks than the widest: its extra picks may lie past its count,
-        # never written) and a partial chunk's tail read as zeros: masked by the bias, but NaN * 0 is NaN.
-        keys, values = keys.masked_fill(~ok[..., None], 0), values.masked_fill(~ok[..., None], 0)
-        bias = torch.zeros(ok.shape, dtype=query.dtype, device=query.device).masked_fill(~ok, float("-inf"))
+        # never written) and a partial chunk's tail read as zeros: masked by the bias, but NaN * 0 is NaN. Only those
+        # rows are written, on the host, before the copy to the device.
         dim = keys.shape[-1]
+        unused = torch.nonzero(~ok.flatten()).squeeze(1)
+        keys.view(-1, dim).index_fill_(0, unused, 0)
+        values.view(-1, dim).index_fill_(0, unused, 0)
+        keys, values, ok = (t.to(query.device, non_blocking=True) for t in (keys, values, ok))
+        bias = torch.zeros(ok.shape, dtype=query.dtype, device=query.device).masked_fill(~ok, float("-inf"))
         return keys.reshape(heads, -1, dim), values.reshape(heads, -1, dim), bias.reshape(heads, -1)
