@@ -185,8 +185,8 @@ def test_grouped_and_expanded_attention_are_the_same_attention():
 
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4)])
 def test_a_decode_step_is_the_same_attention_grouped_and_expanded(heads):
-    """One query token (a decode step, where the grouped call puts a KV head's query heads as its query rows),
-    with a per-KV-head bias, a bool mask or none, equals a hand softmax in float64."""
+    """One query token (a decode step: both calls give SDPA a KV head's query heads as its query rows), with a
+    per-KV-head bias, a bool mask or none, equals a hand softmax in float64."""
     q_heads, kv_heads = heads
     group = q_heads // kv_heads
     g = torch.Generator().manual_seed(5)
