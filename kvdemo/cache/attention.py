@@ -178,7 +178,7 @@ def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         # block), so SDPA reads each KV head's keys and values once, with as many query as key heads (no GQA, no
         # copy of the cache on CUDA); kvdemo's: 2.3-2.5x faster on a CPU than the grouped call at 7B shape, with or
         # without a mask. The mask [H_kv, 1, kv] or [1, kv] broadcasts over the rows.
-        rows_mask = mask.view(1, kv_heads, 1, kv_len) if mask is not None and mask.dim() == 3 else mask
+        rows_mask = mask.reshape(1, kv_heads, 1, kv_len) if mask is not None and mask.dim() == 3 else mask
         if expand_kv and rows_mask is not None and rows_mask.is_floating_point():
             rows_mask = rows_mask.to(query.dtype)  # what CUDA's fused kernels take
         out = F.scaled_dot_product_attention(query.reshape(1, kv_heads, group, dim), key, value, attn_mask=rows_mask,
