@@ -179,7 +179,7 @@ def key_length_cost(device: torch.device, calls: int = 6) -> list[dict[str, Any]
     decoded token): median ms per call (synchronised) over ``calls`` calls that each meet a key length not seen
     before, and over as many at one repeated length, for a decode step (1 query) and a prefill chunk (256), with
     the memory-efficient and the cuDNN backend alone and with kvdemo's own choice (:func:`sdpa_backends`). bfloat16,
-    16 query heads over 2 KV heads of width 128, a per-KV-head bias, 4k-28k keys. Empty off CUDA."""
+    16 query heads over 2 KV heads of width 128, a per-KV-head bias, 4k-25k keys. Empty off CUDA."""
     if device.type != "cuda":
         return []
     rows = []
