@@ -28,6 +28,23 @@ def test_dependencies_and_extras_come_from_requirement_files_of_plain_lines():
                 Requirement(line)
 
 
+def test_the_torch_floor_is_one_the_pinned_transformers_runs_on():
+    """A user whose environment already has an older torch keeps it (pip is satisfied by the floor): the floor must be
+    one the transformers kvdemo pins accepts, or transformers turns PyTorch off and nothing loads. The minimum is
+    read from the installed transformers' own metadata (its ``torch`` extra)."""
+    from importlib.metadata import requires
+
+    from packaging.version import Version
+
+    ours = {Requirement(line).name: Requirement(line) for line in (ROOT / "requirements.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")}
+    theirs = [Requirement(r) for r in requires("transformers") or [] if r.startswith("torch>=") or r.startswith("torch >=")]
+    assert theirs, "transformers' metadata names no torch minimum"
+    needed = max(Version(spec.version) for r in theirs for spec in r.specifier if spec.operator == ">=")
+    floor = min(Version(spec.version) for spec in ours["torch"].specifier if spec.operator == ">=")
+    assert floor >= needed, f"requirements.txt allows torch {floor}, transformers needs {needed}"
+
+
 def test_every_folder_of_kvdemo_with_code_is_a_package():
     folders = {path.parent for path in (ROOT / "kvdemo").rglob("*.py")}
     assert ROOT / "kvdemo" / "policies" / "protokv" in folders
