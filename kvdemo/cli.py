@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .bench import write_json  # light: json and pathlib
 from .dialogue import QuestionError, check_question, check_question_text, clipped  # light: no torch
 from .errors import UserError  # light: imports nothing
 from .experiments.evaluation import QUESTION_FORMS  # light: torch loads when an evaluation runs
@@ -193,8 +194,7 @@ def run_command(args: argparse.Namespace) -> int:
         print("\ncoverage: cosine distance of every full-cache token to its nearest kept token (lower is better)")
         print(coverage_table(report["coverage"]))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        write_json(args.json, report)
         print(f"report written to {args.json}", file=sys.stderr)
     return 0
 

@@ -10,3 +10,16 @@ what the policy declares worth measuring about itself (:mod:`.policies`), what a
 
 Prints tables and writes JSON; it asserts nothing about speed.
 """
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """Write a command's results to ``path`` as indented JSON (its folder made if missing; values JSON does not know,
+    such as a device or a dtype, written as their text)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1, default=str) + "\n")

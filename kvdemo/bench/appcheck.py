@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import write_json
 from .soak import start_app
 
 QUESTION = "What colour was the circle?"
@@ -130,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"app peak GPU memory: {results['gpu_peak_mb']} MB; {sum(r['error'] is not None for r in results['rows'])} "
           f"step(s) raised")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        write_json(args.json, results)
     return 0
 
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +12,7 @@ import torch
 from ..cache.budget import DEFAULT_KEEP_RATIO, Budget
 from ..policies import make_policy
 from ..testing import QWEN7B_SHAPE
+from . import write_json
 from .passes import (
     append_table,
     compile_table,
@@ -81,7 +80,6 @@ def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
         results["reference_7b"] = reference_benchmark(reference, args.pass_repeats)
         print(reference_table(results["reference_7b"]))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_json(args.json, results)
         print(f"results written to {args.json}", file=sys.stderr)
     return 0

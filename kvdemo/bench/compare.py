@@ -17,9 +17,7 @@ Prints tables and writes JSON (``--json``); it asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +29,7 @@ from ..models.loading import load_model
 from ..policies import COMPARE_POLICIES
 from ..stream.streaming import stream_video
 from ..world.synthetic import STREAM_KINDS, StreamSpec, generate_episode, grade_answer, sample_episode
+from . import write_json
 
 
 def realtime(model, policies: list[str], budget: int, keep: int) -> dict[str, Any]:
@@ -167,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                "grounded": grounded(model, policies, args.budget, args.keep, args.episodes)}
     print(tables(results))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        write_json(args.json, results)
     return 0
 
 

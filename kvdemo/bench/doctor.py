@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import platform
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +35,7 @@ from ..stream.engine import StreamEngine
 from ..stream.lineup import Contender, make_engines
 from ..testing import QWEN3B_SHAPE, QWEN7B_SHAPE, qwen7b_rotation, synthetic_memory, synthetic_probe
 from ..world.synthetic import sample_episode
-from . import fulldepth
+from . import fulldepth, write_json
 from .passes import time_pass
 
 QUESTION = "What colour was the circle?"
@@ -294,5 +292,4 @@ def doctor(device_name: str = "auto", models: list[str] | None = None, frames: i
 
 def _write(report: dict[str, Any], json_path: str | None) -> None:
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=1, default=str))
+        write_json(json_path, report)

@@ -14,7 +14,6 @@ nothing; a flat memory and a cache folder bounded by the sweeper's age (``KVDEMO
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import subprocess
@@ -24,6 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from . import write_json
 
 QUESTIONS = ("What colour was the circle?", "Which shape appeared first?", "What colour was the star?")
 
@@ -141,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvdemo-soak-") as folder:
         results = soak(args.minutes, args.every, args.cache_ttl, Path(folder))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        write_json(args.json, results)
     return 0
 
 

@@ -176,8 +176,8 @@ def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     if q_len == 1 and group > 1:
         # A decode step: each KV head's group of query heads as that head's query rows (one token has no causal
         # block), so SDPA reads each KV head's keys and values once, with as many query as key heads (no GQA, no
-        # copy of the cache on CUDA); kvdemo's: 2.3-2.5x faster on a CPU than the grouped call at 7B shape, with or
-        # without a mask. The mask [H_kv, 1, kv] or [1, kv] broadcasts over the rows.
+        # copy of the cache on CUDA); kvdemo's, measured on a CPU in docs/performance.md ("Decode steps"). The mask
+        # [H_kv, 1, kv] or [1, kv] broadcasts over the rows.
         rows_mask = mask.reshape(1, kv_heads, 1, kv_len) if mask is not None and mask.dim() == 3 else mask
         if expand_kv and rows_mask is not None and rows_mask.is_floating_point():
             rows_mask = rows_mask.to(query.dtype)  # what CUDA's fused kernels take
