@@ -10,6 +10,7 @@ import pytest
 from kvdemo.analysis.explain import fidelity
 from kvdemo.app import handlers
 from kvdemo.app.comparing import CompareViews, compare_fidelity, parse_delays, redraw_attribution
+from kvdemo.app.page import same_value, unsent
 from kvdemo.app.sessions import AppServices, CompareSettings
 from kvdemo.errors import StreamSettingError
 from kvdemo.experiments.compare import FULL, compare_engines, parse_overrides
@@ -74,6 +75,44 @@ def test_a_comparison_streams_the_sample_into_every_engine_as_the_library_does(c
             assert mine.memory.visual_tokens <= 64
     report = json.loads(open(updates[-1]["report"]).read())
     assert set(report["policies"]) == set(POLICIES) and report["full"]["frames"] == 80
+
+
+def test_a_picture_the_run_sent_is_not_sent_again(compared):
+    """The run's last chunk and its final update carry the same survivor strips: the pages send them once (Gradio
+    rewrites an identical picture's cache file in place, under a browser still reading it), while every update still
+    carries its status and a changed picture goes out."""
+    updates, _ = compared
+    assert same_value(updates[-2]["strips"], updates[-1]["strips"]), "this run would show nothing"
+    shown: dict = {}
+    sent = [unsent(update, shown) for update in updates]
+    assert "strips" in sent[-2] and "strips" not in sent[-1]
+    assert all("status" in update for update in sent) and sent[-1]["report"] == updates[-1]["report"]
+    strips = [update["strips"] for update in sent if "strips" in update]
+    assert len(strips) >= 2 and not any(same_value(a, b) for a, b in zip(strips, strips[1:]))
+
+
+def test_what_counts_as_the_same_picture():
+    """Equal arrays, galleries and drawn panels are the same; a changed pixel, caption or title is not; a figure
+    (served as data, not a file) never is, and a cleared picture (None) forgets what was shown."""
+    from kvdemo.viz.views import Panel
+
+    image = np.zeros((4, 5, 3), dtype=np.uint8)
+    other = image.copy()
+    other[1, 2, 0] = 1
+    assert same_value(image, image.copy()) and not same_value(image, other)
+    assert not same_value(image, image.astype(np.int16)) and not same_value(image, image[:3])
+    gallery = [(image, "t = 0.5 s"), (other, "t = 1.0 s")]
+    assert same_value(gallery, [(image.copy(), "t = 0.5 s"), (other.copy(), "t = 1.0 s")])
+    assert not same_value(gallery, [(image, "t = 0.5 s"), (other, "t = 1.5 s")]) and not same_value(gallery, gallery[:1])
+    panel = Panel("survivors", "image", image, "kept")
+    assert same_value([panel], [Panel("survivors", "image", image.copy(), "kept")])
+    assert not same_value([panel], [Panel("survivors, layer 2", "image", image, "kept")])
+    assert not same_value(object(), object())
+    shown: dict = {}
+    assert unsent({"heatmap": image, "status": "a"}, shown) == {"heatmap": image, "status": "a"}
+    assert unsent({"heatmap": image.copy(), "status": "a"}, shown) == {"status": "a"}
+    assert unsent({"heatmap": None}, shown) == {"heatmap": None}
+    assert "heatmap" in unsent({"heatmap": image}, shown), "after a clear the picture goes out again"
 
 
 def test_questions_get_the_library_answers_graded_with_attribution(compared, library):

@@ -1,5 +1,5 @@
 """What both pages are built from (:class:`Page`): the one error guard (:func:`guard`), handler updates mapped to
-components, and the events both pages have: run a file or the bundled sample, stop, ask (a typed question or a
+components (a picture an event has sent already not sent again: :func:`unsent`), and the events both pages have: run a file or the bundled sample, stop, ask (a typed question or a
 clicked example), start a new conversation, the layer and KV head choices after a run, and the sample's kind.
 Each page (:class:`kvdemo.app.layout.SinglePage`, :class:`kvdemo.app.compare_page.ComparePage`) builds its
 components and says what its settings and views are; ``gr`` (the Gradio module) is handed in by
@@ -7,12 +7,15 @@ components and says what its settings and views are; ``gr`` (the Gradio module) 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from ..world.synthetic import sample_episode, sample_manifest
 from .handlers import ask, new_conversation, run_stream
@@ -47,9 +50,10 @@ def guard(key: str) -> Callable:
         if inspect.isgeneratorfunction(method):
             @functools.wraps(method)  # Gradio reads the method's signature: the API's parameter names
             def run(page: "Page", *args, **kwargs):
+                shown: dict[str, Any] = {}  # the pictures this event has sent (see unsent)
                 try:
                     for update in method(page, *args, **kwargs):
-                        yield page.to_components(update)
+                        yield page.to_components(unsent(update, shown))
                 except Exception as exc:
                     yield failed(page, exc, args)
         else:
@@ -62,6 +66,52 @@ def guard(key: str) -> Callable:
         return run
 
     return decorate
+
+
+def holds_image(value: Any) -> bool:
+    """Whether an update's value carries a picture Gradio serves as a file (an array, or a gallery's or the drawn
+    panels' list with one inside)."""
+    if isinstance(value, np.ndarray):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(holds_image(item) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(holds_image(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return False
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same picture(s): equal arrays, and lists, tuples or dataclasses of equal parts with equal
+    captions and titles. Anything else (a figure, a component update) never counts as the same."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape and a.dtype == b.dtype
+                and bool(np.array_equal(a, b)))
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_value, a, b))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and all(same_value(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, (str, int, float, bool, type(None))):
+        return type(a) is type(b) and a == b
+    return False
+
+
+def unsent(update: dict[str, Any], shown: dict[str, Any]) -> dict[str, Any]:
+    """``update`` less the pictures the same event sent last under the same keys (``shown``, which it keeps up to date;
+    :func:`same_value`). Gradio writes every picture it is sent to a cache file named by its content, rewriting the file
+    in place when it exists: sent again while the browser still reads the first copy (a run's last chunk and its final
+    update carry the same survivor strips), the file is truncated under the reader and the picture stays broken (seen
+    in a test run, where the app logged h11's "Too much data for declared Content-Length"). Kept per event, so what
+    another event drew meanwhile is never taken for shown; text, plots and component updates always go out."""
+    out = {}
+    for key, value in update.items():
+        if holds_image(value):
+            if key in shown and same_value(shown[key], value):
+                continue
+            shown[key] = value
+        else:
+            shown.pop(key, None)
+        out[key] = value
+    return out
 
 
 class Page(ABC):
