@@ -21,11 +21,22 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
     return rows.view(torch.int64)
 
 
-def take_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def take_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``rows[index]``: the rows ``index [M]`` of ``rows [N, D]``, ``[M, D]`` in ``rows``' dtype, gathered with one
-    ``index_select`` as int64 words where a row is whole words (:func:`as_words`)."""
-    out = as_words(rows).index_select(0, index.to(rows.device))
-    return out.view(rows.dtype) if out.dtype != rows.dtype else out
+    ``index_select`` as int64 words where a row is whole words (:func:`as_words`). ``out`` (``[M, D]``, contiguous,
+    ``rows``' dtype): written in place, straight from ``rows`` when both are on one device (no intermediate), and
+    returned."""
+    index = index.to(rows.device)
+    words = as_words(rows)
+    if out is None:
+        taken = words.index_select(0, index)
+        return taken.view(rows.dtype) if taken.dtype != rows.dtype else taken
+    target = as_words(out)
+    if out.device == rows.device and target.dtype == words.dtype:
+        torch.index_select(words, 0, index, out=target)
+    else:
+        out.copy_(take_rows(rows, index))
+    return out
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

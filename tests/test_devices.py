@@ -47,6 +47,11 @@ def test_the_emulated_device_refuses_what_cuda_refuses():
             x.numpy()
         host = torch.ones(6)
         assert host.to(DEVICE).device == DEVICE and host.device == CPU, "moving copies; the host tensor stays"
+        window = host[2:5]
+        assert window.copy_(x[:3]) is window  # copying from the device into host memory: the host tensor stays there
+        assert window.device == CPU and (window + torch.ones(3)).device == CPU and host.tolist() == [1, 1, 0, 1, 2, 1]
+        with pytest.raises(DeviceMixError):
+            x + host
 
 
 def test_the_issues_hybridkv_budget_lines_are_refused():

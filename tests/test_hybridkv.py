@@ -152,18 +152,54 @@ def test_offload_store_lays_out_ragged_adds_in_chunks_as_a_plain_loop_does(nan_f
             tokens = [e for e in range(length) if valid[h, e]]
             for start in range(0, len(tokens), 3):
                 expected[h].append([(keys[h, e], values[h, e], int(order[h, e])) for e in tokens[start : start + 3]])
+    stored = {name: store.by_head(name) for name in ("keys", "values", "valid", "order", "col")}
     for h in range(2):
-        assert int(store.count[h]) == len(expected[h])
+        assert int(store.count[h]) == len(expected[h]) and int(store.tokens[h]) == sum(map(len, expected[h]))
         for c, chunk in enumerate(expected[h]):
             n = len(chunk)
-            assert store.valid[h, c].tolist() == [True] * n + [False] * (3 - n)
-            assert (store.keys[h, c, n:] == 0).all() and (store.values[h, c, n:] == 0).all()
-            torch.testing.assert_close(store.keys[h, c, :n], torch.stack([k for k, _, _ in chunk]), rtol=0, atol=0)
-            torch.testing.assert_close(store.values[h, c, :n], torch.stack([v for _, v, _ in chunk]), rtol=0, atol=0)
-            assert store.provenance["order"][h, c, :n].tolist() == [o for _, _, o in chunk]
-            assert store.provenance["col"][h, c, :n].tolist() == [o + 2 for _, _, o in chunk]
+            assert stored["valid"][h, c].tolist() == [True] * n + [False] * (3 - n)
+            assert (stored["keys"][h, c, n:] == 0).all() and (stored["values"][h, c, n:] == 0).all()
+            torch.testing.assert_close(stored["keys"][h, c, :n], torch.stack([k for k, _, _ in chunk]), rtol=0, atol=0)
+            torch.testing.assert_close(stored["values"][h, c, :n], torch.stack([v for _, v, _ in chunk]), rtol=0, atol=0)
+            assert stored["order"][h, c, :n].tolist() == [o for _, _, o in chunk]
+            assert stored["col"][h, c, :n].tolist() == [o + 2 for _, _, o in chunk]
             mean = torch.stack([k.float() for k, _, _ in chunk]).mean(0)
             torch.testing.assert_close(store.mean_keys[h, c], mean)
+
+
+def test_offload_store_fetches_a_later_pass_s_chunk_where_heads_interleave_in_the_pool():
+    """Two passes put each head's chunks in the pool after the other heads' (head 0's second-pass chunks sit after
+    head 1's first-pass ones): a head that prefers its last chunk gets exactly that chunk's tokens, provenance and
+    validity, as a plain per-head list of chunks says."""
+    g = torch.Generator().manual_seed(11)
+    store = OffloadStore.empty(heads=2, dim=4, chunk=2, dtype=torch.float32, device=torch.device("cpu"))
+    chunks = {0: [], 1: []}  # per head: its chunks in arrival order, each a list of (key, value, frame)
+    for step, valid_rows in enumerate(([[1, 1, 1, 0], [1, 0, 1, 1]], [[0, 1, 1, 1], [1, 1, 0, 0]])):
+        valid = torch.tensor(valid_rows, dtype=torch.bool)
+        keys, values = torch.randn(2, 4, 4, generator=g), torch.randn(2, 4, 4, generator=g)
+        frame = (10 * step + torch.arange(4)).expand(2, -1)
+        store.add(keys, values, valid, {"frame": frame, "row": frame + 1, "col": frame + 2, "order": frame})
+        for h in range(2):
+            tokens = [(keys[h, e], values[h, e], int(frame[h, e])) for e in range(4) if valid[h, e]]
+            chunks[h] += [tokens[i : i + 2] for i in range(0, len(tokens), 2)]
+    assert store.count.tolist() == [4, 3] and store.used == 7
+    last = {h: len(chunks[h]) - 1 for h in range(2)}
+    store.mean_keys.zero_()
+    for h in range(2):
+        store.mean_keys[h, last[h], 0] = 1.0  # each head's last chunk scores highest for a query along axis 0
+    store.retrieve = torch.tensor([2, 2])  # one chunk each
+    query = torch.zeros(4, 1, 4)
+    query[:, 0, 0] = 1.0
+    keys, values, bias = store.fetch(query, scale=1.0)
+    for h in range(2):
+        expected = chunks[h][last[h]]
+        n = len(expected)
+        assert store.retrieved[h].tolist() == [c == last[h] for c in range(store.capacity)]
+        assert torch.equal(keys[h, :n], torch.stack([k for k, _, _ in expected]))
+        assert torch.equal(values[h, :n], torch.stack([v for _, v, _ in expected]))
+        assert (bias[h, :n] == 0).all() and torch.isinf(bias[h, n:]).all() and (keys[h, n:] == 0).all()
+        assert store.last_fetched[0, h, :n].tolist() == [f for _, _, f in expected]
+        assert store.last_fetched[2, h, :n].tolist() == [f + 2 for _, _, f in expected]
 
 
 def test_classify_with_question_runs_one_pass_with_the_question_as_the_probe(tiny, pancake):
@@ -229,10 +265,11 @@ def test_ragged_budgets_are_real_bytes_and_the_memory_survives_a_question(tiny, 
     engine.answer("What is in the pan?")
     after = memory.keys + memory.values + [s.keys[s.valid] for s in stores if s is not None]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
-    for s in stores:  # every slot of a head's chunks is written: its tokens, then zeros in a partial chunk's tail
+    for s in stores:  # every slot of the pool's chunks in use is written: tokens, then zeros in a partial chunk's tail
         if s is not None:
-            live = torch.arange(s.capacity)[None] < s.count[:, None]
-            assert bool(torch.isfinite(s.keys[live]).all()) and bool((s.keys[live][~s.valid[live]] == 0).all())
+            keys, valid = s.keys[: s.used], s.valid[: s.used]
+            assert s.used == int(s.count.sum()) and int(valid.sum()) == int(s.tokens.sum())
+            assert bool(torch.isfinite(keys).all()) and bool((keys[~valid] == 0).all())
     assert any(bool(s.retrieved.any()) for s in stores if s is not None)  # dynamic heads retrieved while answering
     report = engine.report()
     assert report["largest_head_tokens"] == int(kept.max()) + 135  # the most a head holds (retrieval aside)

@@ -268,3 +268,23 @@ def test_gather_rows_matches_a_plain_loop():
     for b in range(3):
         for u in range(3):
             assert torch.equal(out[b, u], x[b, int(index[b, u])])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_take_rows_into_a_slice_writes_in_place_what_a_plain_loop_takes(dtype):
+    """``out=``: the rows land in the given slice of a larger buffer (no other row of it changes), moved as int64
+    words where a row is whole words (rows of 8) and as elements where it is not (rows of 4 bfloat16 or int8)."""
+    generator = torch.Generator().manual_seed(9)
+    rows = torch.randint(-100, 100, (12, 8), generator=generator).to(dtype)
+    index = torch.tensor([11, 0, 4, 4, 7])
+    buffer = torch.full((9, 8), 55, dtype=dtype)
+    before = buffer.clone()
+    returned = take_rows(rows, index, out=buffer[2:7])
+    assert returned.data_ptr() == buffer[2:7].data_ptr()
+    for i, r in enumerate(index.tolist()):
+        assert torch.equal(buffer[2 + i], rows[r])
+    assert torch.equal(buffer[:2], before[:2]) and torch.equal(buffer[7:], before[7:])
+    narrow = torch.randint(-100, 100, (6, 4), generator=generator).to(dtype)
+    target = torch.zeros(3, 4, dtype=dtype)
+    take_rows(narrow, torch.tensor([5, 1, 5]), out=target)
+    assert torch.equal(target, torch.stack([narrow[5], narrow[1], narrow[5]]))

@@ -11,32 +11,41 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tensors import gather_rows, put_rows, take_rows
+from ..tensors import take_rows
 
 
 @dataclass
 class OffloadStore:
-    """One layer's offloaded visual tokens: per KV head, chunks of ``chunk`` tokens in arrival order, kept in
-    host memory (pinned when the model is on CUDA), with a resident index of chunk mean keys (HybridKV).
+    """One layer's offloaded visual tokens: per KV head, chunks of ``chunk`` tokens in arrival order, kept in host
+    memory (pinned when the model is on CUDA), with a resident index of chunk mean keys (HybridKV).
 
-    keys/values ``[H, chunks, chunk, D]``, ``valid [H, chunks, chunk]`` (a head's last chunk of a pass may be
-    partial), provenance ``frame/row/col/order [H, chunks, chunk]``, ``mean_keys [H, chunks, D]`` on the
-    model's device, ``count [H]`` chunks per head, ``retrieve [H]`` tokens each head brings back per decode
-    step, ``retrieved [H, chunks]`` the chunks a head brought back during the last question; ``counted``: whether
-    the tokens a head may retrieve count toward the budget (see :class:`kvdemo.policies.contract.OffloadUpdate`);
-    ``last_fetched [3, H, R]`` the frame/row/col of the tokens the last :meth:`fetch` brought back (host; for answer
-    attribution).
+    The chunks of every head sit in one pool, and a table says which pool chunk is each head's chunk ``c``
+    (kvdemo's layout): a pass's new chunks, all heads', are one contiguous run of the pool, so the tokens a
+    compression offloads are gathered straight into it, one read and one write of each (a store per head needs a
+    gather into an intermediate and a scatter from it, or a loop over heads).
+
+    keys/values ``[P, chunk, D]`` the pool (``used`` chunks in use), ``valid [P, chunk]`` (a head's last chunk of a
+    pass may be partial), provenance ``frame/row/col/order [P, chunk]``, ``table [H, chunks]`` the pool chunk of
+    each head's chunk (entries past ``count`` are 0 and never read as tokens), ``mean_keys [H, chunks, D]`` on the
+    model's device, ``count [H]`` chunks and ``stored [H]`` tokens per head, ``retrieve [H]`` tokens each head
+    brings back per decode step, ``retrieved [H, chunks]`` the chunks a head brought back during the last
+    question; ``counted``: whether the tokens a head may retrieve count toward the budget (see
+    :class:`kvdemo.policies.contract.OffloadUpdate`); ``last_fetched [3, H, R]`` the frame/row/col of the tokens the
+    last :meth:`fetch` brought back (host; for answer attribution). :meth:`by_head` gives a field per head.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     valid: torch.Tensor
     provenance: dict[str, torch.Tensor]
+    table: torch.Tensor
     mean_keys: torch.Tensor
     count: torch.Tensor
+    stored: torch.Tensor
     retrieve: torch.Tensor
     retrieved: torch.Tensor
     chunk: int = 8
+    used: int = 0
     counted: bool = False
     last_fetched: torch.Tensor | None = None
 
@@ -45,12 +54,14 @@ class OffloadStore:
         host = torch.device("cpu")
         pin = device.type == "cuda"
         return cls(
-            keys=torch.zeros(heads, 0, chunk, dim, dtype=dtype, device=host, pin_memory=pin),
-            values=torch.zeros(heads, 0, chunk, dim, dtype=dtype, device=host, pin_memory=pin),
-            valid=torch.zeros(heads, 0, chunk, dtype=torch.bool, device=host),
-            provenance={name: torch.zeros(heads, 0, chunk, dtype=torch.int64, device=host) for name in ("frame", "row", "col", "order")},
+            keys=torch.zeros(0, chunk, dim, dtype=dtype, device=host, pin_memory=pin),
+            values=torch.zeros(0, chunk, dim, dtype=dtype, device=host, pin_memory=pin),
+            valid=torch.zeros(0, chunk, dtype=torch.bool, device=host),
+            provenance={name: torch.zeros(0, chunk, dtype=torch.int64, device=host) for name in ("frame", "row", "col", "order")},
+            table=torch.zeros(heads, 0, dtype=torch.long, device=host),
             mean_keys=torch.zeros(heads, 0, dim, dtype=torch.float32, device=device),
             count=torch.zeros(heads, dtype=torch.long, device=host),
+            stored=torch.zeros(heads, dtype=torch.long, device=host),
             retrieve=torch.zeros(heads, dtype=torch.long, device=host),
             retrieved=torch.zeros(heads, 0, dtype=torch.bool, device=device),
             chunk=chunk,
@@ -58,12 +69,13 @@ class OffloadStore:
 
     @property
     def capacity(self) -> int:
-        return int(self.keys.shape[1])
+        """Chunks per head the table (and the mean-key index) has room for."""
+        return int(self.table.shape[1])
 
     @property
     def tokens(self) -> torch.Tensor:
         """Tokens stored per head ``[H]``."""
-        return self.valid.sum(dim=(1, 2))
+        return self.stored
 
     def reserved(self) -> torch.Tensor:
         """Tokens each head may bring back while answering ``[H]``: its whole chunks of ``retrieve``, as many as it
@@ -76,25 +88,38 @@ class OffloadStore:
         per_chunk = 2 * self.chunk * self.keys.shape[-1] * self.keys.element_size()
         return int(self.count.sum()) * per_chunk
 
-    def _grow(self, chunks: int) -> None:
-        if chunks <= self.capacity:
-            return
-        capacity = max(chunks, int(self.capacity * 1.5) + 4)
+    def by_head(self, name: str) -> torch.Tensor:
+        """The stored ``name`` (``keys``, ``values``, ``valid`` or a provenance field) in each head's chunk order,
+        ``[H, chunks, chunk, ...]`` (host; for views and tests): chunks past a head's count read as zeros (valid:
+        False)."""
+        pool = {"keys": self.keys, "values": self.values, "valid": self.valid, **self.provenance}[name]
+        out = pool[self.table]
+        live = torch.arange(self.capacity, device=self.table.device)[None] < self.count[:, None]  # [H, chunks]
+        return out.masked_fill(~live.view(*live.shape, *(1,) * (out.dim() - 2)), 0)
 
-        def grown(t: torch.Tensor, zero: bool = True) -> torch.Tensor:
-            # One copy of the old chunks and one zeroing of the new ones (not a zero tensor then a cat).
-            out = torch.empty(t.shape[0], capacity, *t.shape[2:], dtype=t.dtype, device=t.device,
-                              pin_memory=t.is_pinned())
-            out[:, : t.shape[1]] = t
+    def _grow(self, per_head: int, pool: int) -> None:
+        """Room for ``per_head`` chunks in every head's table and ``pool`` chunks in the pool (1.5x, amortised)."""
+
+        def grown(t: torch.Tensor, dim: int, size: int, zero: bool = True) -> torch.Tensor:
+            # One copy of the old entries and one zeroing of the new ones (not a zero tensor then a cat).
+            shape = list(t.shape)
+            old, shape[dim] = shape[dim], size
+            out = torch.empty(shape, dtype=t.dtype, device=t.device, pin_memory=t.is_pinned())
+            out.narrow(dim, 0, old).copy_(t)
             if zero:
-                out[:, t.shape[1] :] = 0
+                out.narrow(dim, old, size - old).zero_()
             return out
 
-        # New key/value chunks are not zeroed: add_rows writes every slot of the chunks it opens (the tokens, then
-        # zeros in a partial chunk's tail), and fetch zeroes whatever it gathers that it did not choose.
-        self.keys, self.values, self.valid = grown(self.keys, zero=False), grown(self.values, zero=False), grown(self.valid)
-        self.provenance = {name: grown(t) for name, t in self.provenance.items()}
-        self.mean_keys, self.retrieved = grown(self.mean_keys), grown(self.retrieved)
+        if pool > self.keys.shape[0]:
+            size = max(pool, int(self.keys.shape[0] * 1.5) + 4)
+            # New key/value chunks are not zeroed: add_rows writes every slot of the chunks it opens (the tokens, then
+            # zeros in a partial chunk's tail).
+            self.keys, self.values = grown(self.keys, 0, size, zero=False), grown(self.values, 0, size, zero=False)
+            self.valid = grown(self.valid, 0, size)
+            self.provenance = {name: grown(t, 0, size) for name, t in self.provenance.items()}
+        if per_head > self.capacity:
+            size = max(per_head, int(self.capacity * 1.5) + 4)
+            self.table, self.mean_keys, self.retrieved = (grown(t, 1, size) for t in (self.table, self.mean_keys, self.retrieved))
 
     def add(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, provenance: dict[str, torch.Tensor]) -> int:
         """Store ``keys/values [H, E, D]`` (``valid [H, E]``, arrival order) as new chunks per head; returns
@@ -108,45 +133,50 @@ class OffloadStore:
                  provenance: dict[str, torch.Tensor]) -> int:
         """:meth:`add` reading the tokens straight from ``rows [N, D]`` (a memory's key/value buffer as rows):
         token ``e`` of head ``h`` is ``rows[key_rows[h, e]]`` / ``rows[value_rows[h, e]]`` (``[H, E]``), so each
-        offloaded byte is read once and written once. Returns the key/value bytes copied."""
+        offloaded byte is read once and written once, into the pool's next chunks. Returns the key/value bytes
+        copied."""
         heads, tokens = key_rows.shape
-        dim = rows.shape[-1]
+        dim, chunk = rows.shape[-1], self.chunk
+        host = torch.device("cpu")  # the store's bookkeeping and chunks live on the host
         valid = valid.cpu()
-        rank = torch.cumsum(valid.long(), dim=1) - 1  # position among the head's valid tokens
-        new_chunks = (valid.sum(dim=1) + self.chunk - 1) // self.chunk
-        self._grow(int((self.count + new_chunks).max()) if heads else 0)
-        # The valid (h, e) as flat indices h * E + e (row-major, as nonzero gives them): 1-D gathers below.
+        held = valid.sum(dim=1)  # [H]
+        new_chunks = (held + chunk - 1) // chunk
+        total = int(new_chunks.sum())
+        if total == 0:
+            return 0
+        self._grow(int((self.count + new_chunks).max()), self.used + total)
+        # Each valid (h, e), as the flat index h * E + e (row-major, as nonzero gives them), goes to a slot of the
+        # pass's new chunks: head h's after the earlier heads', in arrival order. A partial chunk's tail slots read
+        # token 0 and are zeroed after the copy, so that a retrieved chunk is finite.
         picked = torch.nonzero(valid.flatten()).squeeze(1)
-        h = torch.div(picked, tokens, rounding_mode="floor")
-        slot = rank.flatten().index_select(0, picked)  # place among its head's new tokens: chunk slot // chunk
-        new_chunk = torch.div(slot, self.chunk, rounding_mode="floor")  # 0.. among the head's new chunks
-        first = (torch.arange(heads, device=valid.device) * self.capacity + self.count) * self.chunk  # [H] first new slot
-        dest = first.index_select(0, h) + slot
-        # The tail of each head's last new chunk (a partial chunk): zeros, so that a retrieved chunk is finite.
-        opened = new_chunks * self.chunk
-        tail_head, tail_slot = torch.nonzero(torch.arange(self.chunk, device=valid.device)[None] < (opened - valid.sum(dim=1))[:, None], as_tuple=True)
-        tail = (tail_head * self.capacity + self.count[tail_head]) * self.chunk + opened[tail_head] - 1 - tail_slot
-        moved = {}
-        for name, store, index in (("keys", self.keys, key_rows), ("values", self.values, value_rows)):
-            moved[name] = take_rows(rows, index.cpu().flatten().index_select(0, picked)).cpu()
-            put_rows(store.view(-1, dim), dest, moved[name])
-            store.view(-1, dim)[tail] = 0
-        self.valid.view(-1)[dest] = True
+        head = torch.div(picked, tokens, rounding_mode="floor")
+        first_chunk = torch.cumsum(new_chunks, 0) - new_chunks  # [H] the head's first chunk among the new ones
+        slot = (first_chunk * chunk).index_select(0, head) + (torch.cumsum(valid.long(), dim=1) - 1).flatten().index_select(0, picked)
+        source = torch.zeros(total * chunk, dtype=torch.long, device=host).index_copy_(0, slot, picked)
+        filled = torch.zeros(total * chunk, dtype=torch.bool, device=host).index_fill_(0, slot, True)
+        tail = torch.nonzero(~filled).squeeze(1)
+        span = slice(self.used * chunk, (self.used + total) * chunk)
+        for store, index in ((self.keys, key_rows), (self.values, value_rows)):
+            out = store.view(-1, dim)[span]
+            take_rows(rows, index.flatten().index_select(0, source.to(index.device)), out=out)
+            out.index_fill_(0, tail, 0)
+        self.valid.view(-1)[span] = filled
         for name, values_of in provenance.items():
-            put_rows(self.provenance[name].view(-1, 1), dest, values_of.cpu().flatten().index_select(0, picked).long()[:, None])
-        # Mean keys of the new chunks only (float32), on the model's device.
-        width = int(new_chunks.max()) if heads else 0
-        cell = h * width + new_chunk
-        new_keys = moved["keys"].float()
-        sums = torch.zeros(heads * width, dim, dtype=torch.float32, device="cpu").index_add_(0, cell, new_keys)
-        counts = torch.bincount(cell, minlength=heads * width)
-        fresh = counts > 0
-        head_of, chunk_of = torch.nonzero(fresh.view(heads, width), as_tuple=True)
+            self.provenance[name].view(-1)[span] = values_of.cpu().flatten().index_select(0, source).long().masked_fill_(~filled, 0)
+        # The new chunks in the heads' tables, and their mean keys (float32, on the model's device).
+        new = torch.arange(total, device=host)
+        chunk_head = torch.repeat_interleave(torch.arange(heads, device=host), new_chunks)  # [total]
+        position = self.count.index_select(0, chunk_head) + new - first_chunk.index_select(0, chunk_head)
+        self.table[chunk_head, position] = self.used + new
+        sums = torch.zeros(total, dim, dtype=torch.float32, device=host).index_add_(
+            0, torch.div(torch.arange(total * chunk, device=host), chunk, rounding_mode="floor"), self.keys.view(-1, dim)[span].float())
         device = self.mean_keys.device
-        means = (sums[fresh] / counts[fresh][:, None]).to(device)
-        self.mean_keys[head_of.to(device), (self.count[head_of] + chunk_of).to(device)] = means
+        means = sums / filled.view(total, chunk).sum(dim=1)[:, None]
+        self.mean_keys[chunk_head.to(device), position.to(device)] = means.to(device)
         self.count += new_chunks
-        return 2 * int(h.numel()) * dim * rows.element_size()
+        self.stored += held
+        self.used += total
+        return 2 * int(picked.numel()) * dim * rows.element_size()
 
     def fetch(self, query: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Retrieval for one forward while answering: each head scores its chunks by the forward's queries
@@ -158,7 +188,7 @@ class OffloadStore:
         width = int(wanted.max()) if wanted.numel() else 0
         if width == 0:
             return None
-        heads = self.keys.shape[0]
+        heads = self.table.shape[0]
         grouped = query.float().mean(dim=1).reshape(heads, -1, query.shape[-1])  # [H, group, D]
         scores = torch.einsum("hgd,hcd->hc", grouped, self.mean_keys[:, : self.capacity]) * scale
         live = torch.arange(self.capacity, device=scores.device)[None] < self.count.to(scores.device)[:, None]
@@ -168,15 +198,17 @@ class OffloadStore:
         # (the picks of a row are distinct), so the one wait for the device is for the picks themselves.
         chosen = torch.arange(width, device="cpu")[None] < wanted[:, None]
         self.retrieved |= torch.zeros_like(self.retrieved).scatter_(1, top, chosen.to(top.device))
-        top_host = top.cpu()
-        # Whole chunks gathered as rows (gather_rows: index_select, several times faster than advanced indexing
+        slots = torch.gather(self.table, 1, top.cpu()).flatten()  # the picks' pool chunks
+        # Whole chunks gathered as rows (take_rows: index_select, several times faster than advanced indexing
         # on half-precision chunks on a CPU), into fresh host tensors.
-        keys, values = gather_rows(self.keys, top_host), gather_rows(self.values, top_host)  # [H, width, chunk, D]
-        self.last_fetched = torch.stack([gather_rows(self.provenance[name], top_host) for name in ("frame", "row", "col")]).reshape(3, heads, -1)
-        ok = gather_rows(self.valid, top_host) & chosen[..., None]  # [H, width, chunk]
-        # What was not chosen (a head retrieving fewer chunks than the widest: its extra picks may lie past its count,
-        # never written) and a partial chunk's tail read as zeros: masked by the bias, but NaN * 0 is NaN. Only those
-        # rows are written, on the host, before the copy to the device.
+        keys, values, ok, *provenance = (take_rows(t.view(t.shape[0], -1), slots).view(heads, width, *t.shape[1:])
+                                         for t in (self.keys, self.values, self.valid, *(self.provenance[n] for n in ("frame", "row", "col"))))
+        self.last_fetched = torch.stack(provenance).reshape(3, heads, -1)
+        ok &= chosen[..., None]  # [H, width, chunk]
+        # What was not chosen (a head retrieving fewer chunks than the widest: its extra picks lie past its count, where
+        # the table points at pool chunk 0, another head's tokens) and a partial chunk's tail read as zeros: masked by
+        # the bias, and zeros keep them finite (NaN * 0 is NaN). Only those rows are written, on the host, before the
+        # copy to the device.
         dim = keys.shape[-1]
         unused = torch.nonzero(~ok.flatten()).squeeze(1)
         keys.view(-1, dim).index_fill_(0, unused, 0)

@@ -116,6 +116,8 @@ class EmulatedDevice(TorchFunctionMode):
             self.ops += 1
             if name in ("__int__", "__float__", "__bool__", "__index__", "item", "tolist"):
                 return out
+            if name in COPIES:  # copy_ returns its destination, which stays where it is (a host tensor stays on the host)
+                return out
             return self._mark(out)
         return out
 

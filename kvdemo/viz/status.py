@@ -43,9 +43,9 @@ def patch_status(engine, layer: int, head: int) -> np.ndarray | None:
     if offloads:
         offload = store.offload
         chunks = int(offload.count[head])
-        valid = offload.valid[head, :chunks].numpy()
+        valid = offload.by_head("valid")[head, :chunks].numpy()
         retrieved = offload.retrieved[head, :chunks].cpu().numpy()[:, None] & valid
-        frame, row, col = (offload.provenance[name][head, :chunks].numpy() for name in ("frame", "row", "col"))
+        frame, row, col = (offload.by_head(name)[head, :chunks].numpy() for name in ("frame", "row", "col"))
         status[frame[valid], row[valid], col[valid]] = OFFLOADED
         status[frame[retrieved], row[retrieved], col[retrieved]] = RETRIEVED
     frame, row, col = (t[head].long().cpu().numpy() for t in (memory.frame[layer], memory.row[layer], memory.col[layer]))
@@ -112,8 +112,9 @@ def status_fractions(engine, layer: int | None = None, head: int | None = None) 
         store = memory.layers[l].offload
         if store is None:
             continue
-        flat = ((store.provenance["frame"] * rows + store.provenance["row"]) * cols + store.provenance["col"])[heads]
-        valid = store.valid[heads]
+        frame, row, col = (store.by_head(name) for name in ("frame", "row", "col"))
+        flat = ((frame * rows + row) * cols + col)[heads]
+        valid = store.by_head("valid")[heads]
         retrieved = store.retrieved[heads].cpu()[..., None] & valid
         out[RETRIEVED] += np.bincount(flat[retrieved].numpy(), minlength=size)
         out[OFFLOADED] += np.bincount(flat[valid & ~retrieved].numpy(), minlength=size)
