@@ -151,9 +151,10 @@ class HybridKV(Policy, Probed):
             raise ValueError("HybridKV needs probe queries in its views (use StreamEngine, which runs the probe)")
         home = views[0].keys.device
         timer = PhaseTimer()
-        with timer.phase("probe attention", home):  # the policy's own arithmetic: the probe's queries over every key
-            scratch: dict[tuple[str, torch.device], torch.Tensor] = {}  # buffers every layer reuses
-            scores, priors = zip(*(self.text_centric(view, scratch) for view in views))
+        # The policy's own arithmetic, the probe's queries over every key, timed as two phases: the products, and the
+        # softmax, top-k mass and pooling of what they give.
+        scratch: dict[tuple[str, torch.device], torch.Tensor] = {}  # buffers every layer reuses
+        scores, priors = zip(*(self.text_centric(view, scratch, timer) for view in views))
         with timer.phase("budgets", home):
             # The classification and budgets need every layer's [H] scores together: only those small vectors move
             # to the first layer's device (a model split over devices keeps each layer's tokens where they are).
@@ -198,19 +199,28 @@ class HybridKV(Policy, Probed):
         return budget - retrieve, retrieve
 
     # --- Sec. 3.1 ---------------------------------------------------------------------------
-    def text_centric(self, view: LayerView, scratch: dict[tuple[str, torch.device], torch.Tensor] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def text_centric(self, view: LayerView, scratch: dict[tuple[str, torch.device], torch.Tensor] | None = None,
+                     timer: PhaseTimer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 2-3 for one layer: sparsity ``S [H]`` and the static-head prior ``[H, L]`` (the probe rows'
         attention summed per token, spatially pooled). ``scratch``: float32 buffers a pass's layers share for the
-        logits and a widened copy of the keys (see :func:`scratch_buffer`)."""
+        logits and a widened copy of the keys (see :func:`scratch_buffer`); ``timer``: adds the layer's time to the
+        phases ``probe products`` and ``probe softmax + mass``."""
         heads, length, dim = view.keys.shape
         device = view.keys.device
-        rows = view.probe.to(device).reshape(heads, -1, dim)  # query heads of a group stacked: [H, group * T, D]
-        keys = view.keys
-        if keys.dtype != torch.float32:
-            keys = scratch_buffer(scratch, "keys", (heads, length, dim), device).copy_(keys)
-        logits = scratch_buffer(scratch, "logits", (heads, rows.shape[1], length), device)
-        torch.matmul(rows.float(), keys.transpose(1, 2), out=logits).mul_(dim**-0.5)  # [H, rows, L]
+        timer = timer or PhaseTimer()
+        with timer.phase("probe products", device):
+            rows = view.probe.to(device).reshape(heads, -1, dim)  # query heads of a group stacked: [H, group * T, D]
+            keys = view.keys
+            if keys.dtype != torch.float32:
+                keys = scratch_buffer(scratch, "keys", (heads, length, dim), device).copy_(keys)
+            logits = scratch_buffer(scratch, "logits", (heads, rows.shape[1], length), device)
+            torch.matmul(rows.float(), keys.transpose(1, 2), out=logits)  # [H, rows, L]
+        with timer.phase("probe softmax + mass", device):
+            return self._classify_rows(view, logits.mul_(dim**-0.5))
+
+    def _classify_rows(self, view: LayerView, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`text_centric` from the scaled logits ``[H, rows, L]`` (overwritten)."""
+        heads, length = view.frame.shape
         if view.valid is not None:
             logits.masked_fill_(~view.valid[:, None, :], float("-inf"))
         attention = torch.softmax(logits, dim=-1)
