@@ -195,6 +195,21 @@ def test_frame_rank_ranks_each_head_among_its_own_frames():
     assert held.tolist() == [3, 3]
 
 
+@pytest.mark.parametrize("spread", [1, 3, 1000])  # 1000: ids wider than the bitmap's span, ranked by a sort
+def test_frame_rank_of_a_compacted_memory_matches_a_plain_loop(spread):
+    """A compacted memory holds its frames out of order: each head's rank is still the position of the token's frame
+    among the distinct frames that head holds (a plain loop over sorted distinct ids says which)."""
+    generator = torch.Generator().manual_seed(spread)
+    frame = (torch.randint(0, 12, (3, 40), generator=generator) * spread + 500).to(torch.int32)
+    frame[1] = frame[1].flip(0)
+    rank, held = frame_rank(frame)
+    assert rank.dtype == torch.long and held.dtype == torch.long
+    for h in range(3):
+        ids = sorted(set(frame[h].tolist()))
+        assert rank[h].tolist() == [ids.index(f) for f in frame[h].tolist()]
+        assert int(held[h]) == len(ids)
+
+
 def test_unknown_policy_and_parameter_are_clear_errors():
     with pytest.raises(UnknownPolicyError, match="unknown policy 'nope'"):
         make_policy("nope")
