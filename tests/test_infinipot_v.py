@@ -492,3 +492,23 @@ def test_successive_passes_equal_a_plain_loop_restatement(alpha):
     # The last pass's CVs crossed a first-pass threshold: a recalibration (always a permutation of 7, 5, 3, 1
     # for four distinct CVs) could not give these kernels.
     assert sorted(kernels) != [1, 3, 5, 7] and kernels[0] > 1
+
+
+@pytest.mark.parametrize("kernel", [3, 5])
+def test_pooling_keeps_heads_and_frames_apart_as_a_plain_loop_does(kernel):
+    """Three heads, each holding its own scattered tokens of up to six frames (out of order, as in a compacted
+    memory): every token's pooled score is the mean over the held tokens of its own head and frame within the
+    kernel's window."""
+    generator = torch.Generator().manual_seed(kernel)
+    rows, cols = 3, 4
+    cells = torch.stack([torch.randperm(6 * rows * cols, generator=generator)[:20] for _ in range(3)])  # [H, L]
+    rank, pos = cells // (rows * cols), cells % (rows * cols)
+    score = torch.rand(3, 20, generator=generator) * 10
+    pooled = pool_on_grid(score, rank, pos, (rows, cols), kernel)
+    reach = kernel // 2
+    for h in range(3):
+        for t in range(20):
+            r, i, j = int(rank[h, t]), int(pos[h, t]) // cols, int(pos[h, t]) % cols
+            near = [float(score[h, u]) for u in range(20) if int(rank[h, u]) == r
+                    and abs(int(pos[h, u]) // cols - i) <= reach and abs(int(pos[h, u]) % cols - j) <= reach]
+            assert float(pooled[h, t]) == pytest.approx(sum(near) / len(near), rel=1e-6), (h, t)

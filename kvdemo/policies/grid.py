@@ -74,17 +74,21 @@ def pool_on_grid(
     heads, length = score.shape
     rows, cols = grid
     frames = int(rank.max()) + 1 if length else 1
-    flat = ((torch.arange(heads, device=score.device)[:, None] * frames + rank) * (rows * cols) + pos).flatten()
-    # The scores and a mask of held tokens on the dense grid: scatter_ / index_select rather than dense[flat] = ...
-    # (the same writes, several times faster on a CPU; so is a ones tensor over scatter_'s scalar overload).
-    values = score.float().flatten()
-    dense = torch.zeros(2, heads * frames * rows * cols, dtype=torch.float32, device=score.device)
-    dense[0].scatter_(0, flat, values)
-    dense[1].scatter_(0, flat, torch.ones_like(values))
-    # Frames as channels of one channels-last image: the fast layout for CPU pooling. Zero padding
-    # counts alike in values and mask, so the ratio below averages over the neighbours that exist.
-    images = dense.view(1, 2 * heads * frames, rows, cols).contiguous(memory_format=torch.channels_last)
+    # The scores and a mask of held tokens on a dense grid laid out as 2 * heads channels-last images [rows, cols] whose
+    # channels are the head's frames: one head's frames share a pixel's cache lines, so the pooling reads each
+    # image's neighbourhoods from cache. (All frames of all heads as channels of one image read a whole pixel of
+    # heads * frames channels per neighbour, which outgrows the cache once a long stream's memory holds hundreds of
+    # frames; docs/performance.md has the figures.) Zero
+    # padding and empty cells count alike in values and mask, so the ratio below averages over the neighbours that
+    # exist. scatter_ / index_select rather than dense[at] = ... (the same writes, several times faster on a CPU; so
+    # is a ones tensor over scatter_'s scalar overload).
+    at = ((torch.arange(heads, device=score.device)[:, None] * (rows * cols) + pos) * frames + rank).flatten()
+    size = heads * rows * cols * frames
+    dense = torch.zeros(2, size, dtype=torch.float32, device=score.device)
+    dense[0].scatter_(0, at, score.float().flatten())
+    dense[1].scatter_(0, at, torch.ones(at.shape[0], dtype=torch.float32, device=score.device))
+    images = dense.view(2 * heads, rows, cols, frames).permute(0, 3, 1, 2)  # [2H, frames, rows, cols], channels last
     pooled = F.avg_pool2d(images, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
-    pooled = pooled.contiguous().view(2, -1)
+    pooled = pooled.permute(0, 2, 3, 1).reshape(2, size)
     sums, counts = pooled[0], pooled[1]
-    return (sums.index_select(0, flat) / counts.index_select(0, flat).clamp_min(1e-12)).view(heads, length).to(score.dtype)
+    return (sums.index_select(0, at) / counts.index_select(0, at).clamp_min(1e-12)).view(heads, length).to(score.dtype)
