@@ -213,6 +213,9 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     bench.add_argument("--keep", "-C", type=int, default=1152, help="C for the streaming run (default 1152)")
     bench.add_argument("--pass-repeats", type=int, default=3, help="repeats of the 7B-shape pass timing (default 3)")
     bench.add_argument("--skip-pass", action="store_true", help="skip the 7B-shape compression pass timing")
+    bench.add_argument("--long-stream", type=int, default=120, metavar="GRIDS",
+                       help="also time every pass of a simulated stream this many temporal grids long at 7B shape, where "
+                            "later passes meet a compacted memory holding tokens of more frames (default 120; 0 skips)")
     bench.add_argument("--zerogpu", action="store_true",
                        help="also measure what a ZeroGPU call pickles at Qwen2.5-VL-3B's defaults")
     bench.add_argument("--stream-factor", type=int, default=20,

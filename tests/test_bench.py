@@ -42,6 +42,25 @@ def test_protokv_and_hybridkv_benchmarks_on_a_small_shape():
     assert "decode-step attention" in decode_table(decode, None, "hybridkv")
 
 
+def test_the_long_stream_benchmark_reports_every_pass_and_the_frames_the_memory_holds():
+    """InfiniPot-V keeps tokens of old frames, so a later pass meets a memory holding tokens of more frames than the
+    first pass's whole ones; the sliding window always holds its newest whole frames."""
+    from kvdemo.bench.policies import long_stream_benchmark, long_stream_table
+    from kvdemo.policies import make_policy
+
+    shape = dict(num_layers=2, num_kv_heads=2, head_dim=16, budget=96, keep=72, grid=(3, 4))
+    result = long_stream_benchmark(make_policy("infinipot-v"), grids=40, shape=shape)
+    passes = result["passes"]
+    assert len(passes) >= 5 and [p["grid"] for p in passes] == sorted(p["grid"] for p in passes)
+    assert passes[0]["frames_held"] == 96 // 12  # the first pass: M's worth of whole frames
+    assert passes[-1]["frames_held"] > passes[0]["frames_held"]
+    assert all({"scoring", "pooling", "selection"} <= set(p["phases_ms"]) for p in passes)
+    table = long_stream_table(result, "infinipot-v")
+    assert "frames held" in table and f"frames held 8 -> {passes[-1]['frames_held']}" in table
+    window = long_stream_benchmark(make_policy("sliding-window"), grids=40, shape=shape)["passes"]
+    assert {p["frames_held"] for p in window} == {96 // 12}
+
+
 FAKE_REFERENCE = """
 import torch
 

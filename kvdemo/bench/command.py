@@ -24,7 +24,7 @@ from .passes import (
     stream_table,
 )
 from .plans import bench_plan
-from .policies import BENCHMARKS
+from .policies import BENCHMARKS, long_stream_benchmark, long_stream_table
 from .reference import load_reference, reference_benchmark, reference_table
 from .zerogpu import zerogpu_table, zerogpu_transfer_benchmark
 
@@ -75,6 +75,11 @@ def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
         results["compiled_stream"] = compiled_stream(policy)
         print(compiled_stream_table(results["compiled_stream"]))
         print(append_table(results["append_7b"]))
+        grids = getattr(args, "long_stream", 0)
+        if grids and type(policy).takes_keep():  # a policy sized by M alone times its stream in its own benchmark
+            print(f"\n{policy.name}'s passes over a {grids}-grid stream at 7B shape...", file=sys.stderr)
+            results["long_stream_7b"] = long_stream_benchmark(policy, grids)
+            print(long_stream_table(results["long_stream_7b"], policy.name))
     if reference is not None:
         print("\nkvdemo's InfiniPot-V against the authors' code at 7B shape...", file=sys.stderr)
         results["reference_7b"] = reference_benchmark(reference, args.pass_repeats)

@@ -65,19 +65,33 @@ def simulated_stream(
         for grid in range(grids):
             if must_compress(budget, memory, uncompressed, per_grid):  # the engine's own trigger
                 probe = synthetic_probe(shape["num_layers"], heads, shape["head_dim"], dtype, grid) if isinstance(policy, Probed) else None
+                held_frames = frames_held(memory)
                 watch = Stopwatch(memory.devices)
                 selection = policy.compress(memory.views(rotary, probe), budget.keep_for(per_grid))
                 middle = watch.ms()
                 memory.apply(selection)
                 end = watch.ms()
                 uncompressed = tuple(selection.uncompressed)
-                record = {"grid": grid, "length": selection.indices[0].shape[1], "select_ms": middle, "apply_ms": end - middle}
+                record = {"grid": grid, "length": selection.indices[0].shape[1], "select_ms": middle, "apply_ms": end - middle,
+                          "frames_held": held_frames}
                 phases = selection.info.get("phase_ms")
                 if phases:
                     record["phases_ms"] = dict(phases)
                 passes.append(record)
             append_random(memory, synthetic_chunk(grid, 1, shape["grid"]), generator)
     return memory, passes
+
+
+def frames_held(memory: KVMemory) -> int:
+    """The most frames (temporal grids) any KV head of the memory's first layer holds tokens of (padding left out)."""
+    frame = memory.frame[0].long()
+    if frame.numel() == 0:
+        return 0
+    valid = memory.valid[0]
+    span = int(frame.max()) + 1
+    keyed = frame + torch.arange(frame.shape[0], device=frame.device)[:, None] * span  # (head, frame) pairs
+    pairs = torch.unique(keyed if valid is None else keyed[valid])
+    return int(torch.bincount(torch.div(pairs, span, rounding_mode="floor")).max())
 
 
 def _mean_phases(passes: list[dict[str, Any]]) -> dict[str, float]:
@@ -252,6 +266,36 @@ def decode_table(decode: dict[str, Any], tiny: dict[str, Any] | None, name: str)
             row = tiny[engine]
             lines.append(f"  {engine:<10} decode {row['decode_ms_per_token']:.1f} ms/token, first token {row['ttft_ms']:.0f} ms, "
                          f"cache {row['cache_bytes'] / 2**20:.2f} MB, offloaded {row['offloaded_bytes'] / 2**20:.2f} MB")
+    return "\n".join(lines)
+
+
+def long_stream_benchmark(policy: Policy, grids: int, shape: dict[str, Any] | None = None,
+                          dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Every pass of a ``grids``-grid simulated stream at 7B shape (:func:`simulated_stream`: the engine's trigger,
+    random keys and values, no model): its grid, the most frames a head holds tokens of, selection and apply ms and
+    the policy's phases. The pass table times a first pass, on a memory in stream order holding whole frames; later
+    passes meet a compacted memory holding a few tokens of more and more frames."""
+    shape = shape or QWEN7B_SHAPE
+    _, passes = simulated_stream(dataclasses.replace(policy), grids, shape, dtype)
+    return {"shape": {**shape, "grid": list(shape["grid"])}, "grids": grids, "dtype": str(dtype).replace("torch.", ""),
+            "passes": passes}
+
+
+def long_stream_table(result: dict[str, Any], name: str, rows: int = 5) -> str:
+    """The first and the last pass of :func:`long_stream_benchmark` and a few evenly between them."""
+    passes = result["passes"]
+    if not passes:
+        return f"{name} over a {result['grids']}-grid stream: no pass (the stream never reached M)"
+    picks = sorted({round(i * (len(passes) - 1) / max(rows - 1, 1)) for i in range(rows)})
+    lines = [f"{name}'s passes over a {result['grids']}-grid stream at 7B shape ({result['dtype']}, {len(passes)} passes):",
+             f"{'grid':>6} {'frames held':>11} {'total ms':>9}  where the time goes (ms)"]
+    for index in picks:
+        p = passes[index]
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in {**p.get("phases_ms", {}), "apply": p["apply_ms"]}.items())
+        lines.append(f"{p['grid']:>6} {p['frames_held']:>11} {p['select_ms'] + p['apply_ms']:>9.1f}  {phases}")
+    first, last = passes[0], passes[-1]
+    ratio = (last["select_ms"] + last["apply_ms"]) / max(first["select_ms"] + first["apply_ms"], 1e-9)
+    lines.append(f"last pass / first pass: {ratio:.2f}x (frames held {first['frames_held']} -> {last['frames_held']})")
     return "\n".join(lines)
 
 
