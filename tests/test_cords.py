@@ -407,3 +407,22 @@ def test_coverage_distances_and_cdf_on_a_hand_worked_cache():
     curve = summary["joint"]["curve"]
     assert curve["fraction"][0] == 0 and curve["fraction"][-1] == 1
     assert curve["distance"][0] == pytest.approx(0) and curve["distance"][-1] == pytest.approx(1 - 1 / (2 * root))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_and_values_are_scaled_to_unit_mean_squared_norm_across_blocks(monkeypatch, dtype):
+    """Blocks of 7 tokens (a length of 30 ends in a partial block): every head's scaled keys and values have mean
+    squared norm 1 and point as the cache's do, in float32, the numbers of widening, squaring and dividing whole."""
+    import kvdemo.policies.cords as cords
+
+    monkeypatch.setattr(cords, "SCALE_BLOCK", 7)
+    generator = torch.Generator().manual_seed(2)
+    keys = (torch.randn(3, 30, 8, generator=generator) * torch.tensor([1.0, 5.0, 0.1])[:, None, None]).to(dtype)
+    values = (torch.randn(3, 30, 8, generator=generator) * 40).to(dtype)
+    for x, scaled in zip((keys, values), cords.CoRDS._scaled(keys, values)):
+        assert scaled.dtype == torch.float32
+        wide = x.double()
+        expected = wide / wide.square().sum(-1).mean(-1).sqrt()[:, None, None]
+        torch.testing.assert_close(scaled.double(), expected, rtol=1e-6, atol=0)
+        whole = x.float() / x.float().square().sum(-1).mean(-1).clamp_min(1e-12).sqrt()[:, None, None]
+        assert torch.equal(scaled, whole)

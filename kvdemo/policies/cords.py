@@ -100,6 +100,10 @@ def layer_schedule(
     return [source_of.get(layer, outside) for layer in range(num_layers)]
 
 
+#: Tokens per block of :meth:`CoRDS._scaled`'s squared norms on a CPU (a block of one head group stays in cache).
+SCALE_BLOCK = 1024
+
+
 def _pairwise_sq(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Squared distances ``[H, N, M]`` between ``x [H, N, D]`` and ``y [H, M, D]``."""
     return (x.square().sum(-1)[..., None] - 2 * x @ y.transpose(1, 2) + y.square().sum(-1)[:, None]).clamp_min(0)
@@ -223,11 +227,21 @@ class CoRDS(ScoredPolicy):
 
     @staticmethod
     def _scaled(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values in float32, each scaled per head to unit mean squared norm."""
+        """Keys and values ``[H, L, D]`` in float32, each scaled per head to unit mean squared norm.
+
+        The squared norms are taken :data:`SCALE_BLOCK` tokens at a time on a CPU (a block's float32 copy stays in
+        cache), and the division widens a half-precision cache itself (exactly, as ``.float()`` does): one
+        cache-sized float32 tensor per input where widening, squaring and dividing wrote three, fresh memory that a
+        CPU pays for in page faults. The same numbers."""
         out = []
-        for x in (keys.float(), values.float()):
-            scale = x.square().sum(-1).mean(-1).clamp_min(1e-12).sqrt()
-            out.append(x / scale[:, None, None])
+        for x in (keys, values):
+            heads, length, _ = x.shape
+            step = max(1, length if x.device.type == "cuda" else SCALE_BLOCK)
+            norms = torch.empty(heads, length, dtype=torch.float32, device=x.device)
+            for start in range(0, length, step):
+                norms[:, start : start + step] = x[:, start : start + step].float().square().sum(-1)
+            scale = norms.mean(-1).clamp_min(1e-12).sqrt()
+            out.append(torch.div(x, scale[:, None, None]))
         return out[0], out[1]
 
     def _greedy(
