@@ -229,10 +229,9 @@ class CoRDS(ScoredPolicy):
     def _scaled(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[H, L, D]`` in float32, each scaled per head to unit mean squared norm.
 
-        The squared norms are taken :data:`SCALE_BLOCK` tokens at a time on a CPU (a block's float32 copy stays in
-        cache), and the division widens a half-precision cache itself (exactly, as ``.float()`` does): one
-        cache-sized float32 tensor per input where widening, squaring and dividing wrote three, fresh memory that a
-        CPU pays for in page faults. The same numbers."""
+        The squared norms are taken :data:`SCALE_BLOCK` tokens at a time on a CPU (a block's float32 square stays in
+        cache), and a half-precision cache's widened copy is divided in place: one cache-sized float32 tensor per
+        input where widening, squaring and dividing allocated three. The same numbers."""
         out = []
         for x in (keys, values):
             heads, length, _ = x.shape
@@ -240,8 +239,9 @@ class CoRDS(ScoredPolicy):
             norms = torch.empty(heads, length, dtype=torch.float32, device=x.device)
             for start in range(0, length, step):
                 norms[:, start : start + step] = x[:, start : start + step].float().square().sum(-1)
-            scale = norms.mean(-1).clamp_min(1e-12).sqrt()
-            out.append(torch.div(x, scale[:, None, None]))
+            scale = norms.mean(-1).clamp_min(1e-12).sqrt()[:, None, None]
+            wide = x.float()  # a float32 cache comes back as is: divide it into a new tensor, never in place
+            out.append(x / scale if wide is x else wide.div_(scale))
         return out[0], out[1]
 
     def _greedy(
