@@ -155,6 +155,8 @@ def test_offload_store_lays_out_ragged_adds_in_chunks_as_a_plain_loop_does(nan_f
     stored = {name: store.by_head(name) for name in ("keys", "values", "valid", "order", "col")}
     for h in range(2):
         assert int(store.count[h]) == len(expected[h]) and int(store.tokens[h]) == sum(map(len, expected[h]))
+        for name in stored:  # one head's chunks alone, as the status view reads them
+            assert torch.equal(store.head_chunks(name, h), stored[name][h, : len(expected[h])])
         for c, chunk in enumerate(expected[h]):
             n = len(chunk)
             assert stored["valid"][h, c].tolist() == [True] * n + [False] * (3 - n)

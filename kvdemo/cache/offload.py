@@ -88,12 +88,18 @@ class OffloadStore:
         per_chunk = 2 * self.chunk * self.keys.shape[-1] * self.keys.element_size()
         return int(self.count.sum()) * per_chunk
 
+    def _pool(self, name: str) -> torch.Tensor:
+        return {"keys": self.keys, "values": self.values, "valid": self.valid, **self.provenance}[name]
+
+    def head_chunks(self, name: str, head: int) -> torch.Tensor:
+        """One head's stored ``name`` (``keys``, ``values``, ``valid`` or a provenance field), its chunks in arrival
+        order: ``[count[head], chunk, ...]`` (host; gathers that head's chunks only)."""
+        return self._pool(name)[self.table[head, : int(self.count[head])]]
+
     def by_head(self, name: str) -> torch.Tensor:
-        """The stored ``name`` (``keys``, ``values``, ``valid`` or a provenance field) in each head's chunk order,
-        ``[H, chunks, chunk, ...]`` (host; for views and tests): chunks past a head's count read as zeros (valid:
-        False)."""
-        pool = {"keys": self.keys, "values": self.values, "valid": self.valid, **self.provenance}[name]
-        out = pool[self.table]
+        """The stored ``name`` in each head's chunk order, ``[H, chunks, chunk, ...]`` (host; for views and tests):
+        chunks past a head's count read as zeros (valid: False)."""
+        out = self._pool(name)[self.table]
         live = torch.arange(self.capacity, device=self.table.device)[None] < self.count[:, None]  # [H, chunks]
         return out.masked_fill(~live.view(*live.shape, *(1,) * (out.dim() - 2)), 0)
 

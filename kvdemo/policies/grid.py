@@ -78,10 +78,9 @@ def pool_on_grid(
     # channels are the head's frames: one head's frames share a pixel's cache lines, so the pooling reads each
     # image's neighbourhoods from cache. (All frames of all heads as channels of one image read a whole pixel of
     # heads * frames channels per neighbour, which outgrows the cache once a long stream's memory holds hundreds of
-    # frames; docs/performance.md has the figures.) Zero
-    # padding and empty cells count alike in values and mask, so the ratio below averages over the neighbours that
-    # exist. scatter_ / index_select rather than dense[at] = ... (the same writes, several times faster on a CPU; so
-    # is a ones tensor over scatter_'s scalar overload).
+    # frames; docs/performance.md has the figures.) Zero padding and empty cells count alike in values and mask, so
+    # the ratio below averages over the neighbours that exist. scatter_ / index_select rather than dense[at] = ...
+    # (the same writes, several times faster on a CPU; so is a ones tensor over scatter_'s scalar overload).
     at = ((torch.arange(heads, device=score.device)[:, None] * (rows * cols) + pos) * frames + rank).flatten()
     size = heads * rows * cols * frames
     dense = torch.zeros(2, size, dtype=torch.float32, device=score.device)

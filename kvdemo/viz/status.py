@@ -43,9 +43,9 @@ def patch_status(engine, layer: int, head: int) -> np.ndarray | None:
     if offloads:
         offload = store.offload
         chunks = int(offload.count[head])
-        valid = offload.by_head("valid")[head, :chunks].numpy()
+        valid = offload.head_chunks("valid", head).numpy()
         retrieved = offload.retrieved[head, :chunks].cpu().numpy()[:, None] & valid
-        frame, row, col = (offload.by_head(name)[head, :chunks].numpy() for name in ("frame", "row", "col"))
+        frame, row, col = (offload.head_chunks(name, head).numpy() for name in ("frame", "row", "col"))
         status[frame[valid], row[valid], col[valid]] = OFFLOADED
         status[frame[retrieved], row[retrieved], col[retrieved]] = RETRIEVED
     frame, row, col = (t[head].long().cpu().numpy() for t in (memory.frame[layer], memory.row[layer], memory.col[layer]))
