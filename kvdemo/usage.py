@@ -266,7 +266,7 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
                                  description=DOCTOR_DESCRIPTION, epilog=DOCTOR_EXAMPLES, formatter_class=formatter)
     doctor.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: the GPU if there is one)")
     doctor.add_argument("--models", help="comma-separated offline models (default: tiny and one random model per family)")
-    doctor.add_argument("--frames", type=int, default=24, help="frames of the bundled sample per run (default 24)")
+    doctor.add_argument("--frames", type=int, default=24, help="frames of the bundled sample per run (default 24, at least 16)")
     doctor.add_argument("--real-shapes", action="store_true",
                         help="also time one compression pass on two layers at Qwen2.5-VL-3B/-7B per-layer shapes")
     doctor.add_argument("--full-depth", metavar="MODELS",

@@ -319,3 +319,15 @@ def test_the_doctor_runs_its_small_matrix_on_the_cpu(tmp_path, capsys):
     assert report["attention"]["backend"].startswith("cpu") and report["ok"]
     assert report["key_lengths"] == []  # timed on CUDA only
     assert "all checks passed" in capsys.readouterr().out
+
+
+def test_the_doctor_refuses_a_clip_too_short_for_its_budget_before_any_work(capsys, monkeypatch):
+    """An H200 run with ``--frames 8`` streamed the split checks and then stopped in the model matrix on the
+    budget's own error (M - C = 8 holds no 16-token chunk); now the clip is refused before anything runs."""
+    from kvdemo.bench import doctor as checklist
+    from kvdemo.cli import main
+
+    monkeypatch.setattr(checklist, "attention_backend", lambda device: pytest.fail("the checklist started"))
+    assert main(["doctor", "--device", "cpu", "--models", "tiny", "--frames", "8"]) == 2
+    error = capsys.readouterr().err
+    assert "--frames 8 is too short" in error and "at least 16" in error

@@ -34,11 +34,15 @@ from ..policies import make_policy, policy_names
 from ..stream.engine import StreamEngine
 from ..stream.lineup import Contender, make_engines
 from ..testing import QWEN3B_SHAPE, QWEN7B_SHAPE, qwen7b_rotation, synthetic_memory, synthetic_probe
+from ..usage import UsageError
 from ..world.synthetic import sample_episode
 from . import fulldepth, write_json
 from .passes import time_pass
 
 QUESTION = "What colour was the circle?"
+#: The shortest clip the model matrix takes: at M = half the full cache and C = 3/4 M, M - C is an eighth of the
+#: clip's tokens, so the clip needs eight chunks of two frames for M - C to hold one (the budget's own rule).
+MIN_FRAMES = 16
 
 
 def quick_models() -> list[str]:
@@ -186,7 +190,7 @@ def key_length_cost(device: torch.device, calls: int = 6) -> list[dict[str, Any]
     for number, (label, backends) in enumerate(choices):
         for queries in (1, 256):
             base = 4096 + 4096 * (2 * number + (queries > 1))  # lengths no earlier row used
-            row: dict[str, Any] = {"backend": label, "queries": queries,
+            row: dict[str, Any] = {"backend": label, "queries": queries, "keys": base,
                                    "kvdemo_backends": [b.name for b in sdpa_backends(device) or []] if backends is None else None}
             try:
                 with sdpa_kernel(backends) if backends else contextlib.nullcontext():
@@ -244,6 +248,10 @@ def doctor(device_name: str = "auto", models: list[str] | None = None, frames: i
            repeats: int = 3, json_path: str | None = None, full_depth: list[str] | None = None, seconds: float = 60.0,
            checkpoints: str = "full-depth-checkpoints", keep_checkpoints: bool = False) -> dict[str, Any]:
     """Run the checklist (see the module docstring); print its tables; return (and optionally write) the JSON."""
+    if frames < MIN_FRAMES:
+        raise UsageError(f"--frames {frames} is too short for the checklist: give at least {MIN_FRAMES} (M is half of "
+                         f"what the full cache holds after the clip and C = 3/4 M, so M - C holds one two-frame chunk "
+                         f"from {MIN_FRAMES} frames on)")
     device = torch.device("cuda:0" if device_name == "auto" and torch.cuda.is_available() else
                           "cpu" if device_name == "auto" else device_name)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -260,6 +268,7 @@ def doctor(device_name: str = "auto", models: list[str] | None = None, frames: i
     if report["key_lengths"]:
         print("\nkvdemo's masked SDPA call when each call meets a new key length (a stream) or a repeated one, median ms:")
         print(_table(report["key_lengths"], [("backend         ", "backend", "<16"), ("queries", "queries", "d"),
+                                             ("keys from", "keys", "d"),
                                              ("new length ms", "new_length_ms", ".2f"),
                                              ("same length ms", "same_length_ms", ".2f"), ("error", "error", "")]))
     report["split"] = split_matrix(device)
