@@ -60,6 +60,35 @@ def test_attention_weights_equal_a_softmax_loop(q_len, with_bias, with_extra):
         assert float(got[1, :, 2].abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("block_tokens", [1, 2, 3, 5])
+@pytest.mark.parametrize("with_bias, with_extra", [(False, False), (True, False), (True, True)])
+def test_float32_attention_in_blocks_of_query_tokens_equals_a_softmax_loop(block_tokens, with_bias, with_extra, monkeypatch):
+    """float32_attention with its logits capped at ``block_tokens`` query tokens (5: one block, the whole chunk)
+    against the loop's weights applied to the values in float64: each block sees the keys up to its last token,
+    the chunk's earlier tokens unbiased, and the retrieved chunks."""
+    from kvdemo.cache import attention
+
+    g = torch.Generator().manual_seed(block_tokens)
+    q_len, past = 5, 4
+    query = torch.randn(1, 4, q_len, 8, generator=g)
+    key, value = torch.randn(1, 2, past + q_len, 8, generator=g), torch.randn(1, 2, past + q_len, 8, generator=g)
+    bias = torch.randn(2, past, generator=g) if with_bias else None
+    if bias is not None:
+        bias[0, 1] = float("-inf")
+    extra = (torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g), torch.zeros(2, 3)) if with_extra else None
+    width = past + q_len + (3 if with_extra else 0)
+    monkeypatch.setattr(attention, "SCORE_BLOCK_BYTES", 4 * 4 * width * block_tokens)  # 4 query heads, float32
+    got = attention.float32_attention(query, key, value, bias, extra, 0.35)  # [1, q, H_q, D]
+    weights = loop_weights(query, key, bias, 0.35, extra)  # [H_kv, group * q, kv (+ R)]
+    values = value[0].double() if extra is None else torch.cat([value[0], extra[1]], dim=1).double()
+    expected = torch.empty(1, q_len, 4, 8, dtype=torch.float64)
+    for h in range(2):
+        for member in range(2):
+            for t in range(q_len):
+                expected[0, t, h * 2 + member] = weights[h, member * q_len + t] @ values[h]
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def trained():
     """The trained offline model (it knows the generated streams' shapes and colours)."""

@@ -160,8 +160,10 @@ def grouped_sdpa(
     by its group of query heads) -> ``[1, H_q, q, D]``.
 
     ``expand_kv=False``: each KV head's group of query heads is one batch entry and SDPA's GQA shares the keys
-    (no copy of keys, values or mask). ``expand_kv=True``: keys and values repeated to ``H_q`` heads and a per-KV
-    mask to ``[1, H_q, q, kv]`` in the query's dtype, the input every fused kernel takes. Either way a decode step
+    (no copy of keys, values or mask). ``expand_kv=True``, the input every fused kernel takes (no GQA): with a
+    per-KV-head mask, each KV head one batch entry whose keys and values are expanded to its query heads without a
+    copy and whose mask (in the query's dtype) broadcasts over them; otherwise keys and values repeated to ``H_q``
+    heads. Either way a decode step
     (``q = 1``) gives SDPA each KV head's group of query heads as its query rows (no repeat, no GQA). All are the
     same attention (tests compare them with a hand softmax)."""
     with sdpa_scope(query.device):
@@ -184,11 +186,18 @@ def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         out = F.scaled_dot_product_attention(query.reshape(1, kv_heads, group, dim), key, value, attn_mask=rows_mask,
                                              scale=scale)
         return out.reshape(1, q_heads, 1, dim)
+    if expand_kv and mask is not None and mask.dim() == 3:
+        # KV heads as the batch: keys and values expanded to the group's query heads without a copy (stride 0), the
+        # mask [H_kv, 1, q, kv] broadcast over the group. On an H200 the memory-efficient kernel took it and gave
+        # the same bits as the mask copied to [1, H_q, q, kv] (207 -> 6 MB at Qwen2.5-VL-3B's 720-token chunk).
+        shape = (kv_heads, group, kv_len, dim)
+        out = F.scaled_dot_product_attention(query.reshape(kv_heads, group, q_len, dim), key[0][:, None].expand(shape),
+                                             value[0][:, None].expand(shape), attn_mask=mask.to(query.dtype)[:, None],
+                                             scale=scale)
+        return out.reshape(1, q_heads, q_len, dim)
     if expand_kv:
         if group > 1:
             key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-        if mask is not None and mask.dim() == 3:
-            mask = mask.to(query.dtype)[:, None].expand(kv_heads, group, q_len, kv_len).reshape(1, q_heads, q_len, kv_len)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
     if mask is None or mask.dim() == 2:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=group > 1)
@@ -197,6 +206,10 @@ def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     out = F.scaled_dot_product_attention(query.reshape(kv_heads, group, q_len, dim), key[0].unsqueeze(1),
                                          value[0].unsqueeze(1), attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True)
     return out.reshape(1, q_heads, q_len, dim)
+
+
+#: The most float32 logits one block of query tokens holds in :func:`float32_attention` (bytes; kvdemo's choice).
+SCORE_BLOCK_BYTES = 64 * 2**20
 
 
 def attention_weights(
@@ -214,12 +227,12 @@ def attention_weights(
     kv_heads, kv_len = key.shape[1], key.shape[2]
     past = kv_len - q_len
     grouped = query.reshape(kv_heads, q_heads // kv_heads * q_len, dim).float()  # [H_kv, group * q, D]
-    logits = grouped @ key[0].float().transpose(1, 2) * scale  # [H_kv, group * q, kv]
+    logits = torch.matmul(grouped, key[0].float().transpose(1, 2)).mul_(scale)  # [H_kv, group * q, kv]
     if bias is not None:
         logits[:, :, :past] += bias[:, None, :].to(logits.device, torch.float32)
     if q_len > 1:
         hidden = ~causal_mask(q_len, q_len, query.device).repeat(q_heads // kv_heads, 1)  # rows: (group, q)
-        logits[:, :, past:] = logits[:, :, past:].masked_fill(hidden, float("-inf"))
+        logits[:, :, past:].masked_fill_(hidden, float("-inf"))
     if extra is not None:
         extra_keys, _, extra_bias = extra
         fetched = grouped @ extra_keys.float().transpose(1, 2) * scale + extra_bias[:, None, :].float()
@@ -251,9 +264,30 @@ def float32_attention(
     D]`` (the last ``q`` cache slots are these tokens, causal among themselves), cache ``[1, H_kv, kv, D]`` with
     ``bias [H_kv, kv - q]`` (or None), ``extra`` keys/values ``[H_kv, R, D]`` and their bias ``[H_kv, R]`` (or None)
     -> ``[1, q, H_q, D]`` in the query's dtype. Used for HybridKV's retrieval, and for a bias SDPA would round
-    (:func:`bias_needs_float32`)."""
-    weights = attention_weights(query, key, bias, scale, extra)
-    return weighted_values(weights, value, extra, query.shape[1]).to(query.dtype).contiguous()
+    (:func:`bias_needs_float32`).
+
+    The float32 logits and weights of a whole chunk are ``[H_q, q, kv]`` each (316 MB for a 720-token chunk over
+    6864 keys at Qwen2.5-VL-3B's 16 query heads: ProtoKV held about 550 MB more than the other policies on an
+    H200 through them), so the query tokens go in blocks of at most :data:`SCORE_BLOCK_BYTES` of logits (kvdemo's
+    choice). A block sees the keys up to its last token, the chunk's earlier tokens unbiased."""
+    _, q_heads, q_len, dim = query.shape
+    kv_len = key.shape[2]
+    width = kv_len + (extra[0].shape[1] if extra is not None else 0)
+    step = max(1, SCORE_BLOCK_BYTES // (4 * q_heads * width))
+    if step >= q_len:
+        weights = attention_weights(query, key, bias, scale, extra)
+        return weighted_values(weights, value, extra, q_heads).to(query.dtype).contiguous()
+    past = kv_len - q_len
+    out = torch.empty(1, q_len, q_heads, dim, dtype=query.dtype, device=query.device)
+    key, value = key.float(), value.float()  # once, not per block
+    padded = None if bias is None else torch.cat([bias, bias.new_zeros(bias.shape[0], q_len)], dim=1)
+    for start in range(0, q_len, step):
+        stop = min(start + step, q_len)
+        seen = past + stop  # the block's last token sees slots < seen
+        block_bias = None if padded is None else padded[:, : past + start]
+        weights = attention_weights(query[:, :, start:stop], key[:, :, :seen], block_bias, scale, extra)
+        out[:, start:stop] = weighted_values(weights, value[:, :, :seen], extra, q_heads)
+    return out
 
 
 def register() -> None:
