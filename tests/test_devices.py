@@ -338,6 +338,18 @@ def test_the_doctor_runs_its_small_matrix_on_the_cpu(tmp_path, capsys):
     assert "all checks passed" in capsys.readouterr().out
 
 
+def test_the_doctors_attention_table_runs_every_call_and_compares_the_blocks():
+    """The CUDA table of :func:`attention_memory`, run small on the CPU: every call runs and is timed, the blocked
+    float32 softmax gives the one-block bits, and the peak is left to CUDA's allocator statistics."""
+    from kvdemo.bench.doctor import attention_memory
+
+    rows = attention_memory(torch.device("cpu"), shapes=(("small", 4, 2),), chunk=8, past=24, repeats=1)
+    assert [r["call"] for r in rows] == ["SDPA, per-KV-head mask", "SDPA, causal mask", "float32 softmax, blocks",
+                                         "float32 softmax, one block"]
+    assert all("error" not in r and r["ms"] > 0 and r["peak_mb"] is None for r in rows)
+    assert rows[2]["same_as_one_block"] and rows[3]["same_as_one_block"]
+
+
 def test_the_doctor_refuses_a_clip_too_short_for_its_budget_before_any_work(capsys, monkeypatch):
     """An H200 run with ``--frames 8`` streamed the split checks and then stopped in the model matrix on the
     budget's own error (M - C = 8 holds no 16-token chunk); now the clip is refused before anything runs."""

@@ -62,7 +62,7 @@ def test_attention_weights_equal_a_softmax_loop(q_len, with_bias, with_extra):
 
 @pytest.mark.parametrize("block_tokens", [1, 2, 3, 5])
 @pytest.mark.parametrize("with_bias, with_extra", [(False, False), (True, False), (True, True)])
-def test_float32_attention_in_blocks_of_query_tokens_equals_a_softmax_loop(block_tokens, with_bias, with_extra, monkeypatch):
+def test_float32_attention_in_blocks_of_query_tokens_equals_a_softmax_loop(block_tokens, with_bias, with_extra):
     """float32_attention with its logits capped at ``block_tokens`` query tokens (5: one block, the whole chunk)
     against the loop's weights applied to the values in float64: each block sees the keys up to its last token,
     the chunk's earlier tokens unbiased, and the retrieved chunks."""
@@ -77,8 +77,8 @@ def test_float32_attention_in_blocks_of_query_tokens_equals_a_softmax_loop(block
         bias[0, 1] = float("-inf")
     extra = (torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g), torch.zeros(2, 3)) if with_extra else None
     width = past + q_len + (3 if with_extra else 0)
-    monkeypatch.setattr(attention, "SCORE_BLOCK_BYTES", 4 * 4 * width * block_tokens)  # 4 query heads, float32
-    got = attention.float32_attention(query, key, value, bias, extra, 0.35)  # [1, q, H_q, D]
+    block_bytes = 4 * 4 * width * block_tokens  # 4 query heads' float32 logits
+    got = attention.float32_attention(query, key, value, bias, extra, 0.35, block_bytes=block_bytes)  # [1, q, H_q, D]
     weights = loop_weights(query, key, bias, 0.35, extra)  # [H_kv, group * q, kv (+ R)]
     values = value[0].double() if extra is None else torch.cat([value[0], extra[1]], dim=1).double()
     expected = torch.empty(1, q_len, 4, 8, dtype=torch.float64)

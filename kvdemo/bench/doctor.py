@@ -6,7 +6,8 @@ policy stays under ``M``, that asking leaves the memory bit-identical, and wheth
 identical across the two runs (the table says where they are not). Then the placement checks: every policy's
 compression with the memory's layers split across two devices (``cpu`` and ``cuda:0``; without a GPU, the
 CPU and :mod:`kvdemo.devices.emulated_device`), the attention backend SDPA takes for kvdemo's masked calls (on CUDA,
-with what a new key length costs each backend: :func:`key_length_cost`), and timings
+with what a new key length costs each backend, :func:`key_length_cost`, and what each attention call holds at real
+head shapes, :func:`attention_memory`), and timings
 per policy (prefill per chunk, compression pass, decode per token, compression as % of prefill) on the tiny
 model and, with ``--real-shapes``, one compression pass on two layers at Qwen2.5-VL-3B/-7B's per-layer cache
 shapes; with ``--full-depth``, whole models at released configs with random weights, streamed per policy
@@ -23,7 +24,14 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..cache.attention import fused_needs_expanded_kv, grouped_sdpa, sdpa_backends
+from ..cache.attention import (
+    causal_mask,
+    float32_attention,
+    fused_needs_expanded_kv,
+    grouped_sdpa,
+    mask_dtype,
+    sdpa_backends,
+)
 from ..cache.budget import DEFAULT_KEEP_RATIO, Budget
 from ..devices.emulated_device import DEVICE as EMULATED
 from ..devices.emulated_device import EmulatedDevice
@@ -211,6 +219,61 @@ def key_length_cost(device: torch.device, calls: int = 6) -> list[dict[str, Any]
     return rows
 
 
+#: Attention head shapes for :func:`attention_memory`: (label, query heads, KV heads), head width 128.
+ATTENTION_SHAPES = (("3B", 16, 2), ("7B", 28, 4))
+
+
+def attention_memory(device: torch.device, shapes: tuple[tuple[str, int, int], ...] = ATTENTION_SHAPES,
+                     chunk: int = 720, past: int = 6144, repeats: int = 5) -> list[dict[str, Any]]:
+    """kvdemo's attention calls for one chunk of ``chunk`` tokens over ``past`` cached keys at each of ``shapes``,
+    bfloat16 on CUDA (float32 elsewhere): SDPA with a per-KV-head mask (a ragged memory), SDPA with the causal mask
+    alone, and the float32 softmax a rounding-sensitive bias takes, in its blocks and as one block. Per call: the
+    device's peak allocation above what was held before it (MB, CUDA only) and the median ms of ``repeats``."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for label, q_heads, kv_heads in shapes:
+        g = torch.Generator(device=device).manual_seed(0)
+        query = torch.randn(1, q_heads, chunk, 128, generator=g, device=device).to(dtype)
+        key, value = (torch.randn(1, kv_heads, past + chunk, 128, generator=g, device=device).to(dtype) for _ in range(2))
+        bias = torch.zeros(kv_heads, past, device=device)
+        bias[0, past // 2:] = float("-inf")  # one head holds fewer tokens
+        ragged = torch.zeros(kv_heads, chunk, past + chunk, dtype=mask_dtype(query), device=device)
+        ragged[:, :, :past] = bias[:, None]
+        ragged[:, :, past:].masked_fill_(~causal_mask(chunk, chunk, device), float("-inf"))
+        expand = fused_needs_expanded_kv(query)
+        calls = (("SDPA, per-KV-head mask", lambda: grouped_sdpa(query, key, value, ragged, 0.088, expand_kv=expand)),
+                 ("SDPA, causal mask", lambda: grouped_sdpa(query, key, value, causal_mask(chunk, past + chunk, device),
+                                                            0.088, expand_kv=expand)),
+                 ("float32 softmax, blocks", lambda: float32_attention(query, key, value, bias, None, 0.088)),
+                 ("float32 softmax, one block", lambda: float32_attention(query, key, value, bias, None, 0.088,
+                                                                           block_bytes=1 << 62)))
+        outputs = {}
+        for name, call in calls:
+            row: dict[str, Any] = {"shape": label, "call": name, "peak_mb": None}
+            try:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    before = torch.cuda.memory_allocated(device)
+                outputs[name] = call()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                    row["peak_mb"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+                times = []
+                for _ in range(repeats):
+                    watch = Stopwatch(device)
+                    call()
+                    times.append(watch.ms())
+                row["ms"] = sorted(times)[repeats // 2]
+            except RuntimeError as error:
+                row["error"] = str(error).splitlines()[0][:80]
+            rows.append(row)
+        if "float32 softmax, blocks" in outputs and "float32 softmax, one block" in outputs:
+            same = torch.equal(outputs["float32 softmax, blocks"], outputs["float32 softmax, one block"])
+            rows[-2]["same_as_one_block"] = rows[-1]["same_as_one_block"] = same
+    return rows
+
+
 def real_shape_passes(device: torch.device, repeats: int,
                       shapes: tuple[tuple[str, dict[str, Any]], ...] = (("3B", QWEN3B_SHAPE), ("7B", QWEN7B_SHAPE))
                       ) -> list[dict[str, Any]]:
@@ -271,6 +334,12 @@ def doctor(device_name: str = "auto", models: list[str] | None = None, frames: i
                                              ("keys from", "keys", "d"),
                                              ("new length ms", "new_length_ms", ".2f"),
                                              ("same length ms", "same_length_ms", ".2f"), ("error", "error", "")]))
+    if device.type == "cuda":
+        report["attention_memory"] = attention_memory(device)
+        print("\nkvdemo's attention for a 720-token chunk over 6144 cached keys, bfloat16 (MB above what was held):")
+        print(_table(report["attention_memory"], [("shape", "shape", "<5"), ("call                      ", "call", "<26"),
+                                                  ("peak MB", "peak_mb", ".1f"), ("ms", "ms", ".2f"),
+                                                  ("same as one block", "same_as_one_block", ""), ("error", "error", "")]))
     report["split"] = split_matrix(device)
     print("\nlayers split across two devices (layer 0 on the host):")
     print(_table(report["split"], [("policy        ", "policy", "<14"), ("devices        ", "devices", "<15"),

@@ -258,6 +258,7 @@ def float32_attention(
     bias: torch.Tensor | None,
     extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     scale: float,
+    block_bytes: int | None = None,
 ) -> torch.Tensor:
     """Attention with the logits, the bias and the softmax in float32 (:func:`attention_weights`), over the cache
     plus, with ``extra``, retrieved chunks without concatenating them (one softmax over both). ``query [1, H_q, q,
@@ -268,12 +269,13 @@ def float32_attention(
 
     The float32 logits and weights of a whole chunk are ``[H_q, q, kv]`` each (316 MB for a 720-token chunk over
     6864 keys at Qwen2.5-VL-3B's 16 query heads: ProtoKV held about 550 MB more than the other policies on an
-    H200 through them), so the query tokens go in blocks of at most :data:`SCORE_BLOCK_BYTES` of logits (kvdemo's
-    choice). A block sees the keys up to its last token, the chunk's earlier tokens unbiased."""
+    H200 through them), so the query tokens go in blocks of at most ``block_bytes`` of logits (default
+    :data:`SCORE_BLOCK_BYTES`, kvdemo's choice). A block sees the keys up to its last token, the chunk's earlier
+    tokens unbiased."""
     _, q_heads, q_len, dim = query.shape
     kv_len = key.shape[2]
     width = kv_len + (extra[0].shape[1] if extra is not None else 0)
-    step = max(1, SCORE_BLOCK_BYTES // (4 * q_heads * width))
+    step = max(1, (SCORE_BLOCK_BYTES if block_bytes is None else block_bytes) // (4 * q_heads * width))
     if step >= q_len:
         weights = attention_weights(query, key, bias, scale, extra)
         return weighted_values(weights, value, extra, q_heads).to(query.dtype).contiguous()
