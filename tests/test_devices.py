@@ -350,9 +350,10 @@ def test_the_doctors_attention_table_runs_every_call_and_compares_the_blocks():
     assert rows[2]["same_as_one_block"] and rows[3]["same_as_one_block"]
 
 
-def test_the_doctor_refuses_a_clip_too_short_for_its_budget_before_any_work(capsys, monkeypatch):
+def test_the_doctor_refuses_a_clip_too_short_for_its_budget_or_no_stream_before_any_work(capsys, monkeypatch):
     """An H200 run with ``--frames 8`` streamed the split checks and then stopped in the model matrix on the
-    budget's own error (M - C = 8 holds no 16-token chunk); now the clip is refused before anything runs."""
+    budget's own error (M - C = 8 holds no 16-token chunk); now the clip is refused before anything runs, as is
+    a full-depth stream of no seconds (it was clamped to two frames)."""
     from kvdemo.bench import doctor as checklist
     from kvdemo.cli import main
 
@@ -360,3 +361,5 @@ def test_the_doctor_refuses_a_clip_too_short_for_its_budget_before_any_work(caps
     assert main(["doctor", "--device", "cpu", "--models", "tiny", "--frames", "8"]) == 2
     error = capsys.readouterr().err
     assert "--frames 8 is too short" in error and "at least 16" in error
+    assert main(["doctor", "--device", "cpu", "--full-depth", "qwen2.5-vl-3b", "--seconds", "0"]) == 2
+    assert "--seconds must be positive" in capsys.readouterr().err

@@ -315,6 +315,8 @@ def doctor(device_name: str = "auto", models: list[str] | None = None, frames: i
         raise UsageError(f"--frames {frames} is too short for the checklist: give at least {MIN_FRAMES} (M is half of "
                          f"what the full cache holds after the clip and C = 3/4 M, so M - C holds one two-frame chunk "
                          f"from {MIN_FRAMES} frames on)")
+    if full_depth and not seconds > 0:
+        raise UsageError(f"--seconds must be positive (seconds of stream per full-depth run), got {seconds:g}")
     device = torch.device("cuda:0" if device_name == "auto" and torch.cuda.is_available() else
                           "cpu" if device_name == "auto" else device_name)
     if device.type == "cuda" and not torch.cuda.is_available():
