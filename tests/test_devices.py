@@ -339,11 +339,14 @@ def test_the_doctor_runs_its_small_matrix_on_the_cpu(tmp_path, capsys):
 
 
 def test_the_doctors_attention_table_runs_every_call_and_compares_the_blocks():
-    """The CUDA table of :func:`attention_memory`, run small on the CPU: every call runs and is timed, the blocked
-    float32 softmax gives the one-block bits, and the peak is left to CUDA's allocator statistics."""
+    """The CUDA table of :func:`attention_memory`, run small on the CPU: every call runs and is timed, the float32
+    softmax in blocks of 3 query tokens gives the one-block bits, and the peak is left to CUDA's allocator
+    statistics."""
     from kvdemo.bench.doctor import attention_memory
 
-    rows = attention_memory(torch.device("cpu"), shapes=(("small", 4, 2),), chunk=8, past=24, repeats=1)
+    three_tokens = 3 * 4 * 4 * (24 + 8)  # float32 logits of 4 query heads over 32 keys
+    rows = attention_memory(torch.device("cpu"), shapes=(("small", 4, 2),), chunk=8, past=24, repeats=1,
+                            block_bytes=three_tokens)
     assert [r["call"] for r in rows] == ["SDPA, per-KV-head mask", "SDPA, causal mask", "float32 softmax, blocks",
                                          "float32 softmax, one block"]
     assert all("error" not in r and r["ms"] > 0 and r["peak_mb"] is None for r in rows)

@@ -224,11 +224,13 @@ ATTENTION_SHAPES = (("3B", 16, 2), ("7B", 28, 4))
 
 
 def attention_memory(device: torch.device, shapes: tuple[tuple[str, int, int], ...] = ATTENTION_SHAPES,
-                     chunk: int = 720, past: int = 6144, repeats: int = 5) -> list[dict[str, Any]]:
+                     chunk: int = 720, past: int = 6144, repeats: int = 5,
+                     block_bytes: int | None = None) -> list[dict[str, Any]]:
     """kvdemo's attention calls for one chunk of ``chunk`` tokens over ``past`` cached keys at each of ``shapes``,
     bfloat16 on CUDA (float32 elsewhere): SDPA with a per-KV-head mask (a ragged memory), SDPA with the causal mask
-    alone, and the float32 softmax a rounding-sensitive bias takes, in its blocks and as one block. Per call: the
-    device's peak allocation above what was held before it (MB, CUDA only) and the median ms of ``repeats``."""
+    alone, and the float32 softmax a rounding-sensitive bias takes, in its blocks (of ``block_bytes``; default
+    kvdemo's) and as one block. Per call: the device's peak allocation above what was held before it (MB, CUDA
+    only) and the median ms of ``repeats``."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for label, q_heads, kv_heads in shapes:
@@ -244,7 +246,8 @@ def attention_memory(device: torch.device, shapes: tuple[tuple[str, int, int], .
         calls = (("SDPA, per-KV-head mask", lambda: grouped_sdpa(query, key, value, ragged, 0.088, expand_kv=expand)),
                  ("SDPA, causal mask", lambda: grouped_sdpa(query, key, value, causal_mask(chunk, past + chunk, device),
                                                             0.088, expand_kv=expand)),
-                 ("float32 softmax, blocks", lambda: float32_attention(query, key, value, bias, None, 0.088)),
+                 ("float32 softmax, blocks", lambda: float32_attention(query, key, value, bias, None, 0.088,
+                                                                        block_bytes=block_bytes)),
                  ("float32 softmax, one block", lambda: float32_attention(query, key, value, bias, None, 0.088,
                                                                            block_bytes=1 << 62)))
         outputs = {}

@@ -188,8 +188,8 @@ def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         return out.reshape(1, q_heads, 1, dim)
     if expand_kv and mask is not None and mask.dim() == 3:
         # KV heads as the batch: keys and values expanded to the group's query heads without a copy (stride 0), the
-        # mask [H_kv, 1, q, kv] broadcast over the group. On an H200 the memory-efficient kernel took it and gave
-        # the same bits as the mask copied to [1, H_q, q, kv] (207 -> 6 MB at Qwen2.5-VL-3B's 720-token chunk).
+        # mask [H_kv, 1, q, kv] broadcast over the group, where copying the mask to [1, H_q, q, kv] held a chunk's
+        # [H_q, q, kv] in memory. On an H200 the memory-efficient kernel took it, with the same bits (docs/devices.md).
         shape = (kv_heads, group, kv_len, dim)
         out = F.scaled_dot_product_attention(query.reshape(kv_heads, group, q_len, dim), key[0][:, None].expand(shape),
                                              value[0][:, None].expand(shape), attn_mask=mask.to(query.dtype)[:, None],
@@ -267,11 +267,10 @@ def float32_attention(
     -> ``[1, q, H_q, D]`` in the query's dtype. Used for HybridKV's retrieval, and for a bias SDPA would round
     (:func:`bias_needs_float32`).
 
-    The float32 logits and weights of a whole chunk are ``[H_q, q, kv]`` each (316 MB for a 720-token chunk over
-    6864 keys at Qwen2.5-VL-3B's 16 query heads: ProtoKV held about 550 MB more than the other policies on an
-    H200 through them), so the query tokens go in blocks of at most ``block_bytes`` of logits (default
-    :data:`SCORE_BLOCK_BYTES`, kvdemo's choice). A block sees the keys up to its last token, the chunk's earlier
-    tokens unbiased."""
+    The float32 logits and weights of a whole chunk are ``[H_q, q, kv]`` each (hundreds of MB at a real model's
+    chunk; measured on a GPU in docs/devices.md), so the query tokens go in blocks of at most ``block_bytes`` of
+    logits (default :data:`SCORE_BLOCK_BYTES`, kvdemo's choice). A block sees the keys up to its last token, the
+    chunk's earlier tokens unbiased."""
     _, q_heads, q_len, dim = query.shape
     kv_len = key.shape[2]
     width = kv_len + (extra[0].shape[1] if extra is not None else 0)
