@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -21,17 +22,34 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
     return rows.view(torch.int64)
 
 
+def row_records(rows: torch.Tensor) -> np.ndarray | None:
+    """``rows [N, D]`` on a CPU as a numpy array of ``N`` records, each one row's bytes (the same memory), or None
+    where that view does not exist (another device, not 2-D or not contiguous, empty rows).
+
+    kvdemo's choice for moving rows on a CPU: numpy moves a record with one copy of its bytes, where PyTorch's
+    ``index_select`` / ``index_copy_`` and numpy's 2-D indexing loop over a row's elements (measured single-threaded
+    in ``docs/performance.md``)."""
+    if rows.device.type != "cpu" or rows.dim() != 2 or not rows.is_contiguous() or rows.shape[1] * rows.element_size() == 0:
+        return None
+    raw = rows.detach().view(torch.uint8)
+    return raw.numpy().view(np.dtype((np.void, raw.shape[1]))).reshape(-1)
+
+
 def take_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``rows[index]``: the rows ``index [M]`` of ``rows [N, D]``, ``[M, D]`` in ``rows``' dtype, gathered with one
-    ``index_select`` as int64 words where a row is whole words (:func:`as_words`). ``out`` (``[M, D]``, contiguous,
-    ``rows``' dtype): written in place, straight from ``rows`` when both are on one device (no intermediate), and
-    returned."""
+    """``rows[index]``: the rows ``index [M]`` of ``rows [N, D]``, ``[M, D]`` in ``rows``' dtype. On a CPU one copy
+    per row of its bytes (:func:`row_records`), elsewhere one ``index_select`` as int64 words where a row is whole
+    words (:func:`as_words`). ``out`` (``[M, D]``, contiguous, ``rows``' dtype): written in place, straight from
+    ``rows`` when both are on one device (no intermediate), and returned."""
     index = index.to(rows.device)
-    words = as_words(rows)
     if out is None:
+        records = row_records(rows) if index.device.type == "cpu" else None
+        if records is not None:
+            taken = np.take(records, index.numpy())
+            return torch.from_numpy(taken.view(np.uint8).reshape(index.shape[0], records.dtype.itemsize)).view(rows.dtype)
+        words = as_words(rows)
         taken = words.index_select(0, index)
         return taken.view(rows.dtype) if taken.dtype != rows.dtype else taken
-    target = as_words(out)
+    words, target = as_words(rows), as_words(out)
     if out.device == rows.device and target.dtype == words.dtype:
         torch.index_select(words, 0, index, out=target)
     else:
@@ -48,22 +66,34 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return take_rows(x.reshape(batch * width, -1), flat).view(*index.shape, *x.shape[2:])
 
 
+def rows_at(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``x[first, second]`` for ``x [A, B, D]`` and index pairs ``first, second [M]``: ``[M, D]``. Where each
+    ``x[a]`` is rows of ``D`` contiguous elements and ``x[a + 1]`` starts a whole number of rows later (a strided
+    view of a larger buffer, as the memory's keys are), one :func:`take_rows` over the rows of that buffer; else
+    advanced indexing (the same rows, several times slower on a CPU)."""
+    dim = x.shape[-1]
+    if x.dim() != 3 or x.shape[0] == 0 or x.shape[1] == 0 or x.stride(2) != 1 or x.stride(1) != dim or x.stride(0) % dim:
+        return x[first, second]
+    per_first = x.stride(0) // dim
+    rows = x.as_strided(((x.shape[0] - 1) * per_first + x.shape[1], dim), (dim, 1))
+    return take_rows(rows, first * per_first + second)
+
+
 def put_rows(rows: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
     """``rows[index] = source`` in place: row ``index[i]`` (int64, no repeats) of ``rows [N, D]`` becomes ``source[i]``
-    (``[M, D]``, same dtype), moved as int64 words where a row is whole words. On a CPU through numpy's indexed
-    assignment (kvdemo's choice: ``index_copy_`` copies element by element; numpy copies rows, 1.4-1.7x faster in
-    the offload store's 7B-shape copy, 2-3x on rows that fit the processor's cache, single thread), elsewhere
-    ``index_copy_``."""
-    words, values = as_words(rows), as_words(source.contiguous())
-    on_cpu = words.device.type == values.device.type == index.device.type == "cpu"
-    if on_cpu and words.is_contiguous() and values.dtype == words.dtype and words.dtype not in _NOT_IN_NUMPY:
-        words.detach().numpy()[index.numpy()] = values.detach().numpy()
-    else:
-        words.index_copy_(0, index.to(words.device), values.to(words.device))
-
-
-#: Dtypes numpy has no equivalent of (rows of them that are not whole int64 words move with ``index_copy_``).
-_NOT_IN_NUMPY = (torch.bfloat16, torch.float16, torch.complex32)
+    (``[M, D]``, same dtype). On a CPU one copy per row of its bytes through numpy (:func:`row_records`), elsewhere
+    ``index_copy_`` (as int64 words where a row is whole words)."""
+    source = source.contiguous()
+    on_cpu = source.device.type == index.device.type == "cpu"
+    records = row_records(rows) if on_cpu and source.dtype == rows.dtype else None
+    moved = row_records(source) if records is not None and source.shape[1:] == rows.shape[1:] else None
+    if records is not None and moved is not None:
+        records[index.numpy()] = moved
+        return
+    words, values = as_words(rows), as_words(source)
+    if words.dtype != values.dtype:  # one of them is not whole contiguous words (a strided view): move elements
+        words, values = rows, source
+    words.index_copy_(0, index.to(words.device), values.to(words.device))
 
 
 def move_tensors(value: Any, device: torch.device | str) -> Any:

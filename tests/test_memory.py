@@ -15,7 +15,7 @@ from kvdemo.policies import Selection
 from kvdemo.policies.contract import SummaryUpdate
 from kvdemo.stream.engine import StreamEngine
 from kvdemo.stream.streaming import stream_video
-from kvdemo.tensors import gather_rows, put_rows, take_rows
+from kvdemo.tensors import gather_rows, put_rows, rows_at, take_rows
 from kvdemo.testing import synthetic_chunk, synthetic_memory
 
 GRID = (2, 3)  # 6 tokens per temporal grid, non-square
@@ -240,12 +240,17 @@ def test_buffers_follow_what_the_stream_holds_not_the_budget_typed(tiny, pancake
         assert all(s.capacity <= memory.prefix_len + params["budget"] + 256 for s in memory.layers)
 
 
-@pytest.mark.parametrize("dtype, dim", [(torch.float32, 8), (torch.bfloat16, 8), (torch.bfloat16, 3), (torch.int32, 8)])
-def test_row_moves_match_a_plain_loop(dtype, dim):
-    """take_rows / put_rows (int64 words through numpy where they can, index_select / index_copy_ elsewhere: odd
-    bfloat16 rows) against rows copied one at a time."""
+@pytest.mark.parametrize("dtype, dim", [(torch.float32, 8), (torch.bfloat16, 8), (torch.bfloat16, 3), (torch.int32, 8),
+                                        (torch.int8, 5), (torch.bool, 3)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_row_moves_match_a_plain_loop(dtype, dim, layout):
+    """take_rows / put_rows (on a CPU each row's bytes as one numpy record, whatever the dtype and row width; rows
+    that are not one contiguous block through index_select / index_copy_) against rows copied one at a time, and an
+    empty index that moves nothing."""
     generator = torch.Generator().manual_seed(3)
-    rows = (torch.randn(40, dim, generator=generator) * 100).to(dtype)
+    base = (torch.randn(40, dim * 2, generator=generator) * 100).to(dtype)
+    rows = base[:, :dim].contiguous() if layout == "contiguous" else base[:, ::2]  # strided: every other column
+    assert rows.is_contiguous() == (layout == "contiguous")
     source = torch.tensor([7, 0, 39, 12, 12, 5])
     gathered = take_rows(rows, source)
     assert gathered.dtype == dtype and gathered.shape == (6, dim)
@@ -256,6 +261,10 @@ def test_row_moves_match_a_plain_loop(dtype, dim):
     for i, t in enumerate(target.tolist()):
         expected[t] = gathered[i]
     put_rows(rows, target, gathered)
+    assert torch.equal(rows, expected)
+    nothing = torch.zeros(0, dtype=torch.long)
+    assert take_rows(rows, nothing).shape == (0, dim)
+    put_rows(rows, nothing, take_rows(rows, nothing))
     assert torch.equal(rows, expected)
 
 
@@ -268,6 +277,25 @@ def test_gather_rows_matches_a_plain_loop():
     for b in range(3):
         for u in range(3):
             assert torch.equal(out[b, u], x[b, int(index[b, u])])
+
+
+@pytest.mark.parametrize("layout", ["heads of a larger buffer", "contiguous", "transposed", "expanded"])
+def test_rows_at_matches_a_plain_loop(layout):
+    """rows_at (one gather over the rows of the buffer under a strided view, or advanced indexing where the view is not
+    whole rows) against the rows read one at a time."""
+    generator = torch.Generator().manual_seed(11)
+    buffer = torch.randn(1, 6, 9, 4, generator=generator).to(torch.bfloat16)  # keys are heads 0..2 of 6, 9 slots
+    x = {
+        "heads of a larger buffer": buffer[0, :3, 2:7],
+        "contiguous": buffer[0, :3, 2:7].contiguous(),
+        "transposed": buffer[0, :3, 2:6].transpose(1, 2),
+        "expanded": buffer[0, :1, 2:7].expand(3, 5, 4),
+    }[layout]
+    first, second = torch.tensor([2, 0, 1, 2, 0]), torch.tensor([3, 0, 2, 0, 3])
+    out = rows_at(x, first, second)
+    assert out.shape == (5, x.shape[-1])
+    for i, (a, b) in enumerate(zip(first.tolist(), second.tolist())):
+        assert torch.equal(out[i], x[a, b])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])

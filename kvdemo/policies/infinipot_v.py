@@ -46,7 +46,7 @@ import torch
 
 from ..devices.timing import PhaseTimer
 from ..errors import PolicyParameterError
-from ..tensors import as_words
+from ..tensors import as_words, rows_at
 from .contract import LayerView
 from .fused import compiled_enabled, run_compiled, tar_and_van_terms
 from .grid import pool_on_grid, recent_window
@@ -267,7 +267,7 @@ def recent_reference(
     once to the cache's dtype) and how many recent frames hold it ``[rows]`` float32. ``keys [H, L, D]``,
     ``recent``/``row [H, L]`` (row = head * patches + patch)."""
     h_recent, l_recent = torch.nonzero(recent, as_tuple=True)
-    recent_keys = keys[h_recent, l_recent].float()
+    recent_keys = rows_at(keys, h_recent, l_recent).float()
     recent_keys = recent_keys / torch.linalg.vector_norm(recent_keys, dim=-1, keepdim=True).clamp_min(1e-12)
     recent_rows = row.flatten().index_select(0, h_recent * row.shape[1] + l_recent)
     reference = torch.zeros(rows, keys.shape[-1], dtype=torch.float32, device=keys.device)
