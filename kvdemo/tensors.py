@@ -22,6 +22,15 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
     return rows.view(torch.int64)
 
 
+def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Ascending int64 positions ``[N]`` of the true entries of ``mask`` (any shape) in its flattened, row-major
+    order: ``torch.nonzero(mask.flatten()).squeeze(1)``. On a CPU through numpy's ``flatnonzero`` (kvdemo's choice:
+    about ten times faster than ``torch.nonzero`` on a 7B cache's ``[112, 6144]`` masks, single thread)."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.detach().numpy())).long()
+    return torch.nonzero(mask.flatten()).squeeze(1)
+
+
 def row_records(rows: torch.Tensor) -> np.ndarray | None:
     """``rows [N, D]`` on a CPU as a numpy array of ``N`` records, each one row's bytes (the same memory), or None
     where that view does not exist (another device, not 2-D or not contiguous, empty rows).

@@ -15,7 +15,7 @@ from kvdemo.policies import Selection
 from kvdemo.policies.contract import SummaryUpdate
 from kvdemo.stream.engine import StreamEngine
 from kvdemo.stream.streaming import stream_video
-from kvdemo.tensors import gather_rows, put_rows, rows_at, take_rows
+from kvdemo.tensors import flat_nonzero, gather_rows, put_rows, rows_at, take_rows
 from kvdemo.testing import synthetic_chunk, synthetic_memory
 
 GRID = (2, 3)  # 6 tokens per temporal grid, non-square
@@ -277,6 +277,19 @@ def test_gather_rows_matches_a_plain_loop():
     for b in range(3):
         for u in range(3):
             assert torch.equal(out[b, u], x[b, int(index[b, u])])
+
+
+@pytest.mark.parametrize("shape, transposed", [((7, 13), False), ((3, 4, 5), False), ((6, 9), True), ((0, 4), False)])
+def test_flat_nonzero_matches_a_plain_loop(shape, transposed):
+    """flat_nonzero: the flattened positions of the true entries, ascending, in row-major order of the mask as seen
+    (a transposed view counts in its own order, not its storage's)."""
+    generator = torch.Generator().manual_seed(4)
+    mask = torch.rand(shape, generator=generator) < 0.4
+    mask = mask.t() if transposed else mask
+    flat = mask.flatten().tolist()
+    expected = [i for i, bit in enumerate(flat) if bit]
+    out = flat_nonzero(mask)
+    assert out.dtype == torch.int64 and out.tolist() == expected
 
 
 @pytest.mark.parametrize("layout", ["heads of a larger buffer", "contiguous", "transposed", "expanded"])

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..policies.contract import OffloadUpdate, SummaryUpdate
-from ..tensors import put_rows, take_rows
+from ..tensors import flat_nonzero, put_rows, take_rows
 from .offload import OffloadStore
 
 #: Reason code of a visual slot appended since the last compression (no policy reason yet).
@@ -114,20 +114,21 @@ class LayerMemory:
         counts = kept.sum(dim=1)  # [H]
         slot = torch.arange(length, device=device)
         below = slot[None] < counts[:, None]
-        holes = torch.nonzero((~kept & below).flatten()).squeeze(1)  # (head, slot) rows, sorted
-        movers = torch.nonzero((kept & ~below).flatten()).squeeze(1)
+        hole = ~kept & below
+        holes = flat_nonzero(hole)  # head * L + slot, sorted
+        movers = flat_nonzero(kept & ~below)
         # Both lists are sorted by head, and each head has as many holes below c_h as kept tokens above
         # it, so the i-th mover fills the i-th hole of the same head.
-        head_of_hole, slot_of_hole = holes // length, holes % length
-        head_of_mover, slot_of_mover = movers // length, movers % length
+        head = torch.repeat_interleave(torch.arange(heads, device=device), hole.sum(dim=1))
+        slot_of_hole, slot_of_mover = holes - head * length, movers - head * length
         rows = self.packed.shape[1]
         packed = self.packed.view(heads * rows, PROVENANCE_WIDTH)
-        put_rows(packed, head_of_hole * rows + slot_of_hole, take_rows(packed, head_of_mover * rows + slot_of_mover))
+        put_rows(packed, head * rows + slot_of_hole, take_rows(packed, head * rows + slot_of_mover))
         # Keys (heads 0..H-1) and values (heads H..2H-1) of one buffer move with one gather.
         capacity = self.capacity
         both = torch.tensor([0, heads], device=device)[:, None]
-        kv_dst = ((head_of_hole[None] + both) * capacity + start + slot_of_hole[None]).flatten()
-        kv_src = ((head_of_mover[None] + both) * capacity + start + slot_of_mover[None]).flatten()
+        kv_dst = ((head[None] + both) * capacity + start + slot_of_hole[None]).flatten()
+        kv_src = ((head[None] + both) * capacity + start + slot_of_mover[None]).flatten()
         flat = self.kv.view(2 * heads * capacity, self.kv.shape[-1])
         put_rows(flat, kv_dst, take_rows(flat, kv_src))
         new_len = int(counts.max()) if heads else 0

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tensors import take_rows
+from ..tensors import flat_nonzero, take_rows
 
 
 @dataclass
@@ -154,13 +154,13 @@ class OffloadStore:
         # Each valid (h, e), as the flat index h * E + e (row-major, as nonzero gives them), goes to a slot of the
         # pass's new chunks: head h's after the earlier heads', in arrival order. A partial chunk's tail slots read
         # token 0 and are zeroed after the copy, so that a retrieved chunk is finite.
-        picked = torch.nonzero(valid.flatten()).squeeze(1)
+        picked = flat_nonzero(valid)
         head = torch.div(picked, tokens, rounding_mode="floor")
         first_chunk = torch.cumsum(new_chunks, 0) - new_chunks  # [H] the head's first chunk among the new ones
         slot = (first_chunk * chunk).index_select(0, head) + (torch.cumsum(valid.long(), dim=1) - 1).flatten().index_select(0, picked)
         source = torch.zeros(total * chunk, dtype=torch.long, device=host).index_copy_(0, slot, picked)
         filled = torch.zeros(total * chunk, dtype=torch.bool, device=host).index_fill_(0, slot, True)
-        tail = torch.nonzero(~filled).squeeze(1)
+        tail = flat_nonzero(~filled)
         span = slice(self.used * chunk, (self.used + total) * chunk)
         for store, index in ((self.keys, key_rows), (self.values, value_rows)):
             out = store.view(-1, dim)[span]
@@ -216,7 +216,7 @@ class OffloadStore:
         # the bias, and zeros keep them finite (NaN * 0 is NaN). Only those rows are written, on the host, before the
         # copy to the device.
         dim = keys.shape[-1]
-        unused = torch.nonzero(~ok.flatten()).squeeze(1)
+        unused = flat_nonzero(~ok)
         keys.view(-1, dim).index_fill_(0, unused, 0)
         values.view(-1, dim).index_fill_(0, unused, 0)
         keys, values, ok = (t.to(query.device, non_blocking=True) for t in (keys, values, ok))

@@ -46,7 +46,7 @@ import torch
 
 from ..devices.timing import PhaseTimer
 from ..errors import PolicyParameterError
-from ..tensors import as_words, rows_at
+from ..tensors import as_words, flat_nonzero, rows_at
 from .contract import LayerView
 from .fused import compiled_enabled, run_compiled, tar_and_van_terms
 from .grid import pool_on_grid, recent_window
@@ -184,7 +184,7 @@ class InfiniPotV(ScoredPolicy):
             group = [views[i] for i in members]
             heads, grid, per_frame = group[0].num_heads, group[0].grid, group[0].tokens_per_frame
             frame = torch.cat([v.frame for v in group])
-            pos = torch.cat([v.row.long() * grid[1] + v.col.long() for v in group])
+            pos = torch.cat([v.row * grid[1] + v.col for v in group]).long()
             windows[key] = (*recent_window(frame, per_frame, keep, self.recent_ratio), pos)
             recent = windows[key][0]
             for j, (i, view) in enumerate(zip(members, group)):
@@ -232,10 +232,11 @@ class InfiniPotV(ScoredPolicy):
             key = torch.where(recent, 2.0 + 1e-3 * van01, score)
             share = torch.clamp(recent.sum(dim=1), max=keep).clamp_min(round(self.alpha * keep))
             tar_pick = top_k_mask(key, share, order)
-        reason = torch.full(recent.shape, REASON_VAN, dtype=torch.int8, device=van01.device)
-        reason[tar_pick] = REASON_TAR
+        # Codes by arithmetic on the 0/1 masks: masked_fill_ / where branch per element, slow on a CPU for a mask as
+        # scattered as TaR's picks.
+        reason = REASON_VAN + (REASON_TAR - REASON_VAN) * tar_pick.to(torch.int8)
         if self.alpha > 0:
-            reason[recent] = REASON_RECENT
+            reason += (REASON_RECENT - reason) * recent.to(torch.int8)
         return tar_pick.to(van01.dtype) * 4.0 + van01, reason, recent_frames
 
     def _tar_scores(self, mean_cos: torch.Tensor, recent: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
@@ -266,10 +267,11 @@ def recent_reference(
     """Per (head, patch) row: the sum of the recent frames' unit keys ``[rows, D]`` (summed in float32, rounded
     once to the cache's dtype) and how many recent frames hold it ``[rows]`` float32. ``keys [H, L, D]``,
     ``recent``/``row [H, L]`` (row = head * patches + patch)."""
-    h_recent, l_recent = torch.nonzero(recent, as_tuple=True)
-    recent_keys = rows_at(keys, h_recent, l_recent).float()
+    at = flat_nonzero(recent).to(keys.device)  # (head, slot) of each recent token, as head * L + slot
+    head = at // recent.shape[1]
+    recent_keys = rows_at(keys, head, at - head * recent.shape[1]).float()
     recent_keys = recent_keys / torch.linalg.vector_norm(recent_keys, dim=-1, keepdim=True).clamp_min(1e-12)
-    recent_rows = row.flatten().index_select(0, h_recent * row.shape[1] + l_recent)
+    recent_rows = row.flatten().index_select(0, at)
     reference = torch.zeros(rows, keys.shape[-1], dtype=torch.float32, device=keys.device)
     reference.index_add_(0, recent_rows, recent_keys)
     count = torch.bincount(recent_rows, minlength=rows).to(torch.float32)

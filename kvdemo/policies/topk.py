@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..devices.timing import PhaseTimer
+from ..tensors import flat_nonzero
 from .contract import LayerView, Policy, Selection
 
 
@@ -77,14 +78,17 @@ def select_ranked(
             kept[first] = top_k_mask(ranking.priority, count, view.order)
         else:
             batches.setdefault((view.length, int(count), ranking.priority.device), []).append(first)
+    done: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for (length, count, _), members in batches.items():
         priority = torch.cat([rankings[m].priority for m in members])
         order = torch.cat([views[m].order.to(priority.device) for m in members])
-        masks = top_k_mask(priority, min(count, length), order).chunk(len(members))
-        kept.update(zip(members, masks))
+        mask = top_k_mask(priority, min(count, length), order)
+        kept.update(zip(members, mask.chunk(len(members))))
+        # every row keeps the same count: the batch's indices come out of one nonzero, then split by layer
+        for m, index, valid in zip(members, *(t.chunk(len(members)) for t in kept_indices(mask))):
+            done[m] = index, valid, torch.gather(rankings[m].reason, 1, index)
     indices, valids, reasons = [], [], []
     ragged = False
-    done: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for ranking in rankings:
         first = unique[id(ranking)]
         if first not in done:  # layers sharing a ranking share its (read-only) indices
@@ -240,7 +244,9 @@ def minmax(x: torch.Tensor, valid: torch.Tensor | None = None, eps: float = 1e-1
 
 def mask_to_indices(mask: torch.Tensor) -> torch.Tensor:
     """A mask ``[H, L]`` with the same count per row -> ascending indices ``[H, count]``."""
-    return torch.nonzero(mask, as_tuple=False)[:, 1].view(mask.shape[0], -1)
+    heads, length = mask.shape
+    starts = torch.arange(heads, device=mask.device)[:, None] * length  # each row's first flat position
+    return flat_nonzero(mask).to(mask.device).view(heads, -1) - starts
 
 
 def top_k_sorted(scores: torch.Tensor, keep: int, order: torch.Tensor | None = None) -> torch.Tensor:
