@@ -31,6 +31,18 @@ def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(mask.flatten()).squeeze(1)
 
 
+#: Moves of fewer rows than this go through PyTorch (as int64 words where a row is whole words): numpy's few
+#: microseconds per call outweigh what records save on moves that small (the tiny model's are tens of rows).
+RECORD_MIN_ROWS = 4096
+
+
+def _records_for(rows: torch.Tensor, index: torch.Tensor) -> np.ndarray | None:
+    """:func:`row_records` of ``rows`` when a move of ``index`` rows should go through them, else None."""
+    if index.device.type != "cpu" or index.numel() < RECORD_MIN_ROWS:
+        return None
+    return row_records(rows)
+
+
 def row_records(rows: torch.Tensor) -> np.ndarray | None:
     """``rows [N, D]`` on a CPU as a numpy array of ``N`` records, each one row's bytes (the same memory), or None
     where that view does not exist (another device, not 2-D or not contiguous, empty rows).
@@ -46,12 +58,12 @@ def row_records(rows: torch.Tensor) -> np.ndarray | None:
 
 def take_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``rows[index]``: the rows ``index [M]`` of ``rows [N, D]``, ``[M, D]`` in ``rows``' dtype. On a CPU one copy
-    per row of its bytes (:func:`row_records`), elsewhere one ``index_select`` as int64 words where a row is whole
-    words (:func:`as_words`). ``out`` (``[M, D]``, contiguous, ``rows``' dtype): written in place, straight from
+    per row of its bytes (:func:`row_records`, from :data:`RECORD_MIN_ROWS` rows), else one ``index_select`` as int64
+    words where a row is whole words (:func:`as_words`). ``out`` (``[M, D]``, contiguous, ``rows``' dtype): written in place, straight from
     ``rows`` when both are on one device (no intermediate), and returned."""
     index = index.to(rows.device)
     if out is None:
-        records = row_records(rows) if index.device.type == "cpu" else None
+        records = _records_for(rows, index)
         if records is not None:
             taken = np.take(records, index.numpy())
             return torch.from_numpy(taken.view(np.uint8).reshape(index.shape[0], records.dtype.itemsize)).view(rows.dtype)
@@ -90,11 +102,10 @@ def rows_at(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch
 
 def put_rows(rows: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
     """``rows[index] = source`` in place: row ``index[i]`` (int64, no repeats) of ``rows [N, D]`` becomes ``source[i]``
-    (``[M, D]``, same dtype). On a CPU one copy per row of its bytes through numpy (:func:`row_records`), elsewhere
-    ``index_copy_`` (as int64 words where a row is whole words)."""
+    (``[M, D]``, same dtype). On a CPU one copy per row of its bytes through numpy (:func:`row_records`, from
+    :data:`RECORD_MIN_ROWS` rows), else ``index_copy_`` (as int64 words where a row is whole words)."""
     source = source.contiguous()
-    on_cpu = source.device.type == index.device.type == "cpu"
-    records = row_records(rows) if on_cpu and source.dtype == rows.dtype else None
+    records = _records_for(rows, index) if source.device.type == "cpu" and source.dtype == rows.dtype else None
     moved = row_records(source) if records is not None and source.shape[1:] == rows.shape[1:] else None
     if records is not None and moved is not None:
         records[index.numpy()] = moved

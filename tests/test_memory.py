@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from kvdemo import tensors
 from kvdemo.analysis.survival import survival_counts
 from kvdemo.cache.attention import MemoryCache
 from kvdemo.cache.memory import REASON_NEW, KVMemory
@@ -243,10 +244,12 @@ def test_buffers_follow_what_the_stream_holds_not_the_budget_typed(tiny, pancake
 @pytest.mark.parametrize("dtype, dim", [(torch.float32, 8), (torch.bfloat16, 8), (torch.bfloat16, 3), (torch.int32, 8),
                                         (torch.int8, 5), (torch.bool, 3)])
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
-def test_row_moves_match_a_plain_loop(dtype, dim, layout):
-    """take_rows / put_rows (on a CPU each row's bytes as one numpy record, whatever the dtype and row width; rows
-    that are not one contiguous block through index_select / index_copy_) against rows copied one at a time, and an
-    empty index that moves nothing."""
+@pytest.mark.parametrize("records", [True, False])
+def test_row_moves_match_a_plain_loop(dtype, dim, layout, records, monkeypatch):
+    """take_rows / put_rows (on a CPU each row's bytes as one numpy record, whatever the dtype and row width, for moves
+    of at least RECORD_MIN_ROWS rows; smaller moves and rows that are not one contiguous block through index_select /
+    index_copy_) against rows copied one at a time, and an empty index that moves nothing."""
+    monkeypatch.setattr(tensors, "RECORD_MIN_ROWS", 0 if records else 10**9)
     generator = torch.Generator().manual_seed(3)
     base = (torch.randn(40, dim * 2, generator=generator) * 100).to(dtype)
     rows = base[:, :dim].contiguous() if layout == "contiguous" else base[:, ::2]  # strided: every other column
