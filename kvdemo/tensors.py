@@ -103,17 +103,27 @@ def rows_at(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch
 def put_rows(rows: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
     """``rows[index] = source`` in place: row ``index[i]`` (int64, no repeats) of ``rows [N, D]`` becomes ``source[i]``
     (``[M, D]``, same dtype). On a CPU one copy per row of its bytes through numpy (:func:`row_records`, from
-    :data:`RECORD_MIN_ROWS` rows), else ``index_copy_`` (as int64 words where a row is whole words)."""
+    :data:`RECORD_MIN_ROWS` rows), for fewer rows numpy's indexed assignment of int64 words where a row is whole
+    words; ``index_copy_`` elsewhere (it copies element by element)."""
     source = source.contiguous()
-    records = _records_for(rows, index) if source.device.type == "cpu" and source.dtype == rows.dtype else None
-    moved = row_records(source) if records is not None and source.shape[1:] == rows.shape[1:] else None
-    if records is not None and moved is not None:
-        records[index.numpy()] = moved
-        return
+    on_cpu = rows.device.type == source.device.type == index.device.type == "cpu"
+    if on_cpu and source.dtype == rows.dtype and source.shape[1:] == rows.shape[1:]:
+        records = _records_for(rows, index)
+        moved = row_records(source) if records is not None else None
+        if records is not None and moved is not None:
+            records[index.numpy()] = moved
+            return
     words, values = as_words(rows), as_words(source)
     if words.dtype != values.dtype:  # one of them is not whole contiguous words (a strided view): move elements
         words, values = rows, source
-    words.index_copy_(0, index.to(words.device), values.to(words.device))
+    if on_cpu and words.is_contiguous() and words.dtype not in _NOT_IN_NUMPY:
+        words.detach().numpy()[index.numpy()] = values.detach().numpy()
+    else:
+        words.index_copy_(0, index.to(words.device), values.to(words.device))
+
+
+#: Dtypes numpy has no equivalent of (rows of them that are not whole int64 words move with ``index_copy_``).
+_NOT_IN_NUMPY = (torch.bfloat16, torch.float16, torch.complex32)
 
 
 def move_tensors(value: Any, device: torch.device | str) -> Any:
