@@ -50,7 +50,9 @@ def row_records(rows: torch.Tensor) -> np.ndarray | None:
     kvdemo's choice for moving rows on a CPU: numpy moves a record with one copy of its bytes, where PyTorch's
     ``index_select`` / ``index_copy_`` and numpy's 2-D indexing loop over a row's elements (measured single-threaded
     in ``docs/performance.md``)."""
-    if rows.device.type != "cpu" or rows.dim() != 2 or not rows.is_contiguous() or rows.shape[1] * rows.element_size() == 0:
+    if rows.device.type != "cpu" or rows.dim() != 2 or not rows.is_contiguous():
+        return None
+    if rows.shape[1] * rows.element_size() == 0:
         return None
     raw = rows.detach().view(torch.uint8)
     return raw.numpy().view(np.dtype((np.void, raw.shape[1]))).reshape(-1)
@@ -59,14 +61,15 @@ def row_records(rows: torch.Tensor) -> np.ndarray | None:
 def take_rows(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``rows[index]``: the rows ``index [M]`` of ``rows [N, D]``, ``[M, D]`` in ``rows``' dtype. On a CPU one copy
     per row of its bytes (:func:`row_records`, from :data:`RECORD_MIN_ROWS` rows), else one ``index_select`` as int64
-    words where a row is whole words (:func:`as_words`). ``out`` (``[M, D]``, contiguous, ``rows``' dtype): written in place, straight from
-    ``rows`` when both are on one device (no intermediate), and returned."""
+    words where a row is whole words (:func:`as_words`). ``out`` (``[M, D]``, contiguous, ``rows``' dtype): written
+    in place, straight from ``rows`` when both are on one device (no intermediate), and returned."""
     index = index.to(rows.device)
     if out is None:
         records = _records_for(rows, index)
         if records is not None:
             taken = np.take(records, index.numpy())
-            return torch.from_numpy(taken.view(np.uint8).reshape(index.shape[0], records.dtype.itemsize)).view(rows.dtype)
+            raw = taken.view(np.uint8).reshape(index.shape[0], records.dtype.itemsize)
+            return torch.from_numpy(raw).view(rows.dtype)
         words = as_words(rows)
         taken = words.index_select(0, index)
         return taken.view(rows.dtype) if taken.dtype != rows.dtype else taken
@@ -93,7 +96,8 @@ def rows_at(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch
     view of a larger buffer, as the memory's keys are), one :func:`take_rows` over the rows of that buffer; else
     advanced indexing (the same rows, several times slower on a CPU)."""
     dim = x.shape[-1]
-    if x.dim() != 3 or x.shape[0] == 0 or x.shape[1] == 0 or x.stride(2) != 1 or x.stride(1) != dim or x.stride(0) % dim:
+    whole_rows = x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == dim and x.stride(0) % dim == 0
+    if not whole_rows or x.shape[0] == 0 or x.shape[1] == 0:
         return x[first, second]
     per_first = x.stride(0) // dim
     rows = x.as_strided(((x.shape[0] - 1) * per_first + x.shape[1], dim), (dim, 1))
