@@ -78,8 +78,9 @@ def append_random(memory: KVMemory, chunk: VisualChunk, generator: torch.Generat
     for layer in cache.layers:
         store = memory.layers[layer.layer]
         shape = (1, store.keys.shape[1], chunk.num_tokens, store.keys.shape[-1])
-        dtype = store.keys.dtype
-        layer.update(torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype))
+        like = {"device": store.keys.device, "dtype": store.keys.dtype}  # drawn on the host: the same values anywhere
+        keys, values = (torch.randn(shape, generator=generator).to(**like) for _ in range(2))
+        layer.update(keys, values)
     memory.commit_append(chunk, synthetic_positions(chunk, PREFIX_TOKENS))
 
 

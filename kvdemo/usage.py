@@ -213,6 +213,9 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
     bench.add_argument("--keep", "-C", type=int, default=1152, help="C for the streaming run (default 1152)")
     bench.add_argument("--pass-repeats", type=int, default=3, help="repeats of the 7B-shape pass timing (default 3)")
     bench.add_argument("--skip-pass", action="store_true", help="skip the 7B-shape compression pass timing")
+    bench.add_argument("--device", default="cpu",
+                       help="where the 7B-shape passes, the append and the long stream run: cpu (default), cuda or "
+                            "cuda:N (the tiny model's stream stays on the CPU)")
     bench.add_argument("--long-stream", type=int, default=120, metavar="GRIDS",
                        help="also time every pass of a simulated stream this many temporal grids long at 7B shape, where "
                             "later passes meet a compacted memory holding tokens of more frames (default 120; 0 skips)")

@@ -2,6 +2,7 @@
 measuring (update, decode), and the comparison with the authors' code on a stand-in with their signature."""
 
 import pytest
+import torch
 
 
 def test_pass_benchmark_times_selection_apply_and_the_floor_on_a_small_shape():
@@ -126,3 +127,33 @@ def test_the_simulated_stream_compresses_where_the_engine_does(tiny, name, param
     expected = list(range(2, 12)) if name == "protokv" else [4, 6, 8, 10]
     assert engine_grids == expected
     assert [p["grid"] for p in passes] == expected
+
+
+def test_kept_by_one_only_counts_the_tokens_one_selection_keeps_and_the_other_does_not():
+    from kvdemo.bench.passes import _kept_by_one_only
+
+    ours = [torch.tensor([[0, 2, 3], [1, 2, 4]]), torch.tensor([[5, 6]])]
+    theirs = [torch.tensor([[0, 1, 3], [1, 2, 4]]), torch.tensor([[0, 1]])]
+    assert _kept_by_one_only(ours, theirs) == 1 + 2  # layer 0 head 0: token 2; layer 1: tokens 5 and 6
+    assert _kept_by_one_only(theirs, theirs) == 0
+
+
+def test_the_bench_runs_its_7b_shape_passes_on_another_device():
+    """``bench --device``: a simulated stream on the emulated device holds the same keys, values and provenance as
+    on the host after every pass, and the pass benchmark runs there with no host tensor meeting a device one."""
+    from kvdemo.bench.passes import pass_benchmark
+    from kvdemo.bench.policies import simulated_stream
+    from kvdemo.devices.emulated_device import DEVICE, EmulatedDevice
+    from kvdemo.policies import make_policy
+
+    shape = dict(num_layers=2, num_kv_heads=2, head_dim=16, budget=96, keep=72, grid=(3, 4))
+    host, host_passes = simulated_stream(make_policy("infinipot-v"), 30, shape)
+    mode = EmulatedDevice()
+    with mode:
+        moved, passes = simulated_stream(make_policy("infinipot-v"), 30, shape, device=DEVICE)
+        assert all(mode.on_device(store.kv) for store in moved.layers)
+        results = pass_benchmark(make_policy("sliding-window"), repeats=1, shape=shape, compiled=False, device=DEVICE)
+    assert len(passes) == len(host_passes) >= 5
+    for ours, theirs in zip(moved.layers, host.layers):
+        assert torch.equal(ours.kv, theirs.kv) and torch.equal(ours.packed, theirs.packed)
+    assert results["device"] == str(DEVICE) and results["pass_7b"]["sliding-window"]["bfloat16"]["moved_bytes"] > 0

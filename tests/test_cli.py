@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvdemo.cli import main
 
@@ -111,6 +112,13 @@ def test_bench_reference_errors_before_streaming(tmp_path, capsys):
     assert main(["bench", "--policy", "infinipot-v", "--reference", str(tmp_path / "kvcache_utils.py")]) == 2
     err = capsys.readouterr().err
     assert "has no process_kv_cache" in err and "streaming" not in err
+
+
+@pytest.mark.parametrize("device", ["nonsense", "cuda:7"] if not torch.cuda.is_available() else ["nonsense"])
+def test_bench_refuses_a_device_it_cannot_use_before_streaming(device, capsys):
+    assert main(["bench", "--device", device, "--frames", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --device {device}: ") and err.count("\n") == 1 and "streaming" not in err
 
 
 def run_cli_in_a_fresh_process(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, dict[str, bool]]:

@@ -42,9 +42,16 @@ def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
         except (OSError, AttributeError, ImportError, SyntaxError) as error:
             print(f"error: --reference: {error}", file=sys.stderr)
             return 2
+    try:
+        device = torch.device(getattr(args, "device", "cpu"))
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:  # a bad name, no CUDA build, no such GPU
+        print(f"error: --device {args.device}: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 2
     budget = Budget.from_user(policy, args.budget, args.keep, DEFAULT_KEEP_RATIO)
     results: dict[str, Any] = {
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "device": _device_name(device)},
         "policy": policy.name,
         "params": policy.params(),
     }
@@ -66,19 +73,20 @@ def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
         shape = QWEN7B_SHAPE
         print(
             f"\none compression pass at Qwen2.5-VL-7B shape ({shape['num_layers']} layers, {shape['num_kv_heads']} KV heads,"
-            f" head dim {shape['head_dim']}, M={shape['budget']} -> C={shape['keep']}), median of {args.pass_repeats}:",
+            f" head dim {shape['head_dim']}, M={shape['budget']} -> C={shape['keep']}) on {_device_name(device)},"
+            f" median of {args.pass_repeats}:",
             file=sys.stderr,
         )
-        results.update(pass_benchmark(policy, args.pass_repeats))
+        results.update(pass_benchmark(policy, args.pass_repeats, device=device))
         print(pass_table(results["pass_7b"]))
         print(compile_table(results["compile"]))
-        results["compiled_stream"] = compiled_stream(policy)
+        results["compiled_stream"] = compiled_stream(policy, device=device)
         print(compiled_stream_table(results["compiled_stream"]))
         print(append_table(results["append_7b"]))
         grids = getattr(args, "long_stream", 0)
         if grids and type(policy).takes_keep():  # a policy sized by M alone times its stream in its own benchmark
             print(f"\n{policy.name}'s passes over a {grids}-grid stream at 7B shape...", file=sys.stderr)
-            results["long_stream_7b"] = long_stream_benchmark(policy, grids)
+            results["long_stream_7b"] = long_stream_benchmark(policy, grids, device=device)
             print(long_stream_table(results["long_stream_7b"], policy.name))
     if reference is not None:
         print("\nkvdemo's InfiniPot-V against the authors' code at 7B shape...", file=sys.stderr)
@@ -88,3 +96,11 @@ def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
         write_json(args.json, results)
         print(f"results written to {args.json}", file=sys.stderr)
     return 0
+
+
+def _device_name(device: torch.device | str) -> str:
+    """``cpu``, or the GPU's own name beside its index (what a figure was measured on)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    return f"{device} ({torch.cuda.get_device_name(device)})"

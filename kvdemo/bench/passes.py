@@ -128,7 +128,8 @@ def time_append(memory: KVMemory, grid: tuple[int, int], repeats: int) -> dict[s
     chunk = synthetic_chunk(memory.num_grids, 1, grid)
     n = chunk.num_tokens
     views = memory.views()
-    keys = [torch.randn(1, v.num_heads, n, v.keys.shape[-1]).to(v.keys.dtype) for v in views]
+    keys = [torch.randn(1, v.num_heads, n, v.keys.shape[-1]).to(device=v.keys.device, dtype=v.keys.dtype)
+            for v in views]
     positions = synthetic_positions(chunk, memory.prefix_len)
     ours, theirs = [], []
     full = [(k[None], v[None]) for k, v in zip(memory.keys, memory.values)]
@@ -158,7 +159,8 @@ def time_append(memory: KVMemory, grid: tuple[int, int], repeats: int) -> dict[s
 
 
 def pass_benchmark(
-    policy: Policy, repeats: int, shape: dict[str, Any] | None = None, compiled: bool = True
+    policy: Policy, repeats: int, shape: dict[str, Any] | None = None, compiled: bool = True,
+    device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
     """The whole compression pass at Qwen2.5-VL-7B shape for ``policy`` and the reference policies, in fp32
     and bf16, next to the memory-bound floor (alternating, same process), and the append cost at a full-size
@@ -168,7 +170,8 @@ def pass_benchmark(
     Returns ``{"shape", "pass_7b": {label: {dtype: {...}}}, "append_7b": {dtype: {...}}, "compile": {...}}``. A
     policy's declared variants (:func:`.plans.bench_plan`, e.g. CoRDS without its cross-layer followers) are timed
     too. ``shape`` defaults to :data:`QWEN7B_SHAPE`; a policy sized by ``M`` alone is timed in its own benchmark.
-    ``compiled=False`` times the eager code alone (as where compiling is unavailable).
+    ``compiled=False`` times the eager code alone (as where compiling is unavailable). The memories are drawn on
+    the host and moved to ``device`` (on CUDA the floor is the GPU's memory bandwidth and the timer synchronises).
     """
     shape = shape or QWEN7B_SHAPE
     policies = {policy.name: policy} if type(policy).takes_keep() else {}
@@ -182,17 +185,18 @@ def pass_benchmark(
     unavailable = fused.compile_unavailable() if compiled else "not asked for"
     for dtype in (torch.float32, torch.bfloat16):
         label = str(dtype).replace("torch.", "")
-        memory = synthetic_memory(*args, dtype)
+        memory = synthetic_memory(*args, dtype).to(device)
         for name, candidate in policies.items():
             for mode, timing in _timed_modes(candidate, memory, shape["keep"], repeats, unavailable is None).items():
                 timing["target"] = FLOOR_TARGETS.get(candidate.name, DEFAULT_TARGET)
                 results["pass_7b"].setdefault(name + mode, {})[label] = timing
         per_grid = shape["grid"][0] * shape["grid"][1]
-        almost_full = synthetic_memory(*args, dtype, visual_tokens=shape["budget"] - per_grid)
+        almost_full = synthetic_memory(*args, dtype, visual_tokens=shape["budget"] - per_grid).to(device)
         results["append_7b"][label] = time_append(almost_full, shape["grid"], repeats)
         del memory, almost_full
     results["compile"] = {**fused.compile_stats(), "unavailable": unavailable}
     results["shape"] = {**shape, "grid": list(shape["grid"])}
+    results["device"] = str(device)
     return results
 
 
@@ -213,14 +217,30 @@ def _timed_modes(policy: Policy, memory: KVMemory, keep: int, repeats: int, comp
     with torch.inference_mode():
         eager = dataclasses.replace(policy).compress(copy.deepcopy(memory).views(probe=_probe(policy, memory)), keep)
     same = all(torch.equal(a, b) for a, b in zip(eager.indices, compiled.indices))
+    differ = {"same_selection": same, "differing_tokens": _kept_by_one_only(compiled.indices, eager.indices),
+              "kept_tokens": sum(index.numel() for index in eager.indices)}
     for mode in (False, True):
         fused.use_compiled(mode)
         try:
             out[" (compiled)" if mode else " (eager)"] = {**time_pass(dataclasses.replace(policy), memory, keep, repeats),
-                                                         "same_selection": same}
+                                                         **differ}
         finally:
             fused.use_compiled(None)
     return out
+
+
+def _kept_by_one_only(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> int:
+    """How many (layer, head, token) entries of ``ours`` (``[H, keep]`` per layer) ``theirs`` does not keep."""
+    count = 0
+    for a, b in zip(ours, theirs):
+        if a.numel() == 0:
+            continue
+        width = int(torch.maximum(a.max(), b.max())) + 1
+        kept = torch.zeros(2, a.shape[0], width, dtype=torch.bool, device=a.device)
+        kept[0].scatter_(1, a.long(), True)
+        kept[1].scatter_(1, b.long().to(a.device), True)
+        count += int((kept[0] & ~kept[1]).sum())
+    return count
 
 
 def _probe(policy: Policy, memory: KVMemory) -> list[torch.Tensor] | None:
@@ -243,7 +263,10 @@ def pass_table(passes: dict[str, dict[str, dict[str, Any]]]) -> str:
         for dtype, row in by_dtype.items():
             verdict = "PASS" if row["total_over_floor"] <= row["target"] else "FAIL"
             phases = ", ".join(f"{phase} {ms:.1f}" for phase, ms in row["phases_ms"].items())
-            same = "" if "same_selection" not in row else ("; same tokens as eager" if row["same_selection"] else "; DIFFERENT tokens from eager")
+            same = ""
+            if "same_selection" in row:
+                same = ("; same tokens as eager" if row["same_selection"]
+                        else f"; {row['differing_tokens']} of {row['kept_tokens']} kept tokens differ from eager")
             lines.append(
                 f"{name:<{width}} {dtype:<9} {row['select_ms']:>9.1f} {row['apply_ms']:>9.1f} {row['total_ms']:>9.1f} "
                 f"{row['floor_ms']:>9.1f} {row['total_over_floor']:>10.2f}x {verdict:>4} {row['target']:.1f}x  {phases}{same}"
@@ -328,7 +351,7 @@ def stream_table(stream: dict[str, Any], name: str, every: int = 1) -> str:
 
 
 def compiled_stream(policy: Policy, grids: int = 30, budgets: tuple[int, ...] = (6144, 4096),
-                    shape: dict[str, Any] | None = None) -> dict[str, Any] | None:
+                    shape: dict[str, Any] | None = None, device: torch.device | str = "cpu") -> dict[str, Any] | None:
     """Compilations paid over simulated streams (the engine's trigger, random keys and values, no model) at
     Qwen2.5-VL-7B's shape and each of ``budgets`` in turn, with compiled kernels on: the passes see cache lengths
     and buffer capacities change, and a kernel compiled with dynamic shapes compiles once per process and dtype.
@@ -345,7 +368,7 @@ def compiled_stream(policy: Policy, grids: int = 30, budgets: tuple[int, ...] = 
     try:
         for budget in budgets:
             stream_shape = {**shape, "budget": budget, "keep": budget * 3 // 4}
-            _, records = simulated_stream(dataclasses.replace(policy), grids, stream_shape)
+            _, records = simulated_stream(dataclasses.replace(policy), grids, stream_shape, device=device)
             passes += len(records)
             lengths += sorted({r["length"] for r in records})
     finally:

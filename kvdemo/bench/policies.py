@@ -37,11 +37,13 @@ from .plans import bench_plan
 
 
 def simulated_stream(
-    policy: Policy, grids: int, shape: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32, seed: int = 0
+    policy: Policy, grids: int, shape: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
+    device: torch.device | str = "cpu",
 ) -> tuple[KVMemory, list[dict[str, Any]]]:
-    """Stream ``grids`` temporal grids of random keys/values into a memory managed by ``policy`` exactly as
-    the engine does (compress when the engine's trigger, :func:`kvdemo.stream.engine.must_compress`, says the next grid
-    would overflow ``M``, then append), with no model.
+    """Stream ``grids`` temporal grids of random keys/values into a memory on ``device`` managed by ``policy``
+    exactly as the engine does (compress when the engine's trigger, :func:`kvdemo.stream.engine.must_compress`, says
+    the next grid would overflow ``M``, then append), with no model. The values are drawn on the host, so every
+    device streams the same ones.
 
     Returns the memory and one record per compression: grid, selection ms (and the policy's own phase
     split when it reports one), apply ms.
@@ -54,7 +56,8 @@ def simulated_stream(
     memory = KVMemory(shape["num_layers"], shape["num_kv_heads"], visual_capacity=budget.window, summary_slots=budget.summary)
     cache = MemoryCache(memory)
     for layer in cache.layers:
-        prefix = torch.randn(1, shape["num_kv_heads"], PREFIX_TOKENS, shape["head_dim"], generator=generator).to(dtype)
+        prefix = torch.randn(1, shape["num_kv_heads"], PREFIX_TOKENS, shape["head_dim"], generator=generator)
+        prefix = prefix.to(device=device, dtype=dtype)
         layer.update(prefix, prefix)
     memory.commit_prefix(PREFIX_TOKENS)
     rotary = qwen7b_rotation(shape["head_dim"])
@@ -64,7 +67,10 @@ def simulated_stream(
     with torch.inference_mode():
         for grid in range(grids):
             if must_compress(budget, memory, uncompressed, per_grid):  # the engine's own trigger
-                probe = synthetic_probe(shape["num_layers"], heads, shape["head_dim"], dtype, grid) if isinstance(policy, Probed) else None
+                probe = None
+                if isinstance(policy, Probed):
+                    drawn = synthetic_probe(shape["num_layers"], heads, shape["head_dim"], dtype, grid)
+                    probe = [p.to(device) for p in drawn]
                 held_frames = frames_held(memory)
                 watch = Stopwatch(memory.devices)
                 selection = policy.compress(memory.views(rotary, probe), budget.keep_for(per_grid))
@@ -270,15 +276,15 @@ def decode_table(decode: dict[str, Any], tiny: dict[str, Any] | None, name: str)
 
 
 def long_stream_benchmark(policy: Policy, grids: int, shape: dict[str, Any] | None = None,
-                          dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+                          dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> dict[str, Any]:
     """Every pass of a ``grids``-grid simulated stream at 7B shape (:func:`simulated_stream`: the engine's trigger,
     random keys and values, no model): its grid, the most frames a head holds tokens of, selection and apply ms and
     the policy's phases. The pass table times a first pass, on a memory in stream order holding whole frames; later
     passes meet a compacted memory holding a few tokens of more and more frames."""
     shape = shape or QWEN7B_SHAPE
-    _, passes = simulated_stream(dataclasses.replace(policy), grids, shape, dtype)
+    _, passes = simulated_stream(dataclasses.replace(policy), grids, shape, dtype, device=device)
     return {"shape": {**shape, "grid": list(shape["grid"])}, "grids": grids, "dtype": str(dtype).replace("torch.", ""),
-            "passes": passes}
+            "device": str(device), "passes": passes}
 
 
 def long_stream_table(result: dict[str, Any], name: str, rows: int = 5) -> str:
@@ -287,7 +293,8 @@ def long_stream_table(result: dict[str, Any], name: str, rows: int = 5) -> str:
     if not passes:
         return f"{name} over a {result['grids']}-grid stream: no pass (the stream never reached M)"
     picks = sorted({round(i * (len(passes) - 1) / max(rows - 1, 1)) for i in range(rows)})
-    lines = [f"{name}'s passes over a {result['grids']}-grid stream at 7B shape ({result['dtype']}, {len(passes)} passes):",
+    lines = [f"{name}'s passes over a {result['grids']}-grid stream at 7B shape ({result['dtype']}"
+             f"{'' if result.get('device', 'cpu') == 'cpu' else ' on ' + result['device']}, {len(passes)} passes):",
              f"{'grid':>6} {'frames held':>11} {'total ms':>9}  where the time goes (ms)"]
     for index in picks:
         p = passes[index]
