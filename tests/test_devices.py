@@ -189,9 +189,10 @@ def test_grouped_and_expanded_attention_are_the_same_attention():
 
 
 def test_the_expanded_call_copies_neither_the_mask_nor_the_keys_per_query_head(monkeypatch):
-    """With a per-KV-head mask, CUDA's expanded call hands SDPA each KV head as a batch entry: keys and values
-    expanded to the group with stride 0 and the mask ``[H_kv, 1, q, kv]`` (the H200 run: the mask copied to
-    ``[1, H_q, q, kv]`` held 207 MB more at Qwen2.5-VL-3B's 720-token chunk, for the same bits)."""
+    """With a mask, CUDA's expanded call hands SDPA each KV head as a batch entry: keys and values expanded to the
+    group with stride 0, a per-KV-head mask as ``[H_kv, 1, q, kv]``, the shared causal one as it is (the H200 runs:
+    the mask copied to ``[1, H_q, q, kv]`` held 207 MB more at Qwen2.5-VL-3B's 720-token chunk, keys and values
+    repeated to the query heads 54 MB more, for the same bits)."""
     from kvdemo.cache import attention
 
     seen = []
@@ -201,8 +202,10 @@ def test_the_expanded_call_copies_neither_the_mask_nor_the_keys_per_query_head(m
     query = torch.randn(1, 6, 4, 8).transpose(1, 2).contiguous().transpose(1, 2)  # [1, H_q, q, D] as transformers hands it
     key = torch.randn(1, 2, 11, 8)
     grouped_sdpa(query, key, key, torch.zeros(2, 4, 11), 0.3, expand_kv=True)
-    (q_shape, k_stride, mask_shape), = seen
+    grouped_sdpa(query, key, key, torch.ones(4, 11, dtype=torch.bool).tril(7), 0.3, expand_kv=True)
+    (q_shape, k_stride, mask_shape), (causal_q, causal_stride, causal_mask_shape) = seen
     assert q_shape == (2, 3, 4, 8) and k_stride[1] == 0 and mask_shape == (2, 1, 4, 11)
+    assert causal_q == (2, 3, 4, 8) and causal_stride[1] == 0 and causal_mask_shape == (4, 11)
 
 
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4)])

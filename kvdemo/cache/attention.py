@@ -161,9 +161,9 @@ def grouped_sdpa(
 
     ``expand_kv=False``: each KV head's group of query heads is one batch entry and SDPA's GQA shares the keys
     (no copy of keys, values or mask). ``expand_kv=True``, the input every fused kernel takes (no GQA): with a
-    per-KV-head mask, each KV head one batch entry whose keys and values are expanded to its query heads without a
-    copy and whose mask (in the query's dtype) broadcasts over them; otherwise keys and values repeated to ``H_q``
-    heads. Either way a decode step
+    mask, each KV head one batch entry whose keys and values are expanded to its query heads without a copy and
+    whose mask (a per-KV-head one in the query's dtype) broadcasts over them; without one, keys and values
+    repeated to ``H_q`` heads. Either way a decode step
     (``q = 1``) gives SDPA each KV head's group of query heads as its query rows (no repeat, no GQA). All are the
     same attention (tests compare them with a hand softmax)."""
     with sdpa_scope(query.device):
@@ -186,19 +186,21 @@ def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         out = F.scaled_dot_product_attention(query.reshape(1, kv_heads, group, dim), key, value, attn_mask=rows_mask,
                                              scale=scale)
         return out.reshape(1, q_heads, 1, dim)
-    if expand_kv and mask is not None and mask.dim() == 3:
+    if expand_kv and mask is not None:
         # KV heads as the batch: keys and values expanded to the group's query heads without a copy (stride 0), the
-        # mask [H_kv, 1, q, kv] broadcast over the group, where copying the mask to [1, H_q, q, kv] held a chunk's
-        # [H_q, q, kv] in memory. On an H200 the memory-efficient kernel took it, with the same bits (docs/devices.md).
+        # mask broadcast over the group ([H_kv, 1, q, kv] per KV head, or the shared [q, kv]). Copying the mask to
+        # [1, H_q, q, kv] held a chunk's [H_q, q, kv] in memory, and repeating keys and values to the query heads a
+        # copy of the cache per call. On an H200 the memory-efficient kernel took both forms, with the same bits
+        # (docs/devices.md).
         shape = (kv_heads, group, kv_len, dim)
+        shared = mask.to(query.dtype)[:, None] if mask.dim() == 3 else mask
         out = F.scaled_dot_product_attention(query.reshape(kv_heads, group, q_len, dim), key[0][:, None].expand(shape),
-                                             value[0][:, None].expand(shape), attn_mask=mask.to(query.dtype)[:, None],
-                                             scale=scale)
+                                             value[0][:, None].expand(shape), attn_mask=shared, scale=scale)
         return out.reshape(1, q_heads, q_len, dim)
     if expand_kv:
-        if group > 1:
+        if group > 1:  # no mask: keys and values repeated to the query heads (flash's input; unmeasured stride 0)
             key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=None, scale=scale)
     if mask is None or mask.dim() == 2:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=group > 1)
     # The query heads of each KV head as one batch entry, so the mask [H_kv, q, kv] broadcasts over the group:
