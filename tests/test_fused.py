@@ -6,7 +6,7 @@ import torch
 
 from kvdemo.policies import LayerView, fused, make_policy
 from kvdemo.policies.infinipot_v import recent_reference
-from kvdemo.policies.topk import kept_indices
+from kvdemo.policies.topk import _kept_indices, kept_indices
 
 needs_compiler = pytest.mark.skipif(fused.compile_unavailable() is not None, reason=f"{fused.compile_unavailable()}")
 
@@ -98,6 +98,10 @@ def test_kept_indices_of_equal_and_ragged_rows():
     assert index.tolist() == [[0, 2, 3], [2, 0, 0]] and valid.tolist() == [[True, True, True], [True, False, False]]
     empty, none = kept_indices(torch.zeros(2, 4, dtype=torch.bool))
     assert empty.shape == (2, 0) and none.shape == (2, 0)
+    # what select_ranked reads instead of a second look at ``valid`` (one wait on a GPU, not two)
+    empties = (torch.zeros(2, 4, dtype=torch.bool), torch.zeros(0, 4, dtype=torch.bool))
+    flags = [_kept_indices(m)[2] for m in (mask, ragged, *empties)]
+    assert flags == [True, False, True, True]
 
 
 def test_eager_is_the_default_and_the_environment_turns_compiling_on(monkeypatch):

@@ -119,20 +119,23 @@ class LayerMemory:
         movers = flat_nonzero(kept & ~below)
         # Both lists are sorted by head, and each head has as many holes below c_h as kept tokens above
         # it, so the i-th mover fills the i-th hole of the same head.
-        head = torch.repeat_interleave(torch.arange(heads, device=device), hole.sum(dim=1))
+        # output_size: the count is known, so a GPU does not wait to learn it (likewise one read of the counts below).
+        head = torch.repeat_interleave(torch.arange(heads, device=device), hole.sum(dim=1), output_size=holes.numel())
         slot_of_hole, slot_of_mover = holes - head * length, movers - head * length
         rows = self.packed.shape[1]
         packed = self.packed.view(heads * rows, PROVENANCE_WIDTH)
         put_rows(packed, head * rows + slot_of_hole, take_rows(packed, head * rows + slot_of_mover))
         # Keys (heads 0..H-1) and values (heads H..2H-1) of one buffer move with one gather.
         capacity = self.capacity
-        both = torch.tensor([0, heads], device=device)[:, None]
-        kv_dst = ((head[None] + both) * capacity + start + slot_of_hole[None]).flatten()
-        kv_src = ((head[None] + both) * capacity + start + slot_of_mover[None]).flatten()
+        key_dst = head * capacity + start + slot_of_hole
+        key_src = head * capacity + start + slot_of_mover
+        kv_dst = torch.cat((key_dst, key_dst + heads * capacity))
+        kv_src = torch.cat((key_src, key_src + heads * capacity))
         flat = self.kv.view(2 * heads * capacity, self.kv.shape[-1])
         put_rows(flat, kv_dst, take_rows(flat, kv_src))
-        new_len = int(counts.max()) if heads else 0
-        if bool((counts == new_len).all()):
+        held = counts.tolist()
+        new_len = max(held, default=0)
+        if all(count == new_len for count in held):
             self.valid = None
         else:
             self.valid = slot[None, :new_len] < counts[:, None]

@@ -288,7 +288,7 @@ class CoRDS(ScoredPolicy):
             score = torch.where(remaining, score, -big)
             pick = score.argmax(dim=1)  # first index on ties: the oldest frame, deterministic
             picks[:, step] = torch.where(active, pick, -1)
-            remaining[rows[active], pick[active]] = False
+            remaining[rows, pick] &= ~active  # an inactive head's pick stays as it was (no boolean index: no wait)
             taken = taken + torch.where(active, counts[rows, pick], 0)
             min_dist = torch.minimum(min_dist, bicriteria[rows, :, pick])
             max_cos_k = torch.maximum(max_cos_k, cos_k[rows, :, pick])

@@ -8,13 +8,14 @@ seconds to a minute, once per process and dtype: the kernels are compiled with d
 cache length (and buffer capacity) changes from pass to pass reuses them (:func:`compile_stats` counts the
 compilations). Every kernel has an eager twin that is the definition (the policy's own plain code): the compiled
 one restates the same arithmetic in the same precision (a half-precision product is rounded to the cache's dtype
-before it is summed in float32, a norm is rounded to the cache's dtype), so the two select the same tokens; only
-the order of float32 additions may differ.
+before it is summed in float32, a norm is rounded to the cache's dtype), so the two select the same tokens on a
+CPU. Only the order of float32 additions differs, which on CUDA in bfloat16 is enough to round some sums the other
+way and flip near-ties (measured in docs/devices.md); ``bench`` counts the kept tokens that differ.
 
 Which runs (kvdemo's choice): eager unless compiling is asked for, with the environment variable
 ``KVDEMO_COMPILE=1`` or :func:`use_compiled` (``python -m kvdemo bench`` times both side by side). A first pass
 that compiles would stall a demo stream for longer than the whole stream's compression on the tiny model; at a
-real model's cache shape the compiled pass is several times faster. Where compiling is unavailable (no C++
+real model's cache shape the compiled pass is faster on a CPU (not on a GPU, where the pass is launch-bound). Where compiling is unavailable (no C++
 compiler, a torch without Inductor) or fails, the eager kernel runs and :func:`compile_stats` says why.
 """
 

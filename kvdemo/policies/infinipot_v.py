@@ -96,9 +96,12 @@ def value_norms(values: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(values, dim=-1).float()
 
 
-def coefficient_of_variation(van: torch.Tensor) -> float:
-    """CV = std / mean of one layer's VaN map (all heads and tokens)."""
-    return float(van.std(unbiased=False) / van.mean().clamp_min(1e-12))
+def coefficients_of_variation(vans: list[torch.Tensor]) -> list[float]:
+    """CV = std / mean of each layer's VaN map (all heads and tokens), read back in one go (a GPU waits once)."""
+    if not vans:
+        return []
+    cvs = [van.std(unbiased=False) / van.mean().clamp_min(1e-12) for van in vans]
+    return torch.stack([cv.to(cvs[0].device) for cv in cvs]).tolist()
 
 
 CARD = PolicyCard("TaR (temporal redundancy vs the recent frames, patch-wise) + VaN (value norm, adaptively pooled).",
@@ -156,7 +159,7 @@ class InfiniPotV(ScoredPolicy):
         device = views[0].keys.device if views else None
         with timer.phase("scoring", device):
             vans, similarity, windows = self._read(views, groups, keep)
-            cvs = [coefficient_of_variation(van) for van in vans]
+            cvs = coefficients_of_variation(vans)
         thresholds = self.thresholds_for(cvs)
         kernels = [kernel_for_cv(cv, thresholds) if self.van == "pool" else 1 for cv in cvs]
         rankings: list[Ranking] = [None] * len(views)  # type: ignore[list-item]
@@ -212,9 +215,11 @@ class InfiniPotV(ScoredPolicy):
 
         with timer.phase("pooling", recent.device):
             van = torch.cat(vans)
-            row_kernel = torch.tensor(kernels, device=van.device).repeat_interleave(heads)
             for kernel in set(kernels) - {1}:
-                rows = row_kernel == kernel
+                # the rows of the layers with this kernel, as indices made from the host's list (no boolean mask
+                # to count on the device: a GPU would wait)
+                layers = torch.tensor([i for i, k in enumerate(kernels) if k == kernel], device=van.device)
+                rows = (layers[:, None] * heads + torch.arange(heads, device=van.device)).flatten()
                 van[rows] = pool_on_grid(van[rows], rank[rows], pos[rows], grid, kernel)
             van01 = minmax(-van if self.van == "reverse" else van)
         with timer.phase("selection", recent.device):

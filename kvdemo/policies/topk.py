@@ -85,17 +85,18 @@ def select_ranked(
         mask = top_k_mask(priority, min(count, length), order)
         kept.update(zip(members, mask.chunk(len(members))))
         # every row keeps the same count: the batch's indices come out of one nonzero, then split by layer
-        for m, index, valid in zip(members, *(t.chunk(len(members)) for t in kept_indices(mask))):
-            done[m] = index, valid, torch.gather(rankings[m].reason, 1, index)
+        index, valid, equal = _kept_indices(mask)
+        for m, index, valid in zip(members, index.chunk(len(members)), valid.chunk(len(members))):
+            done[m] = index, valid, torch.gather(rankings[m].reason, 1, index), not equal
     indices, valids, reasons = [], [], []
     ragged = False
     for ranking in rankings:
         first = unique[id(ranking)]
         if first not in done:  # layers sharing a ranking share its (read-only) indices
-            index, valid = kept_indices(kept[first])
-            done[first] = index, valid, torch.gather(ranking.reason, 1, index)
-        index, valid, reason = done[first]
-        ragged |= not bool(valid.all())
+            index, valid, equal = _kept_indices(kept[first])
+            done[first] = index, valid, torch.gather(ranking.reason, 1, index), not equal
+        index, valid, reason, uneven = done[first]
+        ragged |= uneven
         indices.append(index)
         valids.append(valid)
         reasons.append(reason)
@@ -108,15 +109,21 @@ def kept_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A kept mask ``[H, L]`` as ascending indices ``[H, width]`` (``width`` the largest count) and ``valid
     [H, width]``; a row keeping fewer is padded with index 0, marked invalid. Rows keeping the same count (the
     usual case) are one ``nonzero``; ragged rows are sorted."""
+    index, valid, _ = _kept_indices(mask)
+    return index, valid
+
+
+def _kept_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """:func:`kept_indices` and whether every row keeps the same count (read with the counts: no second wait)."""
     heads, length = mask.shape
-    counts = mask.sum(dim=1)
-    width = int(counts.max()) if counts.numel() else 0
-    if heads and bool((counts == width).all()):
-        return mask_to_indices(mask), torch.ones(heads, width, dtype=torch.bool, device=mask.device)
+    counts = mask.sum(dim=1).tolist()  # one read of the counts (a GPU waits once)
+    width = max(counts, default=0)
+    if heads and all(count == width for count in counts):
+        return mask_to_indices(mask), torch.ones(heads, width, dtype=torch.bool, device=mask.device), True
     slots = torch.arange(length, device=mask.device)
     index = torch.sort(torch.where(mask, slots, length), dim=1).values[:, :width]
     valid = index < length
-    return index.masked_fill(~valid, 0), valid
+    return index.masked_fill(~valid, 0), valid, heads == 0
 
 
 
