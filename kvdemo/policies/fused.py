@@ -15,8 +15,9 @@ way and flip near-ties (measured in docs/devices.md); ``bench`` counts the kept 
 Which runs (kvdemo's choice): eager unless compiling is asked for, with the environment variable
 ``KVDEMO_COMPILE=1`` or :func:`use_compiled` (``python -m kvdemo bench`` times both side by side). A first pass
 that compiles would stall a demo stream for longer than the whole stream's compression on the tiny model; at a
-real model's cache shape the compiled pass is faster on a CPU (not on a GPU, where the pass is launch-bound). Where compiling is unavailable (no C++
-compiler, a torch without Inductor) or fails, the eager kernel runs and :func:`compile_stats` says why.
+real model's cache shape the compiled pass is faster on a CPU (not on a GPU, where the pass is launch-bound).
+Where compiling is unavailable (no C++ compiler, a torch without Inductor) or fails, the eager kernel runs and
+:func:`compile_stats` says why.
 """
 
 from __future__ import annotations
