@@ -16,12 +16,15 @@ def test_pass_benchmark_times_selection_apply_and_the_floor_on_a_small_shape():
             row = results["pass_7b"][policy][dtype]
             assert row["total_ms"] == pytest.approx(row["select_ms"] + row["apply_ms"], rel=0.5)
             assert row["floor_ms"] > 0 and row["total_over_floor"] > 0
+            # the read is part of each timed floor, so its median cannot exceed the floor's
+            assert 0 < row["floor_read_ms"] <= row["floor_ms"]
             # apply moves at most M - C tokens per head: 24 x K and V x 2 heads x 16 dims x 3 layers
             assert 0 < row["moved_bytes"] <= 24 * 2 * 2 * 16 * 3 * (4 if dtype == "float32" else 2)
     append = results["append_7b"]["float32"]
     assert append["kvdemo"]["bytes_copied"] == 12 * 2 * 2 * 16 * 3 * 4  # one 3x4 grid, all layers
     assert append["dynamic_cache"]["bytes_copied"] > append["kvdemo"]["bytes_copied"]
-    assert "total/floor" in pass_table(results["pass_7b"])
+    table = pass_table(results["pass_7b"])
+    assert "total/floor" in table and "the floor's read, ms (median over the rows): float32 " in table
 
 
 def test_protokv_and_hybridkv_benchmarks_on_a_small_shape():

@@ -45,7 +45,7 @@ def time_pass(policy: Policy, memory: KVMemory, keep: int, repeats: int, floor: 
     moved. With ``floor``, each run is preceded by one timing of the memory-bound floor
     (:func:`time_floor`) in the same process, alternating, and ``total_over_floor`` is the median of the runs'
     ratios (a loaded machine slows both alike). Timed with kvdemo's one timer (:mod:`kvdemo.devices.timing`)."""
-    select, apply, total, floors, ratios = [], [], [], [], []
+    select, apply, total, floors, reads, ratios = [], [], [], [], [], []
     phases: dict[str, list[float]] = {}
     moved = 0
     devices = memory.devices
@@ -53,7 +53,8 @@ def time_pass(policy: Policy, memory: KVMemory, keep: int, repeats: int, floor: 
     targets = floor_targets(memory, keep) if floor else []
     with torch.inference_mode():
         for run in range(repeats + 1):
-            floor_ms = time_floor(memory, keep, 1, warmup=False, targets=targets)["floor_ms"] if floor else 0.0
+            floor_run = time_floor(memory, keep, 1, warmup=False, targets=targets) if floor else {}
+            floor_ms = floor_run.get("floor_ms", 0.0)
             fresh = copy.deepcopy(memory)
             watch = Stopwatch(devices)
             selection = policy.compress(fresh.views(rotary, probe), keep)
@@ -65,6 +66,7 @@ def time_pass(policy: Policy, memory: KVMemory, keep: int, repeats: int, floor: 
                 apply.append(end - middle)
                 total.append(end)
                 floors.append(floor_ms)
+                reads.append(floor_run.get("read_ms", 0.0))
                 ratios.append(end / floor_ms if floor_ms else 0.0)
                 for name, ms in {**selection.info.get("phase_ms", {}), "apply": end - middle}.items():
                     phases.setdefault(name, []).append(ms)
@@ -75,7 +77,8 @@ def time_pass(policy: Policy, memory: KVMemory, keep: int, repeats: int, floor: 
         "moved_bytes": moved, "phases_ms": {name: statistics.fmean(ms) for name, ms in phases.items()},
     }
     if floor:
-        out.update(floor_ms=statistics.median(floors), total_over_floor=statistics.median(ratios))
+        out.update(floor_ms=statistics.median(floors), floor_read_ms=statistics.median(reads),
+                   total_over_floor=statistics.median(ratios))
     return out
 
 
@@ -102,22 +105,25 @@ def time_floor(memory: KVMemory, keep: int, repeats: int, warmup: bool = True,
     """The memory-bound floor of any selection pass: read every visual key and value once and write ``keep``
     tokens' keys and values; median and min ms. Both are raw byte streams, whatever the dtype: the read is a
     sum over the buffers viewed as int64 words (a bfloat16 sum would time the conversion, not the memory), the
-    write a fill of resident buffers (``targets`` from :func:`floor_targets`, made here when None)."""
+    write a fill of resident buffers (``targets`` from :func:`floor_targets`, made here when None). ``read_ms``: the
+    read's share (median), what any pass that reads every key and value pays before its arithmetic."""
     views = memory.views()
     targets = targets if targets is not None else floor_targets(memory, keep)
-    times = []
+    times, reads = [], []
     with torch.inference_mode():
         for run in range(repeats + int(warmup)):
             watch = Stopwatch(memory.devices)
             for view in views:
                 _words(view.keys).sum()
                 _words(view.values).sum()
+            read = watch.ms()
             for target in targets:
                 _words(target).fill_(1)
             if run >= int(warmup):
                 times.append(watch.ms())
+                reads.append(read)
     s = _summary(times)
-    return {"floor_ms": s["median"], "floor_min_ms": s["min"]}
+    return {"floor_ms": s["median"], "floor_min_ms": s["min"], "read_ms": statistics.median(reads)}
 
 
 def time_append(memory: KVMemory, grid: tuple[int, int], repeats: int) -> dict[str, Any]:
@@ -273,6 +279,16 @@ def pass_table(passes: dict[str, dict[str, dict[str, Any]]]) -> str:
             )
     lines.append("floor: one read of every visual key and value + one write of the C kept tokens (memory-bound limit), "
                  "timed before every run in the same process")
+    reads: dict[str, list[tuple[float, float]]] = {}
+    for by_dtype in passes.values():
+        for dtype, row in by_dtype.items():
+            if row.get("floor_read_ms"):
+                reads.setdefault(dtype, []).append((row["floor_read_ms"], row["floor_ms"]))
+    if reads:
+        split = ", ".join(f"{dtype} {statistics.median(r for r, _ in pairs):.1f} of "
+                          f"{statistics.median(f for _, f in pairs):.1f}" for dtype, pairs in reads.items())
+        lines.append(f"the floor's read, ms (median over the rows): {split}; a pass that reads every key and value pays it "
+                     "before its arithmetic")
     return "\n".join(lines)
 
 
