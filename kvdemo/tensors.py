@@ -4,6 +4,9 @@ imports nothing of kvdemo)."""
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -29,6 +32,16 @@ def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
     if mask.device.type == "cpu":
         return torch.from_numpy(np.flatnonzero(mask.detach().numpy())).long()
     return torch.nonzero(mask.flatten()).squeeze(1)
+
+
+def owners(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """Which entry of ``counts [n]`` (int64, summing to ``total``) each of ``total`` consecutive items belongs to:
+    ``[total]`` int64, ``torch.repeat_interleave(arange(n), counts)``. On a CPU through numpy's ``repeat`` (kvdemo's
+    choice: torch's opens a parallel region, after which its OpenMP workers spin for several milliseconds on the cores
+    :func:`move_rows` shares its work with); elsewhere with ``output_size`` (a GPU does not wait to learn it)."""
+    if counts.device.type == "cpu":
+        return torch.from_numpy(np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts.numpy()))
+    return torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts, output_size=total)
 
 
 #: Moves of fewer rows than this go through PyTorch (as int64 words where a row is whole words): numpy's few
@@ -124,6 +137,57 @@ def put_rows(rows: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> N
         words.detach().numpy()[index.numpy()] = values.detach().numpy()
     else:
         words.index_copy_(0, index.to(words.device), values.to(words.device))
+
+
+#: Moves of at least this many rows on a CPU are split across torch's intra-op threads (:func:`move_rows`): numpy
+#: releases the GIL while it copies, and each part's gather and scatter are one thread's (measured in
+#: ``docs/performance.md``); below it a thread's hand-off costs more than it saves.
+PARALLEL_MIN_ROWS = 8192
+_pool: dict[str, Any] = {"pid": None, "executor": None}
+
+
+def _in_parts(count: int, work: Callable[[slice], None]) -> None:
+    """``work(part)`` over slices covering ``range(count)``: one slice per intra-op thread torch may use (at most the
+    machine's cores) when ``count >= PARALLEL_MIN_ROWS``, the first on this thread; else one slice, here."""
+    parts = min(torch.get_num_threads(), os.cpu_count() or 1)
+    if parts < 2 or count < PARALLEL_MIN_ROWS:
+        work(slice(0, count))
+        return
+    if _pool["pid"] != os.getpid():  # a forked child has the parent's executor object but none of its threads
+        _pool.update(pid=os.getpid(), executor=ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvdemo-rows"))
+    bounds = [count * i // parts for i in range(parts + 1)]
+    others = [_pool["executor"].submit(work, slice(a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
+    work(slice(bounds[0], bounds[1]))
+    for other in others:
+        other.result()
+
+
+def move_rows(moves: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """For each ``(rows, dst, src)``: ``rows[dst] = rows[src]`` in place, ``rows [N, D]``, int64 ``dst, src [M]``, where
+    no row is both read and written (within a move or across moves of one buffer) and ``dst`` has no repeats: a
+    compaction's kept rows into evicted slots, one move per layer. On a CPU, a move of at least
+    :data:`RECORD_MIN_ROWS` rows copies numpy records (:func:`row_records`); all such moves together are shared out
+    across torch's intra-op threads from :data:`PARALLEL_MIN_ROWS` rows in all, each thread gathering and scattering
+    its own share (the rows are disjoint, so the result does not depend on the order). The moves of a whole pass go
+    together: a thread woken per layer would cost about as much as it saves. Other moves: :func:`take_rows` then
+    :func:`put_rows`."""
+    batch: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for rows, dst, src in moves:
+        records = _records_for(rows, dst)
+        if records is None or src.device.type != "cpu":
+            put_rows(rows, dst, take_rows(rows, src))
+        else:
+            batch.append((records, dst.numpy(), src.numpy()))
+    firsts = np.cumsum([0] + [len(to) for _, to, _ in batch])
+
+    def move(part: slice) -> None:  # the rows part.start..part.stop of all the moves, one after another
+        for (records, to, of), first in zip(batch, firsts.tolist()):
+            a, b = max(part.start - first, 0), min(part.stop - first, len(to))
+            if a < b:
+                records[to[a:b]] = np.take(records, of[a:b])
+
+    if batch:
+        _in_parts(int(firsts[-1]), move)
 
 
 #: Dtypes numpy has no equivalent of (rows of them that are not whole int64 words move with ``index_copy_``).

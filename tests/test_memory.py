@@ -271,6 +271,57 @@ def test_row_moves_match_a_plain_loop(dtype, dim, layout, records, monkeypatch):
     assert torch.equal(rows, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+@pytest.mark.parametrize("mode", ["threads", "one thread", "torch"])
+def test_move_rows_matches_a_plain_loop(dtype, mode, monkeypatch):
+    """move_rows (a compaction's moves: kept rows into evicted ones, no row both read and written; one per layer,
+    made together) against rows copied one at a time: two buffers' moves shared out between two threads (the
+    threads' shares cut through the moves), moved on this thread alone, and through take_rows / put_rows below the
+    records' threshold."""
+    monkeypatch.setattr(tensors, "RECORD_MIN_ROWS", 10**9 if mode == "torch" else 0)
+    monkeypatch.setattr(tensors, "PARALLEL_MIN_ROWS", 4 if mode == "threads" else 10**9)
+    monkeypatch.setattr(tensors.os, "cpu_count", lambda: 2)  # two threads even on a one-core machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        generator = torch.Generator().manual_seed(6)
+        buffers = [(torch.randn(n, 12, generator=generator) * 100).to(dtype) for n in (300, 90)]
+        moves = []
+        for rows, count in zip(buffers, (120, 25)):
+            order = torch.randperm(rows.shape[0], generator=generator)
+            moves.append((rows, order[:count], order[-count:]))  # disjoint, as a compaction's holes and movers are
+        expected = [rows.clone() for rows in buffers]
+        for (rows, dst, src), out in zip(moves, expected):
+            for d, s in zip(dst.tolist(), src.tolist()):
+                out[d] = rows[s]
+        tensors.move_rows(moves)
+        assert all(torch.equal(rows, out) for rows, out in zip(buffers, expected))
+        tensors.move_rows([(rows, dst[:0], src[:0]) for rows, dst, src in moves])
+        tensors.move_rows([])
+        assert all(torch.equal(rows, out) for rows, out in zip(buffers, expected))
+        assert (tensors._pool["executor"] is not None) or mode != "threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_owners_match_a_plain_loop(on_device):
+    """owners: entry i of the counts owns the next counts[i] items (numpy's repeat on the host; repeat_interleave
+    on a device, here the emulated one)."""
+    from kvdemo.devices.emulated_device import DEVICE, EmulatedDevice
+
+    counts = torch.tensor([3, 0, 2, 5, 0])
+    expected = [i for i, n in enumerate(counts.tolist()) for _ in range(n)]
+    if on_device:
+        with EmulatedDevice():
+            out = tensors.owners(counts.to(DEVICE), 10)
+            assert out.device == DEVICE
+    else:
+        out = tensors.owners(counts, 10)
+    assert out.dtype == torch.int64 and out.tolist() == expected
+    assert tensors.owners(torch.zeros(0, dtype=torch.long), 0).tolist() == []
+
+
 def test_gather_rows_matches_a_plain_loop():
     generator = torch.Generator().manual_seed(5)
     x = torch.randint(0, 1000, (3, 7, 2, 4), generator=generator, dtype=torch.int32)

@@ -1,6 +1,7 @@
 """One layer of the memory (:class:`kvdemo.cache.memory.KVMemory`): its buffers and provenance, and the moves that keep
 them compact. Every move is one gather and one scatter of rows over all heads on the flattened buffer
-(:func:`kvdemo.tensors.take_rows`, :func:`kvdemo.tensors.put_rows`); keys
+(:func:`kvdemo.tensors.take_rows`, :func:`kvdemo.tensors.put_rows`; a compaction's :func:`kvdemo.tensors.move_rows`,
+split across threads on a CPU); keys
 (heads ``0..H-1``) and values (heads ``H..2H-1``) share one buffer so they move together. ``start`` is where the
 visual slots begin (after the prefix and the summary region); the layout is in :mod:`kvdemo.cache.memory`.
 """
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..policies.contract import OffloadUpdate, SummaryUpdate
-from ..tensors import flat_nonzero, put_rows, take_rows
+from ..tensors import flat_nonzero, move_rows, owners, put_rows, take_rows
 from .offload import OffloadStore
 
 #: Reason code of a visual slot appended since the last compression (no policy reason yet).
@@ -89,10 +90,13 @@ class LayerMemory:
         put_rows(packed, (offsets + torch.arange(width, device=device)).flatten(), take_rows(packed, (offsets + order).flatten()))
 
 
-    def compact(self, index: torch.Tensor, valid: torch.Tensor | None, reason: torch.Tensor | None, start: int) -> int:
+    def compact(self, index: torch.Tensor, valid: torch.Tensor | None, reason: torch.Tensor | None, start: int,
+                moves: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> int:
         """Keep the visual tokens ``index [H, keep]`` (``valid`` marks the entries that count when heads keep different
         numbers; ``reason`` the policy's codes, stored per slot): kept tokens at slots ``>= c_h`` move into head
-        ``h``'s evicted slots ``< c_h``, keys, values and provenance, one gather each. Returns the bytes moved."""
+        ``h``'s evicted slots ``< c_h``, keys, values and provenance, one gather each. Returns the bytes moved.
+        ``moves``: the keys' and values' move is appended there, for the caller to make with other layers'
+        (:func:`kvdemo.tensors.move_rows`) before anything reads this layer's keys and values; None: made here."""
         heads = self.heads
         device = self.keys.device
         length = self.visual_len
@@ -119,20 +123,23 @@ class LayerMemory:
         movers = flat_nonzero(kept & ~below)
         # Both lists are sorted by head, and each head has as many holes below c_h as kept tokens above
         # it, so the i-th mover fills the i-th hole of the same head.
-        # output_size: the count is known, so a GPU does not wait to learn it (likewise one read of the counts below).
-        head = torch.repeat_interleave(torch.arange(heads, device=device), hole.sum(dim=1), output_size=holes.numel())
+        # owners: the count is known, so a GPU does not wait to learn it (likewise one read of the counts below).
+        head = owners(hole.sum(dim=1), holes.numel())
         slot_of_hole, slot_of_mover = holes - head * length, movers - head * length
         rows = self.packed.shape[1]
         packed = self.packed.view(heads * rows, PROVENANCE_WIDTH)
-        put_rows(packed, head * rows + slot_of_hole, take_rows(packed, head * rows + slot_of_mover))
+        move_rows([(packed, head * rows + slot_of_hole, head * rows + slot_of_mover)])
         # Keys (heads 0..H-1) and values (heads H..2H-1) of one buffer move with one gather.
         capacity = self.capacity
         key_dst = head * capacity + start + slot_of_hole
         key_src = head * capacity + start + slot_of_mover
         kv_dst = torch.cat((key_dst, key_dst + heads * capacity))
         kv_src = torch.cat((key_src, key_src + heads * capacity))
-        flat = self.kv.view(2 * heads * capacity, self.kv.shape[-1])
-        put_rows(flat, kv_dst, take_rows(flat, kv_src))
+        kv_move = (self.kv.view(2 * heads * capacity, self.kv.shape[-1]), kv_dst, kv_src)  # holes and movers: disjoint
+        if moves is None:
+            move_rows([kv_move])
+        else:
+            moves.append(kv_move)
         held = counts.tolist()
         new_len = max(held, default=0)
         if all(count == new_len for count in held):

@@ -22,8 +22,8 @@ Layout of one layer's buffers ``keys/values [1, H_kv, capacity, D]`` (slots, not
 
 Every byte moves once: an append copies the chunk into the slack; a compression moves only the kept tokens
 that sit at or beyond slot ``C`` into the evicted slots below ``C`` (at most ``M - C`` tokens per head,
-one gather and one scatter of rows of the flattened ``[H * capacity, D]`` buffer: :func:`kvdemo.tensors.take_rows`,
-:func:`kvdemo.tensors.put_rows`), never the prefix. Keys
+one gather and one scatter of rows of the flattened ``[H * capacity, D]`` buffer: :func:`kvdemo.tensors.move_rows`),
+never the prefix. Keys
 carry their rotation (post-RoPE), so attention does not care where a token sits: only a new chunk must
 come after what it attends to, which the slack guarantees. Buffers follow what the stream holds: they grow
 geometrically as chunks arrive, never past what ``M`` (and a question) needs, so an ``M`` the stream never
@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from ..policies.contract import LayerView, Selection
+from ..tensors import move_rows
 from .chunk import VisualChunk
 from .layer import BIAS_DTYPE, PROVENANCE, PROVENANCE_WIDTH, REASON_NEW, LayerMemory
 
@@ -407,6 +408,7 @@ class KVMemory:
         moved = 0
         if selection.summary is not None and not self.summary_open:
             moved += self._open_summary()
+        moves: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # the layers' key/value moves, made together
         for layer, index in enumerate(selection.indices):
             store = self.layers[layer]
             if selection.offload is not None and selection.offload[layer] is not None:
@@ -416,13 +418,16 @@ class KVMemory:
             held = store.visual_len
             if index.shape[0] != self.num_kv_heads:
                 raise ValueError(f"layer {layer}: selection has {index.shape[0]} heads, memory has {self.num_kv_heads}")
-            moved += store.compact(index, valid, reason, self.visual_start)
-            if store.text_len:
+            moved += store.compact(index, valid, reason, self.visual_start, moves)
+            if store.text_len:  # the stream text moves into slots the visual move may read: that one first
+                move_rows(moves)
+                moves.clear()
                 moved += store.compact_stream_text(held, self.visual_start, self.num_grids)
             if store.bias is not None or store.valid is not None or store.text_valid is not None:
                 store.refresh_bias(self.visual_start)
             if selection.summary is not None and selection.summary[layer] is not None:
                 store.write_summary(selection.summary[layer], self.prefix_len, self.visual_start, self.summary_slots)
+        move_rows(moves)
         return moved
 
     def _open_summary(self) -> int:
