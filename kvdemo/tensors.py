@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -143,7 +144,9 @@ def put_rows(rows: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> N
 #: releases the GIL while it copies, and each part's gather and scatter are one thread's (measured in
 #: ``docs/performance.md``); below it a thread's hand-off costs more than it saves.
 PARALLEL_MIN_ROWS = 8192
-_pool: dict[str, Any] = {"pid": None, "executor": None}
+_pool: dict[str, Any] = {"pid": None, "executor": None, "lock": threading.Lock()}
+if hasattr(os, "register_at_fork"):  # a forked child gets a fresh lock (the parent's may have been held at the fork)
+    os.register_at_fork(after_in_child=lambda: _pool.update(pid=None, executor=None, lock=threading.Lock()))
 
 
 def _in_parts(count: int, work: Callable[[slice], None]) -> None:
@@ -153,10 +156,12 @@ def _in_parts(count: int, work: Callable[[slice], None]) -> None:
     if parts < 2 or count < PARALLEL_MIN_ROWS:
         work(slice(0, count))
         return
-    if _pool["pid"] != os.getpid():  # a forked child has the parent's executor object but none of its threads
-        _pool.update(pid=os.getpid(), executor=ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvdemo-rows"))
+    with _pool["lock"]:  # the app's request threads may move rows at once; one executor per process
+        if _pool["pid"] != os.getpid():  # a forked child has the parent's executor object but none of its threads
+            _pool.update(pid=os.getpid(), executor=ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvdemo-rows"))
+        executor = _pool["executor"]
     bounds = [count * i // parts for i in range(parts + 1)]
-    others = [_pool["executor"].submit(work, slice(a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
+    others = [executor.submit(work, slice(a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]
     work(slice(bounds[0], bounds[1]))
     for other in others:
         other.result()
