@@ -3,6 +3,7 @@ the kept tokens beyond slot C, provenance that moves with them, the slack that a
 heads. Expected states are restated with plain Python over token ids, independently of the memory code."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -281,6 +282,7 @@ def test_move_rows_matches_a_plain_loop(dtype, mode, monkeypatch):
     monkeypatch.setattr(tensors, "RECORD_MIN_ROWS", 10**9 if mode == "torch" else 0)
     monkeypatch.setattr(tensors, "PARALLEL_MIN_ROWS", 4 if mode == "threads" else 10**9)
     monkeypatch.setattr(tensors.os, "cpu_count", lambda: 2)  # two threads even on a one-core machine
+    monkeypatch.setattr(tensors, "_pool", {"pid": None, "executor": None, "lock": threading.Lock()})  # none made yet
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -299,7 +301,8 @@ def test_move_rows_matches_a_plain_loop(dtype, mode, monkeypatch):
         tensors.move_rows([(rows, dst[:0], src[:0]) for rows, dst, src in moves])
         tensors.move_rows([])
         assert all(torch.equal(rows, out) for rows, out in zip(buffers, expected))
-        assert (tensors._pool["executor"] is not None) or mode != "threads"
+        # the pool is made by this call exactly when the moves were shared out
+        assert (tensors._pool["executor"] is not None) == (mode == "threads")
     finally:
         torch.set_num_threads(threads)
 
