@@ -174,6 +174,8 @@ def test_answers_stream_into_the_browser_while_other_sessions_stream(browser, ap
 
 
 def test_chat_panes_are_labelled_with_the_policy_and_nothing_covers_the_question(browser, app_url, artifacts):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     page = new_page(browser, app_url)
     page.fill("#budget input", "1036")
     page.click("#sample-button")
@@ -184,13 +186,22 @@ def test_chat_panes_are_labelled_with_the_policy_and_nothing_covers_the_question
     assert page.locator("#policy-chat-title").inner_text().strip() == "infinipot-v, M=1036 C=72"
     assert page.locator("#full-chat-title").inner_text().strip().startswith("full cache")
     for chat in ("#policy-chat", "#full-chat"):
-        bubble = page.locator(f"{chat} .message.user").first
-        bubble.scroll_into_view_if_needed()
-        box = bubble.bounding_box()
-        # Whatever is drawn at the bubble's corners and centre belongs to the bubble itself.
-        points = [(box["x"] + dx, box["y"] + dy) for dx in (3, box["width"] / 2, box["width"] - 3) for dy in (3, box["height"] - 3)]
-        covered = bubble.evaluate("(el, points) => points.filter(([x, y]) => !el.contains(document.elementFromPoint(x, y))).length", points)
-        assert covered == 0, f"something covers the question in {chat}"
+        # Scrolled to, measured and probed in one script, so nothing redrawn in between (the views above the chats
+        # are redrawn after an answer) moves the bubble away from the points probed. Whatever is drawn at the
+        # bubble's corners and centre belongs to the bubble itself; polled a while for a scroll to settle.
+        covering = f"""() => {{
+            const el = document.querySelector('{chat} .message.user');
+            el.scrollIntoView({{block: 'center', behavior: 'instant'}});
+            const box = el.getBoundingClientRect();
+            const points = [3, box.width / 2, box.width - 3]
+                .flatMap(dx => [3, box.height - 3].map(dy => [box.x + dx, box.y + dy]));
+            return points.map(([x, y]) => document.elementFromPoint(x, y)).filter(hit => !el.contains(hit))
+                .map(hit => hit ? `${{hit.tagName}}.${{hit.className}}` : 'nothing');
+        }}"""
+        try:
+            page.wait_for_function(f"({covering})().length === 0", timeout=10_000)
+        except PlaywrightTimeout:
+            raise AssertionError(f"something covers the question in {chat}: {page.evaluate(covering)}") from None
     page.screenshot(path=str(artifacts / "chat.png"), full_page=True)
 
 
