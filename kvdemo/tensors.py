@@ -158,7 +158,8 @@ def _in_parts(count: int, work: Callable[[slice], None]) -> None:
         return
     with _pool["lock"]:  # the app's request threads may move rows at once; one executor per process
         if _pool["pid"] != os.getpid():  # a forked child has the parent's executor object but none of its threads
-            _pool.update(pid=os.getpid(), executor=ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvdemo-rows"))
+            executor = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvdemo-rows")
+            _pool.update(pid=os.getpid(), executor=executor)
         executor = _pool["executor"]
     bounds = [count * i // parts for i in range(parts + 1)]
     others = [executor.submit(work, slice(a, b)) for a, b in zip(bounds[1:-1], bounds[2:])]

@@ -287,8 +287,8 @@ def pass_table(passes: dict[str, dict[str, dict[str, Any]]]) -> str:
     if reads:
         split = ", ".join(f"{dtype} {statistics.median(r for r, _ in pairs):.1f} of "
                           f"{statistics.median(f for _, f in pairs):.1f}" for dtype, pairs in reads.items())
-        lines.append(f"the floor's read, ms (median over the rows): {split}; a pass that reads every key and value pays it "
-                     "before its arithmetic")
+        lines.append(f"the floor's read, ms (median over the rows): {split}; "
+                     "a pass that reads every key and value pays it before its arithmetic")
     return "\n".join(lines)
 
 
