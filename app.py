@@ -22,12 +22,19 @@ log = logging.getLogger("kvdemo")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="kvdemo's Gradio app: watch a VLM's KV cache under a budget while it streams video")
-    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"), help="interface to listen on")
+    parser = argparse.ArgumentParser(
+        description="kvdemo's Gradio app: watch a VLM's KV cache under a budget while it streams video"
+    )
+    parser.add_argument(
+        "--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"), help="interface to listen on"
+    )
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), help="port")
-    parser.add_argument("--model", default=os.environ.get("KVDEMO_MODEL", "auto"),
-                        help="tiny (trained offline model), tiny-random, auto (a real Qwen2.5-VL on a GPU, tiny "
-                             "otherwise) or a Hugging Face id")
+    parser.add_argument(
+        "--model",
+        default=os.environ.get("KVDEMO_MODEL", "auto"),
+        help="tiny (trained offline model), tiny-random, auto (a real Qwen2.5-VL on a GPU, tiny "
+        "otherwise) or a Hugging Face id",
+    )
     parser.add_argument("--share", action="store_true", help="create a public Gradio link")
     args = parser.parse_args()
     handler = logging.StreamHandler()

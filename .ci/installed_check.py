@@ -50,8 +50,10 @@ def check_wheel(wheel: Path, src: Path) -> None:
         expected = {str(Requirement(line)) for line in requirement_lines(src / file)}
         assert declared.get(extra, set()) == expected, f"{file} != the wheel's {extra or 'runtime'} requirements"
     check_imports(src, {canonicalize_name(Requirement(r).name) for group in declared.values() for r in group})
-    print(f"wheel-check: {wheel.name}: {len(names)} files, every module and the tiny model; requires "
-          f"{len(declared[''])} (+ dev {len(declared['dev'])}, eval {len(declared['eval'])}) as requirements*.txt")
+    print(
+        f"wheel-check: {wheel.name}: {len(names)} files, every module and the tiny model; requires "
+        f"{len(declared[''])} (+ dev {len(declared['dev'])}, eval {len(declared['eval'])}) as requirements*.txt"
+    )
 
 
 def write_clip(path: Path, frames: int = 8) -> None:
@@ -95,7 +97,9 @@ def check_imports(src: Path, declared: set[str]) -> None:
             continue
         dists = {canonicalize_name(d) for d in owners.get(module, [])}
         assert dists, f"{path} imports {module}, which no installed distribution provides"
-        assert dists & declared, f"{path} imports {module} ({', '.join(sorted(dists))}), which no requirements file declares"
+        assert dists & declared, (
+            f"{path} imports {module} ({', '.join(sorted(dists))}), which no requirements file declares"
+        )
 
 
 def check_library(readme: Path, venv: Path, checkout: Path) -> None:

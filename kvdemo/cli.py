@@ -59,17 +59,31 @@ def main(argv: list[str] | None = None) -> int:
             counts = make_tasks(args.folder, args.streams, args.seed)
             folder = Path(args.folder).resolve()
             print(", ".join(f"{task}: {n} rows" for task, n in counts.items()))
-            print(f"run: HF_HOME={folder / 'hf'} HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m lmms_eval --model kvdemo "
-                  f"--tasks kvdemo_videomme --include_path {folder} --output_path {folder / 'results'}")
+            print(
+                f"run: HF_HOME={folder / 'hf'} HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m lmms_eval --model kvdemo "
+                f"--tasks kvdemo_videomme --include_path {folder} --output_path {folder / 'results'}"
+            )
             return 0
         if args.command == "doctor":
             from .bench.doctor import doctor  # deferred: the checklist loads torch and the models
 
             models = [m.strip() for m in args.models.split(",")] if args.models else None
             full = [m.strip() for m in args.full_depth.split(",")] if args.full_depth else []
-            return 0 if doctor(args.device, models, args.frames, args.real_shapes, json_path=args.json, full_depth=full,
-                               seconds=args.seconds, checkpoints=args.checkpoints,
-                               keep_checkpoints=args.keep_checkpoints)["ok"] else 1
+            return (
+                0
+                if doctor(
+                    args.device,
+                    models,
+                    args.frames,
+                    args.real_shapes,
+                    json_path=args.json,
+                    full_depth=full,
+                    seconds=args.seconds,
+                    checkpoints=args.checkpoints,
+                    keep_checkpoints=args.keep_checkpoints,
+                )["ok"]
+                else 1
+            )
         from .bench.command import bench_command  # deferred: the benchmarks import torch and transformers
         from .policies import BENCH_POLICY  # deferred with it
 
@@ -85,9 +99,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_run_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """Plain checks of ``run``'s numbers; returns the policy parameters. Raises :class:`UsageError`."""
-    positive = {"--fps": args.fps, "--frames-per-chunk": args.frames_per_chunk, "--max-frames": args.max_frames,
-                "--max-new-tokens": args.max_new_tokens, "--min-pixels": args.min_pixels,
-                "--max-pixels": args.max_pixels}  # M and C: the budget's rule, once the policy is known
+    positive = {
+        "--fps": args.fps,
+        "--frames-per-chunk": args.frames_per_chunk,
+        "--max-frames": args.max_frames,
+        "--max-new-tokens": args.max_new_tokens,
+        "--min-pixels": args.min_pixels,
+        "--max-pixels": args.max_pixels,
+    }  # M and C: the budget's rule, once the policy is known
     for flag, value in positive.items():
         if value is not None and not value > 0:  # not > 0: also nan
             raise UsageError(f"{flag} must be positive, got {value}")
@@ -152,12 +171,20 @@ def run_command(args: argparse.Namespace) -> int:
 
     model = load_model(args.model)
     check_questions(model, args.ask)
-    engines = make_engines(model, [Contender(policy.name, policy=policy, budget=budget)], fps=video.fps,
-                           max_new_tokens=args.max_new_tokens, baseline=bool(args.coverage and policy.bounded))
+    engines = make_engines(
+        model,
+        [Contender(policy.name, policy=policy, budget=budget)],
+        fps=video.fps,
+        max_new_tokens=args.max_new_tokens,
+        baseline=bool(args.coverage and policy.bounded),
+    )
     engine = engines[policy.name]
 
     print(video.describe(), file=sys.stderr)
-    print(f"model {model.name}; policy {policy.name}" + (f", {budget.describe()}{note}" if budget.bounded else ""), file=sys.stderr)
+    print(
+        f"model {model.name}; policy {policy.name}" + (f", {budget.describe()}{note}" if budget.bounded else ""),
+        file=sys.stderr,
+    )
     if model.notice:
         elsewhere = " Its answers about this video mean little." if episode is None and not model.random_weights else ""
         print(f"note: {model.notice}{elsewhere}", file=sys.stderr)
@@ -208,8 +235,10 @@ def open_source(args: argparse.Namespace):
     geometry = geometry_for(args.model)
     max_pixels = args.max_pixels or geometry.max_pixels
     if max_pixels < geometry.smallest_frame:
-        raise UsageError(f"--max-pixels must be at least {geometry.smallest_frame} (one token of "
-                         f"{geometry.factor}x{geometry.factor} pixels), got {max_pixels}")
+        raise UsageError(
+            f"--max-pixels must be at least {geometry.smallest_frame} (one token of "
+            f"{geometry.factor}x{geometry.factor} pixels), got {max_pixels}"
+        )
     if args.min_pixels is not None and args.min_pixels > max_pixels:
         raise UsageError(f"--min-pixels ({args.min_pixels}) must not exceed --max-pixels (the model's {max_pixels})")
     geometry = geometry.with_pixels(args.min_pixels or min(geometry.min_pixels, max_pixels), max_pixels)
@@ -283,7 +312,11 @@ def summary_table(report: dict[str, Any], engine) -> str:
 def budget_text(report: dict[str, Any]) -> str:
     if report["budget"] is None:
         return "unbounded"
-    return f"{report['budget']} / {report['keep']}" if report["keep"] is not None else f"{report['budget']} (sized by M alone)"
+    return (
+        f"{report['budget']} / {report['keep']}"
+        if report["keep"] is not None
+        else f"{report['budget']} (sized by M alone)"
+    )
 
 
 def _percent(part: float, whole: float) -> str:
@@ -326,27 +359,41 @@ def train_command(args: argparse.Namespace) -> int:
     start = Path(args.start) if args.start else None
     if start is not None and not (start / "model.safetensors").exists():
         raise UsageError(f"--from {start}: no model.safetensors there")
-    stages = tuple(replace(stage, seed=args.seed, threads=args.threads) for stage in (CHOICE_STAGES if start else RECIPE))
+    stages = tuple(
+        replace(stage, seed=args.seed, threads=args.threads) for stage in (CHOICE_STAGES if start else RECIPE)
+    )
     load_before = os.getloadavg()
     trainer, record = train_tiny(stages, out=None, progress=not args.quiet, start=start)
     record["load_average_before"], record["load_average_after"] = list(load_before), list(os.getloadavg())
     minutes = record["train_seconds"] / 60
-    print(f"trained in {minutes:.1f} min, {record['train_cpu_seconds'] / 60:.1f} CPU-min ({args.threads} threads; "
-          f"1-min load average {load_before[0]:.2f} before, {record['load_average_after'][0]:.2f} after)", file=sys.stderr)
+    print(
+        f"trained in {minutes:.1f} min, {record['train_cpu_seconds'] / 60:.1f} CPU-min ({args.threads} threads; "
+        f"1-min load average {load_before[0]:.2f} before, {record['load_average_after'][0]:.2f} after)",
+        file=sys.stderr,
+    )
     if args.check_episodes:
         torch.set_num_threads(args.threads)
         record["check"] = {}
         for kind in STREAM_KINDS:
             for questions in QUESTION_FORMS:
                 # Seed + 1: other held-out streams than the benchmark's default seed 0.
-                check = evaluate(trainer.adapter, ["full"], episodes=args.check_episodes, seed=args.seed + 1,
-                                 progress=not args.quiet, kind=kind, questions=questions)
+                check = evaluate(
+                    trainer.adapter,
+                    ["full"],
+                    episodes=args.check_episodes,
+                    seed=args.seed + 1,
+                    progress=not args.quiet,
+                    kind=kind,
+                    questions=questions,
+                )
                 key = kind if questions == "bare" else f"{kind} {questions}"
                 record["check"][key] = {k: check[k] for k in ("accuracy", "by_kind", "questions", "chance", "episodes")}
                 row = check["accuracy"]["full"]
-                print(f"held-out full-cache accuracy by delay, {kind} streams, {questions} questions: "
-                      + ", ".join(f"{d} s {a:.3f}" for d, a in row.items())
-                      + f" ({check['questions']['total']} questions, chance {check['chance']:.3f})")
+                print(
+                    f"held-out full-cache accuracy by delay, {kind} streams, {questions} questions: "
+                    + ", ".join(f"{d} s {a:.3f}" for d, a in row.items())
+                    + f" ({check['questions']['total']} questions, chance {check['chance']:.3f})"
+                )
     folder = trainer.save(out, record)
     print(f"weights, config and tokenizer written to {folder}", file=sys.stderr)
     return 0

@@ -46,7 +46,9 @@ def check_question_text(question: str) -> str:
     if not question:
         raise QuestionError("the question is empty")
     if len(question) > MAX_QUESTION_CHARS:
-        raise QuestionError(f"the question is {len(question)} characters long; at most {MAX_QUESTION_CHARS} (shorten it)")
+        raise QuestionError(
+            f"the question is {len(question)} characters long; at most {MAX_QUESTION_CHARS} (shorten it)"
+        )
     return question
 
 

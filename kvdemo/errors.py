@@ -44,5 +44,11 @@ class EvaluationSettingError(UserError):
 
 
 #: Every kind defined here, for the tests and the docs.
-KINDS = (BudgetError, PolicyChoiceError, UnknownPolicyError, PolicyParameterError, StreamSettingError,
-         EvaluationSettingError)
+KINDS = (
+    BudgetError,
+    PolicyChoiceError,
+    UnknownPolicyError,
+    PolicyParameterError,
+    StreamSettingError,
+    EvaluationSettingError,
+)

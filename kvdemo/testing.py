@@ -29,14 +29,21 @@ def qwen7b_rotation(head_dim: int = 128):
     from .models.adapter import Rotation  # deferred with it (the model adapters import transformers)
 
     config = Qwen2_5_VLTextConfig(
-        hidden_size=head_dim * 28, num_attention_heads=28, num_key_value_heads=4,
-        rope_parameters={"rope_type": "default", "rope_theta": QWEN_ROPE_THETA,
-                         "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]},
+        hidden_size=head_dim * 28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": QWEN_ROPE_THETA,
+            "mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16],
+        },
     )
     return Rotation(Qwen2_5_VLRotaryEmbedding(config))
 
 
-def synthetic_probe(num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+def synthetic_probe(
+    num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0
+) -> list[torch.Tensor]:
     """Random probe queries ``[H_q, T, D]`` per layer (what the engine reads a probe text with)."""
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(num_heads, PROBE_TOKENS, head_dim, generator=generator).to(dtype) for _ in range(num_layers)]

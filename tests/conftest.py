@@ -81,11 +81,21 @@ def launch_app(folder: Path, **env_extra: str):
         port = sock.getsockname()[1]
     log, cache = folder / "app.log", folder / "gradio-cache"
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", GRADIO_TEMP_DIR=str(cache),
-               KVDEMO_MAX_SESSIONS=str(APP_MAX_SESSIONS), **env_extra)
+    env = dict(
+        os.environ,
+        GRADIO_ANALYTICS_ENABLED="False",
+        HF_HUB_OFFLINE="1",
+        GRADIO_TEMP_DIR=str(cache),
+        KVDEMO_MAX_SESSIONS=str(APP_MAX_SESSIONS),
+        **env_extra,
+    )
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "app.py", "--port", str(port), "--model", "tiny"], cwd=root, stdout=out, stderr=subprocess.STDOUT, env=env
+            [sys.executable, "app.py", "--port", str(port), "--model", "tiny"],
+            cwd=root,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180

@@ -98,14 +98,18 @@ def test_error_messages_name_the_file_not_the_server_upload_folder(client, app, 
 
 
 def test_impossible_budget_is_a_message(client, media):
-    result = client.predict(handle_file(str(media / "flipping_a_pancake.mkv")), "tiny", "infinipot-v", 100, 200, api_name="/run")
+    result = client.predict(
+        handle_file(str(media / "flipping_a_pancake.mkv")), "tiny", "infinipot-v", 100, 200, api_name="/run"
+    )
     assert "C must be smaller than M" in result[STATUS]
 
 
 def test_negative_budgets_get_the_same_one_line_message_as_other_bad_budgets(client, app, media):
     before = app.log.read_text().count("Traceback")
     for budget, keep in ((-5, 768), (1024, -1)):
-        result = client.predict(handle_file(str(media / "flipping_a_pancake.mkv")), budget=budget, keep=keep, api_name="/run")
+        result = client.predict(
+            handle_file(str(media / "flipping_a_pancake.mkv")), budget=budget, keep=keep, api_name="/run"
+        )
         assert "M and C must be positive" in result[STATUS]
         assert result[STATUS].count("\n") == 0, "one line"
         check = client.predict("infinipot-v", budget, keep, 2, 200704, None, api_name="/check_settings")
@@ -122,7 +126,9 @@ def test_as_you_type_check_applies_runs_rule_to_the_uploaded_video(client, media
     run = client.predict(pancake, budget=1024, keep=890, max_pixels=200704, api_name="/run")
     assert "M - C = 134 leaves no room for one chunk (135 visual tokens" in run[STATUS]
     # Without a video: a chunk of the bundled sample, what runs without an upload (112 x 112 for the tiny model: 16 tokens).
-    assert "M=10 is smaller than one chunk (16" in client.predict("infinipot-v", 10, 5, 2, 200704, None, "tiny", api_name="/check_settings")
+    assert "M=10 is smaller than one chunk (16" in client.predict(
+        "infinipot-v", 10, 5, 2, 200704, None, "tiny", api_name="/check_settings"
+    )
 
 
 def test_a_failed_run_keeps_the_previous_session_and_its_views(client, media, tmp_path):
@@ -138,7 +144,10 @@ def test_a_failed_run_keeps_the_previous_session_and_its_views(client, media, tm
         assert "frames at" not in status.split("Still showing")[0], "the status describes only the previous run"
         assert all(value == UNCHANGED for value in failed[PLOT:]), "every view still shows the previous run"
     answer = client.predict("What is cooking?", api_name="/ask")
-    assert visual_tokens_seen(answer_text(answer[ASK_FULL_CHAT])) == fetch_json(good[REPORT])["baseline"]["peak_visual_tokens"]
+    assert (
+        visual_tokens_seen(answer_text(answer[ASK_FULL_CHAT]))
+        == fetch_json(good[REPORT])["baseline"]["peak_visual_tokens"]
+    )
 
 
 def test_sessions_do_not_see_each_others_streams(app_url, media):
@@ -202,7 +211,9 @@ def test_a_question_is_served_while_three_sessions_stream(app_url):
         run.result()
     # Issue 34, item 9: the run that found both stream slots taken said so in its status, with its place.
     said = [output[STATUS] for run in runs[1:] for output in run.outputs()]
-    assert any(status.startswith("⏳ **queued: next in line** for one of the app's 2 stream slots") for status in said), said
+    assert any(
+        status.startswith("⏳ **queued: next in line** for one of the app's 2 stream slots") for status in said
+    ), said
 
 
 def test_stop_ends_the_run_with_a_status_and_a_report_of_what_ran(client):
@@ -225,8 +236,23 @@ def test_the_apps_report_has_the_clis_format(client, media, tmp_path):
     final = client.predict(handle_file(str(media / "corrupted.mp4")), api_name="/run")
     app_report = fetch_json(final[REPORT])
     out = tmp_path / "cli.json"
-    assert main(["run", "--video", str(media / "corrupted.mp4"), "--budget", "1024", "--keep", "768", "--quiet",
-                 "--json", str(out)]) == 0  # the model's pixel range in both
+    assert (
+        main(
+            [
+                "run",
+                "--video",
+                str(media / "corrupted.mp4"),
+                "--budget",
+                "1024",
+                "--keep",
+                "768",
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )  # the model's pixel range in both
     cli_report = json.loads(out.read_text())
     assert set(cli_report) <= set(app_report), f"missing in the app's report: {set(cli_report) - set(app_report)}"
     assert app_report["lost_frames"] == cli_report["lost_frames"] > 0
@@ -266,11 +292,24 @@ def test_the_least_recently_used_session_is_freed_past_the_limit(app_url):
 def test_every_api_parameter_and_output_has_a_name(client):
     api = client.view_api(return_format="str", print_info=False)
     assert not re.findall(r"\b(param|value)_\d+", api), api
-    for endpoint in ("/run", "/run_sample", "/ask", "/stop", "/export_chart", "/new_conversation", "/check_settings",
-                     "/compare_run", "/compare_sample", "/compare_ask", "/compare_stop", "/compare_fidelity", "/compare_sweep",
-                     "/compare_new_conversation"):
+    for endpoint in (
+        "/run",
+        "/run_sample",
+        "/ask",
+        "/stop",
+        "/export_chart",
+        "/new_conversation",
+        "/check_settings",
+        "/compare_run",
+        "/compare_sample",
+        "/compare_ask",
+        "/compare_stop",
+        "/compare_fidelity",
+        "/compare_sweep",
+        "/compare_new_conversation",
+    ):
         assert f'api_name="{endpoint}"' in api
-    assert "predict(question, api_name=\"/ask\")" in api
+    assert 'predict(question, api_name="/ask")' in api
 
 
 def test_the_docs_gradio_client_example_runs(app_url, media, capsys):
@@ -278,11 +317,17 @@ def test_the_docs_gradio_client_example_runs(app_url, media, capsys):
     section = page.split("## Scripting the app", 1)[1]
     code = section.split("```python", 1)[1].split("```", 1)[0]
     assert "http://127.0.0.1:7860" in code and "clip.mp4" in code
-    code = code.replace("http://127.0.0.1:7860", app_url).replace('"clip.mp4"', repr(str(media / "flipping_a_pancake.mkv")))
+    code = code.replace("http://127.0.0.1:7860", app_url).replace(
+        '"clip.mp4"', repr(str(media / "flipping_a_pancake.mkv"))
+    )
     exec(compile(code, "docs/app.md", "exec"), {})
     printed = capsys.readouterr().out
-    assert "20/20 frames" in printed and re.search(r"peak visual tokens \d+ of M = 64 after [1-9]\d* compressions", printed)
-    assert "✓ answered by infinipot-v and the full cache" in printed and "first token" in printed, "the answer was printed"
+    assert "20/20 frames" in printed and re.search(
+        r"peak visual tokens \d+ of M = 64 after [1-9]\d* compressions", printed
+    )
+    assert "✓ answered by infinipot-v and the full cache" in printed and "first token" in printed, (
+        "the answer was printed"
+    )
 
 
 def test_the_app_logs_its_start_and_the_model_it_loaded(app, client):
@@ -352,8 +397,10 @@ def test_what_a_new_user_meets_is_said_where_they_look(client, app, tmp_path):
     status = fresh.predict(handle_file(str(empty)), api_name="/run")[STATUS]
     assert status.startswith("⚠️ **empty.mp4: the file is empty**") and str(app.cache) not in status
     final = fresh.predict("tiny", "protokv", 96, None, 2, log_scale=True, api_name="/run_sample")
-    assert re.search(r"96 visual tokens \(M=96: 32 exact \+ 64 summary slots, counted from the first chunk, \d+ in use\)",
-                     final[STATUS]), final[STATUS]
+    assert re.search(
+        r"96 visual tokens \(M=96: 32 exact \+ 64 summary slots, counted from the first chunk, \d+ in use\)",
+        final[STATUS],
+    ), final[STATUS]
     assert '"type":"log"' in final[PLOT]["plot"]
     said, policy_chat, _, _ = fresh.predict("", api_name="/ask")
     assert said == "⚠️ type a question first" and policy_chat == []
@@ -379,7 +426,10 @@ def test_the_bundled_sample_offers_the_moving_camera_kind(client, app):
     said, policy_chat, _, _ = fresh.predict(question.text, api_name="/ask")
     assert said.startswith("✓ answered"), said
     graded = answer_text(policy_chat)
-    assert f"✓ matches the ground truth ({question.answer})" in graded or f"✗ the ground truth is {question.answer}" in graded, graded
+    assert (
+        f"✓ matches the ground truth ({question.answer})" in graded
+        or f"✗ the ground truth is {question.answer}" in graded
+    ), graded
     still, _, kind = fresh.predict("static", api_name="/sample_kind")
     assert kind["info"].startswith("still: a fixed camera"), kind
     assert "kind static" in still and still != manifest

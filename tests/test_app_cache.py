@@ -44,7 +44,8 @@ def test_the_sweeper_deletes_what_is_older_than_its_age_each_round(tmp_path, cap
         sweeper.run(rounds=1)  # 600 s later: new is past it too
         assert not new.exists() and list(tmp_path.iterdir()) == []
     assert [r.getMessage().split(" from ")[0] for r in caplog.records] == [
-        f"deleted 1 served file(s) older than {AGE_S:g} s"] * 2
+        f"deleted 1 served file(s) older than {AGE_S:g} s"
+    ] * 2
 
 
 def test_every_file_the_app_serves_is_swept_and_the_app_keeps_serving(tmp_path_factory, media):
@@ -57,7 +58,9 @@ def test_every_file_the_app_serves_is_swept_and_the_app_keeps_serving(tmp_path_f
         chart = client.predict(api_name="/export_chart")
         served = [p for p in app.cache.rglob("*") if p.is_file()]
         kinds = {p.suffix for p in served}
-        assert {".jpeg", ".json", ".html", ".mkv"} <= kinds, kinds  # heatmaps and panels, reports, the chart, the upload
+        assert {".jpeg", ".json", ".html", ".mkv"} <= kinds, (
+            kinds
+        )  # heatmaps and panels, reports, the chart, the upload
         # The exported chart references the app's one plotly.js, which lies outside the swept cache folder.
         with urllib.request.urlopen(chart["url"], timeout=30) as response:
             page = response.read().decode()

@@ -21,8 +21,17 @@ POLICIES = ["infinipot-v", "hybridkv"]
 
 
 def settings(**overrides) -> CompareSettings:
-    base = dict(model="tiny", policies=list(POLICIES), overrides="", budget=64, keep=48, fps=2.0,
-                max_pixels=112 * 112, cap_mb=2048, sample="static")
+    base = dict(
+        model="tiny",
+        policies=list(POLICIES),
+        overrides="",
+        budget=64,
+        keep=48,
+        fps=2.0,
+        max_pixels=112 * 112,
+        cap_mb=2048,
+        sample="static",
+    )
     base.update(overrides)
     return CompareSettings(**base)
 
@@ -103,7 +112,9 @@ def test_what_counts_as_the_same_picture():
     assert not same_value(image, image.astype(np.int16)) and not same_value(image, image[:3])
     gallery = [(image, "t = 0.5 s"), (other, "t = 1.0 s")]
     assert same_value(gallery, [(image.copy(), "t = 0.5 s"), (other.copy(), "t = 1.0 s")])
-    assert not same_value(gallery, [(image, "t = 0.5 s"), (other, "t = 1.5 s")]) and not same_value(gallery, gallery[:1])
+    assert not same_value(gallery, [(image, "t = 0.5 s"), (other, "t = 1.5 s")]) and not same_value(
+        gallery, gallery[:1]
+    )
     panel = Panel("survivors", "image", image, "kept")
     assert same_value([panel], [Panel("survivors", "image", image.copy(), "kept")])
     assert not same_value([panel], [Panel("survivors, layer 2", "image", image, "kept")])
@@ -177,9 +188,11 @@ def test_user_mistakes_are_one_line_messages_and_keep_the_previous_comparison(se
 
 def test_delays_are_parsed_or_refused_in_one_line():
     assert parse_delays("0, 4,8") == (0.0, 4.0, 8.0)
-    for text, message in (("a,b", "delays are seconds separated by commas, got 'a,b'"),
-                          ("-1", "delays must be non-negative seconds, got '-1'"),
-                          ("", "delays must be non-negative seconds, got ''")):
+    for text, message in (
+        ("a,b", "delays are seconds separated by commas, got 'a,b'"),
+        ("-1", "delays must be non-negative seconds, got '-1'"),
+        ("", "delays must be non-negative seconds, got ''"),
+    ):
         with pytest.raises(StreamSettingError) as error:
             parse_delays(text)
         assert str(error.value) == message

@@ -22,8 +22,17 @@ def hub():
 
 
 def settings(**overrides):
-    base = dict(model="tiny", policy="infinipot-v", params={}, budget=540, keep=405, fps=2.0,
-                max_pixels=256 * 28 * 28, baseline=True, cap_mb=2048)
+    base = dict(
+        model="tiny",
+        policy="infinipot-v",
+        params={},
+        budget=540,
+        keep=405,
+        fps=2.0,
+        max_pixels=256 * 28 * 28,
+        baseline=True,
+        cap_mb=2048,
+    )
     base.update(overrides)
     return RunSettings(**base)
 
@@ -76,7 +85,9 @@ def test_errors_are_messages_and_keep_the_previous_stream(hub, media, tmp_path):
     updates, after = run(hub, session, media / "flipping_a_pancake.mkv", budget=100, keep=200)
     assert "C must be smaller than M" in updates[-1]["status"]
     updates, after = run(hub, session, media / "corrupted.mp4", budget=1024, keep=768)
-    assert "1 damaged frame could not be decoded and was skipped" in updates[-1]["status"]  # decoded what it could, said what was lost
+    assert (
+        "1 damaged frame could not be decoded and was skipped" in updates[-1]["status"]
+    )  # decoded what it could, said what was lost
     assert after.engine.frames_fed > 0
 
 
@@ -183,12 +194,18 @@ def test_as_you_type_check_is_runs_rule_against_one_chunk(hub, media):
     # No video yet: a chunk of the bundled sample (what runs without an upload), resized into the model's range:
     # 112 x 112 stays (16 tokens) for the tiny model; Qwen's minimum (tiny-random's) takes it to 336 x 336 (144 tokens).
     qwen = "tiny-random"
-    assert "M=100 is smaller than one chunk (144 visual tokens" in validate_settings("infinipot-v", 100, 50, 2.0, 200704, None, qwen)
-    assert "M - C = 24 leaves no room for one chunk (144" in validate_settings("infinipot-v", 1024, 1000, 2.0, 200704, None, qwen)
+    assert "M=100 is smaller than one chunk (144 visual tokens" in validate_settings(
+        "infinipot-v", 100, 50, 2.0, 200704, None, qwen
+    )
+    assert "M - C = 24 leaves no room for one chunk (144" in validate_settings(
+        "infinipot-v", 1024, 1000, 2.0, 200704, None, qwen
+    )
     ok = validate_settings("infinipot-v", 96, 72, 2.0, 15680, None, "tiny")
     assert ok.startswith("✓") and "one chunk of the bundled sample is 16 visual tokens" in ok and "up to 20" in ok
     sample = list(run_video(hub, None, None, settings(budget=96, keep=80, max_pixels=15680)))[-1]["status"]
-    assert validate_settings("infinipot-v", 96, 80, 2.0, 15680, None, "tiny").startswith("✓") and "80/80 frames" in sample
+    assert (
+        validate_settings("infinipot-v", 96, 80, 2.0, 15680, None, "tiny").startswith("✓") and "80/80 frames" in sample
+    )
     # With the uploaded video: 426x240 resized within 200704 pixels -> 252x420 = 9x15 = 135 tokens.
     pancake = str(media / "flipping_a_pancake.mkv")
     for keep in (889, 890):
@@ -282,7 +299,9 @@ def test_the_app_bounds_gradios_cache_and_names_its_limits(hub):
 
 def test_policy_form_values_are_parsed():
     assert parse_params("infinipot-v", {"alpha": "0.3", "cv_thresholds": "0.1, 0.2, 0.3"}) == {
-        "alpha": 0.3, "cv_thresholds": [0.1, 0.2, 0.3]}
+        "alpha": 0.3,
+        "cv_thresholds": [0.1, 0.2, 0.3],
+    }
     assert parse_params("infinipot-v", {"cv_thresholds": ""}) == {"cv_thresholds": None}
     assert parse_params("cords", {"followers": False, "layers": "all"}) == {"followers": False, "layers": "all"}
 
@@ -324,8 +343,12 @@ def test_policies_declare_their_views_and_viz_draws_them(tiny, pancake):
     assert set(np.unique(status)) <= {viz.HELD, viz.SUMMARISED, viz.EVICTED} and (status == viz.SUMMARISED).any()
     # the near window holds the newest tokens exactly; every older patch is represented in the bank
     assert (status[-1] == viz.HELD).sum() > 0 and (status[0] != viz.HELD).all()
-    dynamic = [(l, h) for l in range(tiny.num_layers) for h in range(tiny.num_kv_heads)
-               if not hybrid.policy.report()["head_class"][l][h] == "static"]
+    dynamic = [
+        (l, h)
+        for l in range(tiny.num_layers)
+        for h in range(tiny.num_kv_heads)
+        if not hybrid.policy.report()["head_class"][l][h] == "static"
+    ]
     layer, head = dynamic[0]
     status = viz.patch_status(hybrid, layer, head)
     assert (status == viz.RETRIEVED).any() and (status == viz.HELD).any()
@@ -336,7 +359,11 @@ def test_a_caption_wider_than_its_tile_wraps_instead_of_running_into_the_next():
     from PIL import Image, ImageDraw, ImageFont
 
     measure = lambda text: 10 * len(text)  # noqa: E731 (10 px per character)
-    assert viz.wrap_caption("t=36.0s 0% exact · 100% summarised", 120, measure) == ["t=36.0s 0%", "exact · 100%", "summarised"]
+    assert viz.wrap_caption("t=36.0s 0% exact · 100% summarised", 120, measure) == [
+        "t=36.0s 0%",
+        "exact · 100%",
+        "summarised",
+    ]
     assert viz.wrap_caption("short", 120, measure) == ["short"]
     assert viz.wrap_caption("unbreakablewordthatislong", 50, measure) == ["unbreakablewordthatislong"]
     tiles = [np.zeros((40, 120, 3), dtype=np.uint8)] * 2
@@ -376,7 +403,9 @@ def test_a_redraw_while_a_webcam_chunk_is_fed_waits_for_it(hub, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(views, "live_update", paused)
-    feeder = threading.Thread(target=lambda: [webcam_frame(hub, session, f, settings(budget=1024, keep=768)) for f in frames[2:]])
+    feeder = threading.Thread(
+        target=lambda: [webcam_frame(hub, session, f, settings(budget=1024, keep=768)) for f in frames[2:]]
+    )
     feeder.start()
     assert half_fed.wait(30)
     outcome = {}
@@ -422,9 +451,21 @@ def test_a_bug_in_a_handler_is_a_logged_one_line_message_not_a_bare_error_badge(
 
     monkeypatch.setattr(page, "run_stream", broken)
     monkeypatch.setattr(page, "ask", broken)
-    values = dict(model="tiny", policy="infinipot-v", budget=96, keep=72, fps=2, max_pixels=12544, baseline=False,
-                  baseline_cap_mb=0, view_layer="all", view_head="all", colour_by_reason=False, log_scale=False,
-                  **{key: component.value for key, (_, _, component) in demo.param_inputs.items()})
+    values = dict(
+        model="tiny",
+        policy="infinipot-v",
+        budget=96,
+        keep=72,
+        fps=2,
+        max_pixels=12544,
+        baseline=False,
+        baseline_cap_mb=0,
+        view_layer="all",
+        view_head="all",
+        colour_by_reason=False,
+        log_scale=False,
+        **{key: component.value for key, (_, _, component) in demo.param_inputs.items()},
+    )
     with caplog.at_level("ERROR", logger="kvdemo"):
         status = list(demo.on_run_sample(None, **values))[-1][demo.status]
         asked = list(demo.on_ask(None, "hi"))[-1][demo.ask_status]
@@ -479,7 +520,9 @@ def test_counts_agree_and_the_compression_time_is_said_in_words(hub):
     assert "1 token in 5 ms" in answer_markdown(Session(), one)
     updates, session = run(hub, None, None, budget=96, keep=72, fps=0.5)
     status = updates[-1]["status"]
-    assert "compressions, taking" in status and "% as long as prefilling the chunks" in status and "overhead" not in status
+    assert (
+        "compressions, taking" in status and "% as long as prefilling the chunks" in status and "overhead" not in status
+    )
 
 
 def test_charts_read_as_the_newcomer_expected():
@@ -494,21 +537,38 @@ def test_charts_read_as_the_newcomer_expected():
     assert log_ticks([16, 96])["tickvals"] == [20, 30, 50, 70]  # under a decade: 1-2-3-5-7
     assert log_ticks([10, 5e6])["tickvals"] == [10, 100, 1000, 10_000, 100_000, 1_000_000]  # many decades: powers
     assert log_ticks([0.26, 0.28]) == {} and log_ticks([0.25, 0.35]) == {} and log_ticks([]) == {}  # plotly's own
-    events = [OccupancyEvent(event="append", frame=2 * i, time_s=float(i), visual_tokens=16 * (i + 1),
-                             cache_bytes=2**16 * (i + 1), ms=1.0) for i in range(20)]
+    events = [
+        OccupancyEvent(
+            event="append",
+            frame=2 * i,
+            time_s=float(i),
+            visual_tokens=16 * (i + 1),
+            cache_bytes=2**16 * (i + 1),
+            ms=1.0,
+        )
+        for i in range(20)
+    ]
     log = viz.occupancy_figure({"policy": events}, 96, log_scale=True)
     assert list(log.layout.yaxis.tickvals) == [20, 50, 100, 200]  # 16..320 tokens (and M = 96): 1-2-5
     label = next(a for a in log.layout.annotations if a.text == "M = 96")
     assert (label.x, label.xanchor) == (1, "right")
     counts = viz.chart_figure(Chart("bank", "", [Histogram(np.array([1, 1, 2, 3]), "mass", "prototypes")]))
     assert counts.layout.yaxis.dtick == 1 and counts.layout.yaxis.tickformat == "d"
-    sweep = viz.chart_figure(Chart("sweep", "", [Series([0, 4, 8], {"a": [1, 1, 0.5], "full": [1, 1, 0.5]}, "delay (s)",
-                                                       "accuracy", markers=True)]), "What colour was the star?")
+    sweep = viz.chart_figure(
+        Chart(
+            "sweep",
+            "",
+            [Series([0, 4, 8], {"a": [1, 1, 0.5], "full": [1, 1, 0.5]}, "delay (s)", "accuracy", markers=True)],
+        ),
+        "What colour was the star?",
+    )
     first, second = sweep.data
     assert first.line.dash != second.line.dash and first.marker.symbol != second.marker.symbol
     assert first.marker.size > second.marker.size, "the line drawn first shows as a ring around the one on top"
     assert sweep.layout.xaxis.dtick == 1 and sweep.layout.title.text == "What colour was the star?"
-    grid = CellGrid(np.array([[1, 0]]), {1: "static", 0: "dynamic"}, np.array([[3, 4]]), [["", ""]], ["L0"], ["h0", "h1"])
+    grid = CellGrid(
+        np.array([[1, 0]]), {1: "static", 0: "dynamic"}, np.array([[3, 4]]), [["", ""]], ["L0"], ["h0", "h1"]
+    )
     heads = viz.chart_figure(Chart("Head types", "", [grid]))
     assert heads.layout.showlegend and {t.name for t in heads.data if t.type == "scatter"} == {"static", "dynamic"}
 
@@ -538,5 +598,8 @@ def test_runs_beyond_the_stream_slots_wait_in_line_and_say_where():
     assert next(fourth) == {"status": queued_text(1, 1)}
     second.close()  # stopped mid-run: the slot is freed
     assert next(fourth) == {"status": "fourth streams"} and slots.running == 1
-    assert [queued_text(n, 2).split("**")[1] for n in (3, 11, 22)] == ["queued: 3rd in line", "queued: 11th in line",
-                                                                        "queued: 22nd in line"]
+    assert [queued_text(n, 2).split("**")[1] for n in (3, 11, 22)] == [
+        "queued: 3rd in line",
+        "queued: 11th in line",
+        "queued: 22nd in line",
+    ]

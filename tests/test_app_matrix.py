@@ -63,13 +63,22 @@ def test_every_family_runs_in_the_app(client, app, media, model):
     budget, keep, pixels = default_budget(model)
     family = OFFLINE_MODELS[model].family
     for policy in ("infinipot-v", "protokv"):
-        final = client.predict(handle_file(str(media / "flipping_a_pancake.mkv")), model=model, policy=policy, budget=budget,
-                               keep=keep if policy_class(policy).takes_keep() else None, max_pixels=pixels, baseline=True,
-                               api_name="/run")
+        final = client.predict(
+            handle_file(str(media / "flipping_a_pancake.mkv")),
+            model=model,
+            policy=policy,
+            budget=budget,
+            keep=keep if policy_class(policy).takes_keep() else None,
+            max_pixels=pixels,
+            baseline=True,
+            api_name="/run",
+        )
         assert final[STATUS].startswith("**20/20 frames**"), final[STATUS]
         report = fetch_json(final[REPORT])
         assert report["model"] == model and report["peak_visual_tokens"] <= budget
-        assert any(event["event"] == "compress" for event in report["timeline"]), "the default budget compresses the clip"
+        assert any(event["event"] == "compress" for event in report["timeline"]), (
+            "the default budget compresses the clip"
+        )
         assert (report["text_tokens"] > 0) == family.startswith("qwen3"), "Qwen3-VL/3.5 streams carry their timestamps"
         assert (report["linear_state_bytes"] > 0) == (family == "qwen3_5")
         _, policy_chat, full_chat, _ = client.predict("What is in the video?", api_name="/ask")
@@ -87,15 +96,28 @@ BAD_INPUTS = [
     ("/run_sample", dict(policy="nosuch"), "Policy: unknown choice 'nosuch'; the choices: " + ", ".join(UI_POLICIES)),
     ("/run_sample", dict(sample_kind="weird"), "Bundled sample: unknown choice 'weird'; the choices: static, moving"),
     ("/run_sample", dict(baseline="maybe"), "Full-cache baseline: true or false, got 'maybe'"),
-    ("/run", dict(video="/etc/passwd"), "Upload a video (mp4, mkv, mov, webm, avi): a file (gradio_client's "
-                                        "handle_file(path)), got '/etc/passwd'"),
+    (
+        "/run",
+        dict(video="/etc/passwd"),
+        "Upload a video (mp4, mkv, mov, webm, avi): a file (gradio_client's handle_file(path)), got '/etc/passwd'",
+    ),
     ("/ask", dict(question=["a"]), "Ask both engines: text, got ['a']"),
-    ("/check_settings", dict(policy="nosuch"), "Policy: unknown choice 'nosuch'; the choices: " + ", ".join(UI_POLICIES)),
+    (
+        "/check_settings",
+        dict(policy="nosuch"),
+        "Policy: unknown choice 'nosuch'; the choices: " + ", ".join(UI_POLICIES),
+    ),
     ("/compare_sample", dict(budget="abc"), "M (shared): a number, got 'abc'"),
-    ("/compare_sample", dict(policies="infinipot-v"),
-     "Policies (at most 4): a list of choices among " + ", ".join(UI_POLICIES) + ", got 'infinipot-v'"),
-    ("/compare_sample", dict(policies=["nosuch"]), "Policies (at most 4): unknown choice 'nosuch'; the choices: "
-     + ", ".join(UI_POLICIES)),
+    (
+        "/compare_sample",
+        dict(policies="infinipot-v"),
+        "Policies (at most 4): a list of choices among " + ", ".join(UI_POLICIES) + ", got 'infinipot-v'",
+    ),
+    (
+        "/compare_sample",
+        dict(policies=["nosuch"]),
+        "Policies (at most 4): unknown choice 'nosuch'; the choices: " + ", ".join(UI_POLICIES),
+    ),
     ("/compare_sweep", dict(more="x"), "More held-out streams of the sample's kind: a number, got 'x'"),
     ("/compare_ask", dict(question="hi", attribute="x"), "what each answer looked at: true or false, got 'x'"),
 ]
@@ -123,6 +145,6 @@ def test_values_no_component_takes_are_one_line_errors_and_the_log_stays_clean(c
         assert str(raised.value) == message, endpoint
     for endpoint, values, output, message in HANDLED_INPUTS:  # values components take, which the handlers refuse
         assert message in client.predict(**values, api_name=endpoint)[output], endpoint
-    log = app.log.read_text()[len(before):]
+    log = app.log.read_text()[len(before) :]
     assert "Traceback" not in log and log.count("rejected a call to") == len(BAD_INPUTS), log[-3000:]
     assert client.predict("infinipot-v", 96, 72, 2, 12544, None, "tiny", api_name="/check_settings").startswith("✓")

@@ -28,14 +28,31 @@ def services():
 
 
 def single_settings(**overrides) -> RunSettings:
-    base = dict(model="tiny", policy="infinipot-v", params={}, budget=64, keep=48, fps=FPS, max_pixels=PIXELS,
-                baseline=True, cap_mb=2048)
+    base = dict(
+        model="tiny",
+        policy="infinipot-v",
+        params={},
+        budget=64,
+        keep=48,
+        fps=FPS,
+        max_pixels=PIXELS,
+        baseline=True,
+        cap_mb=2048,
+    )
     return RunSettings(**{**base, **overrides})
 
 
 def compare_settings(**overrides) -> CompareSettings:
-    base = dict(model="tiny", policies=["infinipot-v"], overrides="", budget=64, keep=48, fps=FPS, max_pixels=PIXELS,
-                cap_mb=2048)
+    base = dict(
+        model="tiny",
+        policies=["infinipot-v"],
+        overrides="",
+        budget=64,
+        keep=48,
+        fps=FPS,
+        max_pixels=PIXELS,
+        cap_mb=2048,
+    )
     return CompareSettings(**{**base, **overrides})
 
 
@@ -53,8 +70,10 @@ def library(services):
     """The library's own path: an engine of the policy and a full cache streamed by stream_video."""
     model = services.models.get("tiny")
     video = sample_episode("static").video.sampled(FPS).resized(model.geometry)
-    engines = {"infinipot-v": StreamEngine(model, "infinipot-v", budget=64, keep=48, fps=video.fps),
-               "full": StreamEngine(model, "full", fps=video.fps, max_cache_bytes=2048 * 2**20)}
+    engines = {
+        "infinipot-v": StreamEngine(model, "infinipot-v", budget=64, keep=48, fps=video.fps),
+        "full": StreamEngine(model, "full", fps=video.fps, max_cache_bytes=2048 * 2**20),
+    }
     list(stream_video(model, video, engines))
     return engines
 
@@ -86,8 +105,10 @@ def test_one_question_gets_the_library_answers_on_both_pages(both, library):
     compared = list(ask(both[1]["session"], QUESTION, CompareViews()))[-1]
     assert single["ask_status"] == "✓ answered by infinipot-v and the full cache"
     assert compared["ask_status"] == "✓ answered by 2 engines"
-    panes = {"infinipot-v": (single["policy_chat"], compared["chat:0"]),
-             "full": (single["full_chat"], compared["chat:1"])}
+    panes = {
+        "infinipot-v": (single["policy_chat"], compared["chat:0"]),
+        "full": (single["full_chat"], compared["chat:1"]),
+    }
     for name, (single_chat, compared_chat) in panes.items():
         for chat in (single_chat, compared_chat):
             assert chat[0] == {"role": "user", "content": QUESTION}
@@ -163,12 +184,23 @@ def test_the_one_guard_says_a_users_mistake_and_a_bug_in_one_line_on_both_pages(
         said = compare.on_fidelity(None, "What?")[compare.fidelity_text]
         asked = list(demo.on_ask(None, "hi"))[-1][demo.ask_status]
     for message in (said, asked):
-        assert message == ("⚠️ **internal error** (AttributeError: first line); it is logged, and the app keeps "
-                           "serving")
+        assert message == ("⚠️ **internal error** (AttributeError: first line); it is logged, and the app keeps serving")
     assert caplog.text.count("Traceback") == 2
-    values = dict(model="tiny", policy="infinipot-v", budget=64, keep=48, fps=FPS, max_pixels=PIXELS, baseline=False,
-                  baseline_cap_mb=0, view_layer="all", view_head="all", colour_by_reason=False, log_scale=False,
-                  **{key: component.value for key, (_, _, component) in demo.param_inputs.items()})
+    values = dict(
+        model="tiny",
+        policy="infinipot-v",
+        budget=64,
+        keep=48,
+        fps=FPS,
+        max_pixels=PIXELS,
+        baseline=False,
+        baseline_cap_mb=0,
+        view_layer="all",
+        view_head="all",
+        colour_by_reason=False,
+        log_scale=False,
+        **{key: component.value for key, (_, _, component) in demo.param_inputs.items()},
+    )
     values["infinipot_v_alpha"] = "abc"  # the form's text for a number: a user's mistake, said as the run's status
     status = list(demo.on_run_sample(None, **values))[-1][demo.status]
     assert status.startswith("⚠️ **") and "alpha" in status and "internal error" not in status

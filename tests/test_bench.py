@@ -38,7 +38,9 @@ def test_protokv_and_hybridkv_benchmarks_on_a_small_shape():
     near = make_policy("protokv").split(256)[0]  # 64 tokens = 4 grids
     assert result["1x"]["passes"] == 20 - near // 16 and result["2x"]["passes"] == 40 - near // 16
     assert result["1x bfloat16"]["passes"] == result["1x"]["passes"]  # the same stream with a bfloat16 cache
-    assert {"assignment", "update", "residuals", "maintenance", "synthesis", "total"} <= set(result["1x"]["per_frame_ms"])
+    assert {"assignment", "update", "residuals", "maintenance", "synthesis", "total"} <= set(
+        result["1x"]["per_frame_ms"]
+    )
     assert result["infinipot_v"]["passes"] >= 1 and "InfiniPot-V" in update_table(result, "protokv")
     assert result["synthesis_all_ms"] > 0, "a policy with a summary region times synthesising every entry at once"
     decode = decode_benchmark(make_policy("hybridkv"), stream_tokens=512, shape=shape, repeats=1)
@@ -94,8 +96,9 @@ def test_reference_comparison_loads_the_users_file_and_compares_kept_tokens(tmp_
 
     (tmp_path / "kvcache_utils.py").write_text(FAKE_REFERENCE.replace("{which}", which))
     shape = dict(num_layers=2, num_kv_heads=2, head_dim=8, budget=24, keep=16, grid=(2, 2))  # 6 frames of 4, keep 4
-    result = reference_benchmark(load_reference(tmp_path), repeats=1, policy=make_policy("sliding-window"),
-                                 method="swa", shape=shape)
+    result = reference_benchmark(
+        load_reference(tmp_path), repeats=1, policy=make_policy("sliding-window"), method="swa", shape=shape
+    )
     for dtype in ("float32", "bfloat16"):
         row = result[dtype]
         assert (row["identical_rows"], row["rows"]) == (identical, 4)
@@ -104,8 +107,10 @@ def test_reference_comparison_loads_the_users_file_and_compares_kept_tokens(tmp_
     assert f"{identical}/4 layer-heads identical" in reference_table(result)
 
 
-@pytest.mark.parametrize("name, params", [("uniform", {}), ("sliding-window", {}), ("infinipot-v", {}), ("cords", {}),
-                                          ("protokv", {"warmup": 8})])
+@pytest.mark.parametrize(
+    "name, params",
+    [("uniform", {}), ("sliding-window", {}), ("infinipot-v", {}), ("cords", {}), ("protokv", {"warmup": 8})],
+)
 def test_the_simulated_stream_compresses_where_the_engine_does(tiny, name, params):
     """The bench's simulated stream (random keys, no model) and the engine on the tiny model compress before the
     same grids. 12 chunks of t = 135 tokens (9 x 15), M = 4t, C = 2t: a selection policy holds 4t after four
@@ -124,8 +129,14 @@ def test_the_simulated_stream_compresses_where_the_engine_does(tiny, name, param
     assert {(c.rows, c.cols, c.num_tokens) for c in chunks} == {(9, 15, 135)}
     engine = make_engines(tiny, [Contender(name, params)], 540, 270, fps=2.0)[name]
     engine_grids = [g for g, chunk in enumerate(chunks) if any(e.event == "compress" for e in engine.feed_chunk(chunk))]
-    shape = dict(num_layers=tiny.num_layers, num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
-                 budget=540, keep=270, grid=(9, 15))
+    shape = dict(
+        num_layers=tiny.num_layers,
+        num_kv_heads=tiny.num_kv_heads,
+        head_dim=tiny.head_dim,
+        budget=540,
+        keep=270,
+        grid=(9, 15),
+    )
     _, passes = simulated_stream(make_policy(name, **params), len(chunks), shape)
     expected = list(range(2, 12)) if name == "protokv" else [4, 6, 8, 10]
     assert engine_grids == expected

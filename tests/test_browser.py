@@ -12,8 +12,15 @@ import pytest
 from PIL import Image
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run", "--disable-quic"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 FAKE_CAMERA = ["--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"]
 
 if not Path(CHROMIUM).exists():
@@ -51,14 +58,18 @@ def test_sample_run_and_question_in_chromium(browser, app_url, artifacts):
     page.click("#sample-button")
     page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
     page.wait_for_selector("#occupancy .js-plotly-plot", timeout=30_000)
-    page.wait_for_function("document.querySelector('#heatmap img') && document.querySelector('#heatmap img').naturalWidth > 0")
+    page.wait_for_function(
+        "document.querySelector('#heatmap img') && document.querySelector('#heatmap img').naturalWidth > 0"
+    )
     example = page.locator("#examples button").first
     asked = example.inner_text().strip()
     example.click()  # one click asks both engines
     for chat in ("#policy-chat", "#full-chat"):
         page.wait_for_function(f"document.querySelector('{chat}').innerText.includes('first token')", timeout=120_000)
     assert "ground truth" in page.locator("#full-chat").inner_text(), "answers on the sample are graded"
-    assert "matches the ground truth" in page.locator("#full-chat").inner_text(), "the full cache answers the sample right"
+    assert "matches the ground truth" in page.locator("#full-chat").inner_text(), (
+        "the full cache answers the sample right"
+    )
     page.screenshot(path=str(artifacts / "app.png"), full_page=True)
 
     chart = element_pixels(page, "#occupancy")
@@ -127,12 +138,15 @@ def test_the_first_run_in_a_fresh_page_updates_live(browser, app_url):
     # The empty chart is drawn at page load, so plotly.js is loaded (and compiled) before any run, not in
     # the middle of the first one, where it froze the live view for seconds.
     page.wait_for_selector("#occupancy .js-plotly-plot", timeout=60_000)
-    scripts_at_load = page.evaluate("performance.getEntriesByType('resource').filter(e => e.name.endsWith('.js')).length")
+    scripts_at_load = page.evaluate(
+        "performance.getEntriesByType('resource').filter(e => e.name.endsWith('.js')).length"
+    )
     record_text_changes(page, "#status", "statusLog")
     page.click("#sample-button")
     page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
     new_scripts = page.evaluate(
-        f"performance.getEntriesByType('resource').filter(e => e.name.endsWith('.js')).slice({scripts_at_load}).map(e => e.name)")
+        f"performance.getEntriesByType('resource').filter(e => e.name.endsWith('.js')).slice({scripts_at_load}).map(e => e.name)"
+    )
     assert new_scripts == [], f"the first run had to load {new_scripts}"
     progress = {int(m) for _, text in page.evaluate("window.statusLog") for m in re.findall(r"(\d+)/80 frames", text)}
     assert len(progress - {0, 80}) >= 5, f"the status showed the stream as it ran: {sorted(progress)}"
@@ -151,7 +165,9 @@ def test_answers_stream_into_the_browser_while_other_sessions_stream(browser, ap
     page.click("#sample-button")
     page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
     others = [Client(app_url, download_files=False, verbose=False) for _ in range(2)]
-    streams = [other.submit("tiny", "infinipot-v", 1024, 768, 8, api_name="/run_sample") for other in others]  # both stream slots busy
+    streams = [
+        other.submit("tiny", "infinipot-v", 1024, 768, 8, api_name="/run_sample") for other in others
+    ]  # both stream slots busy
     for update in streams[1]:
         if re.search(r"\b[1-9]\d*/80 frames", update[0]):
             break
@@ -235,10 +251,14 @@ def test_choosing_a_model_sets_its_familys_budget_and_caveat(browser, app_url, a
         page.wait_for_function(f"document.querySelector('#budget input').value == '{budget}'", timeout=30_000)
         assert page.locator("#keep input").input_value() == str(keep)
         if model == "tiny-random-llava-ov":
-            page.wait_for_function("document.querySelector('#banner').innerText.includes('positions grow by 196')", timeout=30_000)
+            page.wait_for_function(
+                "document.querySelector('#banner').innerText.includes('positions grow by 196')", timeout=30_000
+            )
             page.screenshot(path=str(artifacts / "model-llava.png"))
         if model == "tiny-random-qwen3.5":
-            page.wait_for_function("document.querySelector('#banner').innerText.includes('recurrent state')", timeout=30_000)
+            page.wait_for_function(
+                "document.querySelector('#banner').innerText.includes('recurrent state')", timeout=30_000
+            )
     assert "trained on synthetic streams" in page.locator("#banner").inner_text()
 
 
@@ -262,10 +282,13 @@ def test_a_new_users_steps_end_in_messages_not_bare_error_badges(browser, app_ur
     page.fill("#budget input", "192")
     page.keyboard.press("Tab")
     page.click("#run-button")
-    page.wait_for_function("document.querySelector('#status').innerText.includes('upload a video first')", timeout=60_000)
+    page.wait_for_function(
+        "document.querySelector('#status').innerText.includes('upload a video first')", timeout=60_000
+    )
     page.locator("input[type=file]").first.set_input_files(str(media / "flipping_a_pancake.mkv"))
-    page.wait_for_function("document.querySelector('#budget-check').innerText.includes('flipping_a_pancake.mkv')",
-                           timeout=60_000)
+    page.wait_for_function(
+        "document.querySelector('#budget-check').innerText.includes('flipping_a_pancake.mkv')", timeout=60_000
+    )
     page.click("#run-button")
     page.wait_for_function("document.querySelector('#status').innerText.includes('20/20 frames')", timeout=240_000)
     page.wait_for_selector("#panel-0-image img", timeout=30_000)
@@ -274,7 +297,9 @@ def test_a_new_users_steps_end_in_messages_not_bare_error_badges(browser, app_ur
     page.wait_for_function("document.querySelector('#occupancy').textContent.includes('log scale')", timeout=30_000)
     page.fill("#question textarea", "What is cooking?")
     page.click("#ask-button")
-    page.wait_for_function("document.querySelector('#ask-status').innerText.includes('answered by protokv')", timeout=120_000)
+    page.wait_for_function(
+        "document.querySelector('#ask-status').innerText.includes('answered by protokv')", timeout=120_000
+    )
     assert page.locator("#heatmap button:not(:has(img))").count() == 0, "no toolbar over the strip's captions"
     page.screenshot(path=str(artifacts / "protokv-clip.png"), full_page=True)
     page.fill("#budget input", "512")
@@ -295,11 +320,13 @@ def test_what_a_newcomer_reads_is_whole_and_follows_the_choices(browser, app_url
     sample = page.locator("#sample-kind")
     assert "still: a fixed camera" in sample.inner_text()
     sample.get_by_text("moving camera").click()
-    page.wait_for_function("document.querySelector('#sample-kind').innerText.includes('moving: the camera pans')",
-                           timeout=30_000)
+    page.wait_for_function(
+        "document.querySelector('#sample-kind').innerText.includes('moving: the camera pans')", timeout=30_000
+    )
     sample.get_by_text("still camera").click()
-    page.wait_for_function("document.querySelector('#sample-kind').innerText.includes('still: a fixed camera')",
-                           timeout=30_000)
+    page.wait_for_function(
+        "document.querySelector('#sample-kind').innerText.includes('still: a fixed camera')", timeout=30_000
+    )
     choose_protokv(page)
     page.click("#sample-button")
     page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
@@ -323,8 +350,12 @@ def test_four_policies_compared_in_chromium(browser, app_url, artifacts):
     page.get_by_role("tab", name="Compare policies").click()
     page.wait_for_selector("#compare-sample", timeout=60_000)
     page.click("#compare-sample")
-    page.wait_for_function("document.querySelector('#compare-status').innerText.includes('80/80 frames')", timeout=240_000)
-    page.wait_for_function("document.querySelector('#compare-strips img') && document.querySelector('#compare-strips img').naturalWidth > 0")
+    page.wait_for_function(
+        "document.querySelector('#compare-status').innerText.includes('80/80 frames')", timeout=240_000
+    )
+    page.wait_for_function(
+        "document.querySelector('#compare-strips img') && document.querySelector('#compare-strips img').naturalWidth > 0"
+    )
     status = page.locator("#compare-status").inner_text()
     for name in ("infinipot-v", "cords", "protokv", "hybridkv", "full cache"):
         assert name in status
@@ -333,11 +364,17 @@ def test_four_policies_compared_in_chromium(browser, app_url, artifacts):
     assert re.search(r"(faster|slower) than real time", status) and "memory grows with the number of policies" in status
     page.locator("#compare-examples button").first.click()  # one click asks every engine
     for slot in range(5):
-        page.wait_for_function(f"document.querySelector('#compare-chat-{slot}').innerText.includes('tokens in')", timeout=120_000)
-    page.wait_for_function("document.querySelector('#compare-attribution img') && document.querySelector('#compare-attribution img').naturalWidth > 0",
-                           timeout=60_000)
+        page.wait_for_function(
+            f"document.querySelector('#compare-chat-{slot}').innerText.includes('tokens in')", timeout=120_000
+        )
+    page.wait_for_function(
+        "document.querySelector('#compare-attribution img') && document.querySelector('#compare-attribution img').naturalWidth > 0",
+        timeout=60_000,
+    )
     page.click("#compare-fidelity")
-    page.wait_for_function("document.querySelector('#compare-fidelity-text').innerText.includes('first-token KL')", timeout=120_000)
+    page.wait_for_function(
+        "document.querySelector('#compare-fidelity-text').innerText.includes('first-token KL')", timeout=120_000
+    )
     measured = page.locator("#compare-question textarea").input_value()
     assert f"Measured for “{measured}”" in page.locator("#compare-fidelity-text").inner_text(), "the question measured"
     legend = page.locator("#compare-strips-legend").inner_text()
@@ -360,4 +397,6 @@ def test_four_policies_compared_in_chromium(browser, app_url, artifacts):
     assert strips.shape[0] > 5 * 150 and strips.std() > 20, "five stacked strips of frames"
     assert attribution.shape[0] > 5 * 150 and attribution.std() > 20, "an attribution heatmap per engine"
     for name in ("infinipot-v", "cords", "protokv", "hybridkv", "full"):
-        assert f"\n{name}\t" in page.locator("#compare-sweep-text").inner_text(), "accuracy against delay for every engine"
+        assert f"\n{name}\t" in page.locator("#compare-sweep-text").inner_text(), (
+            "accuracy against delay for every engine"
+        )

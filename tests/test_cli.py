@@ -15,11 +15,23 @@ from kvdemo.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("policy, budget, keep", [("full", None, None), ("uniform", 540, 405), ("sliding-window", 405, 270)])
+@pytest.mark.parametrize(
+    "policy, budget, keep", [("full", None, None), ("uniform", 540, 405), ("sliding-window", 405, 270)]
+)
 def test_run_writes_a_report_that_respects_the_budget(media, tmp_path, capsys, policy, budget, keep):
     out = tmp_path / "report.json"
-    args = ["run", "--video", str(media / "flipping_a_pancake.mkv"), "--policy", policy, "--json", str(out), "--quiet",
-            "--max-pixels", str(256 * 28 * 28)]
+    args = [
+        "run",
+        "--video",
+        str(media / "flipping_a_pancake.mkv"),
+        "--policy",
+        policy,
+        "--json",
+        str(out),
+        "--quiet",
+        "--max-pixels",
+        str(256 * 28 * 28),
+    ]
     if budget:
         args += ["--budget", str(budget), "--keep", str(keep)]
     args += ["--ask", "What is cooking?", "--max-new-tokens", "6"]
@@ -42,8 +54,23 @@ def test_real_videos_reach_the_trained_tiny_model_at_its_own_resolution(media, t
     """By default frames are resized into the model's declared pixel range: the trained tiny model saw
     112 x 112 frames, so the 426 x 240 clip becomes 140 x 84 (3 x 5 tokens per frame pair)."""
     out = tmp_path / "report.json"
-    assert main(["run", "--video", str(media / "flipping_a_pancake.mkv"), "--policy", "full", "--quiet",
-                 "--ask", "What colour was the circle?", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--video",
+                str(media / "flipping_a_pancake.mkv"),
+                "--policy",
+                "full",
+                "--quiet",
+                "--ask",
+                "What colour was the circle?",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["tokens_per_grid"] == 15 and report["frames"] == 20 and not report["random_weights"]
     assert report["answers"][0]["answer"].strip()
@@ -63,7 +90,10 @@ def test_run_without_video_uses_the_bundled_sample(capsys):
     "extra, message",
     [
         (["--policy", "uniform", "--budget", "100", "--keep", "200"], "C must be smaller than M"),
-        (["--policy", "uniform", "--budget", "100", "--keep", "50", "--max-pixels", str(256 * 28 * 28)], "smaller than one chunk"),
+        (
+            ["--policy", "uniform", "--budget", "100", "--keep", "50", "--max-pixels", str(256 * 28 * 28)],
+            "smaller than one chunk",
+        ),
         (["--policy", "nope"], "unknown policy"),
         (["--policy", "uniform", "--param", "alpha=1"], "no parameter"),
         (["--fps", "0"], "fps must be positive"),
@@ -80,13 +110,17 @@ def test_user_errors_print_one_line_and_exit_2(media, capsys, extra, message):
 def test_non_video_and_damaged_files_from_a_real_process(media, tmp_path):
     junk = tmp_path / "junk.webm"
     junk.write_bytes(b"\x00garbage" * 1000)
-    done = subprocess.run([sys.executable, "-m", "kvdemo", "run", "--video", str(junk)], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvdemo", "run", "--video", str(junk)], cwd=ROOT, capture_output=True, text=True
+    )
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: junk.webm: not a readable video file")
     damaged = subprocess.run(
         [sys.executable, "-m", "kvdemo", "run", "--video", str(media / "corrupted.mp4"), "--quiet", "--policy", "full"],
-        cwd=ROOT, capture_output=True, text=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert damaged.returncode == 0, damaged.stderr
     assert "1 damaged frame could not be decoded and was skipped" in damaged.stderr
@@ -121,7 +155,9 @@ def test_bench_refuses_a_device_it_cannot_use_before_streaming(device, capsys):
     assert err.startswith(f"error: --device {device}: ") and err.count("\n") == 1 and "streaming" not in err
 
 
-def run_cli_in_a_fresh_process(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, dict[str, bool]]:
+def run_cli_in_a_fresh_process(
+    *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess, dict[str, bool]]:
     """``python -m kvdemo`` in a new interpreter (``env``: variables set or, as None values, removed); also says
     which heavy modules it had imported at exit."""
     probe = (
@@ -148,8 +184,17 @@ def test_a_missing_file_fails_before_torch_is_imported(tmp_path):
 
 
 def test_a_budget_error_comes_before_the_model_loads_on_its_own_line(media):
-    done, imported = run_cli_in_a_fresh_process("run", "--video", str(media / "flipping_a_pancake.mkv"), "--budget", "100", "--keep", "50",
-                                                "--max-pixels", "200704")
+    done, imported = run_cli_in_a_fresh_process(
+        "run",
+        "--video",
+        str(media / "flipping_a_pancake.mkv"),
+        "--budget",
+        "100",
+        "--keep",
+        "50",
+        "--max-pixels",
+        "200704",
+    )
     assert done.returncode == 2
     # No progress bar, no model line: the one line is the error (426x240 -> 252x420 -> 9x15 = 135 tokens per chunk).
     assert done.stderr.strip().splitlines() == [
@@ -159,11 +204,18 @@ def test_a_budget_error_comes_before_the_model_loads_on_its_own_line(media):
     assert not imported["kvdemo.models.loading"], "no model was loaded (the resize rule may import transformers)"
 
 
-@pytest.mark.parametrize("args, message", [(["--fps", "-1"], "--fps must be positive"),
-                                           (["--max-frames", "0"], "--max-frames must be positive"),
-                                           (["--min-pixels", "900000", "--max-pixels", "602112"],
-                                            "--min-pixels (900000) must not exceed --max-pixels (602112)"),
-                                           (["--param", "alpha"], "--param takes key=value")])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--fps", "-1"], "--fps must be positive"),
+        (["--max-frames", "0"], "--max-frames must be positive"),
+        (
+            ["--min-pixels", "900000", "--max-pixels", "602112"],
+            "--min-pixels (900000) must not exceed --max-pixels (602112)",
+        ),
+        (["--param", "alpha"], "--param takes key=value"),
+    ],
+)
 def test_argument_errors_come_before_the_file_is_opened(tmp_path, args, message):
     done, imported = run_cli_in_a_fresh_process("run", "--video", str(tmp_path / "missing.mp4"), *args)
     assert done.returncode == 2 and message in done.stderr and "no such file" not in done.stderr
@@ -187,11 +239,15 @@ def test_help_is_plain_text_with_descriptions_and_examples():
     top = subprocess.run([sys.executable, "-m", "kvdemo", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
     assert "``" not in top and "run" in top and "bench" in top
     for command in ("run", "bench"):
-        text = subprocess.run([sys.executable, "-m", "kvdemo", command, "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+        text = subprocess.run(
+            [sys.executable, "-m", "kvdemo", command, "--help"], cwd=ROOT, capture_output=True, text=True
+        ).stdout
         assert "``" not in text
         assert "examples:" in text and f"python -m kvdemo {command}" in text.split("examples:")[1]
         assert "infinipot-v" in text and "cords" in text, "the policies are listed"
-    run_help = subprocess.run([sys.executable, "-m", "kvdemo", "run", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    run_help = subprocess.run(
+        [sys.executable, "-m", "kvdemo", "run", "--help"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
     assert "default infinipot-v" in " ".join(run_help.split())  # argparse wraps lines at the terminal's width
 
 
@@ -207,22 +263,28 @@ def test_run_help_lists_every_policy_with_the_summary_its_card_declares(capsys):
 
 def test_min_pixels_beyond_the_models_own_maximum_is_one_line(media):
     """Without --max-pixels the model's own maximum applies: known once the model is named, still before it loads."""
-    done, imported = run_cli_in_a_fresh_process("run", "--video", str(media / "flipping_a_pancake.mkv"), "--model", "tiny",
-                                                "--min-pixels", "900000")
+    done, imported = run_cli_in_a_fresh_process(
+        "run", "--video", str(media / "flipping_a_pancake.mkv"), "--model", "tiny", "--min-pixels", "900000"
+    )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == ["error: --min-pixels (900000) must not exceed --max-pixels (the model's 15680)"]
+    assert done.stderr.strip().splitlines() == [
+        "error: --min-pixels (900000) must not exceed --max-pixels (the model's 15680)"
+    ]
     assert not imported["kvdemo.models.loading"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["-M", "1e25"], "M=1e+25 is more visual tokens than any stream holds"),
-    (["-M", "1000000000000"], "M=1e+12 is more visual tokens than any stream holds"),
-    (["-M", "abc"], "M is a number of visual tokens, got 'abc'"),
-    (["-M", "96", "-C", "-3"], "M and C must be positive, got C=-3"),
-    (["--param", "alpha=abc"], "infinipot-v's alpha takes a number (float), got 'abc'"),
-    (["--param", "tar=sideways"], "infinipot-v's tar must be one of patch, frame, reverse, got 'sideways'"),
-    (["--policy", "nope"], "unknown policy 'nope'; choose one of: infinipot-v, cords"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-M", "1e25"], "M=1e+25 is more visual tokens than any stream holds"),
+        (["-M", "1000000000000"], "M=1e+12 is more visual tokens than any stream holds"),
+        (["-M", "abc"], "M is a number of visual tokens, got 'abc'"),
+        (["-M", "96", "-C", "-3"], "M and C must be positive, got C=-3"),
+        (["--param", "alpha=abc"], "infinipot-v's alpha takes a number (float), got 'abc'"),
+        (["--param", "tar=sideways"], "infinipot-v's tar must be one of patch, frame, reverse, got 'sideways'"),
+        (["--policy", "nope"], "unknown policy 'nope'; choose one of: infinipot-v, cords"),
+    ],
+)
 def test_absurd_budgets_and_parameters_are_one_line_and_exit_2(args, message):
     done, imported = run_cli_in_a_fresh_process("run", "--quiet", *args)
     assert done.returncode == 2, done.stderr
@@ -231,7 +293,23 @@ def test_absurd_budgets_and_parameters_are_one_line_and_exit_2(args, message):
 
 
 def test_eval_runs_without_options_its_help_calls_optional(capsys):
-    assert main(["eval", "--runs", "", "--episodes", "1", "--delays", "0", "--quiet", "--policies", "full,sliding-window,protokv"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--runs",
+                "",
+                "--episodes",
+                "1",
+                "--delays",
+                "0",
+                "--quiet",
+                "--policies",
+                "full,sliding-window,protokv",
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "64 / 48" in table and re.search(r"protokv\s+64 ", table), table
 
@@ -239,34 +317,50 @@ def test_eval_runs_without_options_its_help_calls_optional(capsys):
 def test_a_long_question_is_refused_before_anything_loads_and_not_echoed():
     done, imported = run_cli_in_a_fresh_process("run", "--quiet", "--model", "tiny", "--ask", "a" * 100_000)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == ["error: --ask, question 1: the question is 100000 characters long; at most 4096 (shorten it)"]
+    assert done.stderr.strip().splitlines() == [
+        "error: --ask, question 1: the question is 100000 characters long; at most 4096 (shorten it)"
+    ]
     assert not imported["torch"] and not imported["kvdemo.models.loading"]
 
 
 def test_a_question_over_the_token_limit_is_refused_before_the_stream():
     """600 characters pass the character cap, not the trained model's byte tokenizer (600 tokens > 512): refused once
     the tokenizer has loaded, before a frame is streamed (no stream description, no answer)."""
-    done, _ = run_cli_in_a_fresh_process("run", "--quiet", "--model", "tiny", "--ask", "What colour?", "--ask", "b" * 600)
+    done, _ = run_cli_in_a_fresh_process(
+        "run", "--quiet", "--model", "tiny", "--ask", "What colour?", "--ask", "b" * 600
+    )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == "error: --ask, question 2: the question is 600 tokens long; at most 512 (shorten it)"
+    assert (
+        done.stderr.strip().splitlines()[-1]
+        == "error: --ask, question 2: the question is 600 tokens long; at most 512 (shorten it)"
+    )
     assert "generated(seed=7)" not in done.stderr and "Q:" not in done.stdout
 
 
 def test_a_question_is_echoed_on_one_short_line(capsys):
     question = "What colour was the circle?" + " and" * 40 + "\nsecond line"
-    assert main(["run", "--quiet", "--policy", "full", "--max-frames", "4", "--max-new-tokens", "2", "--ask", question]) == 0
+    assert (
+        main(["run", "--quiet", "--policy", "full", "--max-frames", "4", "--max-new-tokens", "2", "--ask", question])
+        == 0
+    )
     shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Q: ")]
     assert shown == [f"Q: {question[:80]}... ({len(question)} characters)"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--max-pixels", "0"], "--max-pixels must be positive, got 0"),
-    (["--max-pixels", "-5"], "--max-pixels must be positive, got -5"),
-    (["--min-pixels", "0"], "--min-pixels must be positive, got 0"),
-    (["--min-pixels", "-3", "--max-pixels", "50000"], "--min-pixels must be positive, got -3"),
-    (["--min-pixels", "50000", "--max-pixels", "40000"], "--min-pixels (50000) must not exceed --max-pixels (40000)"),
-    (["--max-pixels", "100"], "--max-pixels must be at least 784 (one token of 28x28 pixels), got 100"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-pixels", "0"], "--max-pixels must be positive, got 0"),
+        (["--max-pixels", "-5"], "--max-pixels must be positive, got -5"),
+        (["--min-pixels", "0"], "--min-pixels must be positive, got 0"),
+        (["--min-pixels", "-3", "--max-pixels", "50000"], "--min-pixels must be positive, got -3"),
+        (
+            ["--min-pixels", "50000", "--max-pixels", "40000"],
+            "--min-pixels (50000) must not exceed --max-pixels (40000)",
+        ),
+        (["--max-pixels", "100"], "--max-pixels must be at least 784 (one token of 28x28 pixels), got 100"),
+    ],
+)
 def test_impossible_pixel_limits_are_one_line_and_exit_2(args, message):
     done, imported = run_cli_in_a_fresh_process("run", "--quiet", "--model", "tiny", *args)
     assert done.returncode == 2
@@ -274,8 +368,16 @@ def test_impossible_pixel_limits_are_one_line_and_exit_2(args, message):
     assert not imported["kvdemo.models.loading"]
 
 
-@pytest.mark.parametrize("args", [["--policy", "x" * 3000], ["--param", "y" * 3000], ["-M", "9" * 3000],
-                                  ["--video", "z" * 3000], ["--sample", "w" * 3000]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--policy", "x" * 3000],
+        ["--param", "y" * 3000],
+        ["-M", "9" * 3000],
+        ["--video", "z" * 3000],
+        ["--sample", "w" * 3000],
+    ],
+)
 def test_errors_repeat_at_most_a_short_line_of_the_input(args):
     done, _ = run_cli_in_a_fresh_process("run", "--quiet", *args)
     assert done.returncode == 2 and "Traceback" not in done.stderr
@@ -283,14 +385,20 @@ def test_errors_repeat_at_most_a_short_line_of_the_input(args):
     assert len(error) == 1 and "..." in error[0] and len(error[0]) < 300, error
 
 
-@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"},  # offline mode: the Hub is not asked
-                                 {"HF_HUB_OFFLINE": None, "TRANSFORMERS_OFFLINE": None,
-                                  "HF_ENDPOINT": "http://127.0.0.1:9"}])  # nothing listens there: no connection
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"HF_HUB_OFFLINE": "1"},  # offline mode: the Hub is not asked
+        {"HF_HUB_OFFLINE": None, "TRANSFORMERS_OFFLINE": None, "HF_ENDPOINT": "http://127.0.0.1:9"},
+    ],
+)  # nothing listens there: no connection
 def test_a_model_neither_local_nor_reachable_fails_once_with_one_line(env):
     done, _ = run_cli_in_a_fresh_process("run", "--quiet", "--model", "no/such-model", env=env)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Retry" not in done.stderr, done.stderr
-    assert lines[0].startswith("error: model 'no/such-model' is neither a local folder nor in the Hugging Face cache, "
-                               "and the Hub cannot be reached")
+    assert lines[0].startswith(
+        "error: model 'no/such-model' is neither a local folder nor in the Hugging Face cache, "
+        "and the Hub cannot be reached"
+    )
     assert "--model /path/to/folder" in lines[0] and "offline model (tiny, tiny-random" in lines[0]

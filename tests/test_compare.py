@@ -23,14 +23,17 @@ TITLES, CHATS = 8, 13
 ASK_STATUS, ASK_ATTRIBUTION, ASK_ATTRIBUTION_TEXT, ASK_REPORT, ASK_CHATS = range(5)
 
 
-@pytest.mark.parametrize("names, text, message, kind", [
-    (FOUR + ["uniform"], "", "at most 4", PolicyChoiceError),
-    (["cords", "cords"], "", "each policy once", PolicyChoiceError),
-    (["full"], "", "each policy once", PolicyChoiceError),
-    ([], "", "at least one", PolicyChoiceError),
-    (["cords"], "uniform: M=10", "names no compared policy", PolicyParameterError),
-    (["cords"], "cords: M96", "not key=value", PolicyParameterError),
-])
+@pytest.mark.parametrize(
+    "names, text, message, kind",
+    [
+        (FOUR + ["uniform"], "", "at most 4", PolicyChoiceError),
+        (["cords", "cords"], "", "each policy once", PolicyChoiceError),
+        (["full"], "", "each policy once", PolicyChoiceError),
+        ([], "", "at least one", PolicyChoiceError),
+        (["cords"], "uniform: M=10", "names no compared policy", PolicyParameterError),
+        (["cords"], "cords: M96", "not key=value", PolicyParameterError),
+    ],
+)
 def test_bad_choices_are_one_line_errors(names, text, message, kind):
     with pytest.raises(kind, match=message):
         parse_overrides(names, text)
@@ -72,8 +75,26 @@ def test_the_stated_memory_bound_holds_in_real_bytes():
 def test_cli_compare_writes_one_report_per_engine_in_one_file(tmp_path, capsys):
     out = tmp_path / "compare.json"
     question = "What colour was the circle?"
-    assert main(["compare", "--model", "tiny", "-M", "64", "-C", "48", "--ask", question, "--attribution", "--fidelity",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--model",
+                "tiny",
+                "-M",
+                "64",
+                "-C",
+                "48",
+                "--ask",
+                question,
+                "--attribution",
+                "--fidelity",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr()
     report = json.loads(out.read_text())
     assert set(report["policies"]) == set(FOUR) and report["full"]["policy"] == "full"
@@ -98,12 +119,15 @@ def test_cli_compare_writes_one_report_per_engine_in_one_file(tmp_path, capsys):
     assert "model work" in printed.out and "evidence ratio" in printed.out
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--policies", "infinipot-v,cords,protokv,hybridkv,uniform"], "at most 4"),
-    (["--policies", "cords,nope"], "nope"),
-    (["--policies", "cords", "-M", "8", "-C", "4"], "cords: M=8 is smaller than one chunk"),
-    (["--override", "cords: M=x"], "M"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--policies", "infinipot-v,cords,protokv,hybridkv,uniform"], "at most 4"),
+        (["--policies", "cords,nope"], "nope"),
+        (["--policies", "cords", "-M", "8", "-C", "4"], "cords: M=8 is smaller than one chunk"),
+        (["--override", "cords: M=x"], "M"),
+    ],
+)
 def test_cli_compare_errors_are_one_line(capsys, extra, message):
     assert main(["compare", "--model", "tiny", "--max-frames", "4", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -111,8 +135,18 @@ def test_cli_compare_errors_are_one_line(capsys, extra, message):
 
 
 def compare_sample(client, policies=FOUR, overrides="", budget=96, keep=72):
-    return client.predict(model="tiny", policies=policies, overrides=overrides, budget=budget, keep=keep, fps=2,
-                          max_pixels=15680, cap_mb=2048, sample_kind="static", api_name="/compare_sample")
+    return client.predict(
+        model="tiny",
+        policies=policies,
+        overrides=overrides,
+        budget=budget,
+        keep=keep,
+        fps=2,
+        max_pixels=15680,
+        cap_mb=2048,
+        sample_kind="static",
+        api_name="/compare_sample",
+    )
 
 
 def test_the_comparison_page_through_gradio_client(app_url):
@@ -136,8 +170,20 @@ def test_the_comparison_page_through_gradio_client(app_url):
     assert "attribution" in answered[0]["answers"]["full"] and "attribution" not in answered[1]["answers"]["full"]
     fidelity = client.predict(episode.questions[0].text, api_name="/compare_fidelity")
     assert all(name in fidelity[1] for name in FOUR) and "first-token KL" in fidelity[1]
-    sweep = client.predict("0, 8", 1, model="tiny", policies=["infinipot-v", "cords"], overrides="", budget=64, keep=48,
-                           fps=2, max_pixels=15680, cap_mb=0, sample_kind="static", api_name="/compare_sweep")
+    sweep = client.predict(
+        "0, 8",
+        1,
+        model="tiny",
+        policies=["infinipot-v", "cords"],
+        overrides="",
+        budget=64,
+        keep=48,
+        fps=2,
+        max_pixels=15680,
+        cap_mb=0,
+        sample_kind="static",
+        api_name="/compare_sweep",
+    )
     table = sweep[1]
     assert "✓" in table and all(f"| {name} |" in table for name in ("infinipot-v", "cords", "full"))
     assert "| full | 1.00 | 1.00 |" in table  # the full cache answers every sample question at every delay
@@ -149,15 +195,48 @@ def test_comparison_errors_are_messages_and_the_page_keeps_serving(app_url, medi
     assert "at most 4" in too_many[STATUS]
     assert "names no compared policy" in compare_sample(client, ["cords"], "uniform: M=9")[STATUS]
     assert "smaller than one chunk" in compare_sample(client, ["cords"], budget=8, keep=4)[STATUS]
-    damaged = client.predict(handle_file(str(media / "corrupted.mp4")), model="tiny", policies=["cords"], overrides="",
-                             budget=96, keep=72, fps=2, max_pixels=15680, cap_mb=0, sample_kind="static", api_name="/compare_run")
+    damaged = client.predict(
+        handle_file(str(media / "corrupted.mp4")),
+        model="tiny",
+        policies=["cords"],
+        overrides="",
+        budget=96,
+        keep=72,
+        fps=2,
+        max_pixels=15680,
+        cap_mb=0,
+        sample_kind="static",
+        api_name="/compare_run",
+    )
     assert "could not be decoded" in damaged[STATUS] and "9/9 frames" in damaged[STATUS]
-    sweep = client.predict("0, x", 0, model="tiny", policies=["cords"], overrides="", budget=64, keep=48, fps=2,
-                           max_pixels=15680, cap_mb=0, sample_kind="static", api_name="/compare_sweep")
+    sweep = client.predict(
+        "0, x",
+        0,
+        model="tiny",
+        policies=["cords"],
+        overrides="",
+        budget=64,
+        keep=48,
+        fps=2,
+        max_pixels=15680,
+        cap_mb=0,
+        sample_kind="static",
+        api_name="/compare_sweep",
+    )
     assert "delays" in sweep[1]
-    good = client.predict(handle_file(str(media / "flipping_a_pancake.mkv")), model="tiny", policies=["cords", "uniform"],
-                          overrides="", budget=96, keep=72, fps=2, max_pixels=15680, cap_mb=0, sample_kind="static",
-                          api_name="/compare_run")
+    good = client.predict(
+        handle_file(str(media / "flipping_a_pancake.mkv")),
+        model="tiny",
+        policies=["cords", "uniform"],
+        overrides="",
+        budget=96,
+        keep=72,
+        fps=2,
+        max_pixels=15680,
+        cap_mb=0,
+        sample_kind="static",
+        api_name="/compare_run",
+    )
     assert "20/20 frames" in good[STATUS]
     # Issue 34, item 1: answers about a real video carry the offline model's warning, as on the single-policy tab...
     asked = client.predict("What is cooking?", True, api_name="/compare_ask")
@@ -169,9 +248,19 @@ def test_comparison_errors_are_messages_and_the_page_keeps_serving(app_url, medi
     assert "Still showing the previous comparison: flipping_a_pancake.mkv" in failed[STATUS]
     assert "the previous comparison (flipping_a_pancake.mkv" in failed[PLOT]["plot"]
     assert failed[STRIPS] == {"__type__": "update"}, "the previous strips stay, under the status that says so"
-    again = client.submit(handle_file(str(media / "flipping_a_pancake.mkv")), model="tiny", policies=["cords"],
-                          overrides="", budget=96, keep=72, fps=2, max_pixels=15680, cap_mb=0, sample_kind="static",
-                          api_name="/compare_run")
+    again = client.submit(
+        handle_file(str(media / "flipping_a_pancake.mkv")),
+        model="tiny",
+        policies=["cords"],
+        overrides="",
+        budget=96,
+        keep=72,
+        fps=2,
+        max_pixels=15680,
+        cap_mb=0,
+        sample_kind="static",
+        api_name="/compare_run",
+    )
     final = again.result()
     assert "previous comparison" not in final[PLOT]["plot"] and "20/20 frames" in final[STATUS]
     assert again.outputs()[0][RUN_ASK_STATUS] == "", "a new comparison clears the last question's status (item 2)"
@@ -183,18 +272,46 @@ def test_the_comparison_under_zerogpu_emulation_answers_like_the_app(app_url, em
         client = new_client(url)
         assert "80/80 frames" in compare_sample(client, ["infinipot-v", "hybridkv"])[STATUS]
         asked = client.predict("What colour was the star?", True, api_name="/compare_ask")
-        answers.append([chat[-1]["content"][0]["text"].split(" tokens in")[0] for chat in asked[ASK_CHATS : ASK_CHATS + 3]])
+        answers.append(
+            [chat[-1]["content"][0]["text"].split(" tokens in")[0] for chat in asked[ASK_CHATS : ASK_CHATS + 3]]
+        )
         assert "first-token KL" in client.predict("What colour was the star?", api_name="/compare_fidelity")[1]
-        sweep = client.predict("0", 0, model="tiny", policies=["infinipot-v"], overrides="", budget=64, keep=48, fps=2,
-                               max_pixels=15680, cap_mb=0, sample_kind="static", api_name="/compare_sweep")
+        sweep = client.predict(
+            "0",
+            0,
+            model="tiny",
+            policies=["infinipot-v"],
+            overrides="",
+            budget=64,
+            keep=48,
+            fps=2,
+            max_pixels=15680,
+            cap_mb=0,
+            sample_kind="static",
+            api_name="/compare_sweep",
+        )
         answers[-1].append(sweep[1].split("\n\n", 1)[1])  # the accuracy table (a GPU call that yields as it goes)
     assert answers[0] == answers[1]
 
 
 def test_cli_compare_on_a_damaged_file_says_what_was_lost(media, capsys, tmp_path):
     out = tmp_path / "damaged.json"
-    assert main(["compare", "--model", "tiny", "--video", str(media / "corrupted.mp4"), "--policies", "cords",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--model",
+                "tiny",
+                "--video",
+                str(media / "corrupted.mp4"),
+                "--policies",
+                "cords",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "1 damaged frame could not be decoded and was skipped" in capsys.readouterr().err
     report = json.loads(out.read_text())
     assert report["policies"]["cords"]["lost_frames"] == 1 and report["full"]["frames"] == 9

@@ -23,9 +23,17 @@ def frames_view(key_centroids, value_centroids, noise=0.0, layer=0, num_layers=1
     values = v.repeat_interleave(P, 0) + noise * torch.randn(frames * P, DIM, generator=g)
     token = torch.arange(frames * P)
     prov = lambda x: x.int().expand(2, -1).contiguous()  # noqa: E731
-    return LayerView(layer=layer, num_layers=num_layers, keys=keys.expand(2, -1, -1).contiguous(),
-                     values=values.expand(2, -1, -1).contiguous(), frame=prov(token // P), row=prov((token % P) // COLS),
-                     col=prov(token % COLS), grid=(ROWS, COLS), newest_frame=frames - 1)
+    return LayerView(
+        layer=layer,
+        num_layers=num_layers,
+        keys=keys.expand(2, -1, -1).contiguous(),
+        values=values.expand(2, -1, -1).contiguous(),
+        frame=prov(token // P),
+        row=prov((token % P) // COLS),
+        col=prov(token % COLS),
+        grid=(ROWS, COLS),
+        newest_frame=frames - 1,
+    )
 
 
 def e(i, scale=1.0):
@@ -157,8 +165,28 @@ def test_cli_coverage_compares_with_full(media, tmp_path):
     from kvdemo.cli import main
 
     out = tmp_path / "r.json"
-    assert main(["run", "--video", str(media / "flipping_a_pancake.mkv"), "--policy", "cords", "--budget", "540",
-                 "--keep", "405", "--max-pixels", "200704", "--coverage", "--quiet", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--video",
+                str(media / "flipping_a_pancake.mkv"),
+                "--policy",
+                "cords",
+                "--budget",
+                "540",
+                "--keep",
+                "405",
+                "--max-pixels",
+                "200704",
+                "--coverage",
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert set(report["coverage"]) == {"cords", "full"}
     assert report["coverage"]["full"]["joint"]["mean"] < 1e-5 < report["coverage"]["cords"]["joint"]["mean"]
@@ -287,6 +315,7 @@ def reference_cords(keys, values, frame, keep, beta=0.25, gamma=0.25, bonus=0.25
             kept += tokens[f]
             whole.append(f)
         else:  # the partial frame: its tokens farthest from every selected frame's centroid
+
             def token_distance(i):
                 return min(beta * _sq(k[i], kc[s]) + (1 - beta) * _sq(v[i], vc[s]) for s in whole)
 
@@ -304,16 +333,28 @@ def test_selection_equals_a_plain_loop_restatement(seed):
     frames, heads = 14, 2
     cluster = torch.randn(heads, 3, DIM, generator=g)
     which = torch.randint(0, 3, (heads, frames), generator=g)
-    key_c = 50 * (torch.gather(cluster, 1, which[..., None].expand(-1, -1, DIM)) + 0.6 * torch.randn(heads, frames, DIM, generator=g))
+    key_c = 50 * (
+        torch.gather(cluster, 1, which[..., None].expand(-1, -1, DIM))
+        + 0.6 * torch.randn(heads, frames, DIM, generator=g)
+    )
     value_c = torch.randn(heads, frames, DIM, generator=g)
     keys = key_c.repeat_interleave(P, 1) + 20 * torch.randn(heads, frames * P, DIM, generator=g)
     values = value_c.repeat_interleave(P, 1) + 0.4 * torch.randn(heads, frames * P, DIM, generator=g)
     token = torch.arange(frames * P)
     slot = torch.stack([torch.randperm(frames * P, generator=g) for _ in range(heads)])  # slot -> token
     at3 = lambda x: torch.gather(x, 1, slot[..., None].expand(-1, -1, DIM))  # noqa: E731
-    view = LayerView(layer=0, num_layers=1, keys=at3(keys), values=at3(values), frame=(slot // P).int(),
-                     row=((slot % P) // COLS).int(), col=(slot % COLS).int(), grid=(ROWS, COLS), newest_frame=frames - 1,
-                     order=slot)
+    view = LayerView(
+        layer=0,
+        num_layers=1,
+        keys=at3(keys),
+        values=at3(values),
+        frame=(slot // P).int(),
+        row=((slot % P) // COLS).int(),
+        col=(slot % COLS).int(),
+        grid=(ROWS, COLS),
+        newest_frame=frames - 1,
+        order=slot,
+    )
     keep = 7 * P + 2
     selection = make_policy("cords").compress([view], keep)
     for head in range(heads):
@@ -324,8 +365,17 @@ def test_selection_equals_a_plain_loop_restatement(seed):
 
 def test_defaults_are_the_documented_ones():
     defaults = {spec.name: spec.default for spec in policy_params("cords")}
-    assert defaults == {"beta": 0.25, "gamma": 0.25, "bonus": 0.25, "eps": 1e-6, "recent_ratio": 0.125,
-                        "layers": "bottom25", "followers": True, "above": "reuse", "single_depth": 0.5}
+    assert defaults == {
+        "beta": 0.25,
+        "gamma": 0.25,
+        "bonus": 0.25,
+        "eps": 1e-6,
+        "recent_ratio": 0.125,
+        "layers": "bottom25",
+        "followers": True,
+        "above": "reuse",
+        "single_depth": 0.5,
+    }
     kinds = {spec.name: spec.kind for spec in policy_params("cords")}
     assert kinds["above"] == "choice" and kinds["single_depth"] == "float"
 

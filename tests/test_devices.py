@@ -169,7 +169,9 @@ def test_grouped_and_expanded_attention_are_the_same_attention():
     the query heads, the mask in the query's dtype) both equal a hand softmax, with a per-KV-head bias and the
     causal block, in float64."""
     g = torch.Generator().manual_seed(3)
-    query, key, value = (torch.randn(1, h, n, 8, generator=g, dtype=torch.float64) for h, n in ((6, 4), (2, 11), (2, 11)))
+    query, key, value = (
+        torch.randn(1, h, n, 8, generator=g, dtype=torch.float64) for h, n in ((6, 4), (2, 11), (2, 11))
+    )
     bias = torch.randn(2, 7, generator=g, dtype=torch.float64)
     bias[1, 2] = float("-inf")
     mask = torch.zeros(2, 4, 11, dtype=torch.float64)
@@ -185,7 +187,9 @@ def test_grouped_and_expanded_attention_are_the_same_attention():
     plain = torch.softmax(plain_scores.masked_fill(~causal, float("-inf")), -1)
     for expand in (False, True):
         out = grouped_sdpa(query, key, value, causal, 0.3, expand_kv=expand)
-        torch.testing.assert_close(out[0], torch.einsum("hqk,hkd->hqd", plain, value[0].repeat_interleave(3, 0)), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            out[0], torch.einsum("hqk,hkd->hqd", plain, value[0].repeat_interleave(3, 0)), rtol=1e-12, atol=1e-12
+        )
 
 
 def test_the_expanded_call_copies_neither_the_mask_nor_the_keys_per_query_head(monkeypatch):
@@ -197,9 +201,16 @@ def test_the_expanded_call_copies_neither_the_mask_nor_the_keys_per_query_head(m
 
     seen = []
     real = attention.F.scaled_dot_product_attention
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
-                        lambda q, k, v, attn_mask=None, **kw: seen.append((q.shape, k.stride(), attn_mask.shape)) or real(q, k, v, attn_mask=attn_mask, **kw))
-    query = torch.randn(1, 6, 4, 8).transpose(1, 2).contiguous().transpose(1, 2)  # [1, H_q, q, D] as transformers hands it
+    monkeypatch.setattr(
+        attention.F,
+        "scaled_dot_product_attention",
+        lambda q, k, v, attn_mask=None, **kw: (
+            seen.append((q.shape, k.stride(), attn_mask.shape)) or real(q, k, v, attn_mask=attn_mask, **kw)
+        ),
+    )
+    query = (
+        torch.randn(1, 6, 4, 8).transpose(1, 2).contiguous().transpose(1, 2)
+    )  # [1, H_q, q, D] as transformers hands it
     key = torch.randn(1, 2, 11, 8)
     grouped_sdpa(query, key, key, torch.zeros(2, 4, 11), 0.3, expand_kv=True)
     grouped_sdpa(query, key, key, torch.ones(4, 11, dtype=torch.bool).tril(7), 0.3, expand_kv=True)
@@ -221,8 +232,11 @@ def test_a_decode_step_is_the_same_attention_grouped_and_expanded(heads):
     bias[-1, 0, 3] = float("-inf")
     visible = torch.ones(1, 9, dtype=torch.bool)
     visible[0, 5] = False
-    for mask, additive in ((None, torch.zeros(kv_heads, 1, 9, dtype=torch.float64)), (bias, bias),
-                           (visible, torch.zeros(1, 9, dtype=torch.float64).masked_fill(~visible, float("-inf")))):
+    for mask, additive in (
+        (None, torch.zeros(kv_heads, 1, 9, dtype=torch.float64)),
+        (bias, bias),
+        (visible, torch.zeros(1, 9, dtype=torch.float64).masked_fill(~visible, float("-inf"))),
+    ):
         scores = torch.einsum("hd,hkd->hk", query[0, :, 0], key[0].repeat_interleave(group, 0)) * 0.4
         scores = scores + (additive.repeat_interleave(group, 0)[:, 0] if additive.dim() == 3 else additive)
         expected = torch.einsum("hk,hkd->hd", torch.softmax(scores, -1), value[0].repeat_interleave(group, 0))
@@ -234,8 +248,12 @@ def test_a_decode_step_is_the_same_attention_grouped_and_expanded(heads):
 
 def _sdpa_flags() -> dict[str, bool]:
     cuda = torch.backends.cuda
-    return {"flash": cuda.flash_sdp_enabled(), "efficient": cuda.mem_efficient_sdp_enabled(), "math": cuda.math_sdp_enabled(),
-            "cudnn": cuda.cudnn_sdp_enabled()}
+    return {
+        "flash": cuda.flash_sdp_enabled(),
+        "efficient": cuda.mem_efficient_sdp_enabled(),
+        "math": cuda.math_sdp_enabled(),
+        "cudnn": cuda.cudnn_sdp_enabled(),
+    }
 
 
 def test_kvdemos_calls_on_cuda_leave_cudnn_out_and_restore_the_flags():
@@ -284,7 +302,9 @@ def test_grouped_attention_runs_inside_the_backend_scope_of_its_device(monkeypat
     calls = []
     real = attention.F.scaled_dot_product_attention
     monkeypatch.setattr(attention, "sdpa_scope", recording)
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(inside[-1]) or real(*a, **k))
+    monkeypatch.setattr(
+        attention.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(inside[-1]) or real(*a, **k)
+    )
     query, key = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
     for mask in (None, torch.zeros(2, 3, 5), torch.ones(3, 5, dtype=torch.bool)):
         for expand in (False, True):
@@ -296,9 +316,14 @@ def _factories_without_a_device(path: Path, root: Path = PACKAGE.parent) -> list
     """``torch.<factory>(...)`` calls in ``path`` that name no device (``new_*``/``*_like`` derive theirs)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in FACTORIES
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
-                and not any(k.arg == "device" for k in node.keywords)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in FACTORIES
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "torch"
+            and not any(k.arg == "device" for k in node.keywords)
+        ):
             found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)[:80]}")
     return found
 
@@ -306,7 +331,9 @@ def _factories_without_a_device(path: Path, root: Path = PACKAGE.parent) -> list
 def test_every_tensor_factory_in_the_core_names_its_device():
     """In the policies, the memory, the offload store and the attention seam, a tensor is made on the device of
     the data it meets (``device=``, or ``new_*``/``*_like``); host tensors say ``device="cpu"`` on purpose."""
-    files = sorted((PACKAGE / "policies").rglob("*.py")) + [PACKAGE / "cache" / f"{n}.py" for n in ("memory", "attention", "offload")]
+    files = sorted((PACKAGE / "policies").rglob("*.py")) + [
+        PACKAGE / "cache" / f"{n}.py" for n in ("memory", "attention", "offload")
+    ]
     assert len(files) > 8
     found = [line for path in files for line in _factories_without_a_device(path)]
     assert found == []
@@ -315,9 +342,13 @@ def test_every_tensor_factory_in_the_core_names_its_device():
 def test_the_static_check_finds_a_factory_without_a_device(tmp_path):
     source = tmp_path / "kvdemo" / "example.py"
     source.parent.mkdir()
-    source.write_text("import torch\n\ndef f(x):\n    total = torch.full((3,), 8, dtype=torch.long)\n"
-                      "    ok = torch.zeros(3, device=x.device)\n    return torch.zeros_like(x) + total + ok\n")
-    assert _factories_without_a_device(source, tmp_path) == ["kvdemo/example.py:4: torch.full((3,), 8, dtype=torch.long)"]
+    source.write_text(
+        "import torch\n\ndef f(x):\n    total = torch.full((3,), 8, dtype=torch.long)\n"
+        "    ok = torch.zeros(3, device=x.device)\n    return torch.zeros_like(x) + total + ok\n"
+    )
+    assert _factories_without_a_device(source, tmp_path) == [
+        "kvdemo/example.py:4: torch.full((3,), 8, dtype=torch.long)"
+    ]
 
 
 def test_the_doctor_runs_its_small_matrix_on_the_cpu(tmp_path, capsys):
@@ -326,11 +357,17 @@ def test_the_doctor_runs_its_small_matrix_on_the_cpu(tmp_path, capsys):
     from kvdemo.cli import main
 
     out = tmp_path / "doctor.json"
-    assert main(["doctor", "--device", "cpu", "--models", "tiny,tiny-random-qwen3-vl", "--frames", "16",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            ["doctor", "--device", "cpu", "--models", "tiny,tiny-random-qwen3-vl", "--frames", "16", "--json", str(out)]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     rows = report["models"]
-    assert {(r["model"], r["policy"]) for r in rows} == {(m, p) for m in ("tiny", "tiny-random-qwen3-vl") for p in POLICIES + ["full"]}
+    assert {(r["model"], r["policy"]) for r in rows} == {
+        (m, p) for m in ("tiny", "tiny-random-qwen3-vl") for p in POLICIES + ["full"]
+    }
     for row in rows:
         assert row["under_M"] and row["memory_unchanged_by_asking"] and row["same_across_runs"], row
         if row["policy"] != "full":
@@ -348,10 +385,15 @@ def test_the_doctors_attention_table_runs_every_call_and_compares_the_blocks():
     from kvdemo.bench.doctor import attention_memory
 
     three_tokens = 3 * 4 * 4 * (24 + 8)  # float32 logits of 4 query heads over 32 keys
-    rows = attention_memory(torch.device("cpu"), shapes=(("small", 4, 2),), chunk=8, past=24, repeats=1,
-                            block_bytes=three_tokens)
-    assert [r["call"] for r in rows] == ["SDPA, per-KV-head mask", "SDPA, causal mask", "float32 softmax, blocks",
-                                         "float32 softmax, one block"]
+    rows = attention_memory(
+        torch.device("cpu"), shapes=(("small", 4, 2),), chunk=8, past=24, repeats=1, block_bytes=three_tokens
+    )
+    assert [r["call"] for r in rows] == [
+        "SDPA, per-KV-head mask",
+        "SDPA, causal mask",
+        "float32 softmax, blocks",
+        "float32 softmax, one block",
+    ]
     assert all("error" not in r and r["ms"] > 0 and r["peak_mb"] is None for r in rows)
     assert rows[2]["same_as_one_block"] and rows[3]["same_as_one_block"]
 

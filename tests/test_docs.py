@@ -140,15 +140,20 @@ def test_the_files_and_modules_the_docs_name_exist(path):
                 missing.append(module)
         if re.fullmatch(r"kvdemo(\.[a-z_]+)+(\.[A-Za-z_]+)?", span):  # a module (and perhaps a name in it)
             parts = span.split(".")
-            if not any((ROOT / "/".join(parts[:n])).with_suffix(".py").exists() or (ROOT / "/".join(parts[:n])).is_dir()
-                       for n in range(2, len(parts) + 1)):
+            if not any(
+                (ROOT / "/".join(parts[:n])).with_suffix(".py").exists() or (ROOT / "/".join(parts[:n])).is_dir()
+                for n in range(2, len(parts) + 1)
+            ):
                 missing.append(span)
     assert not missing, f"{name(path)} names what the repository does not have: {missing}"
 
 
 def test_no_tracker_numbers_in_user_facing_text():
-    found = [f"{name(path)}: {match}" for path in MARKDOWN
-             for match in re.findall(r"\bissues?\s*#?\d+|(?<![\w/])#\d+\b", path.read_text(), flags=re.IGNORECASE)]
+    found = [
+        f"{name(path)}: {match}"
+        for path in MARKDOWN
+        for match in re.findall(r"\bissues?\s*#?\d+|(?<![\w/])#\d+\b", path.read_text(), flags=re.IGNORECASE)
+    ]
     assert not found, found
 
 

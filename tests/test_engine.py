@@ -168,8 +168,21 @@ def test_report_follows_the_contract(tiny, pancake):
     feed_all(tiny, pancake, {"p": engine})
     engine.answer("What?")
     report = json.loads(json.dumps(engine.report()))
-    for key in ("model", "policy", "params", "budget", "keep", "fps", "frames", "tokens_per_grid", "timeline",
-                "peak_visual_tokens", "peak_cache_bytes", "survivors", "answers"):
+    for key in (
+        "model",
+        "policy",
+        "params",
+        "budget",
+        "keep",
+        "fps",
+        "frames",
+        "tokens_per_grid",
+        "timeline",
+        "peak_visual_tokens",
+        "peak_cache_bytes",
+        "survivors",
+        "answers",
+    ):
         assert key in report
     assert report["frames"] == 20 and report["tokens_per_grid"] == 135
     assert {e["event"] for e in report["timeline"]} == {"append", "compress"}

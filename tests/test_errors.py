@@ -51,31 +51,47 @@ def test_the_errors_module_imports_nothing_from_kvdemo():
 
 
 def run_settings(**changes) -> RunSettings:
-    values = dict(model="tiny-random", policy="uniform", params={}, budget=96, keep=72, fps=2.0, max_pixels=200704,
-                  baseline=False, cap_mb=0.0)
+    values = dict(
+        model="tiny-random",
+        policy="uniform",
+        params={},
+        budget=96,
+        keep=72,
+        fps=2.0,
+        max_pixels=200704,
+        baseline=False,
+        cap_mb=0.0,
+    )
     return RunSettings(**{**values, **changes})
 
 
-@pytest.mark.parametrize("call, kind, message", [
-    (lambda: Budget.resolve(make_policy("uniform"), 100, 200), BudgetError, "C must be smaller than M"),
-    (lambda: Budget.resolve(make_policy("uniform"), "abc", 72), BudgetError, "M is a number of visual tokens"),
-    (lambda: make_policy("nope"), UnknownPolicyError, "unknown policy 'nope'"),
-    (lambda: make_policy("uniform", alpha=1), PolicyParameterError, "has no parameter(s) alpha"),
-    (lambda: parse_overrides([]), PolicyChoiceError, "choose at least one policy to compare"),
-    (lambda: parse_overrides(["cords", "cords"]), PolicyChoiceError, "each policy once"),
-    (lambda: parse_overrides(["cords"], "cords: M96"), PolicyParameterError, "'M96' in cords's line is not key=value"),
-    (lambda: evaluate(None, []), PolicyChoiceError, "name at least one policy"),
-    (lambda: evaluate(None, ["full"], episodes=0), EvaluationSettingError, "--episodes must be positive, got 0"),
-    (lambda: evaluate(None, ["full"], delays=(-1.0,)), StreamSettingError, "delays must be non-negative seconds"),
-    (lambda: evaluate(None, ["full"], questions="essay"), EvaluationSettingError, "unknown question form 'essay'"),
-    (lambda: resolve_settings(run_settings(fps=0)), StreamSettingError, "sampling fps must be positive, got 0"),
-    (lambda: resolve_settings(run_settings(max_pixels=10)), StreamSettingError, "max pixels must be at least"),
-    (lambda: resolve_settings(run_settings(cap_mb=-1.0)), StreamSettingError, "the baseline memory cap must be 0"),
-    (lambda: resolve_settings(run_settings(keep=None)), BudgetError, "needs a budget M and a keep size C"),
-    (lambda: resolve_settings(run_settings(policy="nope")), UnknownPolicyError, "unknown policy 'nope'"),
-    (lambda: check_question_text(""), QuestionError, "empty"),
-    (lambda: open_video("no/such/file.mp4"), VideoError, "no such file"),
-])
+@pytest.mark.parametrize(
+    "call, kind, message",
+    [
+        (lambda: Budget.resolve(make_policy("uniform"), 100, 200), BudgetError, "C must be smaller than M"),
+        (lambda: Budget.resolve(make_policy("uniform"), "abc", 72), BudgetError, "M is a number of visual tokens"),
+        (lambda: make_policy("nope"), UnknownPolicyError, "unknown policy 'nope'"),
+        (lambda: make_policy("uniform", alpha=1), PolicyParameterError, "has no parameter(s) alpha"),
+        (lambda: parse_overrides([]), PolicyChoiceError, "choose at least one policy to compare"),
+        (lambda: parse_overrides(["cords", "cords"]), PolicyChoiceError, "each policy once"),
+        (
+            lambda: parse_overrides(["cords"], "cords: M96"),
+            PolicyParameterError,
+            "'M96' in cords's line is not key=value",
+        ),
+        (lambda: evaluate(None, []), PolicyChoiceError, "name at least one policy"),
+        (lambda: evaluate(None, ["full"], episodes=0), EvaluationSettingError, "--episodes must be positive, got 0"),
+        (lambda: evaluate(None, ["full"], delays=(-1.0,)), StreamSettingError, "delays must be non-negative seconds"),
+        (lambda: evaluate(None, ["full"], questions="essay"), EvaluationSettingError, "unknown question form 'essay'"),
+        (lambda: resolve_settings(run_settings(fps=0)), StreamSettingError, "sampling fps must be positive, got 0"),
+        (lambda: resolve_settings(run_settings(max_pixels=10)), StreamSettingError, "max pixels must be at least"),
+        (lambda: resolve_settings(run_settings(cap_mb=-1.0)), StreamSettingError, "the baseline memory cap must be 0"),
+        (lambda: resolve_settings(run_settings(keep=None)), BudgetError, "needs a budget M and a keep size C"),
+        (lambda: resolve_settings(run_settings(policy="nope")), UnknownPolicyError, "unknown policy 'nope'"),
+        (lambda: check_question_text(""), QuestionError, "empty"),
+        (lambda: open_video("no/such/file.mp4"), VideoError, "no such file"),
+    ],
+)
 def test_each_bad_input_raises_its_own_kind_in_one_line(call, kind, message):
     with pytest.raises(kind) as error:
         call()

@@ -37,8 +37,28 @@ def test_only_questions_askable_at_every_delay_count():
 
 def test_the_eval_command_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "eval.json"
-    code = main(["eval", "--policies", "full,sliding-window", "--delays", "0,4", "--episodes", "3", "--seed", "5",
-                 "--budget", "48", "--keep", "32", "--json", str(out), "--quiet", "--runs", str(tmp_path / "runs")])
+    code = main(
+        [
+            "eval",
+            "--policies",
+            "full,sliding-window",
+            "--delays",
+            "0,4",
+            "--episodes",
+            "3",
+            "--seed",
+            "5",
+            "--budget",
+            "48",
+            "--keep",
+            "32",
+            "--json",
+            str(out),
+            "--quiet",
+            "--runs",
+            str(tmp_path / "runs"),
+        ]
+    )
     assert code == 0
     report = json.loads(out.read_text())
     # One run folder per policy; its predictions restate the report's accuracy (kvdemo.experiments.results).
@@ -93,8 +113,24 @@ def test_moving_questions_are_asked_after_the_last_sighting():
 
 def test_the_eval_command_alternates_kinds_when_mixed(tmp_path):
     out = tmp_path / "eval.json"
-    code = main(["eval", "--runs", "", "--policies", "full", "--delays", "0", "--episodes", "4", "--kind", "mixed",
-                 "--json", str(out), "--quiet"])
+    code = main(
+        [
+            "eval",
+            "--runs",
+            "",
+            "--policies",
+            "full",
+            "--delays",
+            "0",
+            "--episodes",
+            "4",
+            "--kind",
+            "mixed",
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert code == 0
     report = json.loads(out.read_text())
     assert report["kind"] == "mixed" and set(report["by_stream"]["full"]["0"]) == {"static", "moving"}
@@ -106,10 +142,15 @@ def test_the_eval_command_alternates_kinds_when_mixed(tmp_path):
     assert {k: report["questions"][f"{k} streams"] for k in expected} == expected
 
 
-@pytest.mark.parametrize("extra, message", [(["--policies", "full,nope"], "unknown policy"),
-                                            (["--policies", "uniform", "-C", "80"], "C must be smaller than M"),
-                                            (["--policies", "uniform", "-M", "1e25"], "more visual tokens than any stream holds"),
-                                            (["--delays", "0,soon"], "--delays takes seconds")])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--policies", "full,nope"], "unknown policy"),
+        (["--policies", "uniform", "-C", "80"], "C must be smaller than M"),
+        (["--policies", "uniform", "-M", "1e25"], "more visual tokens than any stream holds"),
+        (["--delays", "0,soon"], "--delays takes seconds"),
+    ],
+)
 def test_eval_user_errors_are_one_line(capsys, extra, message):
     assert main(["eval", "--runs", "", "--episodes", "1", "--quiet", *extra]) == 2
     assert message in capsys.readouterr().err
@@ -123,7 +164,9 @@ def test_the_committed_weights_answer_from_the_evidence(kind):
 
     model = load_model("tiny")
     assert not model.random_weights
-    report = evaluate(model, ["full", "sliding-window"], delays=(0, 16), episodes=30, seed=1234, budget=48, keep=32, kind=kind)
+    report = evaluate(
+        model, ["full", "sliding-window"], delays=(0, 16), episodes=30, seed=1234, budget=48, keep=32, kind=kind
+    )
     assert report["kind"] == kind and report["questions"]["total"] >= 30
     assert min(report["accuracy"]["full"].values()) >= 0.9
     assert report["accuracy"]["sliding-window"]["16"] <= 0.5
@@ -138,8 +181,10 @@ def test_the_delay_sweep_is_the_eval_protocol_on_the_sample_then_held_out_stream
 
     model = load_model("tiny")
     delays = (0, 8)
-    states = [(s.streams, {k: list(v) for k, v in s.asked.items()}, s.accuracy()) for s in delay_sweep(model, ["sliding-window", "full"], delays, 48, 32,
-                                                                             more_streams=2)]
+    states = [
+        (s.streams, {k: list(v) for k, v in s.asked.items()}, s.accuracy())
+        for s in delay_sweep(model, ["sliding-window", "full"], delays, 48, 32, more_streams=2)
+    ]
     sample_items = len(valid_items(sample_episode(), 0, delays))
     asked = [sum(a["full"]) for _, a, _ in states]
     assert asked == sorted(asked) and asked[-1] > asked[0]  # redrawn as answers come in

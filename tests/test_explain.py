@@ -35,7 +35,10 @@ def loop_weights(query, key, bias, scale, extra=None):
                     if j >= past and j - past > t:
                         logits[j] = -math.inf
                 if extra is not None:
-                    logits += [float(q @ extra[0][h, r].double()) * scale + float(extra[2][h, r]) for r in range(extra[0].shape[1])]
+                    logits += [
+                        float(q @ extra[0][h, r].double()) * scale + float(extra[2][h, r])
+                        for r in range(extra[0].shape[1])
+                    ]
                 top = max(logits)
                 exps = [math.exp(x - top) if x != -math.inf else 0.0 for x in logits]
                 head_rows.append([e / sum(exps) for e in exps])
@@ -75,7 +78,11 @@ def test_float32_attention_in_blocks_of_query_tokens_equals_a_softmax_loop(block
     bias = torch.randn(2, past, generator=g) if with_bias else None
     if bias is not None:
         bias[0, 1] = float("-inf")
-    extra = (torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g), torch.zeros(2, 3)) if with_extra else None
+    extra = (
+        (torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g), torch.zeros(2, 3))
+        if with_extra
+        else None
+    )
     width = past + q_len + (3 if with_extra else 0)
     block_bytes = 4 * 4 * width * block_tokens  # 4 query heads' float32 logits
     got = attention.float32_attention(query, key, value, bias, extra, 0.35, block_bytes=block_bytes)  # [1, q, H_q, D]
@@ -102,8 +109,10 @@ def streamed(trained):
     """The bundled sample (first 16 s) in the full cache and an InfiniPot-V engine that compressed."""
     episode = sample_episode()
     video = episode.video.sampled(2.0).head(32).resized(trained.geometry)
-    engines = {"full": StreamEngine(trained, "full", fps=video.fps),
-               "infinipot-v": StreamEngine(trained, "infinipot-v", budget=64, keep=48, fps=video.fps)}
+    engines = {
+        "full": StreamEngine(trained, "full", fps=video.fps),
+        "infinipot-v": StreamEngine(trained, "infinipot-v", budget=64, keep=48, fps=video.fps),
+    }
     for _ in stream_video(trained, video, engines):
         pass
     assert engines["infinipot-v"].stats.compressions > 0
@@ -134,7 +143,7 @@ def test_attribution_is_the_softmax_of_the_answer_tokens_mapped_through_provenan
         live = memory.live_len(layer)
         keys = memory.layers[layer].keys[:, :, : live + q_len]  # the question's own keys sit in the slack
         query = cache.capture[layer][None]
-        weights = loop_weights(query, keys, None, tiny.head_dim ** -0.5)  # [H, group * q, kv]
+        weights = loop_weights(query, keys, None, tiny.head_dim**-0.5)  # [H, group * q, kv]
         total = weights.sum(dim=1)  # [H, kv]
         share = total / total.sum(dim=1, keepdim=True)
         start = memory.visual_start
@@ -147,8 +156,12 @@ def test_attribution_is_the_softmax_of_the_answer_tokens_mapped_through_provenan
                 f, r, c = (int(t[layer][head, slot]) for t in (memory.frame, memory.row, memory.col))
                 expected_map[f, r, c] += float(share[head, start + slot])
     expected_map /= memory.num_layers * memory.num_kv_heads
-    assert attribution.share(1)["visual"] == pytest.approx(np.mean([v for (l, _), v in visual_by_head.items() if l == 1]), abs=1e-4)
-    assert attribution.share(None, 0)["visual"] == pytest.approx(np.mean([v for (_, h), v in visual_by_head.items() if h == 0]), abs=1e-4)
+    assert attribution.share(1)["visual"] == pytest.approx(
+        np.mean([v for (l, _), v in visual_by_head.items() if l == 1]), abs=1e-4
+    )
+    assert attribution.share(None, 0)["visual"] == pytest.approx(
+        np.mean([v for (_, h), v in visual_by_head.items() if h == 0]), abs=1e-4
+    )
     np.testing.assert_allclose(attribution.patch_map(), expected_map, atol=1e-5)
     np.testing.assert_allclose(attribution.frame_mass(), expected_map.sum(axis=(1, 2)), atol=1e-5)
     evicted = np.ones(memory.num_grids, dtype=bool)
@@ -184,12 +197,14 @@ def test_fidelity_is_zero_for_the_same_memory_and_grows_with_eviction(trained, s
     cache = MemoryCache(full.memory)
     cache.capture = {}
     full_logits = tiny.forward(embeds, positions, cache)
-    q_len, scale = int(embeds.shape[0]), tiny.head_dim ** -0.5
+    q_len, scale = int(embeds.shape[0]), tiny.head_dim**-0.5
     live_full, live_policy = full.memory.live_len(0), policy.memory.live_len(0)
     keys_full = full.memory.layers[0].keys[:, :, : live_full + q_len]
     values_full = full.memory.layers[0].values[:, :, : live_full + q_len]
     keys_policy = torch.cat([policy.memory.layers[0].keys[:, :, :live_policy], keys_full[:, :, live_full:]], dim=2)
-    values_policy = torch.cat([policy.memory.layers[0].values[:, :, :live_policy], values_full[:, :, live_full:]], dim=2)
+    values_policy = torch.cat(
+        [policy.memory.layers[0].values[:, :, :live_policy], values_full[:, :, live_full:]], dim=2
+    )
     query = cache.capture[0][None]
     out_full = loop_weights(query, keys_full, None, scale) @ values_full[0].double()
     out_policy = loop_weights(query, keys_policy, None, scale) @ values_policy[0].double()
@@ -197,8 +212,12 @@ def test_fidelity_is_zero_for_the_same_memory_and_grows_with_eviction(trained, s
     assert results["infinipot-v"]["layer_error"][0] == pytest.approx(expected, rel=1e-3)
     own = MemoryCache(policy.memory)
     policy_logits = tiny.forward(embeds, positions, own)
-    kl = torch.nn.functional.kl_div(torch.log_softmax(policy_logits.double(), -1), torch.log_softmax(full_logits.double(), -1),
-                                    log_target=True, reduction="sum")
+    kl = torch.nn.functional.kl_div(
+        torch.log_softmax(policy_logits.double(), -1),
+        torch.log_softmax(full_logits.double(), -1),
+        log_target=True,
+        reduction="sum",
+    )
     assert results["infinipot-v"]["first_token_kl"] == pytest.approx(float(kl), abs=1e-5)
     assert first_token_kl(full_logits, full_logits) == pytest.approx(0.0, abs=1e-12)
 
@@ -272,5 +291,18 @@ def test_evidence_and_object_token_shares_by_hand():
     # layer 1: nothing on the star (its attended tokens are (0,0,0) and (2,0,1)); 0 of 2 tokens
     assert object_token_share(attribution, episode, "star", 1) == pytest.approx((0.0, 0.0))
     assert object_token_share(attribution, episode, "star") == pytest.approx((0.5 / 1.4, (2 / 3 + 0) / 2))
-    assert np.isnan(evidence_share(Attribution(np.zeros((1, 1, 4)), [np.zeros((1, 2))], [np.zeros((1, 2), int)] * 1,
-                                               [np.zeros((1, 2), int)], [np.zeros((1, 2), int)], 3, (2, 2)), episode, "star"))
+    assert np.isnan(
+        evidence_share(
+            Attribution(
+                np.zeros((1, 1, 4)),
+                [np.zeros((1, 2))],
+                [np.zeros((1, 2), int)] * 1,
+                [np.zeros((1, 2), int)],
+                [np.zeros((1, 2), int)],
+                3,
+                (2, 2),
+            ),
+            episode,
+            "star",
+        )
+    )

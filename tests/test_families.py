@@ -70,29 +70,60 @@ def processor_inputs(model, frames: np.ndarray, outer_wrappers: bool = False) ->
     question = model.question_text([], QUESTION)
     video = [video_tensor(frames)]
     if model.family.startswith("qwen3"):
-        processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2), tokenizer=tokenizer,
-                                     video_processor=model.processor, chat_template="")
+        processor = Qwen3VLProcessor(
+            image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2),
+            tokenizer=tokenizer,
+            video_processor=model.processor,
+            chat_template="",
+        )
         metadata = [VideoMetadata(total_num_frames=len(frames), fps=FPS, frames_indices=list(range(len(frames))))]
-        out = processor(text=[model.prefix_text() + "<|vision_start|><|video_pad|><|vision_end|>" + question], videos=video,
-                        video_metadata=metadata, do_sample_frames=False, do_resize=False, cap_pixels_per_frame=False,
-                        return_tensors="pt")
+        out = processor(
+            text=[model.prefix_text() + "<|vision_start|><|video_pad|><|vision_end|>" + question],
+            videos=video,
+            video_metadata=metadata,
+            do_sample_frames=False,
+            do_resize=False,
+            cap_pixels_per_frame=False,
+            return_tensors="pt",
+        )
         if not outer_wrappers:
             ids = out["input_ids"][0]
             keep = torch.ones(len(ids), dtype=torch.bool)
             keep[(ids == TOKEN_ID["<|vision_start|>"]).nonzero()[0]] = False
             keep[(ids == TOKEN_ID["<|vision_end|>"]).nonzero()[-1]] = False
-            out = {k: v[:, keep] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v for k, v in out.items()}
+            out = {
+                k: v[:, keep] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
+                for k, v in out.items()
+            }
         return dict(out)
     if model.family == "llava_onevision":
-        processor = LlavaOnevisionProcessor(image_processor=LlavaOnevisionImageProcessor(), tokenizer=tokenizer,
-                                            video_processor=model.processor, vision_feature_select_strategy="full",
-                                            num_image_tokens=(384 // 14) ** 2)
-        return dict(processor(text=[model.prefix_text() + "<video>" + question], videos=video, do_resize=False,
-                              return_tensors="pt"))
-    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=tokenizer,
-                                 video_processor=Qwen2VLVideoProcessor(), chat_template="")
-    out = dict(processor(text=[model.prefix_text() + "<|video_pad|>" + question], videos=video, do_resize=False,
-                         cap_pixels_per_frame=False, return_tensors="pt"))
+        processor = LlavaOnevisionProcessor(
+            image_processor=LlavaOnevisionImageProcessor(),
+            tokenizer=tokenizer,
+            video_processor=model.processor,
+            vision_feature_select_strategy="full",
+            num_image_tokens=(384 // 14) ** 2,
+        )
+        return dict(
+            processor(
+                text=[model.prefix_text() + "<video>" + question], videos=video, do_resize=False, return_tensors="pt"
+            )
+        )
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),
+        chat_template="",
+    )
+    out = dict(
+        processor(
+            text=[model.prefix_text() + "<|video_pad|>" + question],
+            videos=video,
+            do_resize=False,
+            cap_pixels_per_frame=False,
+            return_tensors="pt",
+        )
+    )
     out["position_ids"] = original_qwen2_positions(out["input_ids"][0], out["video_grid_thw"][0])[:, None]
     return out
 
@@ -147,7 +178,6 @@ def test_without_the_newline_llava_answers_otherwise(models):
     assert float((with_newline - without).abs().max()) > 1e-3
 
 
-
 def test_without_deepstack_qwen3_vl_answers_otherwise(models):
     """DeepStack's features, passed with each chunk, matter: streaming without them changes the logits (so the
     chunked-prefill equality above is not met by a model that ignores them)."""
@@ -161,6 +191,7 @@ def test_without_deepstack_qwen3_vl_answers_otherwise(models):
     finally:
         model.forward_extras = original
     assert float((with_deepstack - without).abs().max()) > 1e-3
+
 
 # --- positions -------------------------------------------------------------------------------------------
 
@@ -186,8 +217,9 @@ def test_qwen3_positions_equal_get_rope_index(models, name):
     model = models[name]
     frames = stream_frames(model)
     inputs = processor_inputs(model, frames)
-    theirs, _ = model.hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
-                                              video_grid_thw=inputs["video_grid_thw"])
+    theirs, _ = model.hf.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], video_grid_thw=inputs["video_grid_thw"]
+    )
     assert torch.equal(streamed_positions(model, frames), theirs[:, 0])
 
 
@@ -199,12 +231,15 @@ def test_qwen2_positions_follow_the_original_rule_where_get_rope_index_differs(m
     inputs = processor_inputs(model, frames)
     ours = streamed_positions(model, frames)
     assert torch.equal(ours, inputs["position_ids"][:, 0])
-    theirs, _ = model.hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
-                                              video_grid_thw=inputs["video_grid_thw"])
+    theirs, _ = model.hf.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], video_grid_thw=inputs["video_grid_thw"]
+    )
     video = inputs["input_ids"][0] == TOKEN_ID["<|video_pad|>"]
     assert torch.equal(ours[:, video], theirs[:, 0, video]), "the video's own positions agree"
     after = int(video.nonzero()[-1]) + 1
-    print("text after the video starts at", int(ours[0, after]), "(original rule) vs", int(theirs[0, 0, after]), "(5.23)")
+    print(
+        "text after the video starts at", int(ours[0, after]), "(original rule) vs", int(theirs[0, 0, after]), "(5.23)"
+    )
     assert int(ours[0, after]) != int(theirs[0, 0, after])
 
 
@@ -229,21 +264,31 @@ def test_pixels_equal_the_familys_video_processor(models, name):
     resized = resize_frames(raw, geometry)
     if model.family.startswith("qwen2"):
         ours, grid = model.pixel_values(resized)
-        processor = Qwen2VLVideoProcessor(size={"shortest_edge": geometry.min_pixels, "longest_edge": geometry.max_pixels})
+        processor = Qwen2VLVideoProcessor(
+            size={"shortest_edge": geometry.min_pixels, "longest_edge": geometry.max_pixels}
+        )
     else:
         out = model.processor_inputs(resized)
         ours, grid = out["pixel_values_videos"], out.get("video_grid_thw")
         if model.family.startswith("qwen3"):
-            processor = Qwen3VLVideoProcessor(size={"shortest_edge": 2 * geometry.min_pixels, "longest_edge": 2 * geometry.max_pixels})
+            processor = Qwen3VLVideoProcessor(
+                size={"shortest_edge": 2 * geometry.min_pixels, "longest_edge": 2 * geometry.max_pixels}
+            )
         else:
             # The checkpoints' own preprocessor configs normalise with SigLIP's 0.5 (the class defaults to CLIP's).
             processor = type(model.processor)(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
-    theirs = processor(videos=[video_tensor(raw)], do_sample_frames=False, return_tensors="pt",
-                       **({} if model.family == "llava_onevision" else {"cap_pixels_per_frame": False}))
+    theirs = processor(
+        videos=[video_tensor(raw)],
+        do_sample_frames=False,
+        return_tensors="pt",
+        **({} if model.family == "llava_onevision" else {"cap_pixels_per_frame": False}),
+    )
     assert ours.shape == theirs["pixel_values_videos"].shape
     assert torch.allclose(ours, theirs["pixel_values_videos"], atol=1e-5)
     if grid is not None:
-        assert tuple(int(x) for x in torch.as_tensor(grid).flatten()) == tuple(int(x) for x in theirs["video_grid_thw"][0])
+        assert tuple(int(x) for x in torch.as_tensor(grid).flatten()) == tuple(
+            int(x) for x in theirs["video_grid_thw"][0]
+        )
 
 
 # --- every policy, the real clip, asking ------------------------------------------------------------------
@@ -308,7 +353,9 @@ def test_stream_text_stays_with_its_grid_and_counts_against_m(models):
     frames = stream_frames(model, 16)
     text_per_grid = {}
     for grid in range(8):
-        text_per_grid[grid] = len(model.tokenize(f"<{(2 * grid + 0.5) / FPS:.1f} seconds><|vision_start|><|vision_end|>"))
+        text_per_grid[grid] = len(
+            model.tokenize(f"<{(2 * grid + 0.5) / FPS:.1f} seconds><|vision_start|><|vision_end|>")
+        )
     engine = streamed(model, frames, "sliding-window", budget=300, keep=200)
     memory = engine.memory
     assert engine.stats.compressions > 0 and memory.text_tokens > 0
@@ -339,8 +386,9 @@ def test_qwen3_5_memory_covers_its_attention_layers_and_forks_its_linear_state(m
     recurrent = {layer: state["recurrent"] for layer, state in memory.linear_state.items()}
     snapshot = copy.deepcopy(engine).attach(model)  # the costly alternative: a full copy of every state
     first = engine.answer(QUESTION).answer
-    assert all(memory.linear_state[layer]["recurrent"] is tensor for layer, tensor in recurrent.items()), \
+    assert all(memory.linear_state[layer]["recurrent"] is tensor for layer, tensor in recurrent.items()), (
         "a question rebinds its own state; the committed one stays the same tensor"
+    )
     assert snapshot.answer(QUESTION).answer == first
     engine.reset_dialogue()
     assert engine.answer(QUESTION).answer == first, "the fork left the committed state as it was"

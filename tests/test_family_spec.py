@@ -28,8 +28,11 @@ def declared_specs() -> set[str]:
     out = set()
     for path in MODELS.glob("*.py"):
         for node in ast.parse(path.read_text()).body:
-            if (isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "SPEC" for t in node.targets)
-                    and getattr(getattr(node.value, "func", None), "id", "") == "FamilySpec"):
+            if (
+                isinstance(node, ast.Assign)
+                and any(getattr(t, "id", "") == "SPEC" for t in node.targets)
+                and getattr(getattr(node.value, "func", None), "id", "") == "FamilySpec"
+            ):
                 out.add(path.stem)
     return out
 
@@ -90,7 +93,9 @@ THROWAWAY = FamilySpec(
     caveat="Throwaway-VL: exists for one test.",
     verified="one test, CPU",
     checkpoints=("someone/throwaway-vl",),
-    offline=(OfflineModel("tiny-random-throwaway", "throwaway_vl", THROWAWAY_GEOMETRY, "noise", build_throwaway, (24, 12)),),
+    offline=(
+        OfflineModel("tiny-random-throwaway", "throwaway_vl", THROWAWAY_GEOMETRY, "noise", build_throwaway, (24, 12)),
+    ),
 )
 
 
@@ -110,7 +115,9 @@ def test_a_family_registered_from_one_spec_goes_through_catalog_load_stream_and_
     assert catalog.default_budget(name) == (24, 12, THROWAWAY_GEOMETRY.max_pixels)
     assert catalog.caveat_for("throwaway_vl") == "Throwaway-VL: exists for one test."
     banner = banner_html(name)
-    assert "noise" in banner and "Throwaway-VL" in banner and "one test, CPU" in banner and "exists for one test" in banner
+    assert (
+        "noise" in banner and "Throwaway-VL" in banner and "one test, CPU" in banner and "exists for one test" in banner
+    )
 
     model = load_model(name)
     assert model.family == "throwaway_vl" and model.geometry is THROWAWAY_GEOMETRY
@@ -118,8 +125,10 @@ def test_a_family_registered_from_one_spec_goes_through_catalog_load_stream_and_
     clip = write_video(tmp_path / "clip.mp4", frames, fps=2)
     video = load_video(clip, fps=2, model=model)
     assert video.size == (56, 84)  # the throwaway family's own rule sized the frames
-    engines = {"uniform": StreamEngine(model, "uniform", budget=24, keep=12, fps=video.fps, max_new_tokens=4),
-               "full": StreamEngine(model, "full", fps=video.fps, max_new_tokens=4)}
+    engines = {
+        "uniform": StreamEngine(model, "uniform", budget=24, keep=12, fps=video.fps, max_new_tokens=4),
+        "full": StreamEngine(model, "full", fps=video.fps, max_new_tokens=4),
+    }
     steps = list(stream_video(model, video, engines))
     assert [step.frames_done for step in steps] == [2, 4]
     assert engines["full"].memory.visual_tokens == 2 * 6  # two grids of 2 x 3 tokens

@@ -70,7 +70,10 @@ def test_the_app_check_reads_model_work_per_second_from_a_run_report(tmp_path):
     """Prefill and compression ms over the stream's seconds (the last event's time plus one sampling period)."""
     from kvdemo.bench.appcheck import _report_of, _work
 
-    report = {"fps": 2.0, "timeline": [{"time_s": 0.5, "ms": 10.0}, {"time_s": 1.5, "ms": 30.0}, {"time_s": 1.5, "ms": 4.0}]}
+    report = {
+        "fps": 2.0,
+        "timeline": [{"time_s": 0.5, "ms": 10.0}, {"time_s": 1.5, "ms": 30.0}, {"time_s": 1.5, "ms": 4.0}],
+    }
     assert _work(report) == pytest.approx(44.0 / 2.0)
     assert _work({"timeline": []}) is None
     path = tmp_path / "report.json"

@@ -29,8 +29,17 @@ def scene(dtype, heads=2, frames=6, grid=(2, 3), dim=16, seed=0):
     token = torch.arange(frames * p)
     frame, row, col = token // p, (token % p) // grid[1], token % grid[1]
     as_heads = lambda x: x.int().expand(heads, -1).contiguous()  # noqa: E731
-    return LayerView(layer=0, num_layers=1, keys=keys.to(dtype), values=values.to(dtype), frame=as_heads(frame),
-                     row=as_heads(row), col=as_heads(col), grid=grid, newest_frame=frames - 1)
+    return LayerView(
+        layer=0,
+        num_layers=1,
+        keys=keys.to(dtype),
+        values=values.to(dtype),
+        frame=as_heads(frame),
+        row=as_heads(row),
+        col=as_heads(col),
+        grid=grid,
+        newest_frame=frames - 1,
+    )
 
 
 def restated_terms(keys, values, recent, row, rows):
@@ -46,7 +55,9 @@ def restated_terms(keys, values, recent, row, rows):
         for t in range(length):
             k, r = keys[h, t].double(), reference[row[h, t]].double()
             norm = rnd(k.square().sum().sqrt().float()).double()
-            similarity[h, t] = sum(float(rnd((k[d] * r[d]).float())) for d in range(k.numel())) / max(float(norm), 1e-12)
+            similarity[h, t] = sum(float(rnd((k[d] * r[d]).float())) for d in range(k.numel())) / max(
+                float(norm), 1e-12
+            )
             similarity[h, t] /= max(float(count[row[h, t]]), 1.0)
             van[h, t] = float(rnd(values[h, t].double().square().sum().sqrt().float()))
     return similarity, van
@@ -57,15 +68,20 @@ def restated_terms(keys, values, recent, row, rows):
 def test_the_compiled_terms_equal_a_plain_loop(compiled, dtype):
     view = scene(dtype)
     heads, per_frame = view.num_heads, view.tokens_per_frame
-    recent = (view.frame >= 5)
-    pos = (view.row.long() * view.grid[1] + view.col.long())
+    recent = view.frame >= 5
+    pos = view.row.long() * view.grid[1] + view.col.long()
     row = (torch.arange(heads)[:, None] * per_frame + pos).contiguous()
     reference, count = recent_reference(view.keys, recent, row, heads * per_frame)
     with torch.inference_mode():
-        similarity, van = fused.run_compiled(fused.tar_and_van_terms, view.keys, view.values, reference, row, count,
-                                    dtype != torch.float32)
+        similarity, van = fused.run_compiled(
+            fused.tar_and_van_terms, view.keys, view.values, reference, row, count, dtype != torch.float32
+        )
     expected_similarity, expected_van = restated_terms(view.keys, view.values, recent, row, heads * per_frame)
-    assert torch.equal(van.double(), expected_van) if dtype == torch.bfloat16 else torch.allclose(van.double(), expected_van)
+    assert (
+        torch.equal(van.double(), expected_van)
+        if dtype == torch.bfloat16
+        else torch.allclose(van.double(), expected_van)
+    )
     assert torch.allclose(similarity.double(), expected_similarity, atol=1e-6, rtol=1e-5)
 
 

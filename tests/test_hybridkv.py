@@ -22,8 +22,15 @@ def hand_view(heads=2, frames=3, rows=2, cols=2, dim=4, probe=None, keys=None):
     prov = lambda x: x.int().expand(heads, -1).contiguous()  # noqa: E731
     keys = keys if keys is not None else torch.randn(heads, length, dim, generator=torch.Generator().manual_seed(0))
     return LayerView(
-        layer=0, num_layers=1, keys=keys, values=torch.randn(heads, length, dim), frame=prov(token // per),
-        row=prov((token % per) // cols), col=prov(token % cols), grid=(rows, cols), newest_frame=frames - 1,
+        layer=0,
+        num_layers=1,
+        keys=keys,
+        values=torch.randn(heads, length, dim),
+        frame=prov(token // per),
+        row=prov((token % per) // cols),
+        col=prov(token % cols),
+        grid=(rows, cols),
+        newest_frame=frames - 1,
         probe=probe,
     )
 
@@ -72,8 +79,9 @@ def test_top_down_budgets_follow_eq_4_and_5_and_sum_to_the_total():
 
 
 def test_a_head_never_gets_more_than_it_holds_and_the_excess_moves_to_heads_with_room():
-    alloc = capped_allocation(torch.tensor([[300.0, 50.0, 50.0]], dtype=torch.float64), torch.tensor([[120, 200, 100]]),
-                              torch.tensor([400]))
+    alloc = capped_allocation(
+        torch.tensor([[300.0, 50.0, 50.0]], dtype=torch.float64), torch.tensor([[120, 200, 100]]), torch.tensor([400])
+    )
     # 300 capped at 120: the 180 short goes to heads 1 and 2 in proportion to their room (150 : 50)
     assert alloc.tolist() == [[120, 185, 95]] and int(alloc.sum()) == 400
 
@@ -162,7 +170,9 @@ def test_offload_store_lays_out_ragged_adds_in_chunks_as_a_plain_loop_does(nan_f
             assert stored["valid"][h, c].tolist() == [True] * n + [False] * (3 - n)
             assert (stored["keys"][h, c, n:] == 0).all() and (stored["values"][h, c, n:] == 0).all()
             torch.testing.assert_close(stored["keys"][h, c, :n], torch.stack([k for k, _, _ in chunk]), rtol=0, atol=0)
-            torch.testing.assert_close(stored["values"][h, c, :n], torch.stack([v for _, v, _ in chunk]), rtol=0, atol=0)
+            torch.testing.assert_close(
+                stored["values"][h, c, :n], torch.stack([v for _, v, _ in chunk]), rtol=0, atol=0
+            )
             assert stored["order"][h, c, :n].tolist() == [o for _, _, o in chunk]
             assert stored["col"][h, c, :n].tolist() == [o + 2 for _, _, o in chunk]
             mean = torch.stack([k.float() for k, _, _ in chunk]).mean(0)
@@ -211,8 +221,12 @@ def test_classify_with_question_runs_one_pass_with_the_question_as_the_probe(tin
     import copy
 
     question = "What is in the pan?"
-    engines = {mode: StreamEngine(tiny, make_policy("hybridkv", classify_with=mode), budget=540, keep=405,
-                                  fps=pancake.fps, max_new_tokens=3) for mode in ("probe", "question")}
+    engines = {
+        mode: StreamEngine(
+            tiny, make_policy("hybridkv", classify_with=mode), budget=540, keep=405, fps=pancake.fps, max_new_tokens=3
+        )
+        for mode in ("probe", "question")
+    }
     list(stream_video(tiny, pancake, engines))
     engine = engines["question"]
     assert engine.memory.visual_tokens > 405  # a chunk arrived after the last compression
@@ -259,11 +273,14 @@ def test_ragged_budgets_are_real_bytes_and_the_memory_survives_a_question(tiny, 
     per_head_token = 2 * tiny.head_dim * 4
     resident = int((resident + 135).sum()) * per_head_token
     assert memory.nbytes - memory.padding_bytes == resident + sum(
-        2 * memory.visual_start * tiny.num_kv_heads * tiny.head_dim * 4 for _ in range(tiny.num_layers))
+        2 * memory.visual_start * tiny.num_kv_heads * tiny.head_dim * 4 for _ in range(tiny.num_layers)
+    )
     assert memory.offloaded_bytes > 0 and memory.timeline[-1].offloaded_bytes == memory.offloaded_bytes
     stores = [s.offload for s in memory.layers]
     # the offloaded tokens (a store's spare capacity past each head's chunks is left unwritten)
-    before = [t.clone() for t in memory.keys + memory.values] + [s.keys[s.valid].clone() for s in stores if s is not None]
+    before = [t.clone() for t in memory.keys + memory.values] + [
+        s.keys[s.valid].clone() for s in stores if s is not None
+    ]
     engine.answer("What is in the pan?")
     after = memory.keys + memory.values + [s.keys[s.valid] for s in stores if s is not None]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
@@ -341,8 +358,17 @@ def test_query_time_context_fits_the_budget_and_m_by_default(tiny, pancake, monk
         return extra
 
     monkeypatch.setattr(MemoryCache, "retrieval", counting)
-    engines = {accounting: StreamEngine(tiny, make_policy("hybridkv", accounting=accounting), budget=540, keep=405,
-                                        fps=pancake.fps, max_new_tokens=4) for accounting in ("budget", "resident")}
+    engines = {
+        accounting: StreamEngine(
+            tiny,
+            make_policy("hybridkv", accounting=accounting),
+            budget=540,
+            keep=405,
+            fps=pancake.fps,
+            max_new_tokens=4,
+        )
+        for accounting in ("budget", "resident")
+    }
     list(stream_video(tiny, pancake, engines))
     seen = {}
     for accounting, engine in engines.items():
@@ -351,14 +377,23 @@ def test_query_time_context_fits_the_budget_and_m_by_default(tiny, pancake, monk
         assert fetched, "no head retrieved: this test would show nothing"
         state = engine.report()["policy_state"]
         assert state["accounting"] == accounting
-        budget, static = torch.tensor(state["budget"]), torch.tensor([[c == "static" for c in row] for row in state["head_class"]])
+        budget, static = (
+            torch.tensor(state["budget"]),
+            torch.tensor([[c == "static" for c in row] for row in state["head_class"]]),
+        )
         since_pass = 135  # one chunk arrived after the last compression, in every head
-        context = torch.stack([engine.memory.head_counts(layer) + fetched.get(layer, torch.zeros(2, dtype=torch.long))
-                               for layer in range(tiny.num_layers)])
+        context = torch.stack(
+            [
+                engine.memory.head_counts(layer) + fetched.get(layer, torch.zeros(2, dtype=torch.long))
+                for layer in range(tiny.num_layers)
+            ]
+        )
         seen[accounting] = (context, budget, static, since_pass)
         grid = engine.policy_views()[0].parts[0]
         assert grid.numbers.tolist() == state["query_context"]  # the head map shows the query-time context
-        assert (torch.tensor(state["query_context"]) == torch.tensor(state["resident"]) + torch.tensor(state["retrieve"])).all()
+        assert (
+            torch.tensor(state["query_context"]) == torch.tensor(state["resident"]) + torch.tensor(state["retrieve"])
+        ).all()
     context, budget, static, since_pass = seen["budget"]
     assert bool((context - since_pass <= budget).all()), (context, budget)
     assert float(context.double().mean(dim=1).max()) <= 540

@@ -25,8 +25,17 @@ def view_from(keys, values, frame, row, col, layer=0, num_layers=1, grid=(ROWS, 
     heads = keys.shape[0]
     as_heads = lambda x: torch.as_tensor(x).int().expand(heads, -1).contiguous()  # noqa: E731
     frame = as_heads(frame)
-    return LayerView(layer=layer, num_layers=num_layers, keys=keys, values=values, frame=frame, row=as_heads(row),
-                     col=as_heads(col), grid=grid, newest_frame=int(frame.max()))
+    return LayerView(
+        layer=layer,
+        num_layers=num_layers,
+        keys=keys,
+        values=values,
+        frame=frame,
+        row=as_heads(row),
+        col=as_heads(col),
+        grid=grid,
+        newest_frame=int(frame.max()),
+    )
 
 
 def whole_frames(frames: int, grid=(ROWS, COLS), first: int = 0):
@@ -52,7 +61,13 @@ def flat(x):
 
 
 def kept_provenance(view, index, head=0):
-    return set(zip(view.frame[head][index[head]].tolist(), view.row[head][index[head]].tolist(), view.col[head][index[head]].tolist()))
+    return set(
+        zip(
+            view.frame[head][index[head]].tolist(),
+            view.row[head][index[head]].tolist(),
+            view.col[head][index[head]].tolist(),
+        )
+    )
 
 
 def test_tar_keeps_the_moving_patch_and_evicts_the_static_past():
@@ -180,16 +195,22 @@ def test_keep_below_one_frame_takes_the_newest_frames_best_tokens():
 def test_recent_window_shrinks_to_the_whole_frames_that_fit():
     frames = 32  # r = round(0.125 * 32) = 4 frames = 64 tokens, but C = 40 holds 2 whole frames
     g = torch.Generator().manual_seed(7)
-    view = view_from(torch.randn(1, frames * P, DIM, generator=g), torch.rand(1, frames * P, DIM, generator=g), *whole_frames(frames))
+    view = view_from(
+        torch.randn(1, frames * P, DIM, generator=g), torch.rand(1, frames * P, DIM, generator=g), *whole_frames(frames)
+    )
     selection = make_policy("infinipot-v").compress([view], 40)
     assert selection.info["recent_frames"] == [2]
-    assert {(f, r, c) for f in (30, 31) for r in range(ROWS) for c in range(COLS)} <= kept_provenance(view, selection.indices[0])
+    assert {(f, r, c) for f in (30, 31) for r in range(ROWS) for c in range(COLS)} <= kept_provenance(
+        view, selection.indices[0]
+    )
 
 
 def test_heads_keep_different_tokens():
     frames = 6
     g = torch.Generator().manual_seed(8)
-    view = view_from(torch.randn(2, frames * P, DIM, generator=g), torch.rand(2, frames * P, DIM, generator=g), *whole_frames(frames))
+    view = view_from(
+        torch.randn(2, frames * P, DIM, generator=g), torch.rand(2, frames * P, DIM, generator=g), *whole_frames(frames)
+    )
     index = make_policy("infinipot-v").compress([view], 48).indices[0]
     assert not torch.equal(index[0], index[1])
 
@@ -197,7 +218,9 @@ def test_heads_keep_different_tokens():
 def test_reasons_report_why_each_token_was_kept():
     frames = 8
     g = torch.Generator().manual_seed(9)
-    view = view_from(torch.randn(2, frames * P, DIM, generator=g), torch.rand(2, frames * P, DIM, generator=g), *whole_frames(frames))
+    view = view_from(
+        torch.randn(2, frames * P, DIM, generator=g), torch.rand(2, frames * P, DIM, generator=g), *whole_frames(frames)
+    )
     keep = 64
     selection = make_policy("infinipot-v").compress([view], keep)
     reason = selection.info["reason"][0]
@@ -210,7 +233,9 @@ def test_reasons_report_why_each_token_was_kept():
 def test_every_table5_variant_runs_and_keeps_exactly_c(variant):
     frames = 8
     g = torch.Generator().manual_seed(10)
-    view = view_from(torch.randn(2, frames * P, DIM, generator=g), torch.rand(2, frames * P, DIM, generator=g), *whole_frames(frames))
+    view = view_from(
+        torch.randn(2, frames * P, DIM, generator=g), torch.rand(2, frames * P, DIM, generator=g), *whole_frames(frames)
+    )
     index = make_policy("infinipot-v", **VARIANTS[variant]).compress([view], 50).indices[0]
     assert index.shape == (2, 50) and (index[:, 1:] > index[:, :-1]).all()
 
@@ -218,7 +243,9 @@ def test_every_table5_variant_runs_and_keeps_exactly_c(variant):
 def test_frame_level_tar_keeps_whole_frames():
     frames = 8
     static, keys, values = static_scene(frames)
-    keys[:, 2] = torch.nn.functional.normalize(torch.randn(2, P, DIM, generator=torch.Generator().manual_seed(3)), dim=-1)
+    keys[:, 2] = torch.nn.functional.normalize(
+        torch.randn(2, P, DIM, generator=torch.Generator().manual_seed(3)), dim=-1
+    )
     view = view_from(flat(keys), flat(values), *whole_frames(frames))
     index = make_policy("infinipot-v", alpha=1.0, tar="frame").compress([view], 2 * P).indices[0]
     assert set(view.frame[0][index[0]].tolist()) == {2, 7}  # the changed frame, and the recent one
@@ -233,9 +260,18 @@ def gather(view, index):
     in-place compaction does)."""
     g = lambda x: torch.gather(x, 1, index)  # noqa: E731
     gd = lambda x: torch.gather(x, 1, index[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
-    return LayerView(layer=view.layer, num_layers=view.num_layers, keys=gd(view.keys), values=gd(view.values),
-                     frame=g(view.frame), row=g(view.row), col=g(view.col), grid=view.grid, newest_frame=view.newest_frame,
-                     order=g(view.order))
+    return LayerView(
+        layer=view.layer,
+        num_layers=view.num_layers,
+        keys=gd(view.keys),
+        values=gd(view.values),
+        frame=g(view.frame),
+        row=g(view.row),
+        col=g(view.col),
+        grid=view.grid,
+        newest_frame=view.newest_frame,
+        order=g(view.order),
+    )
 
 
 def shuffle(view, generator):
@@ -250,10 +286,18 @@ def append(view, keys, values, first_frame, frames):
     heads = view.keys.shape[0]
     cat = lambda a, b: torch.cat([a, torch.as_tensor(b).int().expand(heads, -1)], dim=1)  # noqa: E731
     arrivals = int(view.order.max()) + 1 + torch.arange(frame.shape[0]).expand(heads, -1)
-    return LayerView(layer=view.layer, num_layers=view.num_layers, keys=torch.cat([view.keys, keys], 1),
-                     values=torch.cat([view.values, values], 1), frame=cat(view.frame, frame), row=cat(view.row, row),
-                     col=cat(view.col, col), grid=view.grid, newest_frame=first_frame + frames - 1,
-                     order=torch.cat([view.order, arrivals], 1))
+    return LayerView(
+        layer=view.layer,
+        num_layers=view.num_layers,
+        keys=torch.cat([view.keys, keys], 1),
+        values=torch.cat([view.values, values], 1),
+        frame=cat(view.frame, frame),
+        row=cat(view.row, row),
+        col=cat(view.col, col),
+        grid=view.grid,
+        newest_frame=first_frame + frames - 1,
+        order=torch.cat([view.order, arrivals], 1),
+    )
 
 
 def pseudo_frame_tar(view, keep, recent_frames=1):
@@ -320,7 +364,9 @@ def test_pooling_on_a_non_square_grid_by_hand():
     score = torch.tensor([[1.0, 2, 3, 4, 5, 6, 10, 20]])
     rank = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1]])
     pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 5]])  # row * cols + col
-    assert pool_on_grid(score, rank, pos, grid, 3)[0].tolist() == pytest.approx([3.0, 3.5, 4.0, 3.0, 3.5, 4.0, 10.0, 20.0])
+    assert pool_on_grid(score, rank, pos, grid, 3)[0].tolist() == pytest.approx(
+        [3.0, 3.5, 4.0, 3.0, 3.5, 4.0, 10.0, 20.0]
+    )
     assert pool_on_grid(score, rank, pos, grid, 5)[0].tolist() == pytest.approx([3.5] * 6 + [15.0, 15.0])
 
 
@@ -348,8 +394,16 @@ def _layers_with_cvs(cvs, grid=(2, 3), frames=2):
     for layer, cv in enumerate(cvs):
         norms = torch.tensor([1 - cv, 1 + cv]).repeat(frames * p // 2)
         values = norms[None, :, None] * torch.ones(1, 1, DIM) / DIM**0.5
-        views.append(view_from(torch.ones(1, frames * p, DIM), values, *whole_frames(frames, grid), layer=layer,
-                               num_layers=len(cvs), grid=grid))
+        views.append(
+            view_from(
+                torch.ones(1, frames * p, DIM),
+                values,
+                *whole_frames(frames, grid),
+                layer=layer,
+                num_layers=len(cvs),
+                grid=grid,
+            )
+        )
     return views
 
 
@@ -414,8 +468,12 @@ def reference_infinipot(layers, grid, keep, alpha, recent_ratio, thresholds=None
             where = {t[:3]: i for i, t in enumerate(tokens)}
             pooled = []
             for f, r, c, _, _ in tokens:
-                near = [van[where[(f, rr, cc)]] for rr in range(r - half, r + half + 1) for cc in range(c - half, c + half + 1)
-                        if (f, rr, cc) in where]
+                near = [
+                    van[where[(f, rr, cc)]]
+                    for rr in range(r - half, r + half + 1)
+                    for cc in range(c - half, c + half + 1)
+                    if (f, rr, cc) in where
+                ]
                 pooled.append(sum(near) / len(near))
             held = sorted({t[0] for t in tokens})
             r_frames = min(max(1, round(recent_ratio * len(tokens) / p)), max(1, keep // p))
@@ -429,8 +487,12 @@ def reference_infinipot(layers, grid, keep, alpha, recent_ratio, thresholds=None
                     if t[0] not in recent_frames:
                         same = [tokens[j][3] for j in recent if tokens[j][1:3] == t[1:3]]
                         score[i] = -sum(_cos(t[3], k) for k in same) / len(same) if same else 0.0
-                forced = set(recent) | set(sorted(score, key=lambda i: (score[i], i), reverse=True)[: share - len(recent)])
-            rest = sorted((i for i in range(len(tokens)) if i not in forced), key=lambda i: (pooled[i], i), reverse=True)
+                forced = set(recent) | set(
+                    sorted(score, key=lambda i: (score[i], i), reverse=True)[: share - len(recent)]
+                )
+            rest = sorted(
+                (i for i in range(len(tokens)) if i not in forced), key=lambda i: (pooled[i], i), reverse=True
+            )
             kept_layer.append({tokens[i][:3] for i in forced | set(rest[: keep - len(forced)])})
         kept_sets.append(kept_layer)
     return kept_sets, thresholds, kernels
@@ -467,12 +529,23 @@ def test_successive_passes_equal_a_plain_loop_restatement(alpha):
         return flat(keys), flat(values)
 
     def tokens_of(layer, head, start, count):
-        return [(start + t, i // grid[1], i % grid[1], keys[layer, head, start + t, i].tolist(), values[layer, head, start + t, i].tolist())
-                for t in range(count) for i in range(p)]
+        return [
+            (
+                start + t,
+                i // grid[1],
+                i % grid[1],
+                keys[layer, head, start + t, i].tolist(),
+                values[layer, head, start + t, i].tolist(),
+            )
+            for t in range(count)
+            for i in range(p)
+        ]
 
     policy = make_policy("infinipot-v", alpha=alpha)
-    views = [view_from(*frames_of(layer, 0, 14), *whole_frames(14, grid), layer=layer, num_layers=layers, grid=grid)
-             for layer in range(layers)]
+    views = [
+        view_from(*frames_of(layer, 0, 14), *whole_frames(14, grid), layer=layer, num_layers=layers, grid=grid)
+        for layer in range(layers)
+    ]
     reference = [[tokens_of(layer, head, 0, 14) for head in range(heads)] for layer in range(layers)]
     thresholds, next_frame, g = None, 14, torch.Generator().manual_seed(22)
     for _ in range(3):
@@ -482,12 +555,18 @@ def test_successive_passes_equal_a_plain_loop_restatement(alpha):
         views = [shuffle(gather(view, index), g) for view, index in zip(views, selection.indices)]
         for layer in range(layers):
             for head in range(heads):
-                assert kept_provenance(views[layer], torch.arange(keep).expand(heads, -1), head) == expected[layer][head]
-        reference = [[[t for t in reference[layer][head] if t[:3] in expected[layer][head]] for head in range(heads)]
-                     for layer in range(layers)]
+                assert (
+                    kept_provenance(views[layer], torch.arange(keep).expand(heads, -1), head) == expected[layer][head]
+                )
+        reference = [
+            [[t for t in reference[layer][head] if t[:3] in expected[layer][head]] for head in range(heads)]
+            for layer in range(layers)
+        ]
         views = [append(view, *frames_of(layer, next_frame, 4), next_frame, 4) for layer, view in enumerate(views)]
-        reference = [[reference[layer][head] + tokens_of(layer, head, next_frame, 4) for head in range(heads)]
-                     for layer in range(layers)]
+        reference = [
+            [reference[layer][head] + tokens_of(layer, head, next_frame, 4) for head in range(heads)]
+            for layer in range(layers)
+        ]
         next_frame += 4
     # The last pass's CVs crossed a first-pass threshold: a recalibration (always a permutation of 7, 5, 3, 1
     # for four distinct CVs) could not give these kernels.
@@ -509,6 +588,11 @@ def test_pooling_keeps_heads_and_frames_apart_as_a_plain_loop_does(kernel):
     for h in range(3):
         for t in range(20):
             r, i, j = int(rank[h, t]), int(pos[h, t]) // cols, int(pos[h, t]) % cols
-            near = [float(score[h, u]) for u in range(20) if int(rank[h, u]) == r
-                    and abs(int(pos[h, u]) // cols - i) <= reach and abs(int(pos[h, u]) % cols - j) <= reach]
+            near = [
+                float(score[h, u])
+                for u in range(20)
+                if int(rank[h, u]) == r
+                and abs(int(pos[h, u]) // cols - i) <= reach
+                and abs(int(pos[h, u]) % cols - j) <= reach
+            ]
             assert float(pooled[h, t]) == pytest.approx(sum(near) / len(near), rel=1e-6), (h, t)

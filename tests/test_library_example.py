@@ -19,7 +19,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def library_example() -> str:
     """The first ```python block after the README's ``## Library`` heading."""
     text = README.read_text()
-    section = text[text.index("\n## Library\n"):]
+    section = text[text.index("\n## Library\n") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -41,7 +41,9 @@ def clip(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name", sorted(OFFLINE_MODELS))
 def test_the_readme_library_example_runs_for_every_family(name, clip, monkeypatch, capsys, tmp_path):
-    code = library_example().replace('load_model("tiny")', f"load_model({name!r})").replace('"clip.mp4"', repr(str(clip)))
+    code = (
+        library_example().replace('load_model("tiny")', f"load_model({name!r})").replace('"clip.mp4"', repr(str(clip)))
+    )
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(code, f"README.md ## Library ({name})", "exec"), namespace)

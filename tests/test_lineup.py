@@ -57,7 +57,10 @@ def test_the_librarys_exact_form_refuses_a_c_the_policy_does_not_take():
         Budget.resolve(make_policy("protokv"), 540, 405)
     assert str(error.value) == "policy 'protokv' is sized by M alone; C does not apply (leave it out)"
     assert Budget.resolve(make_policy("protokv"), 540) == Budget.from_user(make_policy("protokv"), 540, 405)
-    assert (Budget.resolve(make_policy("uniform"), 96, 72).M, Budget.resolve(make_policy("uniform"), 96, 72).C) == (96, 72)
+    assert (Budget.resolve(make_policy("uniform"), 96, 72).M, Budget.resolve(make_policy("uniform"), 96, 72).C) == (
+        96,
+        72,
+    )
     assert Budget.resolve(make_policy("full"), None, None) == Budget() == Budget.resolve(make_policy("full"), 96, 72)
 
 
@@ -68,8 +71,16 @@ def test_a_policy_instance_splits_m_with_its_own_parameters():
 
 
 def test_a_lineup_takes_each_contenders_own_m_and_c_else_the_shared_ones():
-    resolved = resolve_lineup([Contender("uniform"), Contender("hybridkv", {"share": 0.5}, 480, 360), "protokv",
-                               make_policy("cords", beta=0.5)], 96, 72)
+    resolved = resolve_lineup(
+        [
+            Contender("uniform"),
+            Contender("hybridkv", {"share": 0.5}, 480, 360),
+            "protokv",
+            make_policy("cords", beta=0.5),
+        ],
+        96,
+        72,
+    )
     assert list(resolved) == ["uniform", "hybridkv", "protokv", "cords"]
     assert [(b.M, b.C) for _, b in resolved.values()] == [(96, 72), (480, 360), (96, None), (96, 72)]
     assert resolved["hybridkv"][0].share == 0.5 and resolved["cords"][0].beta == 0.5
@@ -77,11 +88,14 @@ def test_a_lineup_takes_each_contenders_own_m_and_c_else_the_shared_ones():
     assert resolve_lineup([Contender("uniform", budget=given)], 96, 72)["uniform"][1] is given  # resolved: as is
 
 
-@pytest.mark.parametrize("contenders, baseline, message", [
-    (["uniform", "uniform"], False, "each engine once: 'uniform' is named twice"),
-    (["full"], True, "each engine once: 'full' is named twice (the full cache is the baseline)"),
-    ([Contender("cords", budget=96)], False, "policy 'cords' needs a budget M and a keep size C (visual tokens)"),
-])
+@pytest.mark.parametrize(
+    "contenders, baseline, message",
+    [
+        (["uniform", "uniform"], False, "each engine once: 'uniform' is named twice"),
+        (["full"], True, "each engine once: 'full' is named twice (the full cache is the baseline)"),
+        ([Contender("cords", budget=96)], False, "policy 'cords' needs a budget M and a keep size C (visual tokens)"),
+    ],
+)
 def test_a_lineup_that_cannot_run_is_one_line(contenders, baseline, message):
     with pytest.raises(BudgetError) as error:
         resolve_lineup(contenders, baseline=baseline)
@@ -89,8 +103,16 @@ def test_a_lineup_that_cannot_run_is_one_line(contenders, baseline, message):
 
 
 def test_make_engines_builds_the_contenders_then_the_capped_baseline(tiny):
-    engines = make_engines(tiny, ["uniform", Contender("protokv", budget=64)], 96, 72, fps=4.0, max_new_tokens=5,
-                           baseline=True, baseline_cap_bytes=3 * 2**20)
+    engines = make_engines(
+        tiny,
+        ["uniform", Contender("protokv", budget=64)],
+        96,
+        72,
+        fps=4.0,
+        max_new_tokens=5,
+        baseline=True,
+        baseline_cap_bytes=3 * 2**20,
+    )
     assert list(engines) == ["uniform", "protokv", FULL]
     assert [(e.budget.M, e.budget.C) for e in engines.values()] == [(96, 72), (64, None), (None, None)]
     assert [e.policy.name for e in engines.values()] == ["uniform", "protokv", "full"]

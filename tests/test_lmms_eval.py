@@ -73,8 +73,9 @@ def _evaluate(model, folder: Path, tasks: list[str]) -> dict:
     from lmms_eval.tasks import TaskManager
 
     videomme_utils.base_cache_dir = str(folder / "hf")  # what HF_HOME=DIR/hf sets on the command line
-    return simple_evaluate(model=model, tasks=tasks, task_manager=TaskManager(include_path=str(folder)), log_samples=True,
-                           cli_args=None)
+    return simple_evaluate(
+        model=model, tasks=tasks, task_manager=TaskManager(include_path=str(folder)), log_samples=True, cli_args=None
+    )
 
 
 def _rows(folder: Path, task: str) -> list[dict]:
@@ -109,9 +110,13 @@ def test_local_tasks_answer_like_a_plain_streamed_loop(tasks, tmp_path):
         right += record["correct"]
     assert out["results"]["kvdemo_bare"]["accuracy,none"] == pytest.approx(right / len(rows))
     # VideoMME's own scorer and the run folder's grading agree answer by answer.
-    scored = {s["doc"]["question_id"] if "doc" in s else s["videomme_perception_score"]["question_id"]:
-              s["videomme_perception_score"]["pred_answer"] == s["videomme_perception_score"]["answer"]
-              for s in out["samples"]["kvdemo_videomme"]}
+    scored = {
+        s["doc"]["question_id"] if "doc" in s else s["videomme_perception_score"]["question_id"]: s[
+            "videomme_perception_score"
+        ]["pred_answer"]
+        == s["videomme_perception_score"]["answer"]
+        for s in out["samples"]["kvdemo_videomme"]
+    }
     videomme = [p for p in predictions if p["task"] == "kvdemo_videomme"]
     assert len(videomme) == len(scored) and sum(scored.values()) == sum(p["correct"] for p in videomme)
     # The forward task: one answer per round, each round feeding only the frames its clip adds.
@@ -121,7 +126,9 @@ def test_local_tasks_answer_like_a_plain_streamed_loop(tasks, tmp_path):
     per_doc = len(_rows(tasks, "kvdemo_ovo_forward")[0]["test_info"])
     fed = [p["frames_fed"] for p in forward[:per_doc]]
     assert fed == sorted(fed) and fed[0] < fed[-1]
-    assert all(p["policy"] == "full" and p["tokens_held"] > 0 and p["peak_tokens"] >= p["tokens_held"] for p in predictions)
+    assert all(
+        p["policy"] == "full" and p["tokens_held"] > 0 and p["peak_tokens"] >= p["tokens_held"] for p in predictions
+    )
 
 
 def test_a_bounded_policy_holds_its_budget_under_lmms_eval(tasks, tmp_path):
@@ -138,13 +145,47 @@ def test_a_bounded_policy_holds_its_budget_under_lmms_eval(tasks, tmp_path):
 
 def _launch(tasks: Path, out: Path, processes: int) -> dict[int, str]:
     """``python -m lmms_eval`` (one process) or ``accelerate launch`` (several) on the bare task; answers by doc id."""
-    env = {**os.environ, "HF_HOME": str(tasks / "hf"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    args = ["-m", "lmms_eval", "--model", "kvdemo", "--model_args", f"pretrained=tiny,time_field=ask_s,runs={out / 'runs'}",
-            "--tasks", "kvdemo_bare", "--include_path", str(tasks), "--output_path", str(out), "--log_samples"]
+    env = {
+        **os.environ,
+        "HF_HOME": str(tasks / "hf"),
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    args = [
+        "-m",
+        "lmms_eval",
+        "--model",
+        "kvdemo",
+        "--model_args",
+        f"pretrained=tiny,time_field=ask_s,runs={out / 'runs'}",
+        "--tasks",
+        "kvdemo_bare",
+        "--include_path",
+        str(tasks),
+        "--output_path",
+        str(out),
+        "--log_samples",
+    ]
     # accelerate's --cpu flag runs one process whatever --num_processes says; --multi_gpu starts them (gloo on a CPU).
-    launcher = [sys.executable] if processes == 1 else [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-                                                        "--num_processes", str(processes), "--num_machines", "1",
-                                                        "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launcher = (
+        [sys.executable]
+        if processes == 1
+        else [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+        ]
+    )
     done = subprocess.run(launcher + args, env=env, capture_output=True, text=True, timeout=600)
     results = list(out.rglob("*_results.json"))  # lmms-eval exits 0 even when the evaluation failed
     assert done.returncode == 0 and results, done.stdout[-2000:] + done.stderr[-2000:]
@@ -153,8 +194,10 @@ def _launch(tasks: Path, out: Path, processes: int) -> dict[int, str]:
     return {s["doc_id"]: s["filtered_resps"] for s in map(json.loads, samples.read_text().splitlines())}
 
 
-@pytest.mark.skipif(not any(e.name == "kvdemo" for e in entry_points(group="lmms_eval.models")),
-                    reason="kvdemo is not installed with its lmms-eval entry point (pip install -e '.[eval]')")
+@pytest.mark.skipif(
+    not any(e.name == "kvdemo" for e in entry_points(group="lmms_eval.models")),
+    reason="kvdemo is not installed with its lmms-eval entry point (pip install -e '.[eval]')",
+)
 def test_two_processes_give_the_answers_of_one(tasks, tmp_path):
     one = _launch(tasks, tmp_path / "one", 1)
     two = _launch(tasks, tmp_path / "two", 2)
@@ -179,8 +222,18 @@ def test_lmms_evals_own_qwen2_5_vl_agrees_with_the_full_cache(tasks, tmp_path):
 
     geometry = OFFLINE_MODELS[TINY_NAME].geometry
     folder = export_transformers_folder(TRAINED_DIR, tmp_path / "export")
-    theirs = _evaluate(Qwen2_5_VL(pretrained=str(folder), device="cpu", device_map="cpu", attn_implementation="sdpa",
-                                  min_pixels=geometry.min_pixels, max_pixels=geometry.max_pixels), tasks, ["kvdemo_videomme"])
+    theirs = _evaluate(
+        Qwen2_5_VL(
+            pretrained=str(folder),
+            device="cpu",
+            device_map="cpu",
+            attn_implementation="sdpa",
+            min_pixels=geometry.min_pixels,
+            max_pixels=geometry.max_pixels,
+        ),
+        tasks,
+        ["kvdemo_videomme"],
+    )
     ours = _evaluate(KVDemoLMM(pretrained="tiny", runs=str(tmp_path / "runs")), tasks, ["kvdemo_videomme"])
     answers = [{s["doc_id"]: s["filtered_resps"] for s in out["samples"]["kvdemo_videomme"]} for out in (theirs, ours)]
     assert answers[0] == answers[1] and len(answers[0]) == len(_rows(tasks, "kvdemo_videomme"))

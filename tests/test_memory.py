@@ -23,13 +23,17 @@ from kvdemo.testing import synthetic_chunk, synthetic_memory
 GRID = (2, 3)  # 6 tokens per temporal grid, non-square
 
 
-def small_memory(grids: int = 4, heads: int = 2, dim: int = 8, layers: int = 2, capacity: int = 30, dtype=torch.float32):
+def small_memory(
+    grids: int = 4, heads: int = 2, dim: int = 8, layers: int = 2, capacity: int = 30, dtype=torch.float32
+):
     """A memory whose key for token ``t`` of head ``h`` in layer ``l`` is ``(t, h, l, 0, ...)`` (values the
     negative), so every slot says which token it holds (exact in bfloat16 too)."""
     memory = KVMemory(layers, heads, visual_capacity=capacity)
     cache = MemoryCache(memory)
     for layer in cache.layers:
-        layer.update(torch.full((1, heads, 3, dim), -7.0, dtype=dtype), torch.full((1, heads, 3, dim), 7.0, dtype=dtype))
+        layer.update(
+            torch.full((1, heads, 3, dim), -7.0, dtype=dtype), torch.full((1, heads, 3, dim), 7.0, dtype=dtype)
+        )
     memory.commit_prefix(3)
     for g in range(grids):
         append_grid(memory, g, dim, dtype)
@@ -160,7 +164,9 @@ def test_a_summary_region_sits_between_prefix_and_visual_tokens():
     # Counted from the start (the budget's split), laid out only when the policy first fills it.
     assert memory.visual_tokens == 4 + 6 and memory.visual_start == 3 and memory.nbytes == 2 * 2 * 9 * 8 * 4
     visual = memory.keys[0][0, :, 3:9].clone()
-    summary = SummaryUpdate(torch.ones(2, 4, 8), 2 * torch.ones(2, 4, 8), torch.tensor([[0.0, 1.0, float("-inf"), 2.0]] * 2))
+    summary = SummaryUpdate(
+        torch.ones(2, 4, 8), 2 * torch.ones(2, 4, 8), torch.tensor([[0.0, 1.0, float("-inf"), 2.0]] * 2)
+    )
     memory.apply(Selection([torch.arange(3, 6).expand(2, -1)], summary=[summary]))
     assert memory.visual_start == 7
     assert torch.equal(memory.keys[0][0, :, 7:10], visual[:, 3:6])  # the kept visual tokens moved up with the region
@@ -199,8 +205,14 @@ def test_synthetic_memory_deepcopies_for_benchmarks():
     assert memory.visual_tokens == 48 and twin.visual_tokens == 24
 
 
-@pytest.mark.parametrize("policy, params", [("infinipot-v", {"budget": 540, "keep": 405}), ("protokv", {"budget": 560}),
-                                             ("hybridkv", {"budget": 540, "keep": 405})])
+@pytest.mark.parametrize(
+    "policy, params",
+    [
+        ("infinipot-v", {"budget": 540, "keep": 405}),
+        ("protokv", {"budget": 560}),
+        ("hybridkv", {"budget": 540, "keep": 405}),
+    ],
+)
 def test_an_engine_pickles_without_its_model_and_continues_identically(tiny, pancake, policy, params):
     """What a ZeroGPU worker receives: the engine's state (live slots only) crosses a process boundary and,
     re-bound to the model, streams and answers exactly as the engine that never left."""
@@ -221,14 +233,23 @@ def test_an_engine_pickles_without_its_model_and_continues_identically(tiny, pan
     for chunk in chunks[6:]:
         stay.feed_chunk(chunk)
         moved.feed_chunk(chunk)
-    assert all(torch.equal(a, b) for a, b in zip(stay.memory.keys + stay.memory.values, moved.memory.keys + moved.memory.values))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(stay.memory.keys + stay.memory.values, moved.memory.keys + moved.memory.values)
+    )
     assert moved.memory.layers[0].capacity == stay.memory.layers[0].capacity
     assert stay.answer("What is it?").answer == moved.answer("What is it?").answer
     assert [e.visual_tokens for e in stay.memory.timeline] == [e.visual_tokens for e in moved.memory.timeline]
 
 
-@pytest.mark.parametrize("policy, params", [("infinipot-v", {"budget": 1_000_000, "keep": 750_000}),
-                                             ("protokv", {"budget": 1_000_000}), ("sliding-window", {"budget": 540, "keep": 405})])
+@pytest.mark.parametrize(
+    "policy, params",
+    [
+        ("infinipot-v", {"budget": 1_000_000, "keep": 750_000}),
+        ("protokv", {"budget": 1_000_000}),
+        ("sliding-window", {"budget": 540, "keep": 405}),
+    ],
+)
 def test_buffers_follow_what_the_stream_holds_not_the_budget_typed(tiny, pancake, policy, params):
     """An M the stream never reaches allocates nothing for it (it reserved 2.2 GB for a 640-token stream); a
     reachable M grows the buffers geometrically up to what it needs and no further."""
@@ -242,8 +263,10 @@ def test_buffers_follow_what_the_stream_holds_not_the_budget_typed(tiny, pancake
         assert all(s.capacity <= memory.prefix_len + params["budget"] + 256 for s in memory.layers)
 
 
-@pytest.mark.parametrize("dtype, dim", [(torch.float32, 8), (torch.bfloat16, 8), (torch.bfloat16, 3), (torch.int32, 8),
-                                        (torch.int8, 5), (torch.bool, 3)])
+@pytest.mark.parametrize(
+    "dtype, dim",
+    [(torch.float32, 8), (torch.bfloat16, 8), (torch.bfloat16, 3), (torch.int32, 8), (torch.int8, 5), (torch.bool, 3)],
+)
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 @pytest.mark.parametrize("records", [True, False])
 def test_row_moves_match_a_plain_loop(dtype, dim, layout, records, monkeypatch):

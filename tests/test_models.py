@@ -77,15 +77,29 @@ def test_text_after_a_long_video_starts_after_the_largest_position(tiny, monkeyp
     width = tiny.embed_text([0]).shape[-1]
     local = torch.arange(per_chunk * per_grid)
     for first in range(0, grids, per_chunk):
-        engine.feed_chunk(VisualChunk(
-            embeds=0.02 * torch.randn(len(local), width, generator=g), grid=first + local // per_grid,
-            row=(local % per_grid) // cols, col=local % cols, first_grid=first, num_grids=per_chunk, rows=rows, cols=cols,
-            grid_times_s=[2 * (first + k) / fps for k in range(per_chunk)], frames=2 * per_chunk, second_per_grid=2 / fps,
-            end_time_s=(2 * (first + per_chunk) - 1) / fps,
-        ))
+        engine.feed_chunk(
+            VisualChunk(
+                embeds=0.02 * torch.randn(len(local), width, generator=g),
+                grid=first + local // per_grid,
+                row=(local % per_grid) // cols,
+                col=local % cols,
+                first_grid=first,
+                num_grids=per_chunk,
+                rows=rows,
+                cols=cols,
+                grid_times_s=[2 * (first + k) / fps for k in range(per_chunk)],
+                frames=2 * per_chunk,
+                second_per_grid=2 / fps,
+                end_time_s=(2 * (first + per_chunk) - 1) / fps,
+            )
+        )
     seen = []
     forward = tiny.forward
-    monkeypatch.setattr(tiny, "forward", lambda embeds, positions, cache: seen.append(positions.clone()) or forward(embeds, positions, cache))
+    monkeypatch.setattr(
+        tiny,
+        "forward",
+        lambda embeds, positions, cache: seen.append(positions.clone()) or forward(embeds, positions, cache),
+    )
     engine.answer("What moved?", max_new_tokens=1)
     question = seen[0]  # the question's prefill: [3, n] positions
     s = engine.memory.prefix_len
@@ -153,7 +167,9 @@ def test_unknown_model_family_is_a_clear_error(tmp_path):
     from kvdemo.models.loading import load_model
 
     GPT2Config(n_layer=1).save_pretrained(tmp_path)
-    with pytest.raises(ModelError, match="'gpt2' model is not supported; kvdemo supports the families llava_onevision, qwen2_5_vl"):
+    with pytest.raises(
+        ModelError, match="'gpt2' model is not supported; kvdemo supports the families llava_onevision, qwen2_5_vl"
+    ):
         load_model(str(tmp_path))
 
 

@@ -36,9 +36,14 @@ def test_the_torch_floor_is_one_the_pinned_transformers_runs_on():
 
     from packaging.version import Version
 
-    ours = {Requirement(line).name: Requirement(line) for line in (ROOT / "requirements.txt").read_text().splitlines()
-            if line.strip() and not line.startswith("#")}
-    theirs = [Requirement(r) for r in requires("transformers") or [] if r.startswith("torch>=") or r.startswith("torch >=")]
+    ours = {
+        Requirement(line).name: Requirement(line)
+        for line in (ROOT / "requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    theirs = [
+        Requirement(r) for r in requires("transformers") or [] if r.startswith("torch>=") or r.startswith("torch >=")
+    ]
     assert theirs, "transformers' metadata names no torch minimum"
     needed = max(Version(spec.version) for r in theirs for spec in r.specifier if spec.operator == ">=")
     floor = min(Version(spec.version) for spec in ours["torch"].specifier if spec.operator == ">=")

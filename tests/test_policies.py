@@ -84,8 +84,13 @@ def test_the_ragged_check_runs_and_catches_disorder():
     views = [make_view(6, layer=l, seed=l) for l in range(3)]
     for view in views:
         view.num_layers = 3
-    ragged = [(name, keep) for name, cls in REGISTRY.items() if cls.bounded for keep in (4, 7, 12)
-              if make_policy(name).compress(views, keep).valid is not None]
+    ragged = [
+        (name, keep)
+        for name, cls in REGISTRY.items()
+        if cls.bounded
+        for keep in (4, 7, 12)
+        if make_policy(name).compress(views, keep).valid is not None
+    ]
     assert ragged, "no policy gave a ragged selection: the ragged branch would be dead"
     name, keep = ragged[0]
     selection = make_policy(name).compress(views, keep)
@@ -107,7 +112,7 @@ def test_uniform_keeps_whole_frames_evenly_spaced():
     index = make_policy("uniform").compress([view], 12).indices[0]  # 3 frames
     kept_frames = view.frame[0][index[0]].unique().tolist()
     assert kept_frames == [0, 3, 6]
-    assert (torch.bincount(view.frame[0][index[0]].long()) [[0, 3, 6]] == 4).all()  # whole frames
+    assert (torch.bincount(view.frame[0][index[0]].long())[[0, 3, 6]] == 4).all()  # whole frames
 
 
 def test_uniform_fills_a_partial_frame_with_the_newest_leftover_tokens():
@@ -180,7 +185,9 @@ def test_top_k_values_and_arg_min_match_a_plain_loop(dtype):
 
 def test_top_k_mask_breaks_exact_ties_towards_newer_tokens_on_the_numpy_path():
     scores = torch.zeros(3, 40)  # every score tied: the newest k (largest order) must win
-    order = torch.stack([torch.arange(40), torch.arange(40).flip(0), torch.randperm(40, generator=torch.Generator().manual_seed(0))])
+    order = torch.stack(
+        [torch.arange(40), torch.arange(40).flip(0), torch.randperm(40, generator=torch.Generator().manual_seed(0))]
+    )
     for k in (3, 30):  # the k-largest and the (L - k)-smallest paths
         mask = top_k_mask(scores, k, order)
         for row in range(3):
@@ -217,18 +224,39 @@ def test_unknown_policy_and_parameter_are_clear_errors():
         make_policy("uniform", alpha=0.3)
 
 
-@pytest.mark.parametrize("name, params, kind, message", [
-    ("nope", {}, UnknownPolicyError, "unknown policy 'nope'; choose one of: infinipot-v, cords"),
-    ("uniform", {"alpha": 0.3}, PolicyParameterError, "policy 'uniform' has no parameter(s) alpha; it takes none"),
-    ("infinipot-v", {"alpha": "abc"}, PolicyParameterError, "infinipot-v's alpha takes a number (float), got 'abc'"),
-    ("infinipot-v", {"alpha": 1.5}, PolicyParameterError, "alpha must be in [0, 1], got 1.5"),
-    ("infinipot-v", {"tar": "sideways"}, PolicyParameterError,
-     "infinipot-v's tar must be one of patch, frame, reverse, got 'sideways'"),
-    ("cords", {"followers": "maybe"}, PolicyParameterError, "cords's followers takes true or false, got 'maybe'"),
-    ("protokv", {"pseudo_tokens": 2.5}, PolicyParameterError, "protokv's pseudo_tokens takes a number (int), got 2.5"),
-    ("hybridkv", {"chunk": 0}, PolicyParameterError,
-     "share must be >= 0, chunk >= 1 and pool_kernel an odd number >= 1"),
-])
+@pytest.mark.parametrize(
+    "name, params, kind, message",
+    [
+        ("nope", {}, UnknownPolicyError, "unknown policy 'nope'; choose one of: infinipot-v, cords"),
+        ("uniform", {"alpha": 0.3}, PolicyParameterError, "policy 'uniform' has no parameter(s) alpha; it takes none"),
+        (
+            "infinipot-v",
+            {"alpha": "abc"},
+            PolicyParameterError,
+            "infinipot-v's alpha takes a number (float), got 'abc'",
+        ),
+        ("infinipot-v", {"alpha": 1.5}, PolicyParameterError, "alpha must be in [0, 1], got 1.5"),
+        (
+            "infinipot-v",
+            {"tar": "sideways"},
+            PolicyParameterError,
+            "infinipot-v's tar must be one of patch, frame, reverse, got 'sideways'",
+        ),
+        ("cords", {"followers": "maybe"}, PolicyParameterError, "cords's followers takes true or false, got 'maybe'"),
+        (
+            "protokv",
+            {"pseudo_tokens": 2.5},
+            PolicyParameterError,
+            "protokv's pseudo_tokens takes a number (int), got 2.5",
+        ),
+        (
+            "hybridkv",
+            {"chunk": 0},
+            PolicyParameterError,
+            "share must be >= 0, chunk >= 1 and pool_kernel an odd number >= 1",
+        ),
+    ],
+)
 def test_each_bad_policy_input_raises_its_own_kind_in_one_line(name, params, kind, message):
     with pytest.raises(kind) as error:
         make_policy(name, **params)
@@ -250,8 +278,16 @@ def test_parameter_help_and_choices_come_from_the_dataclass_fields():
                 assert spec.default in spec.choices
 
 
-UI_AND_BENCH_FACTS = ("summary", "help", "choices", "view_titles", "reason_names", "benchmarks", "bench_variants",
-                      "synthesize_all")
+UI_AND_BENCH_FACTS = (
+    "summary",
+    "help",
+    "choices",
+    "view_titles",
+    "reason_names",
+    "benchmarks",
+    "bench_variants",
+    "synthesize_all",
+)
 
 
 def test_the_policy_classes_hold_no_ui_or_bench_facts_and_every_one_has_a_card():
@@ -264,7 +300,7 @@ def test_the_policy_classes_hold_no_ui_or_bench_facts_and_every_one_has_a_card()
 
 def test_the_policy_written_in_the_docs_runs_and_keeps_what_it_says():
     text = (Path(__file__).resolve().parents[1] / "docs" / "policies.md").read_text()
-    section = text[text.index("## Writing a policy"):]
+    section = text[text.index("## Writing a policy") :]
     code = re.search(r"^```python\n(.*?)^```", section, flags=re.DOTALL | re.MULTILINE).group(1)
     namespace: dict = {"__name__": "docs_policies_example"}
     try:
@@ -276,8 +312,17 @@ def test_the_policy_written_in_the_docs_runs_and_keeps_what_it_says():
         # Two heads of five tokens; head 0's values have norms 1, 5, 2, 4, 3 and head 1's the reverse order.
         scale = torch.tensor([[1.0, 5, 2, 4, 3], [3.0, 4, 2, 5, 1]])
         values = scale[..., None] * torch.tensor([0.6, 0.8])  # ||(0.6, 0.8)|| = 1 in the L2 norm
-        view = LayerView(0, 1, torch.zeros(2, 5, 2), values, torch.zeros(2, 5, dtype=torch.long),
-                         torch.zeros(2, 5, dtype=torch.long), torch.arange(5).expand(2, -1), (1, 5), 0)
+        view = LayerView(
+            0,
+            1,
+            torch.zeros(2, 5, 2),
+            values,
+            torch.zeros(2, 5, dtype=torch.long),
+            torch.zeros(2, 5, dtype=torch.long),
+            torch.arange(5).expand(2, -1),
+            (1, 5),
+            0,
+        )
         selection = make_policy(name, norm="1").compress([view], 3)  # L1: 1.4 x the L2 norm, the same order
         assert selection.indices[0].tolist() == [[1, 3, 4], [0, 1, 3]]
         assert (selection.info["reason"][0] == 0).all()

@@ -141,7 +141,11 @@ def test_unrotate_then_rotate_returns_the_cached_key(tiny, family):
     keys = torch.randn(model.num_kv_heads, chunk.num_tokens, model.head_dim)
     rotated = model.rotary.rotate(keys, positions.expand(model.num_kv_heads, -1, -1))
     rotary = model.hf.model.language_model.rotary_emb
-    section = rotary.mrope_section if hasattr(rotary, "mrope_section") else model.hf.config.text_config.rope_parameters["mrope_section"]
+    section = (
+        rotary.mrope_section
+        if hasattr(rotary, "mrope_section")
+        else model.hf.config.text_config.rope_parameters["mrope_section"]
+    )
     torch.testing.assert_close(rotated, rotate_by_hand(keys, positions, rotary.inv_freq, section), atol=1e-5, rtol=1e-5)
     back = model.rotary.unrotate(rotated, positions.expand(model.num_kv_heads, -1, -1))
     torch.testing.assert_close(back, keys, atol=1e-5, rtol=1e-5)
@@ -159,7 +163,9 @@ def test_unrotated_cached_keys_are_the_projection_before_rope(tiny, small_video)
     view = engine.memory.views(tiny.rotary)[0]
     attention = tiny.hf.model.language_model.layers[0]
     hidden = attention.input_layernorm(chunk.embeds[None])
-    projected = attention.self_attn.k_proj(hidden).view(chunk.num_tokens, tiny.num_kv_heads, tiny.head_dim).transpose(0, 1)
+    projected = (
+        attention.self_attn.k_proj(hidden).view(chunk.num_tokens, tiny.num_kv_heads, tiny.head_dim).transpose(0, 1)
+    )
     unrotated = tiny.rotary.unrotate(view.keys, view.position)
     torch.testing.assert_close(unrotated, projected, atol=1e-4, rtol=1e-4)
 
@@ -187,7 +193,9 @@ def question_logits(model, memory: KVMemory) -> torch.Tensor:
     ids = model.tokenize("<|vision_end|>What colour?<|im_end|>\n<|im_start|>assistant\n")
     start = memory.cursor.next
     with torch.inference_mode():
-        return model.forward(model.embed_text(ids), torch.arange(start, start + len(ids)).expand(3, -1), MemoryCache(memory))
+        return model.forward(
+            model.embed_text(ids), torch.arange(start, start + len(ids)).expand(3, -1), MemoryCache(memory)
+        )
 
 
 def test_the_seam_without_extras_equals_sdpa(tiny):
@@ -205,10 +213,14 @@ def test_the_seam_without_extras_equals_sdpa(tiny):
     chunk = synthetic_chunk(0, 2, (3, 4))
     visual = mrope_positions(chunk.grid, chunk.row, chunk.col, len(ids), 1.0, 2.0)
     start = int(visual.max()) + 1
-    positions = torch.cat([torch.arange(len(ids)).expand(3, -1), visual, torch.arange(start, start + len(text)).expand(3, -1)], 1)
+    positions = torch.cat(
+        [torch.arange(len(ids)).expand(3, -1), visual, torch.arange(start, start + len(text)).expand(3, -1)], 1
+    )
     all_embeds = torch.cat([tiny.embed_text(ids), embeds, tiny.embed_text(text)])
     with torch.inference_mode():
-        out = reference(inputs_embeds=all_embeds[None], position_ids=positions[:, None], cache=DynamicCache(), use_cache=True)
+        out = reference(
+            inputs_embeds=all_embeds[None], position_ids=positions[:, None], cache=DynamicCache(), use_cache=True
+        )
     torch.testing.assert_close(ours, out.logits[0, -1], atol=1e-4, rtol=1e-4)
 
 
@@ -231,16 +243,26 @@ def test_a_prototype_of_mass_n_attends_like_n_duplicates(tiny, mass):
         updates.append(SummaryUpdate(k, v, bias))
     summarised.apply(Selection([others] * tiny.num_layers, summary=updates))
     # The duplicate memory: drop the chosen token, then append `mass` copies of it.
-    copies = [(update.keys.expand(-1, mass, -1)[None].clone(), update.values.expand(-1, mass, -1)[None].clone()) for update in updates]
+    copies = [
+        (update.keys.expand(-1, mass, -1)[None].clone(), update.values.expand(-1, mass, -1)[None].clone())
+        for update in updates
+    ]
     duplicated.apply(Selection([others] * tiny.num_layers))
     cache = MemoryCache(duplicated)
     for layer, (k, v) in zip(cache.layers, copies):
         layer.update(k, v)
     chunk = synthetic_chunk(2, 1, (3, 4))
-    chunk.embeds, chunk.grid, chunk.row, chunk.col = chunk.embeds[:mass], chunk.grid[:mass], chunk.row[:mass], chunk.col[:mass]
+    chunk.embeds, chunk.grid, chunk.row, chunk.col = (
+        chunk.embeds[:mass],
+        chunk.grid[:mass],
+        chunk.row[:mass],
+        chunk.col[:mass],
+    )
     duplicated.commit_append(chunk, torch.zeros(3, mass, dtype=torch.long))
     duplicated.cursor = summarised.cursor
-    torch.testing.assert_close(question_logits(tiny, summarised), question_logits(tiny, duplicated), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        question_logits(tiny, summarised), question_logits(tiny, duplicated), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_a_hidden_summary_slot_changes_nothing(tiny):
@@ -266,7 +288,12 @@ def alg1_reference(bank: dict, tokens: list[dict], policy) -> list[int]:
         if empty:
             j = empty[0]
             bank["c"][j], bank["p"][j], bank["n"][j] = list(k), list(v), 1
-            bank["mu"][j], bank["sigma"][j], bank["tau"][j], bank["used"][j] = list(s), [[1.0, 0.0], [0.0, 1.0]], t, True
+            bank["mu"][j], bank["sigma"][j], bank["tau"][j], bank["used"][j] = (
+                list(s),
+                [[1.0, 0.0], [0.0, 1.0]],
+                t,
+                True,
+            )
             chosen.append(j)
             continue
         best, best_cost = None, float("inf")
@@ -274,7 +301,9 @@ def alg1_reference(bank: dict, tokens: list[dict], policy) -> list[int]:
             if bank["n"][j] <= 0:
                 continue
             c = bank["c"][j]
-            cos = sum(x * y for x, y in zip(k, c)) / (math.sqrt(sum(x * x for x in k)) * math.sqrt(sum(y * y for y in c)))
+            cos = sum(x * y for x, y in zip(k, c)) / (
+                math.sqrt(sum(x * x for x in k)) * math.sqrt(sum(y * y for y in c))
+            )
             (s00, s01), (_, s11) = bank["sigma"][j]
             s00, s11 = s00 + 1e-4, s11 + 1e-4  # the policy's documented floor
             det = s00 * s11 - s01 * s01
@@ -290,7 +319,9 @@ def alg1_reference(bank: dict, tokens: list[dict], policy) -> list[int]:
         bank["tau"][j] = t
         bank["mu"][j] = [(1 - eta) * m + eta * x for m, x in zip(bank["mu"][j], s)]
         d = [x - m for x, m in zip(s, bank["mu"][j])]
-        bank["sigma"][j] = [[(1 - eta) * bank["sigma"][j][r][c] + eta * d[r] * d[c] for c in range(2)] for r in range(2)]
+        bank["sigma"][j] = [
+            [(1 - eta) * bank["sigma"][j][r][c] + eta * d[r] * d[c] for c in range(2)] for r in range(2)
+        ]
         chosen.append(j)
     return chosen
 
@@ -312,8 +343,12 @@ def run_batched(policy, bank, tokens):
 
 def as_lists(bank):
     return {
-        "c": bank.centre_k[0].tolist(), "p": bank.centre_v[0].tolist(), "n": bank.mass[0].tolist(),
-        "mu": bank.mu[0].tolist(), "sigma": bank.sigma[0].tolist(), "tau": bank.tau_time[0].tolist(),
+        "c": bank.centre_k[0].tolist(),
+        "p": bank.centre_v[0].tolist(),
+        "n": bank.mass[0].tolist(),
+        "mu": bank.mu[0].tolist(),
+        "sigma": bank.sigma[0].tolist(),
+        "tau": bank.tau_time[0].tolist(),
         "used": bank.used[0].tolist(),
     }
 
@@ -333,8 +368,14 @@ def random_tokens(rng, count, dim, t, around=None, spread=0.05):
     tokens = []
     for i in range(count):
         base = around[i % len(around)] if around is not None else rng.normal(size=dim)
-        tokens.append({"k": list(base + spread * rng.normal(size=dim)), "v": list(rng.normal(size=dim)),
-                       "s": list(rng.uniform(size=2)), "t": t})
+        tokens.append(
+            {
+                "k": list(base + spread * rng.normal(size=dim)),
+                "v": list(rng.normal(size=dim)),
+                "s": list(rng.uniform(size=2)),
+                "t": t,
+            }
+        )
     return tokens
 
 
@@ -431,12 +472,23 @@ def test_aging_merging_and_recycling():
     torch.testing.assert_close(bank.centre_k[0, 1], near_key[0, 0])
     assert bank.tau_pos[0, 1].tolist() == [4, 5, 6]
     assert touched[0].tolist() == [True, True, False, False]
-    assert bank.seed_order.tolist() == [[40]] and bank.seed_slot.tolist() == [[1]] and bank.open[0].tolist() == [True] * 4
+    assert (
+        bank.seed_order.tolist() == [[40]] and bank.seed_slot.tolist() == [[1]] and bank.open[0].tolist() == [True] * 4
+    )
     # the seed leaves the window: slot 1 gets its mass, and nothing else moves (no second EMA step, no residual)
     centre = bank.centre_k[0, 1].clone()
-    policy.absorb(bank, near_key, near_key, torch.tensor([[[0.25, 0.75]]]), torch.tensor([[[4, 5, 6]]]),
-                  torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
-                  t=11, order=torch.tensor([[40]]))
+    policy.absorb(
+        bank,
+        near_key,
+        near_key,
+        torch.tensor([[[0.25, 0.75]]]),
+        torch.tensor([[[4, 5, 6]]]),
+        torch.zeros(1, 1, dtype=torch.long),
+        torch.zeros(1, 1, dtype=torch.long),
+        torch.zeros(1, 1, dtype=torch.long),
+        t=11,
+        order=torch.tensor([[40]]),
+    )
     assert bank.mass[0].tolist() == [8, 1, 4, 1] and bank.seed_order.shape == (1, 0)
     torch.testing.assert_close(bank.centre_k[0, 1], centre)
 
@@ -465,8 +517,13 @@ def test_the_churn_counts_each_passes_merges_and_recyclings_per_row():
     assert bank.churn.tolist() == [[[1, 0], [1, 0]], [[0, 0], [0, 0]]]  # [pass, (merged, recycled), row]
     assert bank.churn_grid.tolist() == [10, 11] and bank.passes == 2
     policy._bank = bank
-    assert policy.churn(0) == {"grids": [10, 11], "merged": [1, 0], "recycled": [1, 0], "merged_per_pass": 0.5,
-                               "recycled_per_pass": 0.5}
+    assert policy.churn(0) == {
+        "grids": [10, 11],
+        "merged": [1, 0],
+        "recycled": [1, 0],
+        "merged_per_pass": 0.5,
+        "recycled_per_pass": 0.5,
+    }
     report = policy.report()
     assert report["merged_per_row_pass"] == 0.25 and report["recycled_per_row_pass"] == 0.25  # 1 / (2 passes x 2 rows)
 
@@ -482,18 +539,26 @@ def test_beam_search_finds_the_brute_force_top_tuples(groups, codewords, modes, 
     assert codes.shape == (5, modes, groups)
     for p in range(5):
         logp = torch.log((hist[p].double() + 0.1) / (hist[p].sum(-1, keepdim=True).double() + 0.1 * codewords))
-        tuples = sorted(itertools.product(range(codewords), repeat=groups),
-                        key=lambda z: -sum(float(logp[i, c]) for i, c in enumerate(z)))
+        tuples = sorted(
+            itertools.product(range(codewords), repeat=groups),
+            key=lambda z: -sum(float(logp[i, c]) for i, c in enumerate(z)),
+        )
         best = [sum(float(logp[i, c]) for i, c in enumerate(z)) for z in tuples[:modes]]
         found = [sum(float(logp[i, c]) for i, c in enumerate(z)) for z in codes[p].tolist()]
         np.testing.assert_allclose(found, best, atol=1e-5)
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"beam": 2}, "beam=2 is narrower than S=8 pseudo-tokens (it would repeat code tuples); use beam >= 8, or 0 for 4 S"),
-    ({"beam": "7"}, "beam=7 is narrower than S=8"),
-    ({"beam": 3, "pseudo_tokens": 4}, "beam=3 is narrower than S=4"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (
+            {"beam": 2},
+            "beam=2 is narrower than S=8 pseudo-tokens (it would repeat code tuples); use beam >= 8, or 0 for 4 S",
+        ),
+        ({"beam": "7"}, "beam=7 is narrower than S=8"),
+        ({"beam": 3, "pseudo_tokens": 4}, "beam=3 is narrower than S=4"),
+    ],
+)
 def test_a_beam_narrower_than_s_is_refused_in_one_line(params, message):
     with pytest.raises(PolicyParameterError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
         make_policy("protokv", **params)
@@ -506,7 +571,8 @@ def test_the_cli_refuses_a_narrow_beam_before_the_model_loads(capsys):
 
     assert main(["run", "--policy", "protokv", "--param", "beam=2", "--quiet"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: beam=2 is narrower than S=8 pseudo-tokens (it would repeat code tuples); use beam >= 8, or 0 for 4 S"]
+        "error: beam=2 is narrower than S=8 pseudo-tokens (it would repeat code tuples); use beam >= 8, or 0 for 4 S"
+    ]
 
 
 @pytest.mark.parametrize("groups,codewords,modes", [(3, 5, 6), (4, 4, 8), (2, 6, 8)])
@@ -519,10 +585,17 @@ def test_beam_search_orders_tied_tuples_as_its_rule_says(groups, codewords, mode
     codes = beam_search(hist, modes=modes, beam=4 * modes, smoothing=0.1)
     for p in range(hist.shape[0]):
         total = [int(hist[p, i].sum()) for i in range(groups)]
-        score = [[round(math.log((int(hist[p, i, c]) + 0.1) / (total[i] + 0.1 * codewords)) * 2**32) for c in range(codewords)]
-                 for i in range(groups)]
-        ranked = sorted(itertools.product(range(codewords), repeat=groups),
-                        key=lambda z: (-sum(score[i][c] for i, c in enumerate(z)), z))
+        score = [
+            [
+                round(math.log((int(hist[p, i, c]) + 0.1) / (total[i] + 0.1 * codewords)) * 2**32)
+                for c in range(codewords)
+            ]
+            for i in range(groups)
+        ]
+        ranked = sorted(
+            itertools.product(range(codewords), repeat=groups),
+            key=lambda z: (-sum(score[i][c] for i, c in enumerate(z)), z),
+        )
         assert codes[p].tolist() == [list(z) for z in ranked[:modes]], p
 
 
@@ -573,8 +646,13 @@ def test_protokv_streams_the_real_clip_within_m_and_answers(tiny, pancake):
     bank = report["policy_state"]
     slots = engine.policy._bank
     # every slot holds mass or waits for its seed token to leave the window (then hidden from attention)
-    assert int((slots.active | slots.seeded).sum()) == 33 * tiny.num_layers * tiny.num_kv_heads and bank["codebooks_trained"]
-    assert bank["mass_total"] == tiny.num_layers * tiny.num_kv_heads * (engine.memory.tokens_seen - 276)  # decay never ran
+    assert (
+        int((slots.active | slots.seeded).sum()) == 33 * tiny.num_layers * tiny.num_kv_heads
+        and bank["codebooks_trained"]
+    )
+    assert bank["mass_total"] == tiny.num_layers * tiny.num_kv_heads * (
+        engine.memory.tokens_seen - 276
+    )  # decay never ran
     answer = engine.answer("What is in the pan?")
     assert answer.tokens >= 1 and report["keep"] is None
     visible = slots.active.view(tiny.num_layers, tiny.num_kv_heads, -1).sum(-1).double().mean(-1) * 8
@@ -592,7 +670,9 @@ def test_protokv_bookkeeping_stays_bounded_on_a_long_stream(tiny):
     assert bank.assign_map.shape == (tiny.num_layers * tiny.num_kv_heads, 8, 4, 4)
     held = set(bank.assign_grid.tolist()) - {-1}
     assert held and max(held) <= 59 and len(held) <= 8
-    assert engine.memory.layers[0].capacity <= engine.memory.prefix_len + 96 + 256  # summary + window = M, never past it
+    assert (
+        engine.memory.layers[0].capacity <= engine.memory.prefix_len + 96 + 256
+    )  # summary + window = M, never past it
 
 
 def test_merging_checks_pairs_with_a_changed_prototype_from_either_side():
@@ -607,7 +687,9 @@ def test_merging_checks_pairs_with_a_changed_prototype_from_either_side():
     bank.mass[0] = torch.tensor([2, 2, 3, 1, 4])
     bank.tau_time[0] = 5
     changed = torch.tensor([[True, False, False, True, False]])
-    no_near = near_tokens(torch.zeros(1, 0, 4), torch.zeros(1, 0, 4), torch.zeros(1, 0, 2), torch.zeros(1, 0, 3), order=torch.zeros(1, 0))
+    no_near = near_tokens(
+        torch.zeros(1, 0, 4), torch.zeros(1, 0, 4), torch.zeros(1, 0, 2), torch.zeros(1, 0, 3), order=torch.zeros(1, 0)
+    )
     policy.maintain(bank, lambda count: no_near, t=5, changed=changed)  # nothing to recycle from
     assert bank.mass[0].tolist() == [4, 0, 4, 0, 4]
     torch.testing.assert_close(bank.centre_k[0, 2], (3 * e[1] + (e[1] + 0.01 * e[2])) / 4)
@@ -618,6 +700,7 @@ def plain_merge(centre_k, centre_v, mass, candidates, eps_k, eps_v):
     lowest-index active prototype below it whose unit key and value centres are within (eps_k, eps_v), the pair
     having a candidate on either side; a prototype merges when its partner merges nowhere itself."""
     slots = len(mass)
+
     def unit(c):
         norm = max(math.sqrt(sum(x * x for x in c)), 1e-12)
         return [x / norm for x in c]
@@ -632,7 +715,9 @@ def plain_merge(centre_k, centre_v, mass, candidates, eps_k, eps_v):
     partner = [None] * slots
     for j in range(slots):
         if mass[j] > 0:
-            partner[j] = next((i for i in range(j) if mass[i] > 0 and (candidates[i] or candidates[j]) and close(i, j)), None)
+            partner[j] = next(
+                (i for i in range(j) if mass[i] > 0 and (candidates[i] or candidates[j]) and close(i, j)), None
+            )
     merging = [p is not None and partner[p] is None for p in partner]
     new_mass = list(mass)
     for j, p in enumerate(partner):
@@ -662,12 +747,23 @@ def test_merging_matches_a_plain_loop_over_clustered_prototypes(seed, block, pai
     directions = torch.randn(5, dim, generator=g)
     pick = torch.randint(0, 5, (rows, slots), generator=g)
     bank.centre_k[:] = directions[pick] + 0.02 * torch.randn(rows, slots, dim, generator=g)
-    other = torch.where(torch.rand(rows, slots, generator=g) < 0.3, torch.randint(0, 5, (rows, slots), generator=g), pick)
+    other = torch.where(
+        torch.rand(rows, slots, generator=g) < 0.3, torch.randint(0, 5, (rows, slots), generator=g), pick
+    )
     bank.centre_v[:] = directions[other] + 0.02 * torch.randn(rows, slots, dim, generator=g)
     bank.mass[:] = torch.randint(0, 4, (rows, slots), generator=g)  # some empty slots
     changed = torch.rand(rows, slots, generator=g) < 0.5
-    expected = [plain_merge(bank.centre_k[r].tolist(), bank.centre_v[r].tolist(), bank.mass[r].tolist(), changed[r].tolist(),
-                            policy.merge_k, policy.merge_v) for r in range(rows)]
+    expected = [
+        plain_merge(
+            bank.centre_k[r].tolist(),
+            bank.centre_v[r].tolist(),
+            bank.mass[r].tolist(),
+            changed[r].tolist(),
+            policy.merge_k,
+            policy.merge_v,
+        )
+        for r in range(rows)
+    ]
     bank.merge(changed, policy.merge_k, policy.merge_v)
     assert bank.mass.tolist() == [mass for mass, _ in expected]
     assert bank.pending.tolist() == [pending for _, pending in expected]
@@ -680,8 +776,17 @@ def test_the_assignment_view_follows_merges_and_marks_recycled_prototypes_lost()
     e = torch.eye(4)
     keys = torch.stack([e[0], e[1], e[2]])[None]  # three tokens of grid 5 open the three fresh slots
     zero = torch.zeros(1, 3, dtype=torch.long)
-    policy.absorb(bank, keys, keys.clone(), torch.rand(1, 3, 2), torch.zeros(1, 3, 3, dtype=torch.long),
-                  torch.full((1, 3), 5), zero, torch.arange(3)[None], t=5)
+    policy.absorb(
+        bank,
+        keys,
+        keys.clone(),
+        torch.rand(1, 3, 2),
+        torch.zeros(1, 3, 3, dtype=torch.long),
+        torch.full((1, 3), 5),
+        zero,
+        torch.arange(3)[None],
+        t=5,
+    )
     policy._bank = bank
     assert policy.assignments(0, 0, 1)["prototype"].tolist() == [[[0, 1, 2]]]
     bank.centre_k[0, 1] = bank.centre_k[0, 0]  # prototype 1 becomes a copy of 0: they merge
@@ -689,14 +794,21 @@ def test_the_assignment_view_follows_merges_and_marks_recycled_prototypes_lost()
     near_key = torch.tensor([[[0.0, 0, 0, 1], [0.0, 0, 1, 1]]])
 
     def near(count):  # the two newest near-window tokens, newest first
-        return near_tokens(near_key[:, :count], near_key[:, :count], [[0.5, 0.5], [0.5, 0.6]][:count],
-                           [[0, 0, 0], [0, 0, 0]][:count], order=[[99, 98][:count]])
+        return near_tokens(
+            near_key[:, :count],
+            near_key[:, :count],
+            [[0.5, 0.5], [0.5, 0.6]][:count],
+            [[0, 0, 0], [0, 0, 0]][:count],
+            order=[[99, 98][:count]],
+        )
 
     policy.maintain(bank, near, t=6)
     view = policy.assignments(0, 0, 1)
     assert view["prototype"].tolist() == [[[0, 0, 2]]]  # the merged-away patch reads as its partner
     assert view["mass"].tolist()[0] == 2 and view["grids"] == [5]
-    bank.mass[0, 2] = 0  # prototype 2 empties; recycling refills its slot with the newest near token not seeding already
+    bank.mass[0, 2] = (
+        0  # prototype 2 empties; recycling refills its slot with the newest near token not seeding already
+    )
     policy.maintain(bank, near, t=7, changed=torch.zeros(1, 3, dtype=torch.bool))
     assert policy.assignments(0, 0, 1)["prototype"].tolist() == [[[0, 0, -2]]]
     assert bank.seed_slot.tolist() == [[2, 1]] and bank.seed_order.tolist() == [[98, 99]]
@@ -721,7 +833,9 @@ def test_every_token_counts_once_in_the_bank_mass(tiny):
         left = memory.tokens_seen - memory.head_counts(layer)  # [H]: tokens fed minus tokens held exactly
         rows = slice(layer * tiny.num_kv_heads, (layer + 1) * tiny.num_kv_heads)
         assert engine.policy._bank.mass[rows].sum(dim=1).tolist() == left.tolist()
-    assert state["mass_total"] == sum(int((memory.tokens_seen - memory.head_counts(l)).sum()) for l in range(tiny.num_layers))
+    assert state["mass_total"] == sum(
+        int((memory.tokens_seen - memory.head_counts(l)).sum()) for l in range(tiny.num_layers)
+    )
 
 
 def test_zero_residuals_stay_out_of_the_codebook_training():
@@ -733,7 +847,9 @@ def test_zero_residuals_stay_out_of_the_codebook_training():
     residual_k, residual_v = torch.randn(1, 6, 4, generator=g), torch.randn(1, 6, 4, generator=g)
     residual_k[0, [1, 3]] = 0.0
     residual_v[0, [1, 3]] = 0.0
-    bank.record_residuals(torch.zeros(1, 6, dtype=torch.long), torch.ones(1, 6, dtype=torch.bool), residual_k, residual_v)
+    bank.record_residuals(
+        torch.zeros(1, 6, dtype=torch.long), torch.ones(1, 6, dtype=torch.bool), residual_k, residual_v
+    )
     assert bank.reservoir_len == 4
     assert torch.equal(bank.reservoir_k[0, :4], residual_k[0, [0, 2, 4, 5]])
     assert torch.equal(bank.reservoir_v[0, :4], residual_v[0, [0, 2, 4, 5]])
@@ -767,8 +883,10 @@ def test_the_bias_of_a_bfloat16_memory_is_log_mass_in_float32():
     mass = policy._bank.mass.view(2, 2, -1)  # [layers, H, K]
     assert int(mass.max()) > 2  # masses whose log bfloat16 cannot hold
     for layer in range(2):
-        expected = torch.tensor([[math.log(n) if n > 0 else -math.inf for n in row for _ in range(8)]
-                                 for row in mass[layer].tolist()], dtype=torch.float64).float()
+        expected = torch.tensor(
+            [[math.log(n) if n > 0 else -math.inf for n in row for _ in range(8)] for row in mass[layer].tolist()],
+            dtype=torch.float64,
+        ).float()
         store = memory.layers[layer]
         assert torch.equal(store.bias[:, memory.prefix_len : memory.visual_start], expected)
 
@@ -789,8 +907,12 @@ def attend_to_a_prototype_of_mass(mass: int, others: int, device: torch.device) 
     value = torch.zeros(1, 1, 8, device=device)
     value[..., 0] = 1.0
     bias = torch.tensor([[math.log(mass)]], device=device)
-    memory.apply(Selection([torch.arange(others, device=device)[None]],
-                           summary=[SummaryUpdate(torch.zeros(1, 1, 8, device=device), value, bias)]))
+    memory.apply(
+        Selection(
+            [torch.arange(others, device=device)[None]],
+            summary=[SummaryUpdate(torch.zeros(1, 1, 8, device=device), value, bias)],
+        )
+    )
     step = MemoryCache(memory)
     key, val = step.layers[0].update(zeros(1), zeros(1))
 

@@ -20,8 +20,9 @@ def test_two_setup_commands_install_and_run_the_app_then_the_tests():
     assert tests == 'pip install -e ".[dev]" && python -m pytest -q'
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     # The dev dependencies, installed from the package's extra or from the file that extra reads.
-    install = next(i for i, line in enumerate(ci)
-                   if "pip install" in line and (".[dev" in line or "requirements-dev.txt" in line))
+    install = next(
+        i for i, line in enumerate(ci) if "pip install" in line and (".[dev" in line or "requirements-dev.txt" in line)
+    )
     assert ci.index("python -m pytest -q") > install, ".ci/run runs the README's test command"
 
 

@@ -19,12 +19,30 @@ from kvdemo.viz.png import chart_png
 
 
 def _predictions(policy: str, right: list[bool], delays: list[float]) -> list[dict]:
-    return [{"question": f"q{i}", "answer": "red" if r else "blue", "truth": "red", "correct": r, "delay_s": d,
-             "policy": policy, "tokens_held": 64} for i, (r, d) in enumerate(zip(right, delays))]
+    return [
+        {
+            "question": f"q{i}",
+            "answer": "red" if r else "blue",
+            "truth": "red",
+            "correct": r,
+            "delay_s": d,
+            "policy": policy,
+            "tokens_held": 64,
+        }
+        for i, (r, d) in enumerate(zip(right, delays))
+    ]
 
 
 def _run(tmp_path, name: str, policy: str, budget: int | None, right: list[bool], delays: list[float]):
-    config = {"harness": "kvdemo eval", "model": "tiny", "policy": policy, "M": budget, "C": None, "fps": 2.0, "seed": 0}
+    config = {
+        "harness": "kvdemo eval",
+        "model": "tiny",
+        "policy": policy,
+        "M": budget,
+        "C": None,
+        "fps": 2.0,
+        "seed": 0,
+    }
     return write_eval_run(tmp_path / name, config, {}, _predictions(policy, right, delays))
 
 
@@ -45,9 +63,11 @@ def test_a_prediction_is_graded_against_the_documents_truth():
 
 
 def test_results_tabulate_folders_and_chart_accuracy_against_the_budget(tmp_path, capsys):
-    folders = [_run(tmp_path, "full", "full", None, [True] * 4, [0] * 4),
-               _run(tmp_path, "sw32", "sliding-window", 32, [True, False, False, False], [0] * 4),
-               _run(tmp_path, "sw64", "sliding-window", 64, [True, True, True, False], [0] * 4)]
+    folders = [
+        _run(tmp_path, "full", "full", None, [True] * 4, [0] * 4),
+        _run(tmp_path, "sw32", "sliding-window", 32, [True, False, False, False], [0] * 4),
+        _run(tmp_path, "sw64", "sliding-window", 64, [True, True, True, False], [0] * 4),
+    ]
     runs = [read_run(f) for f in folders]
     table = results_table(runs).splitlines()
     assert len(table) == 4 and "1.000" in table[1] and "0.250" in table[2] and "0.750" in table[3]

@@ -63,7 +63,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     def visit(node: str, trail: list[str]) -> None:
         for nxt in sorted(graph[node]):
             if nxt in trail:
-                circle = trail[trail.index(nxt):]
+                circle = trail[trail.index(nxt) :]
                 start = circle.index(min(circle))
                 key = tuple(circle[start:] + circle[:start])
                 if key not in seen:
@@ -100,7 +100,9 @@ def test_imports_are_at_the_top_unless_deferred_on_purpose():
                     if isinstance(inner, (ast.Import, ast.ImportFrom)):
                         said = " ".join(lines[max(0, inner.lineno - 2) : inner.end_lineno])
                         if "deferred" not in said:
-                            hidden.append(f"{path.relative_to(PACKAGE)}:{inner.lineno}: {lines[inner.lineno - 1].strip()}")
+                            hidden.append(
+                                f"{path.relative_to(PACKAGE)}:{inner.lineno}: {lines[inner.lineno - 1].strip()}"
+                            )
     assert hidden == [], "an import inside a function must say why it is deferred"
 
 
@@ -108,18 +110,22 @@ def reason_for_length(text: str) -> str:
     """The reason a module gives for its length: the text after LONG_REASON on a comment line of its head (before
     its first function or class); '' when it gives none."""
     tree = ast.parse(text)
-    head_end = min((node.lineno for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                                            ast.ClassDef))), default=None)
+    head_end = min(
+        (node.lineno for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))),
+        default=None,
+    )
     lines = text.splitlines()[: head_end - 1 if head_end else None]
-    said = [line.strip()[len(LONG_REASON):].strip() for line in lines if line.strip().startswith(LONG_REASON)]
+    said = [line.strip()[len(LONG_REASON) :].strip() for line in lines if line.strip().startswith(LONG_REASON)]
     return said[0] if said else ""
 
 
 def test_modules_are_read_in_one_sitting_or_say_why_not():
     long = {str(path.relative_to(PACKAGE)): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
-    unexplained = {name: len(text.splitlines()) for name, text in long.items()
-                   if len(text.splitlines()) > MAX_LINES
-                   and len(reason_for_length(text).split()) < 4}
+    unexplained = {
+        name: len(text.splitlines())
+        for name, text in long.items()
+        if len(text.splitlines()) > MAX_LINES and len(reason_for_length(text).split()) < 4
+    }
     assert unexplained == {}, f"over {MAX_LINES} lines with no '{LONG_REASON} <why>' comment in the module's head"
 
 
@@ -145,8 +151,26 @@ def docstrings(tree: ast.AST) -> set[int]:
     return out
 
 
-@pytest.mark.parametrize("scope", ["app", "viz", "bench", "models", "cache", "stream", "analysis", "experiments",
-                                   "media", "devices", "world", "cli.py", "usage.py", "views.py", "testing.py"])
+@pytest.mark.parametrize(
+    "scope",
+    [
+        "app",
+        "viz",
+        "bench",
+        "models",
+        "cache",
+        "stream",
+        "analysis",
+        "experiments",
+        "media",
+        "devices",
+        "world",
+        "cli.py",
+        "usage.py",
+        "views.py",
+        "testing.py",
+    ],
+)
 def test_nothing_outside_the_policies_names_a_policy(scope):
     """Outside ``kvdemo/policies`` code never names a policy (the full cache, the baseline every tool shows, is
     the one exception): what a policy does is reached through its class's declarations and protocols."""
@@ -171,8 +195,10 @@ def test_nothing_outside_the_policies_names_a_policy(scope):
 #: down and no arrow runs back up (the memory knows no model family, the families no engine, the engine no app).
 #: A package's modules are on its floor; every module of kvdemo is on one (a new root module is placed here).
 FLOORS: list[tuple[str, list[str]]] = [
-    ("the vocabulary every floor shares", ["kvdemo.tensors", "kvdemo.views", "kvdemo.dialogue", "kvdemo.errors",
-                                           "kvdemo.devices"]),
+    (
+        "the vocabulary every floor shares",
+        ["kvdemo.tensors", "kvdemo.views", "kvdemo.dialogue", "kvdemo.errors", "kvdemo.devices"],
+    ),
     ("what a policy decides; frames in", ["kvdemo.policies", "kvdemo.media"]),
     ("the memory under a budget", ["kvdemo.cache"]),
     ("the model families", ["kvdemo.models"]),
@@ -181,9 +207,19 @@ FLOORS: list[tuple[str, list[str]]] = [
     ("the engine", ["kvdemo.stream"]),
     ("drawing", ["kvdemo.viz"]),
     ("policies measured on streams", ["kvdemo.experiments"]),
-    ("the faces: app, command line, benchmarks, integrations, test fixtures",
-     ["kvdemo.app", "kvdemo.cli", "kvdemo.usage", "kvdemo.bench", "kvdemo.integrations", "kvdemo.testing",
-      "kvdemo.__main__", "kvdemo"]),
+    (
+        "the faces: app, command line, benchmarks, integrations, test fixtures",
+        [
+            "kvdemo.app",
+            "kvdemo.cli",
+            "kvdemo.usage",
+            "kvdemo.bench",
+            "kvdemo.integrations",
+            "kvdemo.testing",
+            "kvdemo.__main__",
+            "kvdemo",
+        ],
+    ),
 ]
 
 
@@ -201,9 +237,12 @@ def floor_of(module: str) -> int | None:
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     """``module (floor) -> module (floor)`` for every import that runs to a higher floor (a module on no floor is
     :func:`test_every_module_is_on_a_floor`'s to report)."""
-    return sorted(f"{a} ({FLOORS[floor_of(a)][0]}) -> {b} ({FLOORS[floor_of(b)][0]})"
-                  for a, targets in graph.items() for b in targets
-                  if floor_of(a) is not None and floor_of(b) is not None and floor_of(b) > floor_of(a))
+    return sorted(
+        f"{a} ({FLOORS[floor_of(a)][0]}) -> {b} ({FLOORS[floor_of(b)][0]})"
+        for a, targets in graph.items()
+        for b in targets
+        if floor_of(a) is not None and floor_of(b) is not None and floor_of(b) > floor_of(a)
+    )
 
 
 def test_every_module_is_on_a_floor():
@@ -219,8 +258,9 @@ def test_no_module_imports_upward():
 
 def test_the_floor_check_finds_an_upward_import():
     graph = {"kvdemo.cache.memory": {"kvdemo.models.base", "kvdemo.policies.base"}, "kvdemo.models.base": set()}
-    assert upward_imports(graph) == ["kvdemo.cache.memory (the memory under a budget) -> kvdemo.models.base "
-                                     "(the model families)"]
+    assert upward_imports(graph) == [
+        "kvdemo.cache.memory (the memory under a budget) -> kvdemo.models.base (the model families)"
+    ]
     assert floor_of("kvdemo") == floor_of("kvdemo.cli") != floor_of("kvdemo.cache")
     assert floor_of("kvdemo.somewhere_new") is None
 
@@ -239,8 +279,9 @@ def test_nothing_outside_the_models_names_a_family():
 
     specs = set(families().values())
     files = {spec.load.__module__ for spec in specs}
-    names = {t for spec in specs for t in spec.model_types} | {m.name for spec in specs for m in spec.offline
-                                                                 if m.name.startswith("tiny-random-")}
+    names = {t for spec in specs for t in spec.model_types} | {
+        m.name for spec in specs for m in spec.offline if m.name.startswith("tiny-random-")
+    }
     known = modules()
     offenders = []
     for module, path in sorted(known.items()):

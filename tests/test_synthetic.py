@@ -145,7 +145,9 @@ def test_synthetic_video_is_deterministic_and_moves():
 
 
 def _digest(episode) -> str:
-    return hashlib.sha256(episode.video.frames.tobytes() + episode.colour_labels.tobytes() + episode.shape_labels.tobytes()).hexdigest()
+    return hashlib.sha256(
+        episode.video.frames.tobytes() + episode.colour_labels.tobytes() + episode.shape_labels.tobytes()
+    ).hexdigest()
 
 
 def test_the_static_kind_draws_what_it_drew_before_the_moving_kind():
@@ -188,7 +190,10 @@ def test_moving_objects_are_drawn_whole_where_and_when_the_generator_says(seed):
             row, col = item.cells[index]
             assert 0 <= row <= 8 - box and 0 <= col <= 8 - box
             top, left, side = item.drawn(index)
-            assert side == round(item.side * box / 2 + 1e-9) and top - row * CELL == left - col * CELL == (box * CELL - side) // 2
+            assert (
+                side == round(item.side * box / 2 + 1e-9)
+                and top - row * CELL == left - col * CELL == (box * CELL - side) // 2
+            )
             colour = np.clip(np.rint(np.array(COLOURS[item.colour]) * camera.gain[frame]), 0, 255)
             patch = frames[frame, top : top + side, left : left + side]
             assert (patch[shape_mask(item.shape, side)] == colour).all(), (item.shape, frame)
@@ -213,7 +218,13 @@ def test_the_camera_moves_the_world_through_the_frame():
     def patch_change(episode):
         """Mean change of a background token's mean grey (over its 28 x 28 px and the pair) from pair 0 to
         every later pair, over tokens no item covers in either pair."""
-        grey = episode.video.frames.astype(np.float64).mean(-1).reshape(-1, 2, 4, 28, 4, 28).mean((1, 3, 5)).reshape(-1, 16)
+        grey = (
+            episode.video.frames.astype(np.float64)
+            .mean(-1)
+            .reshape(-1, 2, 4, 28, 4, 28)
+            .mean((1, 3, 5))
+            .reshape(-1, 16)
+        )
         empty = episode.shape_labels == NOTHING
         both = empty & empty[:1]
         return np.abs(grey - grey[:1])[both].mean()
@@ -307,7 +318,9 @@ def test_the_moving_sample():
     assert {q.kind for q in episode.questions} == {"colour", "first"}
     manifest = sample_manifest(episode)
     assert "kind moving" in manifest and "pans" in manifest and "11-13 s" in manifest  # the cross's second sighting
-    assert sample_episode() is sample_episode("static") or _digest(sample_episode()) == _digest(sample_episode("static"))
+    assert sample_episode() is sample_episode("static") or _digest(sample_episode()) == _digest(
+        sample_episode("static")
+    )
     with pytest.raises(VideoError, match="unknown stream kind"):
         sample_episode("sideways")
     with pytest.raises(VideoError, match="unknown stream kind"):

@@ -56,7 +56,15 @@ def test_a_step_draws_both_stream_kinds_and_the_same_streams_every_time(trainer)
     """Stream i of a batch is of kind kinds[i % 2] (static, moving), and a step's batch is a pure function
     of (seed, phase, step): training data is reproducible whatever order the steps are built in."""
     first, other, again = trainer.batch(1, 2), trainer.batch(1, 1), trainer.batch(1, 2)
-    for name in ("pixels", "input_ids", "positions", "colour_labels", "shape_labels", "answer_targets", "question_targets"):
+    for name in (
+        "pixels",
+        "input_ids",
+        "positions",
+        "colour_labels",
+        "shape_labels",
+        "answer_targets",
+        "question_targets",
+    ):
         assert torch.equal(getattr(first, name), getattr(again, name)), name
     assert not torch.equal(first.pixels, other.pixels) or not torch.equal(first.input_ids, other.input_ids)
     tokens = first.colour_labels.numel() // 2
@@ -66,7 +74,9 @@ def test_a_step_draws_both_stream_kinds_and_the_same_streams_every_time(trainer)
 
 
 def test_the_schedule_warms_up_then_decays(trainer):
-    config = TrainConfig(phases=(Phase("A", 10, 2, (1, 1), vision_only=True), Phase("B", 300, 2, (1, 1)), Phase("C", 100, 2, (1, 1))))
+    config = TrainConfig(
+        phases=(Phase("A", 10, 2, (1, 1), vision_only=True), Phase("B", 300, 2, (1, 1)), Phase("C", 100, 2, (1, 1)))
+    )
     probe = TinyTrainer.__new__(TinyTrainer)
     probe.config = config
     assert probe.learning_rate(0, 0) == pytest.approx(2e-3 / 50)
@@ -139,8 +149,11 @@ def test_multiple_choice_turns_mark_each_options_word_its_letter_and_the_answeri
     adapter = trainer.adapter
     episode = generate_episode(5, StreamSpec(pairs=(3, 3), objects=(3, 3)))
     rng = np.random.default_rng(1)
-    asked = [multiple_choice(episode.questions[0], rng, "videomme"), episode.questions[1],
-             multiple_choice(episode.questions[2], rng, "ovobench")]
+    asked = [
+        multiple_choice(episode.questions[0], rng, "videomme"),
+        episode.questions[1],
+        multiple_choice(episode.questions[2], rng, "ovobench"),
+    ]
     turns = dialogue(adapter, asked, np.arange(3))
     decode = adapter.tokenizer.decode
     text = decode(turns.ids)
@@ -153,7 +166,9 @@ def test_multiple_choice_turns_mark_each_options_word_its_letter_and_the_answeri
             assert right == (item.words[letter] == item.question.answer)
     for (position, word), item in zip(turns.choice_answers, (asked[0], asked[2])):
         assert decode(turns.ids[: position + 1]).endswith(item.prompt.strip() + "<|im_end|>\n<|im_start|>assistant\n")
-        assert decode(turns.ids[position + 1 : position + 2]) == item.letter and OPTION_WORDS[word] == item.question.answer
+        assert (
+            decode(turns.ids[position + 1 : position + 2]) == item.letter and OPTION_WORDS[word] == item.question.answer
+        )
     # the bare question in between is answered by its word, as before
     assert f"{asked[1].text}<|im_end|>\n<|im_start|>assistant\n{asked[1].answer}<|im_end|>" in text
 
@@ -164,8 +179,12 @@ def test_the_pointer_loss_reads_the_attention_from_each_answering_position_to_it
     text (the right option found by its word, not by the code's verdict targets)."""
     from kvdemo.world.batches import OPTION_WORDS
 
-    batch = build_batch(trainer.adapter, [generate_episode(s, StreamSpec(pairs=(2, 2))) for s in (3, 4)],
-                        np.random.default_rng(2), choices=1.0)
+    batch = build_batch(
+        trainer.adapter,
+        [generate_episode(s, StreamSpec(pairs=(2, 2))) for s in (3, 4)],
+        np.random.default_rng(2),
+        choices=1.0,
+    )
     rows, length = batch.input_ids.shape
     attention = torch.rand(rows, 4, length, length, generator=torch.Generator().manual_seed(0))
     expected, decode = [], trainer.adapter.tokenizer.decode
@@ -189,17 +208,23 @@ def test_the_letter_loss_is_the_cross_entropy_of_the_right_options_letter_where_
     option whose word is the answer), not the code's next-token ids."""
     from kvdemo.world.batches import OPTION_WORDS
 
-    batch = build_batch(trainer.adapter, [generate_episode(s, StreamSpec(pairs=(2, 2))) for s in (5, 6)],
-                        np.random.default_rng(3), choices=1.0)
+    batch = build_batch(
+        trainer.adapter,
+        [generate_episode(s, StreamSpec(pairs=(2, 2))) for s in (5, 6)],
+        np.random.default_rng(3),
+        choices=1.0,
+    )
     rows, length = batch.input_ids.shape
-    hidden = torch.randn(rows, length, trainer.model.config.text_config.hidden_size, generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(
+        rows, length, trainer.model.config.text_config.hidden_size, generator=torch.Generator().manual_seed(1)
+    )
     decode, expected = trainer.adapter.tokenizer.decode, []
     with torch.no_grad():
         for k in range(batch.choice_at.shape[1]):
             row, at = batch.choice_at[:, k].tolist()
             word = OPTION_WORDS[int(batch.choice_words[k])]
             text = decode(batch.input_ids[row, : at + 1].tolist())
-            letter = next(c for c in "ABCD" if f"{c}. {word}" in text[text.rindex("A. "):])
+            letter = next(c for c in "ABCD" if f"{c}. {word}" in text[text.rindex("A. ") :])
             logits = trainer.model.lm_head(hidden[row, at]).double()
             expected.append(float(torch.logsumexp(logits, 0) - logits[trainer.adapter.tokenize(letter)[0]]))
         loss = trainer._letter_loss(batch, hidden)

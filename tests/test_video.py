@@ -187,9 +187,23 @@ def test_a_clone_without_the_shared_media_skips_their_tests_with_a_reason(tmp_pa
 
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "CI"} | {"KVDEMO_MEDIA": str(tmp_path / "absent")}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           "tests/test_video.py::test_real_clip_decodes_at_fps", "tests/test_video.py::test_sample_count_follows_duration"],
-                          cwd=root, env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_video.py::test_real_clip_decodes_at_fps",
+            "tests/test_video.py::test_sample_count_follows_duration",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stdout[-2000:]
     assert "1 passed, 1 skipped" in done.stdout
     assert f"the real test media are not at {tmp_path / 'absent'} (../shared/media beside the checkout" in done.stdout
@@ -198,11 +212,13 @@ def test_a_clone_without_the_shared_media_skips_their_tests_with_a_reason(tmp_pa
 def test_pyav_is_imported_only_where_a_file_is_opened():
     """The CLI, the doctor, the app and the bundled sample run without importing PyAV (a GPU host that only
     streams the sample or a random checkpoint needs no FFmpeg); writing or opening a file imports it."""
-    code = ("import sys, tempfile, numpy as np, kvdemo.cli, kvdemo.bench.doctor, kvdemo.app, kvdemo.world.synthetic as s\n"
-            "s.sample_episode()\n"
-            "assert 'av' not in sys.modules, 'imported before any file'\n"
-            "from kvdemo.media.video import write_video\n"
-            "write_video(tempfile.mkdtemp() + '/clip.mp4', np.zeros((2, 32, 32, 3), np.uint8), 2.0)\n"
-            "print('ok' if 'av' in sys.modules else 'not imported')")
+    code = (
+        "import sys, tempfile, numpy as np, kvdemo.cli, kvdemo.bench.doctor, kvdemo.app, kvdemo.world.synthetic as s\n"
+        "s.sample_episode()\n"
+        "assert 'av' not in sys.modules, 'imported before any file'\n"
+        "from kvdemo.media.video import write_video\n"
+        "write_video(tempfile.mkdtemp() + '/clip.mp4', np.zeros((2, 32, 32, 3), np.uint8), 2.0)\n"
+        "print('ok' if 'av' in sys.modules else 'not imported')"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -117,8 +117,17 @@ def test_a_question_that_runs_a_pass_sends_its_engine_back(emulate, pancake):
     from kvdemo.stream.streaming import stream_video
 
     model = model_by_name("tiny-random")
-    engines = {name: StreamEngine(model, make_policy("hybridkv", classify_with="question"), budget=540, keep=405,
-                                  fps=pancake.fps, max_new_tokens=3) for name in ("here", "travelled")}
+    engines = {
+        name: StreamEngine(
+            model,
+            make_policy("hybridkv", classify_with="question"),
+            budget=540,
+            keep=405,
+            fps=pancake.fps,
+            max_new_tokens=3,
+        )
+        for name in ("here", "travelled")
+    }
     list(stream_video(model, pancake, engines))
     here, travelled = engines["here"], engines["travelled"]
     answer = here.answer("What is in the pan?")

@@ -22,15 +22,23 @@ def without_timings(value):
 
 def run_and_ask(url, media, policy, budget, keep):
     client = new_client(url)
-    job = client.submit(video=handle_file(str(media / "flipping_a_pancake.mkv")), policy=policy, budget=budget, keep=keep,
-                        api_name="/run")
+    job = client.submit(
+        video=handle_file(str(media / "flipping_a_pancake.mkv")),
+        policy=policy,
+        budget=budget,
+        keep=keep,
+        api_name="/run",
+    )
     final = job.result()
     assert "20/20 frames" in final[STATUS]
     first = client.submit("What is cooking?", api_name="/ask").result()
     second = client.submit("And what colour is it?", api_name="/ask").result()  # multi-turn
     report = fetch_json(second[-1])
-    return report, [answer_text(first[ASK_POLICY_CHAT]), answer_text(second[ASK_POLICY_CHAT]),
-                    answer_text(second[ASK_FULL_CHAT])]
+    return report, [
+        answer_text(first[ASK_POLICY_CHAT]),
+        answer_text(second[ASK_POLICY_CHAT]),
+        answer_text(second[ASK_FULL_CHAT]),
+    ]
 
 
 @pytest.mark.parametrize("policy, budget, keep", [("infinipot-v", 96, 72), ("protokv", 96, None), ("hybridkv", 96, 72)])

@@ -100,4 +100,3 @@ def coverage_table(summaries: dict[str, dict[str, Any]]) -> str:
             cdf = " ".join(f"{s['cdf_at'][format(t, 'g')]:>7.3f}" for t in THRESHOLDS)
             lines.append(f"{name:<16} {space:<6} {s['mean']:>7.3f} {s['median']:>7.3f} {s['p90']:>7.3f} {cdf}")
     return "\n".join(lines)
-

@@ -73,9 +73,11 @@ class Attribution:
 
     def to_dict(self) -> dict[str, Any]:
         """For the JSON report: the mean shares, per (layer, KV head) shares, and per grid the attention share."""
-        return {"share": self.share(),
-                "per_layer_head": {name: np.round(self.shares[..., k], 5).tolist() for k, name in enumerate(SHARES)},
-                "frame_share": np.round(self.frame_mass(), 6).tolist()}
+        return {
+            "share": self.share(),
+            "per_layer_head": {name: np.round(self.shares[..., k], 5).tolist() for k, name in enumerate(SHARES)},
+            "frame_share": np.round(self.frame_mass(), 6).tolist(),
+        }
 
 
 class AttributionTally:
@@ -94,8 +96,16 @@ class AttributionTally:
         # Per memory layer, every retrieved token's mass [H_kv, R] (device) with its frame/row/col [3, H_kv, R] (host).
         self.fetched: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.live]
 
-    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 bias: torch.Tensor | None, extra: Any, scale: float) -> None:
+    def __call__(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        bias: torch.Tensor | None,
+        extra: Any,
+        scale: float,
+    ) -> None:
         if layer >= len(self.live):
             return
         mass = attention_weights(query, key, bias, scale, extra).sum(dim=1).double()  # [H_kv, kv + R]
@@ -116,7 +126,11 @@ class AttributionTally:
         start, summary = memory.visual_start, memory.visual_start - memory.prefix_len
         for layer in range(layers):
             zeros = torch.zeros(heads, dtype=torch.float64)
-            held = self.held[layer].cpu() if self.held[layer] is not None else torch.zeros(heads, self.live[layer], dtype=torch.float64)
+            held = (
+                self.held[layer].cpu()
+                if self.held[layer] is not None
+                else torch.zeros(heads, self.live[layer], dtype=torch.float64)
+            )
             dialogue = self.dialogue[layer].cpu() if self.dialogue[layer] is not None else zeros
             retrieved = self.retrieved[layer].cpu() if self.retrieved[layer] is not None else zeros
             length = memory.layers[layer].visual_len
@@ -126,8 +140,9 @@ class AttributionTally:
             valid = memory.valid[layer]  # ragged heads: padding slots hold nothing (and no provenance)
             valid = valid.cpu() if valid is not None else torch.ones(on_visual.shape, dtype=torch.bool)
             on_visual = on_visual * valid
-            shares[layer, :, 0] = ((held[:, : memory.prefix_len].sum(1) + held[:, start + length :].sum(1)
-                                    + dialogue) / total).numpy()
+            shares[layer, :, 0] = (
+                (held[:, : memory.prefix_len].sum(1) + held[:, start + length :].sum(1) + dialogue) / total
+            ).numpy()
             shares[layer, :, 1] = (held[:, memory.prefix_len : memory.prefix_len + summary].sum(1) / total).numpy()
             shares[layer, :, 2] = on_visual.sum(1).numpy()
             shares[layer, :, 3] = (retrieved / total).numpy()
@@ -141,8 +156,13 @@ class AttributionTally:
         return Attribution(shares, visual, frame, row, col, memory.num_grids, memory.grid_shape or (0, 0))
 
 
-def attribution_views(attributions: dict[str, Attribution], grid_times_s: list[float], grids: list[int],
-                      layer: int | None = None, head: int | None = None) -> list[View]:
+def attribution_views(
+    attributions: dict[str, Attribution],
+    grid_times_s: list[float],
+    grids: list[int],
+    layer: int | None = None,
+    head: int | None = None,
+) -> list[View]:
     """One :class:`~kvdemo.views.PatchValues` per engine over ``grids``: "what this answer looked at", tinted on a
     scale shared by every engine (so they compare), the shares of text, summary and retrieved in the caption."""
     maps = {name: a.patch_map(layer, head) for name, a in attributions.items()}
@@ -152,10 +172,15 @@ def attribution_views(attributions: dict[str, Attribution], grid_times_s: list[f
         share = attribution.share(layer, head)
         parts = ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items() if v >= 0.005 or k in ("text", "visual"))
         mass = maps[name].sum(axis=(1, 2))
-        views.append(PatchValues(
-            f"{name}: what the answer looked at", f"attention share: {parts} (tint: relative to the "
-            f"largest patch of any engine, {100 * top:.2f}%)", list(grids), np.clip(maps[name][grids] / top, 0, 1),
-            [f"{grid_times_s[g]:.0f} s · {100 * mass[g]:.1f}%" for g in grids]))
+        views.append(
+            PatchValues(
+                f"{name}: what the answer looked at",
+                f"attention share: {parts} (tint: relative to the largest patch of any engine, {100 * top:.2f}%)",
+                list(grids),
+                np.clip(maps[name][grids] / top, 0, 1),
+                [f"{grid_times_s[g]:.0f} s · {100 * mass[g]:.1f}%" for g in grids],
+            )
+        )
     return views
 
 
@@ -189,7 +214,9 @@ def evidence_share(attribution: Attribution, episode, subject: str) -> float:
     return float(mass[shows].sum() / mass.sum()) if mass.sum() > 0 else float("nan")
 
 
-def object_token_share(attribution: Attribution, episode, subject: str, layer: int | None = None) -> tuple[float, float]:
+def object_token_share(
+    attribution: Attribution, episode, subject: str, layer: int | None = None
+) -> tuple[float, float]:
     """``(share of the visual attention on tokens that show subject, share of the attended tokens that show it)``
     in ``layer`` (None: every layer), each token's label read through its provenance from the stream's per-token
     ground truth (:attr:`~kvdemo.world.synthetic.Episode.shape_labels` ``[grids, rows * cols]``): the first above the
@@ -221,8 +248,16 @@ class FidelityProbe:
         self.error = {name: np.zeros(layers) for name in memories}
         self.norm = np.zeros(layers)
 
-    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 bias: torch.Tensor | None, extra: Any, scale: float) -> None:
+    def __call__(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        bias: torch.Tensor | None,
+        extra: Any,
+        scale: float,
+    ) -> None:
         q_heads, q_len = query.shape[1], query.shape[2]
         reference = weighted_values(attention_weights(query, key, bias, scale, extra), value, extra, q_heads)
         self.norm[layer] += float(reference.pow(2).sum())
@@ -233,7 +268,9 @@ class FidelityProbe:
             own_values = torch.cat([store.values[:, :, :live].to(query.device), new_values], dim=2)
             own_bias = store.bias[:, :live] if store.bias is not None else None
             own_extra = store.offload.fetch(query[0], scale) if store.offload is not None else None
-            out = weighted_values(attention_weights(query, own_keys, own_bias, scale, own_extra), own_values, own_extra, q_heads)
+            out = weighted_values(
+                attention_weights(query, own_keys, own_bias, scale, own_extra), own_values, own_extra, q_heads
+            )
             self.error[name][layer] += float((out - reference).pow(2).sum())
 
     def relative_error(self) -> dict[str, list[float]]:
@@ -276,7 +313,10 @@ def fidelity(full, engines: dict[str, Any], question: str) -> dict[str, dict[str
         own = MemoryCache(engine.memory)
         own.answering = True
         logits = model.forward(embeds, positions, own)
-        out[name] = {"layer_error": [round(e, 6) for e in errors[name]], "first_token_kl": round(first_token_kl(full_logits, logits), 6)}
+        out[name] = {
+            "layer_error": [round(e, 6) for e in errors[name]],
+            "first_token_kl": round(first_token_kl(full_logits, logits), 6),
+        }
         engine.memory.reset_retrieved()  # the probe's retrieval marks are not an answer's
     return out
 
@@ -286,7 +326,11 @@ def fidelity_views(question: str, results: dict[str, dict[str, Any]]) -> list[Vi
     the legend."""
     lines = {f"{name} (first-token KL {r['first_token_kl']:.3f})": r["layer_error"] for name, r in results.items()}
     layers = len(next(iter(results.values()))["layer_error"]) if results else 0
-    return [Chart(f"What compression changed: “{question}”",
-                  "relative error of each layer's attention output against the full cache's, on the same query "
-                  "(teacher-forced: the full cache's hidden states feed every memory); KL: first answer token",
-                  [Series(list(range(layers)), lines, "layer", "relative error", markers=True)])]
+    return [
+        Chart(
+            f"What compression changed: “{question}”",
+            "relative error of each layer's attention output against the full cache's, on the same query "
+            "(teacher-forced: the full cache's hidden states feed every memory); KL: first answer token",
+            [Series(list(range(layers)), lines, "layer", "relative error", markers=True)],
+        )
+    ]

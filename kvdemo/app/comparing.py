@@ -43,8 +43,9 @@ class CompareViews(PageViews):
     report_name = "kvdemo-compare.json"
     answer_details = False  # narrow panes: the answer stays in view (the status says every engine's cache)
 
-    def status(self, state: Session, done: int | None = None, total: int | None = None, error: str = "",
-               stopped: bool = False) -> str:
+    def status(
+        self, state: Session, done: int | None = None, total: int | None = None, error: str = "", stopped: bool = False
+    ) -> str:
         return status(state, total, error)
 
     def starting(self, state: Session, source: str) -> dict[str, Any]:
@@ -52,13 +53,27 @@ class CompareViews(PageViews):
         return {"session": state, "status": f"⏳ starting {source}\n\n{state.bound['text']}", **self.fresh(state)}
 
     def fresh(self, state: Session) -> dict[str, Any]:
-        return {**titles(state), **self.chats(state), "ask_status": "", "attribution": None, "attribution_text": "",
-                "fidelity_plot": None, "report": None}
+        return {
+            **titles(state),
+            **self.chats(state),
+            "ask_status": "",
+            "attribution": None,
+            "attribution_text": "",
+            "fidelity_plot": None,
+            "report": None,
+        }
 
-    def live(self, state: Session, done: int | None = None, total: int | None = None,
-             force: bool = False) -> dict[str, Any]:
-        return {"session": state, "status": status(state, total), "plot": occupancy(state), "strips": strips(state),
-                "strips_legend": strips_legend(state), **titles(state)}
+    def live(
+        self, state: Session, done: int | None = None, total: int | None = None, force: bool = False
+    ) -> dict[str, Any]:
+        return {
+            "session": state,
+            "status": status(state, total),
+            "plot": occupancy(state),
+            "strips": strips(state),
+            "strips_legend": strips_legend(state),
+            **titles(state),
+        }
 
     def finished(self, state: Session, done: int, total: int, stopped: bool) -> dict[str, Any]:
         final = self.live(state, done, total)
@@ -78,40 +93,54 @@ class CompareViews(PageViews):
     def answered(self, state: Session, question: str, answers: dict[str, Any]) -> dict[str, Any]:
         state.questions.append(question_record(question, answers, state.episode, state.engines[FULL].last_time_s))
         state.attributions = {name: a.attribution for name, a in answers.items() if a.attribution is not None}
-        return {"ask_status": f"✓ answered by {counted(len(answers), 'engine')}",
-                **attribution_update(state, question), "report": self.write_report(state)}
+        return {
+            "ask_status": f"✓ answered by {counted(len(answers), 'engine')}",
+            **attribution_update(state, question),
+            "report": self.write_report(state),
+        }
 
     def report(self, state: Session) -> dict[str, Any] | None:
         """The comparison report (the CLI's ``compare --json`` format) with the fidelity measured."""
-        report = comparison_report(state.engines, state.group, state.source, state.questions, state.bound,
-                                   state.lost_frames)
+        report = comparison_report(
+            state.engines, state.group, state.source, state.questions, state.bound, state.lost_frames
+        )
         report["fidelity"] = state.fidelity
         return report
 
 
 def strips_legend(state: Session) -> str:
     """What the survivor strips' colours mean, for the statuses the compared engines can show."""
-    return (viz.status_legend(viz.possible_statuses(state.engines.values()))
-            + " (tint = share of the (layer, KV head) copies in each state)")
+    return (
+        viz.status_legend(viz.possible_statuses(state.engines.values()))
+        + " (tint = share of the (layer, KV head) copies in each state)"
+    )
 
 
 def status(state: Session, total: int | None = None, error: str = "") -> str:
     """Frames so far, each engine's visual tokens and MB, the model work per second of stream, the memory bound."""
     if state.group is None:
-        return f"⚠️ **{state.freed or error}**" if (state.freed or error) else "Ready: choose up to four policies, then Run."
+        return (
+            f"⚠️ **{state.freed or error}**"
+            if (state.freed or error)
+            else "Ready: choose up to four policies, then Run."
+        )
     seen = state.group.frames_seen
     lines = [f"⚠️ **{error}**"] if error else []
     lines.append(f"**{seen}/{counted(total, 'frame')}**" if total else f"**{counted(seen, 'frame')}**")
     for name, engine in state.engines.items():
         why = state.stopped.get(name)
-        lines.append(f"{label(state, name)}: {counted(engine.memory.visual_tokens, 'visual token')}, "
-                     f"{engine.memory.nbytes / 2**20:.2f} MB, {counted(engine.stats.compressions, 'compression')}"
-                     + (f" — {why}" if why else ""))
+        lines.append(
+            f"{label(state, name)}: {counted(engine.memory.visual_tokens, 'visual token')}, "
+            f"{engine.memory.nbytes / 2**20:.2f} MB, {counted(engine.stats.compressions, 'compression')}"
+            + (f" — {why}" if why else "")
+        )
     stream_s = seen / state.group.stream.fps
     if stream_s:
         work = model_seconds(state.engines)
-        lines.append(f"model work {work:.2f} s for {stream_s:.0f} s of stream ({work / stream_s:.3f} s per stream second, "
-                     f"{'faster' if work < stream_s else 'slower'} than real time)")
+        lines.append(
+            f"model work {work:.2f} s for {stream_s:.0f} s of stream ({work / stream_s:.3f} s per stream second, "
+            f"{'faster' if work < stream_s else 'slower'} than real time)"
+        )
     lines.append(f"<small>{state.bound.get('text', '')} · {state.source}</small>")
     return "\n\n".join(lines)
 
@@ -142,8 +171,13 @@ def strips(state: Session) -> np.ndarray | None:
     """One survivor strip per engine over the same newest frames, stacked, so each column is one moment."""
     if state.group is None or state.group.frames_seen == 0:
         return None
-    return viz.labelled_rows([(label(state, name).replace("*", ""), viz.engine_strip(engine, state.thumbnails, last=STRIP_FRAMES))
-                              for name, engine in state.engines.items() if engine.memory.num_grids])
+    return viz.labelled_rows(
+        [
+            (label(state, name).replace("*", ""), viz.engine_strip(engine, state.thumbnails, last=STRIP_FRAMES))
+            for name, engine in state.engines.items()
+            if engine.memory.num_grids
+        ]
+    )
 
 
 def attribution_update(state: Session, question: str, view: ViewChoice = ViewChoice()) -> dict[str, Any]:
@@ -158,14 +192,22 @@ def attribution_update(state: Session, question: str, view: ViewChoice = ViewCho
     views = attribution_views(state.attributions, state.group.engines[FULL].memory.grid_times_s, grids, layer, head)
     rows = [(view.title, panel.value) for view, panel in zip(views, viz.draw_views(views, state.thumbnails))]
     record = state.questions[-1]["answers"] if state.questions else {}
-    ratios = [f"{name} {entry['evidence_ratio']:.2f}" for name, entry in record.items() if entry.get("evidence_ratio") is not None]
-    where = "every layer and KV head" if layer is None and head is None else \
-        f"layer {'all' if layer is None else layer}, KV head {'all' if head is None else head}"
-    text = (f"**What each answer looked at** — “{question}” ({where}): the {counted(len(grids), 'frame')} the answers attended most, each "
-            "patch tinted by the share of the answer's attention (question and generated tokens) "
-            "on the tokens of that patch the engine still held or brought back from host memory (one scale for every "
-            "engine).\n\n"
-            + "\n".join(f"- {v.title.split(':')[0]}: {v.caption.split(' (tint')[0]}" for v in views))
+    ratios = [
+        f"{name} {entry['evidence_ratio']:.2f}"
+        for name, entry in record.items()
+        if entry.get("evidence_ratio") is not None
+    ]
+    where = (
+        "every layer and KV head"
+        if layer is None and head is None
+        else f"layer {'all' if layer is None else layer}, KV head {'all' if head is None else head}"
+    )
+    text = (
+        f"**What each answer looked at** — “{question}” ({where}): the {counted(len(grids), 'frame')} the answers attended most, each "
+        "patch tinted by the share of the answer's attention (question and generated tokens) "
+        "on the tokens of that patch the engine still held or brought back from host memory (one scale for every "
+        "engine).\n\n" + "\n".join(f"- {v.title.split(':')[0]}: {v.caption.split(' (tint')[0]}" for v in views)
+    )
     if ratios:
         text += f"\n\nEvidence ratio (attention per frame showing the asked object ÷ per frame; 1 = no preference): {', '.join(ratios)}"
     return {"attribution": viz.labelled_rows(rows), "attribution_text": text}
@@ -196,13 +238,21 @@ def compare_fidelity(state: Session | None, question: str) -> dict[str, Any]:
         state.fidelity[question] = results
         chart = fidelity_views(question, results)[0]
         measured = f"“{question if len(question) <= 80 else question[:79] + '…'}”"
-        rows = "\n".join(f"| {n} | {r['first_token_kl']:.4f} | {np.mean(r['layer_error']):.3f} | {max(r['layer_error']):.3f} |"
-                         for n, r in results.items())
-        text = (f"**Measured for {measured}** (the question alone, every engine's memory as it is now)\n\n"
-                "| policy | first-token KL (nats) | mean layer error | worst layer |\n|---|---|---|---|\n" + rows)
+        rows = "\n".join(
+            f"| {n} | {r['first_token_kl']:.4f} | {np.mean(r['layer_error']):.3f} | {max(r['layer_error']):.3f} |"
+            for n, r in results.items()
+        )
+        text = (
+            f"**Measured for {measured}** (the question alone, every engine's memory as it is now)\n\n"
+            "| policy | first-token KL (nats) | mean layer error | worst layer |\n|---|---|---|---|\n" + rows
+        )
         figure = viz.chart_figure(chart, f"What compression changed for {measured}")
-        return {"session": state, "fidelity_plot": figure, "fidelity_text": text,
-                "report": CompareViews().write_report(state)}
+        return {
+            "session": state,
+            "fidelity_plot": figure,
+            "fidelity_text": text,
+            "report": CompareViews().write_report(state),
+        }
 
 
 def parse_delays(text: str) -> tuple[float, ...]:
@@ -232,8 +282,15 @@ def run_sweep(settings: CompareSettings, delays_text: str, more_streams: int) ->
     last = 0.0
     sweep = None
     try:
-        for sweep in sweep_delays(settings.model, names, delays, int(settings.budget), int(settings.keep), settings.sample,
-                                  int(more_streams or 0)):
+        for sweep in sweep_delays(
+            settings.model,
+            names,
+            delays,
+            int(settings.budget),
+            int(settings.keep),
+            settings.sample,
+            int(more_streams or 0),
+        ):
             if time.monotonic() - last > 0.5:
                 last = time.monotonic()
                 yield {"sweep_plot": viz.chart_figure(sweep.chart()), "sweep_text": f"⏳ {sweep.chart().caption}"}
@@ -242,6 +299,8 @@ def run_sweep(settings: CompareSettings, delays_text: str, more_streams: int) ->
         return
     if sweep is not None:
         table = "| policy | " + " | ".join(f"{d:g} s" for d in delays) + " |\n|---|" + "---|" * len(delays) + "\n"
-        table += "\n".join(f"| {n} | " + " | ".join("–" if a is None else f"{a:.2f}" for a in row) + " |"
-                           for n, row in sweep.accuracy().items())
+        table += "\n".join(
+            f"| {n} | " + " | ".join("–" if a is None else f"{a:.2f}" for a in row) + " |"
+            for n, row in sweep.accuracy().items()
+        )
         yield {"sweep_plot": viz.chart_figure(sweep.chart()), "sweep_text": f"✓ {sweep.chart().caption}\n\n{table}"}

@@ -73,8 +73,15 @@ class Segment:
     fed: int = 0
 
     @classmethod
-    def of(cls, state: Session, frames: np.ndarray, times: np.ndarray | None, flush: bool,
-           views: PageViews, total: int | None) -> "Segment":
+    def of(
+        cls,
+        state: Session,
+        frames: np.ndarray,
+        times: np.ndarray | None,
+        flush: bool,
+        views: PageViews,
+        total: int | None,
+    ) -> "Segment":
         old = len(state.thumbnails)
         recent = [None] * max(0, old - SEGMENT_THUMBNAILS) + state.thumbnails[-SEGMENT_THUMBNAILS:]
         return cls(state.settings.model, state.group, frames, times, flush, recent, views, total, state.source)
@@ -126,8 +133,15 @@ def stream_segment(segment: Segment) -> Iterator[dict[str, Any]]:
     yield {"segment": segment}
 
 
-def feed_segment(state: Session, frames: np.ndarray, times: np.ndarray | None, flush: bool, views: PageViews,
-                 total: int | None, live: bool = False) -> Generator[dict[str, Any], None, int]:
+def feed_segment(
+    state: Session,
+    frames: np.ndarray,
+    times: np.ndarray | None,
+    flush: bool,
+    views: PageViews,
+    total: int | None,
+    live: bool = False,
+) -> Generator[dict[str, Any], None, int]:
     """The one feed path of both pages (a file, the bundled sample, the webcam): ``frames`` streamed into the
     session's engines in its turn, as one GPU call (:func:`stream_segment`); returns the chunks fed (0 if the session
     was freed meanwhile). With ``live``, when one call streams many chunks (ZeroGPU), its live updates are yielded
@@ -155,15 +169,17 @@ def to_the_end(steps: Generator[Any, None, Any]) -> Any:
             return end.value
 
 
-def answer_duration(model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int,
-                    attribute: bool = False) -> int:
+def answer_duration(
+    model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int, attribute: bool = False
+) -> int:
     """Seconds a ZeroGPU call may hold the GPU for one question to every engine (~0.1 s per token each)."""
     return int(min(120, 15 + 0.1 * max_new_tokens * len(engines)))
 
 
 @zerogpu.gpu(duration=answer_duration)
-def answer_question(model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int,
-                    attribute: bool = False) -> Iterator[dict[str, Any]]:
+def answer_question(
+    model: str, engines: dict[str, StreamEngine], question: str, max_new_tokens: int, attribute: bool = False
+) -> Iterator[dict[str, Any]]:
     """Ask every engine (``attribute``: each answer records what it looked at, :mod:`kvdemo.analysis.explain`); yields
     ``{"piece": (engine name, text)}`` as tokens come, interleaved, and finally
     ``{"answered": {name: answer state}, "engines": {name: engine}}``: what answering changed (answering
@@ -189,8 +205,14 @@ def answer_question(model: str, engines: dict[str, StreamEngine], question: str,
     yield {"answered": {name: engine.answer_state() for name, engine in engines.items()}, "engines": changed}
 
 
-def answer_into(state: Session, asked: dict[str, StreamEngine], question: str, max_new_tokens: int,
-                attribute: bool = False, every_s: float = 0.1) -> Iterator[None]:
+def answer_into(
+    state: Session,
+    asked: dict[str, StreamEngine],
+    question: str,
+    max_new_tokens: int,
+    attribute: bool = False,
+    every_s: float = 0.1,
+) -> Iterator[None]:
     """Ask the engines ``asked`` of a session (:func:`answer_question`), streaming each answer into the last message
     of its chat (``state.chat[name]``) and yielding at most every ``every_s`` seconds for a live update; at the end
     what answering changed is applied to the session's engines (a ZeroGPU worker sends back only that)."""
@@ -219,8 +241,17 @@ def measure_fidelity(model: str, full: StreamEngine, engines: dict[str, StreamEn
     return fidelity(full, engines, question)
 
 
-@zerogpu.gpu(duration=lambda model, policies, delays, budget, keep, kind, more_streams: int(min(120, 30 + 15 * more_streams)))
-def sweep_delays(model: str, policies: list[str], delays: tuple[float, ...], budget: int | None, keep: int | None,
-                 kind: str, more_streams: int) -> Iterator[Sweep]:
+@zerogpu.gpu(
+    duration=lambda model, policies, delays, budget, keep, kind, more_streams: int(min(120, 30 + 15 * more_streams))
+)
+def sweep_delays(
+    model: str,
+    policies: list[str],
+    delays: tuple[float, ...],
+    budget: int | None,
+    keep: int | None,
+    kind: str,
+    more_streams: int,
+) -> Iterator[Sweep]:
     """:func:`kvdemo.experiments.evaluation.delay_sweep` on the bundled sample (and ``more_streams`` held-out streams) as it goes."""
     yield from delay_sweep(model_by_name(model), policies, delays, budget, keep, kind, more_streams)

@@ -28,8 +28,9 @@ from .views import SingleViews, ViewChoice
 Settings = RunSettings | CompareSettings
 
 
-def start_session(services: AppServices, settings: Settings, source: str, frame_size: tuple[int, int],
-                  fps: float | None = None) -> Session:
+def start_session(
+    services: AppServices, settings: Settings, source: str, frame_size: tuple[int, int], fps: float | None = None
+) -> Session:
     """A fresh session for ``settings`` (either page's) on frames of ``frame_size`` (resized): one engine per
     contender, then the full cache (stopped at its cap) when the baseline runs (:func:`kvdemo.stream.lineup.make_engines`,
     the one engine factory), behind one group.
@@ -53,15 +54,17 @@ def start_session(services: AppServices, settings: Settings, source: str, frame_
     cap = cap_bytes(settings.cap_mb)
     contenders = [Contender(name, policy=policy, budget=budget) for name, (policy, budget) in resolved.items()]
     engines = make_engines(model, contenders, fps=fps, baseline=settings.baseline, baseline_cap_bytes=cap)
-    state = Session(settings=settings, group=EngineGroup(model, engines, fps), source=source,
-                    frame_size=tuple(frame_size))
+    state = Session(
+        settings=settings, group=EngineGroup(model, engines, fps), source=source, frame_size=tuple(frame_size)
+    )
     state.chat = {name: [] for name in engines}
     state.bound = memory_bound(model, engines, tokens * fps / FRAMES_PER_CHUNK, cap)
     return state
 
 
-def run_stream(services: AppServices, session: Session | None, video_path: str | None, settings: Settings,
-               views: PageViews) -> Iterator[dict[str, Any]]:
+def run_stream(
+    services: AppServices, session: Session | None, video_path: str | None, settings: Settings, views: PageViews
+) -> Iterator[dict[str, Any]]:
     """Stream a file (the bundled sample of ``settings.sample`` when ``video_path`` is None) into a fresh session;
     yields the page's updates (``views``) after every chunk. Errors end the run with a message, never an exception.
 
@@ -130,8 +133,13 @@ def request_stop(session: Session | None) -> None:
         session.stop_requested = True
 
 
-def webcam_frame(services: AppServices, session: Session | None, frame: np.ndarray | None, settings: RunSettings,
-                 views: SingleViews = SingleViews()) -> dict[str, Any]:
+def webcam_frame(
+    services: AppServices,
+    session: Session | None,
+    frame: np.ndarray | None,
+    settings: RunSettings,
+    views: SingleViews = SingleViews(),
+) -> dict[str, Any]:
     """One webcam frame: buffered into segments for the engines (never one model call per frame). Starts a
     fresh session on the first frame or when the settings changed."""
     state = session or Session()
@@ -142,7 +150,12 @@ def webcam_frame(services: AppServices, session: Session | None, frame: np.ndarr
         geometry = within_max_pixels(services.models.get(settings.model).geometry, settings.max_pixels)
         resized = resize_frames(np.asarray(frame, dtype=np.uint8)[None, ..., :3], geometry)
         size = tuple(resized.shape[1:3])
-        if state.settings != settings or state.group is None or not state.source.startswith("webcam") or state.frame_size != size:
+        if (
+            state.settings != settings
+            or state.group is None
+            or not state.source.startswith("webcam")
+            or state.frame_size != size
+        ):
             state = start_session(services, settings, "webcam (live)", size)
             services.sessions.replace(session, state)
             started = True
@@ -159,8 +172,9 @@ def webcam_frame(services: AppServices, session: Session | None, frame: np.ndarr
     return update
 
 
-def ask(session: Session | None, question: str, views: PageViews, attribute: bool = False,
-        max_new_tokens: int = 64) -> Iterator[dict[str, Any]]:
+def ask(
+    session: Session | None, question: str, views: PageViews, attribute: bool = False, max_new_tokens: int = 64
+) -> Iterator[dict[str, Any]]:
     """Ask every engine that runs (each in its own dialogue; ``attribute``: each answer records what it looked at);
     yields the page's chats as the answers stream in, interleaved, and an ``ask_status`` line beside the question
     box: why it was not asked, or that it was; the last update adds what the answers change (``views.answered``).

@@ -48,6 +48,7 @@ def guard(key: str) -> Callable:
             return page.to_components({key: internal_error(exc)})
 
         if inspect.isgeneratorfunction(method):
+
             @functools.wraps(method)  # Gradio reads the method's signature: the API's parameter names
             def run(page: "Page", *args, **kwargs):
                 shown: dict[str, Any] = {}  # the pictures this event has sent (see unsent)
@@ -57,12 +58,14 @@ def guard(key: str) -> Callable:
                 except Exception as exc:
                     yield failed(page, exc, args)
         else:
+
             @functools.wraps(method)
             def run(page: "Page", *args, **kwargs):
                 try:
                     return page.to_components(method(page, *args, **kwargs))
                 except Exception as exc:
                     return failed(page, exc, args)
+
         return run
 
     return decorate
@@ -84,12 +87,19 @@ def same_value(a: Any, b: Any) -> bool:
     """``a`` and ``b`` are the same picture(s): equal arrays, and lists, tuples or dataclasses of equal parts with equal
     captions and titles. Anything else (a figure, a component update) never counts as the same."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape and a.dtype == b.dtype
-                and bool(np.array_equal(a, b)))
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(np.array_equal(a, b))
+        )
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(map(same_value, a, b))
     if dataclasses.is_dataclass(a) and not isinstance(a, type):
-        return type(a) is type(b) and all(same_value(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+        return type(a) is type(b) and all(
+            same_value(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+        )
     if isinstance(a, (str, int, float, bool, type(None))):
         return type(a) is type(b) and a == b
     return False
@@ -198,14 +208,18 @@ class Page(ABC):
         if engine is None:
             return gr.update(), gr.update()
         reset = {"value": "all"} if self.view_choices_reset else {}
-        return (gr.update(choices=["all"] + [str(i) for i in range(engine.model.num_layers)], **reset),
-                gr.update(choices=["all"] + [str(i) for i in range(engine.model.num_kv_heads)], **reset))
+        return (
+            gr.update(choices=["all"] + [str(i) for i in range(engine.model.num_layers)], **reset),
+            gr.update(choices=["all"] + [str(i) for i in range(engine.model.num_kv_heads)], **reset),
+        )
 
     def on_sample_kind(self, kind: str):
         """The bundled sample's kind chosen: its questions, what it is under the choice (and what it shows)."""
         episode = sample_episode(kind or "static")
-        out = {self.examples: self.gr.Dataset(samples=[[q.text] for q in episode.questions]),
-               self.sample_kind: self.gr.update(info=SAMPLE_KIND_HELP.get(kind or "static", ""))}
+        out = {
+            self.examples: self.gr.Dataset(samples=[[q.text] for q in episode.questions]),
+            self.sample_kind: self.gr.update(info=SAMPLE_KIND_HELP.get(kind or "static", "")),
+        }
         if self.manifest is not None:
             out[self.manifest] = sample_manifest(episode)
         return out

@@ -33,8 +33,9 @@ class PageViews(ABC):
 
     # --- the stream --------------------------------------------------------------------------------
     @abstractmethod
-    def status(self, state: Session, done: int | None = None, total: int | None = None, error: str = "",
-               stopped: bool = False) -> str:
+    def status(
+        self, state: Session, done: int | None = None, total: int | None = None, error: str = "", stopped: bool = False
+    ) -> str:
         raise NotImplementedError
 
     def starting(self, state: Session, source: str) -> dict[str, Any]:
@@ -47,8 +48,9 @@ class PageViews(ABC):
         return {}
 
     @abstractmethod
-    def live(self, state: Session, done: int | None = None, total: int | None = None,
-             force: bool = False) -> dict[str, Any]:
+    def live(
+        self, state: Session, done: int | None = None, total: int | None = None, force: bool = False
+    ) -> dict[str, Any]:
         """The update after a chunk (``force``: everything redrawn now)."""
         raise NotImplementedError
 
@@ -126,16 +128,19 @@ def answer_markdown(state: Session, answer, details: bool = True) -> str:
     (:func:`answer_note`) and, when it was attributed, where its attention went."""
     timing = f"{counted(answer.tokens, 'token')} in {answer.ms:.0f} ms"
     if details:
-        timing = (f"first token {answer.ttft_ms:.0f} ms · {timing} · cache {answer.cache_bytes / 2**20:.2f} MB, "
-                  f"{counted(answer.visual_tokens, 'visual token')}")
+        timing = (
+            f"first token {answer.ttft_ms:.0f} ms · {timing} · cache {answer.cache_bytes / 2**20:.2f} MB, "
+            f"{counted(answer.visual_tokens, 'visual token')}"
+        )
     dropped = ""
     if answer.dropped_turns:
         oldest = "the oldest turn was" if answer.dropped_turns == 1 else f"the {answer.dropped_turns} oldest turns were"
-        dropped = (f" · {oldest} left out of the replayed dialogue (it keeps at most "
-                   f"{counted(state.group.stream.model.max_dialogue_tokens, 'token')})")
+        dropped = (
+            f" · {oldest} left out of the replayed dialogue (it keeps at most "
+            f"{counted(state.group.stream.model.max_dialogue_tokens, 'token')})"
+        )
     share = ""
     if answer.attribution is not None:
         parts = answer.attribution.share()
         share = " · attention: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in parts.items() if v >= 0.005)
-    return (f"{answer.answer or '(empty answer)'}\n\n<small>{timing}{dropped}{answer_note(state, answer)}{share}"
-            "</small>")
+    return f"{answer.answer or '(empty answer)'}\n\n<small>{timing}{dropped}{answer_note(state, answer)}{share}</small>"

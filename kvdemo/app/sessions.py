@@ -257,8 +257,10 @@ class SessionPool:
             self._sessions = [s for s in self._sessions if s not in victims]
         for victim in victims:  # outside the pool's lock: a victim may be mid-chunk or mid-answer
             with victim.turns.question():
-                victim.free(f"this session's engines were freed to make room: the app keeps at most {self.limit} "
-                            "sessions and this one was the least recently used; run the video again")
+                victim.free(
+                    f"this session's engines were freed to make room: the app keeps at most {self.limit} "
+                    "sessions and this one was the least recently used; run the video again"
+                )
             log.info("freed the least recently used session (%d sessions at most)", self.limit)
 
     def release(self, session: Session) -> None:
@@ -287,8 +289,13 @@ class CacheSweeper:
     its files from a per-session copy of itself that Gradio never registers for deletion. ``clock`` (seconds,
     comparable with file times) and ``sleep`` are injected so that tests age files without waiting."""
 
-    def __init__(self, folder: str | Path, max_age_s: float = CACHE_TTL_S, clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        max_age_s: float = CACHE_TTL_S,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.folder, self.max_age_s = Path(folder), float(max_age_s)
         self.every_s = min(600.0, self.max_age_s / 6)
         self.clock, self.sleep = clock, sleep

@@ -23,9 +23,9 @@ FRAMES_PER_CHUNK = 2
 #: What each kind of bundled sample shows, under its choice (it follows the choice).
 SAMPLE_KIND_HELP = {
     "static": "still: a fixed camera; shapes come into view, move a little and leave (the case redundancy heuristics "
-              "are made for)",
+    "are made for)",
     "moving": "moving: the camera pans and zooms, the background drifts, objects reappear among look-alike decoys "
-              "(where the policies differ)",
+    "(where the policies differ)",
 }
 #: The errors a user can cause (every kind of :class:`~kvdemo.errors.UserError`): one-line messages, never tracebacks.
 USER_ERRORS = (UserError,)
@@ -33,15 +33,21 @@ USER_ERRORS = (UserError,)
 
 def parse_params(policy: str, values: dict[str, Any]) -> dict[str, Any]:
     """Form values of ``policy``'s parameters -> keyword arguments (blank number lists mean "none")."""
-    return {spec.name: coerce_param(policy, spec, values[spec.name]) for spec in policy_params(policy) if spec.name in values}
+    return {
+        spec.name: coerce_param(policy, spec, values[spec.name])
+        for spec in policy_params(policy)
+        if spec.name in values
+    }
 
 
 def within_max_pixels(geometry: FrameGeometry, max_pixels: Any) -> FrameGeometry:
     """``geometry`` (how the model sizes frames) within the chosen max pixels (its own minimum, or less if the
     maximum is below it); :class:`~kvdemo.errors.StreamSettingError` if the maximum is below one token."""
     if max_pixels is None or int(max_pixels) < geometry.smallest_frame:
-        raise StreamSettingError(f"max pixels must be at least {geometry.smallest_frame} (one token of "
-                                 f"{geometry.factor}x{geometry.factor} pixels), got {max_pixels}")
+        raise StreamSettingError(
+            f"max pixels must be at least {geometry.smallest_frame} (one token of "
+            f"{geometry.factor}x{geometry.factor} pixels), got {max_pixels}"
+        )
     return geometry.with_pixels(min(geometry.min_pixels, int(max_pixels)), int(max_pixels))
 
 
@@ -53,8 +59,10 @@ def open_stream(geometry: FrameGeometry, video_path: str | None, fps: float, sam
     if episode is not None:
         return episode.video.sampled(fps).resized(geometry), episode
     if not Path(video_path).exists():
-        raise VideoError(f"{Path(video_path).name}: the upload is no longer on the server (uploads are kept "
-                         f"{CACHE_TTL_S:g} s); upload it again")
+        raise VideoError(
+            f"{Path(video_path).name}: the upload is no longer on the server (uploads are kept "
+            f"{CACHE_TTL_S:g} s); upload it again"
+        )
     return open_video(Path(video_path), fps=fps, geometry=geometry), None
 
 
@@ -85,7 +93,12 @@ def resolve_settings(settings: RunSettings | CompareSettings) -> dict[str, tuple
 
 
 def validate_settings(
-    policy: str, budget: Any, keep: Any, fps: Any = 2.0, max_pixels: Any = 200704, video: str | None = None,
+    policy: str,
+    budget: Any,
+    keep: Any,
+    fps: Any = 2.0,
+    max_pixels: Any = 200704,
+    video: str | None = None,
     model: str | None = None,
 ) -> str:
     """A one-line verdict on the settings, shown as the user types: the same checks as the run they lead to,
@@ -108,14 +121,18 @@ def validate_settings(
         return f"⚠️ not a number: {exc}"
     upload = "" if video else f" (an upload's: up to {geometry.chunk_tokens(None, FRAMES_PER_CHUNK)[0]} at max pixels)"
     if resolved.C is None:
-        return (f"✓ M={resolved.M} = {resolved.split_text} (C does not apply); one chunk{name} is "
-                f"{counted(tokens, 'visual token')}{upload} and must fit the {resolved.window_name}")
-    return (f"✓ M={resolved.M}, C={resolved.C}: one chunk{name} is {counted(tokens, 'visual token')}{upload}; "
-            f"M and M − C must each hold one chunk")
+        return (
+            f"✓ M={resolved.M} = {resolved.split_text} (C does not apply); one chunk{name} is "
+            f"{counted(tokens, 'visual token')}{upload} and must fit the {resolved.window_name}"
+        )
+    return (
+        f"✓ M={resolved.M}, C={resolved.C}: one chunk{name} is {counted(tokens, 'visual token')}{upload}; "
+        f"M and M − C must each hold one chunk"
+    )
 
 
 def policy_label(policy: str, budget: Budget) -> str:
-    """"**infinipot-v**, M=1024 C=768" (Markdown; "**protokv**, M=1024" for a policy sized by M alone)."""
+    """ "**infinipot-v**, M=1024 C=768" (Markdown; "**protokv**, M=1024" for a policy sized by M alone)."""
     if not budget.bounded:
         return f"**{policy}**"
     return f"**{policy}**, M={budget.M}" + (f" C={budget.C}" if budget.C is not None else "")

@@ -125,8 +125,10 @@ class StreamSlots:
 
 
 def queued_text(place: int, slots: int) -> str:
-    """"⏳ queued: 2nd in line for one of the 2 stream slots; …" (Markdown)."""
+    """ "⏳ queued: 2nd in line for one of the 2 stream slots; …" (Markdown)."""
     suffix = "th" if 10 <= place % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(place % 10, "th")
     where = "next in line" if place == 1 else f"{place}{suffix} in line"
-    return (f"⏳ **queued: {where}** for one of the app's {slots} stream slots (each run holds one until it ends); this "
-            "run starts by itself")
+    return (
+        f"⏳ **queued: {where}** for one of the app's {slots} stream slots (each run holds one until it ends); this "
+        "run starts by itself"
+    )

@@ -89,8 +89,9 @@ def status_text(
 
 
 #: The status before any run: a sample kind is always chosen, so the sample is one click away.
-READY = ("Ready: **Run the bundled sample** plays the kind chosen under the buttons; or upload a video, then click "
-         "**Run**.")
+READY = (
+    "Ready: **Run the bundled sample** plays the kind chosen under the buttons; or upload a video, then click **Run**."
+)
 
 
 def compression_time(stats) -> str:
@@ -110,8 +111,10 @@ def summary_note(memory) -> str:
     if not memory.summary_slots:
         return ""
     exact = memory.visual_tokens - memory.summary_slots
-    return (f": {exact} exact + {counted(memory.summary_slots, 'summary slot')}, counted from the first chunk, "
-            f"{memory.summary_active} in use")
+    return (
+        f": {exact} exact + {counted(memory.summary_slots, 'summary slot')}, counted from the first chunk, "
+        f"{memory.summary_active} in use"
+    )
 
 
 def chat_title(state: Session, name: str) -> str:
@@ -124,7 +127,9 @@ def chat_title(state: Session, name: str) -> str:
         return policy_label(engine.policy.name, engine.budget)
     if settings is not None and not settings.baseline:
         return "**full cache** (baseline off)"
-    cap = f", stops at {settings.cap_mb:g} MB" if settings is not None and settings.cap_mb and settings.cap_mb > 0 else ""
+    cap = (
+        f", stops at {settings.cap_mb:g} MB" if settings is not None and settings.cap_mb and settings.cap_mb > 0 else ""
+    )
     return f"**full cache**{cap}"
 
 
@@ -202,7 +207,11 @@ def legend(state: Session, view: ViewChoice = ViewChoice()) -> str:
     """What the newest-frames view's colours mean for this policy and view."""
     engine = state.engine
     layer, head = view.indices
-    if engine is not None and not (view.by_reason and layer is not None and head is not None) and engine.memory.num_grids:
+    if (
+        engine is not None
+        and not (view.by_reason and layer is not None and head is not None)
+        and engine.memory.num_grids
+    ):
         fractions = viz.status_fractions(engine, layer, head)
         if fractions is not None:
             present = np.array([code for code, share in zip(viz.STATUS_COLOURS, fractions) if share.any()])
@@ -214,8 +223,15 @@ def legend(state: Session, view: ViewChoice = ViewChoice()) -> str:
     return "Tint = share of (layer, KV head) copies held; dark = evicted." + (note if engine is not None else "")
 
 
-def live_update(state: Session, view: ViewChoice, done: int | None = None, total: int | None = None,
-                force: bool = False, gallery: bool = True, draw_views: bool = True) -> dict[str, Any]:
+def live_update(
+    state: Session,
+    view: ViewChoice,
+    done: int | None = None,
+    total: int | None = None,
+    force: bool = False,
+    gallery: bool = True,
+    draw_views: bool = True,
+) -> dict[str, Any]:
     """Status every chunk; plot, heatmap and (``gallery``) the gallery at most a few times per second. Without
     ``draw_views`` the policy's views go out declared (``"views"``, plain data) for a caller that holds more
     thumbnails than this session (a GPU worker carries only the newest) to draw."""
@@ -246,8 +262,9 @@ def write_chart(session: Session | None, request: Any = None) -> str | None:
         return None
     script = viz.plotly_js_file(STATIC_DIR)
     chart_path = session.report_dir / "kvdemo-occupancy.html"
-    chart_path.write_text(viz.figure_html(occupancy_plot(session), f"{app_origin(request)}/gradio_api/file={script}"),
-                          encoding="utf-8")
+    chart_path.write_text(
+        viz.figure_html(occupancy_plot(session), f"{app_origin(request)}/gradio_api/file={script}"), encoding="utf-8"
+    )
     return str(chart_path)
 
 
@@ -270,17 +287,22 @@ def banner_html(model_name: str | None) -> str:
     caveat = caveat_for(family_of(model_name))
     lines = []
     if offline is not None:
-        advice = ("Run the bundled sample and ask about it; on other videos its answers mean little."
-                  if offline.notice == TRAINED_NOTICE
-                  else f"Its family ({family_spec(offline.family).name}) is verified here on {family_spec(offline.family).verified}.")
-        lines.append(f"⚠️ {offline.notice} {advice} Choose a real checkpoint on a GPU machine for meaningful answers "
-                     "about real videos.")
+        advice = (
+            "Run the bundled sample and ask about it; on other videos its answers mean little."
+            if offline.notice == TRAINED_NOTICE
+            else f"Its family ({family_spec(offline.family).name}) is verified here on {family_spec(offline.family).verified}."
+        )
+        lines.append(
+            f"⚠️ {offline.notice} {advice} Choose a real checkpoint on a GPU machine for meaningful answers "
+            "about real videos."
+        )
     if caveat:
         lines.append(f"ℹ️ {caveat}")
     if not lines:
         return ""
-    return ("<div style='padding:8px;border-radius:6px;background:#fff3cd;color:#664d03'>"
-            + "<br>".join(lines) + "</div>")
+    return (
+        "<div style='padding:8px;border-radius:6px;background:#fff3cd;color:#664d03'>" + "<br>".join(lines) + "</div>"
+    )
 
 
 @dataclass(frozen=True)
@@ -290,22 +312,33 @@ class SingleViews(PageViews):
     view: ViewChoice = ViewChoice()
     no_video = "no video yet: run a video or the webcam first, then ask"
 
-    def status(self, state: Session, done: int | None = None, total: int | None = None, error: str = "",
-               stopped: bool = False) -> str:
+    def status(
+        self, state: Session, done: int | None = None, total: int | None = None, error: str = "", stopped: bool = False
+    ) -> str:
         return status_text(state, done, total, error, stopped)
 
     def fresh(self, state: Session) -> dict[str, Any]:
-        return {"policy_title": chat_title(state, "policy"), "full_title": chat_title(state, "full"),
-                "policy_chat": [], "full_chat": [], "ask_status": "", "coverage": None, "report": None, "chart": None}
+        return {
+            "policy_title": chat_title(state, "policy"),
+            "full_title": chat_title(state, "full"),
+            "policy_chat": [],
+            "full_chat": [],
+            "ask_status": "",
+            "coverage": None,
+            "report": None,
+            "chart": None,
+        }
 
-    def live(self, state: Session, done: int | None = None, total: int | None = None,
-             force: bool = False) -> dict[str, Any]:
+    def live(
+        self, state: Session, done: int | None = None, total: int | None = None, force: bool = False
+    ) -> dict[str, Any]:
         return live_update(state, self.view, done, total, force=force)
 
     def segment_update(self, state: Session, total: int | None, first: bool) -> dict[str, Any]:
         # The gallery and the policy's views are drawn by the caller, which holds every thumbnail.
-        update = live_update(state, self.view, state.group.frames_seen, total, force=first, gallery=False,
-                             draw_views=False)
+        update = live_update(
+            state, self.view, state.group.frames_seen, total, force=first, gallery=False, draw_views=False
+        )
         update.pop("session", None)
         return update
 
@@ -352,5 +385,9 @@ class SingleViews(PageViews):
 
     def redraw(self, state: Session) -> dict[str, Any]:
         """The chart, the newest-frames view, its legend and the policy's views, drawn now."""
-        return {"plot": occupancy_plot(state, self.view.log_scale), "heatmap": heatmap_image(state, self.view),
-                "legend": legend(state, self.view), "panels": policy_panels(state, self.view)}
+        return {
+            "plot": occupancy_plot(state, self.view.log_scale),
+            "heatmap": heatmap_image(state, self.view),
+            "legend": legend(state, self.view),
+            "panels": policy_panels(state, self.view),
+        }

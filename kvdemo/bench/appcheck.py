@@ -30,8 +30,12 @@ QUESTION = "What colour was the circle?"
 def gpu_memory_mb(pid: int) -> float | None:
     """GPU memory ``nvidia-smi`` reports for process ``pid`` (MB; None without nvidia-smi)."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     used = [float(line.split(",")[1]) for line in out.splitlines() if line.split(",")[0].strip() == str(pid)]
@@ -86,12 +90,23 @@ def check(model: str, policies: list[str], compare: list[str], workdir: Path) ->
         except Exception as exc:  # noqa: BLE001 (every failure is a row of the check)
             error = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
         report = _report_of(out) if out is not None else None
-        rows.append({"step": name, "policy": policy, "s": round(time.monotonic() - start, 2), "error": error,
-                     "work_ms_per_s": _work(report), "peak_visual_tokens": (report or {}).get("peak_visual_tokens"),
-                     "answer": str(out[1])[:60] if name.startswith("ask") and isinstance(out, (list, tuple)) else None})
+        rows.append(
+            {
+                "step": name,
+                "policy": policy,
+                "s": round(time.monotonic() - start, 2),
+                "error": error,
+                "work_ms_per_s": _work(report),
+                "peak_visual_tokens": (report or {}).get("peak_visual_tokens"),
+                "answer": str(out[1])[:60] if name.startswith("ask") and isinstance(out, (list, tuple)) else None,
+            }
+        )
         work, peak = rows[-1]["work_ms_per_s"], sampler.peak
-        print(f"{name:<16} {policy:<16} {rows[-1]['s']:>7.1f} s  work {'-' if work is None else f'{work:.1f}':>7} ms/s  "
-              f"GPU peak {'-' if peak is None else f'{peak:.0f}':>8} MB  {error or ''}", flush=True)
+        print(
+            f"{name:<16} {policy:<16} {rows[-1]['s']:>7.1f} s  work {'-' if work is None else f'{work:.1f}':>7} ms/s  "
+            f"GPU peak {'-' if peak is None else f'{peak:.0f}':>8} MB  {error or ''}",
+            flush=True,
+        )
         return out
 
     try:
@@ -100,12 +115,18 @@ def check(model: str, policies: list[str], compare: list[str], workdir: Path) ->
             job = client.submit(model=model, policy=policy, api_name="/run_sample")
             time.sleep(2.0)
             # a short stream may be over by now: the row says whether the question met it still running
-            step("ask mid-stream" if not job.done() else "ask (stream over)", policy,
-                 lambda: client.predict(QUESTION, api_name="/ask"))
+            step(
+                "ask mid-stream" if not job.done() else "ask (stream over)",
+                policy,
+                lambda: client.predict(QUESTION, api_name="/ask"),
+            )
             step("run_sample", policy, job.result)
             step("ask after", policy, lambda: client.predict(QUESTION, api_name="/ask"))
-        step("compare_sample", ",".join(compare),
-             lambda: client.predict(model=model, policies=compare, api_name="/compare_sample"))
+        step(
+            "compare_sample",
+            ",".join(compare),
+            lambda: client.predict(model=model, policies=compare, api_name="/compare_sample"),
+        )
         step("compare_ask", ",".join(compare), lambda: client.predict(QUESTION, True, api_name="/compare_ask"))
     finally:
         sampler.done.set()
@@ -121,15 +142,22 @@ def check(model: str, policies: list[str], compare: list[str], workdir: Path) ->
 def main(argv: list[str] | None = None) -> int:
     from ..policies import COMPARE_POLICIES, make_policy, policy_names  # deferred: the policies import torch
 
-    parser = argparse.ArgumentParser(prog="python -m kvdemo.bench.appcheck", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m kvdemo.bench.appcheck",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", default="tiny", help="the app's model (default tiny)")
     parser.add_argument("--json", metavar="OUT", help="write the rows here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvdemo-appcheck-") as folder:
-        results = check(args.model, [p for p in policy_names() if make_policy(p).bounded], list(COMPARE_POLICIES)[:4], Path(folder))
-    print(f"app peak GPU memory: {results['gpu_peak_mb']} MB; {sum(r['error'] is not None for r in results['rows'])} "
-          f"step(s) raised")
+        results = check(
+            args.model, [p for p in policy_names() if make_policy(p).bounded], list(COMPARE_POLICIES)[:4], Path(folder)
+        )
+    print(
+        f"app peak GPU memory: {results['gpu_peak_mb']} MB; {sum(r['error'] is not None for r in results['rows'])} "
+        f"step(s) raised"
+    )
     if args.json:
         write_json(args.json, results)
     return 0

@@ -50,12 +50,19 @@ def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
         return 2
     budget = Budget.from_user(policy, args.budget, args.keep, DEFAULT_KEEP_RATIO)
     results: dict[str, Any] = {
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "device": _device_name(device)},
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "device": _device_name(device),
+        },
         "policy": policy.name,
         "params": policy.params(),
     }
-    print(f"streaming {args.frames} synthetic frames through full and {policy.name} ({budget.describe()})", file=sys.stderr)
+    print(
+        f"streaming {args.frames} synthetic frames through full and {policy.name} ({budget.describe()})",
+        file=sys.stderr,
+    )
     stream = stream_benchmark(policy, args.frames, budget)
     results["stream"] = stream
     print(stream_table(stream, policy.name, args.every))

@@ -124,12 +124,17 @@ def model_matrix(models: list[str], device: torch.device, frames: int) -> list[d
                 second = _one_run(model, policy_name, clip, budget, device)
             if budget is None:
                 M = max(first["peak_visual_tokens"] // 2, 1)
-            rows.append({
-                "model": name, "policy": policy_name, "budget": None if budget is None else budget.describe(),
-                "under_M": budget is None or first["peak_visual_tokens"] <= budget.M,
-                "same_across_runs": first["answer"] == second["answer"] and first["memory_digest"] == second["memory_digest"],
-                **first,
-            })
+            rows.append(
+                {
+                    "model": name,
+                    "policy": policy_name,
+                    "budget": None if budget is None else budget.describe(),
+                    "under_M": budget is None or first["peak_visual_tokens"] <= budget.M,
+                    "same_across_runs": first["answer"] == second["answer"]
+                    and first["memory_digest"] == second["memory_digest"],
+                    **first,
+                }
+            )
     return rows
 
 
@@ -151,15 +156,23 @@ def split_matrix(device: torch.device) -> list[dict[str, Any]]:
                 with mode, torch.inference_mode():
                     if placement == "split":
                         memory.to({0: "cpu", 1: second, 2: second})
-                    views = memory.views(rotary=qwen7b_rotation(16), probe=[p.to(d) for p, d in zip(probe, memory.devices)])
+                    views = memory.views(
+                        rotary=qwen7b_rotation(16), probe=[p.to(d) for p, d in zip(probe, memory.devices)]
+                    )
                     memory.apply(policy.compress(views, keep))
                     memory.to("cpu")
                 outcome.append(torch.cat([s.kv.flatten() for s in memory.layers]))
             except Exception as error:  # noqa: BLE001 (the checklist reports any failure as a row)
                 outcome.append(f"{type(error).__name__}: {error}"[:160])
         ok = all(isinstance(o, torch.Tensor) for o in outcome) and torch.equal(outcome[0], outcome[1])
-        rows.append({"policy": name, "devices": f"cpu + {'emulated' if second == EMULATED else second}", "same_tokens": ok,
-                     "error": next((o for o in outcome if isinstance(o, str)), None)})
+        rows.append(
+            {
+                "policy": name,
+                "devices": f"cpu + {'emulated' if second == EMULATED else second}",
+                "same_tokens": ok,
+                "error": next((o for o in outcome if isinstance(o, str)), None),
+            }
+        )
     return rows
 
 
@@ -193,17 +206,26 @@ def key_length_cost(device: torch.device, calls: int = 6) -> list[dict[str, Any]
     if device.type != "cuda":
         return []
     rows = []
-    choices = (("memory-efficient", [SDPBackend.EFFICIENT_ATTENTION]), ("cuDNN", [SDPBackend.CUDNN_ATTENTION]),
-               ("kvdemo's choice", None))
+    choices = (
+        ("memory-efficient", [SDPBackend.EFFICIENT_ATTENTION]),
+        ("cuDNN", [SDPBackend.CUDNN_ATTENTION]),
+        ("kvdemo's choice", None),
+    )
     for number, (label, backends) in enumerate(choices):
         for queries in (1, 256):
             base = 4096 + 4096 * (2 * number + (queries > 1))  # lengths no earlier row used
-            row: dict[str, Any] = {"backend": label, "queries": queries, "keys": base,
-                                   "kvdemo_backends": [b.name for b in sdpa_backends(device) or []] if backends is None else None}
+            row: dict[str, Any] = {
+                "backend": label,
+                "queries": queries,
+                "keys": base,
+                "kvdemo_backends": [b.name for b in sdpa_backends(device) or []] if backends is None else None,
+            }
             try:
                 with sdpa_kernel(backends) if backends else contextlib.nullcontext():
-                    for name, lengths in (("new_length_ms", [base + 64 * i for i in range(calls + 1)]),
-                                          ("same_length_ms", [base] * (calls + 1))):
+                    for name, lengths in (
+                        ("new_length_ms", [base + 64 * i for i in range(calls + 1)]),
+                        ("same_length_ms", [base] * (calls + 1)),
+                    ):
                         times = []
                         for length in lengths:
                             q = torch.randn(1, 16, queries, 128, device=device, dtype=torch.bfloat16)
@@ -223,9 +245,14 @@ def key_length_cost(device: torch.device, calls: int = 6) -> list[dict[str, Any]
 ATTENTION_SHAPES = (("3B", 16, 2), ("7B", 28, 4))
 
 
-def attention_memory(device: torch.device, shapes: tuple[tuple[str, int, int], ...] = ATTENTION_SHAPES,
-                     chunk: int = 720, past: int = 6144, repeats: int = 5,
-                     block_bytes: int | None = None) -> list[dict[str, Any]]:
+def attention_memory(
+    device: torch.device,
+    shapes: tuple[tuple[str, int, int], ...] = ATTENTION_SHAPES,
+    chunk: int = 720,
+    past: int = 6144,
+    repeats: int = 5,
+    block_bytes: int | None = None,
+) -> list[dict[str, Any]]:
     """kvdemo's attention calls for one chunk of ``chunk`` tokens over ``past`` cached keys at each of ``shapes``,
     bfloat16 on CUDA (float32 elsewhere): SDPA with a per-KV-head mask (a ragged memory), SDPA with the causal mask
     alone, and the float32 softmax a rounding-sensitive bias takes, in its blocks (of ``block_bytes``; default
@@ -236,20 +263,32 @@ def attention_memory(device: torch.device, shapes: tuple[tuple[str, int, int], .
     for label, q_heads, kv_heads in shapes:
         g = torch.Generator(device=device).manual_seed(0)
         query = torch.randn(1, q_heads, chunk, 128, generator=g, device=device).to(dtype)
-        key, value = (torch.randn(1, kv_heads, past + chunk, 128, generator=g, device=device).to(dtype) for _ in range(2))
+        key, value = (
+            torch.randn(1, kv_heads, past + chunk, 128, generator=g, device=device).to(dtype) for _ in range(2)
+        )
         bias = torch.zeros(kv_heads, past, device=device)
-        bias[0, past // 2:] = float("-inf")  # one head holds fewer tokens
+        bias[0, past // 2 :] = float("-inf")  # one head holds fewer tokens
         ragged = torch.zeros(kv_heads, chunk, past + chunk, dtype=mask_dtype(query), device=device)
         ragged[:, :, :past] = bias[:, None]
         ragged[:, :, past:].masked_fill_(~causal_mask(chunk, chunk, device), float("-inf"))
         expand = fused_needs_expanded_kv(query)
-        calls = (("SDPA, per-KV-head mask", lambda: grouped_sdpa(query, key, value, ragged, 0.088, expand_kv=expand)),
-                 ("SDPA, causal mask", lambda: grouped_sdpa(query, key, value, causal_mask(chunk, past + chunk, device),
-                                                            0.088, expand_kv=expand)),
-                 ("float32 softmax, blocks", lambda: float32_attention(query, key, value, bias, None, 0.088,
-                                                                        block_bytes=block_bytes)),
-                 ("float32 softmax, one block", lambda: float32_attention(query, key, value, bias, None, 0.088,
-                                                                           block_bytes=1 << 62)))
+        calls = (
+            ("SDPA, per-KV-head mask", lambda: grouped_sdpa(query, key, value, ragged, 0.088, expand_kv=expand)),
+            (
+                "SDPA, causal mask",
+                lambda: grouped_sdpa(
+                    query, key, value, causal_mask(chunk, past + chunk, device), 0.088, expand_kv=expand
+                ),
+            ),
+            (
+                "float32 softmax, blocks",
+                lambda: float32_attention(query, key, value, bias, None, 0.088, block_bytes=block_bytes),
+            ),
+            (
+                "float32 softmax, one block",
+                lambda: float32_attention(query, key, value, bias, None, 0.088, block_bytes=1 << 62),
+            ),
+        )
         outputs = {}
         for name, call in calls:
             row: dict[str, Any] = {"shape": label, "call": name, "peak_mb": None}
@@ -277,9 +316,11 @@ def attention_memory(device: torch.device, shapes: tuple[tuple[str, int, int], .
     return rows
 
 
-def real_shape_passes(device: torch.device, repeats: int,
-                      shapes: tuple[tuple[str, dict[str, Any]], ...] = (("3B", QWEN3B_SHAPE), ("7B", QWEN7B_SHAPE))
-                      ) -> list[dict[str, Any]]:
+def real_shape_passes(
+    device: torch.device,
+    repeats: int,
+    shapes: tuple[tuple[str, dict[str, Any]], ...] = (("3B", QWEN3B_SHAPE), ("7B", QWEN7B_SHAPE)),
+) -> list[dict[str, Any]]:
     """One compression pass per bounded policy on two layers at each of ``shapes`` (label, per-layer shape;
     default Qwen2.5-VL-3B's and -7B's), with the M-RoPE rotation a policy that keeps keys before RoPE needs."""
     rows = []
@@ -289,8 +330,15 @@ def real_shape_passes(device: torch.device, repeats: int,
             policy = make_policy(name)
             budget = Budget.from_user(policy, shape["budget"], None, default_ratio=shape["keep"] / shape["budget"])
             summary, keep = budget.summary, budget.keep_for(0)
-            memory = synthetic_memory(2, shape["num_kv_heads"], shape["head_dim"], shape["budget"], shape["grid"], dtype,
-                                      summary_slots=summary).to(device)
+            memory = synthetic_memory(
+                2,
+                shape["num_kv_heads"],
+                shape["head_dim"],
+                shape["budget"],
+                shape["grid"],
+                dtype,
+                summary_slots=summary,
+            ).to(device)
             rotary = qwen7b_rotation(shape["head_dim"])  # on the host: it moves its cos and sin to the keys
             rows.append({"shape": label, "policy": name, **time_pass(policy, memory, keep, repeats, rotary=rotary)})
     return rows
@@ -299,70 +347,145 @@ def real_shape_passes(device: torch.device, repeats: int,
 def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
     lines = ["  ".join(f"{title:>{len(title)}}" for title, _, _ in columns)]
     for row in rows:
-        lines.append("  ".join(format(row.get(key), fmt).rjust(len(title)) if row.get(key) is not None else "-".rjust(len(title))
-                               for title, key, fmt in columns))
+        lines.append(
+            "  ".join(
+                format(row.get(key), fmt).rjust(len(title)) if row.get(key) is not None else "-".rjust(len(title))
+                for title, key, fmt in columns
+            )
+        )
     return "\n".join(lines)
 
 
-MATRIX_COLUMNS = [("model               ", "model", "<20"), ("policy        ", "policy", "<14"), ("under M", "under_M", ""),
-                  ("ask keeps memory", "memory_unchanged_by_asking", ""), ("same 2 runs", "same_across_runs", ""),
-                  ("prefill ms/chunk", "prefill_ms_per_chunk", ".1f"), ("pass ms", "compress_ms_per_pass", ".2f"),
-                  ("pass % prefill", "compress_pct_of_prefill", ".1f"), ("decode ms/tok", "decode_ms_per_token", ".1f")]
+MATRIX_COLUMNS = [
+    ("model               ", "model", "<20"),
+    ("policy        ", "policy", "<14"),
+    ("under M", "under_M", ""),
+    ("ask keeps memory", "memory_unchanged_by_asking", ""),
+    ("same 2 runs", "same_across_runs", ""),
+    ("prefill ms/chunk", "prefill_ms_per_chunk", ".1f"),
+    ("pass ms", "compress_ms_per_pass", ".2f"),
+    ("pass % prefill", "compress_pct_of_prefill", ".1f"),
+    ("decode ms/tok", "decode_ms_per_token", ".1f"),
+]
 
 
-def doctor(device_name: str = "auto", models: list[str] | None = None, frames: int = 24, real_shapes: bool = False,
-           repeats: int = 3, json_path: str | None = None, full_depth: list[str] | None = None, seconds: float = 60.0,
-           checkpoints: str = "full-depth-checkpoints", keep_checkpoints: bool = False) -> dict[str, Any]:
+def doctor(
+    device_name: str = "auto",
+    models: list[str] | None = None,
+    frames: int = 24,
+    real_shapes: bool = False,
+    repeats: int = 3,
+    json_path: str | None = None,
+    full_depth: list[str] | None = None,
+    seconds: float = 60.0,
+    checkpoints: str = "full-depth-checkpoints",
+    keep_checkpoints: bool = False,
+) -> dict[str, Any]:
     """Run the checklist (see the module docstring); print its tables; return (and optionally write) the JSON."""
     if frames < MIN_FRAMES:
-        raise UsageError(f"--frames {frames} is too short for the checklist: give at least {MIN_FRAMES} (M is half of "
-                         f"what the full cache holds after the clip and C = 3/4 M, so M - C holds one two-frame chunk "
-                         f"from {MIN_FRAMES} frames on)")
+        raise UsageError(
+            f"--frames {frames} is too short for the checklist: give at least {MIN_FRAMES} (M is half of "
+            f"what the full cache holds after the clip and C = 3/4 M, so M - C holds one two-frame chunk "
+            f"from {MIN_FRAMES} frames on)"
+        )
     if full_depth and not seconds > 0:
         raise UsageError(f"--seconds must be positive (seconds of stream per full-depth run), got {seconds:g}")
-    device = torch.device("cuda:0" if device_name == "auto" and torch.cuda.is_available() else
-                          "cpu" if device_name == "auto" else device_name)
+    device = torch.device(
+        "cuda:0"
+        if device_name == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if device_name == "auto"
+        else device_name
+    )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but torch sees no GPU (torch.cuda.is_available() is False)")
     unknown = sorted(set(full_depth or ()) - set(released_configs()))
     if unknown:
         raise SystemExit(f"error: --full-depth knows {', '.join(released_configs())}; not {', '.join(unknown)}")
     watch = Stopwatch(device)
-    report: dict[str, Any] = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
-                                          "device": str(device), "threads": torch.get_num_threads()}}
+    report: dict[str, Any] = {
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": str(device),
+            "threads": torch.get_num_threads(),
+        }
+    }
     report["attention"] = attention_backend(device)
     print(f"attention on {device}: " + ", ".join(f"{k}={v}" for k, v in report["attention"].items()))
     report["key_lengths"] = key_length_cost(device)
     if report["key_lengths"]:
-        print("\nkvdemo's masked SDPA call when each call meets a new key length (a stream) or a repeated one, median ms:")
-        print(_table(report["key_lengths"], [("backend         ", "backend", "<16"), ("queries", "queries", "d"),
-                                             ("keys from", "keys", "d"),
-                                             ("new length ms", "new_length_ms", ".2f"),
-                                             ("same length ms", "same_length_ms", ".2f"), ("error", "error", "")]))
+        print(
+            "\nkvdemo's masked SDPA call when each call meets a new key length (a stream) or a repeated one, median ms:"
+        )
+        print(
+            _table(
+                report["key_lengths"],
+                [
+                    ("backend         ", "backend", "<16"),
+                    ("queries", "queries", "d"),
+                    ("keys from", "keys", "d"),
+                    ("new length ms", "new_length_ms", ".2f"),
+                    ("same length ms", "same_length_ms", ".2f"),
+                    ("error", "error", ""),
+                ],
+            )
+        )
     if device.type == "cuda":
         report["attention_memory"] = attention_memory(device)
         print("\nkvdemo's attention for a 720-token chunk over 6144 cached keys, bfloat16 (MB above what was held):")
-        print(_table(report["attention_memory"], [("shape", "shape", "<5"), ("call                      ", "call", "<26"),
-                                                  ("peak MB", "peak_mb", ".1f"), ("ms", "ms", ".2f"),
-                                                  ("same as one block", "same_as_one_block", ""), ("error", "error", "")]))
+        print(
+            _table(
+                report["attention_memory"],
+                [
+                    ("shape", "shape", "<5"),
+                    ("call                      ", "call", "<26"),
+                    ("peak MB", "peak_mb", ".1f"),
+                    ("ms", "ms", ".2f"),
+                    ("same as one block", "same_as_one_block", ""),
+                    ("error", "error", ""),
+                ],
+            )
+        )
     report["split"] = split_matrix(device)
     print("\nlayers split across two devices (layer 0 on the host):")
-    print(_table(report["split"], [("policy        ", "policy", "<14"), ("devices        ", "devices", "<15"),
-                                   ("same tokens", "same_tokens", ""), ("error", "error", "")]))
+    print(
+        _table(
+            report["split"],
+            [
+                ("policy        ", "policy", "<14"),
+                ("devices        ", "devices", "<15"),
+                ("same tokens", "same_tokens", ""),
+                ("error", "error", ""),
+            ],
+        )
+    )
     report["models"] = model_matrix(list(models or quick_models()), device, frames)
-    print(f"\nevery policy x model on {device}, {frames} frames of the bundled sample, M = half the full cache's tokens:")
+    print(
+        f"\nevery policy x model on {device}, {frames} frames of the bundled sample, M = half the full cache's tokens:"
+    )
     print(_table(report["models"], MATRIX_COLUMNS))
     if real_shapes:
         report["real_shapes"] = real_shape_passes(device, repeats)
         print("\none compression pass, two layers at Qwen2.5-VL per-layer cache shapes (median ms):")
-        print(_table(report["real_shapes"], [("shape", "shape", "<5"), ("policy        ", "policy", "<14"),
-                                             ("select ms", "select_ms", ".1f"), ("apply ms", "apply_ms", ".1f"),
-                                             ("total ms", "total_ms", ".1f")]))
+        print(
+            _table(
+                report["real_shapes"],
+                [
+                    ("shape", "shape", "<5"),
+                    ("policy        ", "policy", "<14"),
+                    ("select ms", "select_ms", ".1f"),
+                    ("apply ms", "apply_ms", ".1f"),
+                    ("total ms", "total_ms", ".1f"),
+                ],
+            )
+        )
     if full_depth:
         _write(report, json_path)  # what is measured so far survives a stream that runs out of time
         print(f"\nrandom weights at real configs, every layer, {seconds:g} s of stream per policy:")
-        report["full_depth"] = fulldepth.full_depth(full_depth, str(device), seconds, checkpoints,
-                                                    keep_folders=tuple(full_depth) if keep_checkpoints else ())
+        report["full_depth"] = fulldepth.full_depth(
+            full_depth, str(device), seconds, checkpoints, keep_folders=tuple(full_depth) if keep_checkpoints else ()
+        )
         _write(report, json_path)
     failed = [r for r in report["models"] if not (r["under_M"] and r["memory_unchanged_by_asking"])]
     failed += [r for r in report["split"] if not r["same_tokens"]]

@@ -46,8 +46,14 @@ def write_random_checkpoint(name: str, folder: str | Path, device: str | torch.d
 
     spec = released_configs()[name]
     text = dict(spec["text_config"], vocab_size=VOCAB, **TEXT_IDS)
-    config = AutoConfig.for_model(spec["model_type"], text_config=text, vision_config=spec["vision_config"],
-                                  tie_word_embeddings=spec["tie_word_embeddings"], **qwen_ids(), **TEXT_IDS)
+    config = AutoConfig.for_model(
+        spec["model_type"],
+        text_config=text,
+        vision_config=spec["vision_config"],
+        tie_word_embeddings=spec["tie_word_embeddings"],
+        **qwen_ids(),
+        **TEXT_IDS,
+    )
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
@@ -83,8 +89,9 @@ def _device_bytes(device: torch.device, peak: bool = False) -> int | None:
     return torch.cuda.max_memory_allocated(device) if peak else torch.cuda.memory_allocated(device)
 
 
-def stream_run(model: Any, policy_name: str, frames: np.ndarray, budget: Budget | None, fps: float,
-               max_new_tokens: int = 16) -> dict[str, Any]:
+def stream_run(
+    model: Any, policy_name: str, frames: np.ndarray, budget: Budget | None, fps: float, max_new_tokens: int = 16
+) -> dict[str, Any]:
     """One engine over ``frames`` (two at a time), one question at the end: timings, memory, whether it stopped."""
     device = model.device
     engine = StreamEngine(model, make_policy(policy_name), budget=budget, fps=fps, max_new_tokens=max_new_tokens)
@@ -104,9 +111,13 @@ def stream_run(model: Any, policy_name: str, frames: np.ndarray, budget: Budget 
     token_bytes = engine.memory.token_bytes()
     peak = _device_bytes(device, peak=True)
     return {
-        "policy": policy_name, "budget": None if budget is None else f"{budget.M}/{budget.C}",
-        "chunks": stats.chunks, "tokens_per_grid": engine.tokens_per_grid, "compressions": stats.compressions,
-        "stopped": stopped, "stream_s": round(seconds, 1),
+        "policy": policy_name,
+        "budget": None if budget is None else f"{budget.M}/{budget.C}",
+        "chunks": stats.chunks,
+        "tokens_per_grid": engine.tokens_per_grid,
+        "compressions": stats.compressions,
+        "stopped": stopped,
+        "stream_s": round(seconds, 1),
         "encode_ms_per_chunk": stats.encode_ms / max(stats.chunks, 1),
         "prefill_ms_per_chunk": stats.prefill_ms / max(stats.chunks, 1),
         "compress_ms_per_pass": stats.compress_ms / max(stats.compressions, 1),
@@ -124,8 +135,14 @@ def stream_run(model: Any, policy_name: str, frames: np.ndarray, budget: Budget 
     }
 
 
-def full_depth(names: list[str], device_name: str, seconds: float, folder: str | Path, fps: float = 2.0,
-               keep_folders: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+def full_depth(
+    names: list[str],
+    device_name: str,
+    seconds: float,
+    folder: str | Path,
+    fps: float = 2.0,
+    keep_folders: tuple[str, ...] = (),
+) -> list[dict[str, Any]]:
     """Every policy (and the full cache) streamed through each of ``names`` (released configs,
     :func:`~kvdemo.models.catalog.released_configs`) on ``device_name``; the checkpoints are written under
     ``folder`` and removed after their runs unless named in ``keep_folders``. Rows for :data:`COLUMNS`."""
@@ -142,9 +159,12 @@ def full_depth(names: list[str], device_name: str, seconds: float, folder: str |
         loaded_s = watch.ms() / 1000
         clip = resize_frames(frames, model.geometry)
         M, C, _ = default_budget(str(path))
-        print(f"\n{name}: {model.num_layers} layers, {model.num_kv_heads} KV heads of {model.head_dim}, {model.dtype} on "
-              f"{model.device}; written in {written_s:.0f} s, loaded in {loaded_s:.0f} s; {len(clip)} frames of "
-              f"{clip.shape[2]}x{clip.shape[1]}, M = {M}, C = {C}", flush=True)
+        print(
+            f"\n{name}: {model.num_layers} layers, {model.num_kv_heads} KV heads of {model.head_dim}, {model.dtype} on "
+            f"{model.device}; written in {written_s:.0f} s, loaded in {loaded_s:.0f} s; {len(clip)} frames of "
+            f"{clip.shape[2]}x{clip.shape[1]}, M = {M}, C = {C}",
+            flush=True,
+        )
         print(header(), flush=True)
         for policy_name in sorted(policy_names(), key=lambda p: make_policy(p).bounded):
             policy = make_policy(policy_name)
@@ -153,7 +173,11 @@ def full_depth(names: list[str], device_name: str, seconds: float, folder: str |
                 with torch.inference_mode():
                     row = {"model": name, **stream_run(model, policy_name, clip, budget, fps)}
             except Exception as error:  # noqa: BLE001 (a failing run is a row of the table; the others still run)
-                row = {"model": name, "policy": policy_name, "stopped": f"{type(error).__name__}: {error}".splitlines()[0][:120]}
+                row = {
+                    "model": name,
+                    "policy": policy_name,
+                    "stopped": f"{type(error).__name__}: {error}".splitlines()[0][:120],
+                }
             rows.append(row)
             print(_row_text(row), flush=True)
             _release(device)
@@ -164,17 +188,29 @@ def full_depth(names: list[str], device_name: str, seconds: float, folder: str |
     return rows
 
 
-COLUMNS = [("model            ", "model", "<17"), ("policy        ", "policy", "<14"), ("tok/grid", "tokens_per_grid", "d"),
-           ("encode ms", "encode_ms_per_chunk", ".1f"), ("prefill ms", "prefill_ms_per_chunk", ".1f"),
-           ("pass ms", "compress_ms_per_pass", ".1f"), ("pass % prefill", "compress_pct_of_prefill", ".2f"),
-           ("decode ms/tok", "decode_ms_per_token", ".1f"), ("model s / stream s", "model_s_per_stream_s", ".3f"),
-           ("peak tokens", "peak_visual_tokens", "d"), ("cache MB", "peak_cache_mb", ".0f"), ("bound MB", "bound_mb", ".0f"),
-           ("peak-weights MB", "peak_above_weights_mb", ".0f"), ("stopped", "stopped", "")]
+COLUMNS = [
+    ("model            ", "model", "<17"),
+    ("policy        ", "policy", "<14"),
+    ("tok/grid", "tokens_per_grid", "d"),
+    ("encode ms", "encode_ms_per_chunk", ".1f"),
+    ("prefill ms", "prefill_ms_per_chunk", ".1f"),
+    ("pass ms", "compress_ms_per_pass", ".1f"),
+    ("pass % prefill", "compress_pct_of_prefill", ".2f"),
+    ("decode ms/tok", "decode_ms_per_token", ".1f"),
+    ("model s / stream s", "model_s_per_stream_s", ".3f"),
+    ("peak tokens", "peak_visual_tokens", "d"),
+    ("cache MB", "peak_cache_mb", ".0f"),
+    ("bound MB", "bound_mb", ".0f"),
+    ("peak-weights MB", "peak_above_weights_mb", ".0f"),
+    ("stopped", "stopped", ""),
+]
 
 
 def _row_text(row: dict[str, Any]) -> str:
-    return "  ".join(format(row[key], fmt).rjust(len(title)) if row.get(key) is not None else "-".rjust(len(title))
-                     for title, key, fmt in COLUMNS)
+    return "  ".join(
+        format(row[key], fmt).rjust(len(title)) if row.get(key) is not None else "-".rjust(len(title))
+        for title, key, fmt in COLUMNS
+    )
 
 
 def header() -> str:

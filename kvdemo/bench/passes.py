@@ -36,8 +36,9 @@ FLOOR_TARGETS = {DEFAULT_POLICY: 1.3}
 DEFAULT_TARGET = 3.0
 
 
-def time_pass(policy: Policy, memory: KVMemory, keep: int, repeats: int, floor: bool = True,
-              rotary: Any = None) -> dict[str, Any]:
+def time_pass(
+    policy: Policy, memory: KVMemory, keep: int, repeats: int, floor: bool = True, rotary: Any = None
+) -> dict[str, Any]:
     """The whole compression pass on fresh copies of ``memory``: ``policy.compress`` (selection) and
     :meth:`KVMemory.apply` (the memory's compaction), medians and minima in ms over ``repeats`` runs
     after one warm-up (views with ``rotary``, the model's rotation, which a policy that keeps keys before RoPE
@@ -72,13 +73,21 @@ def time_pass(policy: Policy, memory: KVMemory, keep: int, repeats: int, floor: 
                     phases.setdefault(name, []).append(ms)
     s, a, t = _summary(select), _summary(apply), _summary(total)
     out = {
-        "select_ms": s["median"], "apply_ms": a["median"], "total_ms": t["median"],
-        "select_min_ms": s["min"], "apply_min_ms": a["min"], "total_min_ms": t["min"],
-        "moved_bytes": moved, "phases_ms": {name: statistics.fmean(ms) for name, ms in phases.items()},
+        "select_ms": s["median"],
+        "apply_ms": a["median"],
+        "total_ms": t["median"],
+        "select_min_ms": s["min"],
+        "apply_min_ms": a["min"],
+        "total_min_ms": t["min"],
+        "moved_bytes": moved,
+        "phases_ms": {name: statistics.fmean(ms) for name, ms in phases.items()},
     }
     if floor:
-        out.update(floor_ms=statistics.median(floors), floor_read_ms=statistics.median(reads),
-                   total_over_floor=statistics.median(ratios))
+        out.update(
+            floor_ms=statistics.median(floors),
+            floor_read_ms=statistics.median(reads),
+            total_over_floor=statistics.median(ratios),
+        )
     return out
 
 
@@ -92,16 +101,20 @@ def floor_targets(memory: KVMemory, keep: int) -> list[torch.Tensor]:
     a first write into fresh pages would time the kernel's page faults (measured here 7-9x the write itself,
     depending on whether the allocator handed back memory it had kept), not the memory."""
     views = memory.views()
-    targets = [torch.empty(v.num_heads, keep, v.keys.shape[-1], dtype=v.keys.dtype, device=v.keys.device)
-               for v in views for _ in range(2)]
+    targets = [
+        torch.empty(v.num_heads, keep, v.keys.shape[-1], dtype=v.keys.dtype, device=v.keys.device)
+        for v in views
+        for _ in range(2)
+    ]
     with torch.inference_mode():
         for target in targets:
             _words(target).fill_(0)
     return targets
 
 
-def time_floor(memory: KVMemory, keep: int, repeats: int, warmup: bool = True,
-               targets: list[torch.Tensor] | None = None) -> dict[str, float]:
+def time_floor(
+    memory: KVMemory, keep: int, repeats: int, warmup: bool = True, targets: list[torch.Tensor] | None = None
+) -> dict[str, float]:
     """The memory-bound floor of any selection pass: read every visual key and value once and write ``keep``
     tokens' keys and values; median and min ms. Both are raw byte streams, whatever the dtype: the read is a
     sum over the buffers viewed as int64 words (a bfloat16 sum would time the conversion, not the memory), the
@@ -134,8 +147,9 @@ def time_append(memory: KVMemory, grid: tuple[int, int], repeats: int) -> dict[s
     chunk = synthetic_chunk(memory.num_grids, 1, grid)
     n = chunk.num_tokens
     views = memory.views()
-    keys = [torch.randn(1, v.num_heads, n, v.keys.shape[-1]).to(device=v.keys.device, dtype=v.keys.dtype)
-            for v in views]
+    keys = [
+        torch.randn(1, v.num_heads, n, v.keys.shape[-1]).to(device=v.keys.device, dtype=v.keys.dtype) for v in views
+    ]
     positions = synthetic_positions(chunk, memory.prefix_len)
     ours, theirs = [], []
     full = [(k[None], v[None]) for k, v in zip(memory.keys, memory.values)]
@@ -159,13 +173,18 @@ def time_append(memory: KVMemory, grid: tuple[int, int], repeats: int) -> dict[s
     return {
         "chunk_tokens": n,
         "kvdemo": {**{f"{k}_ms": v for k, v in _summary(ours).items()}, "bytes_copied": chunk_bytes},
-        "dynamic_cache": {**{f"{k}_ms": v for k, v in _summary(theirs).items()},
-                          "bytes_copied": memory.nbytes + chunk_bytes},
+        "dynamic_cache": {
+            **{f"{k}_ms": v for k, v in _summary(theirs).items()},
+            "bytes_copied": memory.nbytes + chunk_bytes,
+        },
     }
 
 
 def pass_benchmark(
-    policy: Policy, repeats: int, shape: dict[str, Any] | None = None, compiled: bool = True,
+    policy: Policy,
+    repeats: int,
+    shape: dict[str, Any] | None = None,
+    compiled: bool = True,
     device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
     """The whole compression pass at Qwen2.5-VL-7B shape for ``policy`` and the reference policies, in fp32
@@ -206,7 +225,9 @@ def pass_benchmark(
     return results
 
 
-def _timed_modes(policy: Policy, memory: KVMemory, keep: int, repeats: int, compile_ok: bool) -> dict[str, dict[str, Any]]:
+def _timed_modes(
+    policy: Policy, memory: KVMemory, keep: int, repeats: int, compile_ok: bool
+) -> dict[str, dict[str, Any]]:
     """``{"": timing}`` for a policy without compiled kernels; ``{" (eager)": ..., " (compiled)": ...}`` for one with
     them, each with ``same_selection`` (both kept the same tokens everywhere). The compiled run's first call
     (which compiles) is a warm-up, outside the timings."""
@@ -214,7 +235,9 @@ def _timed_modes(policy: Policy, memory: KVMemory, keep: int, repeats: int, comp
     with torch.inference_mode():
         fused.use_compiled(compile_ok)
         try:
-            compiled = dataclasses.replace(policy).compress(copy.deepcopy(memory).views(probe=_probe(policy, memory)), keep)
+            compiled = dataclasses.replace(policy).compress(
+                copy.deepcopy(memory).views(probe=_probe(policy, memory)), keep
+            )
         finally:
             fused.use_compiled(None)
     if not compile_ok or fused.compile_stats()["calls"] == before:
@@ -223,13 +246,18 @@ def _timed_modes(policy: Policy, memory: KVMemory, keep: int, repeats: int, comp
     with torch.inference_mode():
         eager = dataclasses.replace(policy).compress(copy.deepcopy(memory).views(probe=_probe(policy, memory)), keep)
     same = all(torch.equal(a, b) for a, b in zip(eager.indices, compiled.indices))
-    differ = {"same_selection": same, "differing_tokens": _kept_by_one_only(compiled.indices, eager.indices),
-              "kept_tokens": sum(index.numel() for index in eager.indices)}
+    differ = {
+        "same_selection": same,
+        "differing_tokens": _kept_by_one_only(compiled.indices, eager.indices),
+        "kept_tokens": sum(index.numel() for index in eager.indices),
+    }
     for mode in (False, True):
         fused.use_compiled(mode)
         try:
-            out[" (compiled)" if mode else " (eager)"] = {**time_pass(dataclasses.replace(policy), memory, keep, repeats),
-                                                         **differ}
+            out[" (compiled)" if mode else " (eager)"] = {
+                **time_pass(dataclasses.replace(policy), memory, keep, repeats),
+                **differ,
+            }
         finally:
             fused.use_compiled(None)
     return out
@@ -271,24 +299,33 @@ def pass_table(passes: dict[str, dict[str, dict[str, Any]]]) -> str:
             phases = ", ".join(f"{phase} {ms:.1f}" for phase, ms in row["phases_ms"].items())
             same = ""
             if "same_selection" in row:
-                same = ("; same tokens as eager" if row["same_selection"]
-                        else f"; {row['differing_tokens']} of {row['kept_tokens']} kept tokens differ from eager")
+                same = (
+                    "; same tokens as eager"
+                    if row["same_selection"]
+                    else f"; {row['differing_tokens']} of {row['kept_tokens']} kept tokens differ from eager"
+                )
             lines.append(
                 f"{name:<{width}} {dtype:<9} {row['select_ms']:>9.1f} {row['apply_ms']:>9.1f} {row['total_ms']:>9.1f} "
                 f"{row['floor_ms']:>9.1f} {row['total_over_floor']:>10.2f}x {verdict:>4} {row['target']:.1f}x  {phases}{same}"
             )
-    lines.append("floor: one read of every visual key and value + one write of the C kept tokens (memory-bound limit), "
-                 "timed before every run in the same process")
+    lines.append(
+        "floor: one read of every visual key and value + one write of the C kept tokens (memory-bound limit), "
+        "timed before every run in the same process"
+    )
     reads: dict[str, list[tuple[float, float]]] = {}
     for by_dtype in passes.values():
         for dtype, row in by_dtype.items():
             if row.get("floor_read_ms"):
                 reads.setdefault(dtype, []).append((row["floor_read_ms"], row["floor_ms"]))
     if reads:
-        split = ", ".join(f"{dtype} {statistics.median(r for r, _ in pairs):.1f} of "
-                          f"{statistics.median(f for _, f in pairs):.1f}" for dtype, pairs in reads.items())
-        lines.append(f"the floor's read, ms (median over the rows): {split}; "
-                     "a pass that reads every key and value pays it before its arithmetic")
+        split = ", ".join(
+            f"{dtype} {statistics.median(r for r, _ in pairs):.1f} of {statistics.median(f for _, f in pairs):.1f}"
+            for dtype, pairs in reads.items()
+        )
+        lines.append(
+            f"the floor's read, ms (median over the rows): {split}; "
+            "a pass that reads every key and value pays it before its arithmetic"
+        )
     return "\n".join(lines)
 
 
@@ -298,8 +335,10 @@ def compile_table(stats: dict[str, Any]) -> str:
         return f"compiled kernels: unavailable here ({stats['unavailable']}); eager only"
     if stats.get("error"):
         return f"compiled kernels: compiling failed ({stats['error']}); eager only"
-    return (f"compiled kernels: {stats['compiles']} compilation(s), {stats['compile_ms'] / 1000:.1f} s in all (paid once per "
-            f"process and dtype, outside the timings above), {stats['calls']} compiled calls")
+    return (
+        f"compiled kernels: {stats['compiles']} compilation(s), {stats['compile_ms'] / 1000:.1f} s in all (paid once per "
+        f"process and dtype, outside the timings above), {stats['calls']} compiled calls"
+    )
 
 
 def append_table(appends: dict[str, dict[str, Any]]) -> str:
@@ -321,7 +360,13 @@ def stream_benchmark(policy: Policy, frames: int, budget: Budget) -> dict[str, A
     encode_ms = 0.0
     for step in stream_video(model, video, engines, frames_per_chunk=2):
         encode_ms += step.chunk.encode_ms
-    result: dict[str, Any] = {"frames": frames, "budget": budget.M, "keep": budget.C, "encode_ms": encode_ms, "engines": {}}
+    result: dict[str, Any] = {
+        "frames": frames,
+        "budget": budget.M,
+        "keep": budget.C,
+        "encode_ms": encode_ms,
+        "engines": {},
+    }
     for name, engine in engines.items():
         stats = engine.stats
         result["engines"][name] = {
@@ -366,8 +411,13 @@ def stream_table(stream: dict[str, Any], name: str, every: int = 1) -> str:
     return "\n".join(lines)
 
 
-def compiled_stream(policy: Policy, grids: int = 30, budgets: tuple[int, ...] = (6144, 4096),
-                    shape: dict[str, Any] | None = None, device: torch.device | str = "cpu") -> dict[str, Any] | None:
+def compiled_stream(
+    policy: Policy,
+    grids: int = 30,
+    budgets: tuple[int, ...] = (6144, 4096),
+    shape: dict[str, Any] | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any] | None:
     """Compilations paid over simulated streams (the engine's trigger, random keys and values, no model) at
     Qwen2.5-VL-7B's shape and each of ``budgets`` in turn, with compiled kernels on: the passes see cache lengths
     and buffer capacities change, and a kernel compiled with dynamic shapes compiles once per process and dtype.
@@ -392,13 +442,21 @@ def compiled_stream(policy: Policy, grids: int = 30, budgets: tuple[int, ...] = 
     after = fused.compile_stats()
     if after["calls"] == before["calls"]:
         return None
-    return {"budgets": list(budgets), "grids": grids, "passes": passes, "kept_lengths": sorted(set(lengths)),
-            "compiles": after["compiles"] - before["compiles"], "compile_ms": after["compile_ms"] - before["compile_ms"]}
+    return {
+        "budgets": list(budgets),
+        "grids": grids,
+        "passes": passes,
+        "kept_lengths": sorted(set(lengths)),
+        "compiles": after["compiles"] - before["compiles"],
+        "compile_ms": after["compile_ms"] - before["compile_ms"],
+    }
 
 
 def compiled_stream_table(result: dict[str, Any] | None) -> str:
     if result is None:
         return "compiled kernels over a stream: none in this policy (or compiling unavailable)"
-    return (f"compiled kernels over {len(result['budgets'])} simulated streams (M = {', '.join(map(str, result['budgets']))}, "
-            f"{result['passes']} passes, kept lengths {result['kept_lengths']}): {result['compiles']} new compilation(s) "
-            f"({result['compile_ms'] / 1000:.1f} s; 0 where this process had compiled the kernel already)")
+    return (
+        f"compiled kernels over {len(result['budgets'])} simulated streams (M = {', '.join(map(str, result['budgets']))}, "
+        f"{result['passes']} passes, kept lengths {result['kept_lengths']}): {result['compiles']} new compilation(s) "
+        f"({result['compile_ms'] / 1000:.1f} s; 0 where this process had compiled the kernel already)"
+    )

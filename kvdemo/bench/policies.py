@@ -37,7 +37,11 @@ from .plans import bench_plan
 
 
 def simulated_stream(
-    policy: Policy, grids: int, shape: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
+    policy: Policy,
+    grids: int,
+    shape: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
     device: torch.device | str = "cpu",
 ) -> tuple[KVMemory, list[dict[str, Any]]]:
     """Stream ``grids`` temporal grids of random keys/values into a memory on ``device`` managed by ``policy``
@@ -53,7 +57,9 @@ def simulated_stream(
     # split for grids of this size, as the engine splits M at its first chunk (Budget.fit_chunk)
     budget = Budget.from_user(policy, shape["budget"], shape["keep"], DEFAULT_KEEP_RATIO).fit_chunk(per_grid)
     generator = torch.Generator().manual_seed(seed)
-    memory = KVMemory(shape["num_layers"], shape["num_kv_heads"], visual_capacity=budget.window, summary_slots=budget.summary)
+    memory = KVMemory(
+        shape["num_layers"], shape["num_kv_heads"], visual_capacity=budget.window, summary_slots=budget.summary
+    )
     cache = MemoryCache(memory)
     for layer in cache.layers:
         prefix = torch.randn(1, shape["num_kv_heads"], PREFIX_TOKENS, shape["head_dim"], generator=generator)
@@ -78,8 +84,13 @@ def simulated_stream(
                 memory.apply(selection)
                 end = watch.ms()
                 uncompressed = tuple(selection.uncompressed)
-                record = {"grid": grid, "length": selection.indices[0].shape[1], "select_ms": middle, "apply_ms": end - middle,
-                          "frames_held": held_frames}
+                record = {
+                    "grid": grid,
+                    "length": selection.indices[0].shape[1],
+                    "select_ms": middle,
+                    "apply_ms": end - middle,
+                    "frames_held": held_frames,
+                }
                 phases = selection.info.get("phase_ms")
                 if phases:
                     record["phases_ms"] = dict(phases)
@@ -108,8 +119,9 @@ def _mean_phases(passes: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def update_benchmark(policy: Policy, grids: int = 48, factor: int = 20, window: int = 16,
-                     shape: dict[str, Any] | None = None) -> dict[str, Any]:
+def update_benchmark(
+    policy: Policy, grids: int = 48, factor: int = 20, window: int = 16, shape: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """A policy's per-chunk update at 7B shape (for one sized by ``M`` alone, one pass per temporal grid once
     its window is full), split by the phases it reports, averaged over the last ``window`` passes of a
     ``grids``-grid stream and of a ``factor`` times longer one (float32), and of the ``grids``-grid stream in bfloat16
@@ -118,14 +130,22 @@ def update_benchmark(policy: Policy, grids: int = 48, factor: int = 20, window: 
     cost; the policy refreshes during ingestion)."""
     shape = shape or QWEN7B_SHAPE
     out: dict[str, Any] = {"shape": {**shape, "grid": list(shape["grid"])}, "grids": grids, "factor": factor}
-    runs = (("1x", grids, torch.float32), (f"{factor}x", grids * factor, torch.float32), (UPDATE_BF16, grids, torch.bfloat16))
+    runs = (
+        ("1x", grids, torch.float32),
+        (f"{factor}x", grids * factor, torch.float32),
+        (UPDATE_BF16, grids, torch.bfloat16),
+    )
     for label, length, dtype in runs:
         fresh = dataclasses.replace(policy)
         memory, passes = simulated_stream(fresh, length, shape, dtype)
         tail = passes[-window:]
         per_grid = _mean_phases(tail)
-        out[label] = {"per_grid_ms": per_grid, "per_frame_ms": {k: v / 2 for k, v in per_grid.items()},
-                      "passes": len(passes), "bank": fresh.report()}
+        out[label] = {
+            "per_grid_ms": per_grid,
+            "per_frame_ms": {k: v / 2 for k, v in per_grid.items()},
+            "passes": len(passes),
+            "bank": fresh.report(),
+        }
         refresh_all = bench_plan(fresh).refresh_all
         if label == "1x" and isinstance(fresh, SummaryRegion) and refresh_all is not None:
             with torch.inference_mode():
@@ -137,8 +157,12 @@ def update_benchmark(policy: Policy, grids: int = 48, factor: int = 20, window: 
     _, passes = simulated_stream(reference, grids, ref_shape)
     spent = sum(p["select_ms"] + p["apply_ms"] for p in passes)
     first = passes[0]["grid"] if passes else grids
-    out["infinipot_v"] = {"passes": len(passes), "per_grid_ms": spent / max(1, grids - first),
-                          "per_frame_ms": spent / max(1, grids - first) / 2, "pass_ms": spent / max(1, len(passes))}
+    out["infinipot_v"] = {
+        "passes": len(passes),
+        "per_grid_ms": spent / max(1, grids - first),
+        "per_frame_ms": spent / max(1, grids - first) / 2,
+        "pass_ms": spent / max(1, len(passes)),
+    }
     return out
 
 
@@ -151,19 +175,29 @@ def update_table(result: dict[str, Any], name: str) -> str:
     columns = ["1x", factor] + [UPDATE_BF16] * (UPDATE_BF16 in result)
     phases = [k for k in result["1x"]["per_frame_ms"] if k != "total"] + ["total"]
     shape = result["shape"]
-    lines = [f"{name} update per frame ({shape['num_layers']} layers x {shape['num_kv_heads']} KV heads x {shape['head_dim']}, "
-             f"M={shape['budget']}), ms, mean of the last passes (float32 unless named):",
-             f"  {'phase':<12} " + " ".join(f"{column:>12}" for column in columns)]
+    lines = [
+        f"{name} update per frame ({shape['num_layers']} layers x {shape['num_kv_heads']} KV heads x {shape['head_dim']}, "
+        f"M={shape['budget']}), ms, mean of the last passes (float32 unless named):",
+        f"  {'phase':<12} " + " ".join(f"{column:>12}" for column in columns),
+    ]
     for name in phases:
-        lines.append(f"  {name:<12} " + " ".join(f"{result[column]['per_frame_ms'].get(name, 0.0):>12.1f}" for column in columns))
+        lines.append(
+            f"  {name:<12} " + " ".join(f"{result[column]['per_frame_ms'].get(name, 0.0):>12.1f}" for column in columns)
+        )
     ref = result["infinipot_v"]
-    lines.append(f"  InfiniPot-V pass amortised per frame: {ref['per_frame_ms']:.1f} ms ({ref['passes']} passes of {ref['pass_ms']:.0f} ms)")
-    lines.append(f"  {name} / InfiniPot-V per frame: {result['1x']['per_frame_ms']['total'] / max(ref['per_frame_ms'], 1e-9):.2f}x"
-                 f" ({result['grids']} grids), {result[factor]['per_frame_ms']['total'] / max(ref['per_frame_ms'], 1e-9):.2f}x"
-                 f" ({result['grids'] * result['factor']} grids)")
+    lines.append(
+        f"  InfiniPot-V pass amortised per frame: {ref['per_frame_ms']:.1f} ms ({ref['passes']} passes of {ref['pass_ms']:.0f} ms)"
+    )
+    lines.append(
+        f"  {name} / InfiniPot-V per frame: {result['1x']['per_frame_ms']['total'] / max(ref['per_frame_ms'], 1e-9):.2f}x"
+        f" ({result['grids']} grids), {result[factor]['per_frame_ms']['total'] / max(ref['per_frame_ms'], 1e-9):.2f}x"
+        f" ({result['grids'] * result['factor']} grids)"
+    )
     if "synthesis_all_ms" in result:
-        lines.append(f"  synthesising every summary entry at once: {result['synthesis_all_ms']:.1f} ms "
-                     "(refreshed only where a chunk changed them, included above; a question adds nothing)")
+        lines.append(
+            f"  synthesising every summary entry at once: {result['synthesis_all_ms']:.1f} ms "
+            "(refreshed only where a chunk changed them, included above; a question adds nothing)"
+        )
     return "\n".join(lines)
 
 
@@ -198,8 +232,13 @@ def decode_attention_ms(memory: KVMemory, num_heads: int, repeats: int, answerin
     return statistics.median(times)
 
 
-def decode_benchmark(policy: Policy, stream_tokens: int = 24576, budget_share: float = 0.1, repeats: int = 5,
-                     shape: dict[str, Any] | None = None) -> dict[str, Any]:
+def decode_benchmark(
+    policy: Policy,
+    stream_tokens: int = 24576,
+    budget_share: float = 0.1,
+    repeats: int = 5,
+    shape: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Decode-step attention at 7B shape with random tensors: the full cache holding ``stream_tokens`` visual
     tokens against ``policy`` after one pass to ``budget_share`` of them (what it holds, plus what it
     retrieves from the offload store while answering), through kvdemo's attention function; and the pass
@@ -210,7 +249,11 @@ def decode_benchmark(policy: Policy, stream_tokens: int = 24576, budget_share: f
     full = synthetic_memory(*args)
     compressed = copy.deepcopy(full)
     heads = shape.get("num_heads", shape["num_kv_heads"])
-    probe = synthetic_probe(shape["num_layers"], heads, shape["head_dim"], torch.float32) if isinstance(policy, Probed) else None
+    probe = (
+        synthetic_probe(shape["num_layers"], heads, shape["head_dim"], torch.float32)
+        if isinstance(policy, Probed)
+        else None
+    )
     with torch.inference_mode():
         watch = Stopwatch(compressed.devices)
         selection = policy.compress(compressed.views(probe=probe), keep)
@@ -233,7 +276,9 @@ def decode_benchmark(policy: Policy, stream_tokens: int = 24576, budget_share: f
     }
 
 
-def tiny_decode_benchmark(policy: Policy, frames: int = 240, budget_share: float = 0.1, tokens: int = 32) -> dict[str, Any]:
+def tiny_decode_benchmark(
+    policy: Policy, frames: int = 240, budget_share: float = 0.1, tokens: int = 32
+) -> dict[str, Any]:
     """The tiny model end to end: a synthetic stream into ``full`` and ``policy`` at ``budget_share`` of the
     stream's visual tokens, then one answer each; decode ms per token (after the first token)."""
     model = load_model(TINY_RANDOM_NAME)
@@ -241,8 +286,9 @@ def tiny_decode_benchmark(policy: Policy, frames: int = 240, budget_share: float
     per_grid = (224 // 28) * (336 // 28)
     total = frames // 2 * per_grid
     budget = Budget.from_user(policy, max(4 * per_grid, int(total * budget_share)), None, DEFAULT_KEEP_RATIO)
-    engines = make_engines(model, [Contender(policy.name, policy=policy, budget=budget)], fps=2.0,
-                           max_new_tokens=tokens, baseline=True)
+    engines = make_engines(
+        model, [Contender(policy.name, policy=policy, budget=budget)], fps=2.0, max_new_tokens=tokens, baseline=True
+    )
     for _ in stream_video(model, video, engines):
         pass
     model.logit_bias = None  # let answers run to the token cap (random weights stop anywhere otherwise)
@@ -250,8 +296,13 @@ def tiny_decode_benchmark(policy: Policy, frames: int = 240, budget_share: float
     for name, engine in engines.items():
         answer = engine.answer("What moved?", max_new_tokens=tokens)
         per_token = (answer.ms - answer.ttft_ms) / max(1, answer.tokens - 1)
-        out[name] = {"ttft_ms": answer.ttft_ms, "decode_ms_per_token": per_token, "tokens": answer.tokens,
-                     "cache_bytes": engine.memory.nbytes, "offloaded_bytes": engine.memory.offloaded_bytes}
+        out[name] = {
+            "ttft_ms": answer.ttft_ms,
+            "decode_ms_per_token": per_token,
+            "tokens": answer.tokens,
+            "cache_bytes": engine.memory.nbytes,
+            "offloaded_bytes": engine.memory.offloaded_bytes,
+        }
     return out
 
 
@@ -267,24 +318,38 @@ def decode_table(decode: dict[str, Any], tiny: dict[str, Any] | None, name: str)
         f"offloaded {decode[f'{name}_offloaded_bytes'] / 2**20:.0f} MB (host)",
     ]
     if tiny:
-        lines.append(f"tiny model, {tiny['frames']} frames ({tiny['stream_tokens']} visual tokens), M={tiny['budget']}:")
+        lines.append(
+            f"tiny model, {tiny['frames']} frames ({tiny['stream_tokens']} visual tokens), M={tiny['budget']}:"
+        )
         for engine in ("full", name):
             row = tiny[engine]
-            lines.append(f"  {engine:<10} decode {row['decode_ms_per_token']:.1f} ms/token, first token {row['ttft_ms']:.0f} ms, "
-                         f"cache {row['cache_bytes'] / 2**20:.2f} MB, offloaded {row['offloaded_bytes'] / 2**20:.2f} MB")
+            lines.append(
+                f"  {engine:<10} decode {row['decode_ms_per_token']:.1f} ms/token, first token {row['ttft_ms']:.0f} ms, "
+                f"cache {row['cache_bytes'] / 2**20:.2f} MB, offloaded {row['offloaded_bytes'] / 2**20:.2f} MB"
+            )
     return "\n".join(lines)
 
 
-def long_stream_benchmark(policy: Policy, grids: int, shape: dict[str, Any] | None = None,
-                          dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> dict[str, Any]:
+def long_stream_benchmark(
+    policy: Policy,
+    grids: int,
+    shape: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
     """Every pass of a ``grids``-grid simulated stream at 7B shape (:func:`simulated_stream`: the engine's trigger,
     random keys and values, no model): its grid, the most frames a head holds tokens of, selection and apply ms and
     the policy's phases. The pass table times a first pass, on a memory in stream order holding whole frames; later
     passes meet a compacted memory holding a few tokens of more and more frames."""
     shape = shape or QWEN7B_SHAPE
     _, passes = simulated_stream(dataclasses.replace(policy), grids, shape, dtype, device=device)
-    return {"shape": {**shape, "grid": list(shape["grid"])}, "grids": grids, "dtype": str(dtype).replace("torch.", ""),
-            "device": str(device), "passes": passes}
+    return {
+        "shape": {**shape, "grid": list(shape["grid"])},
+        "grids": grids,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device),
+        "passes": passes,
+    }
 
 
 def long_stream_table(result: dict[str, Any], name: str, rows: int = 5) -> str:
@@ -293,9 +358,11 @@ def long_stream_table(result: dict[str, Any], name: str, rows: int = 5) -> str:
     if not passes:
         return f"{name} over a {result['grids']}-grid stream: no pass (the stream never reached M)"
     picks = sorted({round(i * (len(passes) - 1) / max(rows - 1, 1)) for i in range(rows)})
-    lines = [f"{name}'s passes over a {result['grids']}-grid stream at 7B shape ({result['dtype']}"
-             f"{'' if result.get('device', 'cpu') == 'cpu' else ' on ' + result['device']}, {len(passes)} passes):",
-             f"{'grid':>6} {'frames held':>11} {'total ms':>9}  where the time goes (ms)"]
+    lines = [
+        f"{name}'s passes over a {result['grids']}-grid stream at 7B shape ({result['dtype']}"
+        f"{'' if result.get('device', 'cpu') == 'cpu' else ' on ' + result['device']}, {len(passes)} passes):",
+        f"{'grid':>6} {'frames held':>11} {'total ms':>9}  where the time goes (ms)",
+    ]
     for index in picks:
         p = passes[index]
         phases = ", ".join(f"{k} {v:.1f}" for k, v in {**p.get("phases_ms", {}), "apply": p["apply_ms"]}.items())

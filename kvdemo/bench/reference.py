@@ -41,8 +41,13 @@ def _row_keys(keys: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
     return keys[0].double() @ probe
 
 
-def reference_benchmark(process_kv_cache: Any, repeats: int = 5, policy: Policy | None = None, method: str = "infinipot-v",
-                        shape: dict[str, Any] | None = None) -> dict[str, Any]:
+def reference_benchmark(
+    process_kv_cache: Any,
+    repeats: int = 5,
+    policy: Policy | None = None,
+    method: str = "infinipot-v",
+    shape: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """kvdemo's whole pass (selection + compaction) against the authors' ``process_kv_cache`` on the same
     tensors, in one process, alternating, in fp32 and bf16: median ms of each, their ratio, and how many
     (layer, KV head) rows kept exactly the same tokens (a first pass over whole frames; pooling off on both
@@ -57,12 +62,23 @@ def reference_benchmark(process_kv_cache: Any, repeats: int = 5, policy: Policy 
         data = [(k.clone(), v.clone()) for k, v in zip(memory.keys, memory.values)]
         cache = DynamicCache(ddp_cache_data=data)
         # What process_kv_cache reads of a model: its layer count and the frame's side in patches.
-        model = argparse.Namespace(model=argparse.Namespace(language_model=argparse.Namespace(layers=[None] * layers)),
-                                   config=argparse.Namespace(height_width=shape["grid"][0]))
+        model = argparse.Namespace(
+            model=argparse.Namespace(language_model=argparse.Namespace(layers=[None] * layers)),
+            config=argparse.Namespace(height_width=shape["grid"][0]),
+        )
         start = time.perf_counter()
-        process_kv_cache(cache, model, system_size=memory.prefix_len, inst_size=0, token_per_frame=per_frame,
-                         compress_frame_num=shape["keep"] // per_frame, method=method, tar_ratio=0.5,
-                         query_ratio=getattr(policy, "recent_ratio", 0.125), adaptive_pooling=False)
+        process_kv_cache(
+            cache,
+            model,
+            system_size=memory.prefix_len,
+            inst_size=0,
+            token_per_frame=per_frame,
+            compress_frame_num=shape["keep"] // per_frame,
+            method=method,
+            tar_ratio=0.5,
+            query_ratio=getattr(policy, "recent_ratio", 0.125),
+            adaptive_pooling=False,
+        )
         return (time.perf_counter() - start) * 1000, [layer.keys for layer in cache.layers]
 
     def ours(memory: KVMemory) -> tuple[float, list[torch.Tensor]]:
@@ -88,23 +104,33 @@ def reference_benchmark(process_kv_cache: Any, repeats: int = 5, policy: Policy 
             prefix = memory.prefix_len
             for ours_keys, their_keys in zip(kept_ours, kept_theirs):
                 # Same tokens, in any order: kvdemo's compaction does not keep stream order.
-                mine_rows, their_rows = _row_keys(ours_keys[:, :, prefix:], probe), _row_keys(their_keys[:, :, prefix:], probe)
+                mine_rows, their_rows = (
+                    _row_keys(ours_keys[:, :, prefix:], probe),
+                    _row_keys(their_keys[:, :, prefix:], probe),
+                )
                 shared = torch.stack([torch.isin(m, t).sum() for m, t in zip(mine_rows, their_rows)])  # per KV head
                 identical += int(((shared == mine_rows.shape[-1]) & (shared == their_rows.shape[-1])).sum())
                 common, kept = common + int(shared.sum()), kept + their_rows.numel()
         out[str(dtype).removeprefix("torch.")] = {
-            "kvdemo_ms": statistics.median(mine), "reference_ms": statistics.median(reference),
+            "kvdemo_ms": statistics.median(mine),
+            "reference_ms": statistics.median(reference),
             "ratio": statistics.median(mine) / statistics.median(reference),
-            "identical_rows": identical, "rows": layers * heads, "shared_token_fraction": common / max(kept, 1),
+            "identical_rows": identical,
+            "rows": layers * heads,
+            "shared_token_fraction": common / max(kept, 1),
         }
     return out
 
 
 def reference_table(result: dict[str, Any]) -> str:
-    lines = ["kvdemo's whole pass vs the authors' process_kv_cache (same tensors, one process, alternating, pooling off):",
-             f"  {'dtype':<9} {'kvdemo ms':>10} {'theirs ms':>10} {'ratio':>6}  same kept tokens"]
+    lines = [
+        "kvdemo's whole pass vs the authors' process_kv_cache (same tensors, one process, alternating, pooling off):",
+        f"  {'dtype':<9} {'kvdemo ms':>10} {'theirs ms':>10} {'ratio':>6}  same kept tokens",
+    ]
     for dtype, row in result.items():
-        lines.append(f"  {dtype:<9} {row['kvdemo_ms']:>10.1f} {row['reference_ms']:>10.1f} {row['ratio']:>6.2f}"
-                     f"  {row['identical_rows']}/{row['rows']} layer-heads identical, "
-                     f"{100 * row['shared_token_fraction']:.2f}% of their kept tokens kept")
+        lines.append(
+            f"  {dtype:<9} {row['kvdemo_ms']:>10.1f} {row['reference_ms']:>10.1f} {row['ratio']:>6.2f}"
+            f"  {row['identical_rows']}/{row['rows']} layer-heads identical, "
+            f"{100 * row['shared_token_fraction']:.2f}% of their kept tokens kept"
+        )
     return "\n".join(lines)

@@ -99,10 +99,20 @@ def soak(minutes: float, every_s: float, ttl_s: float | None, workdir: Path) -> 
             if time.monotonic() < next_sample:
                 return
             size, files = folder_size(cache)
-            samples.append({"t_s": round(time.monotonic() - start, 1), "rss_mb": round(rss_mb(process.pid), 1),
-                            "cache_mb": round(size, 2), "cache_files": files, **counts})
-            print(f"{samples[-1]['t_s']:>7.0f} s  RSS {samples[-1]['rss_mb']:>7.1f} MB  cache {size:>7.2f} MB in "
-                  f"{files:>5} files  ({', '.join(f'{k} {v}' for k, v in counts.items())})", flush=True)
+            samples.append(
+                {
+                    "t_s": round(time.monotonic() - start, 1),
+                    "rss_mb": round(rss_mb(process.pid), 1),
+                    "cache_mb": round(size, 2),
+                    "cache_files": files,
+                    **counts,
+                }
+            )
+            print(
+                f"{samples[-1]['t_s']:>7.0f} s  RSS {samples[-1]['rss_mb']:>7.1f} MB  cache {size:>7.2f} MB in "
+                f"{files:>5} files  ({', '.join(f'{k} {v}' for k, v in counts.items())})",
+                flush=True,
+            )
             next_sample += every_s
 
         record()
@@ -132,8 +142,9 @@ def soak(minutes: float, every_s: float, ttl_s: float | None, workdir: Path) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvdemo.bench.soak", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m kvdemo.bench.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--minutes", type=float, default=10.0, help="how long to drive the app (default 10)")
     parser.add_argument("--every", type=float, default=30.0, help="seconds between samples (default 30)")
     parser.add_argument("--cache-ttl", type=float, help="the app's KVDEMO_CACHE_TTL_S (default: the app's, an hour)")

@@ -23,8 +23,15 @@ def zerogpu_transfer_benchmark(seconds: tuple[int, ...] = (10, 30, 60), repeats:
     rows = []
 
     def measure(label: str, tokens: int, budget: int) -> None:
-        memory = synthetic_memory(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], budget, shape["grid"],
-                                  torch.bfloat16, visual_tokens=tokens)
+        memory = synthetic_memory(
+            shape["num_layers"],
+            shape["num_kv_heads"],
+            shape["head_dim"],
+            budget,
+            shape["grid"],
+            torch.bfloat16,
+            visual_tokens=tokens,
+        )
         dumps, loads, size = [], [], 0
         for _ in range(repeats):
             start = time.perf_counter()
@@ -34,8 +41,15 @@ def zerogpu_transfer_benchmark(seconds: tuple[int, ...] = (10, 30, 60), repeats:
             dumps.append((middle - start) * 1000)
             loads.append((time.perf_counter() - middle) * 1000)
             size = len(blob)
-        rows.append({"state": label, "tokens": tokens, "mb": size / 2**20, "pickle_ms": statistics.median(dumps),
-                     "unpickle_ms": statistics.median(loads)})
+        rows.append(
+            {
+                "state": label,
+                "tokens": tokens,
+                "mb": size / 2**20,
+                "pickle_ms": statistics.median(dumps),
+                "unpickle_ms": statistics.median(loads),
+            }
+        )
 
     measure(f"policy engine at M={shape['budget']}", shape["budget"], shape["budget"])
     for second in seconds:
@@ -46,6 +60,10 @@ def zerogpu_transfer_benchmark(seconds: tuple[int, ...] = (10, 30, 60), repeats:
 def zerogpu_table(result: dict[str, Any]) -> str:
     lines = [f"{'state (Qwen2.5-VL-3B, bf16)':<40} {'tokens':>7} {'MB':>8} {'pickle ms':>10} {'unpickle ms':>12}"]
     for row in result["rows"]:
-        lines.append(f"{row['state']:<40} {row['tokens']:>7} {row['mb']:>8.0f} {row['pickle_ms']:>10.0f} {row['unpickle_ms']:>12.0f}")
-    lines.append("a stream-segment call carries its session's state in and out; a question carries it in (a few KB back)")
+        lines.append(
+            f"{row['state']:<40} {row['tokens']:>7} {row['mb']:>8.0f} {row['pickle_ms']:>10.0f} {row['unpickle_ms']:>12.0f}"
+        )
+    lines.append(
+        "a stream-segment call carries its session's state in and out; a question carries it in (a few KB back)"
+    )
     return "\n".join(lines)

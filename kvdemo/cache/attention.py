@@ -133,9 +133,11 @@ def sdpa_backends(device: torch.device) -> list[SDPBackend] | None:
     alone keeps it (the doctor times each backend alone that way); None where cuDNN is already off, or off CUDA."""
     if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
         return None
-    enabled = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled(),
-               SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled(),
-               SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled()}
+    enabled = {
+        SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled(),
+        SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled(),
+        SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled(),
+    }
     return [backend for backend, on in enabled.items() if on] or None
 
 
@@ -152,7 +154,11 @@ def sdpa_scope(device: torch.device) -> Iterator[None]:
 
 
 def grouped_sdpa(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
     expand_kv: bool = False,
 ) -> torch.Tensor:
     """SDPA of ``query [1, H_q, q, D]`` over ``key/value [1, H_kv, kv, D]`` (``H_q`` a multiple of ``H_kv``) with
@@ -170,8 +176,14 @@ def grouped_sdpa(
         return _grouped_sdpa(query, key, value, mask, scale, expand_kv)
 
 
-def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                  expand_kv: bool) -> torch.Tensor:
+def _grouped_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    expand_kv: bool,
+) -> torch.Tensor:
     _, q_heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
@@ -183,8 +195,9 @@ def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         rows_mask = mask.reshape(1, kv_heads, 1, kv_len) if mask is not None and mask.dim() == 3 else mask
         if expand_kv and rows_mask is not None and rows_mask.is_floating_point():
             rows_mask = rows_mask.to(query.dtype)  # what CUDA's fused kernels take
-        out = F.scaled_dot_product_attention(query.reshape(1, kv_heads, group, dim), key, value, attn_mask=rows_mask,
-                                             scale=scale)
+        out = F.scaled_dot_product_attention(
+            query.reshape(1, kv_heads, group, dim), key, value, attn_mask=rows_mask, scale=scale
+        )
         return out.reshape(1, q_heads, 1, dim)
     if expand_kv and mask is not None:
         # KV heads as the batch: keys and values expanded to the group's query heads without a copy (stride 0), the
@@ -194,8 +207,13 @@ def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         # (docs/devices.md).
         shape = (kv_heads, group, kv_len, dim)
         shared = mask.to(query.dtype)[:, None] if mask.dim() == 3 else mask
-        out = F.scaled_dot_product_attention(query.reshape(kv_heads, group, q_len, dim), key[0][:, None].expand(shape),
-                                             value[0][:, None].expand(shape), attn_mask=shared, scale=scale)
+        out = F.scaled_dot_product_attention(
+            query.reshape(kv_heads, group, q_len, dim),
+            key[0][:, None].expand(shape),
+            value[0][:, None].expand(shape),
+            attn_mask=shared,
+            scale=scale,
+        )
         return out.reshape(1, q_heads, q_len, dim)
     if expand_kv:
         if group > 1:  # no mask: keys and values repeated to the query heads (flash's input; unmeasured stride 0)
@@ -205,8 +223,14 @@ def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=group > 1)
     # The query heads of each KV head as one batch entry, so the mask [H_kv, q, kv] broadcasts over the group:
     # query [H_kv, group, q, D] against key/value [H_kv, 1, kv, D], mask [H_kv, 1, q, kv].
-    out = F.scaled_dot_product_attention(query.reshape(kv_heads, group, q_len, dim), key[0].unsqueeze(1),
-                                         value[0].unsqueeze(1), attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        query.reshape(kv_heads, group, q_len, dim),
+        key[0].unsqueeze(1),
+        value[0].unsqueeze(1),
+        attn_mask=mask.unsqueeze(1),
+        scale=scale,
+        enable_gqa=True,
+    )
     return out.reshape(1, q_heads, q_len, dim)
 
 
@@ -398,8 +422,10 @@ class MemoryCache(Cache):
     """
 
     def __init__(self, memory: KVMemory) -> None:
-        layers = [MemoryLayer(memory, layer) if layer is not None else LinearStateLayer(memory, index)
-                  for index, layer in enumerate(memory.layer_map)]
+        layers = [
+            MemoryLayer(memory, layer) if layer is not None else LinearStateLayer(memory, index)
+            for index, layer in enumerate(memory.layer_map)
+        ]
         super().__init__(layers=layers)
         self.memory = memory
         self.answering = False

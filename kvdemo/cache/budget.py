@@ -66,8 +66,15 @@ class Budget:
         if not takes_keep:
             splitter = policy if isinstance(policy, SummaryRegion) else policy_cls()
             summary = splitter.summary_slots(M)  # raises if M cannot be split as the policy needs
-            return cls(M, None, summary, splitter.describe_split(M), splitter.window_name,
-                       splitter.summary_slots, splitter.describe_split)
+            return cls(
+                M,
+                None,
+                summary,
+                splitter.describe_split(M),
+                splitter.window_name,
+                splitter.summary_slots,
+                splitter.describe_split,
+            )
         C = token_count("C", keep)
         if C >= M:
             raise BudgetError(f"C must be smaller than M (a compression keeps C of the M tokens), got M={M}, C={C}")
@@ -84,8 +91,9 @@ class Budget:
         return cls.from_user(policy, budget, keep)
 
     @classmethod
-    def auto(cls, policy: Policy | type[Policy], chunk_tokens: int, stream_tokens: int,
-             ratio: float = DEFAULT_KEEP_RATIO) -> "Budget":
+    def auto(
+        cls, policy: Policy | type[Policy], chunk_tokens: int, stream_tokens: int, ratio: float = DEFAULT_KEEP_RATIO
+    ) -> "Budget":
         """A budget that makes compression visible on a stream of ``stream_tokens`` visual tokens: ``M`` a third
         of them (at most 6144, InfiniPot-V's budget), at least ``chunk_tokens / (1 - ratio)`` so that ``M - C``
         takes a chunk, and ``C = ratio * M`` for a policy that takes one."""
@@ -145,8 +153,12 @@ class Budget:
         if self.C is not None or self.summary_of is None:
             self.check_chunk(tokens, shape)
             return self
-        fitted = replace(self, summary=self.summary_of(self.M, tokens), split_text=self.describe_of(self.M, tokens) if self.describe_of else self.split_text,
-                         chunk=tokens)
+        fitted = replace(
+            self,
+            summary=self.summary_of(self.M, tokens),
+            split_text=self.describe_of(self.M, tokens) if self.describe_of else self.split_text,
+            chunk=tokens,
+        )
         fitted.check_chunk(tokens, shape)
         return fitted
 
@@ -188,7 +200,9 @@ def token_count(name: str, value: Any) -> int:
     if number > MAX_TOKENS:
         # The advice names what every front end offers (the app has no "full" policy to pick: its full cache is the
         # baseline beside the policy): an M the stream never reaches keeps every token and costs what the stream holds.
-        raise BudgetError(f"{name}={number:g} is more visual tokens than any stream holds (at most {MAX_TOKENS:,}); "
-                          "to keep every token, set M above the stream's visual tokens (e.g. M=1000000): it never "
-                          "compresses")
+        raise BudgetError(
+            f"{name}={number:g} is more visual tokens than any stream holds (at most {MAX_TOKENS:,}); "
+            "to keep every token, set M above the stream's visual tokens (e.g. M=1000000): it never "
+            "compresses"
+        )
     return int(number)

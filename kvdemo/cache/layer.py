@@ -40,7 +40,9 @@ class LayerMemory:
 
     kv: torch.Tensor
     packed: torch.Tensor  # [H, capacity - P - S, 8] int32 provenance, see PROVENANCE
-    bias: torch.Tensor | None = None  # [H, capacity] float32 additive key bias (0 = plain attention), None if never used
+    bias: torch.Tensor | None = (
+        None  # [H, capacity] float32 additive key bias (0 = plain attention), None if never used
+    )
     visual_len: int = 0  # L: visual slots in use (the fullest head's count when ragged)
     valid: torch.Tensor | None = None  # [H, L] bool when heads hold different numbers of tokens
     offload: OffloadStore | None = None  # tokens some heads keep off the device, retrieved at decode time
@@ -77,21 +79,34 @@ class LayerMemory:
         held, device = self.text_len, self.kv.device
         new_visual = torch.nonzero(~text).squeeze(1) + held
         new_text = torch.nonzero(text).squeeze(1) + held
-        order = torch.cat([new_visual.to(device), torch.arange(held, device=device), new_text.to(device)])  # source row of each target row
+        order = torch.cat(
+            [new_visual.to(device), torch.arange(held, device=device), new_text.to(device)]
+        )  # source row of each target row
         width = int(order.numel())
         base = start + self.visual_len
         heads2, capacity = self.kv.shape[1], self.capacity
         flat = self.kv.view(heads2 * capacity, self.kv.shape[-1])
         offsets = torch.arange(heads2, device=device)[:, None] * capacity + base
-        put_rows(flat, (offsets + torch.arange(width, device=device)).flatten(), take_rows(flat, (offsets + order).flatten()))
+        put_rows(
+            flat, (offsets + torch.arange(width, device=device)).flatten(), take_rows(flat, (offsets + order).flatten())
+        )
         heads, rows = self.packed.shape[:2]
         packed = self.packed.view(heads * rows, PROVENANCE_WIDTH)
         offsets = torch.arange(heads, device=device)[:, None] * rows + self.visual_len
-        put_rows(packed, (offsets + torch.arange(width, device=device)).flatten(), take_rows(packed, (offsets + order).flatten()))
+        put_rows(
+            packed,
+            (offsets + torch.arange(width, device=device)).flatten(),
+            take_rows(packed, (offsets + order).flatten()),
+        )
 
-
-    def compact(self, index: torch.Tensor, valid: torch.Tensor | None, reason: torch.Tensor | None, start: int,
-                moves: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> int:
+    def compact(
+        self,
+        index: torch.Tensor,
+        valid: torch.Tensor | None,
+        reason: torch.Tensor | None,
+        start: int,
+        moves: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+    ) -> int:
         """Keep the visual tokens ``index [H, keep]`` (``valid`` marks the entries that count when heads keep different
         numbers; ``reason`` the policy's codes, stored per slot): kept tokens at slots ``>= c_h`` move into head
         ``h``'s evicted slots ``< c_h``, keys, values and provenance, one gather each. Returns the bytes moved.
@@ -149,7 +164,6 @@ class LayerMemory:
         self.visual_len = new_len
         return int(kv_src.numel()) * self.kv.shape[-1] * self.kv.element_size()
 
-
     def offload_tokens(self, update: OffloadUpdate, start: int) -> int:
         """Copy the tokens ``update`` names (view indices) into the layer's offload store, before compaction."""
         heads, dim = self.keys.shape[1], self.keys.shape[-1]
@@ -165,11 +179,11 @@ class LayerMemory:
         # heads later.
         key_rows = torch.arange(heads, device=index.device)[:, None] * capacity + start + index
         provenance = {
-            name: torch.gather(self.provenance[name][:, : self.visual_len], 1, index) for name in ("frame", "row", "col", "order")
+            name: torch.gather(self.provenance[name][:, : self.visual_len], 1, index)
+            for name in ("frame", "row", "col", "order")
         }
         rows = self.kv.view(2 * heads * capacity, dim)
         return self.offload.add_rows(rows, key_rows, key_rows + heads * capacity, update.valid, provenance)
-
 
     def compact_stream_text(self, held: int, start: int, grids: int) -> int:
         """After a visual compaction (``held`` visual slots before it): per head, keep the stream text of the grids
@@ -203,7 +217,6 @@ class LayerMemory:
         self.text_len = new_len
         return int(kv_src.numel()) * self.kv.shape[-1] * self.kv.element_size()
 
-
     def refresh_bias(self, start: int) -> None:
         """Visual and stream-text slots: 0 where a head holds a token, ``-inf`` on ragged padding; the slack
         back to 0."""
@@ -215,7 +228,6 @@ class LayerMemory:
         if self.text_valid is not None:
             text = start + self.visual_len
             self.bias[:, text : text + self.text_len].masked_fill_(~self.text_valid, float("-inf"))
-
 
     def write_summary(self, summary: SummaryUpdate, prefix: int, start: int, slots: int) -> None:
         """Write a policy's summary entries: keys/values at their slots, the bias of every slot."""
@@ -229,6 +241,14 @@ class LayerMemory:
             heads, capacity, dim = self.keys.shape[1], self.capacity, self.keys.shape[-1]
             rows = (torch.arange(heads, device=summary.slots.device)[:, None] * capacity + p + summary.slots).flatten()
             rows = rows.to(self.keys.device)
-            put_rows(self.keys.view(heads * capacity, dim), rows, summary.keys.reshape(-1, dim).to(self.keys.device, self.keys.dtype))
-            put_rows(self.values.view(heads * capacity, dim), rows, summary.values.reshape(-1, dim).to(self.values.device, self.values.dtype))
+            put_rows(
+                self.keys.view(heads * capacity, dim),
+                rows,
+                summary.keys.reshape(-1, dim).to(self.keys.device, self.keys.dtype),
+            )
+            put_rows(
+                self.values.view(heads * capacity, dim),
+                rows,
+                summary.values.reshape(-1, dim).to(self.values.device, self.values.dtype),
+            )
         self.bias[:, p:s] = summary.bias.to(self.bias.dtype)

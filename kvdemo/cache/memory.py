@@ -82,12 +82,12 @@ class OccupancyEvent:
         return asdict(self)
 
 
-
 class KVMemory:
     """A model's KV cache (layout: the module docstring). ``visual_capacity``: the most visual slots it holds
     (``M``'s window; 0 = no bound); ``summary_slots``: the region a policy owns, counted in :attr:`visual_tokens`
     from the start, laid out when first written; ``layer_map``: model layer -> memory layer (None for a layer
     without keys and values, e.g. Qwen3.5's linear attention; default: one memory layer per model layer)."""
+
     def __init__(
         self,
         num_layers: int,
@@ -154,7 +154,9 @@ class KVMemory:
         """:attr:`visual_tokens` over the given layers only (0 if none or empty)."""
         if not self.layers:
             return 0
-        return max((self.summary_slots + round(float(self.budget_counts(i).double().mean())) for i in layers), default=0)
+        return max(
+            (self.summary_slots + round(float(self.budget_counts(i).double().mean())) for i in layers), default=0
+        )
 
     @property
     def largest_head_tokens(self) -> int:
@@ -227,8 +229,10 @@ class KVMemory:
     @property
     def text_tokens(self) -> int:
         """Stream-text slots held (mean over KV heads, fullest layer); part of :attr:`visual_tokens`."""
-        counts = [s.text_len if s.text_valid is None else round(float(s.text_valid.sum(dim=1).double().mean()))
-                  for s in self.layers]
+        counts = [
+            s.text_len if s.text_valid is None else round(float(s.text_valid.sum(dim=1).double().mean()))
+            for s in self.layers
+        ]
         return max(counts, default=0)
 
     @property
@@ -340,7 +344,9 @@ class KVMemory:
             if store.valid is not None:
                 store.valid = torch.cat([store.valid, store.valid.new_ones(store.valid.shape[0], visual_count)], dim=1)
             if store.text_valid is not None:
-                store.text_valid = torch.cat([store.text_valid, store.text_valid.new_ones(store.text_valid.shape[0], n - visual_count)], dim=1)
+                store.text_valid = torch.cat(
+                    [store.text_valid, store.text_valid.new_ones(store.text_valid.shape[0], n - visual_count)], dim=1
+                )
             store.visual_len += visual_count
             store.text_len += n - visual_count
             if store.bias is not None or store.valid is not None or store.text_valid is not None:
@@ -505,10 +511,15 @@ class KVMemory:
         """Move every buffer to ``device``, or each layer to its own: ``{model layer: device}`` (a model split over
         devices keeps each layer's keys beside its weights). The offload stores' chunks stay in host memory, their
         mean-key index follows the layer; returns self."""
+
         def device_of(model_layer: int) -> torch.device | str:
             return device[model_layer] if isinstance(device, Mapping) else device
 
-        placed = {memory_layer: model_layer for model_layer, memory_layer in enumerate(self.layer_map) if memory_layer is not None}
+        placed = {
+            memory_layer: model_layer
+            for model_layer, memory_layer in enumerate(self.layer_map)
+            if memory_layer is not None
+        }
         for index, store in enumerate(self.layers):
             target = device_of(placed.get(index, index))
             store.kv, store.packed = store.kv.to(target), store.packed.to(target)
@@ -518,8 +529,10 @@ class KVMemory:
             if store.offload is not None:
                 store.offload.mean_keys = store.offload.mean_keys.to(target)
                 store.offload.retrieved = store.offload.retrieved.to(target)
-        self.linear_state = {layer: {name: t.to(device_of(layer)) for name, t in state.items()}
-                             for layer, state in self.linear_state.items()}
+        self.linear_state = {
+            layer: {name: t.to(device_of(layer)) for name, t in state.items()}
+            for layer, state in self.linear_state.items()
+        }
         return self
 
     @property

@@ -57,7 +57,9 @@ class OffloadStore:
             keys=torch.zeros(0, chunk, dim, dtype=dtype, device=host, pin_memory=pin),
             values=torch.zeros(0, chunk, dim, dtype=dtype, device=host, pin_memory=pin),
             valid=torch.zeros(0, chunk, dtype=torch.bool, device=host),
-            provenance={name: torch.zeros(0, chunk, dtype=torch.int64, device=host) for name in ("frame", "row", "col", "order")},
+            provenance={
+                name: torch.zeros(0, chunk, dtype=torch.int64, device=host) for name in ("frame", "row", "col", "order")
+            },
             table=torch.zeros(heads, 0, dtype=torch.long, device=host),
             mean_keys=torch.zeros(heads, 0, dim, dtype=torch.float32, device=device),
             count=torch.zeros(heads, dtype=torch.long, device=host),
@@ -125,9 +127,13 @@ class OffloadStore:
             self.provenance = {name: grown(t, 0, size) for name, t in self.provenance.items()}
         if per_head > self.capacity:
             size = max(per_head, int(self.capacity * 1.5) + 4)
-            self.table, self.mean_keys, self.retrieved = (grown(t, 1, size) for t in (self.table, self.mean_keys, self.retrieved))
+            self.table, self.mean_keys, self.retrieved = (
+                grown(t, 1, size) for t in (self.table, self.mean_keys, self.retrieved)
+            )
 
-    def add(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, provenance: dict[str, torch.Tensor]) -> int:
+    def add(
+        self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, provenance: dict[str, torch.Tensor]
+    ) -> int:
         """Store ``keys/values [H, E, D]`` (``valid [H, E]``, arrival order) as new chunks per head; returns
         the key/value bytes copied."""
         heads, tokens, dim = keys.shape
@@ -135,8 +141,14 @@ class OffloadStore:
         index = torch.arange(heads * tokens, device=keys.device).view(heads, tokens)
         return self.add_rows(rows, index, index + heads * tokens, valid, provenance)
 
-    def add_rows(self, rows: torch.Tensor, key_rows: torch.Tensor, value_rows: torch.Tensor, valid: torch.Tensor,
-                 provenance: dict[str, torch.Tensor]) -> int:
+    def add_rows(
+        self,
+        rows: torch.Tensor,
+        key_rows: torch.Tensor,
+        value_rows: torch.Tensor,
+        valid: torch.Tensor,
+        provenance: dict[str, torch.Tensor],
+    ) -> int:
         """:meth:`add` reading the tokens straight from ``rows [N, D]`` (a memory's key/value buffer as rows):
         token ``e`` of head ``h`` is ``rows[key_rows[h, e]]`` / ``rows[value_rows[h, e]]`` (``[H, E]``), so each
         offloaded byte is read once and written once, into the pool's next chunks. Returns the key/value bytes
@@ -157,7 +169,9 @@ class OffloadStore:
         picked = flat_nonzero(valid)
         head = torch.div(picked, tokens, rounding_mode="floor")
         first_chunk = torch.cumsum(new_chunks, 0) - new_chunks  # [H] the head's first chunk among the new ones
-        slot = (first_chunk * chunk).index_select(0, head) + (torch.cumsum(valid.long(), dim=1) - 1).flatten().index_select(0, picked)
+        slot = (first_chunk * chunk).index_select(0, head) + (
+            torch.cumsum(valid.long(), dim=1) - 1
+        ).flatten().index_select(0, picked)
         source = torch.zeros(total * chunk, dtype=torch.long, device=host).index_copy_(0, slot, picked)
         filled = torch.zeros(total * chunk, dtype=torch.bool, device=host).index_fill_(0, slot, True)
         tail = flat_nonzero(~filled)
@@ -168,14 +182,19 @@ class OffloadStore:
             out.index_fill_(0, tail, 0)
         self.valid.view(-1)[span] = filled
         for name, values_of in provenance.items():
-            self.provenance[name].view(-1)[span] = values_of.cpu().flatten().index_select(0, source).long().masked_fill_(~filled, 0)
+            self.provenance[name].view(-1)[span] = (
+                values_of.cpu().flatten().index_select(0, source).long().masked_fill_(~filled, 0)
+            )
         # The new chunks in the heads' tables, and their mean keys (float32, on the model's device).
         new = torch.arange(total, device=host)
         chunk_head = torch.repeat_interleave(torch.arange(heads, device=host), new_chunks)  # [total]
         position = self.count.index_select(0, chunk_head) + new - first_chunk.index_select(0, chunk_head)
         self.table[chunk_head, position] = self.used + new
         sums = torch.zeros(total, dim, dtype=torch.float32, device=host).index_add_(
-            0, torch.div(torch.arange(total * chunk, device=host), chunk, rounding_mode="floor"), self.keys.view(-1, dim)[span].float())
+            0,
+            torch.div(torch.arange(total * chunk, device=host), chunk, rounding_mode="floor"),
+            self.keys.view(-1, dim)[span].float(),
+        )
         device = self.mean_keys.device
         means = sums / filled.view(total, chunk).sum(dim=1)[:, None]
         self.mean_keys[chunk_head.to(device), position.to(device)] = means.to(device)
@@ -207,8 +226,10 @@ class OffloadStore:
         slots = torch.gather(self.table, 1, top.cpu()).flatten()  # the picks' pool chunks
         # Whole chunks gathered as rows (take_rows: index_select, several times faster than advanced indexing
         # on half-precision chunks on a CPU), into fresh host tensors.
-        keys, values, ok, *provenance = (take_rows(t.view(t.shape[0], -1), slots).view(heads, width, *t.shape[1:])
-                                         for t in (self.keys, self.values, self.valid, *(self.provenance[n] for n in ("frame", "row", "col"))))
+        keys, values, ok, *provenance = (
+            take_rows(t.view(t.shape[0], -1), slots).view(heads, width, *t.shape[1:])
+            for t in (self.keys, self.values, self.valid, *(self.provenance[n] for n in ("frame", "row", "col")))
+        )
         self.last_fetched = torch.stack(provenance).reshape(3, heads, -1)
         ok &= chosen[..., None]  # [H, width, chunk]
         # What was not chosen (a head retrieving fewer chunks than the widest: its extra picks lie past its count, where

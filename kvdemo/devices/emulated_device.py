@@ -29,13 +29,45 @@ DEVICE = torch.device("meta")
 #: The attribute that marks a tensor on the emulated device.
 MARK = "_kvdemo_emulated_device"
 #: Factories that place their result by ``device=`` (host when it is missing).
-FACTORIES = frozenset({
-    "zeros", "ones", "full", "empty", "arange", "tensor", "as_tensor", "rand", "randn", "randint", "randperm",
-    "eye", "linspace", "logspace", "empty_strided", "scalar_tensor", "tril_indices", "triu_indices",
-})
+FACTORIES = frozenset(
+    {
+        "zeros",
+        "ones",
+        "full",
+        "empty",
+        "arange",
+        "tensor",
+        "as_tensor",
+        "rand",
+        "randn",
+        "randint",
+        "randperm",
+        "eye",
+        "linspace",
+        "logspace",
+        "empty_strided",
+        "scalar_tensor",
+        "tril_indices",
+        "triu_indices",
+    }
+)
 #: Ops that follow their input's device unless given one.
-FOLLOWERS = frozenset({"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like",
-                       "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"})
+FOLLOWERS = frozenset(
+    {
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "empty_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "new_empty",
+        "new_tensor",
+    }
+)
 #: Ops that copy between devices by design.
 COPIES = frozenset({"copy_"})
 
@@ -70,6 +102,7 @@ class EmulatedDevice(TorchFunctionMode):
             if isinstance(t, torch.Tensor):
                 setattr(t, MARK, True)  # on the Python object: it dies with it (an id can be reused)
             return t
+
         return tree_map(mark, out)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -116,7 +149,9 @@ class EmulatedDevice(TorchFunctionMode):
             self.ops += 1
             if name in ("__int__", "__float__", "__bool__", "__index__", "item", "tolist"):
                 return out
-            if name in COPIES:  # copy_ returns its destination, which stays where it is (a host tensor stays on the host)
+            if (
+                name in COPIES
+            ):  # copy_ returns its destination, which stays where it is (a host tensor stays on the host)
                 return out
             return self._mark(out)
         return out

@@ -49,11 +49,13 @@ def parse_overrides(names: list[str], text: str = "") -> list[Contender]:
     if not names:
         raise PolicyChoiceError("choose at least one policy to compare")
     if len(names) > MAX_POLICIES:
-        raise PolicyChoiceError(f"compare at most {MAX_POLICIES} policies at once (memory grows with each), "
-                                f"got {len(names)}")
+        raise PolicyChoiceError(
+            f"compare at most {MAX_POLICIES} policies at once (memory grows with each), got {len(names)}"
+        )
     if len(set(names)) != len(names) or FULL in names:
-        raise PolicyChoiceError(f"each policy once, and not {FULL!r} (the full cache is always the baseline): "
-                                f"{', '.join(names)}")
+        raise PolicyChoiceError(
+            f"each policy once, and not {FULL!r} (the full cache is always the baseline): {', '.join(names)}"
+        )
     contenders = {name: Contender(name) for name in names}
     for line in (text or "").splitlines():
         if not line.strip():
@@ -73,12 +75,27 @@ def parse_overrides(names: list[str], text: str = "") -> list[Contender]:
     return list(contenders.values())
 
 
-def compare_engines(model, contenders: list[Contender], budget: Any, keep: Any, fps: float,
-                    full_cap_bytes: int | None = None, max_new_tokens: int = 64) -> dict[str, StreamEngine]:
+def compare_engines(
+    model,
+    contenders: list[Contender],
+    budget: Any,
+    keep: Any,
+    fps: float,
+    full_cap_bytes: int | None = None,
+    max_new_tokens: int = 64,
+) -> dict[str, StreamEngine]:
     """The comparison's lineup (:func:`kvdemo.stream.lineup.make_engines`): one engine per contender (its own budget, else
     the shared ``budget``/``keep``), then the full cache stopped at ``full_cap_bytes``."""
-    return make_engines(model, contenders, budget, keep, fps=fps, max_new_tokens=max_new_tokens, baseline=True,
-                        baseline_cap_bytes=full_cap_bytes)
+    return make_engines(
+        model,
+        contenders,
+        budget,
+        keep,
+        fps=fps,
+        max_new_tokens=max_new_tokens,
+        baseline=True,
+        baseline_cap_bytes=full_cap_bytes,
+    )
 
 
 def check_chunks(engines: dict[str, StreamEngine], tokens: int, shape: str) -> None:
@@ -97,7 +114,9 @@ def token_bytes(model) -> int:
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
 
 
-def memory_bound(model, engines: dict[str, StreamEngine], tokens_per_second: float, full_cap_bytes: int | None) -> dict[str, Any]:
+def memory_bound(
+    model, engines: dict[str, StreamEngine], tokens_per_second: float, full_cap_bytes: int | None
+) -> dict[str, Any]:
     """What the compared engines may hold: each bounded engine at most its ``M`` visual tokens' keys and values (plus
     the text prefix and an answer's slack, a few hundred tokens), the full cache ``tokens_per_second`` more each
     second of stream until its cap; with the sentence the app and the CLI show."""
@@ -105,18 +124,35 @@ def memory_bound(model, engines: dict[str, StreamEngine], tokens_per_second: flo
     bounded = {name: e.budget.M * per_token for name, e in engines.items() if e.budget.M is not None}
     per_minute = tokens_per_second * 60 * per_token
     cap = f", stopped at its {full_cap_bytes / 2**20:.0f} MB cap" if full_cap_bytes else " (no cap)"
-    sentence = (f"memory grows with the number of policies: {counted(len(bounded), 'bounded engine')} hold at most "
-                f"{sum(bounded.values()) / 2**20:.1f} MB of keys and values together ("
-                + ", ".join(f"{n} {b / 2**20:.1f}" for n, b in bounded.items())
-                + f" MB), the full cache grows by {per_minute / 2**20:.1f} MB per minute of this stream{cap}")
-    return {"bytes_per_token": per_token, "bounded_bytes": bounded, "bounded_total_bytes": sum(bounded.values()),
-            "full_bytes_per_minute": per_minute, "full_cap_bytes": full_cap_bytes, "text": sentence}
+    sentence = (
+        f"memory grows with the number of policies: {counted(len(bounded), 'bounded engine')} hold at most "
+        f"{sum(bounded.values()) / 2**20:.1f} MB of keys and values together ("
+        + ", ".join(f"{n} {b / 2**20:.1f}" for n, b in bounded.items())
+        + f" MB), the full cache grows by {per_minute / 2**20:.1f} MB per minute of this stream{cap}"
+    )
+    return {
+        "bytes_per_token": per_token,
+        "bounded_bytes": bounded,
+        "bounded_total_bytes": sum(bounded.values()),
+        "full_bytes_per_minute": per_minute,
+        "full_cap_bytes": full_cap_bytes,
+        "text": sentence,
+    }
 
 
-def ask_all(engines: dict[str, StreamEngine], stopped: dict[str, str], question: str, attribute: bool = False,
-            max_new_tokens: int | None = None) -> dict[str, Any]:
+def ask_all(
+    engines: dict[str, StreamEngine],
+    stopped: dict[str, str],
+    question: str,
+    attribute: bool = False,
+    max_new_tokens: int | None = None,
+) -> dict[str, Any]:
     """Ask every engine that has not stopped (each in its own dialogue); name -> its :class:`~kvdemo.stream.engine.Answer`."""
-    return {name: engine.answer(question, max_new_tokens, attribute) for name, engine in engines.items() if name not in stopped}
+    return {
+        name: engine.answer(question, max_new_tokens, attribute)
+        for name, engine in engines.items()
+        if name not in stopped
+    }
 
 
 def question_record(question: str, answers: dict[str, Any], episode=None, time_s: float = 0.0) -> dict[str, Any]:
@@ -145,21 +181,33 @@ def model_seconds(engines: dict[str, StreamEngine]) -> float:
     return (encode_ms + sum(e.stats.prefill_ms + e.stats.compress_ms for e in engines.values())) / 1000
 
 
-def comparison_report(engines: dict[str, StreamEngine], group: EngineGroup, video: str, questions: list[dict[str, Any]],
-                      bound: dict[str, Any], lost_frames: int = 0) -> dict[str, Any]:
+def comparison_report(
+    engines: dict[str, StreamEngine],
+    group: EngineGroup,
+    video: str,
+    questions: list[dict[str, Any]],
+    bound: dict[str, Any],
+    lost_frames: int = 0,
+) -> dict[str, Any]:
     """The JSON report: one run report per engine, the questions, the memory bound and how fast it ran (model work
     per second of stream: below 1 is faster than real time)."""
     any_engine = next(iter(engines.values()))
     stream_s = group.frames_seen / any_engine.fps if any_engine.fps else 0.0
     wall_s = model_seconds(engines)
     return {
-        "model": any_engine.model.name, "video": video, "memory": bound,
+        "model": any_engine.model.name,
+        "video": video,
+        "memory": bound,
         "policies": {name: e.report(video, lost_frames) for name, e in engines.items() if name != FULL},
         FULL: engines[FULL].report(video, lost_frames) if FULL in engines else None,
-        "stopped": dict(group.stopped), "questions": questions,
-        "timing": {"stream_s": round(stream_s, 3), "model_s": round(wall_s, 3),
-                   "model_s_per_stream_s": round(wall_s / stream_s, 4) if stream_s else None,
-                   "faster_than_real_time": bool(stream_s and wall_s < stream_s)},
+        "stopped": dict(group.stopped),
+        "questions": questions,
+        "timing": {
+            "stream_s": round(stream_s, 3),
+            "model_s": round(wall_s, 3),
+            "model_s_per_stream_s": round(wall_s / stream_s, 4) if stream_s else None,
+            "faster_than_real_time": bool(stream_s and wall_s < stream_s),
+        },
     }
 
 
@@ -173,7 +221,9 @@ def compare_command(args, model, video, episode=None) -> int:
     check_chunks(engines, tokens, shape)
     tokens_per_second = tokens * video.fps / 2
     bound = memory_bound(model, engines, tokens_per_second, cap)
-    print(f"model {model.name}; " + "; ".join(f"{n} {e.budget.describe()}" for n, e in engines.items()), file=sys.stderr)
+    print(
+        f"model {model.name}; " + "; ".join(f"{n} {e.budget.describe()}" for n, e in engines.items()), file=sys.stderr
+    )
     print(bound["text"], file=sys.stderr)
     group = EngineGroup(model, engines, video.fps)
     parts = video.chunks(2)
@@ -210,7 +260,9 @@ def comparison_table(report: dict[str, Any]) -> str:
     for name, r in engines.items():
         size = "-" if r["budget"] is None else f"{r['budget']}" + (f"/{r['keep']}" if r["keep"] is not None else "")
         passes = sum(e["event"] == "compress" for e in r["timeline"])
-        lines.append(f"{name:<14} {size:>9} {r['peak_visual_tokens']:>11} {r['peak_cache_bytes'] / 2**20:>8.2f} {passes:>12}")
+        lines.append(
+            f"{name:<14} {size:>9} {r['peak_visual_tokens']:>11} {r['peak_cache_bytes'] / 2**20:>8.2f} {passes:>12}"
+        )
     for q in report["questions"]:
         lines.append(f"\nQ: {clipped(q['question'])}" + (f"  (ground truth: {q['expected']})" if q["expected"] else ""))
         for name, a in q["answers"].items():
@@ -226,6 +278,8 @@ def comparison_table(report: dict[str, Any]) -> str:
             lines.append(f"  {name:<14} {a['answer']!r}{mark}{extra}")
     t = report["timing"]
     if t["model_s_per_stream_s"] is not None:
-        lines.append(f"\nmodel work: {t['model_s']:.1f} s for {t['stream_s']:.0f} s of stream "
-                     f"({t['model_s_per_stream_s']:.2f} s per stream second, {len(engines)} engines)")
+        lines.append(
+            f"\nmodel work: {t['model_s']:.1f} s for {t['stream_s']:.0f} s of stream "
+            f"({t['model_s_per_stream_s']:.2f} s per stream second, {len(engines)} engines)"
+        )
     return "\n".join(lines)

@@ -121,7 +121,9 @@ def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def build_engines(model: VideoLM, policies: list[str], budget: int | None, keep: int | None, fps: float) -> dict[str, StreamEngine]:
+def build_engines(
+    model: VideoLM, policies: list[str], budget: int | None, keep: int | None, fps: float
+) -> dict[str, StreamEngine]:
     """One engine per policy (:func:`kvdemo.stream.lineup.make_engines`), each under the budget its policy takes of
     ``M`` and ``C`` (a policy sized by ``M`` alone gets no ``C``; ``full`` neither)."""
     from ..stream.lineup import (
@@ -132,8 +134,14 @@ def build_engines(model: VideoLM, policies: list[str], budget: int | None, keep:
 
 
 def run_episode(
-    model: VideoLM, episode: Episode, items: list[Item], policies: list[str], budget: int | None, keep: int | None,
-    delays: tuple[float, ...] = (), predictions: list[dict[str, Any]] | None = None,
+    model: VideoLM,
+    episode: Episode,
+    items: list[Item],
+    policies: list[str],
+    budget: int | None,
+    keep: int | None,
+    delays: tuple[float, ...] = (),
+    predictions: list[dict[str, Any]] | None = None,
 ) -> dict[str, list[list[bool]]]:
     """Stream ``episode`` into one engine per policy and ask every item at each of its grids (``delays``: their
     delays, for ``predictions``, which gets one record per answer when given).
@@ -147,8 +155,14 @@ def run_episode(
 
 
 def episode_answers(
-    model: VideoLM, episode: Episode, items: list[Item], policies: list[str], budget: int | None, keep: int | None,
-    delays: tuple[float, ...] = (), predictions: list[dict[str, Any]] | None = None,
+    model: VideoLM,
+    episode: Episode,
+    items: list[Item],
+    policies: list[str],
+    budget: int | None,
+    keep: int | None,
+    delays: tuple[float, ...] = (),
+    predictions: list[dict[str, Any]] | None = None,
 ) -> Iterator[tuple[int, int, str, bool]]:
     """:func:`run_episode` as it happens: ``(item, delay index, policy, correct)`` for each answer, in stream order
     (and a record per answer appended to ``predictions`` when given: :mod:`kvdemo.experiments.results`)."""
@@ -172,12 +186,23 @@ def episode_answers(
                     engine.reset_dialogue()
                     right = grade_answer(question.answer, answer.answer)
                     if predictions is not None:
-                        predictions.append({
-                            "episode": items[i].episode, "question": question.text, "answer": answer.answer,
-                            "truth": question.answer, "correct": right, "delay_s": delays[d] if delays else None,
-                            "policy": name, "M": engine.budget.M, "C": engine.budget.C,
-                            "tokens_held": engine.memory.visual_tokens, "compressions": engine.stats.compressions,
-                            "frames_fed": engine.frames_fed, "answer_ms": answer.ms})
+                        predictions.append(
+                            {
+                                "episode": items[i].episode,
+                                "question": question.text,
+                                "answer": answer.answer,
+                                "truth": question.answer,
+                                "correct": right,
+                                "delay_s": delays[d] if delays else None,
+                                "policy": name,
+                                "M": engine.budget.M,
+                                "C": engine.budget.C,
+                                "tokens_held": engine.memory.visual_tokens,
+                                "compressions": engine.stats.compressions,
+                                "frames_fed": engine.frames_fed,
+                                "answer_ms": answer.ms,
+                            }
+                        )
                     yield i, d, name, right
             if newest >= last:
                 return
@@ -195,28 +220,53 @@ class Sweep:
     questions: int = 0
 
     def accuracy(self) -> dict[str, list[float | None]]:
-        return {name: [r / n if n else None for r, n in zip(self.right[name], self.asked[name])] for name in self.policies}
+        return {
+            name: [r / n if n else None for r, n in zip(self.right[name], self.asked[name])] for name in self.policies
+        }
 
     def chart(self) -> Chart:
         """Accuracy against delay, one line per policy (a declared view, drawn by :mod:`kvdemo.viz`)."""
-        return Chart("Accuracy against delay after the evidence left view",
-                     f"{counted(self.questions, 'question')} from {counted(self.streams, 'stream')} so far (the bundled sample first, then "
-                     "held-out generated streams of its kind); each asked of every policy at every delay (the eval protocol)",
-                     [Series(list(self.delays), self.accuracy(), "delay after the evidence left view (s)", "accuracy",
-                             markers=True)])
+        return Chart(
+            "Accuracy against delay after the evidence left view",
+            f"{counted(self.questions, 'question')} from {counted(self.streams, 'stream')} so far (the bundled sample first, then "
+            "held-out generated streams of its kind); each asked of every policy at every delay (the eval protocol)",
+            [
+                Series(
+                    list(self.delays),
+                    self.accuracy(),
+                    "delay after the evidence left view (s)",
+                    "accuracy",
+                    markers=True,
+                )
+            ],
+        )
 
 
-def delay_sweep(model: VideoLM, policies: list[str], delays: tuple[float, ...], budget: int | None, keep: int | None,
-                kind: str = "static", more_streams: int = 0, seed: int = 0) -> Iterator[Sweep]:
+def delay_sweep(
+    model: VideoLM,
+    policies: list[str],
+    delays: tuple[float, ...],
+    budget: int | None,
+    keep: int | None,
+    kind: str = "static",
+    more_streams: int = 0,
+    seed: int = 0,
+) -> Iterator[Sweep]:
     """The eval protocol on the bundled sample of ``kind``, then on ``more_streams`` held-out streams of that kind;
     yields the :class:`Sweep` after every answer round (one question at one delay, every policy)."""
     from ..world.synthetic import sample_episode  # deferred: the bundled sample is needed only by a sweep
 
     if not delays or min(delays) < 0:
         raise ValueError(f"delays must be non-negative seconds, got {list(delays)}")
-    state = Sweep(list(policies), tuple(delays), {n: [0] * len(delays) for n in policies}, {n: [0] * len(delays) for n in policies})
-    episodes = [sample_episode(kind)] + [generate_episode((seed, EVAL_STREAMS, i), eval_spec(delays, kind=kind))
-                                         for i in range(more_streams)]
+    state = Sweep(
+        list(policies),
+        tuple(delays),
+        {n: [0] * len(delays) for n in policies},
+        {n: [0] * len(delays) for n in policies},
+    )
+    episodes = [sample_episode(kind)] + [
+        generate_episode((seed, EVAL_STREAMS, i), eval_spec(delays, kind=kind)) for i in range(more_streams)
+    ]
     for episode in episodes:
         items = valid_items(episode, 0, delays)
         state.streams += 1
@@ -260,7 +310,10 @@ def evaluate(
         raise EvaluationSettingError(f"unknown question form {questions!r}: one of {', '.join(QUESTION_FORMS)}")
     specs = [spec] if spec is not None else [eval_spec(delays, kind=k) for k in stream_kinds(kind)]
     kind = spec.kind if spec is not None else kind
-    budgets = {name: {"budget": e.budget.M, "keep": e.budget.C} for name, e in build_engines(model, policies, budget, keep, specs[0].fps).items()}
+    budgets = {
+        name: {"budget": e.budget.M, "keep": e.budget.C}
+        for name, e in build_engines(model, policies, budget, keep, specs[0].fps).items()
+    }
     items: list[Item] = []
     item_streams: list[str] = []
     correct = {name: [[0] * len(delays) for _ in ("colour", "first")] for name in policies}
@@ -275,8 +328,10 @@ def evaluate(
         episode_items = valid_items(episode, index, delays)
         if questions != "bare":
             rng = np.random.default_rng((seed, EVAL_STREAMS, index, 1))
-            episode_items = [replace(item, question=multiple_choice(item.question, rng, questions).as_question(), choice=True)
-                             for item in episode_items]
+            episode_items = [
+                replace(item, question=multiple_choice(item.question, rng, questions).as_question(), choice=True)
+                for item in episode_items
+            ]
         if episode_items:
             results = run_episode(model, episode, episode_items, policies, budget, keep, delays, predictions)
             for name, per_item in results.items():
@@ -318,7 +373,12 @@ def evaluate(
         "interval": interval,
         "by_kind": by_kind,
         "by_stream": by_stream,
-        "questions": {"total": total, "colour": counts[0], "first": counts[1], **{f"{k} streams": n for k, n in stream_counts.items()}},
+        "questions": {
+            "total": total,
+            "colour": counts[0],
+            "first": counts[1],
+            **{f"{k} streams": n for k, n in stream_counts.items()},
+        },
         "delays_s": [_delay_key(d) for d in delays],
         "kind": kind,
         "question_form": questions,
@@ -341,7 +401,11 @@ def accuracy_table(report: dict[str, Any]) -> str:
     lines = [header]
     for name, row in report["accuracy"].items():
         budget = report["budgets"][name]
-        size = "-" if budget["budget"] is None else f"{budget['budget']}" + (f" / {budget['keep']}" if budget["keep"] else "")
+        size = (
+            "-"
+            if budget["budget"] is None
+            else f"{budget['budget']}" + (f" / {budget['keep']}" if budget["keep"] else "")
+        )
         cells = []
         for d in delays:
             low, high = report["interval"][name][d]
@@ -375,8 +439,17 @@ def eval_command(args: argparse.Namespace) -> int:
         print(f"note: {model.notice}", file=sys.stderr)
     predictions: list[dict[str, Any]] = []
     report = evaluate(
-        model, args.policies, args.delays, args.episodes, args.seed, budget, keep, progress=not args.quiet,
-        kind=args.kind, questions=args.questions, predictions=predictions,
+        model,
+        args.policies,
+        args.delays,
+        args.episodes,
+        args.seed,
+        budget,
+        keep,
+        progress=not args.quiet,
+        kind=args.kind,
+        questions=args.questions,
+        predictions=predictions,
     )
     print(accuracy_table(report))
     if getattr(args, "runs", ""):
@@ -388,17 +461,33 @@ def eval_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_policy_runs(root: Path, args: argparse.Namespace, report: dict[str, Any], predictions: list[dict[str, Any]]) -> None:
+def write_policy_runs(
+    root: Path, args: argparse.Namespace, report: dict[str, Any], predictions: list[dict[str, Any]]
+) -> None:
     """One run folder per policy under ``root`` (:mod:`kvdemo.experiments.results`): the config, the report's rows of that
     policy as the metrics, its predictions."""
     from .results import new_run_folder, write_eval_run  # deferred: only when runs are written
 
     for name in report["accuracy"]:
         bounds = report["budgets"][name]
-        config = {"harness": "kvdemo eval", "model": report["model"], "policy": name, "params": {},
-                  "M": bounds["budget"], "C": bounds["keep"], "fps": 2.0, "seed": report["seed"],
-                  "episodes": report["episodes"], "kind": report["kind"], "questions": report["question_form"],
-                  "delays_s": report["delays_s"]}
-        own = {key: (value[name] if isinstance(value, dict) and name in value else value) for key, value in report.items()}
-        folder = write_eval_run(new_run_folder(root, f"eval-{name}"), config, own, [p for p in predictions if p["policy"] == name])
+        config = {
+            "harness": "kvdemo eval",
+            "model": report["model"],
+            "policy": name,
+            "params": {},
+            "M": bounds["budget"],
+            "C": bounds["keep"],
+            "fps": 2.0,
+            "seed": report["seed"],
+            "episodes": report["episodes"],
+            "kind": report["kind"],
+            "questions": report["question_form"],
+            "delays_s": report["delays_s"],
+        }
+        own = {
+            key: (value[name] if isinstance(value, dict) and name in value else value) for key, value in report.items()
+        }
+        folder = write_eval_run(
+            new_run_folder(root, f"eval-{name}"), config, own, [p for p in predictions if p["policy"] == name]
+        )
         print(f"run folder: {folder}", file=sys.stderr)

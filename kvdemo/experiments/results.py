@@ -72,8 +72,11 @@ def grade_prediction(doc: dict[str, Any], answer: str) -> dict[str, Any]:
 def accuracy_metrics(predictions: list[dict[str, Any]]) -> dict[str, Any]:
     """Accuracy over the predictions that have a truth: overall, per delay and per task."""
     graded = [p for p in predictions if p.get("correct") is not None]
-    metrics: dict[str, Any] = {"answers": len(predictions), "graded": len(graded),
-                               "accuracy": sum(p["correct"] for p in graded) / len(graded) if graded else None}
+    metrics: dict[str, Any] = {
+        "answers": len(predictions),
+        "graded": len(graded),
+        "accuracy": sum(p["correct"] for p in graded) / len(graded) if graded else None,
+    }
     for key, field in (("by_delay", "delay_s"), ("by_task", "task")):
         groups: dict[str, list[bool]] = defaultdict(list)
         for p in graded:
@@ -117,12 +120,16 @@ class RunWriter:
         return path
 
 
-def write_eval_run(folder: Path, config: dict[str, Any], report: dict[str, Any], predictions: list[dict[str, Any]]) -> Path:
+def write_eval_run(
+    folder: Path, config: dict[str, Any], report: dict[str, Any], predictions: list[dict[str, Any]]
+) -> Path:
     """The run folder of ``python -m kvdemo eval``: its config, its report as the metrics, its predictions."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({**config, "versions": versions()}, indent=1) + "\n")
-    (folder / "metrics.json").write_text(json.dumps({**accuracy_metrics(predictions), "report": report}, indent=1) + "\n")
+    (folder / "metrics.json").write_text(
+        json.dumps({**accuracy_metrics(predictions), "report": report}, indent=1) + "\n"
+    )
     (folder / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in predictions))
     return folder
 
@@ -139,7 +146,11 @@ class Run:
     @property
     def label(self) -> str:
         c = self.config
-        budget = "" if c.get("M") is None or c.get("policy") == "full" else f" M={c['M']}" + (f" C={c['C']}" if c.get("C") else "")
+        budget = (
+            ""
+            if c.get("M") is None or c.get("policy") == "full"
+            else f" M={c['M']}" + (f" C={c['C']}" if c.get("C") else "")
+        )
         return f"{c.get('policy', '?')}{budget}"
 
 
@@ -166,10 +177,16 @@ def results_table(runs: list[Run]) -> str:
     lines = [header + "".join(f" {'d=' + d + ' s':>8}" for d in delays)]
     for run in runs:
         c, m = run.config, run.metrics
-        size = "-" if c.get("M") is None or c.get("policy") == "full" else f"{c['M']}" + (f"/{c['C']}" if c.get("C") else "")
+        size = (
+            "-"
+            if c.get("M") is None or c.get("policy") == "full"
+            else f"{c['M']}" + (f"/{c['C']}" if c.get("C") else "")
+        )
         accuracy = "-" if m["accuracy"] is None else f"{m['accuracy']:.3f}"
-        row = (f"{run.folder.name[:34]:<34} {c.get('harness', '?'):<11} {str(c.get('model', '?'))[:14]:<14} "
-               f"{c.get('policy', '?'):<14} {size:>9} {m['answers']:>7} {accuracy:>8}")
+        row = (
+            f"{run.folder.name[:34]:<34} {c.get('harness', '?'):<11} {str(c.get('model', '?'))[:14]:<14} "
+            f"{c.get('policy', '?'):<14} {size:>9} {m['answers']:>7} {accuracy:>8}"
+        )
         by_delay = m.get("by_delay", {})
         lines.append(row + "".join(f" {by_delay[d]:>8.3f}" if d in by_delay else f" {'-':>8}" for d in delays))
     return "\n".join(lines)
@@ -183,7 +200,9 @@ def accuracy_chart(runs: list[Run], x: str = "budget") -> Chart:
         if not delays:
             raise ValueError("no run has answers at several delays (kvdemo eval runs do); try --x budget")
         lines = {r.label: [r.metrics.get("by_delay", {}).get(d) for d in delays] for r in runs}
-        series = Series([float(d) for d in delays], lines, "delay after the evidence left view (s)", "accuracy", markers=True)
+        series = Series(
+            [float(d) for d in delays], lines, "delay after the evidence left view (s)", "accuracy", markers=True
+        )
         return Chart("Accuracy against delay", f"{len(runs)} run(s)", [series])
     bounded = [r for r in runs if r.config.get("policy") != "full" and r.config.get("M") is not None]
     budgets = sorted({int(r.config["M"]) for r in bounded})
@@ -192,9 +211,17 @@ def accuracy_chart(runs: list[Run], x: str = "budget") -> Chart:
     lines: dict[str, list[float | None]] = defaultdict(lambda: [None] * len(budgets))
     for run in bounded:
         lines[run.config["policy"]][budgets.index(int(run.config["M"]))] = run.metrics["accuracy"]
-    full = [r.metrics["accuracy"] for r in runs if r.config.get("policy") == "full" and r.metrics["accuracy"] is not None]
-    series = Series([float(b) for b in budgets], dict(lines), "budget M (visual tokens)", "accuracy",
-                    limit=max(full) if full else None, markers=True)
+    full = [
+        r.metrics["accuracy"] for r in runs if r.config.get("policy") == "full" and r.metrics["accuracy"] is not None
+    ]
+    series = Series(
+        [float(b) for b in budgets],
+        dict(lines),
+        "budget M (visual tokens)",
+        "accuracy",
+        limit=max(full) if full else None,
+        markers=True,
+    )
     caption = f"{len(runs)} run(s)" + ("; dashed: the full cache" if full else "")
     return Chart("Accuracy against the budget", caption, [series])
 

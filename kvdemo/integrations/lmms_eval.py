@@ -75,15 +75,30 @@ class KVDemoLMM(lmms):
 
     is_simple = True
 
-    def __init__(self, pretrained: str = "tiny", checkpoint: str | None = None, policy: str = "full", M: int | None = None,
-                 C: int | None = None, fps: float = 2.0, min_pixels: int | None = None, max_pixels: int | None = None,
-                 max_new_tokens: int | None = None, time_field: str | None = None, runs: str = "runs",
-                 device: str | None = None, batch_size: int | str | None = 1, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        pretrained: str = "tiny",
+        checkpoint: str | None = None,
+        policy: str = "full",
+        M: int | None = None,
+        C: int | None = None,
+        fps: float = 2.0,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        max_new_tokens: int | None = None,
+        time_field: str | None = None,
+        runs: str = "runs",
+        device: str | None = None,
+        batch_size: int | str | None = 1,
+        **kwargs: Any,
+    ) -> None:
         super().__init__()
-        params = {key[len("param_"):]: value for key, value in kwargs.items() if key.startswith("param_")}
+        params = {key[len("param_") :]: value for key, value in kwargs.items() if key.startswith("param_")}
         unknown = sorted(key for key in kwargs if not key.startswith("param_") and key != "max_batch_size")
         if unknown:
-            raise ValueError(f"kvdemo: unknown model argument(s) {', '.join(unknown)} (policy parameters go as param_<name>=value)")
+            raise ValueError(
+                f"kvdemo: unknown model argument(s) {', '.join(unknown)} (policy parameters go as param_<name>=value)"
+            )
         self.checkpoint = str(checkpoint or pretrained)
         self.policy_name, self.budget, self.keep, self.policy_params = str(policy), M, C, params
         self.fps, self.max_new_tokens, self.time_field = float(fps), max_new_tokens, time_field
@@ -93,7 +108,9 @@ class KVDemoLMM(lmms):
         self.accelerator = _accelerator() if self._world_size > 1 else None
         self.model = load_model(self.checkpoint, device=device or local_device)
         self.geometry = self.model.geometry.with_pixels(min_pixels, max_pixels)
-        self.writer = RunWriter.open(Path(runs), f"lmms-eval-{self.policy_name}", self._config(), self._rank, self._world_size)
+        self.writer = RunWriter.open(
+            Path(runs), f"lmms-eval-{self.policy_name}", self._config(), self._rank, self._world_size
+        )
 
     # --- lmms-eval's API --------------------------------------------------------------------------
     @property
@@ -138,8 +155,9 @@ class KVDemoLMM(lmms):
                 ask = self._ask(len(round_answers), prompt, gen_kwargs, doc, task)
                 round_answers.append(self._answer(engine, ask, path))
                 round_index += 1
-                visuals, prompt, terminal, _, _ = doc_to_text(doc, previous_output=list(round_answers), round_idx=round_index,
-                                                              previous_round_info=None)
+                visuals, prompt, terminal, _, _ = doc_to_text(
+                    doc, previous_output=list(round_answers), round_idx=round_index, previous_round_info=None
+                )
                 if terminal:
                     break
                 path = self._video_of(visuals)
@@ -193,16 +211,27 @@ class KVDemoLMM(lmms):
         engine.reset_dialogue()
         stats = engine.stats
         timeline = engine.memory.timeline
-        self.writer.add({
-            "task": ask.task, "video": Path(path).name, "question": ask.context, "answer": text,
-            **grade_prediction(ask.doc, text), "ask_s": ask.time_s, "delay_s": ask.doc.get("delay_s"),
-            "policy": engine.policy.name, "M": engine.budget.M, "C": engine.budget.C,
-            "tokens_held": engine.memory.visual_tokens,
-            "peak_tokens": max((e.visual_tokens for e in timeline), default=engine.memory.visual_tokens),
-            "compressions": stats.compressions, "frames_fed": engine.frames_fed,
-            "answer_ms": answer.ms if answer else (time.perf_counter() - start) * 1000,
-            "stream_ms": stats.encode_ms + stats.prefill_ms + stats.compress_ms, **({"error": error} if error else {}),
-        })
+        self.writer.add(
+            {
+                "task": ask.task,
+                "video": Path(path).name,
+                "question": ask.context,
+                "answer": text,
+                **grade_prediction(ask.doc, text),
+                "ask_s": ask.time_s,
+                "delay_s": ask.doc.get("delay_s"),
+                "policy": engine.policy.name,
+                "M": engine.budget.M,
+                "C": engine.budget.C,
+                "tokens_held": engine.memory.visual_tokens,
+                "peak_tokens": max((e.visual_tokens for e in timeline), default=engine.memory.visual_tokens),
+                "compressions": stats.compressions,
+                "frames_fed": engine.frames_fed,
+                "answer_ms": answer.ms if answer else (time.perf_counter() - start) * 1000,
+                "stream_ms": stats.encode_ms + stats.prefill_ms + stats.compress_ms,
+                **({"error": error} if error else {}),
+            }
+        )
         return text
 
     def _engine(self) -> StreamEngine:
@@ -224,10 +253,20 @@ class KVDemoLMM(lmms):
         return str(visuals[0])
 
     def _config(self) -> dict[str, Any]:
-        return {"harness": "lmms-eval", "model": self.model.name, "checkpoint": self.checkpoint, "policy": self.policy_name,
-                "params": self.policy_params, "M": self.bounds.M, "C": self.bounds.C, "fps": self.fps,
-                "min_pixels": self.geometry.min_pixels, "max_pixels": self.geometry.max_pixels,
-                "time_field": self.time_field, "world_size": self._world_size}
+        return {
+            "harness": "lmms-eval",
+            "model": self.model.name,
+            "checkpoint": self.checkpoint,
+            "policy": self.policy_name,
+            "params": self.policy_params,
+            "M": self.bounds.M,
+            "C": self.bounds.C,
+            "fps": self.fps,
+            "min_pixels": self.geometry.min_pixels,
+            "max_pixels": self.geometry.max_pixels,
+            "time_field": self.time_field,
+            "world_size": self._world_size,
+        }
 
 
 def _process_placement() -> tuple[int, int, str | None]:
@@ -237,7 +276,11 @@ def _process_placement() -> tuple[int, int, str | None]:
 
     import torch  # deferred: read only once a model is made
 
-    rank, world, local = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    rank, world, local = (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
     if world > 1 and torch.cuda.is_available():
         torch.cuda.set_device(local)
         return rank, world, f"cuda:{local}"

@@ -49,7 +49,9 @@ def make_tasks(folder: str | Path, streams: int = 8, seed: int = 0) -> dict[str,
     for i in range(streams):
         kind = ("static", "moving")[i % 2]
         short = generate_episode((seed, TASK_STREAMS, i), StreamSpec(pairs=(16, 16), kind=kind))
-        rows["kvdemo_videomme"] += _videomme_rows(folder, short, f"kvdemo-{seed}-{i:03d}", np.random.default_rng((seed, TASK_STREAMS, i, 1)))
+        rows["kvdemo_videomme"] += _videomme_rows(
+            folder, short, f"kvdemo-{seed}-{i:03d}", np.random.default_rng((seed, TASK_STREAMS, i, 1))
+        )
         long = generate_episode((seed, TASK_STREAMS, streams + i), StreamSpec(pairs=(24, 24), kind=kind))
         rng = np.random.default_rng((seed, TASK_STREAMS, streams + i, 1))
         rows["kvdemo_ovo_backward"] += _ovo_backward_rows(folder, long, f"kvdemo-{seed}-{i:03d}", rng)
@@ -72,10 +74,21 @@ def _videomme_rows(folder: Path, episode: Episode, video_id: str, rng: np.random
     rows = []
     for j, question in enumerate(episode.questions):
         choice = multiple_choice(question, rng)
-        rows.append({"video_id": video_id, "duration": "short", "domain": "Knowledge", "sub_category": "Humanity & History",
-                     "url": "", "videoID": video_id, "question_id": f"{video_id}-{j}",
-                     "task_type": VIDEOMME_TASK_TYPE[question.kind], "question": question.text,
-                     "options": list(choice.options), "answer": choice.letter})
+        rows.append(
+            {
+                "video_id": video_id,
+                "duration": "short",
+                "domain": "Knowledge",
+                "sub_category": "Humanity & History",
+                "url": "",
+                "videoID": video_id,
+                "question_id": f"{video_id}-{j}",
+                "task_type": VIDEOMME_TASK_TYPE[question.kind],
+                "question": question.text,
+                "options": list(choice.options),
+                "answer": choice.letter,
+            }
+        )
     return rows
 
 
@@ -92,8 +105,16 @@ def _ovo_backward_rows(folder: Path, episode: Episode, stem: str, rng: np.random
         frames = _frames_until(episode, question.left_s + 4.0)
         _write(folder / "ovobench" / "chunked_videos" / f"{row_id}.mp4", episode, frames)
         choice = multiple_choice(question, rng, "ovobench")
-        rows.append({"id": row_id, "task": "EPM", "question": question.text, "options": list(choice.words),
-                     "gt": "ABCD".index(choice.letter), "realtime": frames / episode.video.fps})
+        rows.append(
+            {
+                "id": row_id,
+                "task": "EPM",
+                "question": question.text,
+                "options": list(choice.words),
+                "gt": "ABCD".index(choice.letter),
+                "realtime": frames / episode.video.fps,
+            }
+        )
     return rows
 
 
@@ -103,7 +124,9 @@ def _ovo_forward_rows(folder: Path, episode: Episode, stem: str) -> list[dict[st
         row_id = f"{stem}-{j}"
         test_info = []
         for i, time_s in enumerate(OVO_ROUNDS):
-            _write(folder / "ovobench" / "chunked_videos" / f"{row_id}_{i}.mp4", episode, _frames_until(episode, time_s))
+            _write(
+                folder / "ovobench" / "chunked_videos" / f"{row_id}_{i}.mp4", episode, _frames_until(episode, time_s)
+            )
             test_info.append({"realtime": time_s, "type": int(question.shown_s < time_s)})
         rows.append({"id": row_id, "task": "CRR", "question": question.text, "test_info": test_info})
     return rows
@@ -113,12 +136,24 @@ def _bare_rows(folder: Path, episode: Episode, stem: str) -> list[dict[str, Any]
     path = folder / "bare" / f"{stem}.mp4"
     _write(path, episode)
     end = episode.pairs * episode.pair_seconds
-    return [{"id": f"{stem}-{j}-{delay:g}", "video": str(path), "question": question.text, "answer": question.answer,
-             "kind": question.kind, "ask_s": question.left_s + delay, "delay_s": delay}
-            for j, question in enumerate(episode.questions) for delay in BARE_DELAYS if question.left_s + delay < end]
+    return [
+        {
+            "id": f"{stem}-{j}-{delay:g}",
+            "video": str(path),
+            "question": question.text,
+            "answer": question.answer,
+            "kind": question.kind,
+            "ask_s": question.left_s + delay,
+            "delay_s": delay,
+        }
+        for j, question in enumerate(episode.questions)
+        for delay in BARE_DELAYS
+        if question.left_s + delay < end
+    ]
 
 
 # --- the bare-question task's functions (named by its YAML as ``!function kvdemo.integrations.local_tasks.*``) ---
+
 
 def bare_doc_to_visual(doc: dict[str, Any]) -> list[str]:
     return [doc["video"]]

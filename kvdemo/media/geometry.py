@@ -47,8 +47,10 @@ class FrameGeometry:
     def describe(self) -> str:
         """How frames are resized, in a phrase (the app's pixel field says it)."""
         if self.fixed_size:
-            return (f"every frame is resized to {self.fixed_size[0]} x {self.fixed_size[1]} "
-                    f"({self.fixed_grid[0] * self.fixed_grid[1] if self.fixed_grid else '?'} tokens); this field does not apply")
+            return (
+                f"every frame is resized to {self.fixed_size[0]} x {self.fixed_size[1]} "
+                f"({self.fixed_grid[0] * self.fixed_grid[1] if self.fixed_grid else '?'} tokens); this field does not apply"
+            )
         return f"frames are resized like the family's processor: sides multiples of {self.factor}"
 
     @property
@@ -77,11 +79,15 @@ class FrameGeometry:
     def check_size(self, size: tuple[int, int]) -> None:
         """Raise ``ValueError`` unless frames of ``size`` are already on this family's grid."""
         if self.fixed_size is not None and tuple(size) != tuple(self.fixed_size):
-            raise ValueError(f"frames must be {self.fixed_size[1]}x{self.fixed_size[0]} for this model (size frames for it: "
-                             f"load_video(..., model=model) or stream_video), got {size[1]}x{size[0]}")
+            raise ValueError(
+                f"frames must be {self.fixed_size[1]}x{self.fixed_size[0]} for this model (size frames for it: "
+                f"load_video(..., model=model) or stream_video), got {size[1]}x{size[0]}"
+            )
         if self.fixed_size is None and (size[0] % self.factor or size[1] % self.factor):
-            raise ValueError(f"frame sides must be multiples of {self.factor} (size frames for the model: "
-                             f"load_video(..., model=model) or stream_video), got {size}")
+            raise ValueError(
+                f"frame sides must be multiples of {self.factor} (size frames for the model: "
+                f"load_video(..., model=model) or stream_video), got {size}"
+            )
 
     def chunk_tokens(self, size: tuple[int, int] | None, frames: int) -> tuple[int, str]:
         """Tokens one chunk of ``frames`` frames of ``size`` puts in the memory (visual tokens and, at most, the
@@ -97,4 +103,3 @@ class FrameGeometry:
         if self.text_per_grid:
             shape += f" + up to {self.text_per_grid} text tokens each"
         return grids * (visual + self.text_per_grid), shape
-

@@ -89,8 +89,15 @@ class Video:
         return int(self.frames.shape[1]), int(self.frames.shape[2])
 
     def describe(self) -> str:
-        return _describe(Path(self.source).name, self.num_frames, self.fps, self.size, self.source_size,
-                         self.source_fps, self.lost_frames)
+        return _describe(
+            Path(self.source).name,
+            self.num_frames,
+            self.fps,
+            self.size,
+            self.source_size,
+            self.source_fps,
+            self.lost_frames,
+        )
 
     def head(self, max_frames: int | None) -> "Video":
         """The first ``max_frames`` frames (all of them when ``None``)."""
@@ -335,7 +342,9 @@ class VideoFile:
 
     def describe(self) -> str:
         frames = self.decoded_frames or self.num_frames
-        return _describe(self.path.name, frames, self.fps, self.size, self.source_size, self.source_fps, self.lost_frames)
+        return _describe(
+            self.path.name, frames, self.fps, self.size, self.source_size, self.source_fps, self.lost_frames
+        )
 
     def load(self) -> Video:
         """Decode every sampled frame into memory."""
@@ -382,8 +391,10 @@ def frame_geometry(model: Any = None, geometry: FrameGeometry | None = None) -> 
     if geometry is not None and not isinstance(geometry, FrameGeometry):
         raise TypeError(f"geometry must be a FrameGeometry (a model's .geometry), got {type(geometry).__name__}")
     if geometry is not None and model is not None:
-        raise ValueError("size frames by the model or by a geometry, not both (model.geometry.with_pixels(...) "
-                         "gives the model's geometry with a pixel range of your own)")
+        raise ValueError(
+            "size frames by the model or by a geometry, not both (model.geometry.with_pixels(...) "
+            "gives the model's geometry with a pixel range of your own)"
+        )
     if geometry is None and model is not None:
         geometry = getattr(model, "geometry", None)
         if not isinstance(geometry, FrameGeometry):

@@ -120,13 +120,17 @@ class TransformersAdapter(abc.ABC):
         self.num_layers = len(attention)
         self.num_kv_heads = int(text.num_key_value_heads)
         self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-        self.position_limit: int | None = int(text.max_position_embeddings) if getattr(text, "max_position_embeddings", None) else None
+        self.position_limit: int | None = (
+            int(text.max_position_embeddings) if getattr(text, "max_position_embeddings", None) else None
+        )
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         #: Optional additive bias on next-token logits ``[vocab]`` (the random tiny models restrict themselves to
         #: printable text so their answers stay readable).
         self.logit_bias: torch.Tensor | None = None
-        self._stop_ids = {i for i in (self._special_id("<|im_end|>"), self._special_id("<|endoftext|>")) if i is not None}
+        self._stop_ids = {
+            i for i in (self._special_id("<|im_end|>"), self._special_id("<|endoftext|>")) if i is not None
+        }
         #: The language model's rotation (policies that keep keys before RoPE get it through their views).
         self.rotary = Rotation(self.text_model.rotary_emb, self.position_axes)
 
@@ -197,8 +201,9 @@ class TransformersAdapter(abc.ABC):
     def processor_inputs(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
         """uint8 frames ``[T, H, W, 3]`` (already resized) -> the family's processor outputs (pixels and grid)."""
         video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
-        return self.processor(videos=[video], do_resize=False, do_sample_frames=False, return_tensors="pt",
-                              **self.processor_options)
+        return self.processor(
+            videos=[video], do_resize=False, do_sample_frames=False, return_tensors="pt", **self.processor_options
+        )
 
     #: Extra keyword arguments of the family's processor call.
     processor_options: dict[str, Any] = {}
@@ -222,7 +227,9 @@ class TransformersAdapter(abc.ABC):
         return {}
 
     @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any, chunk: VisualChunk | None = None) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, positions: torch.Tensor, cache: Any, chunk: VisualChunk | None = None
+    ) -> torch.Tensor:
         """Run ``embeds [n, d]`` at ``positions [3, n]`` on ``cache`` (a :class:`~kvdemo.cache.attention.MemoryCache`,
         extended in place) through the model's own text model and head; last-token logits ``[vocab]``. The cache
         also reaches kvdemo's attention function (``kvdemo=cache``)."""

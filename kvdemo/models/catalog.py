@@ -19,9 +19,27 @@ from ..media.geometry import FrameGeometry
 from .base import ModelError
 from .spec import RANDOM_WEIGHTS_NOTICE, TINY_NAME, TINY_RANDOM_NAME, TRAINED_NOTICE, FamilySpec, OfflineModel
 
-__all__ = ["DEFAULT_REAL_MODEL", "RANDOM_WEIGHTS_NOTICE", "TINY_NAME", "TINY_RANDOM_NAME", "TRAINED_NOTICE", "FamilySpec",
-           "OfflineModel", "caveat_for", "checkpoint_config", "default_budget", "families", "family_of", "family_spec",
-           "geometry_for", "notice_for", "offline_model", "register_family", "released_configs", "resolve_model_name"]
+__all__ = [
+    "DEFAULT_REAL_MODEL",
+    "RANDOM_WEIGHTS_NOTICE",
+    "TINY_NAME",
+    "TINY_RANDOM_NAME",
+    "TRAINED_NOTICE",
+    "FamilySpec",
+    "OfflineModel",
+    "caveat_for",
+    "checkpoint_config",
+    "default_budget",
+    "families",
+    "family_of",
+    "family_spec",
+    "geometry_for",
+    "notice_for",
+    "offline_model",
+    "register_family",
+    "released_configs",
+    "resolve_model_name",
+]
 
 #: The real model ``auto`` means on a machine with a CUDA GPU.
 DEFAULT_REAL_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
@@ -66,8 +84,9 @@ def family_spec(model_type: str) -> FamilySpec:
     """The spec of the family that loads ``model_type`` checkpoints; :class:`ModelError` naming the supported ones."""
     known = families()
     if model_type not in known:
-        raise ModelError(f"a {model_type!r} model is not supported; kvdemo supports the families "
-                         f"{', '.join(sorted(known))}")
+        raise ModelError(
+            f"a {model_type!r} model is not supported; kvdemo supports the families {', '.join(sorted(known))}"
+        )
     return known[model_type]
 
 
@@ -131,9 +150,11 @@ def checkpoint_config(model_id: str) -> Any:
             raise ModelError(f"cannot load model {shown!r}: {str(exc).splitlines()[0][:200]}") from None
     reachable = hub_reachable()
     if reachable is not None:
-        raise ModelError(f"model {shown!r} is neither a local folder nor in the Hugging Face cache, and the Hub "
-                         f"cannot be reached ({reachable}); give a local checkpoint folder (--model /path/to/folder) "
-                         f"or an offline model ({', '.join(__getattr__('OFFLINE_MODELS'))})")
+        raise ModelError(
+            f"model {shown!r} is neither a local folder nor in the Hugging Face cache, and the Hub "
+            f"cannot be reached ({reachable}); give a local checkpoint folder (--model /path/to/folder) "
+            f"or an offline model ({', '.join(__getattr__('OFFLINE_MODELS'))})"
+        )
     try:
         return AutoConfig.from_pretrained(model_id, trust_remote_code=False)
     except Exception as exc:

@@ -36,7 +36,9 @@ def geometry(config: Any) -> FrameGeometry:
     vision = config.vision_config
     side = int(vision.image_size)
     pooled = math.ceil(side // int(vision.patch_size) / 2)
-    return FrameGeometry(side // pooled, 1, side * side, side * side, fixed_size=(side, side), fixed_grid=(pooled, pooled))
+    return FrameGeometry(
+        side // pooled, 1, side * side, side * side, fixed_size=(side, side), fixed_grid=(pooled, pooled)
+    )
 
 
 #: SigLIP's normalisation (the LLaVA-OneVision checkpoints' preprocessor configs: mean = std = 0.5), where the
@@ -48,8 +50,9 @@ def video_processor(config: Any) -> LlavaOnevisionVideoProcessor:
     """The family's video processor for a checkpoint that ships none (and the offline model): its square input
     size and SigLIP's normalisation."""
     side = int(config.vision_config.image_size)
-    return LlavaOnevisionVideoProcessor(size={"height": side, "width": side}, image_mean=list(PIXEL_MEAN),
-                                        image_std=list(PIXEL_STD))
+    return LlavaOnevisionVideoProcessor(
+        size={"height": side, "width": side}, image_mean=list(PIXEL_MEAN), image_std=list(PIXEL_STD)
+    )
 
 
 class LlavaOnevision(TransformersAdapter):
@@ -58,10 +61,24 @@ class LlavaOnevision(TransformersAdapter):
     family = "llava_onevision"
     position_axes = 1
 
-    def __init__(self, model: Any, tokenizer: Any, name: str, processor: Any = None, random_weights: bool = False,
-                 notice: str | None = None) -> None:
-        super().__init__(model, tokenizer, processor or video_processor(model.config), geometry(model.config), name,
-                         random_weights, notice)
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        name: str,
+        processor: Any = None,
+        random_weights: bool = False,
+        notice: str | None = None,
+    ) -> None:
+        super().__init__(
+            model,
+            tokenizer,
+            processor or video_processor(model.config),
+            geometry(model.config),
+            name,
+            random_weights,
+            notice,
+        )
 
     def prefix_text(self) -> str:
         """The chat template up to the video (LLaVA-OneVision's has no default system turn)."""
@@ -79,11 +96,15 @@ class LlavaOnevision(TransformersAdapter):
         pixels = self.processor_inputs(frames)["pixel_values_videos"]
         tower = self.hf.model.vision_tower
         config = self.hf.config
-        output = self.hf.model.get_video_features(pixels.to(tower.device, tower.dtype),
-                                                  vision_feature_layer=config.vision_feature_layer,
-                                                  vision_feature_select_strategy=config.vision_feature_select_strategy,
-                                                  return_dict=True)
-        embeds = output.pooler_output[0, :-1].to(self.device, self.dtype)  # the appended newline is added at question time
+        output = self.hf.model.get_video_features(
+            pixels.to(tower.device, tower.dtype),
+            vision_feature_layer=config.vision_feature_layer,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+            return_dict=True,
+        )
+        embeds = output.pooler_output[0, :-1].to(
+            self.device, self.dtype
+        )  # the appended newline is added at question time
         rows, cols = self.geometry.fixed_grid
         count = int(frames.shape[0])
         local = torch.arange(count * rows * cols)
@@ -121,19 +142,41 @@ def tiny_random_config() -> LlavaOnevisionConfig:
     """LLaVA-OneVision: a 2-block SigLIP at 384 px (patch 14: 27 x 27 patches pooled to 14 x 14) and a 4-layer
     Qwen2 (4 heads / 2 KV heads of 16)."""
     return LlavaOnevisionConfig(
-        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, image_size=384, patch_size=14),
-        text_config=dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768, initializer_range=0.1,
-                         **TEXT_IDS),
-        image_token_index=TOKEN_ID["<image>"], video_token_index=TOKEN_ID["<video>"], vision_feature_layer=-1,
-        vision_feature_select_strategy="full", tie_word_embeddings=False)
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=384,
+            patch_size=14,
+        ),
+        text_config=dict(
+            model_type="qwen2",
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            initializer_range=0.1,
+            **TEXT_IDS,
+        ),
+        image_token_index=TOKEN_ID["<image>"],
+        video_token_index=TOKEN_ID["<video>"],
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        tie_word_embeddings=False,
+    )
 
 
 def build_tiny_random() -> LlavaOnevision:
     """``tiny-random-llava-ov``: :func:`tiny_random_config` with seeded random weights and the byte tokenizer."""
     model = build_hf_model(tiny_random_config, LlavaOnevisionForConditionalGeneration)
-    adapter = LlavaOnevision(model, byte_tokenizer(), "tiny-random-llava-ov", random_weights=True, notice=RANDOM_WEIGHTS_NOTICE)
+    adapter = LlavaOnevision(
+        model, byte_tokenizer(), "tiny-random-llava-ov", random_weights=True, notice=RANDOM_WEIGHTS_NOTICE
+    )
     return printable_answers(adapter, VOCAB)
 
 
@@ -147,10 +190,18 @@ SPEC = FamilySpec(
     menu_order=3,
     budget=(6272, 4704),  # 32 / 24 frames of 196 tokens
     caveat="LLaVA-OneVision: positions grow by 196 a frame and eviction does not give them back, so the stream stops "
-           "with a message where the model's trained positions end (about 166 frames with a 32K range; kvdemo's "
-           "rule: kept keys are never re-rotated).",
+    "with a message where the model's trained positions end (about 166 frames with a 32K range; kvdemo's "
+    "rule: kept keys are never re-rotated).",
     verified="random weights, CPU: pooled provenance, newline once, chunked prefill = forward; real clip",
     checkpoints=("llava-hf/llava-onevision-qwen2-0.5b-ov-hf", "llava-hf/llava-onevision-qwen2-7b-ov-hf"),
-    offline=(OfflineModel("tiny-random-llava-ov", "llava_onevision", geometry(tiny_random_config()), RANDOM_WEIGHTS_NOTICE,
-                          build_tiny_random, (1568, 1176)),),
+    offline=(
+        OfflineModel(
+            "tiny-random-llava-ov",
+            "llava_onevision",
+            geometry(tiny_random_config()),
+            RANDOM_WEIGHTS_NOTICE,
+            build_tiny_random,
+            (1568, 1176),
+        ),
+    ),
 )

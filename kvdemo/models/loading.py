@@ -35,8 +35,14 @@ def load_model(name: str | None = None, device: str | None = None) -> VideoLM:
         model = family_spec(config.model_type).load(resolved, config, device)
     log.info(
         "loaded %s (%s, %d attention layers, %d KV heads) on %s as %s in %.1f s%s",
-        model.name, model.family, model.num_layers, model.num_kv_heads, model.device, str(model.dtype).replace("torch.", ""),
-        time.perf_counter() - start, "; random weights" if model.random_weights else "",
+        model.name,
+        model.family,
+        model.num_layers,
+        model.num_kv_heads,
+        model.device,
+        str(model.dtype).replace("torch.", ""),
+        time.perf_counter() - start,
+        "; random weights" if model.random_weights else "",
     )
     return model
 

@@ -52,23 +52,33 @@ TRAINED_MIN_PIXELS, TRAINED_MAX_PIXELS = 112 * 112, 20 * 28 * 28
 def resize(geometry: FrameGeometry, height: int, width: int) -> tuple[int, int]:
     """The family's resize rule: transformers' ``Qwen2VLImageProcessor`` ``smart_resize`` (sides multiples of the
     factor, pixel count within the geometry's range)."""
-    return smart_resize(height, width, factor=geometry.factor, min_pixels=geometry.min_pixels,
-                        max_pixels=geometry.max_pixels)
+    return smart_resize(
+        height, width, factor=geometry.factor, min_pixels=geometry.min_pixels, max_pixels=geometry.max_pixels
+    )
 
 
 def geometry(config: Any, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> FrameGeometry:
     """How a Qwen2-VL / Qwen2.5-VL ``config`` sizes frames (patch x merge pixels per token side)."""
     vision = config.vision_config
-    return FrameGeometry(int(vision.patch_size) * int(vision.spatial_merge_size), int(vision.temporal_patch_size),
-                         min_pixels, max_pixels, resize=resize)
+    return FrameGeometry(
+        int(vision.patch_size) * int(vision.spatial_merge_size),
+        int(vision.temporal_patch_size),
+        min_pixels,
+        max_pixels,
+        resize=resize,
+    )
 
 
 def video_processor(config: Any) -> Qwen2VLVideoProcessor:
     """The family's video processor for ``config`` (Qwen's normalisation; kvdemo resizes before it)."""
     vision = config.vision_config
-    return Qwen2VLVideoProcessor(patch_size=int(vision.patch_size), merge_size=int(vision.spatial_merge_size),
-                                 temporal_patch_size=int(vision.temporal_patch_size), image_mean=list(CLIP_MEAN),
-                                 image_std=list(CLIP_STD))
+    return Qwen2VLVideoProcessor(
+        patch_size=int(vision.patch_size),
+        merge_size=int(vision.spatial_merge_size),
+        temporal_patch_size=int(vision.temporal_patch_size),
+        image_mean=list(CLIP_MEAN),
+        image_std=list(CLIP_STD),
+    )
 
 
 #: OPENAI_CLIP_MEAN / OPENAI_CLIP_STD, Qwen's pixel normalisation.
@@ -139,12 +149,26 @@ class RegionCursor:
 class Qwen2VL(TransformersAdapter):
     """A Qwen2-VL / Qwen2.5-VL model behind the :class:`~kvdemo.models.base.VideoLM` protocol."""
 
-
-    def __init__(self, model: Any, tokenizer: Any, name: str, processor: Any = None, geometry_: FrameGeometry | None = None,
-                 random_weights: bool = False, notice: str | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        name: str,
+        processor: Any = None,
+        geometry_: FrameGeometry | None = None,
+        random_weights: bool = False,
+        notice: str | None = None,
+    ) -> None:
         config = model.config
-        super().__init__(model, tokenizer, processor or video_processor(config), geometry_ or geometry(config), name,
-                         random_weights, notice)
+        super().__init__(
+            model,
+            tokenizer,
+            processor or video_processor(config),
+            geometry_ or geometry(config),
+            name,
+            random_weights,
+            notice,
+        )
         vision = config.vision_config
         self.family = config.model_type  # "qwen2_5_vl" or "qwen2_vl"
         self.patch_size = int(vision.patch_size)
@@ -167,7 +191,9 @@ class Qwen2VL(TransformersAdapter):
 
     def chunk_positions(self, chunk: VisualChunk, cursor: RegionCursor) -> tuple[torch.Tensor, RegionCursor]:
         start = cursor.next if cursor.start < 0 else cursor.start
-        positions = mrope_positions(chunk.grid, chunk.row, chunk.col, start, chunk.second_per_grid, self.tokens_per_second)
+        positions = mrope_positions(
+            chunk.grid, chunk.row, chunk.col, start, chunk.second_per_grid, self.tokens_per_second
+        )
         return positions, RegionCursor(max(cursor.next, int(positions.max()) + 1), start)
 
     # --- vision ---------------------------------------------------------------------------
@@ -218,12 +244,32 @@ def load(model_id: str, config: Any, device: str | None = None) -> Qwen2VL:
 def tiny_random_config() -> Qwen2VLConfig:
     """Qwen2-VL: 4 layers, 4 heads / 2 KV heads of 32, M-RoPE sections 4/6/6; vision patch 14, merge 2."""
     return Qwen2VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=32768, initializer_range=0.1, **TEXT_IDS,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]}),
-        vision_config=dict(depth=2, embed_dim=64, hidden_size=128, mlp_ratio=2, num_heads=2, patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2, initializer_range=0.1),
-        **qwen_ids(), tie_word_embeddings=False)
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            initializer_range=0.1,
+            **TEXT_IDS,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
+        ),
+        vision_config=dict(
+            depth=2,
+            embed_dim=64,
+            hidden_size=128,
+            mlp_ratio=2,
+            num_heads=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            initializer_range=0.1,
+        ),
+        **qwen_ids(),
+        tie_word_embeddings=False,
+    )
 
 
 RANDOM_GEOMETRY = FrameGeometry(28, 2, MIN_PIXELS, MAX_PIXELS, resize=resize)
@@ -233,8 +279,14 @@ TRAINED_GEOMETRY = FrameGeometry(28, 2, TRAINED_MIN_PIXELS, TRAINED_MAX_PIXELS, 
 def build_tiny_random_qwen2_vl() -> Qwen2VL:
     """``tiny-random-qwen2-vl``: :func:`tiny_random_config` with seeded random weights and the byte tokenizer."""
     model = build_hf_model(tiny_random_config, Qwen2VLForConditionalGeneration)
-    adapter = Qwen2VL(model, byte_tokenizer(), "tiny-random-qwen2-vl", random_weights=True, notice=RANDOM_WEIGHTS_NOTICE,
-                      geometry_=RANDOM_GEOMETRY)
+    adapter = Qwen2VL(
+        model,
+        byte_tokenizer(),
+        "tiny-random-qwen2-vl",
+        random_weights=True,
+        notice=RANDOM_WEIGHTS_NOTICE,
+        geometry_=RANDOM_GEOMETRY,
+    )
     return printable_answers(adapter, VOCAB)
 
 
@@ -245,8 +297,14 @@ def build_tiny_model(seed: int = 0) -> Qwen2VL:
         torch.manual_seed(seed)
         model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
     tokenizer = ByteTokenizer()
-    adapter = Qwen2VL(model.float().eval(), tokenizer, name=TINY_RANDOM_NAME, random_weights=True, notice=RANDOM_WEIGHTS_NOTICE,
-                      geometry_=RANDOM_GEOMETRY)
+    adapter = Qwen2VL(
+        model.float().eval(),
+        tokenizer,
+        name=TINY_RANDOM_NAME,
+        random_weights=True,
+        notice=RANDOM_WEIGHTS_NOTICE,
+        geometry_=RANDOM_GEOMETRY,
+    )
     # Random weights pick arbitrary bytes; keep answers to printable ASCII (and the stop token) so they stay legible.
     bias = torch.full((config.text_config.vocab_size,), float("-inf"))
     bias[32:127] = 0.0
@@ -259,8 +317,12 @@ def load_trained_tiny(folder: str | Path = TRAINED_DIR) -> Qwen2VL:
     """The trained tiny model from ``folder`` (``kvdemo/assets/tiny``) through transformers' ``from_pretrained``."""
     folder = Path(folder)
     if not (folder / "model.safetensors").exists():
-        raise ModelError(f"no trained tiny model in {folder}: run `python -m kvdemo train-tiny` (or use --model tiny-random)")
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
+        raise ModelError(
+            f"no trained tiny model in {folder}: run `python -m kvdemo train-tiny` (or use --model tiny-random)"
+        )
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
+    )
     adapter = Qwen2VL(
         model.eval(),
         ByteTokenizer.from_spec(folder / "tokenizer.json"),
@@ -279,26 +341,72 @@ def synthetic_positions(chunk: VisualChunk, start: int) -> torch.Tensor:
 
 #: Released Qwen2.5-VL configs (the fields that shape the computation, from each checkpoint's ``config.json``), and a
 #: CPU-sized stand-in with the 3B's structure (two layers, small widths) for the tests of the full-depth path.
-_QWEN25_TEXT = dict(max_position_embeddings=128000, rms_norm_eps=1e-6,
-                    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
-_QWEN25_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
-                      temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu")
+_QWEN25_TEXT = dict(
+    max_position_embeddings=128000,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+)
+_QWEN25_VISION = dict(
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+    hidden_act="silu",
+)
 RELEASED = {
-    "qwen2.5-vl-3b": dict(model_type="qwen2_5_vl", tie_word_embeddings=True,
-                          text_config=dict(_QWEN25_TEXT, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                                           num_attention_heads=16, num_key_value_heads=2),
-                          vision_config=dict(_QWEN25_VISION, out_hidden_size=2048)),
-    "qwen2.5-vl-7b": dict(model_type="qwen2_5_vl", tie_word_embeddings=False,
-                          text_config=dict(_QWEN25_TEXT, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                           num_attention_heads=28, num_key_value_heads=4),
-                          vision_config=dict(_QWEN25_VISION, out_hidden_size=3584)),
-    "shrunk-qwen2.5-vl": dict(model_type="qwen2_5_vl", tie_word_embeddings=True,
-                              text_config=dict(_QWEN25_TEXT, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                               num_attention_heads=4, num_key_value_heads=2,
-                                               rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                                                "mrope_section": [4, 6, 6]}),
-                              vision_config=dict(_QWEN25_VISION, depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
-                                                 out_hidden_size=128, fullatt_block_indexes=[1])),
+    "qwen2.5-vl-3b": dict(
+        model_type="qwen2_5_vl",
+        tie_word_embeddings=True,
+        text_config=dict(
+            _QWEN25_TEXT,
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_hidden_layers=36,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+        ),
+        vision_config=dict(_QWEN25_VISION, out_hidden_size=2048),
+    ),
+    "qwen2.5-vl-7b": dict(
+        model_type="qwen2_5_vl",
+        tie_word_embeddings=False,
+        text_config=dict(
+            _QWEN25_TEXT,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+        ),
+        vision_config=dict(_QWEN25_VISION, out_hidden_size=3584),
+    ),
+    "shrunk-qwen2.5-vl": dict(
+        model_type="qwen2_5_vl",
+        tie_word_embeddings=True,
+        text_config=dict(
+            _QWEN25_TEXT,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
+        ),
+        vision_config=dict(
+            _QWEN25_VISION,
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=2,
+            out_hidden_size=128,
+            fullatt_block_indexes=[1],
+        ),
+    ),
 }
 
 
@@ -312,13 +420,15 @@ SPEC = FamilySpec(
     menu_order=0,
     budget=(6144, 4608),  # InfiniPot-V's M / C
     verified="Qwen2.5-VL: the trained tiny model and random weights, CPU: chunked prefill = transformers' forward; "
-             "Qwen2-VL: random weights, CPU: positions, pixels, chunked prefill = transformers' forward; real clip",
+    "Qwen2-VL: random weights, CPU: positions, pixels, chunked prefill = transformers' forward; real clip",
     checkpoints=("Qwen/Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2-VL-2B-Instruct"),
     offline=(
         # M = 96 holds 12 s of the 40 s sample (16 tokens per frame pair); M - C = 24 holds a chunk at its max pixels.
         OfflineModel(TINY_NAME, "qwen2_5_vl", TRAINED_GEOMETRY, TRAINED_NOTICE, load_trained_tiny, (96, 72)),
         OfflineModel(TINY_RANDOM_NAME, "qwen2_5_vl", RANDOM_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_model),
-        OfflineModel("tiny-random-qwen2-vl", "qwen2_vl", RANDOM_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_random_qwen2_vl),
+        OfflineModel(
+            "tiny-random-qwen2-vl", "qwen2_vl", RANDOM_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_random_qwen2_vl
+        ),
     ),
     synthetic_positions=synthetic_positions,
     released=RELEASED,

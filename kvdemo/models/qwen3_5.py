@@ -42,22 +42,59 @@ def tiny_random_config() -> Qwen3_5Config:
     """Qwen3.5: 8 layers, three linear-attention layers (Gated DeltaNet) for each full-attention one (layers 3 and
     7 hold keys and values); 4 heads / 2 KV heads of 32 with a quarter rotating (partial rotary); vision as Qwen3-VL's."""
     return Qwen3_5Config(
-        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, max_position_embeddings=32768, initializer_range=0.1, **TEXT_IDS,
-                         linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                         linear_num_value_heads=2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "mrope_section": [2, 1, 1],
-                                          "mrope_interleaved": True, "partial_rotary_factor": 0.25}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-                           temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64, initializer_range=0.1),
-        **qwen_ids(), tie_word_embeddings=False)
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=32768,
+            initializer_range=0.1,
+            **TEXT_IDS,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e7,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+                "partial_rotary_factor": 0.25,
+            },
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=64,
+            num_position_embeddings=64,
+            initializer_range=0.1,
+        ),
+        **qwen_ids(),
+        tie_word_embeddings=False,
+    )
 
 
 def build_tiny_random() -> Qwen3_5:
     """``tiny-random-qwen3.5``: :func:`tiny_random_config` with seeded random weights and the byte tokenizer."""
     model = build_hf_model(tiny_random_config, Qwen3_5ForConditionalGeneration)
-    adapter = Qwen3_5(model, byte_tokenizer(), "tiny-random-qwen3.5", random_weights=True, notice=RANDOM_WEIGHTS_NOTICE,
-                      min_pixels=SMALL_MIN_PIXELS, max_pixels=SMALL_MAX_PIXELS)
+    adapter = Qwen3_5(
+        model,
+        byte_tokenizer(),
+        "tiny-random-qwen3.5",
+        random_weights=True,
+        notice=RANDOM_WEIGHTS_NOTICE,
+        min_pixels=SMALL_MIN_PIXELS,
+        max_pixels=SMALL_MAX_PIXELS,
+    )
     return printable_answers(adapter, VOCAB)
 
 
@@ -71,10 +108,13 @@ SPEC = FamilySpec(
     menu_order=2,
     budget=(6144, 4608),
     caveat="Qwen3.5: only its full-attention layers (one in four) hold tokens, so the budget, eviction and heatmaps "
-           "cover those layers; frames evicted from them keep influencing answers through the linear-attention "
-           "layers' recurrent state.",
+    "cover those layers; frames evicted from them keep influencing answers through the linear-attention "
+    "layers' recurrent state.",
     verified="random weights, CPU: linear-state fork exact, chunked prefill = forward; real clip",
     checkpoints=("Qwen/Qwen3.5-2B",),
-    offline=(OfflineModel("tiny-random-qwen3.5", "qwen3_5", SMALL_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_random,
-                          (320, 224)),),
+    offline=(
+        OfflineModel(
+            "tiny-random-qwen3.5", "qwen3_5", SMALL_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_random, (320, 224)
+        ),
+    ),
 )

@@ -59,23 +59,42 @@ def resize(geometry: FrameGeometry, height: int, width: int) -> tuple[int, int]:
     bounds per frame (a stream fixes its frame size up front, where the processor spreads ``max_pixels`` over a
     whole clip)."""
     grid = geometry.frames_per_grid
-    return smart_resize(grid, height, width, temporal_factor=grid, factor=geometry.factor,
-                        min_pixels=grid * geometry.min_pixels, max_pixels=grid * geometry.max_pixels)
+    return smart_resize(
+        grid,
+        height,
+        width,
+        temporal_factor=grid,
+        factor=geometry.factor,
+        min_pixels=grid * geometry.min_pixels,
+        max_pixels=grid * geometry.max_pixels,
+    )
 
 
-def geometry(config: Any, text_per_grid: int = 0, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> FrameGeometry:
+def geometry(
+    config: Any, text_per_grid: int = 0, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS
+) -> FrameGeometry:
     """How a Qwen3-VL / Qwen3.5 ``config`` sizes frames (patch x merge = 32 pixels per token side)."""
     vision = config.vision_config
-    return FrameGeometry(int(vision.patch_size) * int(vision.spatial_merge_size), int(vision.temporal_patch_size),
-                         min_pixels, max_pixels, resize=resize, text_per_grid=text_per_grid)
+    return FrameGeometry(
+        int(vision.patch_size) * int(vision.spatial_merge_size),
+        int(vision.temporal_patch_size),
+        min_pixels,
+        max_pixels,
+        resize=resize,
+        text_per_grid=text_per_grid,
+    )
 
 
 def video_processor(config: Any) -> Qwen3VLVideoProcessor:
     """The family's video processor for ``config`` (kvdemo resizes before it)."""
     vision = config.vision_config
-    return Qwen3VLVideoProcessor(patch_size=int(vision.patch_size), merge_size=int(vision.spatial_merge_size),
-                                 temporal_patch_size=int(vision.temporal_patch_size), image_mean=list(PIXEL_MEAN),
-                                 image_std=list(PIXEL_STD))
+    return Qwen3VLVideoProcessor(
+        patch_size=int(vision.patch_size),
+        merge_size=int(vision.spatial_merge_size),
+        temporal_patch_size=int(vision.temporal_patch_size),
+        image_mean=list(PIXEL_MEAN),
+        image_std=list(PIXEL_STD),
+    )
 
 
 class Qwen3VL(TransformersAdapter):
@@ -83,12 +102,28 @@ class Qwen3VL(TransformersAdapter):
 
     processor_options = {"cap_pixels_per_frame": False}  # kvdemo sizes frames itself (the geometry)
 
-    def __init__(self, model: Any, tokenizer: Any, name: str, processor: Any = None, random_weights: bool = False,
-                 notice: str | None = None, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        name: str,
+        processor: Any = None,
+        random_weights: bool = False,
+        notice: str | None = None,
+        min_pixels: int = MIN_PIXELS,
+        max_pixels: int = MAX_PIXELS,
+    ) -> None:
         config = model.config
         text_per_grid = len(tokenizer.encode(timestamp(99999.9) + "<|vision_end|>", add_special_tokens=False))
-        super().__init__(model, tokenizer, processor or video_processor(config),
-                         geometry(config, text_per_grid, min_pixels, max_pixels), name, random_weights, notice)
+        super().__init__(
+            model,
+            tokenizer,
+            processor or video_processor(config),
+            geometry(config, text_per_grid, min_pixels, max_pixels),
+            name,
+            random_weights,
+            notice,
+        )
         vision = config.vision_config
         self.family = config.model_type
         self.merge_size = int(vision.spatial_merge_size)
@@ -107,23 +142,29 @@ class Qwen3VL(TransformersAdapter):
         inputs = self.processor_inputs(frames)
         grid_thw = inputs["video_grid_thw"]
         visual = self.hf.model.visual
-        output = self.hf.model.get_video_features(inputs["pixel_values_videos"].to(visual.device, visual.dtype),
-                                                  grid_thw.to(visual.device), return_dict=True)
+        output = self.hf.model.get_video_features(
+            inputs["pixel_values_videos"].to(visual.device, visual.dtype), grid_thw.to(visual.device), return_dict=True
+        )
         embeds = torch.cat(list(output.pooler_output), dim=0).to(self.device, self.dtype)
         grid_t, grid_h, grid_w = (int(x) for x in grid_thw[0])
         rows, cols = grid_h // self.merge_size, grid_w // self.merge_size
         per_grid = rows * cols
         pad = len(times_s) - 1
-        times = [(float(times_s[min(k * 2, pad)]) + float(times_s[min(k * 2 + self.temporal_patch_size - 1, pad)])) / 2
-                 for k in range(grid_t)]
+        times = [
+            (float(times_s[min(k * 2, pad)]) + float(times_s[min(k * 2 + self.temporal_patch_size - 1, pad)])) / 2
+            for k in range(grid_t)
+        ]
         parts, text, grid, row, col = [], [], [], [], []
         after = self.tokenize("<|vision_end|>")
         local = torch.arange(per_grid)
         for k in range(grid_t):  # a chunk holds one or two grids
             before = self.tokenize(timestamp(times[k]))
             parts += [self.embed_text(before), embeds[k * per_grid : (k + 1) * per_grid], self.embed_text(after)]
-            text += [torch.ones(len(before), dtype=torch.bool), torch.zeros(per_grid, dtype=torch.bool),
-                     torch.ones(len(after), dtype=torch.bool)]
+            text += [
+                torch.ones(len(before), dtype=torch.bool),
+                torch.zeros(per_grid, dtype=torch.bool),
+                torch.ones(len(after), dtype=torch.bool),
+            ]
             count = len(before) + per_grid + len(after)
             grid.append(torch.full((count,), first_grid + k))
             none_before, none_after = torch.full((len(before),), -1), torch.full((len(after),), -1)
@@ -158,7 +199,9 @@ class Qwen3VL(TransformersAdapter):
         text = chunk.text if chunk.text is not None else torch.zeros(chunk.num_tokens, dtype=torch.bool)
         positions = torch.empty(3, chunk.num_tokens, dtype=torch.long)
         # Each text token and each grid is one step: how far the step advances, and where it starts.
-        first_visual = ~text & torch.cat([torch.ones(1, dtype=torch.bool), text[:-1] | (chunk.grid[1:] != chunk.grid[:-1])])
+        first_visual = ~text & torch.cat(
+            [torch.ones(1, dtype=torch.bool), text[:-1] | (chunk.grid[1:] != chunk.grid[:-1])]
+        )
         advance = torch.where(text, 1, 0) + first_visual.long() * max(chunk.rows, chunk.cols)
         start = cursor.next + torch.cumsum(advance, 0) - advance  # position where each step begins
         visual_start = torch.cummax(torch.where(first_visual, start, -1), 0).values  # its grid's s, for visual tokens
@@ -174,7 +217,10 @@ class Qwen3VL(TransformersAdapter):
         """DeepStack: a chunk's visual positions and its features for the first decoder layers."""
         if chunk is None or "deepstack" not in chunk.extras:
             return {}
-        return {"visual_pos_masks": (~chunk.text)[None].to(self.device), "deepstack_visual_embeds": chunk.extras["deepstack"]}
+        return {
+            "visual_pos_masks": (~chunk.text)[None].to(self.device),
+            "deepstack_visual_embeds": chunk.extras["deepstack"],
+        }
 
 
 def load(model_id: str, config: Any, device: str | None = None) -> Qwen3VL:
@@ -190,41 +236,100 @@ def tiny_random_config() -> Qwen3VLConfig:
     """Qwen3-VL: 4 layers, 4 heads / 2 KV heads of 16, interleaved M-RoPE sections 2/3/3; vision patch 16, merge 2,
     DeepStack from all three vision blocks."""
     return Qwen3VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=32768, initializer_range=0.1, **TEXT_IDS,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
-                                          "mrope_interleaved": True}),
-        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-                           temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64,
-                           deepstack_visual_indexes=[0, 1, 2], initializer_range=0.1),
-        **qwen_ids(), tie_word_embeddings=False)
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=32768,
+            initializer_range=0.1,
+            **TEXT_IDS,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5e6,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+        ),
+        vision_config=dict(
+            depth=3,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=64,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1, 2],
+            initializer_range=0.1,
+        ),
+        **qwen_ids(),
+        tie_word_embeddings=False,
+    )
 
 
 #: At most this many tokens of stream text per grid with the byte tokenizer (``<99999.9 seconds>``, 17 bytes,
 #: plus ``<|vision_start|>`` and ``<|vision_end|>``); real tokenizers need fewer.
 BYTE_TEXT_PER_GRID = 19
-SMALL_GEOMETRY = FrameGeometry(32, 2, SMALL_MIN_PIXELS, SMALL_MAX_PIXELS, resize=resize, text_per_grid=BYTE_TEXT_PER_GRID)
+SMALL_GEOMETRY = FrameGeometry(
+    32, 2, SMALL_MIN_PIXELS, SMALL_MAX_PIXELS, resize=resize, text_per_grid=BYTE_TEXT_PER_GRID
+)
 
 
 def build_tiny_random() -> Qwen3VL:
     """``tiny-random-qwen3-vl``: :func:`tiny_random_config` with seeded random weights and the byte tokenizer."""
     model = build_hf_model(tiny_random_config, Qwen3VLForConditionalGeneration)
-    adapter = Qwen3VL(model, byte_tokenizer(), "tiny-random-qwen3-vl", random_weights=True, notice=RANDOM_WEIGHTS_NOTICE,
-                      min_pixels=SMALL_MIN_PIXELS, max_pixels=SMALL_MAX_PIXELS)
+    adapter = Qwen3VL(
+        model,
+        byte_tokenizer(),
+        "tiny-random-qwen3-vl",
+        random_weights=True,
+        notice=RANDOM_WEIGHTS_NOTICE,
+        min_pixels=SMALL_MIN_PIXELS,
+        max_pixels=SMALL_MAX_PIXELS,
+    )
     return printable_answers(adapter, VOCAB)
 
 
 #: Released Qwen3-VL configs (the fields that shape the computation, from the checkpoint's ``config.json``).
 RELEASED = {
     "qwen3-vl-8b": dict(
-        model_type="qwen3_vl", tie_word_embeddings=False,
-        text_config=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=128, max_position_embeddings=262144, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
-                                          "mrope_interleaved": True}),
-        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
-                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=4096, num_position_embeddings=2304,
-                           deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh")),
+        model_type="qwen3_vl",
+        tie_word_embeddings=False,
+        text_config=dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=262144,
+            rms_norm_eps=1e-6,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5e6,
+                "mrope_section": [24, 20, 20],
+                "mrope_interleaved": True,
+            },
+        ),
+        vision_config=dict(
+            depth=27,
+            hidden_size=1152,
+            intermediate_size=4304,
+            num_heads=16,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=4096,
+            num_position_embeddings=2304,
+            deepstack_visual_indexes=[8, 16, 24],
+            hidden_act="gelu_pytorch_tanh",
+        ),
+    ),
 }
 
 
@@ -239,7 +344,10 @@ SPEC = FamilySpec(
     budget=(6144, 4608),
     verified="random weights, CPU: positions = get_rope_index, pixels, DeepStack, chunked prefill = forward; real clip",
     checkpoints=("Qwen/Qwen3-VL-2B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"),
-    offline=(OfflineModel("tiny-random-qwen3-vl", "qwen3_vl", SMALL_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_random,
-                          (320, 224)),),
+    offline=(
+        OfflineModel(
+            "tiny-random-qwen3-vl", "qwen3_vl", SMALL_GEOMETRY, RANDOM_WEIGHTS_NOTICE, build_tiny_random, (320, 224)
+        ),
+    ),
     released=RELEASED,
 )

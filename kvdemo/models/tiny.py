@@ -163,8 +163,10 @@ def export_transformers_folder(folder: str | Path, out: str | Path) -> Path:
     geometry = offline_model(TINY_NAME).geometry
     size = {"shortest_edge": geometry.min_pixels, "longest_edge": geometry.max_pixels}
     processor = Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessor(size=size), video_processor=Qwen2VLVideoProcessor(size=size),
-        tokenizer=byte_tokenizer(), chat_template=QWEN_CHAT_TEMPLATE,
+        image_processor=Qwen2VLImageProcessor(size=size),
+        video_processor=Qwen2VLVideoProcessor(size=size),
+        tokenizer=byte_tokenizer(),
+        chat_template=QWEN_CHAT_TEMPLATE,
     )
     processor.save_pretrained(out)
     return out

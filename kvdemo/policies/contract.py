@@ -232,4 +232,3 @@ class Probed(abc.ABC):
         """True when a question first runs one more pass with itself as the probe (it changes the memory);
         answering alone never does."""
         return False
-

@@ -129,14 +129,25 @@ class CoRDS(ScoredPolicy):
     bonus: float = param(0.25, "weight of the orthogonal bonus (0 = bicriteria coverage only)")
     eps: float = param(1e-6, "epsilon of the min-max normalisation")
     recent_ratio: float = param(0.125, "recent tail r = ratio x frames held (at least one frame), always kept")
-    layers: str = param("bottom25", "where selection is active, counted over the attention layers (the memory's): "
-                                    "bottom25 (paper), all, single (one layer, see single_depth)", choices=SCHEDULES)
+    layers: str = param(
+        "bottom25",
+        "where selection is active, counted over the attention layers (the memory's): "
+        "bottom25 (paper), all, single (one layer, see single_depth)",
+        choices=SCHEDULES,
+    )
     followers: bool = param(True, "only every other active layer selects; the others reuse their anchor's indices")
-    above: str = param("reuse", "layers outside the active set: reuse the last active selection, or keep them "
-                                "uncompressed (keep breaks the budget M on those layers)", choices=OUTSIDE_ACTIVE)
-    single_depth: float = param(0.5, "layers=single: the attention layer at this relative depth, floor(depth x "
-                                     "attention layers) (0.5 = the middle layer, as the paper's single-layer run; 0 = "
-                                     "layer 0)")
+    above: str = param(
+        "reuse",
+        "layers outside the active set: reuse the last active selection, or keep them "
+        "uncompressed (keep breaks the budget M on those layers)",
+        choices=OUTSIDE_ACTIVE,
+    )
+    single_depth: float = param(
+        0.5,
+        "layers=single: the attention layer at this relative depth, floor(depth x "
+        "attention layers) (0.5 = the middle layer, as the paper's single-layer run; 0 = "
+        "layer 0)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("beta", "gamma"):
@@ -163,10 +174,16 @@ class CoRDS(ScoredPolicy):
             view = views[layer]
             if anchor is None:  # above="keep": every token of this layer stays
                 reason = torch.full(view.frame.shape, REASON_UNCOMPRESSED, dtype=torch.int8, device=view.keys.device)
-                rankings.append(Ranking(torch.zeros(view.frame.shape, dtype=torch.float64, device=view.keys.device), reason, view.length))
+                rankings.append(
+                    Ranking(
+                        torch.zeros(view.frame.shape, dtype=torch.float64, device=view.keys.device), reason, view.length
+                    )
+                )
                 continue
             if view.length != views[anchor].length:
-                raise ValueError(f"layer {layer} holds {view.length} tokens but its anchor {anchor} holds {views[anchor].length}")
+                raise ValueError(
+                    f"layer {layer} holds {view.length} tokens but its anchor {anchor} holds {views[anchor].length}"
+                )
             rankings.append(chosen[anchor][0])  # followers share their anchor's ranking (ranked once)
         info = {
             "source_layer": source,
@@ -193,8 +210,12 @@ class CoRDS(ScoredPolicy):
         dim = keys.shape[-1]
         slot = (torch.arange(heads, device=device)[:, None] * frames + rank).flatten()  # (head, frame) row
         counts = torch.bincount(slot, minlength=heads * frames).to(keys.dtype).view(heads, frames)
-        key_c = torch.zeros(heads * frames, dim, dtype=keys.dtype, device=device).index_add_(0, slot, keys.reshape(-1, dim))
-        value_c = torch.zeros(heads * frames, dim, dtype=keys.dtype, device=device).index_add_(0, slot, values.reshape(-1, dim))
+        key_c = torch.zeros(heads * frames, dim, dtype=keys.dtype, device=device).index_add_(
+            0, slot, keys.reshape(-1, dim)
+        )
+        value_c = torch.zeros(heads * frames, dim, dtype=keys.dtype, device=device).index_add_(
+            0, slot, values.reshape(-1, dim)
+        )
         key_c = key_c.view(heads, frames, dim) / counts.clamp_min(1)[..., None]
         value_c = value_c.view(heads, frames, dim) / counts.clamp_min(1)[..., None]
         is_recent_frame = torch.zeros(heads, frames, dtype=torch.bool, device=device).scatter_(1, rank, recent)

@@ -106,7 +106,12 @@ def run_compiled(kernel: Callable[..., Any], *args: Any) -> Any:
 
 
 def tar_and_van_terms(
-    keys: torch.Tensor, values: torch.Tensor, reference: torch.Tensor, row: torch.Tensor, count: torch.Tensor, rounded: bool
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    reference: torch.Tensor,
+    row: torch.Tensor,
+    count: torch.Tensor,
+    rounded: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """InfiniPot-V's two per-token terms in one read of keys and values (paper 000, Eq. 4 and Sec. 3.2).
 

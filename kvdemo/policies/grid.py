@@ -32,7 +32,9 @@ def frame_rank(frame: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     offset = frame.long() - frame.min(dim=1, keepdim=True).values.long()  # [H, L], 0 = the row's oldest frame
     span = int(offset.max()) + 1
     if span <= RANK_SPAN * length:
-        held = torch.zeros(heads, span, dtype=torch.bool, device=device).scatter_(1, offset, torch.ones_like(offset, dtype=torch.bool))
+        held = torch.zeros(heads, span, dtype=torch.bool, device=device).scatter_(
+            1, offset, torch.ones_like(offset, dtype=torch.bool)
+        )
         rank_of = held.cumsum(1) - 1  # [H, span]: the dense rank of each id the row holds
         return torch.gather(rank_of, 1, offset), rank_of[:, -1] + 1
     order = frame.long()

@@ -68,8 +68,11 @@ from .registry import BenchDeclaration, PolicyCard, param, register
 from .topk import Ranking, select_ranked, top_k_mask, top_k_sum
 
 REASON_LOCAL, REASON_SALIENT, REASON_RESIDENT = 0, 1, 2
-REASON_NAMES = {REASON_LOCAL: "static: local (newest)", REASON_SALIENT: "static: text-prior salient",
-                REASON_RESIDENT: "dynamic: resident (newest)"}
+REASON_NAMES = {
+    REASON_LOCAL: "static: local (newest)",
+    REASON_SALIENT: "static: text-prior salient",
+    REASON_RESIDENT: "dynamic: resident (newest)",
+}
 CUTOFFS = ("quantile", "score")
 CLASSIFY_WITH = ("probe", "question")
 ACCOUNTINGS = ("budget", "resident")
@@ -108,32 +111,48 @@ class HybridKV(Policy, Probed):
     #: The proxy instruction each compression probes the memory with (see the module docstring).
     probe_text: ClassVar[str] = "What happens in the video?"
 
-    theta: float = param(0.9, "classification cutoff: heads with sparsity above it are static (a quantile, or a score; "
-                              "see cutoff)")
-    cutoff: str = param("quantile", "quantile: theta is a quantile of all heads' scores; score: theta is the score "
-                                    "itself", choices=CUTOFFS)
+    theta: float = param(
+        0.9, "classification cutoff: heads with sparsity above it are static (a quantile, or a score; see cutoff)"
+    )
+    cutoff: str = param(
+        "quantile",
+        "quantile: theta is a quantile of all heads' scores; score: theta is the score itself",
+        choices=CUTOFFS,
+    )
     share: float = param(0.75, "r: each dynamic head gets r x C (the rest goes to static heads)")
     alpha: float = param(0.5, "static heads: share of their budget split evenly (the rest in proportion to sparsity)")
     top_k: float = param(0.05, "fraction of the visual tokens whose attention mass makes a row's sparsity")
     local_ratio: float = param(0.125, "static heads: share of their budget kept for the newest tokens")
     pool_kernel: int = param(3, "static heads: spatial pooling kernel of the text-prior scores (1 = none)")
     chunk: int = param(8, "dynamic heads: tokens per offloaded chunk (one mean key each)")
-    classify_with: str = param("probe", "probe: classify at each compression with the proxy probe; question: also run "
-                                        "a pass with the question itself as the probe when one arrives (changes the "
-                                        "memory)", choices=CLASSIFY_WITH)
-    accounting: str = param("budget", "budget: a dynamic head's resident + retrieved tokens fit its budget (the "
-                                      "paper's; M bounds what a question attends to); resident: the budget bounds "
-                                      "resident tokens, retrieval adds up to as many", choices=ACCOUNTINGS)
-    retrieve_share: float = param(0.5, "accounting=budget: share of a dynamic head's budget kept free for chunks "
-                                       "retrieved while answering (whole chunks; the rest stays resident)")
+    classify_with: str = param(
+        "probe",
+        "probe: classify at each compression with the proxy probe; question: also run "
+        "a pass with the question itself as the probe when one arrives (changes the "
+        "memory)",
+        choices=CLASSIFY_WITH,
+    )
+    accounting: str = param(
+        "budget",
+        "budget: a dynamic head's resident + retrieved tokens fit its budget (the "
+        "paper's; M bounds what a question attends to); resident: the budget bounds "
+        "resident tokens, retrieval adds up to as many",
+        choices=ACCOUNTINGS,
+    )
+    retrieve_share: float = param(
+        0.5,
+        "accounting=budget: share of a dynamic head's budget kept free for chunks "
+        "retrieved while answering (whole chunks; the rest stays resident)",
+    )
     _last: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.cutoff not in CUTOFFS:
             raise PolicyParameterError(f"cutoff must be one of {', '.join(CUTOFFS)}, got {self.cutoff!r}")
         if self.classify_with not in CLASSIFY_WITH:
-            raise PolicyParameterError(f"classify_with must be one of {', '.join(CLASSIFY_WITH)}, "
-                                       f"got {self.classify_with!r}")
+            raise PolicyParameterError(
+                f"classify_with must be one of {', '.join(CLASSIFY_WITH)}, got {self.classify_with!r}"
+            )
         if self.accounting not in ACCOUNTINGS:
             raise PolicyParameterError(f"accounting must be one of {', '.join(ACCOUNTINGS)}, got {self.accounting!r}")
         for name in ("theta", "alpha", "top_k", "local_ratio", "retrieve_share"):
@@ -161,19 +180,33 @@ class HybridKV(Policy, Probed):
             sparsity = torch.stack([score.to(home) for score in scores])  # [layers, H]
             static = sparsity > self.threshold(sparsity)
             held = torch.stack([valid_counts(view).to(home) for view in views])  # [layers, H]
-            offloaded = torch.stack([torch.zeros_like(held[0]) if view.offloaded is None else view.offloaded.to(held.device)
-                                     for view in views])
+            offloaded = torch.stack(
+                [
+                    torch.zeros_like(held[0]) if view.offloaded is None else view.offloaded.to(held.device)
+                    for view in views
+                ]
+            )
             # What a head can be given: what it holds, plus (a dynamic head whose retrieval counts) what it can retrieve.
             cap = held + offloaded if self.accounting == "budget" else held
             budgets = self.budgets(sparsity, static, torch.where(static, held, cap), keep)
             resident, retrieve = self.split(static, budgets, held)
         with timer.phase("selection", home):
-            rankings = [self.rank_layer(view, priors[layer], static[layer], resident[layer]) for layer, view in enumerate(views)]
-            info = {"static": static, "budget": budgets, "sparsity": sparsity, "resident": resident, "retrieve": retrieve}
+            rankings = [
+                self.rank_layer(view, priors[layer], static[layer], resident[layer]) for layer, view in enumerate(views)
+            ]
+            info = {
+                "static": static,
+                "budget": budgets,
+                "sparsity": sparsity,
+                "resident": resident,
+                "retrieve": retrieve,
+            }
             selection, kept = select_ranked(views, rankings, keep, info)
         with timer.phase("offload plan", home):
-            selection.offload = [self.offload(view, mask, static[layer], retrieve[layer])
-                                 for layer, (view, mask) in enumerate(zip(views, kept))]
+            selection.offload = [
+                self.offload(view, mask, static[layer], retrieve[layer])
+                for layer, (view, mask) in enumerate(zip(views, kept))
+            ]
         selection.info["phase_ms"] = timer.ms
         if selection.valid is None:  # every head kept as many tokens: still say which entries count
             selection.valid = [torch.ones_like(index, dtype=torch.bool) for index in selection.indices]
@@ -187,7 +220,9 @@ class HybridKV(Policy, Probed):
         }
         return selection
 
-    def split(self, static: torch.Tensor, budget: torch.Tensor, held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def split(
+        self, static: torch.Tensor, budget: torch.Tensor, held: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each head's ``budget [layers, H]`` as ``(resident, retrieve)`` tokens (see "Query-time accounting" in the
         module docstring): static heads keep their budget resident and retrieve nothing; a dynamic head retrieves
         ``R = floor(retrieve_share * B / chunk) * chunk`` (more if it holds fewer than ``B - R``: ``R = B - held``)
@@ -195,12 +230,18 @@ class HybridKV(Policy, Probed):
         if self.accounting == "resident":
             return budget, torch.where(static, 0, budget)
         share = torch.floor(self.retrieve_share * budget.double() / self.chunk).long() * self.chunk
-        retrieve = torch.where(static, 0, torch.maximum(share, budget - held.to(budget.device)).clamp(min=0).minimum(budget))
+        retrieve = torch.where(
+            static, 0, torch.maximum(share, budget - held.to(budget.device)).clamp(min=0).minimum(budget)
+        )
         return budget - retrieve, retrieve
 
     # --- Sec. 3.1 ---------------------------------------------------------------------------
-    def text_centric(self, view: LayerView, scratch: dict[tuple[str, torch.device], torch.Tensor] | None = None,
-                     timer: PhaseTimer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def text_centric(
+        self,
+        view: LayerView,
+        scratch: dict[tuple[str, torch.device], torch.Tensor] | None = None,
+        timer: PhaseTimer | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 2-3 for one layer: sparsity ``S [H]`` and the static-head prior ``[H, L]`` (the probe rows'
         attention summed per token, spatially pooled). ``scratch``: float32 buffers a pass's layers share for the
         logits and a widened copy of the keys (see :func:`scratch_buffer`); ``timer``: adds the layer's time to the
@@ -280,7 +321,9 @@ class HybridKV(Policy, Probed):
         reason = torch.where(static[:, None], torch.where(local, REASON_LOCAL, REASON_SALIENT), REASON_RESIDENT)
         return Ranking(priority.masked_fill(~valid, -1.0), reason.to(torch.int8), budget)
 
-    def offload(self, view: LayerView, kept: torch.Tensor, static: torch.Tensor, retrieve: torch.Tensor) -> OffloadUpdate:
+    def offload(
+        self, view: LayerView, kept: torch.Tensor, static: torch.Tensor, retrieve: torch.Tensor
+    ) -> OffloadUpdate:
         """Dynamic heads move what they evict to the offload store (arrival order) and retrieve up to ``retrieve
         [H]`` tokens while answering; static heads drop what they evict."""
         heads, length = view.frame.shape
@@ -292,8 +335,13 @@ class HybridKV(Policy, Probed):
         arrival = torch.where(evicted, view.order.long(), torch.iinfo(torch.int64).max)
         tokens = torch.argsort(arrival, dim=1)[:, : int(count.max()) if heads else 0]
         token_valid = torch.arange(tokens.shape[1], device=device)[None] < count[:, None]
-        return OffloadUpdate(tokens=tokens, valid=token_valid, retrieve=torch.where(static, 0, retrieve), chunk=self.chunk,
-                             counted=self.accounting == "budget")
+        return OffloadUpdate(
+            tokens=tokens,
+            valid=token_valid,
+            retrieve=torch.where(static, 0, retrieve),
+            chunk=self.chunk,
+            counted=self.accounting == "budget",
+        )
 
     # --- what it shows ----------------------------------------------------------------------
     def views(self, context: ViewContext, layer: int, head: int) -> list[View]:
@@ -301,21 +349,39 @@ class HybridKV(Policy, Probed):
         (resident + retrievable tokens; the hover splits it and gives the budget)."""
         if not self._last:
             return []
-        static, budget, sparsity, resident, retrieve = (self._last[key].numpy() for key in
-                                                        ("static", "budget", "sparsity", "resident", "retrieve"))
+        static, budget, sparsity, resident, retrieve = (
+            self._last[key].numpy() for key in ("static", "budget", "sparsity", "resident", "retrieve")
+        )
         context_tokens = resident + retrieve
         layers, heads = static.shape
-        hover = [[f"layer {l}, KV head {h}: {'static' if static[l, h] else 'dynamic'}, budget {int(budget[l, h])}: "
-                  f"{int(resident[l, h])} resident + up to {int(retrieve[l, h])} retrieved while answering = "
-                  f"{int(context_tokens[l, h])}, sparsity {float(sparsity[l, h]):.3f}" for h in range(heads)] for l in range(layers)]
-        grid = CellGrid(classes=static.astype(int), class_names={1: "static", 0: "dynamic"}, numbers=context_tokens, hover=hover,
-                        row_names=[f"L{l}" for l in range(layers)], col_names=[f"head {h}" for h in range(heads)])
-        bound = ("within each head's budget" if self.accounting == "budget"
-                 else "a dynamic head's retrieval comes on top of its budget")
-        caption = (f"static ({int(static.sum())}: pruned by the probe's attention), dynamic ({int((~static).sum())}: newest "
-                   f"tokens resident, the rest offloaded and retrieved while answering); numbers are the visual tokens each "
-                   f"head attends to while answering, resident + retrieved ({bound}; accounting={self.accounting}); "
-                   f"cutoff {float(self._last['cutoff']):.3f}.")
+        hover = [
+            [
+                f"layer {l}, KV head {h}: {'static' if static[l, h] else 'dynamic'}, budget {int(budget[l, h])}: "
+                f"{int(resident[l, h])} resident + up to {int(retrieve[l, h])} retrieved while answering = "
+                f"{int(context_tokens[l, h])}, sparsity {float(sparsity[l, h]):.3f}"
+                for h in range(heads)
+            ]
+            for l in range(layers)
+        ]
+        grid = CellGrid(
+            classes=static.astype(int),
+            class_names={1: "static", 0: "dynamic"},
+            numbers=context_tokens,
+            hover=hover,
+            row_names=[f"L{l}" for l in range(layers)],
+            col_names=[f"head {h}" for h in range(heads)],
+        )
+        bound = (
+            "within each head's budget"
+            if self.accounting == "budget"
+            else "a dynamic head's retrieval comes on top of its budget"
+        )
+        caption = (
+            f"static ({int(static.sum())}: pruned by the probe's attention), dynamic ({int((~static).sum())}: newest "
+            f"tokens resident, the rest offloaded and retrieved while answering); numbers are the visual tokens each "
+            f"head attends to while answering, resident + retrieved ({bound}; accounting={self.accounting}); "
+            f"cutoff {float(self._last['cutoff']):.3f}."
+        )
         return [Chart("Head types", caption, [grid])]
 
     def report(self) -> dict[str, Any]:
@@ -339,8 +405,9 @@ class HybridKV(Policy, Probed):
         }
 
 
-def scratch_buffer(pool: dict[tuple[str, torch.device], torch.Tensor] | None, name: str, shape: tuple[int, ...],
-                   device: torch.device) -> torch.Tensor:
+def scratch_buffer(
+    pool: dict[tuple[str, torch.device], torch.Tensor] | None, name: str, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
     """A float32 tensor of ``shape`` on ``device``: a view of ``pool``'s buffer ``name`` there (grown when too small),
     or a fresh tensor without a pool. kvdemo's: the probe attention's per-layer tensors (8 MB of logits at 7B shape)
     written into one buffer a pass's layers share; fresh ones cost their first writes' page faults."""

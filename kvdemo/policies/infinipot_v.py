@@ -104,8 +104,10 @@ def coefficients_of_variation(vans: list[torch.Tensor]) -> list[float]:
     return torch.stack([cv.to(cvs[0].device) for cv in cvs]).tolist()
 
 
-CARD = PolicyCard("TaR (temporal redundancy vs the recent frames, patch-wise) + VaN (value norm, adaptively pooled).",
-                  reasons=REASON_NAMES)
+CARD = PolicyCard(
+    "TaR (temporal redundancy vs the recent frames, patch-wise) + VaN (value norm, adaptively pooled).",
+    reasons=REASON_NAMES,
+)
 
 
 @register(CARD)
@@ -115,15 +117,23 @@ class InfiniPotV(ScoredPolicy):
 
     name = "infinipot-v"
 
-    alpha: float = param(0.5, "share of C chosen by TaR (recent frames included); the rest by pooled VaN. 0 = VaN "
-                              "only, 1 = TaR only")
+    alpha: float = param(
+        0.5, "share of C chosen by TaR (recent frames included); the rest by pooled VaN. 0 = VaN only, 1 = TaR only"
+    )
     recent_ratio: float = param(0.125, "recent window r = ratio x frames held (at least one frame), kept whole")
-    tar: str = param("patch", "TaR scoring: patch (paper), frame (whole-frame similarity), reverse (keep the most "
-                              "redundant)", choices=("patch", "frame", "reverse"))
-    van: str = param("pool", "VaN scoring: pool (layer-adaptive pooling), plain (no pooling), reverse (keep the lowest "
-                             "norms)", choices=("pool", "plain", "reverse"))
-    cv_thresholds: tuple[float, float, float] | None = param(None, "tau1<tau2<tau3 mapping a layer's VaN CV to kernel "
-                                                                   "7/5/3/1; empty = calibrate on the first pass")
+    tar: str = param(
+        "patch",
+        "TaR scoring: patch (paper), frame (whole-frame similarity), reverse (keep the most redundant)",
+        choices=("patch", "frame", "reverse"),
+    )
+    van: str = param(
+        "pool",
+        "VaN scoring: pool (layer-adaptive pooling), plain (no pooling), reverse (keep the lowest norms)",
+        choices=("pool", "plain", "reverse"),
+    )
+    cv_thresholds: tuple[float, float, float] | None = param(
+        None, "tau1<tau2<tau3 mapping a layer's VaN CV to kernel 7/5/3/1; empty = calibrate on the first pass"
+    )
     _calibrated: tuple[float, float, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -166,13 +176,25 @@ class InfiniPotV(ScoredPolicy):
         recent_frames = [0] * len(views)
         for key, members in groups.items():
             priority, reason, r = self._score(
-                [views[i] for i in members], [vans[i] for i in members], [similarity[i] for i in members],
-                [kernels[i] for i in members], keep, windows[key], timer,
+                [views[i] for i in members],
+                [vans[i] for i in members],
+                [similarity[i] for i in members],
+                [kernels[i] for i in members],
+                keep,
+                windows[key],
+                timer,
             )
-            for i, layer_priority, layer_reason in zip(members, priority.chunk(len(members)), reason.chunk(len(members))):
+            for i, layer_priority, layer_reason in zip(
+                members, priority.chunk(len(members)), reason.chunk(len(members))
+            ):
                 rankings[i], recent_frames[i] = Ranking(layer_priority, layer_reason), r
-        info = {"kernel": kernels, "cv": cvs, "cv_thresholds": list(thresholds), "recent_frames": recent_frames,
-                "phase_ms": timer.ms}
+        info = {
+            "kernel": kernels,
+            "cv": cvs,
+            "cv_thresholds": list(thresholds),
+            "recent_frames": recent_frames,
+            "phase_ms": timer.ms,
+        }
         return rankings, info
 
     def _read(
@@ -199,8 +221,14 @@ class InfiniPotV(ScoredPolicy):
         return vans, similarity, windows
 
     def _score(
-        self, views: list[LayerView], vans: list[torch.Tensor], similarity: list[torch.Tensor | None], kernels: list[int],
-        keep: int, window: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor], timer: PhaseTimer,
+        self,
+        views: list[LayerView],
+        vans: list[torch.Tensor],
+        similarity: list[torch.Tensor | None],
+        kernels: list[int],
+        keep: int,
+        window: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor],
+        timer: PhaseTimer,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Priorities and reasons ``[B, L]`` for layers of equal length, stacked as rows ``B = layers * H``,
         and the recent window (frames): TaR picks (the recent window included) rank above every pooled VaN
@@ -226,8 +254,14 @@ class InfiniPotV(ScoredPolicy):
             return self._pick(van01, similarity, recent, rank, order, keep, recent_frames)
 
     def _pick(
-        self, van01: torch.Tensor, similarity: list[torch.Tensor | None], recent: torch.Tensor, rank: torch.Tensor,
-        order: torch.Tensor, keep: int, recent_frames: int,
+        self,
+        van01: torch.Tensor,
+        similarity: list[torch.Tensor | None],
+        recent: torch.Tensor,
+        rank: torch.Tensor,
+        order: torch.Tensor,
+        keep: int,
+        recent_frames: int,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """TaR's share (the recent window first) forced above the pooled VaN scores ``van01 [B, L]``."""
         tar_pick = torch.zeros_like(recent)
@@ -308,7 +342,9 @@ def patch_similarity(keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor
     step = length if device.type == "cuda" else SIMILARITY_BLOCK
     for start in range(0, length, step):
         block = keys[:, start : start + step]  # [H, b, D], in cache
-        gathered = reference.index_select(0, row[:, start : start + step].reshape(-1)).view(keys.dtype).view(block.shape)
+        gathered = (
+            reference.index_select(0, row[:, start : start + step].reshape(-1)).view(keys.dtype).view(block.shape)
+        )
         norms = torch.linalg.vector_norm(block, dim=-1).float().clamp_min(1e-12)  # accumulated in float32
         similarity[:, start : start + step] = (block * gathered).sum(-1, dtype=torch.float32) / norms
     return similarity / count.index_select(0, row.flatten()).view(heads, length).clamp_min(1.0)

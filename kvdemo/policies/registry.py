@@ -157,12 +157,16 @@ def coerce_param(policy: str, spec: ParamSpec, value: Any) -> Any:
             return float(value)
         value = str(value)
         if spec.choices and value not in spec.choices:
-            raise PolicyParameterError(f"{policy}'s {spec.name} must be one of {', '.join(spec.choices)}, got {value!r}")
+            raise PolicyParameterError(
+                f"{policy}'s {spec.name} must be one of {', '.join(spec.choices)}, got {value!r}"
+            )
         return value
     except PolicyParameterError:
         raise
     except (TypeError, ValueError, OverflowError):
-        kind = {"numbers": "numbers separated by commas", "bool": "true or false"}.get(spec.kind, f"a number ({spec.kind})")
+        kind = {"numbers": "numbers separated by commas", "bool": "true or false"}.get(
+            spec.kind, f"a number ({spec.kind})"
+        )
         raise PolicyParameterError(f"{policy}'s {spec.name} takes {kind}, got {value!r}") from None
 
 

@@ -126,7 +126,6 @@ def _kept_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]
     return index.masked_fill(~valid, 0), valid, heads == 0
 
 
-
 def top_k_mask(scores: torch.Tensor, k: int | torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean mask ``[H, L]`` of the ``k`` highest ``scores [H, L]`` per row (``k`` an int or ``[H]`` per row).
 
@@ -218,7 +217,9 @@ def select_with_text(
     """
     heads, length = priority.shape
     device = priority.device
-    budget = (keep.to(device).long() if isinstance(keep, torch.Tensor) else torch.full((heads,), int(keep), device=device))
+    budget = (
+        keep.to(device).long() if isinstance(keep, torch.Tensor) else torch.full((heads,), int(keep), device=device)
+    )
     budget = budget.expand(heads)
     key = priority.double() + tie_ramp(order, length, device)
     ranked = torch.argsort(key, dim=1, descending=True)  # best first
@@ -230,7 +231,9 @@ def select_with_text(
     cost = 1 + opens.long() * torch.gather(grid_text.to(device).long(), 1, grid)
     total = torch.cumsum(cost, dim=1)
     prefix = total <= budget[:, None]
-    opened = torch.zeros(heads, grids + 1, dtype=torch.bool, device=device).scatter_(1, torch.where(prefix, grid, grids), True)
+    opened = torch.zeros(heads, grids + 1, dtype=torch.bool, device=device).scatter_(
+        1, torch.where(prefix, grid, grids), True
+    )
     room = budget - (cost * prefix).sum(dim=1)
     later = ~prefix & torch.gather(opened, 1, grid)
     fill = later & (torch.cumsum(later.long(), dim=1) <= room[:, None])

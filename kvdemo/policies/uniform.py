@@ -15,8 +15,10 @@ from .topk import Ranking, ScoredPolicy
 REASON_FRAME, REASON_FILL = 0, 1
 
 
-CARD = PolicyCard("Keep whole frames at regular intervals over the stream so far.",
-                  reasons={REASON_FRAME: "evenly spaced frame", REASON_FILL: "newest leftover tokens"})
+CARD = PolicyCard(
+    "Keep whole frames at regular intervals over the stream so far.",
+    reasons={REASON_FRAME: "evenly spaced frame", REASON_FILL: "newest leftover tokens"},
+)
 
 
 @register(CARD)

@@ -14,8 +14,9 @@ from .topk import Ranking, ScoredPolicy
 REASON_RECENT = 0
 
 
-CARD = PolicyCard("Keep the newest C visual tokens; older ones are dropped.",
-                  reasons={REASON_RECENT: "newest C tokens"})
+CARD = PolicyCard(
+    "Keep the newest C visual tokens; older ones are dropped.", reasons={REASON_RECENT: "newest C tokens"}
+)
 
 
 @register(CARD)
@@ -26,4 +27,6 @@ class SlidingWindow(ScoredPolicy):
     name = "sliding-window"
 
     def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
-        return [Ranking(view.order.double(), torch.full_like(view.frame, REASON_RECENT, dtype=torch.int8)) for view in views], {}
+        return [
+            Ranking(view.order.double(), torch.full_like(view.frame, REASON_RECENT, dtype=torch.int8)) for view in views
+        ], {}

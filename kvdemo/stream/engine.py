@@ -179,8 +179,13 @@ class StreamEngine:
         self.fps = float(fps)
         self.max_new_tokens = int(max_new_tokens)
         self.max_cache_bytes = max_cache_bytes
-        self.memory = KVMemory(model.num_layers, model.num_kv_heads, visual_capacity=self.budget.window or 0,
-                               summary_slots=self.budget.summary, layer_map=model.layer_map)
+        self.memory = KVMemory(
+            model.num_layers,
+            model.num_kv_heads,
+            visual_capacity=self.budget.window or 0,
+            summary_slots=self.budget.summary,
+            layer_map=model.layer_map,
+        )
         self.history: list[tuple[str, str]] = []
         self.answers: list[Answer] = []
         self.frames_fed = 0
@@ -293,7 +298,9 @@ class StreamEngine:
 
     def _check_chunk(self, chunk: VisualChunk) -> None:
         if chunk.first_grid != self.memory.num_grids:
-            raise EngineError(f"chunk starts at grid {chunk.first_grid} but the engine expects grid {self.memory.num_grids}")
+            raise EngineError(
+                f"chunk starts at grid {chunk.first_grid} but the engine expects grid {self.memory.num_grids}"
+            )
         shape = f"{chunk.num_grids} temporal grid(s) of {chunk.rows}x{chunk.cols} tokens"
         if self.memory.is_empty:  # the first chunk sizes the split of a policy whose split needs it (Budget.fit_chunk)
             self.budget = self.budget.fit_chunk(chunk.num_tokens, shape)
@@ -356,7 +363,11 @@ class StreamEngine:
         The question and the answer join the dialogue, re-encoded as text before the next question.
         """
         question = self.check_question(question)
-        if isinstance(self.policy, Probed) and self.policy.compresses_on_question and self._held_under_budget() > self.budget.keep_for(0):
+        if (
+            isinstance(self.policy, Probed)
+            and self.policy.compresses_on_question
+            and self._held_under_budget() > self.budget.keep_for(0)
+        ):
             self.compress(probe_text=question)
         return self._generate(question, max_new_tokens or self.max_new_tokens, attribute)
 
@@ -441,7 +452,9 @@ class StreamEngine:
         is a compression, before answering): the dialogue, the answers, and which offloaded
         chunks each head retrieved. Small, so a question answered elsewhere (a ZeroGPU worker) sends back
         only this; :meth:`load_answer_state` applies it."""
-        retrieved = [store.offload.retrieved.cpu() if store.offload is not None else None for store in self.memory.layers]
+        retrieved = [
+            store.offload.retrieved.cpu() if store.offload is not None else None for store in self.memory.layers
+        ]
         return {"history": list(self.history), "answers": list(self.answers), "retrieved": retrieved}
 
     def load_answer_state(self, state: dict[str, Any]) -> None:
@@ -455,8 +468,14 @@ class StreamEngine:
     def view_context(self) -> ViewContext:
         """What a declared view may read of this engine besides its own state."""
         memory = self.memory
-        return ViewContext(memory.num_layers, memory.num_kv_heads,
-                           memory.grid_shape, list(memory.grid_times_s), memory.timeline, memory.summary_slots)
+        return ViewContext(
+            memory.num_layers,
+            memory.num_kv_heads,
+            memory.grid_shape,
+            list(memory.grid_times_s),
+            memory.timeline,
+            memory.summary_slots,
+        )
 
     def policy_views(self, layer: int = 0, head: int = 0) -> list[View]:
         """The views the policy declares, for one layer and KV head."""
@@ -498,8 +517,14 @@ class StreamEngine:
                 {"grid": g, "time_s": self.memory.grid_times_s[g], "kept_fraction": fraction}
                 for g, fraction in enumerate(survival_fraction(self.memory))
             ],
-            "answers": [{"question": a.question, "answer": a.answer, "ms": a.ms,
-                         **({"attribution": a.attribution.to_dict()} if a.attribution is not None else {})}
-                        for a in self.answers],
+            "answers": [
+                {
+                    "question": a.question,
+                    "answer": a.answer,
+                    "ms": a.ms,
+                    **({"attribution": a.attribution.to_dict()} if a.attribution is not None else {}),
+                }
+                for a in self.answers
+            ],
             "policy_state": self.policy.report(),
         }

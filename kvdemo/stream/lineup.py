@@ -36,7 +36,9 @@ class Contender:
     keep: Any = None
     policy: Policy | None = None
 
-    def resolve(self, budget: Any = None, keep: Any = None, default_ratio: float | None = None) -> tuple[Policy, Budget]:
+    def resolve(
+        self, budget: Any = None, keep: Any = None, default_ratio: float | None = None
+    ) -> tuple[Policy, Budget]:
         """The policy (made from ``name`` and ``params``, or the given instance) and the budget it takes of this
         contender's ``M``/``C``, else of the shared ``budget``/``keep`` (:meth:`Budget.from_user`, with
         ``default_ratio`` for a ``C`` left out)."""
@@ -58,8 +60,11 @@ def contender(entry: str | Policy | Contender) -> Contender:
 
 
 def resolve_lineup(
-    contenders: Sequence[str | Policy | Contender], budget: Any = None, keep: Any = None,
-    default_ratio: float | None = None, baseline: bool = False,
+    contenders: Sequence[str | Policy | Contender],
+    budget: Any = None,
+    keep: Any = None,
+    default_ratio: float | None = None,
+    baseline: bool = False,
 ) -> dict[str, tuple[Policy, Budget]]:
     """Engine name -> (policy, budget) for every contender (:meth:`Contender.resolve`), with nothing loaded: the
     checks a run makes before its model, each a :class:`BudgetError` with a one-line reason (a name twice, or
@@ -68,8 +73,10 @@ def resolve_lineup(
     names = [entry.name for entry in entries] + ([FULL] if baseline else [])
     for name in names:
         if names.count(name) > 1:
-            raise BudgetError(f"each engine once: {name!r} is named twice"
-                              + (" (the full cache is the baseline)" if baseline and name == FULL else ""))
+            raise BudgetError(
+                f"each engine once: {name!r} is named twice"
+                + (" (the full cache is the baseline)" if baseline and name == FULL else "")
+            )
     resolved = {entry.name: entry.resolve(budget, keep, default_ratio) for entry in entries}
     return resolved
 
@@ -90,10 +97,14 @@ def make_engines(
     gives it of its own or the shared ``budget`` = M and ``keep`` = C), then, with ``baseline``, the full cache
     as :data:`FULL` (stopped by :class:`~kvdemo.stream.engine.MemoryCapError` at ``baseline_cap_bytes``; None: no cap).
     Every engine samples at ``fps`` and answers with at most ``max_new_tokens``."""
-    engines = {name: StreamEngine(model, policy, budget=bounds, fps=fps, max_new_tokens=max_new_tokens)
-               for name, (policy, bounds) in resolve_lineup(contenders, budget, keep, default_ratio, baseline).items()}
+    engines = {
+        name: StreamEngine(model, policy, budget=bounds, fps=fps, max_new_tokens=max_new_tokens)
+        for name, (policy, bounds) in resolve_lineup(contenders, budget, keep, default_ratio, baseline).items()
+    }
     if baseline:
-        engines[FULL] = StreamEngine(model, FULL, fps=fps, max_cache_bytes=baseline_cap_bytes, max_new_tokens=max_new_tokens)
+        engines[FULL] = StreamEngine(
+            model, FULL, fps=fps, max_cache_bytes=baseline_cap_bytes, max_new_tokens=max_new_tokens
+        )
     return engines
 
 

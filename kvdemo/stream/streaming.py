@@ -50,8 +50,9 @@ class EngineGroup:
             engine.attach(model)
         return self
 
-    def push(self, frames: np.ndarray, times_s: np.ndarray | None = None, flush: bool = False,
-             total: int | None = None) -> list[StreamStep]:
+    def push(
+        self, frames: np.ndarray, times_s: np.ndarray | None = None, flush: bool = False, total: int | None = None
+    ) -> list[StreamStep]:
         """Add frames ``[T, H, W, 3]``; feed every chunk they complete (and, with ``flush``, a last odd frame
         paired with a copy of itself) to every running engine, one step per chunk. ``total`` (frames the
         stream will have) goes into the steps."""
@@ -91,5 +92,7 @@ def stream_video(
     while current is not None:
         following = next(parts, None)  # decoded ahead by one part, so the last one flushes an odd frame
         _, frames, times = current
-        yield from group.push(frames_for(frames, model.geometry), times, flush=following is None, total=video.num_frames)
+        yield from group.push(
+            frames_for(frames, model.geometry), times, flush=following is None, total=video.num_frames
+        )
         current = following

@@ -27,8 +27,9 @@ CELL_COLOURS = ["#ffbb78", "#1f77b4", "#98df8a", "#c5b0d5"]
 OCCUPANCY_COLOURS = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
 
 
-def occupancy_figure(series: dict[str, list[OccupancyEvent]], budget: int | None = None, title: str = "",
-                     log_scale: bool = False):
+def occupancy_figure(
+    series: dict[str, list[OccupancyEvent]], budget: int | None = None, title: str = "", log_scale: bool = False
+):
     """Visual tokens (top) and real cache MB (bottom) over stream time for each engine.
 
     ``series`` maps a label ("infinipot-v at M=2048", "full cache") to its timeline; compression
@@ -41,45 +42,123 @@ def occupancy_figure(series: dict[str, list[OccupancyEvent]], budget: int | None
         colour = OCCUPANCY_COLOURS[index % len(OCCUPANCY_COLOURS)]
         x = [e.time_s for e in events]
         line = dict(color=colour, width=2)
-        data.append(dict(type="scatter", x=x, y=[e.visual_tokens for e in events], mode="lines", name=label,
-                         legendgroup=label, line=line, xaxis="x", yaxis="y"))
-        data.append(dict(type="scatter", x=x, y=[e.cache_bytes / 2**20 for e in events], mode="lines", name=label,
-                         legendgroup=label, showlegend=False, line=line, xaxis="x", yaxis="y2"))
+        data.append(
+            dict(
+                type="scatter",
+                x=x,
+                y=[e.visual_tokens for e in events],
+                mode="lines",
+                name=label,
+                legendgroup=label,
+                line=line,
+                xaxis="x",
+                yaxis="y",
+            )
+        )
+        data.append(
+            dict(
+                type="scatter",
+                x=x,
+                y=[e.cache_bytes / 2**20 for e in events],
+                mode="lines",
+                name=label,
+                legendgroup=label,
+                showlegend=False,
+                line=line,
+                xaxis="x",
+                yaxis="y2",
+            )
+        )
         if any(e.offloaded_bytes for e in events):  # HybridKV: host-memory store, apart from the resident cache
-            data.append(dict(type="scatter", x=x, y=[e.offloaded_bytes / 2**20 for e in events], mode="lines",
-                             name=f"{label}: offloaded (host)", legendgroup=label, xaxis="x", yaxis="y2",
-                             line=dict(color=colour, width=2, dash="dot")))
+            data.append(
+                dict(
+                    type="scatter",
+                    x=x,
+                    y=[e.offloaded_bytes / 2**20 for e in events],
+                    mode="lines",
+                    name=f"{label}: offloaded (host)",
+                    legendgroup=label,
+                    xaxis="x",
+                    yaxis="y2",
+                    line=dict(color=colour, width=2, dash="dot"),
+                )
+            )
         compressions = [e for e in events if e.event == "compress"]
         if compressions:
-            data.append(dict(
-                type="scatter", x=[e.time_s for e in compressions], y=[e.visual_tokens for e in compressions],
-                mode="markers", name=f"{label}: compression", legendgroup=label, xaxis="x", yaxis="y",
-                marker=dict(color=colour, symbol="triangle-down", size=8),
-                hovertemplate="compressed to %{y} tokens at %{x:.1f}s<extra></extra>",
-            ))
-    shapes, annotations = [], [
-        dict(text="visual tokens", x=0.5, y=1.0, xref="paper", yref="paper", showarrow=False, yanchor="bottom"),
-        dict(text="KV cache (MB)", x=0.5, y=0.44, xref="paper", yref="paper", showarrow=False, yanchor="bottom"),
-    ]
+            data.append(
+                dict(
+                    type="scatter",
+                    x=[e.time_s for e in compressions],
+                    y=[e.visual_tokens for e in compressions],
+                    mode="markers",
+                    name=f"{label}: compression",
+                    legendgroup=label,
+                    xaxis="x",
+                    yaxis="y",
+                    marker=dict(color=colour, symbol="triangle-down", size=8),
+                    hovertemplate="compressed to %{y} tokens at %{x:.1f}s<extra></extra>",
+                )
+            )
+    shapes, annotations = (
+        [],
+        [
+            dict(text="visual tokens", x=0.5, y=1.0, xref="paper", yref="paper", showarrow=False, yanchor="bottom"),
+            dict(text="KV cache (MB)", x=0.5, y=0.44, xref="paper", yref="paper", showarrow=False, yanchor="bottom"),
+        ],
+    )
     if budget:
-        shapes.append(dict(type="line", xref="paper", x0=0, x1=1, yref="y", y0=budget, y1=budget,
-                           line=dict(color="#555", dash="dash", width=1)))
+        shapes.append(
+            dict(
+                type="line",
+                xref="paper",
+                x0=0,
+                x1=1,
+                yref="y",
+                y0=budget,
+                y1=budget,
+                line=dict(color="#555", dash="dash", width=1),
+            )
+        )
         level = float(np.log10(budget)) if log_scale else budget  # on a log axis an annotation sits at log10(y)
         # At the right end of its line, over the plot: at the left it sat on the axis' tick labels.
-        annotations.append(dict(text=f"M = {budget}", xref="paper", x=1, yref="y", y=level, showarrow=False,
-                                xanchor="right", yanchor="bottom", bgcolor="rgba(255,255,255,0.8)"))
+        annotations.append(
+            dict(
+                text=f"M = {budget}",
+                xref="paper",
+                x=1,
+                yref="y",
+                y=level,
+                showarrow=False,
+                xanchor="right",
+                yanchor="bottom",
+                bgcolor="rgba(255,255,255,0.8)",
+            )
+        )
     tokens = [e.visual_tokens for events in series.values() for e in events] + ([budget] if budget else [])
     megabytes = [max(e.cache_bytes, e.offloaded_bytes) / 2**20 for events in series.values() for e in events]
     scale = dict(type="log") if log_scale else dict(rangemode="tozero")
     empty = not any(series.values())
     layout = dict(
-        title=dict(text=title) if title else None, height=420, margin=dict(l=50, r=20, t=50, b=40),
-        template="plotly_white", hovermode="x unified", shapes=shapes, annotations=annotations,
+        title=dict(text=title) if title else None,
+        height=420,
+        margin=dict(l=50, r=20, t=50, b=40),
+        template="plotly_white",
+        hovermode="x unified",
+        shapes=shapes,
+        annotations=annotations,
         legend=dict(orientation="h", yanchor="bottom", y=1.06, x=0),
         # Before any event the axis starts at 0 s (plotly's empty autorange begins at -1).
-        xaxis=dict(anchor="y2", title=dict(text="stream time (s)"), **(dict(range=[0, 10]) if empty else dict(rangemode="tozero"))),
-        yaxis=dict(domain=[0.56, 1.0], **scale, **(log_ticks(tokens) if log_scale else {}),
-                   title=dict(text="log scale" if log_scale else "")),
+        xaxis=dict(
+            anchor="y2",
+            title=dict(text="stream time (s)"),
+            **(dict(range=[0, 10]) if empty else dict(rangemode="tozero")),
+        ),
+        yaxis=dict(
+            domain=[0.56, 1.0],
+            **scale,
+            **(log_ticks(tokens) if log_scale else {}),
+            title=dict(text="log scale" if log_scale else ""),
+        ),
         yaxis2=dict(domain=[0.0, 0.44], **scale, **(log_ticks(megabytes) if log_scale else {})),
     )
     return go.Figure(dict(data=data, layout=layout))
@@ -121,11 +200,22 @@ def coverage_figure(summaries: dict[str, dict[str, Any]]):
         colour = next(colours)
         for space, dash in dashes.items():
             curve = summary[space]["curve"]
-            figure.add_trace(go.Scatter(x=curve["distance"], y=curve["fraction"], mode="lines", name=f"{name} ({space})",
-                                        line=dict(color=colour, dash=dash)))
+            figure.add_trace(
+                go.Scatter(
+                    x=curve["distance"],
+                    y=curve["fraction"],
+                    mode="lines",
+                    name=f"{name} ({space})",
+                    line=dict(color=colour, dash=dash),
+                )
+            )
     figure.update_layout(
-        title="coverage: distance to the nearest kept token (CDF, left is better)", height=320, template="plotly_white",
-        xaxis_title="cosine distance", yaxis_title="fraction of full-cache tokens", margin=dict(l=50, r=20, t=50, b=40),
+        title="coverage: distance to the nearest kept token (CDF, left is better)",
+        height=320,
+        template="plotly_white",
+        xaxis_title="cosine distance",
+        yaxis_title="fraction of full-cache tokens",
+        margin=dict(l=50, r=20, t=50, b=40),
     )
     return figure
 
@@ -146,39 +236,105 @@ def chart_figure(chart: Chart, title: str = ""):
         if isinstance(part, Histogram):
             values = np.asarray(part.values)
             top = int(values.max()) + 1 if values.size else 2
-            edges = np.unique(np.round(np.geomspace(1, max(2, top), 12)).astype(int)) if part.log_bins else np.linspace(0, max(top, 1), 12)
+            edges = (
+                np.unique(np.round(np.geomspace(1, max(2, top), 12)).astype(int))
+                if part.log_bins
+                else np.linspace(0, max(top, 1), 12)
+            )
             counts, _ = np.histogram(values, bins=edges) if values.size else (np.zeros(len(edges) - 1), edges)
             labels = [f"{a}-{b - 1}" if b - 1 > a else f"{a}" for a, b in zip(edges[:-1], edges[1:])]
-            data.append(dict(type="bar", x=labels, y=counts.tolist(), marker=dict(color=CHART_COLOURS[0]), xaxis=xaxis,
-                             yaxis=yaxis, hovertemplate="%{x}: %{y}<extra></extra>", showlegend=False))
+            data.append(
+                dict(
+                    type="bar",
+                    x=labels,
+                    y=counts.tolist(),
+                    marker=dict(color=CHART_COLOURS[0]),
+                    xaxis=xaxis,
+                    yaxis=yaxis,
+                    hovertemplate="%{x}: %{y}<extra></extra>",
+                    showlegend=False,
+                )
+            )
             axis_type = "category"
             y_ticks = integer_ticks(float(counts.max()) if len(counts) else 1)
         elif isinstance(part, Series):
             count = len(part.lines)
             for k, (colour, (name, ys)) in enumerate(zip(CHART_COLOURS[1:] + CHART_COLOURS[:1], part.lines.items())):
-                marker = dict(symbol=MARKER_SYMBOLS[k % len(MARKER_SYMBOLS)], size=6 + 3 * (count - 1 - k), color=colour)
-                data.append(dict(type="scatter", x=part.x, y=ys, mode="lines+markers" if part.markers else "lines", name=name,
-                                 line=dict(color=colour, width=2, dash=LINE_DASHES[k % len(LINE_DASHES)]),
-                                 marker=marker, xaxis=xaxis, yaxis=yaxis))
+                marker = dict(
+                    symbol=MARKER_SYMBOLS[k % len(MARKER_SYMBOLS)], size=6 + 3 * (count - 1 - k), color=colour
+                )
+                data.append(
+                    dict(
+                        type="scatter",
+                        x=part.x,
+                        y=ys,
+                        mode="lines+markers" if part.markers else "lines",
+                        name=name,
+                        line=dict(color=colour, width=2, dash=LINE_DASHES[k % len(LINE_DASHES)]),
+                        marker=marker,
+                        xaxis=xaxis,
+                        yaxis=yaxis,
+                    )
+                )
             if part.limit is not None:
-                shapes.append(dict(type="line", xref=f"{xaxis} domain", x0=0, x1=1, yref=yaxis, y0=part.limit, y1=part.limit,
-                                   line=dict(color="#555", dash="dash", width=1)))
+                shapes.append(
+                    dict(
+                        type="line",
+                        xref=f"{xaxis} domain",
+                        x0=0,
+                        x1=1,
+                        yref=yaxis,
+                        y0=part.limit,
+                        y1=part.limit,
+                        line=dict(color="#555", dash="dash", width=1),
+                    )
+                )
             axis_type = "linear"
             if part.x and all(float(x).is_integer() for x in part.x):  # layers, whole seconds: no half ticks
                 x_ticks = integer_ticks(max(part.x) - min(part.x))
         else:  # CellGrid
             top = max(1, len(part.class_names) - 1)
-            data.append(dict(type="heatmap", z=part.classes.tolist(), text=[[f"{int(n)}" for n in row] for row in part.numbers],
-                             texttemplate="%{text}", customdata=part.hover, hovertemplate="%{customdata}<extra></extra>",
-                             colorscale=[[k / top, CELL_COLOURS[k]] for k in range(top + 1)], zmin=0, zmax=top,
-                             showscale=False, x=part.col_names, y=part.row_names, xaxis=xaxis, yaxis=yaxis))
+            data.append(
+                dict(
+                    type="heatmap",
+                    z=part.classes.tolist(),
+                    text=[[f"{int(n)}" for n in row] for row in part.numbers],
+                    texttemplate="%{text}",
+                    customdata=part.hover,
+                    hovertemplate="%{customdata}<extra></extra>",
+                    colorscale=[[k / top, CELL_COLOURS[k]] for k in range(top + 1)],
+                    zmin=0,
+                    zmax=top,
+                    showscale=False,
+                    x=part.col_names,
+                    y=part.row_names,
+                    xaxis=xaxis,
+                    yaxis=yaxis,
+                )
+            )
             for code, name in sorted(part.class_names.items()):  # the legend: one square per class
-                data.append(dict(type="scatter", x=[None], y=[None], mode="markers", name=name, xaxis=xaxis, yaxis=yaxis,
-                                 marker=dict(symbol="square", size=12, color=CELL_COLOURS[code]), hoverinfo="skip"))
+                data.append(
+                    dict(
+                        type="scatter",
+                        x=[None],
+                        y=[None],
+                        mode="markers",
+                        name=name,
+                        xaxis=xaxis,
+                        yaxis=yaxis,
+                        marker=dict(symbol="square", size=12, color=CELL_COLOURS[code]),
+                        hoverinfo="skip",
+                    )
+                )
             axis_type = None
         x_title = getattr(part, "x_title", "")
-        layout[f"xaxis{suffix}"] = dict(domain=domain, anchor=yaxis, **({"type": axis_type} if axis_type else {}),
-                                        **({"title": dict(text=x_title)} if x_title else {}), **x_ticks)
+        layout[f"xaxis{suffix}"] = dict(
+            domain=domain,
+            anchor=yaxis,
+            **({"type": axis_type} if axis_type else {}),
+            **({"title": dict(text=x_title)} if x_title else {}),
+            **x_ticks,
+        )
         y_axis = dict(anchor=xaxis)
         if isinstance(part, CellGrid):
             y_axis["autorange"] = "reversed"
@@ -193,10 +349,15 @@ def chart_figure(chart: Chart, title: str = ""):
     legend = any(isinstance(p, CellGrid) or isinstance(p, Series) and len(p.lines) > 1 for p in chart.parts)
     below = 40 + (70 if legend else 0)  # the x axis' title, then the legend's rows under it
     top = 50 if title else 30
-    layout.update(height=height + below - 40 + top - 30, margin=dict(l=50, r=20, t=top, b=below), template="plotly_white",
-                  shapes=shapes, showlegend=legend,
-                  legend=dict(orientation="h", yanchor="bottom", y=0.01, yref="container", x=0),
-                  title=dict(text=title, x=0, xanchor="left", font=dict(size=14)) if title else None)
+    layout.update(
+        height=height + below - 40 + top - 30,
+        margin=dict(l=50, r=20, t=top, b=below),
+        template="plotly_white",
+        shapes=shapes,
+        showlegend=legend,
+        legend=dict(orientation="h", yanchor="bottom", y=0.01, yref="container", x=0),
+        title=dict(text=title, x=0, xanchor="left", font=dict(size=14)) if title else None,
+    )
     return go.Figure(dict(data=data, layout=layout))
 
 
@@ -223,7 +384,9 @@ def figure_html(figure: go.Figure, plotly_js_url: str) -> str:
     about 10 KB instead of 4.8 MB, so exports in a long session do not fill the served-file cache. Where plotly.js
     cannot be loaded (the app stopped, the page opened elsewhere) the page says where it draws from."""
     page = figure.to_html(include_plotlyjs=plotly_js_url, full_html=True)
-    note = html.escape(f"This chart draws with plotly.js served by the kvdemo app ({plotly_js_url}); open it while "
-                       "the app runs, from the link the app gives.")
+    note = html.escape(
+        f"This chart draws with plotly.js served by the kvdemo app ({plotly_js_url}); open it while "
+        "the app runs, from the link the app gives."
+    )
     fallback = f'<script>if (!window.Plotly) document.body.insertAdjacentHTML("afterbegin", "<p>{note}</p>");</script>'
     return page.replace("</body>", f"{fallback}</body>", 1)

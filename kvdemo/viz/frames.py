@@ -106,8 +106,10 @@ def frame_strip(tiles: list[np.ndarray], captions: list[str], gap: int = 6) -> n
     width = sum(t.shape[1] for t in tiles) + gap * (len(tiles) - 1)
     font = ImageFont.load_default(size=16)
     measure = ImageDraw.Draw(Image.new("RGB", (1, 1))).textlength
-    wrapped = [wrap_caption(caption, tile.shape[1] - 6, lambda text: measure(text, font=font))
-               for tile, caption in zip(tiles, captions)]
+    wrapped = [
+        wrap_caption(caption, tile.shape[1] - 6, lambda text: measure(text, font=font))
+        for tile, caption in zip(tiles, captions)
+    ]
     line_height = 20
     band = 6 + line_height * max(len(lines) for lines in wrapped)
     canvas = Image.new("RGB", (width, height + band), (250, 250, 250))
@@ -171,7 +173,8 @@ def reason_map(memory: KVMemory, layer: int, head: int) -> np.ndarray:
     if not memory.grid_shape:
         return grid
     frame, row, col, codes = (
-        t[head].long().cpu().numpy() for t in (memory.frame[layer], memory.row[layer], memory.col[layer], memory.reason[layer])
+        t[head].long().cpu().numpy()
+        for t in (memory.frame[layer], memory.row[layer], memory.col[layer], memory.reason[layer])
     )
     valid = memory.valid[layer]
     held = valid[head].cpu().numpy() if valid is not None else np.ones(frame.shape, dtype=bool)

@@ -37,7 +37,9 @@ def chart_png(chart: Chart) -> Image.Image:
     image = Image.new("RGB", (WIDTH, HEIGHT), "white")
     draw = ImageDraw.Draw(image)
     font = ImageFont.load_default()
-    values = [v for ys in series.lines.values() for v in ys if v is not None] + ([series.limit] if series.limit is not None else [])
+    values = [v for ys in series.lines.values() for v in ys if v is not None] + (
+        [series.limit] if series.limit is not None else []
+    )
     y_ticks = _ticks(0.0, max(1.0, max(values, default=1.0)))
     x_low, x_high = min(series.x), max(series.x)
     if x_high == x_low:
@@ -47,7 +49,10 @@ def chart_png(chart: Chart) -> Image.Image:
 
     def at(x: float, y: float) -> tuple[float, float]:
         top = y_ticks[-1] + 0.04 * (y_ticks[-1] - y_ticks[0])  # headroom: a line at the top tick stays off the frame
-        return (LEFT + (x - x_low) / (x_high - x_low) * plot_w, TOP + plot_h - (y - y_ticks[0]) / (top - y_ticks[0]) * plot_h)
+        return (
+            LEFT + (x - x_low) / (x_high - x_low) * plot_w,
+            TOP + plot_h - (y - y_ticks[0]) / (top - y_ticks[0]) * plot_h,
+        )
 
     draw.text((LEFT, 18), chart.title, fill="black", font=font)
     draw.text((LEFT, 34), chart.caption[:110], fill="#555", font=font)

@@ -13,9 +13,12 @@ from .frames import EVICTED, _grid_lines, _upsample, drawable, frame_strip, surv
 #: Per-patch status codes of :func:`patch_status`.
 HELD, SUMMARISED, OFFLOADED, RETRIEVED = 0, 1, 2, 3
 STATUS_COLOURS = {HELD: (255, 214, 0), SUMMARISED: (66, 133, 244), OFFLOADED: (171, 71, 188), RETRIEVED: (52, 168, 83)}
-STATUS_NAMES = {HELD: "held exactly", SUMMARISED: "summarised (represented in the policy's summary region)",
-                OFFLOADED: "offloaded (host memory)",
-                RETRIEVED: "retrieved while answering the last question"}
+STATUS_NAMES = {
+    HELD: "held exactly",
+    SUMMARISED: "summarised (represented in the policy's summary region)",
+    OFFLOADED: "offloaded (host memory)",
+    RETRIEVED: "retrieved while answering the last question",
+}
 
 
 def summarised(engine, layer: int, head: int) -> np.ndarray | None:
@@ -48,8 +51,12 @@ def patch_status(engine, layer: int, head: int) -> np.ndarray | None:
         frame, row, col = (offload.head_chunks(name, head).numpy() for name in ("frame", "row", "col"))
         status[frame[valid], row[valid], col[valid]] = OFFLOADED
         status[frame[retrieved], row[retrieved], col[retrieved]] = RETRIEVED
-    frame, row, col = (t[head].long().cpu().numpy() for t in (memory.frame[layer], memory.row[layer], memory.col[layer]))
-    held = memory.valid[layer][head].cpu().numpy() if memory.valid[layer] is not None else np.ones(frame.shape, dtype=bool)
+    frame, row, col = (
+        t[head].long().cpu().numpy() for t in (memory.frame[layer], memory.row[layer], memory.col[layer])
+    )
+    held = (
+        memory.valid[layer][head].cpu().numpy() if memory.valid[layer] is not None else np.ones(frame.shape, dtype=bool)
+    )
     status[frame[held], row[held], col[held]] = HELD
     return status
 
@@ -70,7 +77,11 @@ def overlay_status(frame: np.ndarray, codes: np.ndarray) -> np.ndarray:
 def status_legend(codes: np.ndarray) -> str:
     """Markdown legend of the statuses that appear in ``codes``."""
     present = set(np.unique(codes).tolist())
-    parts = [f"<span style='color:rgb{STATUS_COLOURS[code]}'>■</span> {name}" for code, name in STATUS_NAMES.items() if code in present]
+    parts = [
+        f"<span style='color:rgb{STATUS_COLOURS[code]}'>■</span> {name}"
+        for code, name in STATUS_NAMES.items()
+        if code in present
+    ]
     return " &nbsp; ".join(parts + ["dark = evicted"])
 
 
@@ -143,8 +154,14 @@ def _status_caption(fractions: np.ndarray) -> str:
     return " · ".join(parts)
 
 
-def engine_strip(engine, thumbnails: list[np.ndarray], layer: int | None = None, head: int | None = None,
-                 by_reason: bool = False, last: int = 4) -> np.ndarray:
+def engine_strip(
+    engine,
+    thumbnails: list[np.ndarray],
+    layer: int | None = None,
+    head: int | None = None,
+    by_reason: bool = False,
+    last: int = 4,
+) -> np.ndarray:
     """What survives of the newest grids for ``engine``: :func:`survivor_strip`, or, for a policy that
     summarises (ProtoKV) or offloads (HybridKV), each patch tinted by its statuses (:func:`patch_status`)
     over the chosen layer/KV head or all of them, so that a summarised patch never reads as evicted."""
@@ -165,6 +182,10 @@ def engine_gallery(engine, thumbnails: list[np.ndarray], max_width: int = 160) -
     if fractions is None:
         return survivor_gallery(engine.memory, thumbnails, max_width)
     memory = engine.memory
-    return [(overlay_status_fractions(thumbnail(thumbnails[g], max_width), fractions[:, g]),
-             f"t={memory.grid_times_s[g]:.1f}s · {_status_caption(fractions[:, g])}")
-            for g in drawable(range(memory.num_grids), thumbnails)]
+    return [
+        (
+            overlay_status_fractions(thumbnail(thumbnails[g], max_width), fractions[:, g]),
+            f"t={memory.grid_times_s[g]:.1f}s · {_status_caption(fractions[:, g])}",
+        )
+        for g in drawable(range(memory.num_grids), thumbnails)
+    ]

@@ -102,8 +102,14 @@ def dialogue(adapter: Qwen2VL, questions: list[Question | MultipleChoice], order
             begin = text.rindex(question.text)
             for letter, (option, word) in enumerate(zip(item.options, item.words)):
                 end = text.index(option, begin) + len(option)
-                turns.options.append((len(adapter.tokenize(text[:end])) - 1, OPTION_WORDS.index(word), letter,
-                                      LETTERS[letter] == item.letter))
+                turns.options.append(
+                    (
+                        len(adapter.tokenize(text[:end])) - 1,
+                        OPTION_WORDS.index(word),
+                        letter,
+                        LETTERS[letter] == item.letter,
+                    )
+                )
             turns.choice_answers.append((len(prompt) - 1, OPTION_WORDS.index(item.question.answer)))
         history.append((question.text, question.answer))
     last = asked[-1].as_question() if isinstance(asked[-1], MultipleChoice) else asked[-1]
@@ -184,7 +190,11 @@ def build_batch(
         input_ids[row, len(prefix) + tokens : len(prefix) + tokens + len(ids)] = torch.tensor(ids)
     text_len = length - len(prefix) - tokens
     positions = torch.cat(
-        [torch.arange(len(prefix)).expand(3, -1), visual_positions, torch.arange(text_start, text_start + text_len).expand(3, -1)],
+        [
+            torch.arange(len(prefix)).expand(3, -1),
+            visual_positions,
+            torch.arange(text_start, text_start + text_len).expand(3, -1),
+        ],
         dim=1,
     )
     return Batch(

@@ -51,7 +51,9 @@ def camera_path(rng: np.random.Generator, spec: StreamSpec, num_pairs: int) -> t
             if rng.random() < ZOOM_CHANGE:
                 centre = (offset + half) / ZOOMS[level]  # in world cells
                 level = 1 - level
-                offset = np.clip(np.floor(ZOOMS[level] * centre - half + 0.5).astype(np.int64), 0, _offset_limit(spec, ZOOMS[level]))
+                offset = np.clip(
+                    np.floor(ZOOMS[level] * centre - half + 0.5).astype(np.int64), 0, _offset_limit(spec, ZOOMS[level])
+                )
             elif pair % every == 0:
                 limit = _offset_limit(spec, ZOOMS[level])
                 velocity = np.where((offset + velocity < 0) | (offset + velocity > limit), -velocity, velocity)
@@ -124,7 +126,9 @@ def place_seen_objects(
             best, best_good = None, -1
             for _ in range(100):
                 begin = starts[int(rng.integers(len(starts)))]
-                path = np.array(grid_path(rng, int(world[0]), int(world[1]), len(frames), moving, (int(begin[0]), int(begin[1]))))
+                path = np.array(
+                    grid_path(rng, int(world[0]), int(world[1]), len(frames), moving, (int(begin[0]), int(begin[1])))
+                )
                 cells = camera.frame_cells(path, pairs)
                 inside = ((cells >= 0) & (cells + boxes[:, None] <= frame)).all(-1)
                 # Boxes of sides a, b at p, q overlap when p - b < q < p + a on both axes (side 0: nothing).
@@ -181,8 +185,12 @@ def render_moving(
     pair = np.arange(num_frames) // FRAMES_PER_PAIR
     z, top_left = zoom[pair], offset[pair] * CELL  # [T], [T, 2]: the camera per frame (top-left in zoomed pixels)
     # The camera holds still within a pair: look up each pair's view once.
-    rows = np.minimum(((np.arange(height) + offset[:, :1] * CELL) / zoom[:, None]).astype(np.int64), world_h - 1)  # [P, H]
-    cols = np.minimum(((np.arange(width) + offset[:, 1:] * CELL) / zoom[:, None]).astype(np.int64), world_w - 1)  # [P, W]
+    rows = np.minimum(
+        ((np.arange(height) + offset[:, :1] * CELL) / zoom[:, None]).astype(np.int64), world_h - 1
+    )  # [P, H]
+    cols = np.minimum(
+        ((np.arange(width) + offset[:, 1:] * CELL) / zoom[:, None]).astype(np.int64), world_w - 1
+    )  # [P, W]
     frames = world[rows[:, :, None], cols[:, None, :]][pair]  # [T, H, W, 3]
     t = np.arange(num_frames, dtype=np.float32)
     y, x = np.mgrid[0:height, 0:width].astype(np.float32)
@@ -197,7 +205,9 @@ def render_moving(
     grey += rng.standard_normal((num_frames, height, width), dtype=np.float32) * np.float32(rng.uniform(2, 5))
     frames += grey[..., None]
     period = rng.uniform(*LIGHT_PERIOD_S) * spec.fps
-    gain = 1 + rng.uniform(*LIGHT_AMPLITUDE) * np.sin(2 * np.pi * np.arange(num_frames) / period + rng.uniform(0, 2 * np.pi))
+    gain = 1 + rng.uniform(*LIGHT_AMPLITUDE) * np.sin(
+        2 * np.pi * np.arange(num_frames) / period + rng.uniform(0, 2 * np.pi)
+    )
     owners = np.full((num_frames, height, width), -1, dtype=np.int8)
     for j, item in enumerate(clutter):
         for f in range(item.first_frame, item.last_frame + 1):

@@ -95,4 +95,6 @@ def multiple_choice(question: Question, rng: np.random.Generator, form: str = "v
     words = [others[i] for i in rng.permutation(len(others))[: len(LETTERS) - 1]]
     slot = int(rng.integers(len(LETTERS)))
     words.insert(slot, question.answer)
-    return MultipleChoice(question, tuple(f"{letter}. {word}" for letter, word in zip(LETTERS, words)), LETTERS[slot], form)
+    return MultipleChoice(
+        question, tuple(f"{letter}. {word}" for letter, word in zip(LETTERS, words)), LETTERS[slot], form
+    )

@@ -101,7 +101,9 @@ class StreamSpec:
         if not 1 <= self.objects[0] <= self.objects[1] <= len(SHAPES):
             raise VideoError(f"a stream holds 1 to {len(SHAPES)} objects (one per shape), got {self.objects}")
         if self.pairs[0] < 1 or self.pairs[0] > self.pairs[1] or self.visible_pairs[0] < 1:
-            raise VideoError(f"stream and visibility lengths must be positive ranges, got {self.pairs}, {self.visible_pairs}")
+            raise VideoError(
+                f"stream and visibility lengths must be positive ranges, got {self.pairs}, {self.visible_pairs}"
+            )
 
 
 @dataclass(frozen=True)
@@ -287,8 +289,6 @@ def grid_path(
             row, col = min(max(row + step_r, 0), rows - 1), min(max(col + step_c, 0), cols - 1)
         cells.append((row, col))
     return tuple(cells)
-
-
 
 
 @lru_cache(maxsize=None)

@@ -45,7 +45,6 @@ pure function of the seed (``numpy.random.default_rng(seed)``; a seed may be a t
 training and evaluation keep disjoint streams).
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -85,10 +84,30 @@ from .scene import (  # the vocabulary of a stream; the names below are this mod
 )
 
 __all__ = [
-    "CELL", "CLUTTER", "COLOUR_NAMES", "COLOURS", "DECOY_SHAPES", "MIN_LABEL_PIXELS", "NOTHING", "NOTHING_COLOUR",
-    "SHAPES", "STREAM_KINDS", "Episode", "Grade", "Question", "StreamSpec", "generate_episode", "grade", "grade_answer",
-    "normalise_question", "sample_episode", "sample_manifest", "shape_mask", "synthetic_video",
+    "CELL",
+    "CLUTTER",
+    "COLOUR_NAMES",
+    "COLOURS",
+    "DECOY_SHAPES",
+    "MIN_LABEL_PIXELS",
+    "NOTHING",
+    "NOTHING_COLOUR",
+    "SHAPES",
+    "STREAM_KINDS",
+    "Episode",
+    "Grade",
+    "Question",
+    "StreamSpec",
+    "generate_episode",
+    "grade",
+    "grade_answer",
+    "normalise_question",
+    "sample_episode",
+    "sample_manifest",
+    "shape_mask",
+    "synthetic_video",
 ]
+
 
 @dataclass(frozen=True)
 class Grade:
@@ -110,8 +129,6 @@ def grade(episode: Episode, question: str, answer: str, time_s: float) -> Grade:
     if grade_answer(known.answer, answer):
         return Grade(known.answer, True, f"✓ matches the ground truth ({known.answer})")
     return Grade(known.answer, False, f"✗ the ground truth is {known.answer}")
-
-
 
 
 def grade_answer(expected: str, answer: str) -> bool:
@@ -147,8 +164,10 @@ def sample_manifest(episode: Episode) -> str:
     questions = "\n".join(f"- {q.text} → *{q.answer}*" for q in episode.questions)
     camera = ""
     if episode.camera is not None:
-        camera = (" The camera pans in 14-px steps and zooms between 1x and 1.5x, the background drifts and the light "
-                  "changes; objects can leave and reappear; decoys (ring, slab, corner) are never asked about.")
+        camera = (
+            " The camera pans in 14-px steps and zooms between 1x and 1.5x, the background drifts and the light "
+            "changes; objects can leave and reappear; decoys (ring, slab, corner) are never asked about."
+        )
     return (
         f"**Bundled sample**: a generated stream ({video.num_frames / video.fps:g} s at {video.fps:g} fps, "
         f"{width}x{height}, seed {','.join(map(str, episode.seed))}, kind {episode.kind}); objects sit on the 14-px "
@@ -194,7 +213,16 @@ def generate_episode(seed: int | Sequence[int], spec: StreamSpec = StreamSpec(),
         source_size=spec.size,
     )
     return Episode(
-        seed_tuple, video, objects, clutter, _questions(objects, spec.fps), colour_labels, shape_labels, spec, camera, decoys
+        seed_tuple,
+        video,
+        objects,
+        clutter,
+        _questions(objects, spec.fps),
+        colour_labels,
+        shape_labels,
+        spec,
+        camera,
+        decoys,
     )
 
 
@@ -215,7 +243,14 @@ def _questions(objects: list[SceneObject], fps: float) -> list[Question]:
     if len(starts) > 1 and starts[0] < starts[1]:
         first = min(objects, key=lambda o: o.first_frame)
         questions.append(
-            Question("first", FIRST_QUESTION, first.shape, first.shape, first.first_frame * seconds, (first.last_frame + 1) * seconds)
+            Question(
+                "first",
+                FIRST_QUESTION,
+                first.shape,
+                first.shape,
+                first.first_frame * seconds,
+                (first.last_frame + 1) * seconds,
+            )
         )
     return questions
 
@@ -294,7 +329,6 @@ def _place_clutter(rng: np.random.Generator, spec: StreamSpec, num_frames: int) 
     return items
 
 
-
 def _render(
     rng: np.random.Generator, spec: StreamSpec, num_frames: int, objects: list[SceneObject], clutter: list[Clutter]
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -313,8 +347,11 @@ def _render(
     frames = background[None] + noise  # int16: far cheaper than float for the clip below
     owners = np.full((num_frames, height, width), -1, dtype=np.int8)
     for j, item in enumerate(clutter):
-        window = (slice(item.first_frame, item.last_frame + 1), slice(item.top, item.top + item.height),
-                  slice(item.left, item.left + item.width))
+        window = (
+            slice(item.first_frame, item.last_frame + 1),
+            slice(item.top, item.top + item.height),
+            slice(item.left, item.left + item.width),
+        )
         if item.kind == "dot":
             mask = shape_mask("circle", item.height)
             frames[window][:, mask] = COLOURS[item.colour]
@@ -334,7 +371,9 @@ def _render(
     return np.clip(frames, 0, 255, out=frames).astype(np.uint8), owners
 
 
-def _token_labels(owners: np.ndarray, objects: list[SceneObject], clutter: list[Clutter]) -> tuple[np.ndarray, np.ndarray]:
+def _token_labels(
+    owners: np.ndarray, objects: list[SceneObject], clutter: list[Clutter]
+) -> tuple[np.ndarray, np.ndarray]:
     """Per visual token (28 x 28 px over a frame pair): colour and shape labels of the item covering most of it."""
     frames, height, width = owners.shape
     if frames % FRAMES_PER_PAIR:
@@ -349,7 +388,9 @@ def _token_labels(owners: np.ndarray, objects: list[SceneObject], clutter: list[
     counts = counts.reshape(cells.shape[0], rows * cols, items + 1)[..., 1:]
     best = counts.argmax(-1) if items else np.zeros(counts.shape[:2], dtype=np.int64)
     covered = (counts.max(-1) >= MIN_LABEL_PIXELS) if items else np.zeros(counts.shape[:2], dtype=bool)
-    colour_of = np.array([COLOUR_NAMES.index(o.colour) for o in objects] + [COLOUR_NAMES.index(c.colour) for c in clutter] + [0])
+    colour_of = np.array(
+        [COLOUR_NAMES.index(o.colour) for o in objects] + [COLOUR_NAMES.index(c.colour) for c in clutter] + [0]
+    )
     shape_of = np.array([SHAPES.index(o.shape) for o in objects] + [CLUTTER] * len(clutter) + [0])
     colour_labels = np.where(covered, colour_of[best], NOTHING_COLOUR).astype(np.int64)
     shape_labels = np.where(covered, shape_of[best], NOTHING).astype(np.int64)

@@ -127,31 +127,51 @@ class TrainConfig:
 #: its option's letter.
 CHOICE_STAGE = TrainConfig(
     phases=(Phase("D choices", 1500, 6, (2, 24), choices=0.75),),
-    lr=1e-3, final_lr=1e-4, warmup=100, vision_weight=0.0, streams=CHOICE_STREAMS,
+    lr=1e-3,
+    final_lr=1e-4,
+    warmup=100,
+    vision_weight=0.0,
+    streams=CHOICE_STREAMS,
 )
 #: The pointer stage: after D every option knew whether it was right (its verdict head at 0.99) but the letter
 #: answered stayed at chance; E adds the pointer loss (:attr:`TrainConfig.pointer_weight`). Measured: the pointer head
 #: learned to look at the right option (0.97 of its weight) and the letter still rose only to 0.33 (docs/tiny-model.md).
 POINTER_STAGE = TrainConfig(
     phases=(Phase("E pointer", 300, 6, (2, 24), choices=0.75),),
-    lr=1e-3, final_lr=1e-4, warmup=20, vision_weight=0.0, streams=5, pointer_weight=1.0,
+    lr=1e-3,
+    final_lr=1e-4,
+    warmup=20,
+    vision_weight=0.0,
+    streams=5,
+    pointer_weight=1.0,
 )
 #: The letter stage: after E a probe read each option's letter from its word (held out 1.00) and the pointer head
 #: looked at the right option, yet the last layer did not carry the letter (one token among every answer's in the
 #: answer loss). F weighs it 5 times (:attr:`TrainConfig.letter_weight`): the letter rose from 0.33 to 0.93.
 LETTER_STAGE = TrainConfig(
     phases=(Phase("F letters", 200, 6, (2, 24), choices=0.75),),
-    lr=1e-3, final_lr=1e-4, warmup=20, vision_weight=0.0, streams=9, pointer_weight=1.0, letter_weight=5.0,
+    lr=1e-3,
+    final_lr=1e-4,
+    warmup=20,
+    vision_weight=0.0,
+    streams=9,
+    pointer_weight=1.0,
+    letter_weight=5.0,
 )
 #: G settles F at half its learning rate on new streams.
 SETTLE_STAGE = TrainConfig(
     phases=(Phase("G settle", 300, 6, (2, 24), choices=0.75),),
-    lr=5e-4, final_lr=5e-5, warmup=20, vision_weight=0.0, streams=11, pointer_weight=1.0, letter_weight=5.0,
+    lr=5e-4,
+    final_lr=5e-5,
+    warmup=20,
+    vision_weight=0.0,
+    streams=11,
+    pointer_weight=1.0,
+    letter_weight=5.0,
 )
 CHOICE_STAGES = (CHOICE_STAGE, POINTER_STAGE, LETTER_STAGE, SETTLE_STAGE)
 #: ``python -m kvdemo train-tiny``: the base stage from scratch (the bundled weights).
 RECIPE = (TrainConfig(),)
-
 
 
 @dataclass
@@ -202,7 +222,9 @@ class TinyTrainer:
             elif isinstance(start, torch.nn.Module):
                 model, model_config = start, start.config
             else:
-                model = Qwen2_5_VLForConditionalGeneration.from_pretrained(start, dtype=torch.float32, attn_implementation="sdpa")
+                model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                    start, dtype=torch.float32, attn_implementation="sdpa"
+                )
                 model_config = model.config
             self.heads = Heads(model_config.vision_config.out_hidden_size, model_config.text_config.hidden_size)
         if config.pointer_weight > 0:
@@ -254,7 +276,9 @@ class TinyTrainer:
     def losses(self, batch: Batch, vision_only: bool) -> tuple[torch.Tensor, StepStats]:
         """The weighted training loss of ``batch`` and its accuracies."""
         hf = self.model
-        merged = torch.cat(list(hf.model.get_video_features(batch.pixels, batch.grid_thw, return_dict=True).pooler_output))
+        merged = torch.cat(
+            list(hf.model.get_video_features(batch.pixels, batch.grid_thw, return_dict=True).pooler_output)
+        )
         colour_logits, shape_logits = self.heads.colour(merged), self.heads.shape(merged)
         loss = self.config.vision_weight * (
             F.cross_entropy(colour_logits, batch.colour_labels) + F.cross_entropy(shape_logits, batch.shape_labels)
@@ -271,16 +295,28 @@ class TinyTrainer:
             embeds = hf.get_input_embeddings()(batch.input_ids)
             rows = batch.input_ids.shape[0]
             embeds = torch.cat(
-                [embeds[:, : batch.visual.start], merged.view(rows, -1, merged.shape[-1]), embeds[:, batch.visual.stop :]], dim=1
+                [
+                    embeds[:, : batch.visual.start],
+                    merged.view(rows, -1, merged.shape[-1]),
+                    embeds[:, batch.visual.stop :],
+                ],
+                dim=1,
             )
-            pointing = self.config.pointer_weight > 0 and batch.choice_kind is not None and bool(batch.choice_kind.any())
+            pointing = (
+                self.config.pointer_weight > 0 and batch.choice_kind is not None and bool(batch.choice_kind.any())
+            )
             output = hf.model.language_model(
-                inputs_embeds=embeds, position_ids=batch.positions, use_cache=False, output_hidden_states=True,
+                inputs_embeds=embeds,
+                position_ids=batch.positions,
+                use_cache=False,
+                output_hidden_states=True,
                 output_attentions=pointing,
             )
             logits = hf.lm_head(output.last_hidden_state[batch.answer_at[0], batch.answer_at[1]])
             loss = loss + F.cross_entropy(logits, batch.answer_targets)
-            question_hidden = output.hidden_states[self.config.question_layer][batch.question_at[0], batch.question_at[1]]
+            question_hidden = output.hidden_states[self.config.question_layer][
+                batch.question_at[0], batch.question_at[1]
+            ]
             question_logits = self.heads.question(question_hidden)
             loss = loss + self.config.question_weight * F.cross_entropy(question_logits, batch.question_targets)
             right = (logits.argmax(-1) == batch.answer_targets).float()
@@ -311,8 +347,12 @@ class TinyTrainer:
         judged = hidden[config.verdict_layer][at[0], at[1]]
         answering = hidden[config.verdict_layer][batch.choice_at[0], batch.choice_at[1]]
         verdict = heads.option_right(judged)
-        loss = (F.cross_entropy(heads.option_word(said), targets[0]) + F.cross_entropy(heads.option_letter(said), targets[1])
-                + F.cross_entropy(verdict, targets[2]) + F.cross_entropy(heads.answer_word(answering), batch.choice_words))
+        loss = (
+            F.cross_entropy(heads.option_word(said), targets[0])
+            + F.cross_entropy(heads.option_letter(said), targets[1])
+            + F.cross_entropy(verdict, targets[2])
+            + F.cross_entropy(heads.answer_word(answering), batch.choice_words)
+        )
         margin = (verdict[:, 1] - verdict[:, 0]).view(-1, len(LETTERS))
         stats.option_acc = (margin.argmax(-1) == targets[2].view(-1, len(LETTERS)).argmax(-1)).float().mean().item()
         return config.option_weight * loss
@@ -370,7 +410,14 @@ class TinyTrainer:
                     bar.update(1)
                     bar.set_postfix_str(_postfix(phase.name, recent), refresh=False)
                     if step == phase.steps - 1:
-                        summaries.append({"phase": phase.name, "steps": phase.steps, "seconds": time.perf_counter() - start, **_mean(recent)})
+                        summaries.append(
+                            {
+                                "phase": phase.name,
+                                "steps": phase.steps,
+                                "seconds": time.perf_counter() - start,
+                                **_mean(recent),
+                            }
+                        )
                         start, recent = time.perf_counter(), []
         finally:
             bar.close()
@@ -402,8 +449,10 @@ def _postfix(phase: str, recent: list[StepStats]) -> str:
     text = f"{phase} loss {mean['loss']:.3f} colour {mean['colour_acc']:.2f} shape {mean['shape_acc']:.2f}"
     text += f" (moving {mean.get('moving_shape_acc', nan):.2f})"
     if "answer_acc" in mean:
-        text += (f" answers {mean['answer_acc']:.2f} (first {mean.get('first_acc', nan):.2f}, moving "
-                 f"{mean.get('moving_answer_acc', nan):.2f}) question {mean['question_acc']:.2f}")
+        text += (
+            f" answers {mean['answer_acc']:.2f} (first {mean.get('first_acc', nan):.2f}, moving "
+            f"{mean.get('moving_answer_acc', nan):.2f}) question {mean['question_acc']:.2f}"
+        )
     if "choice_acc" in mean:
         text += f" choices {mean['choice_acc']:.2f} (options {mean.get('option_acc', nan):.2f}, pointer {mean.get('pointer_mass', nan):.2f})"
     return text
@@ -431,8 +480,14 @@ def train_tiny(
             began, cpu_began = time.perf_counter(), time.process_time()
             trainer = TinyTrainer(config, start=weights)
             phases = trainer.run(progress)
-            records.append({"config": asdict(config), "phases": phases, "train_seconds": time.perf_counter() - began,
-                            "train_cpu_seconds": time.process_time() - cpu_began})
+            records.append(
+                {
+                    "config": asdict(config),
+                    "phases": phases,
+                    "train_seconds": time.perf_counter() - began,
+                    "train_cpu_seconds": time.process_time() - cpu_began,
+                }
+            )
             weights = trainer.model
     finally:
         torch.use_deterministic_algorithms(deterministic)

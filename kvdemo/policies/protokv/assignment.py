@@ -14,8 +14,15 @@ from .ema import mahalanobis_form, quadratic_distance
 ASSIGNMENT_BLOCK = 32
 
 
-def assign(bank: ProtoBank, keys: torch.Tensor, spatial: torch.Tensor, t: int, lambda_sp: float, lambda_idle: float,
-           t_idle: int) -> torch.Tensor:
+def assign(
+    bank: ProtoBank,
+    keys: torch.Tensor,
+    spatial: torch.Tensor,
+    t: int,
+    lambda_sp: float,
+    lambda_idle: float,
+    t_idle: int,
+) -> torch.Tensor:
     """Eq. 1's choice for tokens ``keys [B, E, D]`` at ``spatial [B, E, 2]``: the prototype of least
     :func:`assignment_cost`, ``[B, E]``. On a CPU the costs are formed and reduced ``ASSIGNMENT_BLOCK`` tokens at a time
     (kvdemo's: a block's ``[B, E_b, K]`` costs, and the float64 quadratic form under them, stay in the processor's
@@ -29,14 +36,27 @@ def assign(bank: ProtoBank, keys: torch.Tensor, spatial: torch.Tensor, t: int, l
     per_prototype.masked_fill_(~bank.open, float("inf"))
     form = mahalanobis_form(bank.mu, bank.sigma) if lambda_sp else None
     step = keys.shape[1] if keys.device.type == "cuda" else ASSIGNMENT_BLOCK
-    return torch.cat([
-        arg_min(assignment_cost(keys[:, i : i + step], spatial[:, i : i + step], unit_centres, per_prototype, form, lambda_sp))
-        for i in range(0, keys.shape[1], step)
-    ], dim=1)
+    return torch.cat(
+        [
+            arg_min(
+                assignment_cost(
+                    keys[:, i : i + step], spatial[:, i : i + step], unit_centres, per_prototype, form, lambda_sp
+                )
+            )
+            for i in range(0, keys.shape[1], step)
+        ],
+        dim=1,
+    )
 
 
-def assignment_cost(keys: torch.Tensor, spatial: torch.Tensor, unit_centres: torch.Tensor, per_prototype: torch.Tensor,
-                    form: torch.Tensor | None, lambda_sp: float) -> torch.Tensor:
+def assignment_cost(
+    keys: torch.Tensor,
+    spatial: torch.Tensor,
+    unit_centres: torch.Tensor,
+    per_prototype: torch.Tensor,
+    form: torch.Tensor | None,
+    lambda_sp: float,
+) -> torch.Tensor:
     """Eq. 1 for every token and prototype, ``[B, E, K]``: ``-cos(K, c_k) + lambda_sp d_Mah(s; mu_k, Sigma_k) +
     lambda_idle 1(t - tau_k > T_idle)``, given the bank's unit centres ``[B, D, K]``, its per-prototype terms ``[B, K]``
     (the idle penalty; ``+inf`` on slots that are not :attr:`ProtoBank.open`) and its Mahalanobis form

@@ -121,8 +121,16 @@ class ProtoBank:
 
     @classmethod
     def empty(
-        cls, rows: int, prototypes: int, dim: int, grid: tuple[int, int], subquantizers: int, codewords: int,
-        warmup: int, history: int, device: torch.device,
+        cls,
+        rows: int,
+        prototypes: int,
+        dim: int,
+        grid: tuple[int, int],
+        subquantizers: int,
+        codewords: int,
+        warmup: int,
+        history: int,
+        device: torch.device,
     ) -> "ProtoBank":
         """A bank of ``rows x prototypes`` never-used slots for ``dim``-wide heads on ``device``."""
         g, c = subquantizers, codewords
@@ -184,8 +192,15 @@ class ProtoBank:
 
     # --- Alg. 1 line 5, Alg. 2 line 17 ------------------------------------------------------
     def seed(
-        self, r: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, spatial: torch.Tensor,
-        position: torch.Tensor, t: int, mass: int = 1,
+        self,
+        r: torch.Tensor,
+        k: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        spatial: torch.Tensor,
+        position: torch.Tensor,
+        t: int,
+        mass: int = 1,
     ) -> None:
         """(Re)initialise slots ``(r, k)`` (``[N]`` each) from one token each (``keys/values [N, D]``, ``spatial
         [N, 2]``, ``position [N, 3]``): ``c, p <- K, V; n <- mass; mu <- s; Sigma <- I; tau <- t; R <- 0``; the
@@ -328,7 +343,10 @@ class ProtoBank:
                 self.reservoir_v = self.reservoir_v[:, :0]
             return
         group_ids = torch.arange(groups, device=cell.device)
-        for residual, codebook, hist in ((residual_k, self.codebook_k, self.hist_k), (residual_v, self.codebook_v, self.hist_v)):
+        for residual, codebook, hist in (
+            (residual_k, self.codebook_k, self.hist_k),
+            (residual_v, self.codebook_v, self.hist_v),
+        ):
             codes = pq_encode(residual, codebook)  # [B, E, G]
             index = ((cell[..., None] * groups + group_ids) * codewords + codes)[mask].flatten()
             hist.view(-1).index_add_(0, index, torch.ones(index.numel(), dtype=hist.dtype, device=index.device))
@@ -336,7 +354,9 @@ class ProtoBank:
         self.n_res.view(-1).index_add_(0, flat, torch.ones_like(flat))
 
     # --- the views' bookkeeping ---------------------------------------------------------------
-    def record_assignment(self, assigned: torch.Tensor, frame: torch.Tensor, row: torch.Tensor, col: torch.Tensor) -> None:
+    def record_assignment(
+        self, assigned: torch.Tensor, frame: torch.Tensor, row: torch.Tensor, col: torch.Tensor
+    ) -> None:
         """Which prototype ``assigned [B, E]`` each absorbed patch (``frame/row/col [B, E]``) went to, for the last
         ``history`` absorbed grids (a ring)."""
         history = self.history
@@ -398,13 +418,22 @@ class ProtoBank:
         for start in range(0, width, step):
             stop = min(start + step, width)
             # ||a - b||^2 = 2 - 2 cos for unit vectors, so ||a - b|| < eps  <=>  cos > 1 - eps^2 / 2
-            b, u, k = torch.nonzero((picked_k[:, start:stop] @ unit_k.transpose(1, 2)) > 1 - eps_k**2 / 2, as_tuple=True)
+            b, u, k = torch.nonzero(
+                (picked_k[:, start:stop] @ unit_k.transpose(1, 2)) > 1 - eps_k**2 / 2, as_tuple=True
+            )
             u = u + start
             j = chosen[b, u]
             b, u, k, j = (x[real[b, u] & active[b, k] & (j != k)] for x in (b, u, k, j))
-            close = torch.cat([  # value centres for those pairs only, MERGE_PAIRS pairs at a time
-                (unit_v[b[i : i + MERGE_PAIRS], j[i : i + MERGE_PAIRS]] * unit_v[b[i : i + MERGE_PAIRS], k[i : i + MERGE_PAIRS]])
-                .sum(-1) > 1 - eps_v**2 / 2 for i in range(0, max(b.numel(), 1), MERGE_PAIRS)])
+            close = torch.cat(
+                [  # value centres for those pairs only, MERGE_PAIRS pairs at a time
+                    (
+                        unit_v[b[i : i + MERGE_PAIRS], j[i : i + MERGE_PAIRS]]
+                        * unit_v[b[i : i + MERGE_PAIRS], k[i : i + MERGE_PAIRS]]
+                    ).sum(-1)
+                    > 1 - eps_v**2 / 2
+                    for i in range(0, max(b.numel(), 1), MERGE_PAIRS)
+                ]
+            )
             b, u, k, j = (x[close] for x in (b, u, k, j))
             below = j < k
             from_candidates.view(-1).scatter_reduce_(0, (b * capacity + k)[below], j[below], reduce="amin")
@@ -428,7 +457,9 @@ class ProtoBank:
         total = weight_i.index_add(0, slot_of, weight_j)
         for name in ("centre_k", "centre_v", "mu"):
             flat = getattr(self, name).view(rows * capacity, -1)
-            summed = (flat[targets].double() * weight_i[:, None]).index_add_(0, slot_of, flat[source].double() * weight_j[:, None])
+            summed = (flat[targets].double() * weight_i[:, None]).index_add_(
+                0, slot_of, flat[source].double() * weight_j[:, None]
+            )
             merged = (summed / total.clamp_min(1)[:, None]).to(flat.dtype)
             flat[targets] = torch.where((total == 0)[:, None], flat[targets], merged)
         for name in ("hist_k", "hist_v", "n_res"):

@@ -49,7 +49,9 @@ def running_mean_before(
     prefix = torch.cumsum(dense, dim=1)  # sum_{i<=r} (1-a)^-i x_i
     previous = rank - 1  # mu_{r-1}: the mean after the previous token of the group (mu_0 for the first)
     r = previous.clamp_min(0).double()[:, None]
-    after_previous = (1 - rate) ** (r + 1) * start.double() + rate * (1 - rate) ** r * prefix[gid, previous.clamp_min(0)]
+    after_previous = (1 - rate) ** (r + 1) * start.double() + rate * (1 - rate) ** r * prefix[
+        gid, previous.clamp_min(0)
+    ]
     return torch.where((rank > 0)[:, None], after_previous, start.double()).to(values.dtype)
 
 
@@ -69,7 +71,14 @@ def mahalanobis_form(mu: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     mx, my = mu[..., 0], mu[..., 1]
     # (s-mu)^T A (s-mu) = ia x^2 + 2 ib x y + id y^2 - 2 x (ia mx + ib my) - 2 y (ib mx + id my) + mu^T A mu
     coef = torch.stack(
-        [ia, 2 * ib, id_, -2 * (ia * mx + ib * my), -2 * (ib * mx + id_ * my), ia * mx * mx + 2 * ib * mx * my + id_ * my * my],
+        [
+            ia,
+            2 * ib,
+            id_,
+            -2 * (ia * mx + ib * my),
+            -2 * (ib * mx + id_ * my),
+            ia * mx * mx + 2 * ib * mx * my + id_ * my * my,
+        ],
         dim=-1,
     )  # [B, K, 6]
     return coef.double().transpose(1, 2)
@@ -82,5 +91,3 @@ def quadratic_distance(spatial: torch.Tensor, form: torch.Tensor) -> torch.Tenso
     # The quadratic form in float64 (its expanded terms cancel), its square root in float32 (as precise as needed:
     # the distance is returned in float32 either way, and a float64 square root of [B, E, K] costs more than the form).
     return (features.double() @ form).clamp_min_(0).float().sqrt_()
-
-

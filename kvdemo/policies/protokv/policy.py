@@ -146,8 +146,10 @@ class ProtoKV(Policy, SummaryRegion):
         if self.beam < 0 or self.t_idle < 0 or self.smoothing <= 0:
             raise PolicyParameterError("beam and t_idle must be >= 0 and smoothing > 0")
         if 0 < self.beam < self.pseudo_tokens:
-            raise PolicyParameterError(f"beam={self.beam} is narrower than S={self.pseudo_tokens} pseudo-tokens (it "
-                                       f"would repeat code tuples); use beam >= {self.pseudo_tokens}, or 0 for 4 S")
+            raise PolicyParameterError(
+                f"beam={self.beam} is narrower than S={self.pseudo_tokens} pseudo-tokens (it "
+                f"would repeat code tuples); use beam >= {self.pseudo_tokens}, or 0 for 4 S"
+            )
 
     # --- budget ---------------------------------------------------------------------------
     def split(self, budget: int, chunk: int = 0) -> tuple[int, int]:
@@ -204,7 +206,9 @@ class ProtoKV(Policy, SummaryRegion):
             "pending_merges": int(bank.pending.sum()),
             "ms": {name: round(ms, 3) for name, ms in timer.ms.items()},
         }
-        return Selection(indices, {"reason": reasons, "touched": touched, "phase_ms": dict(self._last["ms"])}, summary=summary)
+        return Selection(
+            indices, {"reason": reasons, "touched": touched, "phase_ms": dict(self._last["ms"])}, summary=summary
+        )
 
     @staticmethod
     def _near_with_text(view: LayerView, keep: int) -> int:
@@ -218,7 +222,9 @@ class ProtoKV(Policy, SummaryRegion):
         """An empty bank of ``rows x prototypes`` slots with this policy's PQ shape, warm-up and view history."""
         if dim % self.subquantizers:
             raise PolicyParameterError(f"head dim {dim} is not divisible by {self.subquantizers} PQ sub-quantisers")
-        return ProtoBank.empty(rows, prototypes, dim, grid, self.subquantizers, self.codewords, self.warmup, self.history, device)
+        return ProtoBank.empty(
+            rows, prototypes, dim, grid, self.subquantizers, self.codewords, self.warmup, self.history, device
+        )
 
     @staticmethod
     def _gather(views: list[LayerView], index: torch.Tensor) -> Tokens:
@@ -247,8 +253,16 @@ class ProtoKV(Policy, SummaryRegion):
         rows, cols = views[0].grid
         row, col = torch.cat(row).float(), torch.cat(col).float()
         spatial = torch.stack([(row + 0.5) / rows, (col + 0.5) / cols], dim=-1)
-        return Tokens(keys, torch.cat(values).float(), spatial, position, torch.cat(frame).long(), row.long(), col.long(),
-                      torch.cat(order).long())
+        return Tokens(
+            keys,
+            torch.cat(values).float(),
+            spatial,
+            position,
+            torch.cat(frame).long(),
+            row.long(),
+            col.long(),
+            torch.cat(order).long(),
+        )
 
     # --- Alg. 1 -----------------------------------------------------------------------------
     def absorb(
@@ -293,8 +307,9 @@ class ProtoKV(Policy, SummaryRegion):
                 choice = assign(bank, keys, spatial, t, self.lambda_sp, self.lambda_idle, self.t_idle)  # [B, E]
             assigned = torch.where(rest, choice, assigned)
             with timer.phase("update", device):
-                cell, residual_k, residual_v = bank.update(keys, values, spatial, position, choice, rest, t,
-                                                           self.centre_rate, self.spatial_rate)
+                cell, residual_k, residual_v = bank.update(
+                    keys, values, spatial, position, choice, rest, t, self.centre_rate, self.spatial_rate
+                )
             with timer.phase("residuals", device):
                 self._record_residuals(bank, cell, rest, residual_k, residual_v)
         touched = torch.zeros(rows, bank.capacity, dtype=torch.bool, device=device)
@@ -303,7 +318,12 @@ class ProtoKV(Policy, SummaryRegion):
         return touched
 
     def _record_residuals(
-        self, bank: ProtoBank, cell: torch.Tensor, mask: torch.Tensor, residual_k: torch.Tensor, residual_v: torch.Tensor
+        self,
+        bank: ProtoBank,
+        cell: torch.Tensor,
+        mask: torch.Tensor,
+        residual_k: torch.Tensor,
+        residual_v: torch.Tensor,
     ) -> None:
         """Alg. 1 line 13 (:meth:`ProtoBank.record_residuals`); one seam, so a test can read the residuals."""
         bank.record_residuals(cell, mask, residual_k, residual_v)
@@ -333,11 +353,16 @@ class ProtoKV(Policy, SummaryRegion):
         valid = torch.gather(touched, 1, order)
         order = torch.where(valid, order, order[:, :1])
         codes = self.residual_codes(bank, order)  # Alg. 3 over every row at once
-        centre_k, centre_v = gather_rows(bank.centre_k, order)[:, :, None], gather_rows(bank.centre_v, order)[:, :, None]
+        centre_k, centre_v = (
+            gather_rows(bank.centre_k, order)[:, :, None],
+            gather_rows(bank.centre_v, order)[:, :, None],
+        )
         position = gather_rows(bank.tau_pos, order)[:, :, None]  # one position per prototype [B, U, 1, 3]
         slots = (order[:, :, None] * s + torch.arange(s, device=order.device)).flatten(1)  # [B, U*S]
         mass = bank.mass.double()
-        bias = torch.where(mass > 0, mass.clamp_min(1).log() if self.mass_bias else torch.zeros_like(mass), float("-inf"))
+        bias = torch.where(
+            mass > 0, mass.clamp_min(1).log() if self.mass_bias else torch.zeros_like(mass), float("-inf")
+        )
         bias = bias.float().repeat_interleave(s, dim=1)  # [B, K*S]
         dim = bank.centre_k.shape[-1]
         updates = []
@@ -365,14 +390,17 @@ class ProtoKV(Policy, SummaryRegion):
         out = []
         empty = (gather_rows(bank.n_res, protos) == 0)[:, :, None, None]  # [B, U, 1, 1]
         for hist, codebook in ((bank.hist_k, bank.codebook_k), (bank.hist_v, bank.codebook_v)):
-            codes = beam_search(gather_rows(hist, protos), self.pseudo_tokens, self.beam or 4 * self.pseudo_tokens, self.smoothing)
+            codes = beam_search(
+                gather_rows(hist, protos), self.pseudo_tokens, self.beam or 4 * self.pseudo_tokens, self.smoothing
+            )
             with_zero = torch.cat([codebook, codebook.new_zeros(*codebook.shape[:2], 1, codebook.shape[-1])], dim=2)
             out.append((torch.where(empty, codebook.shape[2], codes), with_zero))
         return out
 
     @staticmethod
-    def residual_modes(codes: list[tuple[torch.Tensor, torch.Tensor]] | None, part: slice, shape: tuple[int, ...],
-                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def residual_modes(
+        codes: list[tuple[torch.Tensor, torch.Tensor]] | None, part: slice, shape: tuple[int, ...], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoded key and value residual modes ``shape = [rows, U, S, D]`` of rows ``part`` (zero without codes),
         fresh tensors."""
         if codes is None:
@@ -423,7 +451,9 @@ class ProtoKV(Policy, SummaryRegion):
             "active": int(bank.active.sum()),
             "active_per_row": round(float(bank.active.sum(dim=1).double().mean()), 2),
             "mass_total": int(mass.sum()),
-            "mass_quantiles": {q: float(torch.quantile(mass.double(), q / 100)) for q in (10, 50, 90, 100)} if mass.numel() else {},
+            "mass_quantiles": {q: float(torch.quantile(mass.double(), q / 100)) for q in (10, 50, 90, 100)}
+            if mass.numel()
+            else {},
             "codebooks_trained": bank.codebook_k is not None,
             "residual_updates": int(bank.n_res.sum()),
             "merged": bank.merged,

@@ -22,13 +22,17 @@ def train_codebooks(reservoir: torch.Tensor, groups: int, codewords: int, iterat
     on the whole reservoir (one mini-batch); an emptied cluster keeps its codeword.
     """
     rows, count, dim = reservoir.shape
-    points = reservoir.view(rows, count, groups, dim // groups).transpose(1, 2).reshape(rows * groups, count, dim // groups)
+    points = (
+        reservoir.view(rows, count, groups, dim // groups).transpose(1, 2).reshape(rows * groups, count, dim // groups)
+    )
     start = torch.linspace(0, count - 1, codewords, device=reservoir.device).round().long()
     centres = points[:, start].clone()
     for _ in range(iterations):
         nearest = arg_min(torch.cdist(points, centres))  # [BG, R]
         sums = torch.zeros_like(centres).scatter_add_(1, nearest[..., None].expand_as(points), points)
-        counts = torch.zeros(centres.shape[:2], device=points.device).scatter_add_(1, nearest, torch.ones_like(nearest, dtype=torch.float32))
+        counts = torch.zeros(centres.shape[:2], device=points.device).scatter_add_(
+            1, nearest, torch.ones_like(nearest, dtype=torch.float32)
+        )
         centres = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], centres)
     return centres.view(rows, groups, codewords, dim // groups)
 
@@ -108,14 +112,18 @@ def beam_search(hist: torch.Tensor, modes: int, beam: int, smoothing: float) -> 
     if (largest * groups + 1) * max(width_max, 1) * codewords >= 2**62:
         raise ValueError("beam search scores would overflow int64: fewer pseudo-tokens or codewords")
     if total.numel() and float(total.max()) >= 2**31:
-        raise ValueError("beam search needs histograms of fewer than 2^31 residuals (their codewords are ranked by count)")
+        raise ValueError(
+            "beam search needs histograms of fewer than 2^31 residuals (their codewords are ranked by count)"
+        )
     # Per sub-quantiser, its best codewords (score first, then the lower codeword). A score grows strictly with its
     # count (two counts below 2^31 differ by more than 2^-32 in log-probability), so they are the codewords with the
     # most counts: integer keys that carry their codeword in the low digit, sorted, then scored (``top`` of ``C``).
     best = top_k_values(counts * codewords + (codewords - 1 - code), top)  # [..., G, top], best first
     best_count, low = _floor_divmod(best, codewords)  # low: codewords - 1 - the codeword
     logp = best_count.double().add_(smoothing).div_(total).log_()
-    best = torch.round(logp.mul_(SCORE_SCALE)).long().mul_(codewords).add_(low).movedim(-2, 0).contiguous()  # [G, ..., top]
+    best = (
+        torch.round(logp.mul_(SCORE_SCALE)).long().mul_(codewords).add_(low).movedim(-2, 0).contiguous()
+    )  # [G, ..., top]
     code_score = _floor_divmod(best, codewords)[0]
     scores = torch.zeros(*lead, 1, dtype=torch.long, device=hist.device)
     lex = torch.zeros_like(scores)  # each beam's rank in lexicographic order of its prefix
@@ -130,7 +138,9 @@ def beam_search(hist: torch.Tensor, modes: int, beam: int, smoothing: float) -> 
         span = beams * codewords
         beam_key = scores * span - lex * codewords + (span - codewords)
         code_key = code_score[g] * (span - codewords) + best[g]
-        kept = top_k_values(torch.gather(beam_key, -1, beam_of) + torch.gather(code_key, -1, code_of), width)  # best first
+        kept = top_k_values(
+            torch.gather(beam_key, -1, beam_of) + torch.gather(code_key, -1, code_of), width
+        )  # best first
         scores, low = _floor_divmod(kept, span)
         order = span - 1 - low  # the prefix's lexicographic rank * codewords + the code
         prefix, code_of_beam = _floor_divmod(order, codewords)
