@@ -29,18 +29,18 @@ def media() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny():
+def tiny_random():
     from kvdemo.models.qwen2_vl import build_tiny_model
 
     return build_tiny_model()
 
 
 @pytest.fixture(scope="session")
-def pancake(media, tiny):
+def pancake(media, tiny_random):
     """The real clip at 2 fps, frames sized for the random tiny model (Qwen's video defaults: 252 x 420)."""
     from kvdemo.media.video import load_video
 
-    return load_video(media / "flipping_a_pancake.mkv", fps=2.0, model=tiny)
+    return load_video(media / "flipping_a_pancake.mkv", fps=2.0, model=tiny_random)
 
 
 @pytest.fixture

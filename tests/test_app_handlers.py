@@ -166,13 +166,13 @@ def test_single_layer_head_view_colours_by_reason(hub, media):
 
 
 @pytest.mark.parametrize("policy, names", [("uniform", {0, 1}), ("sliding-window", {0})])
-def test_baselines_colour_by_their_own_reasons(tiny, pancake, policy, names):
+def test_baselines_colour_by_their_own_reasons(tiny_random, pancake, policy, names):
     """Uniform and sliding-window say why they kept a token; tokens appended since the last pass are 'new'."""
     from kvdemo.stream.engine import StreamEngine
     from kvdemo.stream.streaming import stream_video
 
-    engine = StreamEngine(tiny, policy, budget=540, keep=405, fps=pancake.fps)
-    list(stream_video(tiny, pancake, {"p": engine}))
+    engine = StreamEngine(tiny_random, policy, budget=540, keep=405, fps=pancake.fps)
+    list(stream_video(tiny_random, pancake, {"p": engine}))
     codes = viz.reason_map(engine.memory, layer=0, head=1)
     held = codes[codes != viz.EVICTED]
     assert set(np.unique(held)) <= names | {REASON_NEW}
@@ -323,15 +323,15 @@ def test_small_frames_get_enlarged_thumbnails_with_crisp_patches():
     assert viz.thumbnail(np.zeros((240, 426, 3), np.uint8)).shape == (180, 320, 3)  # large frames still shrink
 
 
-def test_policies_declare_their_views_and_viz_draws_them(tiny, pancake):
+def test_policies_declare_their_views_and_viz_draws_them(tiny_random, pancake):
     """ProtoKV's assignment map and bank, HybridKV's head map: declared by the policy, drawn by viz; per-head
     views show summarised (ProtoKV) and offloaded / retrieved (HybridKV) patches."""
     from kvdemo.stream.engine import StreamEngine
     from kvdemo.stream.streaming import stream_video
 
-    proto = StreamEngine(tiny, "protokv", budget=560, fps=pancake.fps, policy_params={"warmup": 64})
-    hybrid = StreamEngine(tiny, "hybridkv", budget=540, keep=405, fps=pancake.fps, max_new_tokens=4)
-    list(stream_video(tiny, pancake, {"p": proto, "h": hybrid}))
+    proto = StreamEngine(tiny_random, "protokv", budget=560, fps=pancake.fps, policy_params={"warmup": 64})
+    hybrid = StreamEngine(tiny_random, "hybridkv", budget=540, keep=405, fps=pancake.fps, max_new_tokens=4)
+    list(stream_video(tiny_random, pancake, {"p": proto, "h": hybrid}))
     hybrid.answer("What is it?")
     thumbs = [viz.thumbnail(frame) for frame in pancake.frames[::2]]
     panels = {engine.policy.name: viz.draw_views(engine.policy_views(1, 0), thumbs) for engine in (proto, hybrid)}
@@ -345,14 +345,14 @@ def test_policies_declare_their_views_and_viz_draws_them(tiny, pancake):
     assert (status[-1] == viz.HELD).sum() > 0 and (status[0] != viz.HELD).all()
     dynamic = [
         (l, h)
-        for l in range(tiny.num_layers)
-        for h in range(tiny.num_kv_heads)
+        for l in range(tiny_random.num_layers)
+        for h in range(tiny_random.num_kv_heads)
         if not hybrid.policy.report()["head_class"][l][h] == "static"
     ]
     layer, head = dynamic[0]
     status = viz.patch_status(hybrid, layer, head)
     assert (status == viz.RETRIEVED).any() and (status == viz.HELD).any()
-    assert viz.patch_status(StreamEngine(tiny, "uniform", budget=540, keep=405), 0, 0) is None
+    assert viz.patch_status(StreamEngine(tiny_random, "uniform", budget=540, keep=405), 0, 0) is None
 
 
 def test_a_caption_wider_than_its_tile_wraps_instead_of_running_into_the_next():

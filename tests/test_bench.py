@@ -111,7 +111,7 @@ def test_reference_comparison_loads_the_users_file_and_compares_kept_tokens(tmp_
     "name, params",
     [("uniform", {}), ("sliding-window", {}), ("infinipot-v", {}), ("cords", {}), ("protokv", {"warmup": 8})],
 )
-def test_the_simulated_stream_compresses_where_the_engine_does(tiny, name, params):
+def test_the_simulated_stream_compresses_where_the_engine_does(tiny_random, name, params):
     """The bench's simulated stream (random keys, no model) and the engine on the tiny model compress before the
     same grids. 12 chunks of t = 135 tokens (9 x 15), M = 4t, C = 2t: a selection policy holds 4t after four
     chunks, so it compresses before chunks 4, 6, 8 and 10. ProtoKV at M = 540 with chunks of 135 has 33 prototypes
@@ -123,16 +123,16 @@ def test_the_simulated_stream_compresses_where_the_engine_does(tiny, name, param
     from kvdemo.stream.lineup import Contender, make_engines
     from kvdemo.world.synthetic import synthetic_video
 
-    video = synthetic_video(num_frames=24, height=252, width=420, fps=2.0, seed=5).resized(tiny.geometry)
-    stream = FrameStream(tiny, 2.0)
+    video = synthetic_video(num_frames=24, height=252, width=420, fps=2.0, seed=5).resized(tiny_random.geometry)
+    stream = FrameStream(tiny_random, 2.0)
     chunks = [stream.push(video.frames[i : i + 2]) for i in range(0, 24, 2)]
     assert {(c.rows, c.cols, c.num_tokens) for c in chunks} == {(9, 15, 135)}
-    engine = make_engines(tiny, [Contender(name, params)], 540, 270, fps=2.0)[name]
+    engine = make_engines(tiny_random, [Contender(name, params)], 540, 270, fps=2.0)[name]
     engine_grids = [g for g, chunk in enumerate(chunks) if any(e.event == "compress" for e in engine.feed_chunk(chunk))]
     shape = dict(
-        num_layers=tiny.num_layers,
-        num_kv_heads=tiny.num_kv_heads,
-        head_dim=tiny.head_dim,
+        num_layers=tiny_random.num_layers,
+        num_kv_heads=tiny_random.num_kv_heads,
+        head_dim=tiny_random.head_dim,
         budget=540,
         keep=270,
         grid=(9, 15),

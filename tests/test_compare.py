@@ -39,15 +39,15 @@ def test_bad_choices_are_one_line_errors(names, text, message, kind):
         parse_overrides(names, text)
 
 
-def test_a_policy_line_gives_it_its_own_budget_and_parameters(tiny):
+def test_a_policy_line_gives_it_its_own_budget_and_parameters(tiny_random):
     contenders = parse_overrides(["infinipot-v", "hybridkv"], "hybridkv: M=480 C=360 share=0.5\n")
-    engines = compare_engines(tiny, contenders, 320, 240, 2.0)
+    engines = compare_engines(tiny_random, contenders, 320, 240, 2.0)
     assert list(engines) == ["infinipot-v", "hybridkv", "full"]
     assert (engines["infinipot-v"].budget.M, engines["infinipot-v"].budget.C) == (320, 240)
     assert (engines["hybridkv"].budget.M, engines["hybridkv"].budget.C) == (480, 360)
     assert engines["hybridkv"].policy.share == 0.5 and engines["full"].budget.M is None
     with pytest.raises(PolicyParameterError, match="alpha"):
-        compare_engines(tiny, parse_overrides(["cords"], "cords: alpha=x"), 320, 240, 2.0)
+        compare_engines(tiny_random, parse_overrides(["cords"], "cords: alpha=x"), 320, 240, 2.0)
 
 
 def test_the_stated_memory_bound_holds_in_real_bytes():

@@ -140,17 +140,17 @@ def test_recent_tail_is_always_kept():
     assert (frames == 14).sum() == P and (frames == 15).sum() == P
 
 
-def test_coverage_of_full_is_zero_and_of_a_policy_is_positive(tiny, pancake):
+def test_coverage_of_full_is_zero_and_of_a_policy_is_positive(tiny_random, pancake):
     from kvdemo.stream.engine import StreamEngine
     from kvdemo.stream.streaming import stream_video
 
-    full = StreamEngine(tiny, "full", fps=2.0)
-    cords = StreamEngine(tiny, "cords", budget=540, keep=405, fps=2.0)
-    list(stream_video(tiny, pancake, {"full": full, "cords": cords}))
+    full = StreamEngine(tiny_random, "full", fps=2.0)
+    cords = StreamEngine(tiny_random, "cords", budget=540, keep=405, fps=2.0)
+    list(stream_video(tiny_random, pancake, {"full": full, "cords": cords}))
     self_cover = nearest_retained_distances(full.memory, full.memory)
     assert all(float(d.max()) < 1e-5 for d in self_cover.values())
     distances = nearest_retained_distances(full.memory, cords.memory)
-    n = tiny.num_layers * tiny.num_kv_heads * 1350
+    n = tiny_random.num_layers * tiny_random.num_kv_heads * 1350
     assert all(d.shape == (n,) for d in distances.values())
     assert float(distances["joint"].mean()) > 0
     summary = coverage(full.memory, cords.memory)
@@ -410,21 +410,21 @@ def test_above_keep_leaves_layers_outside_the_active_set_uncompressed():
         make_policy("cords", above="drop")
 
 
-def test_above_keep_through_the_engine_keeps_every_token_above_the_active_set(tiny, small_video):
+def test_above_keep_through_the_engine_keeps_every_token_above_the_active_set(tiny_random, small_video):
     """6 temporal grids of 4 x 6 tokens; bottom 25% of the tiny model's layers = layer 0 only. Layer 0 stays
     under M; the other layers hold the whole stream (the documented price of ``above=keep``)."""
     from kvdemo.stream.engine import StreamEngine
     from kvdemo.stream.streaming import stream_video
 
-    engine = StreamEngine(tiny, "cords", budget=72, keep=48, fps=2.0, policy_params={"above": "keep"})
-    list(stream_video(tiny, small_video, {"cords": engine}))
+    engine = StreamEngine(tiny_random, "cords", budget=72, keep=48, fps=2.0, policy_params={"above": "keep"})
+    list(stream_video(tiny_random, small_video, {"cords": engine}))
     rows, cols = engine.memory.grid_shape
     assert (engine.memory.num_grids, rows, cols) == (6, 4, 6)
-    assert engine.last_selection_info["uncompressed_layers"] == list(range(1, tiny.num_layers))
+    assert engine.last_selection_info["uncompressed_layers"] == list(range(1, tiny_random.num_layers))
     assert engine.memory.frame[0].shape[1] <= 72
     everything = {(g, r, c) for g in range(engine.memory.num_grids) for r in range(rows) for c in range(cols)}
-    for layer in range(1, tiny.num_layers):
-        for head in range(tiny.num_kv_heads):
+    for layer in range(1, tiny_random.num_layers):
+        for head in range(tiny_random.num_kv_heads):
             held = zip(*(t[layer][head].tolist() for t in (engine.memory.frame, engine.memory.row, engine.memory.col)))
             assert set(held) == everything
 

@@ -101,7 +101,7 @@ def test_every_policy_compresses_on_another_device_as_on_the_cpu(policy, placeme
 
 
 @pytest.mark.parametrize("policy", POLICIES + ["full"])
-def test_the_engine_streams_and_answers_on_another_device(policy, tiny):
+def test_the_engine_streams_and_answers_on_another_device(policy, tiny_random):
     """The tiny model's weights on the emulated device: prefill through the attention seam, compressions, the
     question on a fork (HybridKV's retrieval from host memory, ProtoKV's biased pseudo-tokens) answer exactly
     as on the CPU, and asking leaves the memory bit-identical."""
@@ -119,8 +119,8 @@ def test_the_engine_streams_and_answers_on_another_device(policy, tiny):
         return answer, engine.memory.visual_tokens
 
     with torch.inference_mode():
-        expected = run(copy.deepcopy(tiny))
-    model = copy.deepcopy(tiny)
+        expected = run(copy.deepcopy(tiny_random))
+    model = copy.deepcopy(tiny_random)
     mode = EmulatedDevice()
     with mode, torch.inference_mode():
         place_module(model.hf)

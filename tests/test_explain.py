@@ -120,7 +120,7 @@ def streamed(trained):
 
 
 def test_attribution_is_the_softmax_of_the_answer_tokens_mapped_through_provenance(trained, streamed):
-    tiny = trained
+    tiny_random = trained
     _, engines = streamed
     engine = engines["infinipot-v"]
     memory = engine.memory
@@ -129,11 +129,11 @@ def test_attribution_is_the_softmax_of_the_answer_tokens_mapped_through_provenan
     engine.reset_dialogue()
     assert all(torch.equal(a, b) for a, b in zip(before, memory.keys))  # attributing never writes the memory
     # The question's queries, captured by the seam on a forward of the same prompt (one answer token: prefill only).
-    embeds = tiny.question_embeds([], "What colour was the circle?")
-    positions, _ = tiny.text_positions(memory.cursor, int(embeds.shape[0]))
+    embeds = tiny_random.question_embeds([], "What colour was the circle?")
+    positions, _ = tiny_random.text_positions(memory.cursor, int(embeds.shape[0]))
     cache = MemoryCache(memory)
     cache.capture = {}
-    tiny.forward(embeds, positions, cache)
+    tiny_random.forward(embeds, positions, cache)
     attribution = answer.attribution
     rows, cols = memory.grid_shape
     expected_map = np.zeros((memory.num_grids, rows, cols))
@@ -143,7 +143,7 @@ def test_attribution_is_the_softmax_of_the_answer_tokens_mapped_through_provenan
         live = memory.live_len(layer)
         keys = memory.layers[layer].keys[:, :, : live + q_len]  # the question's own keys sit in the slack
         query = cache.capture[layer][None]
-        weights = loop_weights(query, keys, None, tiny.head_dim**-0.5)  # [H, group * q, kv]
+        weights = loop_weights(query, keys, None, tiny_random.head_dim**-0.5)  # [H, group * q, kv]
         total = weights.sum(dim=1)  # [H, kv]
         share = total / total.sum(dim=1, keepdim=True)
         start = memory.visual_start
@@ -183,7 +183,7 @@ def test_attribution_is_off_unless_asked_and_in_the_report(streamed):
 
 
 def test_fidelity_is_zero_for_the_same_memory_and_grows_with_eviction(trained, streamed):
-    tiny = trained
+    tiny_random = trained
     _, engines = streamed
     full, policy = engines["full"], engines["infinipot-v"]
     question = "What colour was the circle?"
@@ -192,12 +192,12 @@ def test_fidelity_is_zero_for_the_same_memory_and_grows_with_eviction(trained, s
     assert max(results["full"]["layer_error"]) == pytest.approx(0.0, abs=1e-9)
     assert min(results["infinipot-v"]["layer_error"]) > 0.01
     # Layer 0's error restated: the full cache's queries (captured), its question keys, and the policy's memory.
-    embeds = tiny.question_embeds([], question)
-    positions, _ = tiny.text_positions(full.memory.cursor, int(embeds.shape[0]))
+    embeds = tiny_random.question_embeds([], question)
+    positions, _ = tiny_random.text_positions(full.memory.cursor, int(embeds.shape[0]))
     cache = MemoryCache(full.memory)
     cache.capture = {}
-    full_logits = tiny.forward(embeds, positions, cache)
-    q_len, scale = int(embeds.shape[0]), tiny.head_dim**-0.5
+    full_logits = tiny_random.forward(embeds, positions, cache)
+    q_len, scale = int(embeds.shape[0]), tiny_random.head_dim**-0.5
     live_full, live_policy = full.memory.live_len(0), policy.memory.live_len(0)
     keys_full = full.memory.layers[0].keys[:, :, : live_full + q_len]
     values_full = full.memory.layers[0].values[:, :, : live_full + q_len]
@@ -211,7 +211,7 @@ def test_fidelity_is_zero_for_the_same_memory_and_grows_with_eviction(trained, s
     expected = float((out_policy - out_full).norm() / out_full.norm())
     assert results["infinipot-v"]["layer_error"][0] == pytest.approx(expected, rel=1e-3)
     own = MemoryCache(policy.memory)
-    policy_logits = tiny.forward(embeds, positions, own)
+    policy_logits = tiny_random.forward(embeds, positions, own)
     kl = torch.nn.functional.kl_div(
         torch.log_softmax(policy_logits.double(), -1),
         torch.log_softmax(full_logits.double(), -1),

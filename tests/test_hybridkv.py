@@ -214,7 +214,7 @@ def test_offload_store_fetches_a_later_pass_s_chunk_where_heads_interleave_in_th
         assert store.last_fetched[2, h, :n].tolist() == [f + 2 for _, _, f in expected]
 
 
-def test_classify_with_question_runs_one_pass_with_the_question_as_the_probe(tiny, pancake):
+def test_classify_with_question_runs_one_pass_with_the_question_as_the_probe(tiny_random, pancake):
     """``classify_with=question``: asking first compresses with the question itself as the probe, so the
     classes, budgets and kept tokens equal a pass computed by hand on a copy with that probe; the default
     leaves the memory alone."""
@@ -223,17 +223,22 @@ def test_classify_with_question_runs_one_pass_with_the_question_as_the_probe(tin
     question = "What is in the pan?"
     engines = {
         mode: StreamEngine(
-            tiny, make_policy("hybridkv", classify_with=mode), budget=540, keep=405, fps=pancake.fps, max_new_tokens=3
+            tiny_random,
+            make_policy("hybridkv", classify_with=mode),
+            budget=540,
+            keep=405,
+            fps=pancake.fps,
+            max_new_tokens=3,
         )
         for mode in ("probe", "question")
     }
-    list(stream_video(tiny, pancake, engines))
+    list(stream_video(tiny_random, pancake, engines))
     engine = engines["question"]
     assert engine.memory.visual_tokens > 405  # a chunk arrived after the last compression
 
     def pass_on_a_copy(text):
-        twin = copy.deepcopy(engine).attach(tiny)  # pickles without the model
-        selection = twin.policy.compress(twin.memory.views(tiny.rotary, twin._probe(text)), 405)
+        twin = copy.deepcopy(engine).attach(tiny_random)  # pickles without the model
+        selection = twin.policy.compress(twin.memory.views(tiny_random.rotary, twin._probe(text)), 405)
         twin.memory.apply(selection)
         return twin, selection
 
@@ -259,21 +264,22 @@ def test_classify_with_question_runs_one_pass_with_the_question_as_the_probe(tin
         make_policy("hybridkv", classify_with="answer")
 
 
-def test_ragged_budgets_are_real_bytes_and_the_memory_survives_a_question(tiny, pancake):
-    engine = StreamEngine(tiny, "hybridkv", budget=540, keep=405, fps=pancake.fps, max_new_tokens=6)
-    list(stream_video(tiny, pancake, {"p": engine}))
+def test_ragged_budgets_are_real_bytes_and_the_memory_survives_a_question(tiny_random, pancake):
+    engine = StreamEngine(tiny_random, "hybridkv", budget=540, keep=405, fps=pancake.fps, max_new_tokens=6)
+    list(stream_video(tiny_random, pancake, {"p": engine}))
     memory = engine.memory
     budgets = engine.last_selection_info["budget"]
     resident = kept = engine.last_selection_info["resident"]
-    assert (budgets.sum(dim=1) == 405 * tiny.num_kv_heads).all()
+    assert (budgets.sum(dim=1) == 405 * tiny_random.num_kv_heads).all()
     # every head holds its resident share of its budget plus the chunk that arrived after the last compression
-    for layer in range(tiny.num_layers):
+    for layer in range(tiny_random.num_layers):
         assert memory.head_counts(layer).tolist() == (resident[layer] + 135).tolist()
     assert max(e.visual_tokens for e in memory.timeline) <= 540
-    per_head_token = 2 * tiny.head_dim * 4
+    per_head_token = 2 * tiny_random.head_dim * 4
     resident = int((resident + 135).sum()) * per_head_token
     assert memory.nbytes - memory.padding_bytes == resident + sum(
-        2 * memory.visual_start * tiny.num_kv_heads * tiny.head_dim * 4 for _ in range(tiny.num_layers)
+        2 * memory.visual_start * tiny_random.num_kv_heads * tiny_random.head_dim * 4
+        for _ in range(tiny_random.num_layers)
     )
     assert memory.offloaded_bytes > 0 and memory.timeline[-1].offloaded_bytes == memory.offloaded_bytes
     stores = [s.offload for s in memory.layers]
@@ -295,13 +301,13 @@ def test_ragged_budgets_are_real_bytes_and_the_memory_survives_a_question(tiny, 
     assert report["policy_state"]["static_heads"] + report["policy_state"]["dynamic_heads"] == 8
 
 
-def test_with_budgets_covering_every_token_answers_equal_the_full_cache(tiny, pancake):
+def test_with_budgets_covering_every_token_answers_equal_the_full_cache(tiny_random, pancake):
     """Every head dynamic (score cutoff 1.0) and one compression whose retrieval budget covers everything
     offloaded: each answering forward attends to exactly the full cache's tokens."""
     policy = make_policy("hybridkv", theta=1.0, cutoff="score", accounting="resident")
-    hybrid = StreamEngine(tiny, policy, budget=1215, keep=675, fps=pancake.fps, max_new_tokens=10)
-    full = StreamEngine(tiny, "full", fps=pancake.fps, max_new_tokens=10)
-    list(stream_video(tiny, pancake, {"h": hybrid, "f": full}))
+    hybrid = StreamEngine(tiny_random, policy, budget=1215, keep=675, fps=pancake.fps, max_new_tokens=10)
+    full = StreamEngine(tiny_random, "full", fps=pancake.fps, max_new_tokens=10)
+    list(stream_video(tiny_random, pancake, {"h": hybrid, "f": full}))
     assert hybrid.stats.compressions == 1 and hybrid.memory.offloaded_bytes > 0
     a, b = hybrid.answer("What is cooking?"), full.answer("What is cooking?")
     assert a.answer == b.answer and a.tokens == b.tokens
@@ -328,18 +334,18 @@ def test_static_heads_keep_local_then_salient_tokens():
     assert offload.tokens[0].tolist() == list(range(9)) and int(offload.retrieve[0]) == 8
 
 
-def test_hybridkv_on_a_long_stream_stays_within_m(tiny):
+def test_hybridkv_on_a_long_stream_stays_within_m(tiny_random):
     from kvdemo.world.synthetic import synthetic_video
 
     video = synthetic_video(num_frames=80, height=112, width=168, fps=2.0, seed=4)
-    engine = StreamEngine(tiny, "hybridkv", budget=96, keep=48, fps=2.0, max_new_tokens=4)
-    list(stream_video(tiny, video, {"p": engine}))
+    engine = StreamEngine(tiny_random, "hybridkv", budget=96, keep=48, fps=2.0, max_new_tokens=4)
+    list(stream_video(tiny_random, video, {"p": engine}))
     assert max(e.visual_tokens for e in engine.memory.timeline) <= 96
     assert engine.stats.compressions >= 10
     assert engine.answer("What moved?").tokens >= 1
 
 
-def test_query_time_context_fits_the_budget_and_m_by_default(tiny, pancake, monkeypatch):
+def test_query_time_context_fits_the_budget_and_m_by_default(tiny_random, pancake, monkeypatch):
     """Issue 20, item 3. What each head attends to while answering, counted from the attention itself (its resident
     tokens in the memory plus the tokens retrieval hands the attention function), never exceeds its budget with
     the default accounting (the chunk fed after the last pass aside), and its layer's mean never exceeds M; the
@@ -360,7 +366,7 @@ def test_query_time_context_fits_the_budget_and_m_by_default(tiny, pancake, monk
     monkeypatch.setattr(MemoryCache, "retrieval", counting)
     engines = {
         accounting: StreamEngine(
-            tiny,
+            tiny_random,
             make_policy("hybridkv", accounting=accounting),
             budget=540,
             keep=405,
@@ -369,7 +375,7 @@ def test_query_time_context_fits_the_budget_and_m_by_default(tiny, pancake, monk
         )
         for accounting in ("budget", "resident")
     }
-    list(stream_video(tiny, pancake, engines))
+    list(stream_video(tiny_random, pancake, engines))
     seen = {}
     for accounting, engine in engines.items():
         fetched.clear()
@@ -385,7 +391,7 @@ def test_query_time_context_fits_the_budget_and_m_by_default(tiny, pancake, monk
         context = torch.stack(
             [
                 engine.memory.head_counts(layer) + fetched.get(layer, torch.zeros(2, dtype=torch.long))
-                for layer in range(tiny.num_layers)
+                for layer in range(tiny_random.num_layers)
             ]
         )
         seen[accounting] = (context, budget, static, since_pass)

@@ -102,9 +102,9 @@ def test_a_lineup_that_cannot_run_is_one_line(contenders, baseline, message):
     assert str(error.value) == message
 
 
-def test_make_engines_builds_the_contenders_then_the_capped_baseline(tiny):
+def test_make_engines_builds_the_contenders_then_the_capped_baseline(tiny_random):
     engines = make_engines(
-        tiny,
+        tiny_random,
         ["uniform", Contender("protokv", budget=64)],
         96,
         72,
@@ -121,12 +121,12 @@ def test_make_engines_builds_the_contenders_then_the_capped_baseline(tiny):
     assert engines["protokv"].memory.summary_slots == 48  # the memory sized by the resolved budget
 
 
-def test_each_build_gets_fresh_policies_unless_given_an_instance(tiny):
-    first, second = (make_engines(tiny, ["protokv"], 64, fps=2.0)["protokv"] for _ in range(2))
+def test_each_build_gets_fresh_policies_unless_given_an_instance(tiny_random):
+    first, second = (make_engines(tiny_random, ["protokv"], 64, fps=2.0)["protokv"] for _ in range(2))
     assert first.policy is not second.policy  # a name: a fresh policy (its state is the engine's)
     mine = make_policy("protokv", warmup=16)
-    assert make_engines(tiny, [mine], 64, fps=2.0)["protokv"].policy is mine
-    assert list(make_engines(tiny, ["full"], fps=2.0)) == ["full"]  # the full cache as a contender of its own
+    assert make_engines(tiny_random, [mine], 64, fps=2.0)["protokv"].policy is mine
+    assert list(make_engines(tiny_random, ["full"], fps=2.0)) == ["full"]  # the full cache as a contender of its own
 
 
 @pytest.mark.parametrize("megabytes, expected", [(None, None), (0, None), (1, 2**20), (2.5, 5 * 2**19)])

@@ -175,9 +175,9 @@ def test_a_summary_region_sits_between_prefix_and_visual_tokens():
     assert held_tokens(memory, 0, 0) == [3, 4, 5]
 
 
-def test_engine_memory_holds_m_slots_and_questions_use_the_slack(tiny, pancake):
-    engine = StreamEngine(tiny, "sliding-window", budget=540, keep=405, fps=pancake.fps, max_new_tokens=4)
-    list(stream_video(tiny, pancake, {"p": engine}))
+def test_engine_memory_holds_m_slots_and_questions_use_the_slack(tiny_random, pancake):
+    engine = StreamEngine(tiny_random, "sliding-window", budget=540, keep=405, fps=pancake.fps, max_new_tokens=4)
+    list(stream_video(tiny_random, pancake, {"p": engine}))
     store = engine.memory.layers[0]
     assert store.capacity <= engine.memory.prefix_len + 540 + 256  # grown to M and a question, never past
     pointers = [s.keys.data_ptr() for s in engine.memory.layers]
@@ -189,12 +189,12 @@ def test_engine_memory_holds_m_slots_and_questions_use_the_slack(tiny, pancake):
     assert all(e.moved_bytes == 135 * engine.memory.token_bytes() for e in appends)
 
 
-def test_sliding_window_keeps_the_newest_frames_across_passes_with_scrambled_slots(tiny, pancake):
-    engine = StreamEngine(tiny, "sliding-window", budget=405, keep=270, fps=pancake.fps)
-    list(stream_video(tiny, pancake, {"p": engine}))
+def test_sliding_window_keeps_the_newest_frames_across_passes_with_scrambled_slots(tiny_random, pancake):
+    engine = StreamEngine(tiny_random, "sliding-window", budget=405, keep=270, fps=pancake.fps)
+    list(stream_video(tiny_random, pancake, {"p": engine}))
     assert engine.stats.compressions >= 3
     # 10 grids of 135: the last compression kept grids 7-8 (270 tokens), then grid 9 arrived.
-    for layer in range(tiny.num_layers):
+    for layer in range(tiny_random.num_layers):
         assert sorted(engine.memory.frame[layer][0].unique().tolist()) == [7, 8, 9]
 
 
@@ -213,15 +213,15 @@ def test_synthetic_memory_deepcopies_for_benchmarks():
         ("hybridkv", {"budget": 540, "keep": 405}),
     ],
 )
-def test_an_engine_pickles_without_its_model_and_continues_identically(tiny, pancake, policy, params):
+def test_an_engine_pickles_without_its_model_and_continues_identically(tiny_random, pancake, policy, params):
     """What a ZeroGPU worker receives: the engine's state (live slots only) crosses a process boundary and,
     re-bound to the model, streams and answers exactly as the engine that never left."""
     import pickle
 
     from kvdemo.stream.engine import FrameStream
 
-    stay = StreamEngine(tiny, policy, fps=2.0, max_new_tokens=5, **params)
-    stream = FrameStream(tiny, 2.0)
+    stay = StreamEngine(tiny_random, policy, fps=2.0, max_new_tokens=5, **params)
+    stream = FrameStream(tiny_random, 2.0)
     chunks = [stream.push(pancake.frames[i : i + 2]) for i in range(0, 20, 2)]
     for chunk in chunks[:6]:
         stay.feed_chunk(chunk)
@@ -229,7 +229,7 @@ def test_an_engine_pickles_without_its_model_and_continues_identically(tiny, pan
     assert b"Qwen2_5_VLForConditionalGeneration" not in blob
     live = sum(t.numel() * t.element_size() for t in stay.memory.keys + stay.memory.values)
     assert len(blob) < live + 2_000_000  # the live slots, not the preallocated capacity
-    moved = pickle.loads(blob).bind(tiny)
+    moved = pickle.loads(blob).bind(tiny_random)
     for chunk in chunks[6:]:
         stay.feed_chunk(chunk)
         moved.feed_chunk(chunk)
@@ -250,11 +250,11 @@ def test_an_engine_pickles_without_its_model_and_continues_identically(tiny, pan
         ("sliding-window", {"budget": 540, "keep": 405}),
     ],
 )
-def test_buffers_follow_what_the_stream_holds_not_the_budget_typed(tiny, pancake, policy, params):
+def test_buffers_follow_what_the_stream_holds_not_the_budget_typed(tiny_random, pancake, policy, params):
     """An M the stream never reaches allocates nothing for it (it reserved 2.2 GB for a 640-token stream); a
     reachable M grows the buffers geometrically up to what it needs and no further."""
-    engine = StreamEngine(tiny, policy, fps=pancake.fps, max_new_tokens=4, **params)
-    list(stream_video(tiny, pancake, {"p": engine}))
+    engine = StreamEngine(tiny_random, policy, fps=pancake.fps, max_new_tokens=4, **params)
+    list(stream_video(tiny_random, pancake, {"p": engine}))
     engine.answer("What is it?")
     memory = engine.memory
     streamed = (memory.prefix_len + memory.tokens_seen) * memory.token_bytes()  # everything the stream brought

@@ -39,25 +39,25 @@ def test_qwen2_positions_step_one_per_grid():
     assert pos[2].tolist() == [5, 6] * 4
 
 
-def test_visual_positions_agree_with_transformers_rope_index(tiny):
+def test_visual_positions_agree_with_transformers_rope_index(tiny_random):
     """For a whole clip, transformers' own get_rope_index gives the same visual positions."""
     grids, rows, cols, fps = 3, 4, 5, 3.0
-    prefix = tiny.tokenize(tiny.prefix_text())
-    video_id = tiny.hf.config.video_token_id
-    ids = prefix + [video_id] * (grids * rows * cols) + tiny.tokenize("<|vision_end|>hi")
+    prefix = tiny_random.tokenize(tiny_random.prefix_text())
+    video_id = tiny_random.hf.config.video_token_id
+    ids = prefix + [video_id] * (grids * rows * cols) + tiny_random.tokenize("<|vision_end|>hi")
     token_type = [0] * len(prefix) + [2] * (grids * rows * cols) + [0] * (len(ids) - len(prefix) - grids * rows * cols)
-    hf_pos, _ = tiny.hf.model.get_rope_index(
+    hf_pos, _ = tiny_random.hf.model.get_rope_index(
         torch.tensor([ids]),
         mm_token_type_ids=torch.tensor([token_type]),
         video_grid_thw=torch.tensor([[grids, rows * 2, cols * 2]]),
         second_per_grid_ts=torch.tensor([2 / fps]),
     )
-    ours = _positions(grids, rows, cols, len(prefix), fps, tiny.tokens_per_second)
+    ours = _positions(grids, rows, cols, len(prefix), fps, tiny_random.tokens_per_second)
     visual = slice(len(prefix), len(prefix) + grids * rows * cols)
     assert torch.equal(hf_pos[:, 0, visual], ours)
 
 
-def test_text_after_a_long_video_starts_after_the_largest_position(tiny, monkeypatch):
+def test_text_after_a_long_video_starts_after_the_largest_position(tiny_random, monkeypatch):
     """A question starts at the largest position used so far + 1: the original Qwen2-VL / Qwen2.5-VL rule
     (``st_idx = llm_pos_ids_list[-1].max() + 1`` for text after a vision block, in Qwen's release code and
     transformers 4.x), the one the models were trained with.
@@ -72,9 +72,9 @@ def test_text_after_a_long_video_starts_after_the_largest_position(tiny, monkeyp
 
     fps, grids, rows, cols, per_chunk = 1.0, 150, 2, 3, 10
     per_grid = rows * cols
-    engine = StreamEngine(tiny, "sliding-window", budget=120, keep=60, fps=fps)
+    engine = StreamEngine(tiny_random, "sliding-window", budget=120, keep=60, fps=fps)
     g = torch.Generator().manual_seed(0)
-    width = tiny.embed_text([0]).shape[-1]
+    width = tiny_random.embed_text([0]).shape[-1]
     local = torch.arange(per_chunk * per_grid)
     for first in range(0, grids, per_chunk):
         engine.feed_chunk(
@@ -94,33 +94,33 @@ def test_text_after_a_long_video_starts_after_the_largest_position(tiny, monkeyp
             )
         )
     seen = []
-    forward = tiny.forward
+    forward = tiny_random.forward
     monkeypatch.setattr(
-        tiny,
+        tiny_random,
         "forward",
         lambda embeds, positions, cache: seen.append(positions.clone()) or forward(embeds, positions, cache),
     )
     engine.answer("What moved?", max_new_tokens=1)
     question = seen[0]  # the question's prefill: [3, n] positions
     s = engine.memory.prefix_len
-    assert tiny.tokens_per_second == 2 and s == len(tiny.tokenize(tiny.prefix_text()))
+    assert tiny_random.tokens_per_second == 2 and s == len(tiny_random.tokenize(tiny_random.prefix_text()))
     last_video = s + (grids - 1) * 4
     n = question.shape[1]
     assert torch.equal(question, torch.arange(last_video + 1, last_video + 1 + n).expand(3, -1))
 
     # The same token sequence through transformers 5.23's get_rope_index.
-    prefix = tiny.tokenize(tiny.prefix_text())
-    text = tiny.tokenize(tiny.question_text([], "What moved?"))
+    prefix = tiny_random.tokenize(tiny_random.prefix_text())
+    text = tiny_random.tokenize(tiny_random.question_text([], "What moved?"))
     video = grids * per_grid
-    ids = prefix + [tiny.hf.config.video_token_id] * video + text
-    hf_pos, _ = tiny.hf.model.get_rope_index(
+    ids = prefix + [tiny_random.hf.config.video_token_id] * video + text
+    hf_pos, _ = tiny_random.hf.model.get_rope_index(
         torch.tensor([ids]),
         mm_token_type_ids=torch.tensor([[0] * len(prefix) + [2] * video + [0] * len(text)]),
         video_grid_thw=torch.tensor([[grids, rows * 2, cols * 2]]),
         second_per_grid_ts=torch.tensor([2 / fps]),
     )
     g_, r_, c_ = torch.meshgrid(torch.arange(grids), torch.arange(rows), torch.arange(cols), indexing="ij")
-    ours_video = mrope_positions(g_.flatten(), r_.flatten(), c_.flatten(), s, 2 / fps, tiny.tokens_per_second)
+    ours_video = mrope_positions(g_.flatten(), r_.flatten(), c_.flatten(), s, 2 / fps, tiny_random.tokens_per_second)
     assert torch.equal(hf_pos[:, 0, s : s + video], ours_video)  # the video itself agrees
     assert int(ours_video.max()) == last_video == s + 596
     hf_question = hf_pos[:, 0, s + video :]
@@ -128,25 +128,25 @@ def test_text_after_a_long_video_starts_after_the_largest_position(tiny, monkeyp
     assert int(question[0, 0] - hf_question[0, 0]) == 594 == math.floor((grids - 1) * 2 / fps * 2) + 1 - max(rows, cols)
 
 
-def test_chunked_encoding_equals_whole_clip(tiny, pancake):
+def test_chunked_encoding_equals_whole_clip(tiny_random, pancake):
     frames, times = pancake.frames[:8], pancake.times_s[:8]
-    whole = tiny.encode(frames, 0, times, fps=2.0)
-    parts = [tiny.encode(frames[i : i + 2], i // 2, times[i : i + 2], fps=2.0) for i in range(0, 8, 2)]
+    whole = tiny_random.encode(frames, 0, times, fps=2.0)
+    parts = [tiny_random.encode(frames[i : i + 2], i // 2, times[i : i + 2], fps=2.0) for i in range(0, 8, 2)]
     torch.testing.assert_close(torch.cat([p.embeds for p in parts]), whole.embeds, atol=1e-5, rtol=1e-5)
     assert torch.equal(torch.cat([p.grid for p in parts]), whole.grid)
     assert whole.num_grids == 4 and whole.rows == 9 and whole.cols == 15
     assert whole.grid_times_s == [0.0, 1.0, 2.0, 3.0]
 
 
-def test_tiny_model_is_the_transformers_class_and_deterministic(tiny):
+def test_tiny_model_is_the_transformers_class_and_deterministic(tiny_random):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from kvdemo.models.qwen2_vl import build_tiny_model
 
-    assert isinstance(tiny.hf, Qwen2_5_VLForConditionalGeneration)
-    assert tiny.random_weights
+    assert isinstance(tiny_random.hf, Qwen2_5_VLForConditionalGeneration)
+    assert tiny_random.random_weights
     again = build_tiny_model()
-    for a, b in zip(tiny.hf.parameters(), again.hf.parameters()):
+    for a, b in zip(tiny_random.hf.parameters(), again.hf.parameters()):
         assert torch.equal(a, b)
 
 

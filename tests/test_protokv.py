@@ -77,33 +77,33 @@ def test_a_budget_that_cannot_hold_two_chunks_and_a_prototype_is_one_line():
         budget.check_chunk(16)  # the checks the CLI and the app run before the model loads say the same
 
 
-def test_engine_takes_m_alone_and_checks_the_near_window(tiny, pancake):
-    engine = StreamEngine(tiny, "protokv", budget=540, fps=2.0)
+def test_engine_takes_m_alone_and_checks_the_near_window(tiny_random, pancake):
+    engine = StreamEngine(tiny_random, "protokv", budget=540, fps=2.0)
     assert engine.budget.C is None and engine.memory.summary_slots == 400  # the paper's split until chunks are sized
     engine.feed(pancake.frames[:2])  # one 135-token grid: W = 540 - 33 * 8 = 276 >= 2 x 135
     assert (engine.budget.window, engine.memory.summary_slots, engine.memory.visual_capacity) == (276, 264, 276)
     with pytest.raises(BudgetError, match="C does not apply"):
-        StreamEngine(tiny, "protokv", budget=540, keep=400)
-    small = StreamEngine(tiny, "protokv", budget=277, fps=2.0)  # room for two grids, none for a prototype
+        StreamEngine(tiny_random, "protokv", budget=540, keep=400)
+    small = StreamEngine(tiny_random, "protokv", budget=277, fps=2.0)  # room for two grids, none for a prototype
     with pytest.raises(BudgetError, match="M=277 cannot hold ProtoKV's near window of 270 tokens"):
         small.feed(pancake.frames[:2])
 
 
-def test_the_newest_chunk_stays_exact_through_every_compression(tiny):
+def test_the_newest_chunk_stays_exact_through_every_compression(tiny_random):
     """At the eval's M = 64 on 16-token grids, after every chunk the memory holds every token of the two newest
     grids exactly (read from its provenance), so a question asked right after the evidence left view sees it."""
     from kvdemo.world.synthetic import synthetic_video
 
     video = synthetic_video(num_frames=24, height=112, width=112, fps=2.0, seed=3)
-    engine = StreamEngine(tiny, "protokv", budget=64, fps=2.0)
+    engine = StreamEngine(tiny_random, "protokv", budget=64, fps=2.0)
     for start in range(0, 24, 2):
         engine.feed(video.frames[start : start + 2])
         newest = engine.memory.num_grids - 1
-        for layer in range(tiny.num_layers):
+        for layer in range(tiny_random.num_layers):
             frames = engine.memory.layers[layer].provenance["frame"][:, : engine.memory.layers[layer].visual_len]
             for grid in (newest - 1, newest):
                 if grid >= 0:
-                    assert (frames == grid).sum(dim=1).tolist() == [16] * tiny.num_kv_heads
+                    assert (frames == grid).sum(dim=1).tolist() == [16] * tiny_random.num_kv_heads
     # summary slots count from the start: chunks 1-2 fit 32 + 32 <= 64, each of chunks 3-12 needs a compression
     assert engine.stats.compressions == 10 and engine.memory.summary_slots == 32
 
@@ -133,8 +133,8 @@ def qwen2_vl_model():
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
-def test_unrotate_then_rotate_returns_the_cached_key(tiny, family):
-    model = tiny if family == "qwen2_5_vl" else qwen2_vl_model()
+def test_unrotate_then_rotate_returns_the_cached_key(tiny_random, family):
+    model = tiny_random if family == "qwen2_5_vl" else qwen2_vl_model()
     chunk = synthetic_chunk(3, 2, (4, 5))
     tokens_per_second = model.tokens_per_second  # None for Qwen2-VL: temporal = s + g
     positions = mrope_positions(chunk.grid, chunk.row, chunk.col, 17, 1.0, tokens_per_second).t()  # [n, 3]
@@ -151,22 +151,24 @@ def test_unrotate_then_rotate_returns_the_cached_key(tiny, family):
     torch.testing.assert_close(back, keys, atol=1e-5, rtol=1e-5)
 
 
-def test_unrotated_cached_keys_are_the_projection_before_rope(tiny, small_video):
+def test_unrotated_cached_keys_are_the_projection_before_rope(tiny_random, small_video):
     """End to end: the keys the memory caches for a chunk, un-rotated at their stored positions, equal
     layer 0's key projection of the chunk's embeddings (which never saw a position)."""
     from kvdemo.stream.engine import FrameStream
 
-    engine = StreamEngine(tiny, "full", fps=2.0)
-    stream = FrameStream(tiny, 2.0)
+    engine = StreamEngine(tiny_random, "full", fps=2.0)
+    stream = FrameStream(tiny_random, 2.0)
     chunk = stream.push(small_video.frames[:4])
     engine.feed_chunk(chunk)
-    view = engine.memory.views(tiny.rotary)[0]
-    attention = tiny.hf.model.language_model.layers[0]
+    view = engine.memory.views(tiny_random.rotary)[0]
+    attention = tiny_random.hf.model.language_model.layers[0]
     hidden = attention.input_layernorm(chunk.embeds[None])
     projected = (
-        attention.self_attn.k_proj(hidden).view(chunk.num_tokens, tiny.num_kv_heads, tiny.head_dim).transpose(0, 1)
+        attention.self_attn.k_proj(hidden)
+        .view(chunk.num_tokens, tiny_random.num_kv_heads, tiny_random.head_dim)
+        .transpose(0, 1)
     )
-    unrotated = tiny.rotary.unrotate(view.keys, view.position)
+    unrotated = tiny_random.rotary.unrotate(view.keys, view.position)
     torch.testing.assert_close(unrotated, projected, atol=1e-4, rtol=1e-4)
 
 
@@ -198,25 +200,25 @@ def question_logits(model, memory: KVMemory) -> torch.Tensor:
         )
 
 
-def test_the_seam_without_extras_equals_sdpa(tiny):
+def test_the_seam_without_extras_equals_sdpa(tiny_random):
     """kvdemo's attention with nothing supplied = transformers' sdpa on the same weights and inputs."""
     from transformers import DynamicCache, Qwen2_5_VLForConditionalGeneration
 
     reference = Qwen2_5_VLForConditionalGeneration._from_config(tiny_config(), attn_implementation="sdpa")
-    reference.load_state_dict(tiny.hf.state_dict())
+    reference.load_state_dict(tiny_random.hf.state_dict())
     reference.eval()
-    memory = KVMemory(tiny.num_layers, tiny.num_kv_heads)
-    embeds = prefill(tiny, memory)
-    ours = question_logits(tiny, memory)
-    ids = tiny.tokenize(tiny.prefix_text())
-    text = tiny.tokenize("<|vision_end|>What colour?<|im_end|>\n<|im_start|>assistant\n")
+    memory = KVMemory(tiny_random.num_layers, tiny_random.num_kv_heads)
+    embeds = prefill(tiny_random, memory)
+    ours = question_logits(tiny_random, memory)
+    ids = tiny_random.tokenize(tiny_random.prefix_text())
+    text = tiny_random.tokenize("<|vision_end|>What colour?<|im_end|>\n<|im_start|>assistant\n")
     chunk = synthetic_chunk(0, 2, (3, 4))
     visual = mrope_positions(chunk.grid, chunk.row, chunk.col, len(ids), 1.0, 2.0)
     start = int(visual.max()) + 1
     positions = torch.cat(
         [torch.arange(len(ids)).expand(3, -1), visual, torch.arange(start, start + len(text)).expand(3, -1)], 1
     )
-    all_embeds = torch.cat([tiny.embed_text(ids), embeds, tiny.embed_text(text)])
+    all_embeds = torch.cat([tiny_random.embed_text(ids), embeds, tiny_random.embed_text(text)])
     with torch.inference_mode():
         out = reference(
             inputs_embeds=all_embeds[None], position_ids=positions[:, None], cache=DynamicCache(), use_cache=True
@@ -226,28 +228,28 @@ def test_the_seam_without_extras_equals_sdpa(tiny):
 
 @pytest.mark.parametrize("mass", [1, 3, 7])
 @torch.inference_mode()
-def test_a_prototype_of_mass_n_attends_like_n_duplicates(tiny, mass):
+def test_a_prototype_of_mass_n_attends_like_n_duplicates(tiny_random, mass):
     """S = 1, no residual: one pseudo-token with bias log n = n copies of that key/value, in every layer and
     KV head (GQA: 4 query heads over 2 KV heads), through a real forward of the tiny model."""
     chosen = 5  # the visual token that becomes the prototype
-    summarised = KVMemory(tiny.num_layers, tiny.num_kv_heads, summary_slots=1)
-    prefill(tiny, summarised)
-    duplicated = KVMemory(tiny.num_layers, tiny.num_kv_heads)
-    prefill(tiny, duplicated)
-    others = torch.tensor([i for i in range(24) if i != chosen]).expand(tiny.num_kv_heads, -1)
+    summarised = KVMemory(tiny_random.num_layers, tiny_random.num_kv_heads, summary_slots=1)
+    prefill(tiny_random, summarised)
+    duplicated = KVMemory(tiny_random.num_layers, tiny_random.num_kv_heads)
+    prefill(tiny_random, duplicated)
+    others = torch.tensor([i for i in range(24) if i != chosen]).expand(tiny_random.num_kv_heads, -1)
     updates = []
-    for layer in range(tiny.num_layers):
+    for layer in range(tiny_random.num_layers):
         view = summarised.views()[layer]
         k, v = view.keys[:, chosen : chosen + 1].clone(), view.values[:, chosen : chosen + 1].clone()
-        bias = torch.full((tiny.num_kv_heads, 1), math.log(mass))
+        bias = torch.full((tiny_random.num_kv_heads, 1), math.log(mass))
         updates.append(SummaryUpdate(k, v, bias))
-    summarised.apply(Selection([others] * tiny.num_layers, summary=updates))
+    summarised.apply(Selection([others] * tiny_random.num_layers, summary=updates))
     # The duplicate memory: drop the chosen token, then append `mass` copies of it.
     copies = [
         (update.keys.expand(-1, mass, -1)[None].clone(), update.values.expand(-1, mass, -1)[None].clone())
         for update in updates
     ]
-    duplicated.apply(Selection([others] * tiny.num_layers))
+    duplicated.apply(Selection([others] * tiny_random.num_layers))
     cache = MemoryCache(duplicated)
     for layer, (k, v) in zip(cache.layers, copies):
         layer.update(k, v)
@@ -261,17 +263,19 @@ def test_a_prototype_of_mass_n_attends_like_n_duplicates(tiny, mass):
     duplicated.commit_append(chunk, torch.zeros(3, mass, dtype=torch.long))
     duplicated.cursor = summarised.cursor
     torch.testing.assert_close(
-        question_logits(tiny, summarised), question_logits(tiny, duplicated), atol=1e-4, rtol=1e-4
+        question_logits(tiny_random, summarised), question_logits(tiny_random, duplicated), atol=1e-4, rtol=1e-4
     )
 
 
-def test_a_hidden_summary_slot_changes_nothing(tiny):
+def test_a_hidden_summary_slot_changes_nothing(tiny_random):
     """Unused summary slots carry -inf: attention equals a memory without a summary region."""
-    with_region = KVMemory(tiny.num_layers, tiny.num_kv_heads, summary_slots=4)
-    prefill(tiny, with_region)
-    plain = KVMemory(tiny.num_layers, tiny.num_kv_heads)
-    prefill(tiny, plain)
-    torch.testing.assert_close(question_logits(tiny, with_region), question_logits(tiny, plain), atol=1e-4, rtol=1e-4)
+    with_region = KVMemory(tiny_random.num_layers, tiny_random.num_kv_heads, summary_slots=4)
+    prefill(tiny_random, with_region)
+    plain = KVMemory(tiny_random.num_layers, tiny_random.num_kv_heads)
+    prefill(tiny_random, plain)
+    torch.testing.assert_close(
+        question_logits(tiny_random, with_region), question_logits(tiny_random, plain), atol=1e-4, rtol=1e-4
+    )
 
 
 # --- Alg. 1 token by token ------------------------------------------------------------------------
@@ -634,9 +638,11 @@ def test_mahalanobis_matches_the_plain_formula():
 # --- whole streams --------------------------------------------------------------------------------
 
 
-def test_protokv_streams_the_real_clip_within_m_and_answers(tiny, pancake):
-    engine = StreamEngine(tiny, "protokv", budget=540, fps=pancake.fps, max_new_tokens=6, policy_params={"warmup": 64})
-    list(stream_video(tiny, pancake, {"p": engine}))
+def test_protokv_streams_the_real_clip_within_m_and_answers(tiny_random, pancake):
+    engine = StreamEngine(
+        tiny_random, "protokv", budget=540, fps=pancake.fps, max_new_tokens=6, policy_params={"warmup": 64}
+    )
+    list(stream_video(tiny_random, pancake, {"p": engine}))
     timeline = engine.memory.timeline
     assert max(e.visual_tokens for e in timeline) <= 540
     assert engine.stats.compressions == 8
@@ -647,27 +653,27 @@ def test_protokv_streams_the_real_clip_within_m_and_answers(tiny, pancake):
     slots = engine.policy._bank
     # every slot holds mass or waits for its seed token to leave the window (then hidden from attention)
     assert (
-        int((slots.active | slots.seeded).sum()) == 33 * tiny.num_layers * tiny.num_kv_heads
+        int((slots.active | slots.seeded).sum()) == 33 * tiny_random.num_layers * tiny_random.num_kv_heads
         and bank["codebooks_trained"]
     )
-    assert bank["mass_total"] == tiny.num_layers * tiny.num_kv_heads * (
+    assert bank["mass_total"] == tiny_random.num_layers * tiny_random.num_kv_heads * (
         engine.memory.tokens_seen - 276
     )  # decay never ran
     answer = engine.answer("What is in the pan?")
     assert answer.tokens >= 1 and report["keep"] is None
-    visible = slots.active.view(tiny.num_layers, tiny.num_kv_heads, -1).sum(-1).double().mean(-1) * 8
+    visible = slots.active.view(tiny_random.num_layers, tiny_random.num_kv_heads, -1).sum(-1).double().mean(-1) * 8
     assert engine.memory.summary_active == round(float(visible.max()))
 
 
-def test_protokv_bookkeeping_stays_bounded_on_a_long_stream(tiny):
+def test_protokv_bookkeeping_stays_bounded_on_a_long_stream(tiny_random):
     from kvdemo.world.synthetic import synthetic_video
 
     video = synthetic_video(num_frames=120, height=112, width=112, fps=2.0, seed=2)
-    engine = StreamEngine(tiny, "protokv", budget=96, fps=2.0, policy_params={"warmup": 32, "history": 8})
-    list(stream_video(tiny, video, {"p": engine}))
+    engine = StreamEngine(tiny_random, "protokv", budget=96, fps=2.0, policy_params={"warmup": 32, "history": 8})
+    list(stream_video(tiny_random, video, {"p": engine}))
     assert max(e.visual_tokens for e in engine.memory.timeline) <= 96
     bank = engine.policy._bank
-    assert bank.assign_map.shape == (tiny.num_layers * tiny.num_kv_heads, 8, 4, 4)
+    assert bank.assign_map.shape == (tiny_random.num_layers * tiny_random.num_kv_heads, 8, 4, 4)
     held = set(bank.assign_grid.tolist()) - {-1}
     assert held and max(held) <= 59 and len(held) <= 8
     assert (
@@ -817,24 +823,24 @@ def test_the_assignment_view_follows_merges_and_marks_recycled_prototypes_lost()
 # --- issue 20: what the paper's quantities mean ----------------------------------------------------
 
 
-def test_every_token_counts_once_in_the_bank_mass(tiny):
+def test_every_token_counts_once_in_the_bank_mass(tiny_random):
     """``n_k`` counts the tokens a prototype summarises: with aging off, every row's total mass equals the tokens
     that left its near window (counted from the memory: tokens fed minus tokens held), on the bundled sample at
     M=128, where prototypes merge and slots are recycled many times."""
     from kvdemo.world.synthetic import sample_episode
 
     video = sample_episode().video
-    engine = StreamEngine(tiny, "protokv", budget=128, fps=video.fps, policy_params={"decay": 0.0})
-    list(stream_video(tiny, video, {"p": engine}))
+    engine = StreamEngine(tiny_random, "protokv", budget=128, fps=video.fps, policy_params={"decay": 0.0})
+    list(stream_video(tiny_random, video, {"p": engine}))
     state = engine.report()["policy_state"]
     assert state["merged"] > 10 and state["recycled"] > 10
     memory = engine.memory
-    for layer in range(tiny.num_layers):
+    for layer in range(tiny_random.num_layers):
         left = memory.tokens_seen - memory.head_counts(layer)  # [H]: tokens fed minus tokens held exactly
-        rows = slice(layer * tiny.num_kv_heads, (layer + 1) * tiny.num_kv_heads)
+        rows = slice(layer * tiny_random.num_kv_heads, (layer + 1) * tiny_random.num_kv_heads)
         assert engine.policy._bank.mass[rows].sum(dim=1).tolist() == left.tolist()
     assert state["mass_total"] == sum(
-        int((memory.tokens_seen - memory.head_counts(l)).sum()) for l in range(tiny.num_layers)
+        int((memory.tokens_seen - memory.head_counts(l)).sum()) for l in range(tiny_random.num_layers)
     )
 
 

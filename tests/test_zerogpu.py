@@ -75,16 +75,16 @@ def test_unpicklable_arguments_fail_in_the_caller_as_on_zerogpu(emulate):
         work(threading.Lock())
 
 
-def test_an_engine_continues_a_stream_in_the_worker_exactly(emulate, tiny, pancake):
+def test_an_engine_continues_a_stream_in_the_worker_exactly(emulate, tiny_random, pancake):
     """Half the clip in the main process, the rest in an emulated GPU call that gets the engine pickled
     (no model) and returns it: the memory equals an engine that never left, and torch runs in the fork."""
     from kvdemo.models.qwen2_vl import build_tiny_model
     from kvdemo.stream.engine import FrameStream, StreamEngine
 
-    stream = FrameStream(tiny, 2.0)
+    stream = FrameStream(tiny_random, 2.0)
     chunks = [stream.push(pancake.frames[i : i + 2]) for i in range(0, 20, 2)]
-    here = StreamEngine(tiny, "infinipot-v", budget=540, keep=405, fps=2.0, max_new_tokens=4)
-    travelled = StreamEngine(tiny, "infinipot-v", budget=540, keep=405, fps=2.0, max_new_tokens=4)
+    here = StreamEngine(tiny_random, "infinipot-v", budget=540, keep=405, fps=2.0, max_new_tokens=4)
+    travelled = StreamEngine(tiny_random, "infinipot-v", budget=540, keep=405, fps=2.0, max_new_tokens=4)
     for chunk in chunks[:5]:
         here.feed_chunk(chunk)
         travelled.feed_chunk(chunk)
@@ -98,7 +98,7 @@ def test_an_engine_continues_a_stream_in_the_worker_exactly(emulate, tiny, panca
         return engine.to("cpu"), answer.answer
 
     travelled, answer = rest(travelled, chunks[5:])
-    travelled.bind(tiny)
+    travelled.bind(tiny_random)
     for chunk in chunks[5:]:
         here.feed_chunk(chunk)
     assert answer == here.answer("What is it?").answer
