@@ -9,7 +9,7 @@ import pytest
 
 from kvdemo.analysis.explain import fidelity
 from kvdemo.app import handlers
-from kvdemo.app.comparing import CompareViews, compare_fidelity, parse_delays, redraw_attribution
+from kvdemo.app.comparing import CompareUpdates, compare_fidelity, parse_delays, redraw_attribution
 from kvdemo.app.page import same_value, unsent
 from kvdemo.app.sessions import AppServices, CompareSettings
 from kvdemo.errors import StreamSettingError
@@ -38,12 +38,12 @@ def settings(**overrides) -> CompareSettings:
 
 def run_comparison(services, previous, path, compare_settings):
     """A run of the comparison page (the one stream path with the comparison's views)."""
-    return handlers.run_stream(services, previous, path, compare_settings, CompareViews())
+    return handlers.run_stream(services, previous, path, compare_settings, CompareUpdates())
 
 
 def ask_comparison(state, question, attribute=True, max_new_tokens=64):
     """A question on the comparison page (the one ask path with the comparison's views)."""
-    return handlers.ask(state, question, CompareViews(), attribute, max_new_tokens)
+    return handlers.ask(state, question, CompareUpdates(), attribute, max_new_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,7 @@ def test_a_new_conversation_clears_every_chat_and_dialogue(services):
     state = list(run_comparison(services, None, None, settings(policies=["sliding-window"])))[-1]["session"]
     list(ask_comparison(state, "Which shape appeared first?", attribute=False, max_new_tokens=4))
     assert all(len(chat) == 2 for chat in state.chat.values())
-    update = handlers.new_conversation(state, CompareViews())
+    update = handlers.new_conversation(state, CompareUpdates())
     assert update["chat:0"] == [] and update["chat:1"] == []
     assert all(engine.history == [] for engine in state.engines.values())
 

@@ -11,7 +11,7 @@ from kvdemo.app.handlers import run_stream, webcam_frame
 from kvdemo.app.layout import CACHE_CLEANUP, build_demo
 from kvdemo.app.sessions import AppServices, RunSettings, Session, Turns
 from kvdemo.app.settings import parse_params, validate_settings
-from kvdemo.app.views import SingleViews, write_chart
+from kvdemo.app.single_updates import SingleUpdates, write_chart
 from kvdemo.cache.memory import REASON_NEW
 from kvdemo.policies import policy_card
 
@@ -39,12 +39,12 @@ def settings(**overrides):
 
 def run_video(hub, session, path, run_settings):
     """A run of the single page (the one stream path with the single page's views)."""
-    return run_stream(hub, session, path, run_settings, SingleViews())
+    return run_stream(hub, session, path, run_settings, SingleUpdates())
 
 
 def ask(session, question):
     """A question on the single page (the one ask path with the single page's views)."""
-    return handlers.ask(session, question, SingleViews())
+    return handlers.ask(session, question, SingleUpdates())
 
 
 def run(hub, session, path, **overrides):
@@ -384,7 +384,7 @@ def test_a_redraw_while_a_webcam_chunk_is_fed_waits_for_it(hub, monkeypatch):
     viz.survivor_strip. A redraw takes the session's turn like a question, so it sees a whole chunk."""
     import threading
 
-    from kvdemo.app import views
+    from kvdemo.app import single_updates
     from kvdemo.app.layout import Demo
 
     demo = Demo(hub)
@@ -395,14 +395,14 @@ def test_a_redraw_while_a_webcam_chunk_is_fed_waits_for_it(hub, monkeypatch):
     for frame in frames[:2]:
         session = webcam_frame(hub, session, frame, settings(budget=1024, keep=768))["session"]
     half_fed, go = threading.Event(), threading.Event()
-    real = views.live_update
+    real = single_updates.live_update
 
     def paused(*args, **kwargs):  # inside the segment: the memory holds the new grid, the session not its thumbnail
         half_fed.set()
         go.wait(30)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(views, "live_update", paused)
+    monkeypatch.setattr(single_updates, "live_update", paused)
     feeder = threading.Thread(
         target=lambda: [webcam_frame(hub, session, f, settings(budget=1024, keep=768)) for f in frames[2:]]
     )
@@ -480,7 +480,7 @@ def test_a_bug_in_a_handler_is_a_logged_one_line_message_not_a_bare_error_badge(
 def test_small_things_a_new_user_saw_are_right():
     """Issue 23, item 7, in the drawing: "1 token" (not "1 tokens"); the empty chart starts at 0 s; a patch still
     exact in ProtoKV's prototype map is drawn as it is (dimmed, it read as evicted next to the survivor strip)."""
-    from kvdemo.app.page_views import answer_markdown
+    from kvdemo.app.page_updates import answer_markdown
     from kvdemo.stream.engine import Answer
     from kvdemo.views import UNLABELLED
     from kvdemo.viz.views import _label_tile
@@ -503,8 +503,8 @@ def test_counts_agree_and_the_compression_time_is_said_in_words(hub):
     sample's button (a sample kind is always chosen)."""
     from types import SimpleNamespace
 
-    from kvdemo.app.page_views import answer_markdown
-    from kvdemo.app.views import READY, compression_time, status_text
+    from kvdemo.app.page_updates import answer_markdown
+    from kvdemo.app.single_updates import READY, compression_time, status_text
     from kvdemo.stream.engine import Answer
     from kvdemo.views import counted
 

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from kvdemo.app import compare_page, page
-from kvdemo.app.comparing import CompareViews
+from kvdemo.app.comparing import CompareUpdates
 from kvdemo.app.handlers import ask, new_conversation, request_stop, run_stream
 from kvdemo.app.layout import Demo
 from kvdemo.app.sessions import AppServices, CompareSettings, RunSettings
-from kvdemo.app.views import SingleViews
+from kvdemo.app.single_updates import SingleUpdates
 from kvdemo.policies import BudgetError
 from kvdemo.stream.engine import StreamEngine
 from kvdemo.stream.streaming import stream_video
@@ -60,8 +60,8 @@ def compare_settings(**overrides) -> CompareSettings:
 def both(services):
     """The same policy streamed through the one stream path by each page: the single page's and the comparison's
     final updates."""
-    single = list(run_stream(services, None, None, single_settings(), SingleViews()))[-1]
-    compared = list(run_stream(services, None, None, compare_settings(), CompareViews()))[-1]
+    single = list(run_stream(services, None, None, single_settings(), SingleUpdates()))[-1]
+    compared = list(run_stream(services, None, None, compare_settings(), CompareUpdates()))[-1]
     return single, compared
 
 
@@ -101,8 +101,8 @@ def test_one_question_gets_the_library_answers_on_both_pages(both, library):
     for name, engine in library.items():
         expected[name] = engine.answer(QUESTION).answer
         engine.reset_dialogue()
-    single = list(ask(both[0]["session"], QUESTION, SingleViews()))[-1]
-    compared = list(ask(both[1]["session"], QUESTION, CompareViews()))[-1]
+    single = list(ask(both[0]["session"], QUESTION, SingleUpdates()))[-1]
+    compared = list(ask(both[1]["session"], QUESTION, CompareUpdates()))[-1]
     assert single["ask_status"] == "✓ answered by infinipot-v and the full cache"
     assert compared["ask_status"] == "✓ answered by 2 engines"
     panes = {
@@ -120,7 +120,7 @@ def test_one_question_gets_the_library_answers_on_both_pages(both, library):
 
 
 def test_a_new_conversation_clears_the_dialogue_and_keeps_the_memory_on_both_pages(services):
-    for settings, views in ((single_settings(baseline=False), SingleViews()), (compare_settings(), CompareViews())):
+    for settings, views in ((single_settings(baseline=False), SingleUpdates()), (compare_settings(), CompareUpdates())):
         state = list(run_stream(services, None, None, settings, views))[-1]["session"]
         held = {name: engine.memory.nbytes for name, engine in state.engines.items()}
         list(ask(state, QUESTION, views))
@@ -134,15 +134,15 @@ def test_a_new_conversation_clears_the_dialogue_and_keeps_the_memory_on_both_pag
     assert new_conversation(None, views) == {"session": None, "ask_status": ""}
 
 
-@pytest.mark.parametrize("views", [SingleViews(), CompareViews()], ids=["single", "compare"])
+@pytest.mark.parametrize("views", [SingleUpdates(), CompareUpdates()], ids=["single", "compare"])
 def test_stop_ends_either_pages_run_after_the_current_chunk(services, views):
     """Driven step by step in one thread (no sleeps): Stop after the first chunk is fed; the run ends after the next
     chunk it is feeding, and its report says what ran."""
-    settings = single_settings() if isinstance(views, SingleViews) else compare_settings()
+    settings = single_settings() if isinstance(views, SingleUpdates) else compare_settings()
     run = run_stream(services, None, None, settings, views)
     update = next(run)
     # The comparison clears the last question's panes as it starts; the single page once its first chunk is fed.
-    assert ("ask_status" in update) == isinstance(views, CompareViews)
+    assert ("ask_status" in update) == isinstance(views, CompareUpdates)
     while "plot" not in update:  # the first chunk has been fed
         update = next(run)
     state = update["session"]
@@ -157,10 +157,10 @@ def test_stop_ends_either_pages_run_after_the_current_chunk(services, views):
 
 
 def test_several_contenders_name_the_one_a_message_is_about_and_one_does_not(services):
-    one = list(run_stream(services, None, None, single_settings(budget=10, keep=5), SingleViews()))
+    one = list(run_stream(services, None, None, single_settings(budget=10, keep=5), SingleUpdates()))
     assert one[-1]["status"].startswith("⚠️ **M=10 is smaller than one chunk")
     settings = compare_settings(policies=["sliding-window", "infinipot-v"], overrides="infinipot-v: M=10 C=5")
-    several = list(run_stream(services, None, None, settings, CompareViews()))
+    several = list(run_stream(services, None, None, settings, CompareUpdates()))
     assert several[-1]["status"].startswith("⚠️ **infinipot-v: M=10 is smaller than one chunk")
 
 

@@ -319,16 +319,16 @@ def test_cli_compare_on_a_damaged_file_says_what_was_lost(media, capsys, tmp_pat
 
 def test_a_comparison_freed_for_another_session_says_so_when_asked():
     """The comparison tab's sessions count against the app's session limit like the single-policy tab's."""
-    from kvdemo.app.comparing import CompareViews
+    from kvdemo.app.comparing import CompareUpdates
     from kvdemo.app.handlers import ask, run_stream
     from kvdemo.app.sessions import AppServices, CompareSettings
 
     services = AppServices.create("tiny", max_sessions=1)
     settings = CompareSettings("tiny", ["cords"], "", 64, 48, 2.0, 15680, 0.0)
-    first = [u for u in run_stream(services, None, None, settings, CompareViews())][-1]["session"]
-    second = [u for u in run_stream(services, None, None, settings, CompareViews())][-1]["session"]
+    first = [u for u in run_stream(services, None, None, settings, CompareUpdates())][-1]["session"]
+    second = [u for u in run_stream(services, None, None, settings, CompareUpdates())][-1]["session"]
     assert second.group is not None and first.group is None
-    [said] = list(ask(first, "What colour was the circle?", CompareViews(), attribute=True))
+    [said] = list(ask(first, "What colour was the circle?", CompareUpdates(), attribute=True))
     assert "freed to make room" in said["ask_status"]
-    answered = list(ask(second, "What colour was the circle?", CompareViews(), attribute=True))[-1]
+    answered = list(ask(second, "What colour was the circle?", CompareUpdates(), attribute=True))[-1]
     assert answered["ask_status"].startswith("✓")

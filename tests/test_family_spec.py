@@ -107,7 +107,7 @@ def throwaway(monkeypatch):
 
 
 def test_a_family_registered_from_one_spec_goes_through_catalog_load_stream_and_ask(throwaway, tmp_path):
-    from kvdemo.app.views import banner_html
+    from kvdemo.app.single_updates import banner_html
 
     name = "tiny-random-throwaway"
     assert name in catalog.OFFLINE_MODELS and "someone/throwaway-vl" in catalog.REAL_MODELS

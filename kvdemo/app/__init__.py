@@ -4,8 +4,8 @@ cache live, see what survives, and chat with both side by side.
 Rooms: :mod:`.sessions` (models loaded once, settings, one session type for N engines and its turns),
 :mod:`.settings` (what the user typed, checked as a run would), :mod:`.gpu` (the model work as calls with explicit
 state, ZeroGPU-ready: the one feed and ask paths), :mod:`.handlers` (what both pages' buttons do),
-:mod:`.page_views` (what a page shows at each step), :mod:`.page` (both pages' shared events and their one error
-guard); the single page: :mod:`.views` and :mod:`.layout` (also the Blocks; the only Gradio import); the comparison
+:mod:`.page_updates` (what a page shows at each step), :mod:`.page` (both pages' shared events and their one error
+guard); the single page: :mod:`.single_updates` and :mod:`.layout` (also the Blocks; the only Gradio import); the comparison
 page: :mod:`.comparing` and :mod:`.compare_page`. No model logic here: handlers drive :mod:`kvdemo.stream.engine` and draw
 with :mod:`kvdemo.viz`. The single page is a comparison with one contender.
 """

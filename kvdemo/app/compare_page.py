@@ -10,7 +10,7 @@ from typing import Any
 from ..experiments.compare import MAX_POLICIES, compare_budget
 from ..policies import COMPARE_POLICIES
 from ..world.synthetic import sample_episode
-from .comparing import SLOTS, CompareViews, compare_fidelity, redraw_attribution, run_sweep
+from .comparing import SLOTS, CompareUpdates, compare_fidelity, redraw_attribution, run_sweep
 from .handlers import request_stop
 from .page import Page, guard
 from .sessions import SESSION_TTL_S, AppServices, CompareSettings
@@ -20,7 +20,7 @@ from .settings import SAMPLE_KIND_HELP, baseline_cap_default
 class ComparePage(Page):
     """The comparison tab's components (:meth:`build`) and events (:meth:`wire`); ``gr`` is the Gradio module."""
 
-    views = CompareViews()
+    updates = CompareUpdates()
     no_upload = "upload a video first (or compare on the bundled sample)"
     hidden_when_empty = frozenset({"attribution", "fidelity_plot", "sweep_plot"})
     view_choices_reset = True  # a new comparison's attributions are drawn over every layer and head first
@@ -231,7 +231,7 @@ class ComparePage(Page):
             self.strips_legend,
         ]
 
-    def run_settings(self, values: dict[str, Any]) -> tuple[CompareSettings, CompareViews]:
+    def run_settings(self, values: dict[str, Any]) -> tuple[CompareSettings, CompareUpdates]:
         settings = CompareSettings(
             values["model"] or self.services.models.default,
             list(values["policies"] or []),
@@ -243,7 +243,7 @@ class ComparePage(Page):
             float(values["cap_mb"] or 0),
             values["sample_kind"] or "static",
         )
-        return settings, self.views
+        return settings, self.updates
 
     # --- the comparison's own handlers (the shared ones are Page's) ------------------------------------
     @guard("sweep_text")

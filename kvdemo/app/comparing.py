@@ -1,4 +1,4 @@
-"""What the comparison page shows (:class:`CompareViews`: up to four policies and the full cache on one stream,
+"""What the comparison page shows (:class:`CompareUpdates`: up to four policies and the full cache on one stream,
 through the same stream and ask paths as the single page, :mod:`kvdemo.app.handlers`) and what its own buttons do,
 as plain functions (tested without a browser): measure what compression changed, redraw what each answer looked at,
 and sweep the delay after the evidence left view. Each yields or returns update dicts keyed by view name
@@ -21,10 +21,10 @@ from ..experiments.compare import FULL, MAX_POLICIES, comparison_report, model_s
 from ..stream.engine import EngineError
 from ..views import counted
 from .gpu import measure_fidelity, sweep_delays
-from .page_views import PageViews
+from .page_updates import PageUpdates
 from .sessions import CompareSettings, Session
 from .settings import USER_ERRORS
-from .views import ViewChoice
+from .single_updates import DisplayChoice
 
 #: Newest frames in each engine's survivor strip; frames in the attribution heatmaps.
 STRIP_FRAMES = 6
@@ -34,7 +34,7 @@ SLOTS = MAX_POLICIES + 1
 
 
 @dataclass(frozen=True)
-class CompareViews(PageViews):
+class CompareUpdates(PageUpdates):
     """What the comparison page shows: every engine's line in the status and the chart, aligned survivor strips, an
     answer pane per engine (with its title), what each answer looked at, and the report in the CLI's format."""
 
@@ -180,7 +180,7 @@ def strips(state: Session) -> np.ndarray | None:
     )
 
 
-def attribution_update(state: Session, question: str, view: ViewChoice = ViewChoice()) -> dict[str, Any]:
+def attribution_update(state: Session, question: str, view: DisplayChoice = DisplayChoice()) -> dict[str, Any]:
     """The attribution heatmaps (one row per engine, over the frames the answers looked at most) for the chosen layer
     and KV head (all of them by default) and a caption."""
     if not state.attributions:
@@ -217,7 +217,7 @@ def redraw_attribution(state: Session | None, layer: str, head: str) -> dict[str
     """The last answer's attribution for another layer and KV head ("all" or a number)."""
     if state is None or not state.questions:
         return {"attribution_text": "*Ask a question with “what each answer looked at” ticked first.*"}
-    return attribution_update(state, state.questions[-1]["question"], ViewChoice(layer, head))
+    return attribution_update(state, state.questions[-1]["question"], DisplayChoice(layer, head))
 
 
 def compare_fidelity(state: Session | None, question: str) -> dict[str, Any]:
@@ -251,7 +251,7 @@ def compare_fidelity(state: Session | None, question: str) -> dict[str, Any]:
             "session": state,
             "fidelity_plot": figure,
             "fidelity_text": text,
-            "report": CompareViews().write_report(state),
+            "report": CompareUpdates().write_report(state),
         }
 
 

@@ -19,7 +19,7 @@ from ..devices import zerogpu
 from ..experiments.evaluation import Sweep, delay_sweep
 from ..stream.engine import StreamEngine
 from ..stream.streaming import EngineGroup
-from .page_views import PageViews
+from .page_updates import PageUpdates
 from .sessions import Session, model_by_name
 from .settings import FRAMES_PER_CHUNK
 
@@ -66,7 +66,7 @@ class Segment:
     times: np.ndarray | None
     flush: bool
     thumbnails: list[np.ndarray | None]
-    views: PageViews
+    updates: PageUpdates
     total: int | None
     source: str
     chunk_ms: float = 0.0
@@ -79,12 +79,12 @@ class Segment:
         frames: np.ndarray,
         times: np.ndarray | None,
         flush: bool,
-        views: PageViews,
+        updates: PageUpdates,
         total: int | None,
     ) -> "Segment":
         old = len(state.thumbnails)
         recent = [None] * max(0, old - SEGMENT_THUMBNAILS) + state.thumbnails[-SEGMENT_THUMBNAILS:]
-        return cls(state.settings.model, state.group, frames, times, flush, recent, views, total, state.source)
+        return cls(state.settings.model, state.group, frames, times, flush, recent, updates, total, state.source)
 
     def apply_to(self, state: Session, old_thumbnails: int) -> int:
         """Adopt what the call changed (the same objects when it ran in place, new ones from a worker, which
@@ -107,7 +107,7 @@ def segment_duration(segment: Segment) -> int:
 @zerogpu.gpu(duration=segment_duration)
 def stream_segment(segment: Segment) -> Iterator[dict[str, Any]]:
     """Stream the segment's frames into its engines chunk by chunk; after each chunk yield the page's light live
-    update (:meth:`PageViews.segment_update`, if it has one), and finally ``{"segment": segment}``.
+    update (:meth:`PageUpdates.segment_update`, if it has one), and finally ``{"segment": segment}``.
 
     On ZeroGPU (or its emulation) this runs in a forked worker: the engines arrive pickled without their
     model, the model is resolved here by name, and the engines go back on the CPU.
@@ -123,7 +123,7 @@ def stream_segment(segment: Segment) -> Iterator[dict[str, Any]]:
         times = segment.times[start : start + FRAMES_PER_CHUNK] if segment.times is not None else None
         if feed_frames(state, segment.frames[start : start + FRAMES_PER_CHUNK], times, flush=last and segment.flush):
             segment.fed += 1
-            update = segment.views.segment_update(state, segment.total, first=segment.fed == 1)
+            update = segment.updates.segment_update(state, segment.total, first=segment.fed == 1)
             if update:
                 yield update
     segment.chunk_ms = state.chunk_ms  # the thumbnails of the new grids were appended to segment.thumbnails
@@ -138,25 +138,25 @@ def feed_segment(
     frames: np.ndarray,
     times: np.ndarray | None,
     flush: bool,
-    views: PageViews,
+    updates: PageUpdates,
     total: int | None,
     live: bool = False,
 ) -> Generator[dict[str, Any], None, int]:
     """The one feed path of both pages (a file, the bundled sample, the webcam): ``frames`` streamed into the
     session's engines in its turn, as one GPU call (:func:`stream_segment`); returns the chunks fed (0 if the session
     was freed meanwhile). With ``live``, when one call streams many chunks (ZeroGPU), its live updates are yielded
-    as they come, drawn here where every thumbnail is (:meth:`PageViews.drawn`)."""
+    as they come, drawn here where every thumbnail is (:meth:`PageUpdates.drawn`)."""
     fed = 0
     with state.turns.chunk():
         if state.freed:
             return 0
-        segment = Segment.of(state, frames, times, flush, views, total)
+        segment = Segment.of(state, frames, times, flush, updates, total)
         old = len(segment.thumbnails)
         for update in stream_segment(segment):
             if "segment" in update:
                 fed = update["segment"].apply_to(state, old)
             elif live and zerogpu.active():
-                yield {"session": state, **views.drawn(update, state)}
+                yield {"session": state, **updates.drawn(update, state)}
     return fed
 
 

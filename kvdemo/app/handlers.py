@@ -1,7 +1,7 @@
 """What the buttons of both pages do, as plain functions (tested without a browser): start a session (the one place
 the app builds engines), stream a file or the bundled sample (:func:`run_stream`) or the webcam, ask every engine
 (:func:`ask`), start a new conversation, stop. The single page is a comparison with one contender: each handler
-takes the page's :class:`~kvdemo.app.page_views.PageViews`, which says what the page shows at each step. Each
+takes the page's :class:`~kvdemo.app.page_updates.PageUpdates`, which says what the page shows at each step. Each
 yields or returns update dicts keyed by view name (the pages map them to components); errors a user can cause
 end in a message, never an exception."""
 
@@ -20,10 +20,10 @@ from ..stream.lineup import Contender, cap_bytes, make_engines
 from ..stream.streaming import EngineGroup
 from ..views import counted
 from .gpu import answer_into, feed_segment, segment_frames, to_the_end
-from .page_views import PageViews, answer_markdown
+from .page_updates import PageUpdates, answer_markdown
 from .sessions import AppServices, CompareSettings, RunSettings, Session
 from .settings import FRAMES_PER_CHUNK, USER_ERRORS, open_stream, resolve_settings, within_max_pixels
-from .views import SingleViews, ViewChoice
+from .single_updates import DisplayChoice, SingleUpdates
 
 Settings = RunSettings | CompareSettings
 
@@ -63,10 +63,10 @@ def start_session(
 
 
 def run_stream(
-    services: AppServices, session: Session | None, video_path: str | None, settings: Settings, views: PageViews
+    services: AppServices, session: Session | None, video_path: str | None, settings: Settings, updates: PageUpdates
 ) -> Iterator[dict[str, Any]]:
     """Stream a file (the bundled sample of ``settings.sample`` when ``video_path`` is None) into a fresh session;
-    yields the page's updates (``views``) after every chunk. Errors end the run with a message, never an exception.
+    yields the page's updates (``updates``) after every chunk. Errors end the run with a message, never an exception.
 
     The previous session and its views stay until the first chunk of the new stream has been fed; a run that fails
     before that leaves them as they were. :func:`request_stop` ends the run after the current chunk with the report
@@ -80,42 +80,42 @@ def run_stream(
         state = start_session(services, settings, video.describe(), video.size, video.fps)
         state.episode = episode
     except USER_ERRORS as exc:
-        yield views.kept_previous(previous, str(exc))
+        yield updates.kept_previous(previous, str(exc))
         return
     state.running = True
     total = video.num_frames
     committed = False
     try:
-        yield views.starting(state, video.describe())
+        yield updates.starting(state, video.describe())
         chunks = video.chunks(segment_frames())  # decoded lazily, batch by batch, outside the session's turn
         current = next(chunks, None)
         while current is not None and not state.stop_requested and not state.freed:
             following = next(chunks, None)
             _, frames, times = current
-            fed = yield from feed_segment(state, frames, times, following is None, views, total, live=committed)
+            fed = yield from feed_segment(state, frames, times, following is None, updates, total, live=committed)
             current = following
             if fed and not committed:
                 services.sessions.replace(previous, state)
                 committed = True
-                yield {**views.live(state, state.group.frames_seen, total, force=True), **views.fresh(state)}
+                yield {**updates.live(state, state.group.frames_seen, total, force=True), **updates.fresh(state)}
             elif fed:
-                yield views.live(state, state.group.frames_seen, total)
+                yield updates.live(state, state.group.frames_seen, total)
     except USER_ERRORS as exc:
         if not committed:
             state.free()
-            yield views.kept_previous(previous, str(exc))
+            yield updates.kept_previous(previous, str(exc))
             return
-        yield {"session": state, "status": views.status(state, error=str(exc))}
+        yield {"session": state, "status": updates.status(state, error=str(exc))}
         return
     finally:
         state.running = False
         if not committed:
             state.free()  # ended before its first chunk (an error, Stop, or the client went away)
     if not committed:
-        yield views.kept_previous(previous, "stopped before the first chunk")
+        yield updates.kept_previous(previous, "stopped before the first chunk")
         return
     if state.freed:
-        yield {"session": state, "status": views.status(state)}
+        yield {"session": state, "status": updates.status(state)}
         return
     stopped = state.stop_requested
     state.stop_requested = False
@@ -124,7 +124,7 @@ def run_stream(
         state.stopped["run"] = f"stopped by the user at {done} of {counted(total, 'frame')}"
     else:
         state.source, state.lost_frames = video.describe(), video.lost_frames  # now knows the damaged frames
-    yield views.finished(state, done, total if stopped else total - video.lost_frames, stopped)
+    yield updates.finished(state, done, total if stopped else total - video.lost_frames, stopped)
 
 
 def request_stop(session: Session | None) -> None:
@@ -138,7 +138,7 @@ def webcam_frame(
     session: Session | None,
     frame: np.ndarray | None,
     settings: RunSettings,
-    views: SingleViews = SingleViews(),
+    updates: SingleUpdates = SingleUpdates(),
 ) -> dict[str, Any]:
     """One webcam frame: buffered into segments for the engines (never one model call per frame). Starts a
     fresh session on the first frame or when the settings changed."""
@@ -163,21 +163,21 @@ def webcam_frame(
         fed = 0
         if len(state.webcam_frames) >= segment_frames():
             frames, state.webcam_frames = np.stack(state.webcam_frames), []
-            fed = to_the_end(feed_segment(state, frames, None, False, views, None))  # reports once it is fed
+            fed = to_the_end(feed_segment(state, frames, None, False, updates, None))  # reports once it is fed
     except USER_ERRORS as exc:
-        return {"session": state, "status": views.status(state, error=str(exc))}
-    update = views.live(state) if fed else {"session": state}
+        return {"session": state, "status": updates.status(state, error=str(exc))}
+    update = updates.live(state) if fed else {"session": state}
     if started:
-        update.update(views.fresh(state))
+        update.update(updates.fresh(state))
     return update
 
 
 def ask(
-    session: Session | None, question: str, views: PageViews, attribute: bool = False, max_new_tokens: int = 64
+    session: Session | None, question: str, updates: PageUpdates, attribute: bool = False, max_new_tokens: int = 64
 ) -> Iterator[dict[str, Any]]:
     """Ask every engine that runs (each in its own dialogue; ``attribute``: each answer records what it looked at);
     yields the page's chats as the answers stream in, interleaved, and an ``ask_status`` line beside the question
-    box: why it was not asked, or that it was; the last update adds what the answers change (``views.answered``).
+    box: why it was not asked, or that it was; the last update adds what the answers change (``updates.answered``).
 
     The question takes the session's turn before the stream's next chunk (the stream pauses meanwhile, and nothing
     frees the engines until the answer is done).
@@ -189,12 +189,12 @@ def ask(
             if state.freed and state.group is None:
                 raise EngineError(state.freed)
             if not any(engine.memory.num_grids for engine in state.engines.values()):
-                raise EngineError(views.no_video)
+                raise EngineError(updates.no_video)
             if not question:
                 raise EngineError("type a question first")
             next(iter(state.engines.values())).check_question(question)
         except EngineError as exc:
-            yield {"session": state, "ask_status": f"⚠️ {exc}", **views.chats(state)}
+            yield {"session": state, "ask_status": f"⚠️ {exc}", **updates.chats(state)}
             return
         state.last_used = time.monotonic()
         asked = {name: engine for name, engine in state.engines.items() if name not in state.stopped}
@@ -202,28 +202,28 @@ def ask(
             reply = "" if name in asked else f"*{state.stopped[name]}; no answer.*"
             state.chat[name] += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
         for _ in answer_into(state, asked, question, max_new_tokens, attribute):
-            yield {"session": state, "ask_status": "⏳ answering…", **views.chats(state)}
+            yield {"session": state, "ask_status": "⏳ answering…", **updates.chats(state)}
         answers = {name: state.engines[name].answers[-1] for name in asked}
         for name, answer in answers.items():
-            state.chat[name][-1]["content"] = answer_markdown(state, answer, views.answer_details)
-        update = {"session": state, **views.chats(state), **views.answered(state, question, answers)}
+            state.chat[name][-1]["content"] = answer_markdown(state, answer, updates.answer_details)
+        update = {"session": state, **updates.chats(state), **updates.answered(state, question, answers)}
     yield update
 
 
-def new_conversation(session: Session | None, views: PageViews) -> dict[str, Any]:
+def new_conversation(session: Session | None, updates: PageUpdates) -> dict[str, Any]:
     """Every engine's dialogue and chat pane cleared (the memory stays)."""
     if session is not None:
         for engine in session.engines.values():
             engine.reset_dialogue()
         session.chat = {name: [] for name in session.engines}
-    return {"session": session, **views.chats(session), "ask_status": ""}
+    return {"session": session, **updates.chats(session), "ask_status": ""}
 
 
-def redraw(session: Session | None, view: ViewChoice) -> dict[str, Any]:
+def redraw(session: Session | None, view: DisplayChoice) -> dict[str, Any]:
     """The single page's chart, newest-frames view, legend and policy views as ``view`` chooses, drawn in the
     session's turn: between two chunks, never while one is half-fed (its grid in the memory, its thumbnail not
     yet in the session)."""
     if session is None:
         return {"heatmap": None}
     with session.turns.question():
-        return SingleViews(view).redraw(session)
+        return SingleUpdates(view).redraw(session)

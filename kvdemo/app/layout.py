@@ -28,10 +28,9 @@ from .settings import (
     takes_keep,
     validate_settings,
 )
-from .slots import STREAM_SLOTS, WAITING_ROOM
-from .views import (
-    SingleViews,
-    ViewChoice,
+from .single_updates import (
+    DisplayChoice,
+    SingleUpdates,
     banner_html,
     chat_title,
     empty_occupancy_plot,
@@ -40,6 +39,7 @@ from .views import (
     status_text,
     write_chart,
 )
+from .slots import STREAM_SLOTS, WAITING_ROOM
 
 log = logging.getLogger("kvdemo")
 
@@ -71,7 +71,7 @@ class Demo(Page):
     """The Blocks app for ``services`` (:meth:`build`) and its single page (one policy against the full cache);
     builders add components, :meth:`wire` connects them."""
 
-    views = SingleViews()
+    updates = SingleUpdates()
     no_upload = "upload a video first (or click Run the bundled sample)"
     hidden_when_empty = frozenset({"coverage"})
 
@@ -330,7 +330,7 @@ class Demo(Page):
                 out[plot] = gr.update(value=panel.value if panel.kind == "plot" else None, visible=panel.kind == "plot")
         return out
 
-    def run_settings(self, values: dict[str, Any]) -> tuple[RunSettings, SingleViews]:
+    def run_settings(self, values: dict[str, Any]) -> tuple[RunSettings, SingleUpdates]:
         chosen = values["policy"]
         form = {field_name: values[key] for key, (owner, field_name, _) in self.param_inputs.items() if owner == chosen}
         settings = RunSettings(
@@ -345,21 +345,21 @@ class Demo(Page):
             cap_mb=float(values["baseline_cap_mb"] or 0),
             sample=values.get("sample_kind") or "static",
         )
-        view = ViewChoice(
+        view = DisplayChoice(
             values["view_layer"], values["view_head"], bool(values["colour_by_reason"]), bool(values["log_scale"])
         )
-        return settings, SingleViews(view)
+        return settings, SingleUpdates(view)
 
     # --- the single page's own handlers (bound to components in wire; the shared ones are Page's) ---------------
     @guard("status")
     def on_webcam(self, session, frame, **settings):
-        run_settings, views = self.run_settings(settings)
+        run_settings, updates = self.run_settings(settings)
         with self.services.streams.hold():
-            return webcam_frame(self.services, session, frame, run_settings, views)
+            return webcam_frame(self.services, session, frame, run_settings, updates)
 
     @guard("legend")
     def on_redraw(self, session, layer, head, by_reason, log_scale):
-        return redraw(session, ViewChoice(layer, head, bool(by_reason), bool(log_scale)))
+        return redraw(session, DisplayChoice(layer, head, bool(by_reason), bool(log_scale)))
 
     def on_policy(self, name: str):
         gr = self.gr

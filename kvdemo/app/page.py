@@ -2,7 +2,7 @@
 components (a picture an event has sent already not sent again: :func:`unsent`), and the events both pages have:
 run a file or the bundled sample, stop, ask (a typed question or a clicked example), start a new conversation, the
 layer and KV head choices after a run, and the sample's kind. Each page (:class:`kvdemo.app.layout.SinglePage`,
-:class:`kvdemo.app.compare_page.ComparePage`) builds its components and says what its settings and views are;
+:class:`kvdemo.app.compare_page.ComparePage`) builds its components and says what its settings and updates are;
 ``gr`` (the Gradio module) is handed in by :mod:`kvdemo.app.layout`, the only module that imports it."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from ..world.synthetic import sample_episode, sample_manifest
 from .handlers import ask, new_conversation, run_stream
-from .page_views import PageViews
+from .page_updates import PageUpdates
 from .sessions import AppServices
 from .settings import SAMPLE_KIND_HELP, USER_ERRORS
 
@@ -35,14 +35,14 @@ def internal_error(exc: Exception) -> str:
 def guard(key: str) -> Callable:
     """The one error guard of both pages' handlers: a page method's updates (a dict, or a generator of them) mapped
     to components; a user's mistake that got this far said in one line under ``key`` (for the status: the previous
-    stream stays, :meth:`PageViews.kept_previous`), anything else (a bug) logged with its traceback and said in one
+    stream stays, :meth:`PageUpdates.kept_previous`), anything else (a bug) logged with its traceback and said in one
     line: never Gradio's bare "Error" badge, and the app keeps serving."""
 
     def decorate(method: Callable) -> Callable:
         def failed(page: "Page", exc: Exception, args: tuple) -> dict[Any, Any]:
             if isinstance(exc, USER_ERRORS):
                 if key == "status":
-                    return page.to_components(page.views.kept_previous(args[0] if args else None, str(exc)))
+                    return page.to_components(page.updates.kept_previous(args[0] if args else None, str(exc)))
                 return page.to_components({key: f"⚠️ {exc}"})
             log.exception("unexpected error in a handler")
             return page.to_components({key: internal_error(exc)})
@@ -125,12 +125,12 @@ def unsent(update: dict[str, Any], shown: dict[str, Any]) -> dict[str, Any]:
 
 
 class Page(ABC):
-    """A page's shared parts. A page sets :attr:`views`, :attr:`no_upload` and the components the shared events use
+    """A page's shared parts. A page sets :attr:`updates`, :attr:`no_upload` and the components the shared events use
     (``examples``, ``sample_kind``, and ``manifest`` if it has one), and implements :meth:`named` and
     :meth:`run_settings`."""
 
-    #: What the page shows (the run's views may add the user's view choices: :meth:`run_settings`).
-    views: PageViews
+    #: What the page shows (a run's updates may add the user's display choices: :meth:`run_settings`).
+    updates: PageUpdates
     #: What Run says without an upload.
     no_upload = "upload a video first (or run the bundled sample)"
     #: Outputs shown only once they have something to show.
@@ -162,8 +162,8 @@ class Page(ABC):
 
     # --- the events both pages have ------------------------------------------------------------------
     @abstractmethod
-    def run_settings(self, values: dict[str, Any]) -> tuple[Any, PageViews]:
-        """The settings form's values as the page's settings, and the views the run shows."""
+    def run_settings(self, values: dict[str, Any]) -> tuple[Any, PageUpdates]:
+        """The settings form's values as the page's settings, and the updates the run shows."""
         raise NotImplementedError
 
     def in_line(self, run: Callable, key: str = "status"):
@@ -173,7 +173,7 @@ class Page(ABC):
     @guard("status")
     def on_run(self, session, video, **settings):
         if not video:
-            yield self.views.kept_previous(session, self.no_upload)  # Run with no upload runs nothing
+            yield self.updates.kept_previous(session, self.no_upload)  # Run with no upload runs nothing
             return
         yield from self.stream(session, video, settings)
 
@@ -184,22 +184,22 @@ class Page(ABC):
     def stream(self, session, video: str | None, values: dict[str, Any]):
         """A file run (the bundled sample without ``video``), in line for a stream slot first: while it waits, the
         status says where it stands."""
-        settings, views = self.run_settings(values)
-        yield from self.in_line(lambda: run_stream(self.services, session, video, settings, views))
+        settings, updates = self.run_settings(values)
+        yield from self.in_line(lambda: run_stream(self.services, session, video, settings, updates))
 
     @guard("ask_status")
     def on_ask(self, session, question, attribute=False):
-        yield from ask(session, question, self.views, bool(attribute))
+        yield from ask(session, question, self.updates, bool(attribute))
 
     @guard("ask_status")
     def on_example(self, session, example, attribute=False):
         """A sample question clicked: it goes in the box and to every engine at once (one event, no race with Ask)."""
-        for update in ask(session, example[0], self.views, bool(attribute)):
+        for update in ask(session, example[0], self.updates, bool(attribute)):
             yield {**update, "question": example[0]}
 
     @guard("ask_status")
     def on_new_conversation(self, session):
-        return new_conversation(session, self.views)
+        return new_conversation(session, self.updates)
 
     def on_view_choices(self, session):
         """The layers and KV heads of the session's model, for the view's selectors."""

@@ -1,4 +1,4 @@
-"""What the single page shows of a session (:class:`SingleViews`): the status line, the occupancy chart, the newest
+"""What the single page shows of a session (:class:`SingleUpdates`): the status line, the occupancy chart, the newest
 frames and gallery, the views the policy declares (drawn by :mod:`kvdemo.viz`), the legend, chat titles, the run
 report and the chart file. Pure functions of a :class:`~kvdemo.app.sessions.Session`; no Gradio here."""
 
@@ -16,7 +16,7 @@ from ..experiments.compare import FULL
 from ..models.catalog import TRAINED_NOTICE, caveat_for, family_of, family_spec, offline_model
 from ..policies import CARDS, policy_card
 from ..views import View, counted
-from .page_views import PageViews
+from .page_updates import PageUpdates
 from .sessions import CACHE_TTL_S, STATIC_DIR, Session
 from .settings import policy_label
 
@@ -134,7 +134,7 @@ def chat_title(state: Session, name: str) -> str:
 
 
 @dataclass(frozen=True)
-class ViewChoice:
+class DisplayChoice:
     """What the user chose to look at: one layer and KV head or all of them ("all" or a number as text), each
     patch coloured by the policy's reason, and logarithmic chart axes (a policy's sawtooth stays visible next
     to a full cache that has grown)."""
@@ -174,14 +174,14 @@ def layer_head(layer: str | None, head: str | None) -> tuple[int | None, int | N
     return (None if layer in (None, "all") else int(layer)), (None if head in (None, "all") else int(head))
 
 
-def heatmap_image(session: Session, view: ViewChoice = ViewChoice()) -> np.ndarray | None:
+def heatmap_image(session: Session, view: DisplayChoice = DisplayChoice()) -> np.ndarray | None:
     engine = session.engine
     if engine is None or engine.memory.num_grids == 0:
         return None
     return viz.engine_strip(engine, session.thumbnails, *view.indices, by_reason=view.by_reason)
 
 
-def declared_views(session: Session, view: ViewChoice = ViewChoice()) -> list[View]:
+def declared_views(session: Session, view: DisplayChoice = DisplayChoice()) -> list[View]:
     """The views the session's policy declares for the chosen layer and KV head (0 and 0 when the view is
     aggregated over all), as plain data."""
     engine = session.engine
@@ -191,7 +191,7 @@ def declared_views(session: Session, view: ViewChoice = ViewChoice()) -> list[Vi
     return engine.policy_views(layer or 0, head or 0)
 
 
-def policy_panels(session: Session, view: ViewChoice = ViewChoice()) -> list[viz.Panel]:
+def policy_panels(session: Session, view: DisplayChoice = DisplayChoice()) -> list[viz.Panel]:
     """:func:`declared_views`, drawn."""
     return viz.draw_views(declared_views(session, view), session.thumbnails)
 
@@ -203,7 +203,7 @@ def gallery_items(session: Session) -> list[tuple[np.ndarray, str]]:
     return viz.engine_gallery(engine, session.thumbnails)
 
 
-def legend(state: Session, view: ViewChoice = ViewChoice()) -> str:
+def legend(state: Session, view: DisplayChoice = DisplayChoice()) -> str:
     """What the newest-frames view's colours mean for this policy and view."""
     engine = state.engine
     layer, head = view.indices
@@ -225,7 +225,7 @@ def legend(state: Session, view: ViewChoice = ViewChoice()) -> str:
 
 def live_update(
     state: Session,
-    view: ViewChoice,
+    view: DisplayChoice,
     done: int | None = None,
     total: int | None = None,
     force: bool = False,
@@ -306,10 +306,10 @@ def banner_html(model_name: str | None) -> str:
 
 
 @dataclass(frozen=True)
-class SingleViews(PageViews):
+class SingleUpdates(PageUpdates):
     """What the single page shows (one policy against the full cache) as the user's ``view`` chooses."""
 
-    view: ViewChoice = ViewChoice()
+    view: DisplayChoice = DisplayChoice()
     no_video = "no video yet: run a video or the webcam first, then ask"
 
     def status(

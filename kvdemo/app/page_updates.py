@@ -1,6 +1,6 @@
-"""What a page shows of a session, the part both pages share: :class:`PageViews` says what the one stream path
+"""What a page shows of a session, the part both pages share: :class:`PageUpdates` says what the one stream path
 (:func:`kvdemo.app.handlers.run_stream`) and the one ask path (:func:`kvdemo.app.handlers.ask`) show at each step,
-and each page fills it in (:class:`kvdemo.app.views.SingleViews`, :class:`kvdemo.app.comparing.CompareViews`);
+and each page fills it in (:class:`kvdemo.app.single_updates.SingleUpdates`, :class:`kvdemo.app.comparing.CompareUpdates`);
 an answer as a chat pane shows it (:func:`answer_markdown`), what it is worth (:func:`answer_note`) and the report
 file. Pure functions of a :class:`~kvdemo.app.sessions.Session`; no Gradio here."""
 
@@ -17,7 +17,7 @@ from .sessions import Session
 
 
 @dataclass(frozen=True)
-class PageViews(ABC):
+class PageUpdates(ABC):
     """What one page shows of a session as the stream and the questions go (update dicts keyed by view name, which
     the page maps to its components). Instances are small, frozen and picklable: a GPU call carries one."""
 
