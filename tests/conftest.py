@@ -135,3 +135,16 @@ def app_url(app) -> str:
 @pytest.fixture(scope="session")
 def emulated_app_url(emulated_app) -> str:
     return emulated_app.url
+
+
+#: Fixtures that start the real app in a process of its own: every test that uses one (directly or through another
+#: fixture) is in the slow tier.
+LAUNCHING_FIXTURES = {"app", "emulated_app"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``slow`` on every test that launches the app (:data:`LAUNCHING_FIXTURES`): the day-to-day tier
+    (``-m "not slow"``, docs/testing.md) starts no server."""
+    for item in items:
+        if LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -53,6 +53,7 @@ def client(app_url):
     return new_client(app_url)
 
 
+@pytest.mark.slow
 def test_upload_run_ask_and_read_the_report(client, media):
     job = client.submit(handle_file(str(media / "flipping_a_pancake.mkv")), api_name="/run")
     updates = list(job)
@@ -77,6 +78,7 @@ def test_upload_run_ask_and_read_the_report(client, media):
     assert [update[RUN_ASK_STATUS] for update in again.outputs() if update[RUN_ASK_STATUS] != UNCHANGED] == [""]
 
 
+@pytest.mark.slow
 def test_bad_uploads_give_messages_and_the_next_run_works(client, media, tmp_path):
     junk = tmp_path / "notes.mp4"
     junk.write_text("this is not a video")
@@ -131,6 +133,7 @@ def test_as_you_type_check_applies_runs_rule_to_the_uploaded_video(client, media
     )
 
 
+@pytest.mark.slow
 def test_a_failed_run_keeps_the_previous_session_and_its_views(client, media, tmp_path):
     good = client.predict(handle_file(str(media / "flipping_a_pancake.mkv")), api_name="/run")
     header_only = tmp_path / "header_only.mkv"  # opens (20 frames planned) but no frame decodes
@@ -150,6 +153,7 @@ def test_a_failed_run_keeps_the_previous_session_and_its_views(client, media, tm
     )
 
 
+@pytest.mark.slow
 def test_sessions_do_not_see_each_others_streams(app_url, media):
     first = new_client(app_url)
     second = new_client(app_url)
@@ -158,6 +162,7 @@ def test_sessions_do_not_see_each_others_streams(app_url, media):
     assert "no video yet" in other[ASK_STATUS]
 
 
+@pytest.mark.slow
 def test_a_question_during_the_stream_is_answered_before_it_ends(client):
     run = client.submit(api_name="/run_sample")
     for update in run:
@@ -182,6 +187,7 @@ def wait_for(condition, timeout_s: float = 180.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_question_is_served_while_three_sessions_stream(app_url):
     """Three sessions stream at once (more than the stream slots: one waits in the queue); one asks
     mid-stream and is answered from its memory so far while its own and another session's streams run:
@@ -230,6 +236,7 @@ def test_stop_ends_the_run_with_a_status_and_a_report_of_what_ran(client):
     assert "80/80" not in final[STATUS]
 
 
+@pytest.mark.slow
 def test_the_apps_report_has_the_clis_format(client, media, tmp_path):
     from kvdemo.cli import main
 
@@ -259,6 +266,7 @@ def test_the_apps_report_has_the_clis_format(client, media, tmp_path):
     assert app_report["video"] == cli_report["video"] and app_report["frames"] == cli_report["frames"]
 
 
+@pytest.mark.slow
 def test_chart_html_is_made_on_demand_and_runs_leave_no_chart_in_the_cache(client, app, app_url):
     def charts():
         return sorted(app.cache.rglob("*.html"))
@@ -280,6 +288,7 @@ def test_chart_html_is_made_on_demand_and_runs_leave_no_chart_in_the_cache(clien
         assert b"plotly.js" in response.read(2000)
 
 
+@pytest.mark.slow
 def test_the_least_recently_used_session_is_freed_past_the_limit(app_url):
     oldest = new_client(app_url)
     oldest.predict(*sample_settings(0.5), api_name="/run_sample")
@@ -338,6 +347,7 @@ def test_the_app_logs_its_start_and_the_model_it_loaded(app, client):
     assert re.search(r"loaded tiny \(qwen2_5_vl, \d+ attention layers, \d+ KV heads\) on cpu as float32", log)
 
 
+@pytest.mark.slow
 def test_a_huge_budget_costs_what_the_stream_holds_and_absurd_ones_are_one_line(client, app, media):
     """M = 1,000,000 reserved ~2.2 GB for a 150-token stream; 10^12 and 10^25 are one-line messages everywhere."""
     before = app.log.read_text().count("Traceback")
@@ -359,6 +369,7 @@ def test_a_huge_budget_costs_what_the_stream_holds_and_absurd_ones_are_one_line(
     assert app.log.read_text().count("Traceback") == before
 
 
+@pytest.mark.slow
 def test_questions_and_the_replayed_dialogue_are_bounded(client, app):
     """A 100,000-character question tried to allocate 48.5 GB; a few long turns spoiled every later answer
     (the whole dialogue is replayed before each question). Now: a one-line message beside the question box,
@@ -382,6 +393,7 @@ def test_questions_and_the_replayed_dialogue_are_bounded(client, app):
     assert app.log.read_text().count("Traceback") == before
 
 
+@pytest.mark.slow
 def test_what_a_new_user_meets_is_said_where_they_look(client, app, tmp_path):
     """Issue 23, item 7, through the API: the Ask box's messages come back as its own line (not the page's status,
     not an update object) with the chats as lists; a 0-byte upload is named, not the server's temp path; Run with
@@ -408,6 +420,7 @@ def test_what_a_new_user_meets_is_said_where_they_look(client, app, tmp_path):
     assert said == "✓ answered by protokv and the full cache" and len(policy_chat) == 2, "the warning is gone"
 
 
+@pytest.mark.slow
 def test_the_bundled_sample_offers_the_moving_camera_kind(client, app):
     """Issue 22: the sample's kind is a choice (and an API parameter). Choosing "moving" shows what that stream
     holds and its questions; running it streams that stream, and its questions are graded against its own

@@ -7,6 +7,7 @@ import os
 import re
 import urllib.request
 
+import pytest
 from gradio_client import Client, handle_file
 
 from conftest import launch_app
@@ -48,6 +49,7 @@ def test_the_sweeper_deletes_what_is_older_than_its_age_each_round(tmp_path, cap
     ] * 2
 
 
+@pytest.mark.slow
 def test_every_file_the_app_serves_is_swept_and_the_app_keeps_serving(tmp_path_factory, media):
     """The real app's served files (its cache folder), aged by the sweeper's clock rather than by waiting."""
     folder = tmp_path_factory.mktemp("short-cache-app")

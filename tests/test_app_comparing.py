@@ -70,6 +70,7 @@ def library(services):
     return engines, episode
 
 
+@pytest.mark.slow
 def test_a_comparison_streams_the_sample_into_every_engine_as_the_library_does(compared, library):
     updates, state = compared
     engines, _ = library
@@ -163,6 +164,7 @@ def test_fidelity_through_the_handler_is_the_librarys(compared, library):
         assert f"| {name} | {got[name]['first_token_kl']:.4f} |" in update["fidelity_text"]
 
 
+@pytest.mark.slow
 def test_a_new_conversation_clears_every_chat_and_dialogue(services):
     state = list(run_comparison(services, None, None, settings(policies=["sliding-window"])))[-1]["session"]
     list(ask_comparison(state, "Which shape appeared first?", attribute=False, max_new_tokens=4))

@@ -91,12 +91,14 @@ def test_errors_are_messages_and_keep_the_previous_stream(hub, media, tmp_path):
     assert after.engine.frames_fed > 0
 
 
+@pytest.mark.slow
 def test_the_bundled_sample_runs_without_a_file(hub):
     updates, session = run(hub, None, None, budget=1024, keep=768)
     assert "80/80 frames" in updates[-1]["status"] and "generated(seed=7)" in updates[-1]["status"]
     assert session.engine.memory.grid_shape == (4, 4), "the trained tiny model gets its 112 x 112 frames"
 
 
+@pytest.mark.slow
 def test_answers_on_the_sample_are_graded_against_the_ground_truth(hub):
     from kvdemo.world.synthetic import sample_episode
 
@@ -190,6 +192,7 @@ def test_budget_validation_as_you_type():
     assert "positive" in validate_settings("infinipot-v", -5, 50)
 
 
+@pytest.mark.slow
 def test_as_you_type_check_is_runs_rule_against_one_chunk(hub, media):
     # No video yet: a chunk of the bundled sample (what runs without an upload), resized into the model's range:
     # 112 x 112 stays (16 tokens) for the tiny model; Qwen's minimum (tiny-random's) takes it to 336 x 336 (144 tokens).
@@ -230,6 +233,7 @@ def test_throwaway_sessions_make_no_temp_folders(hub, media, tmp_path, monkeypat
     assert not list(tmp_path.glob("kvdemo-*")), "closing a session removes its folder"
 
 
+@pytest.mark.slow
 def test_the_session_pool_frees_the_least_recently_used_session(media):
     small = AppServices.create("tiny", max_sessions=2)
     sessions = [run(small, None, None, fps=0.5, budget=1024, keep=768)[1] for _ in range(2)]
@@ -245,6 +249,7 @@ def test_the_session_pool_frees_the_least_recently_used_session(media):
     assert "20/20 frames" in updates[-1]["status"] and again.engine is not None  # the 40 s sample at 0.5 fps
 
 
+@pytest.mark.slow
 def test_a_new_run_replaces_the_previous_session_only_once_it_streams(hub, media, tmp_path):
     _, first = run(hub, None, media / "flipping_a_pancake.mkv")
     header_only = tmp_path / "header_only.mkv"  # opens, but no frame decodes
@@ -291,6 +296,7 @@ def test_a_waiting_question_goes_before_the_streams_next_chunk():
     assert order == ["chunk 0", "question", "chunk 1", "chunk 2"]
 
 
+@pytest.mark.slow
 def test_the_app_bounds_gradios_cache_and_names_its_limits(hub):
     demo = build_demo(hub)
     assert demo.delete_cache == CACHE_CLEANUP and CACHE_CLEANUP[1] <= 3600
@@ -306,6 +312,7 @@ def test_policy_form_values_are_parsed():
     assert parse_params("cords", {"followers": False, "layers": "all"}) == {"followers": False, "layers": "all"}
 
 
+@pytest.mark.slow
 def test_sessions_are_independent(hub, media):
     _, first = run(hub, None, media / "flipping_a_pancake.mkv")
     _, second = run(hub, None, None, budget=1024, keep=768)

@@ -11,6 +11,8 @@ from kvdemo.models.catalog import OFFLINE_MODELS, default_budget
 from kvdemo.policies import policy_card, policy_class
 from test_app import REPORT, STATUS, answer_text, fetch_json, new_client
 
+pytestmark = pytest.mark.slow  # every policy through a launched app
+
 #: Outputs of /run and /run_sample after the named ones: each policy-view slot's text, image and chart.
 FIRST_PANEL = 13
 #: Budgets (visual tokens): the sample's chunk is 16 tokens, the clip's 15 (the tiny model's pixel range); 512 is

@@ -78,6 +78,7 @@ def library(services):
     return engines
 
 
+@pytest.mark.slow
 def test_both_pages_hold_what_the_library_holds(both, library):
     single, compared = both[0]["session"], both[1]["session"]
     assert "20/20 frames" in both[0]["status"] and "**20/20 frames**" in both[1]["status"]

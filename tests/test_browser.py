@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+pytestmark = pytest.mark.slow  # a real Chromium against a launched app
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = [
     "--no-sandbox",

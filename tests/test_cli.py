@@ -15,6 +15,7 @@ from kvdemo.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "policy, budget, keep", [("full", None, None), ("uniform", 540, 405), ("sliding-window", 405, 270)]
 )
@@ -50,6 +51,7 @@ def test_run_writes_a_report_that_respects_the_budget(media, tmp_path, capsys, p
     assert "trained on synthetic streams" in printed.err and "mean little" in printed.err
 
 
+@pytest.mark.slow
 def test_real_videos_reach_the_trained_tiny_model_at_its_own_resolution(media, tmp_path):
     """By default frames are resized into the model's declared pixel range: the trained tiny model saw
     112 x 112 frames, so the 426 x 240 clip becomes 140 x 84 (3 x 5 tokens per frame pair)."""
@@ -76,6 +78,7 @@ def test_real_videos_reach_the_trained_tiny_model_at_its_own_resolution(media, t
     assert report["answers"][0]["answer"].strip()
 
 
+@pytest.mark.slow
 def test_run_without_video_uses_the_bundled_sample(capsys):
     from kvdemo.world.synthetic import sample_episode
 
@@ -107,6 +110,7 @@ def test_user_errors_print_one_line_and_exit_2(media, capsys, extra, message):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_non_video_and_damaged_files_from_a_real_process(media, tmp_path):
     junk = tmp_path / "junk.webm"
     junk.write_bytes(b"\x00garbage" * 1000)
@@ -127,6 +131,7 @@ def test_non_video_and_damaged_files_from_a_real_process(media, tmp_path):
     assert "Traceback" not in damaged.stderr
 
 
+@pytest.mark.slow
 def test_bench_shows_bounded_cache_flat_and_full_growing(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--frames", "60", "--budget", "480", "--keep", "288", "--skip-pass", "--json", str(out)]) == 0
@@ -183,6 +188,7 @@ def test_a_missing_file_fails_before_torch_is_imported(tmp_path):
     assert not imported["torch"] and not imported["transformers"]
 
 
+@pytest.mark.slow
 def test_a_budget_error_comes_before_the_model_loads_on_its_own_line(media):
     done, imported = run_cli_in_a_fresh_process(
         "run",
@@ -235,6 +241,7 @@ def test_unknown_parameter_lists_only_public_parameters(capsys):
     assert "_calibrated" not in err
 
 
+@pytest.mark.slow
 def test_help_is_plain_text_with_descriptions_and_examples():
     top = subprocess.run([sys.executable, "-m", "kvdemo", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
     assert "``" not in top and "run" in top and "bench" in top
@@ -261,6 +268,7 @@ def test_run_help_lists_every_policy_with_the_summary_its_card_declares(capsys):
     assert [line.split(None, 1) for line in listed] == [[name, card.summary] for name, card in CARDS.items()]
 
 
+@pytest.mark.slow
 def test_min_pixels_beyond_the_models_own_maximum_is_one_line(media):
     """Without --max-pixels the model's own maximum applies: known once the model is named, still before it loads."""
     done, imported = run_cli_in_a_fresh_process(
@@ -273,6 +281,7 @@ def test_min_pixels_beyond_the_models_own_maximum_is_one_line(media):
     assert not imported["kvdemo.models.loading"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -323,6 +332,7 @@ def test_a_long_question_is_refused_before_anything_loads_and_not_echoed():
     assert not imported["torch"] and not imported["kvdemo.models.loading"]
 
 
+@pytest.mark.slow
 def test_a_question_over_the_token_limit_is_refused_before_the_stream():
     """600 characters pass the character cap, not the trained model's byte tokenizer (600 tokens > 512): refused once
     the tokenizer has loaded, before a frame is streamed (no stream description, no answer)."""
@@ -347,6 +357,7 @@ def test_a_question_is_echoed_on_one_short_line(capsys):
     assert shown == [f"Q: {question[:80]}... ({len(question)} characters)"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -368,6 +379,7 @@ def test_impossible_pixel_limits_are_one_line_and_exit_2(args, message):
     assert not imported["kvdemo.models.loading"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [
@@ -385,6 +397,7 @@ def test_errors_repeat_at_most_a_short_line_of_the_input(args):
     assert len(error) == 1 and "..." in error[0] and len(error[0]) < 300, error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "env",
     [

@@ -50,6 +50,7 @@ def test_a_policy_line_gives_it_its_own_budget_and_parameters(tiny_random):
         compare_engines(tiny_random, parse_overrides(["cords"], "cords: alpha=x"), 320, 240, 2.0)
 
 
+@pytest.mark.slow
 def test_the_stated_memory_bound_holds_in_real_bytes():
     from kvdemo.models.loading import load_model
 
@@ -72,6 +73,7 @@ def test_the_stated_memory_bound_holds_in_real_bytes():
     assert "memory grows with the number of policies: 4 bounded engines" in bound["text"]
 
 
+@pytest.mark.slow
 def test_cli_compare_writes_one_report_per_engine_in_one_file(tmp_path, capsys):
     out = tmp_path / "compare.json"
     question = "What colour was the circle?"
@@ -149,6 +151,7 @@ def compare_sample(client, policies=FOUR, overrides="", budget=96, keep=72):
     )
 
 
+@pytest.mark.slow
 def test_the_comparison_page_through_gradio_client(app_url):
     client = new_client(app_url)
     early = client.predict("What colour was the circle?", True, api_name="/compare_ask")
@@ -189,6 +192,7 @@ def test_the_comparison_page_through_gradio_client(app_url):
     assert "| full | 1.00 | 1.00 |" in table  # the full cache answers every sample question at every delay
 
 
+@pytest.mark.slow
 def test_comparison_errors_are_messages_and_the_page_keeps_serving(app_url, media, tmp_path):
     client = new_client(app_url)
     too_many = compare_sample(client, FOUR + ["uniform"])
@@ -266,6 +270,7 @@ def test_comparison_errors_are_messages_and_the_page_keeps_serving(app_url, medi
     assert again.outputs()[0][RUN_ASK_STATUS] == "", "a new comparison clears the last question's status (item 2)"
 
 
+@pytest.mark.slow
 def test_the_comparison_under_zerogpu_emulation_answers_like_the_app(app_url, emulated_app_url):
     answers = []
     for url in (app_url, emulated_app_url):
@@ -317,6 +322,7 @@ def test_cli_compare_on_a_damaged_file_says_what_was_lost(media, capsys, tmp_pat
     assert report["policies"]["cords"]["lost_frames"] == 1 and report["full"]["frames"] == 9
 
 
+@pytest.mark.slow
 def test_a_comparison_freed_for_another_session_says_so_when_asked():
     """The comparison tab's sessions count against the app's session limit like the single-policy tab's."""
     from kvdemo.app.comparing import CompareUpdates

@@ -100,6 +100,7 @@ def test_every_policy_compresses_on_another_device_as_on_the_cpu(policy, placeme
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES + ["full"])
 def test_the_engine_streams_and_answers_on_another_device(policy, tiny_random):
     """The tiny model's weights on the emulated device: prefill through the attention seam, compressions, the
@@ -351,6 +352,7 @@ def test_the_static_check_finds_a_factory_without_a_device(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_the_doctor_runs_its_small_matrix_on_the_cpu(tmp_path, capsys):
     """``python -m kvdemo doctor`` on a CPU-only machine: every policy with the trained tiny model and one random
     model of a newer family, the split-layer checks on the emulated device, a table and the JSON."""

@@ -35,6 +35,7 @@ def test_only_questions_askable_at_every_delay_count():
         assert item.ask_after == tuple(int(item.question.left_s) + d for d in delays)
 
 
+@pytest.mark.slow
 def test_the_eval_command_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "eval.json"
     code = main(
@@ -111,6 +112,7 @@ def test_moving_questions_are_asked_after_the_last_sighting():
     raise AssertionError("no reappearing object was asked about in 20 streams")
 
 
+@pytest.mark.slow
 def test_the_eval_command_alternates_kinds_when_mixed(tmp_path):
     out = tmp_path / "eval.json"
     code = main(
@@ -156,6 +158,7 @@ def test_eval_user_errors_are_one_line(capsys, extra, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["static", "moving"])
 def test_the_committed_weights_answer_from_the_evidence(kind):
     """On held-out streams of either kind the full cache answers >= 90% right; a sliding window of two frame
@@ -172,6 +175,7 @@ def test_the_committed_weights_answer_from_the_evidence(kind):
     assert report["accuracy"]["sliding-window"]["16"] <= 0.5
 
 
+@pytest.mark.slow
 def test_the_delay_sweep_is_the_eval_protocol_on_the_sample_then_held_out_streams():
     """The app's delay sweep: the bundled sample's questions askable at every delay, then held-out streams, each
     answer round yielded as it happens; its totals equal the evaluation's on the same held-out streams."""

@@ -119,6 +119,7 @@ def streamed(trained):
     return episode, engines
 
 
+@pytest.mark.slow
 def test_attribution_is_the_softmax_of_the_answer_tokens_mapped_through_provenance(trained, streamed):
     tiny_random = trained
     _, engines = streamed
@@ -222,6 +223,7 @@ def test_fidelity_is_zero_for_the_same_memory_and_grows_with_eviction(trained, s
     assert first_token_kl(full_logits, full_logits) == pytest.approx(0.0, abs=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["static", "moving"])
 def test_the_full_caches_attribution_lands_on_the_frames_that_show_the_asked_object(trained, kind):
     """Measured on 12 held-out generated streams of each kind (seed tag 3, 24 s; geometric mean 2.2 static and 1.9

@@ -33,6 +33,7 @@ def test_the_real_configs_have_the_cache_geometry_the_benchmarks_use(name, shape
     assert text["hidden_size"] // text["num_attention_heads"] == shape["head_dim"]
 
 
+@pytest.mark.slow
 def test_a_shrunk_real_config_streams_every_policy_through_a_written_checkpoint(tmp_path):
     """The full-depth path on the CPU: a checkpoint written with random weights and the byte tokenizer, loaded back
     as a user's folder, every policy streamed over 12 s of 1280 x 720 frames at the family's default budget."""

@@ -63,6 +63,7 @@ def restated_terms(keys, values, recent, row, rows):
     return similarity, van
 
 
+@pytest.mark.slow
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_compiled_terms_equal_a_plain_loop(compiled, dtype):
@@ -131,6 +132,7 @@ def test_eager_is_the_default_and_the_environment_turns_compiling_on(monkeypatch
     fused.use_compiled(None)
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_a_stream_whose_lengths_change_compiles_at_most_once():
     """Two simulated streams (the engine's trigger) at two budgets: the passes see different cache lengths and

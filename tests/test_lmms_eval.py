@@ -18,6 +18,8 @@ from kvdemo.integrations.local_tasks import make_tasks  # noqa: E402
 from kvdemo.world.choices import VIDEOMME_POST_PROMPT, multiple_choice  # noqa: E402
 from kvdemo.world.synthetic import sample_episode  # noqa: E402
 
+pytestmark = pytest.mark.slow  # lmms-eval runs the model over its tasks
+
 TASKS = ["kvdemo_videomme", "kvdemo_ovo_backward", "kvdemo_ovo_forward", "kvdemo_bare"]
 
 

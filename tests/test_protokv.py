@@ -665,6 +665,7 @@ def test_protokv_streams_the_real_clip_within_m_and_answers(tiny_random, pancake
     assert engine.memory.summary_active == round(float(visible.max()))
 
 
+@pytest.mark.slow
 def test_protokv_bookkeeping_stays_bounded_on_a_long_stream(tiny_random):
     from kvdemo.world.synthetic import synthetic_video
 
@@ -823,6 +824,7 @@ def test_the_assignment_view_follows_merges_and_marks_recycled_prototypes_lost()
 # --- issue 20: what the paper's quantities mean ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_token_counts_once_in_the_bank_mass(tiny_random):
     """``n_k`` counts the tokens a prototype summarises: with aging off, every row's total mass equals the tokens
     that left its near window (counted from the memory: tokens fed minus tokens held), on the bundled sample at

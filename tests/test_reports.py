@@ -68,6 +68,7 @@ def test_the_comparison_is_exact_but_for_float_rounding():
     assert differences({"a": "x"}, {"a": "y"}) != []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_report_on_the_bundled_sample_is_unchanged(policy, tmp_path):
     recorded = json.loads(RECORDED.read_text())[policy]

@@ -278,6 +278,7 @@ def test_moving_token_labels_match_a_plain_count_of_pixels(seed):
             assert (episode.colour_labels[pair, token], episode.shape_labels[pair, token]) == expected, (pair, token)
 
 
+@pytest.mark.slow
 def test_reappearing_objects_and_the_ground_truth_of_their_questions():
     """Over many moving streams: an object seen twice is absent between its sightings; its question's
     evidence starts at the first sighting and leaves view after the last, and no token before or after

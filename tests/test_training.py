@@ -88,6 +88,7 @@ def test_the_schedule_warms_up_then_decays(trainer):
     assert probe.learning_rate(2, 0) < probe.learning_rate(1, 299)
 
 
+@pytest.mark.slow
 def test_a_few_steps_lower_the_loss():
     torch.set_num_threads(2)
     trainer = TinyTrainer(TrainConfig(phases=(Phase("B", 8, 4, (2, 2)),), lr=3e-3, warmup=1))
@@ -125,6 +126,7 @@ def test_a_choice_stream_asks_its_questions_in_the_benchmarks_format():
     assert asked_questions(episode, 0.0, np.random.default_rng(0)) == list(episode.questions)
 
 
+@pytest.mark.slow
 def test_a_later_stage_continues_from_the_earlier_ones_weights():
     """Two stages in one call train what the second stage trains when started from the first stage's weights."""
     from kvdemo.world.training import train_tiny

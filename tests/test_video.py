@@ -177,6 +177,7 @@ def test_the_real_clip_loses_no_frame_at_the_apps_rates(media):
         assert delivered == source.num_frames and source.lost_frames == 0, (fps, source.describe())
 
 
+@pytest.mark.slow
 def test_a_clone_without_the_shared_media_skips_their_tests_with_a_reason(tmp_path):
     """Outside CI a newcomer's clone has no ../shared/media: the tests that need it are skipped, saying where
     the media are expected, instead of erroring."""
@@ -209,6 +210,7 @@ def test_a_clone_without_the_shared_media_skips_their_tests_with_a_reason(tmp_pa
     assert f"the real test media are not at {tmp_path / 'absent'} (../shared/media beside the checkout" in done.stdout
 
 
+@pytest.mark.slow
 def test_pyav_is_imported_only_where_a_file_is_opened():
     """The CLI, the doctor, the app and the bundled sample run without importing PyAV (a GPU host that only
     streams the sample or a random checkpoint needs no FFmpeg); writing or opening a file imports it."""

@@ -75,6 +75,7 @@ def test_unpicklable_arguments_fail_in_the_caller_as_on_zerogpu(emulate):
         work(threading.Lock())
 
 
+@pytest.mark.slow
 def test_an_engine_continues_a_stream_in_the_worker_exactly(emulate, tiny_random, pancake):
     """Half the clip in the main process, the rest in an emulated GPU call that gets the engine pickled
     (no model) and returns it: the memory equals an engine that never left, and torch runs in the fork."""
@@ -107,6 +108,7 @@ def test_an_engine_continues_a_stream_in_the_worker_exactly(emulate, tiny_random
     assert len(travelled.memory.timeline) == len(here.memory.timeline)
 
 
+@pytest.mark.slow
 def test_a_question_that_runs_a_pass_sends_its_engine_back(emulate, pancake):
     """HybridKV with ``classify_with=question`` compresses when asked: answered in an emulated GPU call, the
     engine comes back and equals one that answered in this process (memory, timeline, classes)."""

@@ -6,6 +6,8 @@ from gradio_client import handle_file
 
 from test_app import ASK_FULL_CHAT, ASK_POLICY_CHAT, REPORT, STATUS, answer_text, fetch_json, frames_done, new_client
 
+pytestmark = pytest.mark.slow  # the app with every GPU call in a forked child
+
 #: What may differ: measured durations, and the buffers' allocated size (a memory that crossed the boundary
 #: is re-allocated to what it holds plus its budget, not to the geometric slack it had grown in place).
 MEASURED = ("ms", "allocated_bytes")
