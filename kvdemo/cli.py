@@ -137,28 +137,23 @@ def run_command(args: argparse.Namespace) -> int:
     params = check_run_arguments(args)
     if args.video:
         open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
-    from .cache.budget import (  # deferred from here on: torch loads only once the file is good
-        DEFAULT_KEEP_RATIO,
-        Budget,
-    )
+    from .cache.budget import DEFAULT_KEEP_RATIO, Budget, auto_budget  # deferred: torch loads once the file is good
     from .policies import DEFAULT_POLICY, make_policy  # deferred with Budget
 
     policy = make_policy(args.policy or DEFAULT_POLICY, **params)
     if args.keep is not None and args.budget is None and policy.bounded:
         raise UsageError("--keep needs --budget")
-    if args.budget is not None:
-        Budget.from_user(policy, args.budget, args.keep, DEFAULT_KEEP_RATIO)  # its own rule, before frames are sized
+    # The user's M and C, resolved once (before frames are sized); an M left out is derived from the stream below.
+    typed = args.budget is not None or not policy.bounded
+    budget = Budget.resolve(policy, args.budget, args.keep, default_ratio=DEFAULT_KEEP_RATIO) if typed else None
 
     video, episode, geometry = open_source(args)
     chunk_tokens, shape = geometry.chunk_tokens(video.size, args.frames_per_chunk)
     note = ""
-    if policy.bounded and args.budget is None:
-        stream_tokens, _ = geometry.chunk_tokens(video.size, video.num_frames)
-        budget = Budget.auto(policy, chunk_tokens, stream_tokens)
+    if budget is None:
+        budget = auto_budget(policy, chunk_tokens, geometry.chunk_tokens(video.size, video.num_frames)[0])
         note = " (auto: about a third of this stream's visual tokens)"
-    else:
-        budget = Budget.from_user(policy, args.budget, args.keep, DEFAULT_KEEP_RATIO)
-    budget.check_chunk(chunk_tokens, shape)
+    budget = budget.sized(policy, chunk_tokens, shape)  # the one sizing step, before the model loads
 
     from .analysis.coverage import (  # deferred on purpose: the budget is good, the model comes now
         coverage,
@@ -258,6 +253,7 @@ def compare(args: argparse.Namespace) -> int:
     from .experiments.compare import (  # deferred on purpose: comparing loads torch and the model
         compare_budget,
         compare_command,
+        compare_lineup,
         parse_overrides,
     )
     from .models.catalog import default_budget  # deferred with them
@@ -268,13 +264,15 @@ def compare(args: argparse.Namespace) -> int:
     if args.budget is None:
         args.budget, default_keep = compare_budget(*default_budget(args.model)[:2])
         args.keep = default_keep if args.keep is None else args.keep
-    parse_overrides(args.policies.split(","), "\n".join(args.override))  # a bad choice fails before the model loads
-    video, episode, _ = open_source(args)
+    contenders = parse_overrides(args.policies.split(","), "\n".join(args.override))  # before the model loads
+    video, episode, geometry = open_source(args)
+    tokens, shape = geometry.chunk_tokens(video.size, 2)
+    contenders = compare_lineup(contenders, args.budget, args.keep, tokens, shape)  # every budget, resolved and sized
     model = load_model(args.model)
     check_questions(model, args.ask)
     if model.notice:
         print(f"note: {model.notice}", file=sys.stderr)
-    return compare_command(args, model, video, episode)
+    return compare_command(args, model, video, contenders, episode)
 
 
 def _progress(total: int, quiet: bool):

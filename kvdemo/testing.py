@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .cache.attention import MemoryCache
+from .cache.budget import Budget
 from .cache.chunk import VisualChunk
 from .cache.memory import KVMemory
 from .models.catalog import DEFAULT_REAL_MODEL, families
@@ -64,7 +65,7 @@ def synthetic_memory(
     whole frames of ``grid`` after a short prefix, written the way a model writes them (through the
     memory's cache), with room for ``budget``."""
     generator = torch.Generator().manual_seed(seed)
-    memory = KVMemory(num_layers, num_kv_heads, visual_capacity=budget, summary_slots=summary_slots)
+    memory = KVMemory(num_layers, num_kv_heads, Budget(budget + summary_slots, summary=summary_slots))
 
     def random_kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (1, num_kv_heads, n, head_dim)

@@ -8,7 +8,7 @@ import pytest
 
 from kvdemo import errors
 from kvdemo.app.sessions import RunSettings
-from kvdemo.app.settings import USER_ERRORS, resolve_settings
+from kvdemo.app.settings import USER_ERRORS, settings_lineup
 from kvdemo.cache.budget import Budget
 from kvdemo.cli import UsageError
 from kvdemo.dialogue import QuestionError, check_question_text
@@ -83,11 +83,11 @@ def run_settings(**changes) -> RunSettings:
         (lambda: evaluate(None, ["full"], episodes=0), EvaluationSettingError, "--episodes must be positive, got 0"),
         (lambda: evaluate(None, ["full"], delays=(-1.0,)), StreamSettingError, "delays must be non-negative seconds"),
         (lambda: evaluate(None, ["full"], questions="essay"), EvaluationSettingError, "unknown question form 'essay'"),
-        (lambda: resolve_settings(run_settings(fps=0)), StreamSettingError, "sampling fps must be positive, got 0"),
-        (lambda: resolve_settings(run_settings(max_pixels=10)), StreamSettingError, "max pixels must be at least"),
-        (lambda: resolve_settings(run_settings(cap_mb=-1.0)), StreamSettingError, "the baseline memory cap must be 0"),
-        (lambda: resolve_settings(run_settings(keep=None)), BudgetError, "needs a budget M and a keep size C"),
-        (lambda: resolve_settings(run_settings(policy="nope")), UnknownPolicyError, "unknown policy 'nope'"),
+        (lambda: settings_lineup(run_settings(fps=0)), StreamSettingError, "sampling fps must be positive, got 0"),
+        (lambda: settings_lineup(run_settings(max_pixels=10)), StreamSettingError, "max pixels must be at least"),
+        (lambda: settings_lineup(run_settings(cap_mb=-1.0)), StreamSettingError, "the baseline memory cap must be 0"),
+        (lambda: settings_lineup(run_settings(keep=None)), BudgetError, "needs a budget M and a keep size C"),
+        (lambda: settings_lineup(run_settings(policy="nope")), UnknownPolicyError, "unknown policy 'nope'"),
         (lambda: check_question_text(""), QuestionError, "empty"),
         (lambda: open_video("no/such/file.mp4"), VideoError, "no such file"),
     ],

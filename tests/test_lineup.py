@@ -1,4 +1,4 @@
-"""The takes-C rule (kvdemo.cache.budget.Budget.from_user, the one place that decides what a policy takes of the user's M
+"""The takes-C rule (kvdemo.cache.budget.Budget.resolve, the one place that decides what a policy takes of the user's M
 and C) and the one engine factory (kvdemo.stream.lineup). Expected budgets are worked by hand: a selection policy keeps
 the C it was given (or 3/4 of M when C is left out and the ratio is 0.75); ProtoKV at M = 540 splits into a near
 window of 140 and 50 prototypes x 8 pseudo-tokens = 400 summary slots (its Table 5 ratio, tests/test_protokv.py),
@@ -6,12 +6,14 @@ at M = 64 into 16 and 6 x 8 = 48."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvdemo.cache.budget import Budget
 from kvdemo.errors import StreamSettingError
 from kvdemo.policies import BudgetError, make_policy
-from kvdemo.stream.lineup import FULL, Contender, cap_bytes, make_engines, resolve_lineup
+from kvdemo.stream.lineup import FULL, Contender, cap_bytes, lineup_budgets, make_engines
 
 NEEDS_M_AND_C = "policy 'uniform' needs a budget M and a keep size C (visual tokens)"
 NEEDS_M = "policy 'protokv' needs a budget M (visual tokens)"
@@ -23,7 +25,14 @@ TABLE = [
     ("uniform", 96, None, None, NEEDS_M_AND_C),
     ("uniform", None, 72, None, NEEDS_M_AND_C),
     ("uniform", " ", "", None, NEEDS_M_AND_C),  # blank fields are missing, not "not a number"
-    ("uniform", 96, 96, None, "C must be smaller than M (a compression keeps C of the M tokens), got M=96, C=96"),
+    (
+        "uniform",
+        96,
+        96,
+        None,
+        "C must be smaller than M (a compression keeps C of the M tokens), got M=96, C=96; lower C to at most 95 or "
+        "raise M to at least 97",
+    ),
     ("uniform", 96, 0, None, "M and C must be positive, got C=0"),
     ("uniform", 96, None, 0.75, (96, 72, 0)),
     ("uniform", 100, None, 0.75, (100, 75, 0)),
@@ -45,18 +54,18 @@ def test_what_each_policy_takes_of_the_users_m_and_c(name, M, C, ratio, expected
     for policy in (make_policy(name), type(make_policy(name))):  # an instance or its class
         if isinstance(expected, str):
             with pytest.raises(BudgetError) as error:
-                Budget.from_user(policy, M, C, default_ratio=ratio)
+                Budget.resolve(policy, M, C, default_ratio=ratio)
             assert str(error.value) == expected
         else:
-            budget = Budget.from_user(policy, M, C, default_ratio=ratio)
+            budget = Budget.resolve(policy, M, C, default_ratio=ratio)
             assert (budget.M, budget.C, budget.summary) == expected
 
 
 def test_the_librarys_exact_form_refuses_a_c_the_policy_does_not_take():
     with pytest.raises(BudgetError) as error:
-        Budget.resolve(make_policy("protokv"), 540, 405)
+        Budget.resolve(make_policy("protokv"), 540, 405, exact=True)
     assert str(error.value) == "policy 'protokv' is sized by M alone; C does not apply (leave it out)"
-    assert Budget.resolve(make_policy("protokv"), 540) == Budget.from_user(make_policy("protokv"), 540, 405)
+    assert Budget.resolve(make_policy("protokv"), 540, exact=True) == Budget.resolve(make_policy("protokv"), 540, 405)
     assert (Budget.resolve(make_policy("uniform"), 96, 72).M, Budget.resolve(make_policy("uniform"), 96, 72).C) == (
         96,
         72,
@@ -66,12 +75,12 @@ def test_the_librarys_exact_form_refuses_a_c_the_policy_does_not_take():
 
 def test_a_policy_instance_splits_m_with_its_own_parameters():
     # 4 pseudo-tokens per prototype: M = 6144 -> near window 1536 + 1152 prototypes x 4 (tests/test_protokv.py)
-    assert Budget.from_user(make_policy("protokv", pseudo_tokens=4), 6144).summary == 4608
-    assert Budget.from_user(make_policy("protokv", pseudo_tokens=4), 6144).window == 1536
+    assert Budget.resolve(make_policy("protokv", pseudo_tokens=4), 6144).summary == 4608
+    assert Budget.resolve(make_policy("protokv", pseudo_tokens=4), 6144).window == 1536
 
 
 def test_a_lineup_takes_each_contenders_own_m_and_c_else_the_shared_ones():
-    resolved = resolve_lineup(
+    resolved = lineup_budgets(
         [
             Contender("uniform"),
             Contender("hybridkv", {"share": 0.5}, 480, 360),
@@ -84,8 +93,8 @@ def test_a_lineup_takes_each_contenders_own_m_and_c_else_the_shared_ones():
     assert list(resolved) == ["uniform", "hybridkv", "protokv", "cords"]
     assert [(b.M, b.C) for _, b in resolved.values()] == [(96, 72), (480, 360), (96, None), (96, 72)]
     assert resolved["hybridkv"][0].share == 0.5 and resolved["cords"][0].beta == 0.5
-    given = Budget.from_user(make_policy("uniform"), 200, 100)
-    assert resolve_lineup([Contender("uniform", budget=given)], 96, 72)["uniform"][1] is given  # resolved: as is
+    given = Budget.resolve(make_policy("uniform"), 200, 100)
+    assert lineup_budgets([Contender("uniform", budget=given)], 96, 72)["uniform"][1] is given  # resolved: as is
 
 
 @pytest.mark.parametrize(
@@ -98,7 +107,7 @@ def test_a_lineup_takes_each_contenders_own_m_and_c_else_the_shared_ones():
 )
 def test_a_lineup_that_cannot_run_is_one_line(contenders, baseline, message):
     with pytest.raises(BudgetError) as error:
-        resolve_lineup(contenders, baseline=baseline)
+        lineup_budgets(contenders, baseline=baseline)
     assert str(error.value) == message
 
 
@@ -138,3 +147,40 @@ def test_a_negative_cap_is_one_line():
     with pytest.raises(StreamSettingError) as error:
         cap_bytes(-1)
     assert str(error.value) == "the baseline memory cap must be 0 (no cap) or more MB, got -1"
+
+
+def advised(message: str) -> list[tuple[str, int]]:
+    """The values a budget message advises: ``("C", n)`` for "lower C to at most n", ``("M", n)`` for "raise M to at
+    least n"."""
+    found = [("C", int(n)) for n in re.findall(r"lower C to at most (\d+)", message)]
+    return found + [("M", int(n)) for n in re.findall(r"raise M to at least (\d+)", message)]
+
+
+@pytest.mark.parametrize("name", ["uniform", "infinipot-v", "protokv"])
+def test_every_budget_message_advises_values_that_are_accepted(name):
+    """Fed back, each value a refusal advises is accepted (the other number kept as typed): for every M and C up to
+    a few chunks, chunks of 1, 16 and 135 tokens (the random tiny model's grid on the real clip)."""
+    policy = make_policy(name)
+    refused = 0
+    for tokens in (1, 16, 135):
+        for M in sorted({1, 2, 8, 16, 24, 39, 40, 64, tokens - 1, tokens, tokens + 1, 2 * tokens, 3 * tokens} - {0}):
+            for C in sorted({1, M // 2, M - 1, M, M + 3} - {0}) if type(policy).takes_keep() else [None]:
+
+                def steps(m: int, c: int | None, sizing: bool) -> None:  # resolve, then (when sizing) size
+                    budget = Budget.resolve(policy, m, c)
+                    if sizing:
+                        budget.sized(policy, tokens)
+
+                for sizing in (False, True):  # the step that refuses is the step the advice is fed back to
+                    try:
+                        steps(M, C, sizing)
+                        continue
+                    except BudgetError as error:
+                        message = str(error)
+                    refused += 1
+                    advice = advised(message)
+                    assert advice, f"M={M}, C={C}, chunk {tokens}: no advice in {message!r}"
+                    for field, value in advice:
+                        steps(*((value, C) if field == "M" else (M, value)), sizing)  # raises if refused
+                    break
+    assert refused > 5  # the grid reaches the refusals it is about

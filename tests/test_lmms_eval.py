@@ -145,6 +145,22 @@ def test_a_bounded_policy_holds_its_budget_under_lmms_eval(tasks, tmp_path):
     assert all(p["peak_tokens"] <= 32 and p["compressions"] > 0 and (p["M"], p["C"]) == (32, 16) for p in lines)
 
 
+def test_a_bounded_policy_without_m_runs_at_the_models_default_budget_and_says_so(tmp_path):
+    """The app and the CLI run a policy at the model's default budget where the user gave none; so does the lmms-eval
+    model, and its run's config says where the budget came from."""
+    from kvdemo.integrations.lmms_eval import KVDemoLMM
+    from kvdemo.models.catalog import default_budget
+
+    M, C, _ = default_budget("tiny")
+    model = KVDemoLMM(pretrained="tiny", policy="infinipot-v", runs=str(tmp_path))
+    assert (model.bounds.M, model.bounds.C) == (M, C)
+    (run,) = list(tmp_path.iterdir())
+    config = json.loads((run / "config.json").read_text())
+    assert (config["M"], config["C"]) == (M, C) and "default" in config["budget_from"]
+    given = KVDemoLMM(pretrained="tiny", policy="infinipot-v", M=2 * M, runs=str(tmp_path / "given"))
+    assert (given.bounds.M, given.bounds.C, given.budget_from) == (2 * M, int(1.5 * M), "model_args")
+
+
 def _launch(tasks: Path, out: Path, processes: int) -> dict[int, str]:
     """``python -m lmms_eval`` (one process) or ``accelerate launch`` (several) on the bare task; answers by doc id."""
     env = {

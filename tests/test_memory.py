@@ -11,6 +11,7 @@ import torch
 from kvdemo import tensors
 from kvdemo.analysis.survival import survival_counts
 from kvdemo.cache.attention import MemoryCache
+from kvdemo.cache.budget import Budget
 from kvdemo.cache.memory import REASON_NEW, KVMemory
 from kvdemo.models.qwen2_vl import mrope_positions
 from kvdemo.policies import Selection
@@ -28,7 +29,7 @@ def small_memory(
 ):
     """A memory whose key for token ``t`` of head ``h`` in layer ``l`` is ``(t, h, l, 0, ...)`` (values the
     negative), so every slot says which token it holds (exact in bfloat16 too)."""
-    memory = KVMemory(layers, heads, visual_capacity=capacity)
+    memory = KVMemory(layers, heads, Budget(capacity))
     cache = MemoryCache(memory)
     for layer in cache.layers:
         layer.update(
@@ -156,7 +157,7 @@ def test_the_buffers_grow_geometrically_and_keep_their_content():
 
 
 def test_a_summary_region_sits_between_prefix_and_visual_tokens():
-    memory = KVMemory(1, 2, visual_capacity=12, summary_slots=4)
+    memory = KVMemory(1, 2, Budget(16, summary=4))
     cache = MemoryCache(memory)
     cache.layers[0].update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
     memory.commit_prefix(3)

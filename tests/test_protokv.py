@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvdemo.cache.attention import ATTN_IMPLEMENTATION, MemoryCache
+from kvdemo.cache.budget import Budget
 from kvdemo.cache.memory import KVMemory
 from kvdemo.models.qwen2_vl import Qwen2VL, RegionCursor, mrope_positions
 from kvdemo.models.tiny import ByteTokenizer, tiny_config
@@ -66,15 +67,15 @@ def test_a_budget_that_cannot_hold_two_chunks_and_a_prototype_is_one_line():
 
     budget = Budget.resolve(make_policy("protokv"), 39)
     with pytest.raises(BudgetError) as error:
-        budget.fit_chunk(16, "1 temporal grid(s) of 4x4 tokens")
+        budget.sized(make_policy("protokv"), 16, "1 temporal grid(s) of 4x4 tokens")
     message = str(error.value)
     assert "\n" not in message and "M=39 cannot hold ProtoKV's near window of 32 tokens" in message
     assert message.endswith("raise M to at least 40")
-    fitted = Budget.resolve(make_policy("protokv"), 40).fit_chunk(16)
+    fitted = Budget.resolve(make_policy("protokv"), 40).sized(make_policy("protokv"), 16)
     assert (fitted.window, fitted.summary, fitted.chunk) == (32, 8, 16)
     assert fitted.split_text == "a near window of 32 exact tokens + 1 prototypes x 8 pseudo-tokens"
     with pytest.raises(BudgetError, match="raise M to at least 40"):
-        budget.check_chunk(16)  # the checks the CLI and the app run before the model loads say the same
+        budget.check_chunk(make_policy("protokv"), 16)  # a later chunk checked against it says the same
 
 
 def test_engine_takes_m_alone_and_checks_the_near_window(tiny_random, pancake):
@@ -232,7 +233,7 @@ def test_a_prototype_of_mass_n_attends_like_n_duplicates(tiny_random, mass):
     """S = 1, no residual: one pseudo-token with bias log n = n copies of that key/value, in every layer and
     KV head (GQA: 4 query heads over 2 KV heads), through a real forward of the tiny model."""
     chosen = 5  # the visual token that becomes the prototype
-    summarised = KVMemory(tiny_random.num_layers, tiny_random.num_kv_heads, summary_slots=1)
+    summarised = KVMemory(tiny_random.num_layers, tiny_random.num_kv_heads, Budget(summary=1))
     prefill(tiny_random, summarised)
     duplicated = KVMemory(tiny_random.num_layers, tiny_random.num_kv_heads)
     prefill(tiny_random, duplicated)
@@ -269,7 +270,7 @@ def test_a_prototype_of_mass_n_attends_like_n_duplicates(tiny_random, mass):
 
 def test_a_hidden_summary_slot_changes_nothing(tiny_random):
     """Unused summary slots carry -inf: attention equals a memory without a summary region."""
-    with_region = KVMemory(tiny_random.num_layers, tiny_random.num_kv_heads, summary_slots=4)
+    with_region = KVMemory(tiny_random.num_layers, tiny_random.num_kv_heads, Budget(summary=4))
     prefill(tiny_random, with_region)
     plain = KVMemory(tiny_random.num_layers, tiny_random.num_kv_heads)
     prefill(tiny_random, plain)
@@ -904,7 +905,7 @@ def attend_to_a_prototype_of_mass(mass: int, others: int, device: torch.device) 
     pseudo-token's bias ``log mass``; the pseudo-token alone has value 1, so its weight is output channel 0."""
     from kvdemo.cache.attention import kvdemo_attention
 
-    memory = KVMemory(1, 1, summary_slots=1)
+    memory = KVMemory(1, 1, Budget(summary=1))
     cache = MemoryCache(memory)
     zeros = lambda n: torch.zeros(1, 1, n, 8, dtype=torch.bfloat16, device=device)  # noqa: E731
     cache.layers[0].update(zeros(1), zeros(1))
@@ -963,7 +964,7 @@ def test_only_a_narrow_mask_with_a_summary_region_takes_the_float32_softmax():
     from kvdemo.cache.attention import bias_needs_float32
     from kvdemo.devices.emulated_device import DEVICE, EmulatedDevice
 
-    with_region, without = KVMemory(1, 1, summary_slots=8), KVMemory(1, 1)
+    with_region, without = KVMemory(1, 1, Budget(summary=8)), KVMemory(1, 1)
     with_region.summary_open = without.summary_open = True
     with EmulatedDevice():
         for dtype, needs in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False)):

@@ -13,46 +13,47 @@ from typing import Any
 
 import numpy as np
 
+from ..cache.budget import Budget
 from ..experiments.compare import memory_bound
 from ..media.video import resize_frames
+from ..policies import Policy
 from ..stream.engine import EngineError
-from ..stream.lineup import Contender, cap_bytes, make_engines
+from ..stream.lineup import Contender, cap_bytes, make_engines, size_lineup
 from ..stream.streaming import EngineGroup
 from ..views import counted
 from .gpu import answer_into, feed_segment, segment_frames, to_the_end
 from .page_updates import PageUpdates, answer_markdown
 from .sessions import AppServices, CompareSettings, RunSettings, Session
-from .settings import FRAMES_PER_CHUNK, USER_ERRORS, open_stream, resolve_settings, within_max_pixels
+from .settings import FRAMES_PER_CHUNK, USER_ERRORS, open_stream, settings_lineup, within_max_pixels
 from .single_updates import DisplayChoice, SingleUpdates
 
 Settings = RunSettings | CompareSettings
 
 
 def start_session(
-    services: AppServices, settings: Settings, source: str, frame_size: tuple[int, int], fps: float | None = None
+    services: AppServices,
+    settings: Settings,
+    lineup: dict[str, tuple[Policy, Budget]],
+    source: str,
+    frame_size: tuple[int, int],
+    fps: float | None = None,
 ) -> Session:
     """A fresh session for ``settings`` (either page's) on frames of ``frame_size`` (resized): one engine per
-    contender, then the full cache (stopped at its cap) when the baseline runs (:func:`kvdemo.stream.lineup.make_engines`,
-    the one engine factory), behind one group.
+    contender of ``lineup`` (the settings resolved once, :func:`~kvdemo.app.settings.settings_lineup`), then the full
+    cache (stopped at its cap) when the baseline runs (:func:`kvdemo.stream.lineup.make_engines`, the one engine
+    factory), behind one group.
 
-    The settings are resolved once (:func:`~kvdemo.app.settings.resolve_settings`) and every budget checked against
-    one chunk of such frames (with several contenders, the message names the one it is about). The caller's previous
-    session is left alone: the pool replaces it once the new stream is under way. ``fps`` is the stream's real
-    sampling rate when it differs from the setting (a file sampled faster than it was recorded streams at its own).
+    Every budget is sized here for one chunk of such frames (:func:`kvdemo.stream.lineup.size_lineup`: with several
+    contenders, a message names the one it is about). The caller's previous session is left alone: the pool replaces
+    it once the new stream is under way. ``fps`` is the stream's real sampling rate when it differs from the setting
+    (a file sampled faster than it was recorded streams at its own).
     """
     fps = fps or settings.fps
     model = services.models.get(settings.model)
-    resolved = resolve_settings(settings)
     tokens, shape = model.geometry.chunk_tokens(frame_size, FRAMES_PER_CHUNK)
-    for name, (_, budget) in resolved.items():
-        try:
-            budget.check_chunk(tokens, shape)
-        except USER_ERRORS as exc:
-            if len(resolved) == 1:
-                raise
-            raise type(exc)(f"{name}: {exc}") from None
+    sized = size_lineup(lineup, tokens, shape)
     cap = cap_bytes(settings.cap_mb)
-    contenders = [Contender(name, policy=policy, budget=budget) for name, (policy, budget) in resolved.items()]
+    contenders = [Contender(name, policy=policy, budget=budget) for name, (policy, budget) in sized.items()]
     engines = make_engines(model, contenders, fps=fps, baseline=settings.baseline, baseline_cap_bytes=cap)
     state = Session(
         settings=settings, group=EngineGroup(model, engines, fps), source=source, frame_size=tuple(frame_size)
@@ -74,10 +75,10 @@ def run_stream(
     """
     previous = session
     try:
-        resolve_settings(settings)  # the settings' own errors first, before a file is opened
+        lineup = settings_lineup(settings)  # the settings' own errors first, before a file is opened
         geometry = within_max_pixels(services.models.get(settings.model).geometry, settings.max_pixels)
         video, episode = open_stream(geometry, video_path, settings.fps, settings.sample)
-        state = start_session(services, settings, video.describe(), video.size, video.fps)
+        state = start_session(services, settings, lineup, video.describe(), video.size, video.fps)
         state.episode = episode
     except USER_ERRORS as exc:
         yield updates.kept_previous(previous, str(exc))
@@ -156,7 +157,7 @@ def webcam_frame(
             or not state.source.startswith("webcam")
             or state.frame_size != size
         ):
-            state = start_session(services, settings, "webcam (live)", size)
+            state = start_session(services, settings, settings_lineup(settings), "webcam (live)", size)
             services.sessions.replace(session, state)
             started = True
         state.webcam_frames.append(resized[0])

@@ -267,7 +267,7 @@ class Demo(Page):
         )
         with gr.Row():
             with gr.Column():
-                budget = Budget.from_user(policy_class(DEFAULT_POLICY), self.budget0, self.keep0)
+                budget = Budget.resolve(policy_class(DEFAULT_POLICY), self.budget0, self.keep0)
                 self.policy_title = gr.Markdown(
                     policy_label(DEFAULT_POLICY, budget), label="Policy chat title", elem_id="policy-chat-title"
                 )

@@ -71,16 +71,16 @@ def settings_geometry(settings: RunSettings | CompareSettings) -> FrameGeometry:
     return within_max_pixels(geometry_for(settings.model), settings.max_pixels)
 
 
-def resolve_settings(settings: RunSettings | CompareSettings) -> dict[str, tuple[Policy, Budget]]:
+def settings_lineup(settings: RunSettings | CompareSettings) -> dict[str, tuple[Policy, Budget]]:
     """Either page's settings as the engines will take them: each contender's policy and budget by engine name,
-    resolved once (:meth:`kvdemo.stream.lineup.Contender.resolve`: the takes-C rule is
-    :meth:`~kvdemo.cache.budget.Budget.from_user`'s); :class:`BudgetError` with a one-line reason if they cannot work
+    resolved once (:func:`kvdemo.stream.lineup.lineup_budgets`: the takes-C rule is
+    :meth:`~kvdemo.cache.budget.Budget.resolve`'s); :class:`BudgetError` with a one-line reason if they cannot work
     (the sampling, pixel and cap numbers too). With several contenders the reason names the one it is about."""
     contenders = settings.contenders()
-    resolved = {}
+    lineup = {}
     for contender in contenders:
         try:
-            resolved[contender.name] = contender.resolve(settings.budget, settings.keep)
+            lineup[contender.name] = contender.policy_and_budget(settings.budget, settings.keep)
         except BudgetError as exc:
             if len(contenders) == 1:
                 raise
@@ -89,7 +89,7 @@ def resolve_settings(settings: RunSettings | CompareSettings) -> dict[str, tuple
         raise StreamSettingError(f"sampling fps must be positive, got {settings.fps}")
     settings_geometry(settings)
     cap_bytes(settings.cap_mb)
-    return resolved
+    return lineup
 
 
 def validate_settings(
@@ -106,7 +106,7 @@ def validate_settings(
     bundled sample (what runs without an upload)."""
     try:
         settings = RunSettings(model or resolve_model_name(None), policy, {}, budget, keep, fps, max_pixels, False, 0)
-        [(_, resolved)] = resolve_settings(settings).values()
+        [(policy, resolved)] = settings_lineup(settings).values()
         geometry = settings_geometry(settings)
         if video:
             size = open_video(video, fps=float(fps), geometry=geometry).size
@@ -114,7 +114,7 @@ def validate_settings(
         else:
             size, name = geometry.frame_size(*sample_episode().video.size), " of the bundled sample"
         tokens, shape = geometry.chunk_tokens(size, FRAMES_PER_CHUNK)
-        resolved = resolved.fit_chunk(tokens, shape)  # the split as a run on this video will size it
+        resolved = resolved.sized(policy, tokens, shape)  # as a run on this video will size it
     except USER_ERRORS as exc:
         return f"⚠️ {exc}"
     except (TypeError, ValueError) as exc:

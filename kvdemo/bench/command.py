@@ -48,7 +48,7 @@ def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
     except (RuntimeError, AssertionError) as error:  # a bad name, no CUDA build, no such GPU
         print(f"error: --device {args.device}: {str(error).splitlines()[0]}", file=sys.stderr)
         return 2
-    budget = Budget.from_user(policy, args.budget, args.keep, DEFAULT_KEEP_RATIO)
+    budget = Budget.resolve(policy, args.budget, args.keep, default_ratio=DEFAULT_KEEP_RATIO)
     results: dict[str, Any] = {
         "machine": {
             "python": platform.python_version(),

@@ -118,7 +118,7 @@ def model_matrix(models: list[str], device: torch.device, frames: int) -> list[d
         M = None
         for policy_name in names:
             policy = make_policy(policy_name)
-            budget = Budget.from_user(policy, M, None, DEFAULT_KEEP_RATIO) if policy.bounded else None
+            budget = Budget.resolve(policy, M, None, default_ratio=DEFAULT_KEEP_RATIO) if policy.bounded else None
             with torch.inference_mode():
                 first = _one_run(model, policy_name, clip, budget, device)
                 second = _one_run(model, policy_name, clip, budget, device)
@@ -147,7 +147,7 @@ def split_matrix(device: torch.device) -> list[dict[str, Any]]:
         outcome = []
         for placement in ("one device", "split"):
             policy = make_policy(name)
-            budget = Budget.from_user(policy, 64, None, default_ratio=0.625)
+            budget = Budget.resolve(policy, 64, None, default_ratio=0.625)
             summary, keep = budget.summary, budget.keep_for(0)
             memory = synthetic_memory(3, 2, 16, 64, (2, 4), torch.float32, visual_tokens=64, summary_slots=summary)
             probe = synthetic_probe(3, 4, 16, torch.float32)
@@ -328,7 +328,7 @@ def real_shape_passes(
     for label, shape in shapes:
         for name in [p for p in policy_names() if make_policy(p).bounded]:
             policy = make_policy(name)
-            budget = Budget.from_user(policy, shape["budget"], None, default_ratio=shape["keep"] / shape["budget"])
+            budget = Budget.resolve(policy, shape["budget"], None, default_ratio=shape["keep"] / shape["budget"])
             summary, keep = budget.summary, budget.keep_for(0)
             memory = synthetic_memory(
                 2,

@@ -168,7 +168,7 @@ def full_depth(
         print(header(), flush=True)
         for policy_name in sorted(policy_names(), key=lambda p: make_policy(p).bounded):
             policy = make_policy(policy_name)
-            budget = Budget.from_user(policy, M, C) if policy.bounded else None
+            budget = Budget.resolve(policy, M, C) if policy.bounded else None
             try:
                 with torch.inference_mode():
                     row = {"model": name, **stream_run(model, policy_name, clip, budget, fps)}

@@ -54,12 +54,11 @@ def simulated_stream(
     """
     shape = shape or QWEN7B_SHAPE
     per_grid = shape["grid"][0] * shape["grid"][1]
-    # split for grids of this size, as the engine splits M at its first chunk (Budget.fit_chunk)
-    budget = Budget.from_user(policy, shape["budget"], shape["keep"], DEFAULT_KEEP_RATIO).fit_chunk(per_grid)
+    # sized for grids of this size, as the engine sizes it at its first chunk (Budget.sized)
+    budget = Budget.resolve(policy, shape["budget"], shape["keep"], default_ratio=DEFAULT_KEEP_RATIO)
+    budget = budget.sized(policy, per_grid)
     generator = torch.Generator().manual_seed(seed)
-    memory = KVMemory(
-        shape["num_layers"], shape["num_kv_heads"], visual_capacity=budget.window, summary_slots=budget.summary
-    )
+    memory = KVMemory(shape["num_layers"], shape["num_kv_heads"], budget)
     cache = MemoryCache(memory)
     for layer in cache.layers:
         prefix = torch.randn(1, shape["num_kv_heads"], PREFIX_TOKENS, shape["head_dim"], generator=generator)
@@ -285,7 +284,9 @@ def tiny_decode_benchmark(
     video = synthetic_video(num_frames=frames, height=224, width=336, fps=2.0, seed=1)
     per_grid = (224 // 28) * (336 // 28)
     total = frames // 2 * per_grid
-    budget = Budget.from_user(policy, max(4 * per_grid, int(total * budget_share)), None, DEFAULT_KEEP_RATIO)
+    budget = Budget.resolve(
+        policy, max(4 * per_grid, int(total * budget_share)), None, default_ratio=DEFAULT_KEEP_RATIO
+    )
     engines = make_engines(
         model, [Contender(policy.name, policy=policy, budget=budget)], fps=2.0, max_new_tokens=tokens, baseline=True
     )

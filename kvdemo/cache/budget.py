@@ -1,60 +1,75 @@
-"""The budget of one engine, resolved once: ``M`` (visual tokens held at most) and ``C`` (kept by a
-compression), from a policy and the user's numbers, with the one rule that says whether chunks fit.
+"""The budget of one engine: ``M`` (visual tokens held at most) and ``C`` (kept by a compression), a value
+resolved once where the user's input enters, sized to the stream's chunks once, then only read.
 
-Who takes what: ``full`` takes neither (unbounded); a selection policy takes ``M`` and ``C`` with ``C < M``;
-a policy with a summary region (:class:`~kvdemo.policies.base.SummaryRegion`, e.g. ProtoKV) takes ``M``
-alone and splits it into its summary slots and a window of real tokens held exactly. :meth:`Budget.from_user` is
-the one place that decides this for what a user typed; the engine, the CLI, the app, the evaluation and the
-benchmarks hold the :class:`Budget` it returns (through :mod:`kvdemo.stream.lineup`) and never decide it again.
+Two steps, each in one place:
+
+1. :meth:`Budget.resolve`: the user's numbers for a policy (the takes-C rule: ``full`` takes neither, a selection
+   policy takes ``M`` and ``C < M``, a policy with a summary region (:class:`~kvdemo.policies.contract.SummaryRegion`,
+   e.g. ProtoKV) takes ``M`` alone and splits it into summary slots and a window of real tokens). The CLI, the app,
+   the library's :class:`~kvdemo.stream.engine.StreamEngine` and the lmms-eval model call it where the numbers
+   arrive, before any model loads.
+2. :meth:`Budget.sized`: the budget for chunks of a given number of visual tokens (a summary policy's split may need
+   the chunk size), with the check that such chunks fit; every message advises values that are accepted. The front
+   ends size it as soon as they know a chunk's size (before the model loads); an engine given an unsized budget sizes
+   it at its first chunk, once.
+
+The engine, the memory and the policies read the sized budget; nobody fits it again. Each later chunk is only
+checked against it (:meth:`Budget.check_chunk`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ..policies.base import BudgetError, Policy, SummaryRegion
+from ..errors import BudgetError
+from ..policies.contract import Policy, SummaryRegion
 
 #: The largest M or C accepted: token counts are int32 in the memory's provenance, and no stream reaches it
 #: (a larger M would never compress: that is the ``full`` policy).
 MAX_TOKENS = 2**31 - 1
 #: ``C`` as a share of ``M`` where a front end lets the user leave ``C`` out (the CLI, lmms-eval, the benchmarks).
 DEFAULT_KEEP_RATIO = 0.75
+#: The largest ``M`` :func:`auto_budget` picks (InfiniPot-V's budget).
+AUTO_MAX = 6144
 
 
 @dataclass(frozen=True)
 class Budget:
-    """``M`` and ``C`` of one engine (see the module docstring). ``M`` is None for an unbounded policy; ``C``
-    is None for one sized by ``M`` alone, whose ``summary`` slots come out of ``M``."""
+    """``M`` and ``C`` of one engine (see the module docstring). ``M`` is None for an unbounded policy; ``C`` is None
+    for one sized by ``M`` alone, whose ``summary`` slots come out of ``M``. ``chunk``: the visual tokens per chunk
+    it was sized for (0: not sized yet); ``split_text`` and ``window_name`` say the split in words, for messages."""
 
     M: int | None = None
     C: int | None = None
     summary: int = 0
-    #: The policy's split of ``M`` in words, and its rule (``M -> summary slots``), for the messages.
+    chunk: int = 0
     split_text: str = ""
     window_name: str = "window"
-    #: The policy's split rules, ``(M, chunk tokens) -> summary slots`` and ``-> the split in words``.
-    summary_of: Callable[[int, int], int] | None = field(default=None, compare=False, repr=False)
-    describe_of: Callable[[int, int], str] | None = field(default=None, compare=False, repr=False)
-    #: Visual tokens per chunk the split was fitted to (:meth:`fit_chunk`; 0 = not yet).
-    chunk: int = 0
 
-    # --- resolving ------------------------------------------------------------------------
+    # --- the two steps ------------------------------------------------------------------------
     @classmethod
-    def from_user(
-        cls, policy: Policy | type[Policy], budget: Any = None, keep: Any = None, default_ratio: float | None = None
-    ) -> "Budget":
-        """The budget ``policy`` (a class or an instance: an instance's parameters may change how ``M`` splits)
-        takes of the ``M`` (``budget``) and ``C`` (``keep``) a user typed: the takes-C rule, decided here and
-        nowhere else. ``full`` ignores both; a policy sized by ``M`` alone ignores ``C``; a policy that takes
-        ``C`` and got none gets ``C = default_ratio * M`` when a ratio is given. Blank (None or "") is missing;
-        what is missing, or a number that cannot work, is a :class:`BudgetError` with a one-line reason."""
+    def resolve(
+        cls,
+        policy: Policy | type[Policy],
+        budget: Any = None,
+        keep: Any = None,
+        *,
+        default_ratio: float | None = None,
+        exact: bool = False,
+    ) -> Budget:
+        """The budget ``policy`` (a class, or an instance whose parameters may change how ``M`` splits) takes of the
+        ``M`` (``budget``) and ``C`` (``keep``) a user typed. Blank (None or "") is missing. A policy that takes
+        ``C`` and got none gets ``C = default_ratio * M`` when a ratio is given; a policy sized by ``M`` alone
+        ignores ``C``, unless ``exact`` (the library: a program that passes one means something the policy does not
+        do). What is missing, or a number that cannot work, is a :class:`BudgetError` with a one-line reason."""
         policy_cls = policy if isinstance(policy, type) else type(policy)
         if not policy_cls.bounded:
             return cls()
         takes_keep = policy_cls.takes_keep()
+        if exact and not takes_keep and _blank_is_none(keep) is not None:
+            raise BudgetError(f"policy {policy_cls.name!r} is sized by M alone; C does not apply (leave it out)")
         budget, keep = _blank_is_none(budget), (_blank_is_none(keep) if takes_keep else None)
         if takes_keep and keep is None and budget is not None and default_ratio is not None:
             keep = int(token_count("M", budget) * default_ratio)
@@ -64,46 +79,42 @@ class Budget:
             raise BudgetError(f"policy {policy_cls.name!r} needs {needed} (visual tokens{defaulted})")
         M = token_count("M", budget)
         if not takes_keep:
-            splitter = policy if isinstance(policy, SummaryRegion) else policy_cls()
-            summary = splitter.summary_slots(M)  # raises if M cannot be split as the policy needs
-            return cls(
-                M,
-                None,
-                summary,
-                splitter.describe_split(M),
-                splitter.window_name,
-                splitter.summary_slots,
-                splitter.describe_split,
-            )
+            region = _region(policy)
+            return cls(M, None, region.summary_slots(M), 0, region.describe_split(M), region.window_name)
         C = token_count("C", keep)
         if C >= M:
-            raise BudgetError(f"C must be smaller than M (a compression keeps C of the M tokens), got M={M}, C={C}")
+            lower = f"lower C to at most {M - 1} or " if M > 1 else ""
+            raise BudgetError(
+                f"C must be smaller than M (a compression keeps C of the M tokens), got M={M}, C={C}; "
+                f"{lower}raise M to at least {C + 1}"
+            )
         return cls(M, C)
 
-    @classmethod
-    def resolve(cls, policy: Policy | type[Policy], budget: Any = None, keep: Any = None) -> "Budget":
-        """The library's exact form of :meth:`from_user` (e.g. ``StreamEngine(model, policy, budget=M, keep=C)``):
-        the same rule, except that a ``C`` given to a policy sized by ``M`` alone is a :class:`BudgetError` (a
-        program that passes one means something the policy does not do)."""
-        policy_cls = policy if isinstance(policy, type) else type(policy)
-        if policy_cls.bounded and not policy_cls.takes_keep() and _blank_is_none(keep) is not None:
-            raise BudgetError(f"policy {policy_cls.name!r} is sized by M alone; C does not apply (leave it out)")
-        return cls.from_user(policy, budget, keep)
-
-    @classmethod
-    def auto(
-        cls, policy: Policy | type[Policy], chunk_tokens: int, stream_tokens: int, ratio: float = DEFAULT_KEEP_RATIO
-    ) -> "Budget":
-        """A budget that makes compression visible on a stream of ``stream_tokens`` visual tokens: ``M`` a third
-        of them (at most 6144, InfiniPot-V's budget), at least ``chunk_tokens / (1 - ratio)`` so that ``M - C``
-        takes a chunk, and ``C = ratio * M`` for a policy that takes one."""
-        floor_m = int(math.ceil(chunk_tokens / (1 - ratio)))
-        return cls.from_user(policy, max(floor_m, min(6144, stream_tokens // 3)), None, default_ratio=ratio)
+    def sized(self, policy: Policy | type[Policy], tokens: int, shape: str = "") -> Budget:
+        """This budget for chunks of ``tokens`` visual tokens (``shape`` says them in words, e.g. "1 temporal grid(s)
+        of 9x15 tokens"): a summary policy's split for that chunk size (ProtoKV's near window holds the newest chunk
+        while the next comes in), checked as :meth:`check_chunk` checks. Itself when already sized for ``tokens``."""
+        if self.M is None or self.chunk == tokens:
+            return self
+        if self.C is None:
+            region = _region(policy)
+            summary = region.summary_slots(self.M, tokens)  # the policy's own one-line reason where M cannot split
+            fitted = replace(self, summary=summary, split_text=region.describe_split(self.M, tokens), chunk=tokens)
+            if fitted.window < tokens:
+                raise BudgetError(fitted._window_message(tokens, shape, smallest_fitting(region, tokens)))
+            return fitted
+        self.check_chunk(policy, tokens, shape)
+        return replace(self, chunk=tokens)
 
     # --- what it says -------------------------------------------------------------------------
     @property
     def bounded(self) -> bool:
         return self.M is not None
+
+    @property
+    def is_sized(self) -> bool:
+        """Whether chunks have sized it (an unbounded budget needs no sizing)."""
+        return self.M is None or self.chunk > 0
 
     @property
     def window(self) -> int | None:
@@ -118,66 +129,72 @@ class Budget:
             return self.C
         return max(0, self.window - incoming)
 
-    def check_chunk(self, tokens: int, shape: str = "") -> None:
-        """Raise :class:`BudgetError` if chunks of ``tokens`` visual tokens can never fit: ``M`` below one chunk,
-        ``M - C`` too small to take one after a compression, or a window smaller than one chunk. ``shape``
-        describes the chunk (e.g. "1 temporal grid(s) of 9x15 tokens")."""
+    def check_chunk(self, policy: Policy | type[Policy], tokens: int, shape: str = "") -> None:
+        """Raise :class:`BudgetError` if a chunk of ``tokens`` visual tokens cannot fit this budget as sized for
+        ``policy``: ``M`` below one chunk, ``M - C`` too small to take one after a compression, or a window smaller
+        than one chunk. Each message advises values that are accepted for such chunks."""
         if self.M is None:
             return
-        if self.C is None and self.summary_of is not None and self.summary_of(self.M, tokens) != self.summary:
-            self.fit_chunk(tokens, shape)  # the policy's own rule for chunks of this size (raises if M is too small)
-            return
-        shape = f" = {shape}" if shape else ""
+        said = f" = {shape}" if shape else ""
         if self.C is None:
             if tokens > self.window:
-                raise BudgetError(
-                    f"the {self.window_name} W={self.window} (M={self.M}: {self.split_text}) is smaller than one chunk "
-                    f"({tokens} visual tokens{shape}); raise M to at least {self.smallest_fitting(tokens)}"
-                )
+                raise BudgetError(self._window_message(tokens, shape, smallest_fitting(_region(policy), tokens)))
             return
-        if tokens > self.M:
-            raise BudgetError(
-                f"M={self.M} is smaller than one chunk ({tokens} visual tokens{shape}); "
-                "raise M, or lower max pixels / frames per chunk"
+        if tokens > self.M or self.M - self.C < tokens:
+            smallest = self.C + tokens  # M - C must take a chunk, and then M takes one too
+            lower = f"lower C to at most {self.M - tokens} or " if self.M - tokens >= 1 else ""
+            what = (
+                f"M={self.M} is smaller than one chunk ({tokens} visual tokens{said})"
+                if tokens > self.M
+                else f"M - C = {self.M - self.C} leaves no room for one chunk ({tokens} visual tokens{said})"
             )
-        if self.M - self.C < tokens:
-            raise BudgetError(
-                f"M - C = {self.M - self.C} leaves no room for one chunk ({tokens} visual tokens{shape}); "
-                f"lower C to at most {self.M - tokens} or raise M"
-            )
+            raise BudgetError(f"{what}; {lower}raise M to at least {smallest} (or lower max pixels / frames per chunk)")
 
-    def fit_chunk(self, tokens: int, shape: str = "") -> "Budget":
-        """This budget re-split for chunks of ``tokens`` visual tokens (a policy sized by ``M`` alone may need the
-        chunk size, e.g. ProtoKV's near window holds the newest chunk while the next comes in), checked as
-        :meth:`check_chunk` checks; itself for any other policy. :class:`BudgetError` where ``M`` cannot hold both."""
-        if self.C is not None or self.summary_of is None:
-            self.check_chunk(tokens, shape)
-            return self
-        fitted = replace(
-            self,
-            summary=self.summary_of(self.M, tokens),
-            split_text=self.describe_of(self.M, tokens) if self.describe_of else self.split_text,
-            chunk=tokens,
+    def _window_message(self, tokens: int, shape: str, smallest: int) -> str:
+        said = f" = {shape}" if shape else ""
+        return (
+            f"the {self.window_name} W={self.window} (M={self.M}: {self.split_text}) is smaller than one chunk "
+            f"({tokens} visual tokens{said}); raise M to at least {smallest}"
         )
-        fitted.check_chunk(tokens, shape)
-        return fitted
-
-    def smallest_fitting(self, tokens: int) -> int:
-        """The smallest ``M`` whose window holds ``tokens`` (a policy sized by ``M`` alone)."""
-        candidate = max(tokens, 1)
-        while True:
-            try:
-                if candidate - self.summary_of(candidate, tokens) >= tokens:
-                    return candidate
-            except BudgetError:
-                pass
-            candidate += 1
 
     def describe(self) -> str:
         """``M=96, C=72``, ``M=96`` (sized by M alone) or ``unbounded``."""
         if self.M is None:
             return "unbounded"
         return f"M={self.M}" + (f", C={self.C}" if self.C is not None else "")
+
+
+def auto_budget(
+    policy: Policy | type[Policy], chunk_tokens: int, stream_tokens: int, ratio: float = DEFAULT_KEEP_RATIO
+) -> Budget:
+    """A budget that makes compression visible on a stream of ``stream_tokens`` visual tokens, sized for chunks of
+    ``chunk_tokens``: ``M`` a third of the stream (at most :data:`AUTO_MAX`), at least ``chunk_tokens / (1 - ratio)``
+    so that ``M - C`` takes a chunk, and ``C = ratio * M`` for a policy that takes one; a policy sized by ``M`` alone
+    gets at least the smallest ``M`` whose window holds a chunk."""
+    floor_m = int(math.ceil(chunk_tokens / (1 - ratio)))
+    M = max(floor_m, min(AUTO_MAX, stream_tokens // 3))
+    policy_cls = policy if isinstance(policy, type) else type(policy)
+    if policy_cls.bounded and not policy_cls.takes_keep():
+        M = max(M, smallest_fitting(_region(policy), chunk_tokens))
+    return Budget.resolve(policy, M, None, default_ratio=ratio).sized(policy, chunk_tokens)
+
+
+def smallest_fitting(region: SummaryRegion, tokens: int) -> int:
+    """The smallest ``M`` whose window holds chunks of ``tokens`` under ``region``'s split (a policy sized by ``M``
+    alone)."""
+    candidate = max(tokens, 1)
+    while True:
+        try:
+            if candidate - region.summary_slots(candidate, tokens) >= tokens:
+                return candidate
+        except BudgetError:
+            pass
+        candidate += 1
+
+
+def _region(policy: Policy | type[Policy]) -> SummaryRegion:
+    """The summary policy whose split rule sizes ``M`` (an instance's own parameters, or the class's defaults)."""
+    return policy if isinstance(policy, SummaryRegion) else policy()
 
 
 def _blank_is_none(value: Any) -> Any:

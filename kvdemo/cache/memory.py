@@ -55,6 +55,7 @@ import torch
 
 from ..policies.contract import LayerView, Selection
 from ..tensors import move_rows
+from .budget import Budget
 from .chunk import VisualChunk
 from .layer import BIAS_DTYPE, PROVENANCE, PROVENANCE_WIDTH, REASON_NEW, LayerMemory
 
@@ -83,23 +84,22 @@ class OccupancyEvent:
 
 
 class KVMemory:
-    """A model's KV cache (layout: the module docstring). ``visual_capacity``: the most visual slots it holds
-    (``M``'s window; 0 = no bound); ``summary_slots``: the region a policy owns, counted in :attr:`visual_tokens`
-    from the start, laid out when first written; ``layer_map``: model layer -> memory layer (None for a layer
-    without keys and values, e.g. Qwen3.5's linear attention; default: one memory layer per model layer)."""
+    """A model's KV cache (layout: the module docstring) under ``budget`` (:class:`~kvdemo.cache.budget.Budget`, read,
+    never changed here: its window bounds the visual slots, its summary slots are the region a policy owns, counted
+    in :attr:`visual_tokens` from the start and laid out when first written; None: unbounded, no region);
+    ``layer_map``: model layer -> memory layer (None for a layer without keys and values, e.g. Qwen3.5's linear
+    attention; default: one memory layer per model layer)."""
 
     def __init__(
         self,
         num_layers: int,
         num_kv_heads: int,
-        visual_capacity: int = 0,
-        summary_slots: int = 0,
+        budget: Budget | None = None,
         layer_map: list[int | None] | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
-        self.visual_capacity = int(visual_capacity)
-        self.summary_slots = int(summary_slots)
+        self.budget = budget or Budget()
         self.summary_open = False  # the summary region is laid out in the buffers (on the policy's first write)
         self.layers: list[LayerMemory] = []
         self.prefix_len = 0
@@ -117,6 +117,16 @@ class KVMemory:
         self.cursor: Any = None
 
     # --- layout and what it holds ---------------------------------------------------------
+    @property
+    def visual_capacity(self) -> int:
+        """The most visual slots held: the budget's window (0: no bound)."""
+        return self.budget.window or 0
+
+    @property
+    def summary_slots(self) -> int:
+        """Slots of the summary region the policy owns (the budget's)."""
+        return self.budget.summary
+
     @property
     def is_empty(self) -> bool:
         return not self.layers

@@ -23,9 +23,8 @@ import torch
 from ..analysis.explain import evidence_ratio, fidelity
 from ..dialogue import clipped
 from ..errors import PolicyChoiceError, PolicyParameterError
-from ..policies import COMPARE_POLICIES, BudgetError
 from ..stream.engine import StreamEngine
-from ..stream.lineup import FULL, Contender, cap_bytes, make_engines
+from ..stream.lineup import FULL, Contender, cap_bytes, lineup_budgets, make_engines, size_lineup
 from ..stream.streaming import EngineGroup
 from ..views import counted
 
@@ -98,14 +97,14 @@ def compare_engines(
     )
 
 
-def check_chunks(engines: dict[str, StreamEngine], tokens: int, shape: str) -> None:
-    """Every engine's budget against one chunk of ``tokens`` visual tokens (``shape`` in words): a
-    :class:`BudgetError` naming the engine otherwise, before anything streams."""
-    for name, engine in engines.items():
-        try:
-            engine.budget.check_chunk(tokens, shape)
-        except BudgetError as exc:
-            raise BudgetError(f"{name}: {exc}") from None
+def compare_lineup(
+    contenders: list[Contender], budget: Any, keep: Any, tokens: int, shape: str = ""
+) -> list[Contender]:
+    """The compared ``contenders`` with their budgets resolved (their own ``M``/``C``, else the shared ``budget``/
+    ``keep``) and sized for chunks of ``tokens`` visual tokens: every budget error, naming the policy it is about,
+    before a model loads."""
+    sized = size_lineup(lineup_budgets(contenders, budget, keep, baseline=True), tokens, shape, named=True)
+    return [Contender(name, policy=policy, budget=bounds) for name, (policy, bounds) in sized.items()]
 
 
 def token_bytes(model) -> int:
@@ -211,14 +210,13 @@ def comparison_report(
     }
 
 
-def compare_command(args, model, video, episode=None) -> int:
-    """``python -m kvdemo compare`` on ``video`` (the CLI parsed and checked the arguments and opened the stream;
-    ``episode``: its generated ground truth, for the bundled sample)."""
-    contenders = parse_overrides((args.policies or ",".join(COMPARE_POLICIES)).split(","), "\n".join(args.override))
+def compare_command(args, model, video, contenders: list[Contender], episode=None) -> int:
+    """``python -m kvdemo compare`` on ``video`` with ``contenders`` (the CLI parsed and checked the arguments, opened
+    the stream and sized every budget, :func:`compare_lineup`; ``episode``: its generated ground truth, for the
+    bundled sample)."""
     cap = cap_bytes(args.full_cap_mb)
-    engines = compare_engines(model, contenders, args.budget, args.keep, video.fps, cap, args.max_new_tokens)
-    tokens, shape = model.geometry.chunk_tokens(video.size, 2)
-    check_chunks(engines, tokens, shape)
+    engines = compare_engines(model, contenders, None, None, video.fps, cap, args.max_new_tokens)
+    tokens, _ = model.geometry.chunk_tokens(video.size, 2)
     tokens_per_second = tokens * video.fps / 2
     bound = memory_bound(model, engines, tokens_per_second, cap)
     print(

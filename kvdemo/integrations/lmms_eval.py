@@ -6,8 +6,9 @@ class is a "simple" lmms-eval model (``is_simple = True``: requests carry the ta
 
 - ``pretrained`` (or ``checkpoint``): anything :func:`kvdemo.models.loading.load_model` takes (``tiny``, a Hugging
   Face id, a local folder); default ``tiny``.
-- ``policy`` (default ``full``), ``M`` and ``C`` (the budget, visual tokens), ``param_<name>=value`` for each policy
-  parameter (``param_alpha=0.5``).
+- ``policy`` (default ``full``), ``M`` and ``C`` (the budget, visual tokens; without ``M`` a bounded policy runs at
+  the model's default budget, the app's, and the run's config says so in ``budget_from``; ``C`` left out is 0.75 M),
+  ``param_<name>=value`` for each policy parameter (``param_alpha=0.5``).
 - ``fps`` (sampling, default 2), ``min_pixels`` / ``max_pixels`` (the frame size range; default the model's),
   ``max_new_tokens`` (default: the task's ``generation_kwargs``).
 - ``time_field``: a document field holding the stream time (seconds) to ask at; without it (or where a document
@@ -51,6 +52,7 @@ from lmms_eval.api.model import lmms  # noqa: E402
 from ..cache.budget import DEFAULT_KEEP_RATIO, Budget  # noqa: E402
 from ..experiments.results import RunWriter, grade_prediction  # noqa: E402
 from ..media.video import VideoError, open_video  # noqa: E402
+from ..models.catalog import default_budget  # noqa: E402
 from ..models.loading import load_model  # noqa: E402
 from ..policies import make_policy  # noqa: E402
 from ..stream.engine import EngineError, StreamEngine  # noqa: E402
@@ -102,8 +104,15 @@ class KVDemoLMM(lmms):
         self.checkpoint = str(checkpoint or pretrained)
         self.policy_name, self.budget, self.keep, self.policy_params = str(policy), M, C, params
         self.fps, self.max_new_tokens, self.time_field = float(fps), max_new_tokens, time_field
-        # Bad arguments fail before the model loads; C defaults to 0.75 M, as on the command line.
-        self.bounds = Budget.from_user(make_policy(self.policy_name, **params), M, C, DEFAULT_KEEP_RATIO)
+        # Bad arguments fail before the model loads. Without M a bounded policy runs at the model's default budget,
+        # the one the app starts it with; C defaults to 0.75 M, as on the command line.
+        policy = make_policy(self.policy_name, **params)
+        self.budget_from = "model_args"
+        if policy.bounded and (M is None or not str(M).strip()):
+            M, default_keep, _ = default_budget(self.checkpoint)
+            C = default_keep if C is None else C
+            self.budget_from = "the model's default (as the app starts it)"
+        self.bounds = Budget.resolve(policy, M, C, default_ratio=DEFAULT_KEEP_RATIO)
         self._rank, self._world_size, local_device = _process_placement()
         self.accelerator = _accelerator() if self._world_size > 1 else None
         self.model = load_model(self.checkpoint, device=device or local_device)
@@ -261,6 +270,7 @@ class KVDemoLMM(lmms):
             "params": self.policy_params,
             "M": self.bounds.M,
             "C": self.bounds.C,
+            "budget_from": self.budget_from,
             "fps": self.fps,
             "min_pixels": self.geometry.min_pixels,
             "max_pixels": self.geometry.max_pixels,

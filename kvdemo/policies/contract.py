@@ -198,7 +198,7 @@ class SummaryRegion(abc.ABC):
     sized by ``M`` alone: ``M`` = its summary slots + the real visual tokens it holds exactly; each
     compression keeps the newest real tokens that leave room for the incoming chunk
     (:meth:`kvdemo.cache.budget.Budget.keep_for`). The split may depend on the chunk size, which the budget learns when
-    chunks are sized (:meth:`kvdemo.cache.budget.Budget.fit_chunk`)."""
+    chunks are sized (:meth:`kvdemo.cache.budget.Budget.sized`)."""
 
     #: What messages call the exact tokens it holds (e.g. "near window").
     window_name: ClassVar[str] = "window"

@@ -151,10 +151,11 @@ def must_compress(budget: Budget, memory: KVMemory, uncompressed_layers: tuple[i
 class StreamEngine:
     """A model's KV memory kept under budget ``M`` (visual tokens) by ``policy``, compressed to ``C``.
 
-    ``policy`` is a registered name or a :class:`Policy`; ``budget`` a resolved
-    :class:`~kvdemo.cache.budget.Budget`, or ``M`` with ``keep`` = ``C`` as numbers (resolved here, once; ignored by
-    ``full``). ``max_cache_bytes`` (optional) stops the stream with :class:`MemoryCapError` before the cache
-    would exceed it.
+    ``policy`` is a registered name or a :class:`Policy`; ``budget`` a :class:`~kvdemo.cache.budget.Budget` resolved
+    where the user's numbers entered (sized for the stream's chunks, or not yet), or ``M`` with ``keep`` = ``C`` as
+    numbers, resolved here (:meth:`Budget.resolve`, exact; ``full`` ignores both). An unsized budget is sized at the
+    first chunk, once (:meth:`Budget.sized`); later chunks are only checked against it. ``max_cache_bytes``
+    (optional) stops the stream with :class:`MemoryCapError` before the cache would exceed it.
     """
 
     def __init__(
@@ -175,17 +176,11 @@ class StreamEngine:
                 raise BudgetError("give C inside the Budget, not as keep=")
             self.budget = budget
         else:
-            self.budget = Budget.resolve(self.policy, budget, keep)  # full ignores both numbers
+            self.budget = Budget.resolve(self.policy, budget, keep, exact=True)  # full ignores both numbers
         self.fps = float(fps)
         self.max_new_tokens = int(max_new_tokens)
         self.max_cache_bytes = max_cache_bytes
-        self.memory = KVMemory(
-            model.num_layers,
-            model.num_kv_heads,
-            visual_capacity=self.budget.window or 0,
-            summary_slots=self.budget.summary,
-            layer_map=model.layer_map,
-        )
+        self.memory = KVMemory(model.num_layers, model.num_kv_heads, self.budget, layer_map=model.layer_map)
         self.history: list[tuple[str, str]] = []
         self.answers: list[Answer] = []
         self.frames_fed = 0
@@ -302,10 +297,10 @@ class StreamEngine:
                 f"chunk starts at grid {chunk.first_grid} but the engine expects grid {self.memory.num_grids}"
             )
         shape = f"{chunk.num_grids} temporal grid(s) of {chunk.rows}x{chunk.cols} tokens"
-        if self.memory.is_empty:  # the first chunk sizes the split of a policy whose split needs it (Budget.fit_chunk)
-            self.budget = self.budget.fit_chunk(chunk.num_tokens, shape)
-            self.memory.visual_capacity, self.memory.summary_slots = self.budget.window or 0, self.budget.summary
-        self.budget.check_chunk(chunk.num_tokens, shape)
+        if not self.budget.is_sized:  # given as numbers: sized at the first chunk, the memory still empty
+            self.budget = self.memory.budget = self.budget.sized(self.policy, chunk.num_tokens, shape)
+        else:
+            self.budget.check_chunk(self.policy, chunk.num_tokens, shape)
 
     def _check_cap(self, chunk: VisualChunk) -> None:
         if self.max_cache_bytes is None or self.memory.is_empty:

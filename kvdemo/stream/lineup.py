@@ -3,8 +3,9 @@ its parameters and its budget) and, when asked, the full-cache baseline beside t
 
 Every front end builds its engines here: ``python -m kvdemo run``, ``compare`` and ``eval``, the app, the
 lmms-eval model and the benchmarks (a single engine is a lineup of one). The budget each contender takes of the
-user's ``M`` and ``C`` is :meth:`~kvdemo.cache.budget.Budget.from_user`'s (the takes-C rule lives there, once): a
-policy sized by ``M`` alone ignores ``C``, ``full`` ignores both, and what is missing is a one-line message.
+user's ``M`` and ``C`` is :meth:`~kvdemo.cache.budget.Budget.resolve`'s (the takes-C rule lives there, once): a
+policy sized by ``M`` alone ignores ``C``, ``full`` ignores both, and what is missing is a one-line message. A front
+end that knows the stream's chunk size sizes every budget here (:func:`size_lineup`), before any model loads.
 """
 
 from __future__ import annotations
@@ -36,18 +37,18 @@ class Contender:
     keep: Any = None
     policy: Policy | None = None
 
-    def resolve(
+    def policy_and_budget(
         self, budget: Any = None, keep: Any = None, default_ratio: float | None = None
     ) -> tuple[Policy, Budget]:
         """The policy (made from ``name`` and ``params``, or the given instance) and the budget it takes of this
-        contender's ``M``/``C``, else of the shared ``budget``/``keep`` (:meth:`Budget.from_user`, with
-        ``default_ratio`` for a ``C`` left out)."""
+        contender's ``M``/``C``, else of the shared ``budget``/``keep`` (:meth:`Budget.resolve`, with
+        ``default_ratio`` for a ``C`` left out); a budget given as a :class:`Budget` is taken as it is."""
         policy = self.policy if self.policy is not None else make_policy(self.name, **self.params)
         if isinstance(self.budget, Budget):
             return policy, self.budget
         own_m = self.budget if self.budget is not None else budget
         own_c = self.keep if self.keep is not None else keep
-        return policy, Budget.from_user(policy, own_m, own_c, default_ratio)
+        return policy, Budget.resolve(policy, own_m, own_c, default_ratio=default_ratio)
 
 
 def contender(entry: str | Policy | Contender) -> Contender:
@@ -59,14 +60,14 @@ def contender(entry: str | Policy | Contender) -> Contender:
     return Contender(str(entry))
 
 
-def resolve_lineup(
+def lineup_budgets(
     contenders: Sequence[str | Policy | Contender],
     budget: Any = None,
     keep: Any = None,
     default_ratio: float | None = None,
     baseline: bool = False,
 ) -> dict[str, tuple[Policy, Budget]]:
-    """Engine name -> (policy, budget) for every contender (:meth:`Contender.resolve`), with nothing loaded: the
+    """Engine name -> (policy, budget) for every contender (:meth:`Contender.policy_and_budget`), with nothing loaded: the
     checks a run makes before its model, each a :class:`BudgetError` with a one-line reason (a name twice, or
     the baseline's name taken while ``baseline`` is asked for)."""
     entries = [contender(entry) for entry in contenders]
@@ -77,8 +78,25 @@ def resolve_lineup(
                 f"each engine once: {name!r} is named twice"
                 + (" (the full cache is the baseline)" if baseline and name == FULL else "")
             )
-    resolved = {entry.name: entry.resolve(budget, keep, default_ratio) for entry in entries}
-    return resolved
+    return {entry.name: entry.policy_and_budget(budget, keep, default_ratio) for entry in entries}
+
+
+def size_lineup(
+    lineup: dict[str, tuple[Policy, Budget]], tokens: int, shape: str = "", named: bool | None = None
+) -> dict[str, tuple[Policy, Budget]]:
+    """Every budget of ``lineup`` (:func:`lineup_budgets`) sized for chunks of ``tokens`` visual tokens
+    (:meth:`Budget.sized`, ``shape`` in words); a :class:`BudgetError` names the engine it is about when ``named``
+    (default: when there are several)."""
+    named = len(lineup) > 1 if named is None else named
+    sized = {}
+    for name, (policy, budget) in lineup.items():
+        try:
+            sized[name] = policy, budget.sized(policy, tokens, shape)
+        except BudgetError as exc:
+            if not named:
+                raise
+            raise BudgetError(f"{name}: {exc}") from None
+    return sized
 
 
 def make_engines(
@@ -93,13 +111,13 @@ def make_engines(
     baseline_cap_bytes: int | None = None,
     default_ratio: float | None = None,
 ) -> dict[str, StreamEngine]:
-    """The run's engines, in order: one per contender (name -> engine, under the budget :func:`resolve_lineup`
+    """The run's engines, in order: one per contender (name -> engine, under the budget :func:`lineup_budgets`
     gives it of its own or the shared ``budget`` = M and ``keep`` = C), then, with ``baseline``, the full cache
     as :data:`FULL` (stopped by :class:`~kvdemo.stream.engine.MemoryCapError` at ``baseline_cap_bytes``; None: no cap).
     Every engine samples at ``fps`` and answers with at most ``max_new_tokens``."""
     engines = {
         name: StreamEngine(model, policy, budget=bounds, fps=fps, max_new_tokens=max_new_tokens)
-        for name, (policy, bounds) in resolve_lineup(contenders, budget, keep, default_ratio, baseline).items()
+        for name, (policy, bounds) in lineup_budgets(contenders, budget, keep, default_ratio, baseline).items()
     }
     if baseline:
         engines[FULL] = StreamEngine(

@@ -12,7 +12,7 @@ stay exact; its 1 : 3 split leaves less than that at small budgets (``M = 64`` o
 chunk, so the chunk before the newest, where evidence that just left view sits, was already in the bank).
 So ``W >= 2 x`` the chunk's visual tokens: a compression, which runs before a chunk is prefilled, keeps the
 newest chunk exact, and the bank takes the rest (``K_max = floor(min(3M/4, M - 2 chunk) / S)``). The split is
-fitted when the first chunk is sized (:meth:`kvdemo.cache.budget.Budget.fit_chunk`); an ``M`` that cannot hold both the
+fitted when the first chunk is sized (:meth:`kvdemo.cache.budget.Budget.sized`); an ``M`` that cannot hold both the
 two chunks and one prototype is refused with one line naming the smallest ``M`` that can.
 
 Each compression (the engine runs one when the next chunk would overflow ``M``, i.e. when the near window

@@ -29,7 +29,7 @@ def near_and_bank(budget: int, chunk: int, near_share: float, pseudo_tokens: int
             )
         raise BudgetError(
             f"M={budget} is too small for ProtoKV: it needs room for a near window and at least one prototype "
-            f"of S={pseudo_tokens} pseudo-tokens"
+            f"of S={pseudo_tokens} pseudo-tokens; raise M to at least {smallest_budget(1, near_share, pseudo_tokens)}"
         )
     return near, prototypes
 
