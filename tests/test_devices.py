@@ -382,8 +382,8 @@ def test_the_doctor_runs_its_small_matrix_on_the_cpu(tmp_path, capsys):
 
 def test_the_doctors_attention_table_runs_every_call_and_compares_the_blocks():
     """The CUDA table of :func:`attention_memory`, run small on the CPU: every call runs and is timed, the float32
-    softmax in blocks of 3 query tokens gives the one-block bits, and the peak is left to CUDA's allocator
-    statistics."""
+    softmax in blocks of 3 query tokens gives the one-block output up to float32 rounding, and the peak is left to
+    CUDA's allocator statistics."""
     from kvdemo.bench.doctor import attention_memory
 
     three_tokens = 3 * 4 * 4 * (24 + 8)  # float32 logits of 4 query heads over 32 keys
@@ -397,7 +397,7 @@ def test_the_doctors_attention_table_runs_every_call_and_compares_the_blocks():
         "float32 softmax, one block",
     ]
     assert all("error" not in r and r["ms"] > 0 and r["peak_mb"] is None for r in rows)
-    assert rows[2]["same_as_one_block"] and rows[3]["same_as_one_block"]
+    assert rows[2]["same_as_one_block"] and rows[3]["same_as_one_block"] and rows[2]["max_abs_diff"] < 1e-5
 
 
 def test_the_doctor_refuses_a_clip_too_short_for_its_budget_or_no_stream_before_any_work(capsys, monkeypatch):
