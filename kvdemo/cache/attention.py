@@ -88,13 +88,15 @@ def kvdemo_attention(
     kv_heads, kv_len = key.shape[1], key.shape[2]
     past = kv_len - q_len
     scale = scaling if scaling is not None else dim**-0.5
-    layer = kvdemo.memory.layer_map[module.layer_idx] if kvdemo is not None else None  # the memory's layer
-    if kvdemo is not None and kvdemo.capture is not None:
-        kvdemo.capture[layer] = query[0].detach().clone()
-    bias = kvdemo.key_bias(layer, past) if kvdemo is not None else None
-    extra = kvdemo.retrieval(layer, query[0], scale) if kvdemo is not None else None
-    for observer in kvdemo.observers if kvdemo is not None else ():
-        observer(layer, query, key, value, bias, extra, scale)
+    bias = extra = None
+    if kvdemo is not None:  # a forward over a kvdemo memory (without one: plain causal SDPA)
+        layer = kvdemo.memory.layer_map[module.layer_idx]  # the memory's layer
+        if kvdemo.capture is not None:
+            kvdemo.capture[layer] = query[0].detach().clone()
+        bias = kvdemo.key_bias(layer, past)
+        extra = kvdemo.retrieval(layer, query[0], scale)
+        for observer in kvdemo.observers:
+            observer(layer, query, key, value, bias, extra, scale)
     if extra is not None or (bias is not None and bias_needs_float32(query, kvdemo)):
         return float32_attention(query, key, value, bias, extra, scale), None
     if bias is None:
@@ -334,7 +336,8 @@ class MemoryLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, memory: KVMemory, layer: int) -> None:
-        super().__init__()
+        # CacheLayerMixin.__init__ is not called: all it does is assign ``keys``/``values`` (here read-only views of
+        # the memory) and ``is_initialized``.
         self.memory, self.layer = memory, layer
         self.end = memory.live_len(layer) if layer < len(memory.layers) else 0
         self.is_initialized = True
@@ -355,24 +358,16 @@ class MemoryLayer(CacheLayerMixin):
     def _store(self):
         return self.memory.layers[self.layer] if self.layer < len(self.memory.layers) else None
 
-    # transformers reads ``layer.keys`` (lengths, devices); CacheLayerMixin.__init__ assigns None to them.
+    # transformers reads ``layer.keys`` (lengths, devices).
     @property
     def keys(self) -> torch.Tensor | None:
         store = self._store()
         return None if store is None else store.keys[:, :, : self.end]
 
-    @keys.setter
-    def keys(self, value) -> None:
-        pass
-
     @property
     def values(self) -> torch.Tensor | None:
         store = self._store()
         return None if store is None else store.values[:, :, : self.end]
-
-    @values.setter
-    def values(self, value) -> None:
-        pass
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.end + query_length, 0
