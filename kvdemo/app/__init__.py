@@ -5,8 +5,8 @@ Rooms: :mod:`.sessions` (models loaded once, settings, one session type for N en
 :mod:`.settings` (what the user typed, checked as a run would), :mod:`.gpu` (the model work as calls with explicit
 state, ZeroGPU-ready: the one feed and ask paths), :mod:`.handlers` (what both pages' buttons do),
 :mod:`.page_updates` (what a page shows at each step), :mod:`.page` (both pages' shared events and their one error
-guard); the single page: :mod:`.single_updates` and :mod:`.layout` (also the Blocks; the only Gradio import); the comparison
-page: :mod:`.comparing` and :mod:`.compare_page`. No model logic here: handlers drive :mod:`kvdemo.stream.engine` and draw
+guard); the single page: :mod:`.single_updates`, :mod:`.single_page` (its components) and :mod:`.single_events` (its
+events); the Blocks of both pages: :mod:`.layout` (the only Gradio import); the comparison page: :mod:`.comparing` and :mod:`.compare_page`. No model logic here: handlers drive :mod:`kvdemo.stream.engine` and draw
 with :mod:`kvdemo.viz`. The single page is a comparison with one contender.
 """
 

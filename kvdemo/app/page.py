@@ -1,7 +1,7 @@
 """What both pages are built from (:class:`Page`): the one error guard (:func:`guard`), handler updates mapped to
 components (a picture an event has sent already not sent again: :func:`unsent`), and the events both pages have:
 run a file or the bundled sample, stop, ask (a typed question or a clicked example), start a new conversation, the
-layer and KV head choices after a run, and the sample's kind. Each page (:class:`kvdemo.app.layout.SinglePage`,
+layer and KV head choices after a run, and the sample's kind. Each page (:class:`kvdemo.app.single_page.SinglePage`,
 :class:`kvdemo.app.compare_page.ComparePage`) builds its components and says what its settings and updates are;
 ``gr`` (the Gradio module) is handed in by :mod:`kvdemo.app.layout`, the only module that imports it."""
 
