@@ -59,7 +59,8 @@ BENCH_EXAMPLES = """\
 examples:
   python -m kvdemo bench
   python -m kvdemo bench --policy infinipot-v --frames 100 --skip-pass --json bench.json
-  python -m kvdemo bench --policy infinipot-v --reference ../InfiniPot-V --pass-repeats 7"""
+  python -m kvdemo bench --policy infinipot-v --reference ../InfiniPot-V --pass-repeats 7
+  python -m kvdemo bench --count --layers 4,28 --json counts.json"""
 
 DOCTOR_DESCRIPTION = """\
 The device checklist: every policy x the offline models of each family streamed twice on the device (bfloat16
@@ -313,6 +314,16 @@ def build_parser(catalog: Any = None) -> argparse.ArgumentParser:
         "pass against theirs on the same 7B-shape tensors and compare the kept tokens",
     )
     bench.add_argument("--every", type=int, default=1, help="print every Nth chunk of the table (default: all)")
+    bench.add_argument(
+        "--count",
+        action="store_true",
+        help="only count, for every bounded policy, the operations one bfloat16 pass at 7B per-layer shape launches "
+        "and the values it reads back to the host (on the emulated device; with --device cuda, by the profiler): "
+        "no stream, no timing",
+    )
+    bench.add_argument(
+        "--layers", default="4,28", help="--count: the depths to count at, comma-separated (default 4,28)"
+    )
     bench.add_argument("--json", metavar="OUT", help="write the benchmark results here")
 
     evaluate = commands.add_parser(

@@ -1,6 +1,8 @@
 """The benchmarks' harnesses on small shapes: the pass against its floor, what policies declare worth
 measuring (update, decode), and the comparison with the authors' code on a stand-in with their signature."""
 
+import json
+
 import pytest
 import torch
 
@@ -171,3 +173,18 @@ def test_the_bench_runs_its_7b_shape_passes_on_another_device():
     for ours, theirs in zip(moved.layers, host.layers):
         assert torch.equal(ours.kv, theirs.kv) and torch.equal(ours.packed, theirs.packed)
     assert results["device"] == str(DEVICE) and results["pass_7b"]["sliding-window"]["bfloat16"]["moved_bytes"] > 0
+
+
+def test_bench_count_writes_every_bounded_policys_launches_and_host_reads(tmp_path, capsys):
+    from kvdemo.cli import main
+    from kvdemo.policies import make_policy, policy_names
+
+    out = tmp_path / "counts.json"
+    assert main(["bench", "--count", "--layers", "1,2", "--json", str(out)]) == 0
+    counts = json.loads(out.read_text())["count"]
+    assert set(counts) == {name for name in policy_names() if make_policy(name).bounded}
+    for by_depth in counts.values():
+        assert set(by_depth) == {"1", "2"}
+        assert all(c["launches"] > 0 and c["host_reads"] >= 0 for c in by_depth.values())
+    assert "counted on the emulated device" in capsys.readouterr().out
+    assert main(["bench", "--count", "--layers", "0"]) == 2

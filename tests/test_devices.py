@@ -413,3 +413,24 @@ def test_the_doctor_refuses_a_clip_too_short_for_its_budget_or_no_stream_before_
     assert "--frames 8 is too short" in error and "at least 16" in error
     assert main(["doctor", "--device", "cpu", "--full-depth", "qwen2.5-vl-3b", "--seconds", "0"]) == 2
     assert "--seconds must be positive" in capsys.readouterr().err
+
+
+def test_the_emulated_device_counts_launches_and_host_reads_as_a_gpu_would():
+    """Each line below is worked by hand: a kernel launch, a view (nothing runs), a value the host waits for."""
+    mode = EmulatedDevice()
+    with mode, torch.inference_mode():
+        x = torch.arange(20.0).view(4, 5).to(DEVICE)  # 1 launch: the copy onto the device
+        x[:, :2]  # a view
+        x.view(20)  # a view
+        y = x * 2  # 1 launch
+        torch.nonzero(y > 10)  # 2 launches (gt, nonzero), 1 read (nonzero's size)
+        int(y.sum())  # 1 launch, 1 read
+        x[y > 10]  # 2 launches, 1 read (a boolean index)
+        y.cpu()  # 1 read
+        x.add_(1)  # 1 launch
+        torch.zeros(3, device=DEVICE)  # 1 launch (a fill on the device)
+        torch.ones_like(y)  # 1 launch
+        counts = torch.tensor([1, 2, 3], device=DEVICE)  # 1 launch (the copy)
+        torch.repeat_interleave(torch.arange(3, device=DEVICE), counts)  # 2 launches, 1 read (the output's size)
+        torch.repeat_interleave(torch.arange(3, device=DEVICE), counts, output_size=6)  # 2 launches, no read
+    assert (mode.launches, mode.host_reads) == (15, 5)

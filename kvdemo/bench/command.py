@@ -13,6 +13,7 @@ from ..cache.budget import DEFAULT_KEEP_RATIO, Budget
 from ..policies import make_policy
 from ..testing import QWEN7B_SHAPE
 from . import write_json
+from .counts import count_benchmark, count_table
 from .passes import (
     append_table,
     compile_table,
@@ -48,6 +49,8 @@ def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
     except (RuntimeError, AssertionError) as error:  # a bad name, no CUDA build, no such GPU
         print(f"error: --device {args.device}: {str(error).splitlines()[0]}", file=sys.stderr)
         return 2
+    if getattr(args, "count", False):
+        return count_command(args, device)
     budget = Budget.resolve(policy, args.budget, args.keep, default_ratio=DEFAULT_KEEP_RATIO)
     results: dict[str, Any] = {
         "machine": {
@@ -99,6 +102,25 @@ def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
         print("\nkvdemo's InfiniPot-V against the authors' code at 7B shape...", file=sys.stderr)
         results["reference_7b"] = reference_benchmark(reference, args.pass_repeats)
         print(reference_table(results["reference_7b"]))
+    if args.json:
+        write_json(args.json, results)
+        print(f"results written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def count_command(args: argparse.Namespace, device: torch.device) -> int:
+    """``bench --count``: launches and host reads of one pass of every bounded policy at the ``--layers`` depths
+    (:mod:`.counts`), printed against the targets and written to ``--json``."""
+    try:
+        depths = tuple(int(d) for d in str(args.layers).split(",") if d.strip())
+    except ValueError:
+        depths = ()
+    if not depths or min(depths) < 1:
+        print(f"error: --layers takes positive layer counts, comma-separated, got {args.layers!r}", file=sys.stderr)
+        return 2
+    print(f"counting one pass of every bounded policy at {', '.join(map(str, depths))} layers...", file=sys.stderr)
+    results = count_benchmark(depths, "cpu" if device.type == "cpu" else str(device))
+    print(count_table(results))
     if args.json:
         write_json(args.json, results)
         print(f"results written to {args.json}", file=sys.stderr)

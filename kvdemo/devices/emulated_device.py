@@ -70,6 +70,47 @@ FOLLOWERS = frozenset(
 )
 #: Ops that copy between devices by design.
 COPIES = frozenset({"copy_"})
+#: Ops that make the host wait for the device when a tensor on it takes part: a value converted to a Python number or
+#: list, or an output whose size depends on the values (CUDA learns it on the device and copies it back).
+HOST_READS = frozenset(
+    {
+        "__int__",
+        "__float__",
+        "__bool__",
+        "__index__",
+        "item",
+        "tolist",
+        "nonzero",
+        "argwhere",
+        "unique",
+        "unique_consecutive",
+        "masked_select",
+        "bincount",
+        "equal",
+        "allclose",
+    }
+)
+#: Ops that read or describe a tensor without running anything on the device.
+METADATA = frozenset(
+    {
+        "size",
+        "dim",
+        "stride",
+        "numel",
+        "nelement",
+        "element_size",
+        "is_contiguous",
+        "data_ptr",
+        "untyped_storage",
+        "storage_offset",
+        "__len__",
+        "is_floating_point",
+        "is_complex",
+        "__repr__",
+        "__format__",
+        "__hash__",
+    }
+)
 
 
 class DeviceMixError(RuntimeError):
@@ -87,11 +128,16 @@ def _is_target(device: Any) -> bool | None:
 
 class EmulatedDevice(TorchFunctionMode):
     """Run code with :data:`DEVICE` emulated on the CPU (see the module docstring). ``ops`` counts the ops that
-    touched the device (a check that the device was used at all)."""
+    touched the device (a check that the device was used at all); ``launches`` the ones a GPU would launch a kernel
+    for (not a view of its input nor metadata; a copy onto the device counts); ``host_reads`` the ones that make
+    the host wait for the device (:data:`HOST_READS`, a boolean index, ``repeat_interleave`` not told its output size,
+    a copy back to the host)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.launches = 0
+        self.host_reads = 0
 
     @staticmethod
     def on_device(tensor: torch.Tensor) -> bool:
@@ -123,6 +169,7 @@ class EmulatedDevice(TorchFunctionMode):
             return self._move(func, name, args, kwargs, target)
         if name in FACTORIES:
             out = func(*args, **kwargs)
+            self.launches += bool(target)  # made on the device: a fill or a copy runs there
             return self._mark(out) if target else out
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         on = [t for t in tensors if self.on_device(t)]
@@ -131,6 +178,7 @@ class EmulatedDevice(TorchFunctionMode):
         if name in FOLLOWERS:
             out = func(*args, **kwargs)
             follows = target if target is not None else bool(on)
+            self.launches += bool(follows)
             return self._mark(out) if follows else out
         if on and name not in COPIES:
             checked = tensors
@@ -147,6 +195,7 @@ class EmulatedDevice(TorchFunctionMode):
         out = func(*args, **kwargs)
         if on:
             self.ops += 1
+            self._count(name, args, kwargs, tensors, out)
             if name in ("__int__", "__float__", "__bool__", "__index__", "item", "tolist"):
                 return out
             if (
@@ -155,6 +204,28 @@ class EmulatedDevice(TorchFunctionMode):
                 return out
             return self._mark(out)
         return out
+
+    def _count(self, name: str, args: tuple, kwargs: dict, inputs: list[torch.Tensor], out: Any) -> None:
+        """Count one op on the device as a launch and/or a host read (see the class docstring)."""
+        if name in METADATA:
+            return
+        if name in HOST_READS or _waits(name, args, kwargs):
+            self.host_reads += 1
+            if name in ("__int__", "__float__", "__bool__", "__index__", "item", "tolist"):
+                return  # a copy of a value back, no kernel
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        writes = (name.endswith("_") and not name.endswith("__")) or name in (
+            "__setitem__",
+            "__iadd__",
+            "__isub__",
+            "__imul__",
+            "__itruediv__",
+            "__ior__",
+            "__iand__",
+        )
+        if outputs and not writes and all(_aliases(t, inputs) for t in outputs):
+            return  # a view of an input (slicing, reshape of a contiguous tensor...): nothing runs
+        self.launches += 1
 
     def _move(self, func, name: str, args: tuple, kwargs: dict, target: bool | None) -> Any:
         """``.to``/``.cuda``/``.cpu``/``.type``: where the result lands."""
@@ -176,7 +247,34 @@ class EmulatedDevice(TorchFunctionMode):
             target = self.on_device(source)
         if out is source and target != self.on_device(source):  # crossing between host and device copies
             out = source.clone()
+        if self.on_device(source) and not target:
+            self.host_reads += 1  # copied back: the host waits for it
+        elif out is not source and (target or self.on_device(source)):
+            self.launches += 1  # a copy onto the device, or a conversion on it
         return self._mark(out) if target else out
+
+
+def _waits(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether an op not in :data:`HOST_READS` still makes the host wait: indexing with a boolean tensor (its count
+    sizes the result), ``repeat_interleave`` of tensor repeats without ``output_size``, ``where`` of a condition
+    alone (a ``nonzero``)."""
+    if name in ("__getitem__", "__setitem__", "index_put_", "index_put"):
+        index = args[1] if len(args) > 1 else kwargs.get("indices")
+        return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tree_flatten(index)[0])
+    if name == "repeat_interleave":
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return isinstance(repeats, torch.Tensor) and repeats.numel() > 1 and kwargs.get("output_size") is None
+    if name == "where":
+        return len(args) + len(kwargs) == 1
+    return False
+
+
+def _aliases(tensor: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
+    """Whether ``tensor`` shares its storage with one of ``inputs`` (a view of it)."""
+    if tensor.numel() == 0:
+        return True
+    pointer = tensor.untyped_storage().data_ptr()
+    return any(t.untyped_storage().data_ptr() == pointer for t in inputs if t.numel())
 
 
 def place_module(module: torch.nn.Module) -> torch.nn.Module:

@@ -98,7 +98,7 @@ CARD = PolicyCard(
     "while decoding.",
     reasons=REASON_NAMES,
     view_titles=("Head types",),
-    bench=BenchDeclaration(benchmarks=("decode",)),
+    bench=BenchDeclaration(benchmarks=("decode",), host_reads=16),
 )
 
 

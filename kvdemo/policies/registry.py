@@ -33,12 +33,16 @@ class BenchDeclaration:
     benchmarks: names of the bench's policy benchmarks (``update``: its per-chunk update over a long stream;
     ``decode``: decode-step attention against the full cache). variants: parameter changes its pass is also timed
     with (label -> changes). refresh_all: ``refresh_all(policy, rotary, heads)`` recomputes every entry of its
-    summary region at once (what synthesising at read time would cost), for a policy that owns one.
+    summary region at once (what synthesising at read time would cost), for a policy that owns one. host_reads: the
+    most values one pass may read back to the host (``bench --count``); launches: the most operations one pass may
+    launch in all at any depth (None: only the bound on their growth with depth applies).
     """
 
     benchmarks: tuple[str, ...] = ()
     variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     refresh_all: Callable[[Any, Any, int], None] | None = None
+    host_reads: int = 8
+    launches: int | None = None
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ CARD = PolicyCard(
     "Exact near window + a prototype bank summarising evicted tokens, read through log-mass-biased pseudo-tokens.",
     reasons=REASON_NAMES,
     view_titles=("Prototype assignments", "Prototype bank"),
-    bench=BenchDeclaration(benchmarks=("update",), refresh_all=refresh_every_entry),
+    bench=BenchDeclaration(benchmarks=("update",), refresh_all=refresh_every_entry, launches=3000),
 )
 
 
