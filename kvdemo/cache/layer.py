@@ -1,9 +1,11 @@
-"""One layer of the memory (:class:`kvdemo.cache.memory.KVMemory`): its buffers and provenance, and the moves that keep
-them compact. Every move is one gather and one scatter of rows over all heads on the flattened buffer
-(:func:`kvdemo.tensors.take_rows`, :func:`kvdemo.tensors.put_rows`; a compaction's :func:`kvdemo.tensors.move_rows`,
-split across threads on a CPU); keys
-(heads ``0..H-1``) and values (heads ``H..2H-1``) share one buffer so they move together. ``start`` is where the
-visual slots begin (after the prefix and the summary region); the layout is in :mod:`kvdemo.cache.memory`.
+"""The memory's buffers (:class:`kvdemo.cache.memory.KVMemory`): one :class:`LayerGroup` per device and dtype holds
+its layers' keys, values, provenance and key bias with a layer axis, so one kernel can address every layer of the
+group (a compaction's moves, :mod:`kvdemo.cache.compaction`; a policy's batched scoring); each
+:class:`LayerMemory` is one layer's view of its group, with the moves that only one layer makes (a chunk's stream
+text reordered, tokens offloaded, a policy's summary written). Every move is one gather and one scatter of rows over
+all heads on the flattened buffer (:func:`kvdemo.tensors.take_rows`, :func:`kvdemo.tensors.put_rows`); keys (heads
+``0..H-1``) and values (heads ``H..2H-1``) share one buffer so they move together. ``start`` is where the visual
+slots begin (after the prefix and the summary region); the layout is in :mod:`kvdemo.cache.memory`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..policies.contract import OffloadUpdate, SummaryUpdate
-from ..tensors import flat_nonzero, move_rows, owners, put_rows, take_rows
+from ..tensors import put_rows, take_rows
 from .offload import OffloadStore
 
 #: Reason code of a visual slot appended since the last compression (no policy reason yet).
@@ -30,28 +32,118 @@ PROVENANCE_WIDTH = 8
 BIAS_DTYPE = torch.float32
 
 
-@dataclass
-class LayerMemory:
-    """One layer's buffers (see the module docstring for the layout).
-
-    Keys and values share one buffer ``kv [1, 2H, capacity, D]`` (keys are heads ``0..H-1``), so a
-    compaction moves both with one gather; ``keys``/``values`` are its two halves (contiguous views).
-    """
+@dataclass(eq=False)
+class LayerGroup:
+    """The buffers of the memory layers that share a device and a dtype, with a layer axis (index ``g`` holds memory
+    layer ``layers[g]``): ``kv [G, 2H, capacity, D]`` (keys are heads ``0..H-1``, values ``H..2H-1``),
+    ``packed [G, H, rows, 8]`` int32 provenance (:data:`PROVENANCE`; ``rows = capacity - P - S`` once the prefix is
+    committed), ``bias [G, H, capacity]`` float32 additive key bias (allocated, zero, when a layer first needs one;
+    a layer reads it only once it uses one, :attr:`LayerMemory.bias`)."""
 
     kv: torch.Tensor
-    packed: torch.Tensor  # [H, capacity - P - S, 8] int32 provenance, see PROVENANCE
-    bias: torch.Tensor | None = (
-        None  # [H, capacity] float32 additive key bias (0 = plain attention), None if never used
-    )
+    packed: torch.Tensor
+    layers: list[int]
+    bias: torch.Tensor | None = None
+
+    @property
+    def heads(self) -> int:
+        return int(self.kv.shape[1]) // 2
+
+    @property
+    def capacity(self) -> int:
+        return int(self.kv.shape[2])
+
+    @classmethod
+    def empty(cls, heads: int, capacity: int, dim: int, dtype: torch.dtype, device: torch.device) -> LayerGroup:
+        """A group of no layers yet (:meth:`add` appends them)."""
+        return cls(
+            kv=torch.zeros(0, 2 * heads, capacity, dim, dtype=dtype, device=device),
+            packed=torch.zeros(0, heads, capacity, PROVENANCE_WIDTH, dtype=torch.int32, device=device),
+            layers=[],
+        )
+
+    def add(self, layer: int) -> int:
+        """Room for memory layer ``layer`` (zeros) after the group's layers; returns its index."""
+        self.kv = torch.cat([self.kv, self.kv.new_zeros(1, *self.kv.shape[1:])])
+        self.packed = torch.cat([self.packed, self.packed.new_zeros(1, *self.packed.shape[1:])])
+        if self.bias is not None:
+            self.bias = torch.cat([self.bias, self.bias.new_zeros(1, *self.bias.shape[1:])])
+        self.layers.append(layer)
+        return len(self.layers) - 1
+
+    def resize(self, capacity: int, rows: int) -> None:
+        """Reallocate every layer's buffers with ``capacity`` slots and ``rows`` provenance rows (>= what they hold),
+        copying their content."""
+        old, kept = self.capacity, min(rows, self.packed.shape[2])  # provenance rows past the stream hold nothing
+        kv = self.kv.new_zeros(*self.kv.shape[:2], capacity, self.kv.shape[3])
+        kv[:, :, : min(old, capacity)] = self.kv[:, :, :capacity]
+        packed = self.packed.new_zeros(*self.packed.shape[:2], rows, PROVENANCE_WIDTH)
+        packed[:, :, :kept] = self.packed[:, :, :kept]
+        self.kv, self.packed = kv, packed
+        if self.bias is not None:
+            bias = self.bias.new_zeros(*self.bias.shape[:2], capacity)
+            bias[:, :, : min(old, capacity)] = self.bias[:, :, :capacity]
+            self.bias = bias
+
+    def ensure_bias(self) -> torch.Tensor:
+        """The group's key bias, allocated (zero) on first use."""
+        if self.bias is None:
+            shape = (self.kv.shape[0], self.heads, self.capacity)
+            self.bias = torch.zeros(shape, dtype=BIAS_DTYPE, device=self.kv.device)
+        return self.bias
+
+    def trimmed(self, live: int, rows: int) -> LayerGroup:
+        """A copy holding the first ``live`` slots and ``rows`` provenance rows (what crosses a process boundary)."""
+        bias = None if self.bias is None else self.bias[:, :, :live].clone()
+        return LayerGroup(self.kv[:, :, :live].clone(), self.packed[:, :, :rows].clone(), list(self.layers), bias)
+
+    def to(self, device: torch.device | str) -> LayerGroup:
+        return LayerGroup(
+            self.kv.to(device),
+            self.packed.to(device),
+            list(self.layers),
+            None if self.bias is None else self.bias.to(device),
+        )
+
+
+@dataclass(eq=False)
+class LayerMemory:
+    """One layer's view of its group's buffers (see the module docstring for the layout): ``kv [1, 2H, capacity, D]``
+    (keys are heads ``0..H-1``), so a compaction moves both with one gather; ``keys``/``values`` its two halves,
+    ``packed [H, rows, 8]`` its provenance, ``bias [H, capacity]`` its key bias once it uses one (None before: plain
+    attention)."""
+
+    group: LayerGroup
+    index: int
     visual_len: int = 0  # L: visual slots in use (the fullest head's count when ragged)
     valid: torch.Tensor | None = None  # [H, L] bool when heads hold different numbers of tokens
     offload: OffloadStore | None = None  # tokens some heads keep off the device, retrieved at decode time
     text_len: int = 0  # T: stream-text slots after the visual ones (the fullest head's count when ragged)
     text_valid: torch.Tensor | None = None  # [H, T] bool when heads hold different numbers of text slots
+    biased: bool = False  # whether attention reads this layer's bias (a ragged head, a summary region)
+
+    @property
+    def kv(self) -> torch.Tensor:
+        return self.group.kv[self.index : self.index + 1]
+
+    @property
+    def packed(self) -> torch.Tensor:
+        """``[H, rows, 8]`` int32 provenance, see :data:`PROVENANCE`."""
+        return self.group.packed[self.index]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """``[H, capacity]`` float32 additive key bias (0 = plain attention), None if this layer never used one."""
+        return self.group.bias[self.index] if self.biased else None
+
+    def use_bias(self) -> torch.Tensor:
+        """This layer's bias, from now on read by attention."""
+        self.biased = True
+        return self.group.ensure_bias()[self.index]
 
     @property
     def heads(self) -> int:
-        return int(self.kv.shape[1]) // 2
+        return self.group.heads
 
     @property
     def keys(self) -> torch.Tensor:
@@ -69,7 +161,7 @@ class LayerMemory:
 
     @property
     def capacity(self) -> int:
-        return int(self.kv.shape[2])
+        return self.group.capacity
 
     # --- moves -------------------------------------------------------------------------------
     def reorder_stream_text(self, text: torch.Tensor, start: int) -> None:
@@ -98,71 +190,6 @@ class LayerMemory:
             (offsets + torch.arange(width, device=device)).flatten(),
             take_rows(packed, (offsets + order).flatten()),
         )
-
-    def compact(
-        self,
-        index: torch.Tensor,
-        valid: torch.Tensor | None,
-        reason: torch.Tensor | None,
-        start: int,
-        moves: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
-    ) -> int:
-        """Keep the visual tokens ``index [H, keep]`` (``valid`` marks the entries that count when heads keep different
-        numbers; ``reason`` the policy's codes, stored per slot): kept tokens at slots ``>= c_h`` move into head
-        ``h``'s evicted slots ``< c_h``, keys, values and provenance, one gather each. Returns the bytes moved.
-        ``moves``: the keys' and values' move is appended there, for the caller to make with other layers'
-        (:func:`kvdemo.tensors.move_rows`) before anything reads this layer's keys and values; None: made here."""
-        heads = self.heads
-        device = self.keys.device
-        length = self.visual_len
-        index = index.to(device=device, dtype=torch.long)
-        # A kept mask [H, L]; entries a ragged selection marks invalid point at a dummy column L.
-        target = index if valid is None else index.masked_fill(~valid.to(device), length)
-        kept = torch.zeros(heads, length + 1, dtype=torch.bool, device=device).scatter_(1, target, True)[:, :length]
-        if self.valid is not None:
-            kept &= self.valid
-        if reason is not None:
-            codes = self.provenance["reason"]
-            reason = reason.to(device=device, dtype=codes.dtype)
-            if valid is None:
-                codes[:, :length].scatter_(1, index, reason)
-            else:  # the same scatter, the invalid entries landing in a dummy column L
-                widened = torch.empty(heads, length + 1, dtype=codes.dtype, device=device)
-                widened[:, :length] = codes[:, :length]
-                codes[:, :length] = widened.scatter_(1, target, reason)[:, :length]
-        counts = kept.sum(dim=1)  # [H]
-        slot = torch.arange(length, device=device)
-        below = slot[None] < counts[:, None]
-        hole = ~kept & below
-        holes = flat_nonzero(hole)  # head * L + slot, sorted
-        movers = flat_nonzero(kept & ~below)
-        # Both lists are sorted by head, and each head has as many holes below c_h as kept tokens above
-        # it, so the i-th mover fills the i-th hole of the same head.
-        # owners: the count is known, so a GPU does not wait to learn it (likewise one read of the counts below).
-        head = owners(hole.sum(dim=1), holes.numel())
-        slot_of_hole, slot_of_mover = holes - head * length, movers - head * length
-        rows = self.packed.shape[1]
-        packed = self.packed.view(heads * rows, PROVENANCE_WIDTH)
-        move_rows([(packed, head * rows + slot_of_hole, head * rows + slot_of_mover)])
-        # Keys (heads 0..H-1) and values (heads H..2H-1) of one buffer move with one gather.
-        capacity = self.capacity
-        key_dst = head * capacity + start + slot_of_hole
-        key_src = head * capacity + start + slot_of_mover
-        kv_dst = torch.cat((key_dst, key_dst + heads * capacity))
-        kv_src = torch.cat((key_src, key_src + heads * capacity))
-        kv_move = (self.kv.view(2 * heads * capacity, self.kv.shape[-1]), kv_dst, kv_src)  # holes and movers: disjoint
-        if moves is None:
-            move_rows([kv_move])
-        else:
-            moves.append(kv_move)
-        held = counts.tolist()
-        new_len = max(held, default=0)
-        if all(count == new_len for count in held):
-            self.valid = None
-        else:
-            self.valid = slot[None, :new_len] < counts[:, None]
-        self.visual_len = new_len
-        return int(kv_src.numel()) * self.kv.shape[-1] * self.kv.element_size()
 
     def offload_tokens(self, update: OffloadUpdate, start: int) -> int:
         """Copy the tokens ``update`` names (view indices) into the layer's offload store, before compaction."""
@@ -220,14 +247,13 @@ class LayerMemory:
     def refresh_bias(self, start: int) -> None:
         """Visual and stream-text slots: 0 where a head holds a token, ``-inf`` on ragged padding; the slack
         back to 0."""
-        if self.bias is None:
-            self.bias = torch.zeros(self.keys.shape[1], self.capacity, dtype=BIAS_DTYPE, device=self.keys.device)
-        self.bias[:, start:].zero_()
+        bias = self.use_bias()
+        bias[:, start:].zero_()
         if self.valid is not None:
-            self.bias[:, start : start + self.visual_len].masked_fill_(~self.valid, float("-inf"))
+            bias[:, start : start + self.visual_len].masked_fill_(~self.valid, float("-inf"))
         if self.text_valid is not None:
             text = start + self.visual_len
-            self.bias[:, text : text + self.text_len].masked_fill_(~self.text_valid, float("-inf"))
+            bias[:, text : text + self.text_len].masked_fill_(~self.text_valid, float("-inf"))
 
     def write_summary(self, summary: SummaryUpdate, prefix: int, start: int, slots: int) -> None:
         """Write a policy's summary entries: keys/values at their slots, the bias of every slot."""
@@ -251,4 +277,5 @@ class LayerMemory:
                 rows,
                 summary.values.reshape(-1, dim).to(self.values.device, self.values.dtype),
             )
-        self.bias[:, p:s] = summary.bias.to(self.bias.dtype)
+        bias = self.use_bias()
+        bias[:, p:s] = summary.bias.to(bias.dtype)

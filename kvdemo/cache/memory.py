@@ -47,6 +47,7 @@ event, then :class:`KVMemory`: its layout, the layer buffers, the writes, what a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -57,7 +58,8 @@ from ..policies.contract import LayerView, Selection
 from ..tensors import move_rows
 from .budget import Budget
 from .chunk import VisualChunk
-from .layer import BIAS_DTYPE, PROVENANCE, PROVENANCE_WIDTH, REASON_NEW, LayerMemory
+from .compaction import compact_group, refresh_group_bias
+from .layer import PROVENANCE, PROVENANCE_WIDTH, REASON_NEW, LayerGroup, LayerMemory
 
 #: Slots kept free after the live part for a question and its answer (grown on demand beyond that).
 TEXT_RESERVE = 256
@@ -102,6 +104,8 @@ class KVMemory:
         self.budget = budget or Budget()
         self.summary_open = False  # the summary region is laid out in the buffers (on the policy's first write)
         self.layers: list[LayerMemory] = []
+        #: The layers' buffers, one group per device and dtype (each layer a view of its group's).
+        self.groups: list[LayerGroup] = []
         self.prefix_len = 0
         self.grid_times_s: list[float] = []  # stream time of each temporal grid ever fed
         self.grid_shape: tuple[int, int] | None = None
@@ -259,7 +263,7 @@ class KVMemory:
     @property
     def allocated_bytes(self) -> int:
         """Real bytes of the key/value buffers, slack included."""
-        return sum(store.kv.element_size() * store.kv.nelement() for store in self.layers)
+        return sum(group.kv.element_size() * group.kv.nelement() for group in self.groups)
 
     def token_bytes(self) -> int:
         """Bytes one token takes over all layers (keys and values of every KV head)."""
@@ -267,45 +271,42 @@ class KVMemory:
 
     # --- layer buffers (allocated on a layer's first write, grown geometrically) ---------------
     def ensure_layer(self, layer: int, key_states: torch.Tensor) -> None:
-        """Allocate layer ``layer``'s buffers on its first write (shape, dtype and device from the model)."""
+        """Give layer ``layer`` its buffers on its first write (shape, dtype and device from the model): a place in
+        the group of its device and dtype, made when the first such layer writes."""
         while len(self.layers) <= layer:
             self.layers.append(None)  # type: ignore[arg-type]
         if self.layers[layer] is not None:
             return
         _, heads, n, dim = key_states.shape
-        capacity = n + TEXT_RESERVE  # grown as chunks arrive (reserve)
-        device = key_states.device
-        self.layers[layer] = LayerMemory(
-            kv=torch.zeros(1, 2 * heads, capacity, dim, dtype=key_states.dtype, device=device),
-            packed=torch.zeros(heads, capacity, PROVENANCE_WIDTH, dtype=torch.int32, device=device),
+        device, dtype = key_states.device, key_states.dtype
+        group = next(
+            (
+                g
+                for g in self.groups
+                if g.kv.device == device and g.kv.dtype == dtype and g.heads == heads and g.kv.shape[3] == dim
+            ),
+            None,
         )
+        if group is None:
+            group = LayerGroup.empty(heads, n + TEXT_RESERVE, dim, dtype, device)  # grown as chunks arrive (reserve)
+            self.groups.append(group)
+        self.layers[layer] = LayerMemory(group, group.add(layer))
 
     def reserve(self, layer: int, end: int) -> None:
-        """Make room for slots ``[0, end)`` in ``layer``: geometric growth up to what ``M`` needs (its window and a
-        question), copying everything written (the slack may hold an uncommitted forward's tokens)."""
-        old_capacity = self.layers[layer].capacity
+        """Make room for slots ``[0, end)`` in ``layer`` (and the layers of its group): geometric growth up to what
+        ``M`` needs (its window and a question), copying everything written (the slack may hold an uncommitted
+        forward's tokens)."""
+        group = self.layers[layer].group
+        old_capacity = group.capacity
         if end > old_capacity:
             capacity = max(end + TEXT_RESERVE, int(old_capacity * 1.5))
             if self.visual_capacity:
                 capacity = max(end, min(capacity, self.visual_start + self.visual_capacity + TEXT_RESERVE))
-            self._resize(layer, capacity)
+            self._resize(group, capacity)
 
-    def _resize(self, layer: int, capacity: int) -> None:
-        """Reallocate ``layer``'s buffers with ``capacity`` slots (>= what they hold), copying their content."""
-        store = self.layers[layer]
-        old_capacity = store.capacity
-        kv = store.kv.new_zeros(1, store.kv.shape[1], capacity, store.kv.shape[3])
-        kv[:, :, :old_capacity] = store.kv
-        store.kv = kv
-        rows = capacity - (self.visual_start if self.prefix_len else 0)
-        packed = store.packed.new_zeros(store.packed.shape[0], rows, PROVENANCE_WIDTH)
-        kept = min(rows, store.packed.shape[1])  # rows past the stream's tokens hold nothing
-        packed[:, :kept] = store.packed[:, :kept]
-        store.packed = packed
-        if store.bias is not None:
-            bias = store.bias.new_zeros(store.bias.shape[0], capacity)
-            bias[:, :old_capacity] = store.bias
-            store.bias = bias
+    def _resize(self, group: LayerGroup, capacity: int) -> None:
+        """Reallocate ``group``'s buffers with ``capacity`` slots (>= what they hold), copying their content."""
+        group.resize(capacity, capacity - (self.visual_start if self.prefix_len else 0))
 
     # --- writes ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -313,9 +314,8 @@ class KVMemory:
         """Adopt the prefilled text prefix (positions ``0 .. prefix_len-1``); the stream follows it (the summary
         region goes in between when a policy first fills it, :meth:`_open_summary`)."""
         self.prefix_len = prefix_len
-        for store in self.layers:
-            rows = store.capacity - self.visual_start
-            store.packed = store.packed[:, :rows].clone()
+        for group in self.groups:
+            group.packed = group.packed[:, :, : group.capacity - self.visual_start].clone()
 
     def commit_linear(self, model_layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Adopt the state a chunk's forward left in model layer ``model_layer`` (one without keys and values)."""
@@ -420,29 +420,39 @@ class KVMemory:
         """
         if len(selection.indices) != self.num_layers:
             raise ValueError(f"selection covers {len(selection.indices)} layers, memory has {self.num_layers}")
-        reasons = selection.info.get("reason")
+        reasons = selection.info.get("reason") or [None] * self.num_layers
+        valids = selection.valid or [None] * self.num_layers
         moved = 0
         if selection.summary is not None and not self.summary_open:
             moved += self._open_summary()
-        moves: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # the layers' key/value moves, made together
         for layer, index in enumerate(selection.indices):
-            store = self.layers[layer]
-            if selection.offload is not None and selection.offload[layer] is not None:
-                moved += store.offload_tokens(selection.offload[layer], self.visual_start)
-            valid = selection.valid[layer] if selection.valid is not None else None
-            reason = reasons[layer] if reasons is not None else None
-            held = store.visual_len
             if index.shape[0] != self.num_kv_heads:
                 raise ValueError(f"layer {layer}: selection has {index.shape[0]} heads, memory has {self.num_kv_heads}")
-            moved += store.compact(index, valid, reason, self.visual_start, moves)
-            if store.text_len:  # the stream text moves into slots the visual move may read: that one first
+            offload = selection.offload[layer] if selection.offload is not None else None
+            if offload is not None:  # before the compaction: it reads the evicted tokens where they are
+                moved += self.layers[layer].offload_tokens(offload, self.visual_start)
+        start = self.visual_start
+        moves: list[
+            tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = []  # every group's key/value moves, made together
+        for group in self.groups:
+            stores = [self.layers[layer] for layer in group.layers]
+            held = [store.visual_len for store in stores]
+            pick = [selection.indices[layer] for layer in group.layers]
+            moved += compact_group(
+                group, stores, pick, [valids[i] for i in group.layers], [reasons[i] for i in group.layers], start, moves
+            )
+            if any(store.text_len for store in stores):  # the stream text moves into slots the visual move may read
                 move_rows(moves)
                 moves.clear()
-                moved += store.compact_stream_text(held, self.visual_start, self.num_grids)
-            if store.bias is not None or store.valid is not None or store.text_valid is not None:
-                store.refresh_bias(self.visual_start)
-            if selection.summary is not None and selection.summary[layer] is not None:
-                store.write_summary(selection.summary[layer], self.prefix_len, self.visual_start, self.summary_slots)
+                for store, before in zip(stores, held):
+                    if store.text_len:
+                        moved += store.compact_stream_text(before, start, self.num_grids)
+            refresh_group_bias(group, stores, start)
+        if selection.summary is not None:
+            for layer, summary in enumerate(selection.summary):
+                if summary is not None:
+                    self.layers[layer].write_summary(summary, self.prefix_len, start, self.summary_slots)
         move_rows(moves)
         return moved
 
@@ -454,11 +464,12 @@ class KVMemory:
             length = store.visual_len + store.text_len
             self.reserve(layer, p + size + length + TEXT_RESERVE)
             store.kv[:, :, p + size : p + size + length] = store.kv[:, :, p : p + length].clone()
-            bias = torch.zeros(store.keys.shape[1], store.capacity, dtype=BIAS_DTYPE, device=store.keys.device)
-            if store.bias is not None:
-                bias[:, p + size : p + size + length] = store.bias[:, p : p + length]
+            old = store.bias[:, p : p + length].clone() if store.bias is not None else None
+            bias = store.use_bias()
+            bias.zero_()
+            if old is not None:
+                bias[:, p + size : p + size + length] = old
             bias[:, p : p + size] = float("-inf")
-            store.bias = bias
             moved += store.kv[:, :, :length].nbytes
         self.summary_open = True
         return moved
@@ -494,28 +505,25 @@ class KVMemory:
         """Pickle only the live slots (the slack and unused capacity stay behind; :meth:`__setstate__`
         restores the capacity), so a memory crosses a process boundary at the size of what it holds."""
         state = self.__dict__.copy()
-        state["layers"] = [self._trimmed(i, store) for i, store in enumerate(self.layers)]
-        state["capacities"] = [store.capacity for store in self.layers]
+        trimmed = {}
+        for group in self.groups:
+            stores = [self.layers[layer] for layer in group.layers]
+            if self.prefix_len:
+                live = max(self.live_len(layer) for layer in group.layers)
+                rows = max(store.visual_len + store.text_len for store in stores)
+            else:
+                live, rows = group.capacity, group.packed.shape[2]
+            trimmed[id(group)] = group.trimmed(live, rows)
+        state["groups"] = [trimmed[id(group)] for group in self.groups]
+        state["layers"] = [dataclasses.replace(store, group=trimmed[id(store.group)]) for store in self.layers]
+        state["capacities"] = [group.capacity for group in self.groups]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         capacities = state.pop("capacities", [])
         self.__dict__.update(state)
-        for layer, capacity in enumerate(capacities):
-            self._resize(layer, capacity)
-
-    def _trimmed(self, layer: int, store: LayerMemory) -> LayerMemory:
-        live = self.live_len(layer) if self.prefix_len else store.capacity
-        return LayerMemory(
-            kv=store.kv[:, :, :live].clone(),
-            packed=store.packed[:, : store.visual_len + store.text_len].clone(),
-            bias=None if store.bias is None else store.bias[:, :live].clone(),
-            visual_len=store.visual_len,
-            valid=store.valid,
-            offload=store.offload,
-            text_len=store.text_len,
-            text_valid=store.text_valid,
-        )
+        for group, capacity in zip(self.groups, capacities):
+            self._resize(group, capacity)
 
     def to(self, device: torch.device | str | Mapping[int, torch.device | str]) -> "KVMemory":
         """Move every buffer to ``device``, or each layer to its own: ``{model layer: device}`` (a model split over
@@ -530,10 +538,21 @@ class KVMemory:
             for model_layer, memory_layer in enumerate(self.layer_map)
             if memory_layer is not None
         }
-        for index, store in enumerate(self.layers):
-            target = device_of(placed.get(index, index))
-            store.kv, store.packed = store.kv.to(target), store.packed.to(target)
-            store.bias = None if store.bias is None else store.bias.to(target)
+        # Each group's layers go where their device says: a group whose layers go to several devices splits.
+        moved: list[LayerGroup] = []
+        for group in self.groups:
+            targets = [torch.device(device_of(placed.get(layer, layer))) for layer in group.layers]
+            for target in dict.fromkeys(targets):
+                members = [g for g, t in enumerate(targets) if t == target]
+                part = group if len(members) == len(targets) else _part(group, members)
+                part = part.to(target)
+                for index, g in enumerate(members):
+                    store = self.layers[group.layers[g]]
+                    store.group, store.index = part, index
+                moved.append(part)
+        self.groups = moved
+        for store in self.layers:
+            target = store.kv.device
             store.valid = None if store.valid is None else store.valid.to(target)
             store.text_valid = None if store.text_valid is None else store.text_valid.to(target)
             if store.offload is not None:
@@ -549,3 +568,12 @@ class KVMemory:
     def devices(self) -> list[torch.device]:
         """Each memory layer's device."""
         return [store.kv.device for store in self.layers]
+
+
+def _part(group: LayerGroup, members: list[int]) -> LayerGroup:
+    """The layers ``members`` (indices into ``group``) of ``group`` as a group of their own (copies)."""
+    index = torch.tensor(members, device=group.kv.device)
+    bias = None if group.bias is None else group.bias.index_select(0, index)
+    return LayerGroup(
+        group.kv.index_select(0, index), group.packed.index_select(0, index), [group.layers[g] for g in members], bias
+    )

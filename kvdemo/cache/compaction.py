@@ -1,0 +1,147 @@
+"""A compaction over every layer of a :class:`~kvdemo.cache.layer.LayerGroup` at once: what a policy's
+:class:`~kvdemo.policies.contract.Selection` keeps, made true in the memory's buffers.
+
+Per layer and KV head ``h``, which keeps ``c_h`` of its visual tokens, the kept tokens at slots ``>= c_h`` move into
+the evicted slots ``< c_h``, the ``i``-th such token (in slot order) into the ``i``-th such slot: every byte moves
+once, and at most ``M - C`` tokens per head move. Here that rule runs on the group's rows ``[G * H, L]`` (``L`` its
+longest layer): one kept mask, one count of what each row keeps and moves, read back to the host once for the whole
+group (it sizes the moves), one list of holes and one of movers, and one move of every layer's key and value rows
+(:func:`kvdemo.tensors.move_rows`) and one of their provenance. The policy's reason codes are scattered into the
+provenance first, so they move along; the key bias of layers whose heads now hold different numbers of tokens is
+refreshed for the group at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..tensors import flat_nonzero, move_rows
+from .layer import PROVENANCE, PROVENANCE_WIDTH, LayerGroup, LayerMemory
+
+
+def stack_rows(
+    stores: list[LayerMemory], per_layer: list[torch.Tensor | None], length: int, fill: int | bool
+) -> torch.Tensor | None:
+    """Per-layer ``[H, K]`` tensors of one group stacked as ``[G, H, K]`` (one launch when they are of one width;
+    narrower ones padded with ``fill``); None when every entry is None."""
+    if all(t is None for t in per_layer):
+        return None
+    if all(t is not None for t in per_layer) and len({t.shape[1] for t in per_layer}) == 1:
+        return torch.stack([t.to(stores[0].kv.device) for t in per_layer])
+    heads, device = stores[0].heads, stores[0].kv.device
+    width = max(t.shape[1] if t is not None else length for t in per_layer)
+    out = []
+    for store, t in zip(stores, per_layer):
+        if t is None:  # a layer with nothing here: every entry counts (valid) / keeps its slots in order (index)
+            t = torch.ones(heads, width, dtype=torch.bool, device=device) if fill is False else None
+        if t is None:
+            t = torch.arange(width, device=device).clamp(max=max(store.visual_len - 1, 0)).expand(heads, -1)
+        pad = width - t.shape[1]
+        out.append(t.to(device) if not pad else torch.cat([t.to(device), t.new_full((heads, pad), fill)], 1))
+    return torch.stack(out)
+
+
+def compact_group(
+    group: LayerGroup,
+    stores: list[LayerMemory],
+    indices: list[torch.Tensor],
+    valids: list[torch.Tensor | None],
+    reasons: list[torch.Tensor | None],
+    start: int,
+    moves: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> int:
+    """Keep, in every layer of ``group`` (``stores`` in group order), the visual tokens ``indices[g] [H, K]`` (``valids``
+    mark the entries that count when heads keep different numbers; ``reasons`` the policy's codes, stored per slot),
+    as the module docstring says. The provenance moves here; the keys' and values' move is appended to ``moves``, for
+    the caller to make with the other groups' (before anything reads them). Returns the key/value bytes moved."""
+    layers, heads, device = len(stores), group.heads, group.kv.device
+    length = max(store.visual_len for store in stores)
+    index = stack_rows(stores, indices, length, 0).long()  # [G, H, K]
+    valid = stack_rows(stores, valids, length, False)
+    # A kept mask [G, H, L]; entries a ragged selection marks invalid point at a dummy column L.
+    target = index if valid is None else index.masked_fill(~valid, length)
+    kept = torch.zeros(layers, heads, length + 1, dtype=torch.bool, device=device).scatter_(2, target, True)
+    kept = kept[..., :length]
+    held = stack_rows(stores, [_held(store, length) for store in stores], length, False)
+    if held is not None:  # slots a ragged head does not hold are never kept
+        kept &= held
+    reason = stack_rows(stores, reasons, length, 0)
+    if reason is not None:
+        codes = group.packed[..., PROVENANCE["reason"]]  # [G, H, rows]
+        reason = reason.to(codes.dtype)
+        if valid is None:
+            codes[:, :, :length].scatter_(2, index, reason)
+        else:  # the same scatter, the invalid entries landing in a dummy column L
+            widened = torch.empty(layers, heads, length + 1, dtype=codes.dtype, device=device)
+            widened[..., :length] = codes[:, :, :length]
+            codes[:, :, :length] = widened.scatter_(2, target, reason)[..., :length]
+    counts = kept.sum(dim=2)  # [G, H]
+    slot = torch.arange(length, device=device)
+    below = slot < counts[..., None]
+    hole = ~kept & below
+    moving = hole.sum(dim=2)
+    # The one read back for the whole group: what each row keeps (the layers' new lengths) and moves (the size of
+    # the move lists).
+    counted, moved_per_row = torch.stack([counts, moving]).tolist()
+    total = sum(sum(row) for row in moved_per_row)
+    # Both lists are sorted by row, and each row has as many holes below c_h as kept tokens above it, so the i-th
+    # mover fills the i-th hole of the same row.
+    holes = flat_nonzero(hole, total)  # row * L + slot
+    movers = flat_nonzero(kept & ~below, total)
+    row = torch.div(holes, length, rounding_mode="floor")  # g * H + h
+    slot_of_hole, slot_of_mover = holes - row * length, movers - row * length
+    rows = group.packed.shape[2]
+    packed = group.packed.view(-1, PROVENANCE_WIDTH)
+    move_rows([(packed, row * rows + slot_of_hole, row * rows + slot_of_mover)])
+    # Keys of row (g, h) are buffer rows (g * 2H + h) * capacity + slot, their values H * capacity rows later.
+    capacity = group.capacity
+    key_row = (row + torch.div(row, heads, rounding_mode="floor") * heads) * capacity + start
+    kv_dst = torch.cat((key_row + slot_of_hole, key_row + slot_of_hole + heads * capacity))
+    kv_src = torch.cat((key_row + slot_of_mover, key_row + slot_of_mover + heads * capacity))
+    moves.append((group.kv.view(-1, group.kv.shape[-1]), kv_dst, kv_src))  # holes and movers: disjoint
+    new_valid = None
+    for g, (store, kept_counts) in enumerate(zip(stores, counted)):
+        store.visual_len = max(kept_counts, default=0)
+        if all(count == store.visual_len for count in kept_counts):
+            store.valid = None
+        else:
+            if new_valid is None:
+                new_valid = slot[: max(max(c, default=0) for c in counted)] < counts[..., None]  # [G, H, L']
+            store.valid = new_valid[g, :, : store.visual_len]
+    return 2 * total * group.kv.shape[-1] * group.kv.element_size()
+
+
+def _held(store: LayerMemory, length: int) -> torch.Tensor | None:
+    """``[H, L]`` the slots a ragged layer's heads hold (None: every head holds every slot of its length)."""
+    if store.valid is None:
+        return None
+    if store.visual_len == length:
+        return store.valid
+    pad = store.valid.new_zeros(store.valid.shape[0], length - store.visual_len)
+    return torch.cat([store.valid, pad], dim=1)
+
+
+def refresh_group_bias(group: LayerGroup, stores: list[LayerMemory], start: int) -> None:
+    """The key bias of every layer of ``group`` that reads one (or now holds ragged heads): 0 on visual slots a head
+    holds and on the slack, ``-inf`` on ragged padding; layers with stream text take the one-layer path
+    (:meth:`LayerMemory.refresh_bias`)."""
+    batch = [g for g, s in enumerate(stores) if (s.biased or s.valid is not None) and not s.text_len]
+    for g, store in enumerate(stores):
+        if store.text_len and (store.biased or store.valid is not None or store.text_valid is not None):
+            store.refresh_bias(start)
+    if not batch:
+        return
+    bias = group.ensure_bias()
+    for g in batch:
+        stores[g].biased = True
+    length = max(stores[g].visual_len for g in batch)
+    if len(batch) == len(stores):
+        bias[:, :, start:].zero_()
+        held = stack_rows(stores, [_held(s, length) for s in stores], length, False)
+        if held is not None:
+            lengths = torch.tensor([s.visual_len for s in stores], device=bias.device)
+            padding = ~held & (torch.arange(length, device=bias.device) < lengths[:, None, None])
+            bias[:, :, start : start + length].masked_fill_(padding, float("-inf"))
+        return
+    for g in batch:  # a group with layers that read no bias: only the others are refreshed
+        stores[g].refresh_bias(start)
