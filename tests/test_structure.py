@@ -257,7 +257,7 @@ def test_no_module_imports_upward():
 
 
 def test_the_floor_check_finds_an_upward_import():
-    graph = {"kvdemo.cache.memory": {"kvdemo.models.base", "kvdemo.policies.base"}, "kvdemo.models.base": set()}
+    graph = {"kvdemo.cache.memory": {"kvdemo.models.base", "kvdemo.policies.contract"}, "kvdemo.models.base": set()}
     assert upward_imports(graph) == [
         "kvdemo.cache.memory (the memory under a budget) -> kvdemo.models.base (the model families)"
     ]
