@@ -384,7 +384,7 @@ def test_the_doctors_attention_table_runs_every_call_and_compares_the_blocks():
     """The CUDA table of :func:`attention_memory`, run small on the CPU: every call runs and is timed, the float32
     softmax in blocks of 3 query tokens gives the one-block output up to float32 rounding, and the peak is left to
     CUDA's allocator statistics."""
-    from kvdemo.bench.doctor import attention_memory
+    from kvdemo.bench.attention_checks import attention_memory
 
     three_tokens = 3 * 4 * 4 * (24 + 8)  # float32 logits of 4 query heads over 32 keys
     rows = attention_memory(
