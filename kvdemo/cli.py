@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":
             return compare(args)
         if args.command == "eval":
-            from .experiments.evaluation import eval_command  # deferred on purpose: it loads torch and the model
+            from .experiments.eval_command import eval_command  # deferred on purpose: it loads torch and the model
 
             check_eval_arguments(args)
             return eval_command(args)
