@@ -1,6 +1,6 @@
 """python -m kvdemo run|compare|bench|eval|doctor|train-tiny: stream a video under a KV-cache budget from the command
 line, compare policies on one stream, measure the policies' accuracy vs query delay, check a device, train the offline
-tiny model. The parser and its help texts are :mod:`kvdemo.usage`.
+tiny model. The parser is :mod:`kvdemo.usage`, each command's options and help texts :mod:`kvdemo.subcommands`.
 
 Arguments and the video file are checked before torch, transformers or a model load, so a mistake is
 reported at once. Errors a user can cause (bad file, impossible budget, unknown policy) print one line
