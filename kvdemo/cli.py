@@ -347,7 +347,8 @@ def train_command(args: argparse.Namespace) -> int:
     import torch  # deferred on purpose (as every heavy import of the CLI): training loads torch and transformers
 
     from .experiments.evaluation import evaluate  # deferred with torch
-    from .world.training import CHOICE_STAGES, RECIPE, train_tiny  # deferred with torch
+    from .world.curriculum import CHOICE_STAGES, RECIPE  # deferred with torch (it is the trainer's)
+    from .world.training import train_tiny  # deferred with torch
 
     if args.threads <= 0 or args.check_episodes < 0:
         raise UsageError("--threads must be positive and --check-episodes non-negative")

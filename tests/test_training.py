@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from kvdemo.world.batches import QUESTION_CLASSES, build_batch
+from kvdemo.world.curriculum import Phase, TrainConfig
 from kvdemo.world.synthetic import StreamSpec, generate_episode
-from kvdemo.world.training import Phase, TinyTrainer, TrainConfig
+from kvdemo.world.training import TinyTrainer
 
 TINY_PHASES = (Phase("A", 2, 4, (2, 2), (3, 3), vision_only=True), Phase("B", 3, 2, (2, 3)))
 
