@@ -57,7 +57,7 @@ def resize(geometry: FrameGeometry, height: int, width: int) -> tuple[int, int]:
     )
 
 
-def frame_geometry(config: Any, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> FrameGeometry:
+def config_geometry(config: Any, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> FrameGeometry:
     """How a Qwen2-VL / Qwen2.5-VL ``config`` sizes frames (patch x merge pixels per token side)."""
     vision = config.vision_config
     return FrameGeometry(
@@ -164,7 +164,7 @@ class Qwen2VL(TransformersAdapter):
             model,
             tokenizer,
             processor or video_processor(config),
-            geometry or frame_geometry(config),
+            geometry or config_geometry(config),
             name,
             random_weights,
             notice,
@@ -405,7 +405,7 @@ RELEASED = {
 SPEC = FamilySpec(
     name="Qwen2-VL / Qwen2.5-VL",
     model_types=tuple(MODEL_CLASSES),
-    geometry=frame_geometry,
+    geometry=config_geometry,
     pixel_mean=CLIP_MEAN,
     pixel_std=CLIP_STD,
     load=load,
