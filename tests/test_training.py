@@ -172,7 +172,7 @@ def test_multiple_choice_turns_mark_each_options_word_its_letter_and_the_answeri
         assert (
             decode(turns.ids[position + 1 : position + 2]) == item.letter and OPTION_WORDS[word] == item.question.answer
         )
-    # the bare question in between is answered by its word, as before
+    # the bare question in between is answered by its word, as every bare question is
     assert f"{asked[1].text}<|im_end|>\n<|im_start|>assistant\n{asked[1].answer}<|im_end|>" in text
 
 

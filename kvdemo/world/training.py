@@ -18,8 +18,9 @@ is static when ``i`` is even, moving when odd), so one model answers on both. Lo
 
 The curriculum (its stages, their phases and hyperparameters) is :mod:`.curriculum`. AdamW, weight decay on
 matrices, gradient clipping. Reproducible: every step draws its streams from
-``numpy.random.default_rng((seed, streams, phase, step, item))``, deterministic algorithms, a fixed thread count. The heads are training aids and are not saved; the weights, config and tokenizer go to the
-output folder (``--out``; the bundled weights are in ``kvdemo/assets/tiny``).
+``numpy.random.default_rng((seed, streams, phase, step, item))``, deterministic algorithms, a fixed thread count.
+The heads are training aids and are not saved; the weights, config and tokenizer go to the output folder
+(``--out``; the bundled weights are in ``kvdemo/assets/tiny``).
 """
 
 from __future__ import annotations

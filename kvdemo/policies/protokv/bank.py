@@ -47,8 +47,8 @@ from .pq import pq_encode, train_codebooks
 
 #: Key products ``[B, u, K]`` per block of candidates in :meth:`ProtoBank.merge`, and close pairs whose value centres
 #: are compared at a time (kvdemo's): what merging holds is bounded by them, whatever the bank holds. Keys of one
-#: direction (random weights, a static scene) make nearly every pair close: unblocked, the first full-depth GPU run
-#: held 17 GB for ProtoKV at Qwen2.5-VL-3B's shape against a 216 MB budget.
+#: direction (random weights, a static scene) make nearly every pair close: unblocked, merging held 17 GB on a GPU
+#: (measured, a full-depth stream) for ProtoKV at Qwen2.5-VL-3B's shape against a 216 MB budget.
 MERGE_BLOCK = 1 << 22
 MERGE_PAIRS = 1 << 16
 
