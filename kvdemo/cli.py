@@ -1,6 +1,6 @@
 """python -m kvdemo run|compare|bench|eval|doctor|train-tiny: stream a video under a KV-cache budget from the command
 line, compare policies on one stream, measure the policies' accuracy vs query delay, check a device, train the offline
-tiny model. The parser and its help texts are :mod:`kvdemo.usage`.
+tiny model. The parser is :mod:`kvdemo.usage`, each command's options and help texts :mod:`kvdemo.subcommands`.
 
 Arguments and the video file are checked before torch, transformers or a model load, so a mistake is
 reported at once. Errors a user can cause (bad file, impossible budget, unknown policy) print one line
@@ -15,15 +15,21 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .bench import write_json  # light: json and pathlib
 from .dialogue import QuestionError, check_question, check_question_text, clipped  # light: no torch
 from .errors import UserError  # light: imports nothing
 from .experiments.evaluation import QUESTION_FORMS  # light: torch loads when an evaluation runs
-from .media.video import open_video  # light: numpy and, when a file is opened, PyAV
+from .media.video import Video, VideoFile, open_video  # light: numpy and, when a file is opened, PyAV
 from .usage import UsageError, build_parser, one_line, parse_param  # the grammar: parser, help texts
-from .world.synthetic import STREAM_KINDS, grade, sample_episode  # light: numpy
+from .world.synthetic import STREAM_KINDS, Episode, grade, sample_episode  # light: numpy
+
+if TYPE_CHECKING:  # types only: these import torch, which the CLI loads after its checks
+    from .cache.budget import Budget
+    from .models.base import VideoLM
+    from .policies import Policy
+    from .stream.engine import StreamEngine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":
             return compare(args)
         if args.command == "eval":
-            from .experiments.evaluation import eval_command  # deferred on purpose: it loads torch and the model
+            from .experiments.eval_command import eval_command  # deferred on purpose: it loads torch and the model
 
             check_eval_arguments(args)
             return eval_command(args)
@@ -132,37 +138,12 @@ def check_questions(model, questions: list[str]) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    # Cheapest checks first: the arguments, then the file (PyAV reads its header), then the policy and the
-    # budget against one chunk of this video (imports torch), and only then the model (seconds to minutes).
-    params = check_run_arguments(args)
-    if args.video:
-        open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
-    from .cache.budget import DEFAULT_KEEP_RATIO, Budget, auto_budget  # deferred: torch loads once the file is good
-    from .policies import DEFAULT_POLICY, make_policy  # deferred with Budget
-
-    policy = make_policy(args.policy or DEFAULT_POLICY, **params)
-    if args.keep is not None and args.budget is None and policy.bounded:
-        raise UsageError("--keep needs --budget")
-    # The user's M and C, resolved once (before frames are sized); an M left out is derived from the stream below.
-    typed = args.budget is not None or not policy.bounded
-    budget = Budget.resolve(policy, args.budget, args.keep, default_ratio=DEFAULT_KEEP_RATIO) if typed else None
-
-    video, episode, geometry = open_source(args)
-    chunk_tokens, shape = geometry.chunk_tokens(video.size, args.frames_per_chunk)
-    note = ""
-    if budget is None:
-        budget = auto_budget(policy, chunk_tokens, geometry.chunk_tokens(video.size, video.num_frames)[0])
-        note = " (auto: about a third of this stream's visual tokens)"
-    budget = budget.sized(policy, chunk_tokens, shape)  # the one sizing step, before the model loads
-
-    from .analysis.coverage import (  # deferred on purpose: the budget is good, the model comes now
-        coverage,
-        coverage_table,
-    )
-    from .models.catalog import caveat_for  # deferred with it
+    """``python -m kvdemo run``: the checks (:func:`check_run`), then the model, the stream, the answers to
+    ``--ask`` and the report."""
+    policy, budget, note, video, episode = check_run(args)
+    from .models.catalog import caveat_for  # deferred on purpose: the budget is good, the model comes now
     from .models.loading import load_model  # deferred with it (transformers)
     from .stream.lineup import Contender, make_engines  # deferred with it
-    from .stream.streaming import stream_video  # deferred with it
 
     model = load_model(args.model)
     check_questions(model, args.ask)
@@ -185,9 +166,53 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"note: {model.notice}{elsewhere}", file=sys.stderr)
     if caveat := caveat_for(model.family):
         print(f"note: {caveat}", file=sys.stderr)
-    progress = _progress(video.num_frames, args.quiet)
+    stream_with_progress(model, video, engines, engine, args.frames_per_chunk, args.quiet)
+    if video.lost_frames:
+        print(f"warning: {video.describe()}", file=sys.stderr)
+    return answer_and_report(args, policy, engines, engine, video, episode)
+
+
+def check_run(args: argparse.Namespace) -> tuple[Policy, Budget, str, Video | VideoFile, Episode | None]:
+    """``run``'s checks, cheapest first: the arguments, then the file (PyAV reads its header), then the policy and
+    the budget, resolved and sized for this video's chunks (imports torch); the model is not loaded. Returns the
+    policy, its budget, a note on how the budget was chosen, and :func:`open_source`'s video and episode."""
+    params = check_run_arguments(args)
+    if args.video:
+        open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
+    from .cache.budget import DEFAULT_KEEP_RATIO, Budget, auto_budget  # deferred: torch loads once the file is good
+    from .policies import DEFAULT_POLICY, make_policy  # deferred with Budget
+
+    policy = make_policy(args.policy or DEFAULT_POLICY, **params)
+    if args.keep is not None and args.budget is None and policy.bounded:
+        raise UsageError("--keep needs --budget")
+    # The user's M and C, resolved once (before frames are sized); an M left out is derived from the stream below.
+    typed = args.budget is not None or not policy.bounded
+    budget = Budget.resolve(policy, args.budget, args.keep, default_ratio=DEFAULT_KEEP_RATIO) if typed else None
+
+    video, episode, geometry = open_source(args)
+    chunk_tokens, shape = geometry.chunk_tokens(video.size, args.frames_per_chunk)
+    note = ""
+    if budget is None:
+        budget = auto_budget(policy, chunk_tokens, geometry.chunk_tokens(video.size, video.num_frames)[0])
+        note = " (auto: about a third of this stream's visual tokens)"
+    budget = budget.sized(policy, chunk_tokens, shape)  # the one sizing step, before the model loads
+    return policy, budget, note, video, episode
+
+
+def stream_with_progress(
+    model: VideoLM,
+    video: Video | VideoFile,
+    engines: dict[str, StreamEngine],
+    engine: StreamEngine,
+    frames_per_chunk: int,
+    quiet: bool,
+) -> None:
+    """Stream ``video`` into ``engines`` (``engine``'s tokens and bytes on the progress bar unless ``quiet``)."""
+    from .stream.streaming import stream_video  # deferred on purpose: it imports torch
+
+    progress = _progress(video.num_frames, quiet)
     try:
-        for step in stream_video(model, video, engines, args.frames_per_chunk):
+        for step in stream_video(model, video, engines, frames_per_chunk):
             if progress is not None:
                 progress.update(step.chunk.frames)
                 progress.set_postfix(tokens=engine.memory.visual_tokens, MB=f"{engine.memory.nbytes / 2**20:.1f}")
@@ -198,8 +223,19 @@ def run_command(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             progress.close()
-    if video.lost_frames:
-        print(f"warning: {video.describe()}", file=sys.stderr)
+
+
+def answer_and_report(
+    args: argparse.Namespace,
+    policy: Policy,
+    engines: dict[str, StreamEngine],
+    engine: StreamEngine,
+    video: Video | VideoFile,
+    episode: Episode | None,
+) -> int:
+    """Ask ``engine`` every ``--ask`` question (graded on the bundled sample), print the summary and, with
+    ``--coverage``, how well the kept tokens cover the full cache; write ``--json``."""
+    from .analysis.coverage import coverage, coverage_table  # deferred on purpose: it imports torch
 
     for question in args.ask:
         print(f"\nQ: {clipped(question)}\nA: ", end="", flush=True)
@@ -347,7 +383,8 @@ def train_command(args: argparse.Namespace) -> int:
     import torch  # deferred on purpose (as every heavy import of the CLI): training loads torch and transformers
 
     from .experiments.evaluation import evaluate  # deferred with torch
-    from .world.training import CHOICE_STAGES, RECIPE, train_tiny  # deferred with torch
+    from .world.curriculum import CHOICE_STAGES, RECIPE  # deferred with torch (it is the trainer's)
+    from .world.training import train_tiny  # deferred with torch
 
     if args.threads <= 0 or args.check_episodes < 0:
         raise UsageError("--threads must be positive and --check-episodes non-negative")

@@ -72,7 +72,7 @@ def test_upload_run_ask_and_read_the_report(client, media):
     report = fetch_json(answer[ASK_REPORT])
     assert report["answers"][0]["question"] == "What is cooking?"
     assert answer[ASK_STATUS].startswith("✓ answered")
-    # Issue 34, item 2: once the next run streams, the question status no longer describes the previous run's answer.
+    # Once the next run streams, the question status no longer describes the previous run's answer.
     again = client.submit(*sample_settings(0.5), api_name="/run_sample")
     again.result()
     assert [update[RUN_ASK_STATUS] for update in again.outputs() if update[RUN_ASK_STATUS] != UNCHANGED] == [""]
@@ -215,7 +215,7 @@ def test_a_question_is_served_while_three_sessions_stream(app_url):
     assert still_streaming[0] and any(still_streaming[1:]), "answered while its own and another session's streams ran"
     for run in runs[1:]:
         run.result()
-    # Issue 34, item 9: the run that found both stream slots taken said so in its status, with its place.
+    # The run that found both stream slots taken said so in its status, with its place.
     said = [output[STATUS] for run in runs[1:] for output in run.outputs()]
     assert any(
         status.startswith("⏳ **queued: next in line** for one of the app's 2 stream slots") for status in said
@@ -362,7 +362,7 @@ def test_a_huge_budget_costs_what_the_stream_holds_and_absurd_ones_are_one_line(
         check = client.predict("infinipot-v", budget, 768, 2, 12544, None, api_name="/check_settings")
         assert check.startswith("⚠️") and "more visual tokens than any stream holds" in check and "\n" not in check
         assert "more visual tokens than any stream holds" in run.splitlines()[0], run
-        # Issue 34, item 3: the advice names what both tabs offer (neither offers a "full" policy), the M run above.
+        # The advice names what both tabs offer (neither offers a "full" policy), the M run above.
         compared = client.predict(budget=budget, keep=768, api_name="/compare_sample")[0]
         for said in (run, check, compared):
             assert "set M above the stream's visual tokens (e.g. M=1000000)" in said and "full policy" not in said, said
@@ -395,7 +395,7 @@ def test_questions_and_the_replayed_dialogue_are_bounded(client, app):
 
 @pytest.mark.slow
 def test_what_a_new_user_meets_is_said_where_they_look(client, app, tmp_path):
-    """Issue 23, item 7, through the API: the Ask box's messages come back as its own line (not the page's status,
+    """Through the API: the Ask box's messages come back as its own line (not the page's status,
     not an update object) with the chats as lists; a 0-byte upload is named, not the server's temp path; Run with
     no upload asks for one; ProtoKV's count of visual tokens is split in the status line; the chart has
     logarithmic axes on request."""
@@ -422,7 +422,7 @@ def test_what_a_new_user_meets_is_said_where_they_look(client, app, tmp_path):
 
 @pytest.mark.slow
 def test_the_bundled_sample_offers_the_moving_camera_kind(client, app):
-    """Issue 22: the sample's kind is a choice (and an API parameter). Choosing "moving" shows what that stream
+    """The sample's kind is a choice (and an API parameter). Choosing "moving" shows what that stream
     holds and its questions; running it streams that stream, and its questions are graded against its own
     ground truth, not the still sample's."""
     from kvdemo.world.synthetic import sample_episode
@@ -430,7 +430,7 @@ def test_the_bundled_sample_offers_the_moving_camera_kind(client, app):
     fresh = new_client(app.url)
     moving = sample_episode("moving")
     manifest, examples, kind = fresh.predict("moving", api_name="/sample_kind")
-    assert kind["info"].startswith("moving: the camera pans"), "the help text follows the choice (issue 34, item 4)"
+    assert kind["info"].startswith("moving: the camera pans"), "the help text follows the choice"
     assert "kind moving" in manifest and "The camera pans" in manifest
     assert [row[0] for row in examples["samples"]] == [q.text for q in moving.questions]
     final = fresh.predict("tiny", "infinipot-v", 96, 72, 2, sample_kind="moving", api_name="/run_sample")

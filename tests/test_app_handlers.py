@@ -437,8 +437,8 @@ def test_a_redraw_while_a_webcam_chunk_is_fed_waits_for_it(hub, monkeypatch):
 def test_live_updates_of_gpu_calls_draw_the_policys_views_over_every_thumbnail(hub, monkeypatch):
     """On ZeroGPU (emulated: each segment of 16 frames in a forked child) the live updates while a segment runs
     draw the policy's views where every thumbnail is: ProtoKV's assignment map shows absorbed grids older than
-    the four newest thumbnails a segment carries, so at M=512 it was missing until the run ended (and before
-    issue 17 crashed the run). Once it shows, it stays."""
+    the four newest thumbnails a segment carries, so at M=512 it must show while the run goes on, not only once it
+    ends. Once it shows, it stays."""
     monkeypatch.setenv("KVDEMO_ZEROGPU_EMULATE", "1")
     updates = run_video(hub, None, None, settings(policy="protokv", budget=512, keep=None, fps=1.0, baseline=False))
     shown = [[panel.title for panel in update["panels"]] for update in updates if "panels" in update]
@@ -485,8 +485,8 @@ def test_a_bug_in_a_handler_is_a_logged_one_line_message_not_a_bare_error_badge(
 
 
 def test_small_things_a_new_user_saw_are_right():
-    """Issue 23, item 7, in the drawing: "1 token" (not "1 tokens"); the empty chart starts at 0 s; a patch still
-    exact in ProtoKV's prototype map is drawn as it is (dimmed, it read as evicted next to the survivor strip)."""
+    """In the drawing: "1 token" (not "1 tokens"); the empty chart starts at 0 s; a patch still exact in ProtoKV's
+    prototype map is drawn as it is (dimmed, it would read as evicted next to the survivor strip)."""
     from kvdemo.app.page_updates import answer_markdown
     from kvdemo.stream.engine import Answer
     from kvdemo.views import UNLABELLED
@@ -505,7 +505,7 @@ def test_small_things_a_new_user_saw_are_right():
 
 
 def test_counts_agree_and_the_compression_time_is_said_in_words(hub):
-    """Issue 34, item 4: every count in the status, the answers and the messages agrees with its noun ("1 token",
+    """Every count in the status, the answers and the messages agrees with its noun ("1 token",
     "1 compression"); the compression time is a share of the prefill time, said in words; the Ready text names the
     sample's button (a sample kind is always chosen)."""
     from types import SimpleNamespace
@@ -533,7 +533,7 @@ def test_counts_agree_and_the_compression_time_is_said_in_words(hub):
 
 
 def test_charts_read_as_the_newcomer_expected():
-    """Issue 34, item 5: log axes get a few spaced ticks (plotly labelled every digit, the labels ran together) and the
+    """Log axes get a few spaced ticks (plotly's own labels every digit, which run together) and the
     M label sits at the line's right end, off the tick labels; integer axes (counts, layers) have whole ticks; lines
     of equal values stay apart by dash and marker; a cell grid has a legend of its classes; a title when asked."""
     from kvdemo.cache.memory import OccupancyEvent
@@ -581,8 +581,8 @@ def test_charts_read_as_the_newcomer_expected():
 
 
 def test_runs_beyond_the_stream_slots_wait_in_line_and_say_where():
-    """Issue 34, item 9: a run that finds every stream slot taken says in its status that it is queued and where, as
-    its place changes, and starts once a slot is free; a run that leaves (ends, or is closed while it waits) frees its
+    """A run that finds every stream slot taken says in its status that it is queued and where, as its place
+    changes, and starts once a slot is free; a run that leaves (ends, or is closed while it waits) frees its
     slot or its place. Driven step by step in one thread: no sleeps."""
     from kvdemo.app.slots import StreamSlots, queued_text
 

@@ -136,8 +136,8 @@ HANDLED_INPUTS = [
 
 
 def test_values_no_component_takes_are_one_line_errors_and_the_log_stays_clean(client, app):
-    """Issue 34, item 7: a string for a number, an unknown choice, a path for a file, sent by API, come back as one
-    line naming the field (Gradio's preprocessing left a traceback in the log for each); the app keeps serving."""
+    """A string for a number, an unknown choice, a path for a file, sent by API, come back as one line naming the
+    field (Gradio's preprocessing alone would leave a traceback in the log for each); the app keeps serving."""
     from gradio_client.exceptions import AppError
 
     before = app.log.read_text()

@@ -270,9 +270,10 @@ def no_bare_error(page) -> None:
 
 
 def test_a_new_users_steps_end_in_messages_not_bare_error_badges(browser, app_url, media, artifacts):
-    """Issue 23's steps in Chromium: asking before a video, Run without an upload, ProtoKV at M=192 on the real
-    clip (it stopped at 10/20 frames under a bare "Error" badge) and at M=512 on the sample, logarithmic axes,
-    a question: every outcome is a message where the user looks, and no image toolbar covers a caption."""
+    """A new user's steps in Chromium: asking before a video, Run without an upload, ProtoKV at M=192 on the real
+    clip (which must run to its last frame, not stop under a bare "Error" badge) and at M=512 on the sample,
+    logarithmic axes, a question: every outcome is a message where the user looks, and no image toolbar covers a
+    caption."""
     page = new_page(browser, app_url)
     page.fill("#question textarea", "What is cooking?")
     page.click("#ask-button")
@@ -310,11 +311,12 @@ def test_a_new_users_steps_end_in_messages_not_bare_error_badges(browser, app_ur
     page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
     no_bare_error(page)
     assert "Prototype assignments" in page.locator("#panel-0").inner_text()
-    page.wait_for_function("document.querySelector('#ask-status').innerText.trim() === ''", timeout=30_000)  # item 2
+    # A new run clears the last question's status.
+    page.wait_for_function("document.querySelector('#ask-status').innerText.trim() === ''", timeout=30_000)
 
 
 def test_what_a_newcomer_reads_is_whole_and_follows_the_choices(browser, app_url, artifacts):
-    """Issue 34, items 4 and 5, in Chromium: the Ready text names the sample's button, the sample's help text follows
+    """In Chromium: the Ready text names the sample's button, the sample's help text follows
     the chosen kind, the status says what the compression time measures, and the gallery's captions are whole, under
     no label."""
     page = new_page(browser, app_url)
@@ -361,8 +363,8 @@ def test_four_policies_compared_in_chromium(browser, app_url, artifacts):
     status = page.locator("#compare-status").inner_text()
     for name in ("infinipot-v", "cords", "protokv", "hybridkv", "full cache"):
         assert name in status
-    # The status says whether the model work kept up with the stream; which one depends on the machine's load (issue 31:
-    # no test asserts wall time), so only that it says it.
+    # The status says whether the model work kept up with the stream; which one depends on the machine's load (no
+    # test asserts wall time), so only that it says it.
     assert re.search(r"(faster|slower) than real time", status) and "memory grows with the number of policies" in status
     page.locator("#compare-examples button").first.click()  # one click asks every engine
     for slot in range(5):

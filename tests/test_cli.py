@@ -205,7 +205,7 @@ def test_a_budget_error_comes_before_the_model_loads_on_its_own_line(media):
     # No progress bar, no model line: the one line is the error (426x240 -> 252x420 -> 9x15 = 135 tokens per chunk).
     assert done.stderr.strip().splitlines() == [
         "error: M=100 is smaller than one chunk (135 visual tokens = 1 temporal grid(s) of 9x15 tokens); "
-        "raise M, or lower max pixels / frames per chunk"
+        "raise M to at least 185 (or lower max pixels / frames per chunk)"
     ]
     assert not imported["kvdemo.models.loading"], "no model was loaded (the resize rule may import transformers)"
 

@@ -242,7 +242,7 @@ def test_comparison_errors_are_messages_and_the_page_keeps_serving(app_url, medi
         api_name="/compare_run",
     )
     assert "20/20 frames" in good[STATUS]
-    # Issue 34, item 1: answers about a real video carry the offline model's warning, as on the single-policy tab...
+    # Answers about a real video carry the offline model's warning, as on the single-policy tab...
     asked = client.predict("What is cooking?", True, api_name="/compare_ask")
     for chat in asked[ASK_CHATS : ASK_CHATS + 3]:  # cords, uniform, the full cache
         assert "on this video its answers mean little" in chat[-1]["content"][0]["text"]
@@ -267,7 +267,7 @@ def test_comparison_errors_are_messages_and_the_page_keeps_serving(app_url, medi
     )
     final = again.result()
     assert "previous comparison" not in final[PLOT]["plot"] and "20/20 frames" in final[STATUS]
-    assert again.outputs()[0][RUN_ASK_STATUS] == "", "a new comparison clears the last question's status (item 2)"
+    assert again.outputs()[0][RUN_ASK_STATUS] == "", "a new comparison clears the last question's status"
 
 
 @pytest.mark.slow

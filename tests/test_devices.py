@@ -1,4 +1,4 @@
-"""Device discipline without a GPU (issue 18): every tensor kvdemo creates lives beside the data it meets.
+"""Device discipline without a GPU: every tensor kvdemo creates lives beside the data it meets.
 
 The emulated device (:mod:`kvdemo.devices.emulated_device`) runs whole compressions, the memory's writes and forks, the
 offload store and the attention seam with real values while refusing what CUDA refuses; the ``meta`` device
@@ -54,13 +54,13 @@ def test_the_emulated_device_refuses_what_cuda_refuses():
             x + host
 
 
-def test_the_issues_hybridkv_budget_lines_are_refused():
-    """The lines issue 18 found (a budget total made with no device, the held counts moved to the host) mix
-    devices at their first compression: the emulated device says so, as CUDA did on the meta stand-in."""
+def test_hybridkv_budget_lines_that_mix_devices_are_refused():
+    """HybridKV's budget lines written carelessly (a budget total made with no device, the held counts moved to the
+    host) mix devices at their first compression: the emulated device says so, as CUDA does on the meta stand-in."""
     with EmulatedDevice(), torch.inference_mode():
         sparsity = torch.rand(3, 4, generator=torch.Generator().manual_seed(0)).to(DEVICE)
         held = torch.full((3, 4), 20, device=sparsity.device)
-        total = torch.full((3,), 16 * 4, dtype=torch.long)  # as the issue quotes it: no device
+        total = torch.full((3,), 16 * 4, dtype=torch.long)  # no device
         with pytest.raises(DeviceMixError):
             capped_allocation(sparsity.double() * 16, held.cpu(), total)
         ok = capped_allocation(sparsity.double() * 16, held, torch.full((3,), 64, device=sparsity.device))
@@ -195,8 +195,8 @@ def test_grouped_and_expanded_attention_are_the_same_attention():
 
 def test_the_expanded_call_copies_neither_the_mask_nor_the_keys_per_query_head(monkeypatch):
     """With a mask, CUDA's expanded call hands SDPA each KV head as a batch entry: keys and values expanded to the
-    group with stride 0, a per-KV-head mask as ``[H_kv, 1, q, kv]``, the shared causal one as it is (the H200 runs:
-    the mask copied to ``[1, H_q, q, kv]`` held 207 MB more at Qwen2.5-VL-3B's 720-token chunk, keys and values
+    group with stride 0, a per-KV-head mask as ``[H_kv, 1, q, kv]``, the shared causal one as it is (measured on an
+    H200: the mask copied to ``[1, H_q, q, kv]`` held 207 MB more at Qwen2.5-VL-3B's 720-token chunk, keys and values
     repeated to the query heads 54 MB more, for the same bits)."""
     from kvdemo.cache import attention
 
@@ -384,7 +384,7 @@ def test_the_doctors_attention_table_runs_every_call_and_compares_the_blocks():
     """The CUDA table of :func:`attention_memory`, run small on the CPU: every call runs and is timed, the float32
     softmax in blocks of 3 query tokens gives the one-block output up to float32 rounding, and the peak is left to
     CUDA's allocator statistics."""
-    from kvdemo.bench.doctor import attention_memory
+    from kvdemo.bench.attention_checks import attention_memory
 
     three_tokens = 3 * 4 * 4 * (24 + 8)  # float32 logits of 4 query heads over 32 keys
     rows = attention_memory(
@@ -401,9 +401,9 @@ def test_the_doctors_attention_table_runs_every_call_and_compares_the_blocks():
 
 
 def test_the_doctor_refuses_a_clip_too_short_for_its_budget_or_no_stream_before_any_work(capsys, monkeypatch):
-    """An H200 run with ``--frames 8`` streamed the split checks and then stopped in the model matrix on the
-    budget's own error (M - C = 8 holds no 16-token chunk); now the clip is refused before anything runs, as is
-    a full-depth stream of no seconds (it was clamped to two frames)."""
+    """A clip too short for the model matrix's budget (``--frames 8``: M - C = 8 holds no 16-token chunk) is refused
+    before anything runs (not after the split checks, on the budget's own error), as is a full-depth stream of no
+    seconds (not clamped to two frames)."""
     from kvdemo.bench import doctor as checklist
     from kvdemo.cli import main
 

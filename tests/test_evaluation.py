@@ -179,7 +179,8 @@ def test_the_committed_weights_answer_from_the_evidence(kind):
 def test_the_delay_sweep_is_the_eval_protocol_on_the_sample_then_held_out_streams():
     """The app's delay sweep: the bundled sample's questions askable at every delay, then held-out streams, each
     answer round yielded as it happens; its totals equal the evaluation's on the same held-out streams."""
-    from kvdemo.experiments.evaluation import delay_sweep, valid_items
+    from kvdemo.experiments.evaluation import valid_items
+    from kvdemo.experiments.sweep import delay_sweep
     from kvdemo.models.loading import load_model
     from kvdemo.world.synthetic import sample_episode
 

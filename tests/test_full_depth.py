@@ -16,8 +16,8 @@ BOUNDED = [p for p in policy_names() if make_policy(p).bounded]
 
 
 def test_real_shape_passes_run_every_bounded_policy_with_the_rotation():
-    """Every bounded policy's pass at a small shape; ProtoKV keeps keys before RoPE, so without the rotation its
-    pass raised here (the doctor's --real-shapes stopped at it on the first GPU run)."""
+    """Every bounded policy's pass at a small shape; ProtoKV keeps keys before RoPE, so the doctor's real-shape
+    passes hand every policy the rotation (without it, ProtoKV's pass raises)."""
     small = dict(num_layers=2, num_kv_heads=2, head_dim=128, budget=512, keep=384, grid=(8, 8))
     rows = real_shape_passes(torch.device("cpu"), repeats=1, shapes=(("small", small),))
     assert [r["policy"] for r in rows] == BOUNDED

@@ -346,10 +346,10 @@ def test_hybridkv_on_a_long_stream_stays_within_m(tiny_random):
 
 
 def test_query_time_context_fits_the_budget_and_m_by_default(tiny_random, pancake, monkeypatch):
-    """Issue 20, item 3. What each head attends to while answering, counted from the attention itself (its resident
+    """What each head attends to while answering, counted from the attention itself (its resident
     tokens in the memory plus the tokens retrieval hands the attention function), never exceeds its budget with
     the default accounting (the chunk fed after the last pass aside), and its layer's mean never exceeds M; the
-    head map and the report say the same. ``accounting=resident`` (kvdemo's earlier reading) lets a dynamic head
+    head map and the report say the same. ``accounting=resident`` (the other reading of the budget) lets a dynamic head
     attend to its budget again on top, as the report then says."""
     from kvdemo.cache.attention import MemoryCache
 

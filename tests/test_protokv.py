@@ -822,7 +822,7 @@ def test_the_assignment_view_follows_merges_and_marks_recycled_prototypes_lost()
     assert bank.seed_slot.tolist() == [[2, 1]] and bank.seed_order.tolist() == [[98, 99]]
 
 
-# --- issue 20: what the paper's quantities mean ----------------------------------------------------
+# --- what the paper's quantities mean ------------------------------------------------------------
 
 
 @pytest.mark.slow

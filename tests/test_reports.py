@@ -1,7 +1,6 @@
-"""The run report on the bundled sample, for every policy, equals the one recorded before the restructure of
-issue 17 (timings aside): moving code changed no result. ``python tests/test_reports.py`` re-records it; do that
-only with a change that is meant to change results (a retrained model, a policy whose rule changed), and say
-which in the commit."""
+"""The run report on the bundled sample, for every policy, equals the recorded one (timings aside): a change that
+moves code changes no result. ``python tests/test_reports.py`` re-records it; do that only with a change that is
+meant to change results (a retrained model, a policy whose rule changed), and say which in the commit."""
 
 from __future__ import annotations
 

@@ -150,9 +150,9 @@ def _digest(episode) -> str:
     ).hexdigest()
 
 
-def test_the_static_kind_draws_what_it_drew_before_the_moving_kind():
-    """Digests taken with the generator as it was before the moving kind existed: the bundled sample and a
-    training-like stream (the committed weights and every earlier measurement used these streams)."""
+def test_the_static_kind_draws_the_streams_the_bundled_weights_were_trained_on():
+    """Digests of two static streams, the bundled sample and a training-like stream: the committed weights and every
+    recorded measurement use these streams, so the generator draws them bit for bit."""
     assert _digest(sample_episode()) == "249f5d9c7cec257a46f88ef853a099fac156037bd218cfe7b30a82665967bf49"
     episode = generate_episode((0, 1, 2, 17, 3), StreamSpec(pairs=(9, 9)))
     assert _digest(episode) == "9094c9327c4ce3c92febd9398e44e3d9695285c83c48794db42297aa12869425"

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from kvdemo.world.batches import QUESTION_CLASSES, build_batch
+from kvdemo.world.curriculum import Phase, TrainConfig
 from kvdemo.world.synthetic import StreamSpec, generate_episode
-from kvdemo.world.training import Phase, TinyTrainer, TrainConfig
+from kvdemo.world.training import TinyTrainer
 
 TINY_PHASES = (Phase("A", 2, 4, (2, 2), (3, 3), vision_only=True), Phase("B", 3, 2, (2, 3)))
 
@@ -171,7 +172,7 @@ def test_multiple_choice_turns_mark_each_options_word_its_letter_and_the_answeri
         assert (
             decode(turns.ids[position + 1 : position + 2]) == item.letter and OPTION_WORDS[word] == item.question.answer
         )
-    # the bare question in between is answered by its word, as before
+    # the bare question in between is answered by its word, as every bare question is
     assert f"{asked[1].text}<|im_end|>\n<|im_start|>assistant\n{asked[1].answer}<|im_end|>" in text
 
 

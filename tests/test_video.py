@@ -153,8 +153,8 @@ def test_streamed_decoding_matches_loading_and_counts_damage(media):
 def test_every_sampled_frame_is_delivered_at_any_rate(tmp_path, container):
     """A healthy 30 fps clip whose frames show their own index (in binary, one 8-px block per bit): at every rate each target time
     ``k / fps`` gets the frame shown then (source index ``floor(k * 30 / fps)``) and nothing counts as damaged.
-    Matroska stores milliseconds, so a target half-way between two frames (0.25 s at 30 fps) sits at the
-    rounding edge: it was reported lost at 4 and 8 fps."""
+    Matroska stores milliseconds, so a target half-way between two frames (0.25 s at 30 fps, met at 4 and 8 fps)
+    sits at the rounding edge, and is delivered all the same."""
     source_fps, count = 30, 93
     bits = (np.arange(count)[:, None] >> np.arange(7)) & 1  # [count, 7]
     frames = np.kron(bits[:, None, :], np.ones((56, 8), dtype=np.int64))[..., None].repeat(3, axis=-1) * 255

@@ -16,7 +16,7 @@ import numpy as np
 from .. import viz
 from ..analysis.explain import fidelity
 from ..devices import zerogpu
-from ..experiments.evaluation import Sweep, delay_sweep
+from ..experiments.sweep import Sweep, delay_sweep
 from ..stream.engine import StreamEngine
 from ..stream.streaming import EngineGroup
 from .page_updates import PageUpdates
@@ -253,5 +253,5 @@ def sweep_delays(
     kind: str,
     more_streams: int,
 ) -> Iterator[Sweep]:
-    """:func:`kvdemo.experiments.evaluation.delay_sweep` on the bundled sample (and ``more_streams`` held-out streams) as it goes."""
+    """:func:`kvdemo.experiments.sweep.delay_sweep` on the bundled sample (and ``more_streams`` held-out streams) as it goes."""
     yield from delay_sweep(model_by_name(model), policies, delays, budget, keep, kind, more_streams)

@@ -2,9 +2,9 @@
 once; the others wait in line, in order of arrival, and a waiting run says in its status where it stands.
 
 Gradio's own queue also says where an event waits, but only to the browser's progress overlay and to an API client
-that polls ``job.status()``: a client reading the outputs saw nothing while its run waited. So the app lets Gradio
+that polls ``job.status()``: a client reading the outputs sees nothing while its run waits. So the app lets Gradio
 start more stream events than it has slots (a waiting room, :data:`WAITING_ROOM`) and holds them here, each yielding
-a status line whenever its place changes (kvdemo's choice; past the waiting room Gradio's queue holds them as before).
+a status line whenever its place changes (kvdemo's choice; events past the waiting room wait in Gradio's queue).
 """
 
 from __future__ import annotations

@@ -21,12 +21,11 @@ from .passes import (
     compiled_stream_table,
     pass_benchmark,
     pass_table,
-    stream_benchmark,
-    stream_table,
 )
 from .plans import bench_plan
 from .policies import BENCHMARKS, long_stream_benchmark, long_stream_table
 from .reference import load_reference, reference_benchmark, reference_table
+from .synthetic_stream import stream_benchmark, stream_table
 from .zerogpu import zerogpu_table, zerogpu_transfer_benchmark
 
 

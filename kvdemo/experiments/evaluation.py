@@ -7,7 +7,7 @@ frame pair starting at ``left_s + d`` (or the first one after it) has been fed, 
 the newest frames no longer show the evidence. Asking never changes the memory, and the dialogue is
 reset after each question, so every answer comes from the memory alone.
 
-Stream kinds (``--kind``): ``static`` (the default, the benchmark as it was), ``moving`` (camera motion,
+Stream kinds (``--kind``): ``static`` (the default: a fixed camera), ``moving`` (camera motion,
 drifting background, reappearing objects: :mod:`kvdemo.world.synthetic`) or ``mixed`` (episode ``i`` of kind
 ``static`` when ``i`` is even, ``moving`` when odd; the report then also gives the accuracy per kind).
 Episode ``i`` is the stream of seed ``(seed, 2, i)`` of its kind.
@@ -25,20 +25,16 @@ independent, so it is a little optimistic).
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import EvaluationSettingError, PolicyChoiceError, StreamSettingError
 from ..media.video import frames_for
-from ..views import Chart, Series, counted
 from ..world.choices import CHOICE_FORMATS, LETTERS, multiple_choice
 from ..world.synthetic import (
     COLOURS,
@@ -62,6 +58,8 @@ DEFAULT_DELAYS = (0, 4, 8, 16, 32)
 QUESTION_FORMS = ("bare", *CHOICE_FORMATS)
 #: What ``--kind`` takes: a stream kind, or both alternating.
 EVAL_KINDS = (*STREAM_KINDS, "mixed")
+#: What a question asks about: an object's colour, or which shape came first (the report's ``by_kind``).
+QUESTION_KINDS = ("colour", "first")
 #: Longest answer word ("triangle", "diamond", "purple", ...) plus the stop token, with room to spare.
 ANSWER_TOKENS = 12
 
@@ -208,77 +206,6 @@ def episode_answers(
                 return
 
 
-@dataclass
-class Sweep:
-    """A delay sweep as it goes (:func:`delay_sweep`): per policy and delay, answers right and asked so far."""
-
-    policies: list[str]
-    delays: tuple[float, ...]
-    right: dict[str, list[int]]
-    asked: dict[str, list[int]]
-    streams: int = 0
-    questions: int = 0
-
-    def accuracy(self) -> dict[str, list[float | None]]:
-        return {
-            name: [r / n if n else None for r, n in zip(self.right[name], self.asked[name])] for name in self.policies
-        }
-
-    def chart(self) -> Chart:
-        """Accuracy against delay, one line per policy (a declared view, drawn by :mod:`kvdemo.viz`)."""
-        return Chart(
-            "Accuracy against delay after the evidence left view",
-            f"{counted(self.questions, 'question')} from {counted(self.streams, 'stream')} so far (the bundled sample first, then "
-            "held-out generated streams of its kind); each asked of every policy at every delay (the eval protocol)",
-            [
-                Series(
-                    list(self.delays),
-                    self.accuracy(),
-                    "delay after the evidence left view (s)",
-                    "accuracy",
-                    markers=True,
-                )
-            ],
-        )
-
-
-def delay_sweep(
-    model: VideoLM,
-    policies: list[str],
-    delays: tuple[float, ...],
-    budget: int | None,
-    keep: int | None,
-    kind: str = "static",
-    more_streams: int = 0,
-    seed: int = 0,
-) -> Iterator[Sweep]:
-    """The eval protocol on the bundled sample of ``kind``, then on ``more_streams`` held-out streams of that kind;
-    yields the :class:`Sweep` after every answer round (one question at one delay, every policy)."""
-    from ..world.synthetic import sample_episode  # deferred: the bundled sample is needed only by a sweep
-
-    if not delays or min(delays) < 0:
-        raise ValueError(f"delays must be non-negative seconds, got {list(delays)}")
-    state = Sweep(
-        list(policies),
-        tuple(delays),
-        {n: [0] * len(delays) for n in policies},
-        {n: [0] * len(delays) for n in policies},
-    )
-    episodes = [sample_episode(kind)] + [
-        generate_episode((seed, EVAL_STREAMS, i), eval_spec(delays, kind=kind)) for i in range(more_streams)
-    ]
-    for episode in episodes:
-        items = valid_items(episode, 0, delays)
-        state.streams += 1
-        state.questions += len(items)
-        for _, d, name, right in episode_answers(model, episode, items, policies, budget, keep) if items else ():
-            state.right[name][d] += int(right)
-            state.asked[name][d] += 1
-            if name == policies[-1]:
-                yield state
-    yield state
-
-
 def evaluate(
     model: VideoLM,
     policies: list[str],
@@ -294,78 +221,36 @@ def evaluate(
     predictions: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Accuracy per policy and delay on ``episodes`` held-out streams of ``kind`` (``static``, ``moving`` or
-    ``mixed``; see the module docstring), ``questions`` bare or in a benchmark's multiple-choice form. ``spec``, when given, is every episode's spec (its kind wins).
+    ``mixed``; see the module docstring), ``questions`` bare or in a benchmark's multiple-choice form. ``spec``,
+    when given, is every episode's spec (its kind wins).
 
     Returns the JSON report: ``chance``, ``episodes``, ``budget``, ``keep``, ``accuracy[policy][delay]``,
     plus ``interval`` (95%), ``by_kind`` (question kinds), ``by_stream`` (``[policy][delay][stream kind]``:
     accuracy and question count), ``questions`` and the engines' actual ``budgets``.
     """
-    if not policies:
-        raise PolicyChoiceError("name at least one policy")
-    if episodes <= 0:
-        raise EvaluationSettingError(f"--episodes must be positive, got {episodes}")
-    if not delays or min(delays) < 0:
-        raise StreamSettingError(f"delays must be non-negative seconds, got {list(delays)}")
-    if questions not in QUESTION_FORMS:
-        raise EvaluationSettingError(f"unknown question form {questions!r}: one of {', '.join(QUESTION_FORMS)}")
+    check_settings(policies, episodes, delays, questions)
     specs = [spec] if spec is not None else [eval_spec(delays, kind=k) for k in stream_kinds(kind)]
     kind = spec.kind if spec is not None else kind
     budgets = {
         name: {"budget": e.budget.M, "keep": e.budget.C}
         for name, e in build_engines(model, policies, budget, keep, specs[0].fps).items()
     }
-    items: list[Item] = []
-    item_streams: list[str] = []
-    correct = {name: [[0] * len(delays) for _ in ("colour", "first")] for name in policies}
-    by_stream_right = {name: {k: [0] * len(delays) for k in STREAM_KINDS} for name in policies}
-    bar = None
-    if progress:
-        from tqdm import tqdm  # deferred: only with a progress bar
-
-        bar = tqdm(total=episodes, unit="stream", desc="eval", file=sys.stderr, dynamic_ncols=True)
+    tally = Tally.empty(policies, len(delays))
+    bar = _progress_bar(episodes) if progress else None
     for index in range(episodes):
-        episode = generate_episode((seed, EVAL_STREAMS, index), specs[index % len(specs)])
-        episode_items = valid_items(episode, index, delays)
-        if questions != "bare":
-            rng = np.random.default_rng((seed, EVAL_STREAMS, index, 1))
-            episode_items = [
-                replace(item, question=multiple_choice(item.question, rng, questions).as_question(), choice=True)
-                for item in episode_items
-            ]
-        if episode_items:
-            results = run_episode(model, episode, episode_items, policies, budget, keep, delays, predictions)
-            for name, per_item in results.items():
-                for item, row in zip(episode_items, per_item):
-                    question_kind = ("colour", "first").index(item.question.kind)
-                    for d, right in enumerate(row):
-                        correct[name][question_kind][d] += int(right)
-                        by_stream_right[name][episode.kind][d] += int(right)
-            items.extend(episode_items)
-            item_streams.extend([episode.kind] * len(episode_items))
+        episode, items = held_out_items(index, seed, specs, delays, questions)
+        if items:
+            results = run_episode(model, episode, items, policies, budget, keep, delays, predictions)
+            tally.add(episode.kind, items, results)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(questions=len(items))
+            bar.set_postfix(questions=len(tally.items))
     if bar is not None:
         bar.close()
-    counts = [sum(item.question.kind == k for item in items) for k in ("colour", "first")]
-    stream_counts = {k: item_streams.count(k) for k in STREAM_KINDS if item_streams.count(k)}
-    total = len(items)
-    accuracy, interval, by_kind, by_stream = {}, {}, {}, {}
-    for name in policies:
-        accuracy[name], interval[name], by_kind[name], by_stream[name] = {}, {}, {}, {}
-        for d, delay in enumerate(delays):
-            right = correct[name][0][d] + correct[name][1][d]
-            key = _delay_key(delay)
-            accuracy[name][key] = right / total if total else 0.0
-            interval[name][key] = list(wilson(right, total))
-            by_kind[name][key] = {
-                question_kind: correct[name][k][d] / counts[k]
-                for k, question_kind in enumerate(("colour", "first"))
-                if counts[k]
-            }
-            by_stream[name][key] = {k: by_stream_right[name][k][d] / n for k, n in stream_counts.items()}
+    accuracy, interval, by_kind, by_stream = tally.rates(delays)
+    counts, total = tally.question_counts(), len(tally.items)
     return {
-        "chance": sum(item.chance for item in items) / total if total else 0.0,
+        "chance": sum(item.chance for item in tally.items) / total if total else 0.0,
         "episodes": episodes,
         "budget": budget,
         "keep": keep,
@@ -377,7 +262,7 @@ def evaluate(
             "total": total,
             "colour": counts[0],
             "first": counts[1],
-            **{f"{k} streams": n for k, n in stream_counts.items()},
+            **{f"{k} streams": n for k, n in tally.stream_counts().items()},
         },
         "delays_s": [_delay_key(d) for d in delays],
         "kind": kind,
@@ -389,105 +274,95 @@ def evaluate(
     }
 
 
+def check_settings(policies: list[str], episodes: int, delays: tuple[float, ...], questions: str) -> None:
+    """The settings :func:`evaluate` refuses, each a user error naming what is wrong, before any engine exists."""
+    if not policies:
+        raise PolicyChoiceError("name at least one policy")
+    if episodes <= 0:
+        raise EvaluationSettingError(f"--episodes must be positive, got {episodes}")
+    if not delays or min(delays) < 0:
+        raise StreamSettingError(f"delays must be non-negative seconds, got {list(delays)}")
+    if questions not in QUESTION_FORMS:
+        raise EvaluationSettingError(f"unknown question form {questions!r}: one of {', '.join(QUESTION_FORMS)}")
+
+
+def held_out_items(
+    index: int, seed: int, specs: list[StreamSpec], delays: tuple[float, ...], questions: str
+) -> tuple[Episode, list[Item]]:
+    """Held-out episode ``index`` (of ``specs[index % len(specs)]``) and its questions askable at every delay, in
+    the ``questions`` form (a multiple-choice form draws the options from ``(seed, 2, index, 1)``)."""
+    episode = generate_episode((seed, EVAL_STREAMS, index), specs[index % len(specs)])
+    items = valid_items(episode, index, delays)
+    if questions != "bare":
+        rng = np.random.default_rng((seed, EVAL_STREAMS, index, 1))
+        items = [
+            replace(item, question=multiple_choice(item.question, rng, questions).as_question(), choice=True)
+            for item in items
+        ]
+    return episode, items
+
+
+@dataclass
+class Tally:
+    """Right answers so far per policy, question kind (:data:`QUESTION_KINDS`) and delay, and per policy, stream
+    kind and delay; the items asked and the stream kind of each."""
+
+    correct: dict[str, list[list[int]]]
+    by_stream: dict[str, dict[str, list[int]]]
+    items: list[Item] = field(default_factory=list)
+    streams: list[str] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, policies: list[str], delays: int) -> Tally:
+        return cls(
+            {name: [[0] * delays for _ in QUESTION_KINDS] for name in policies},
+            {name: {k: [0] * delays for k in STREAM_KINDS} for name in policies},
+        )
+
+    def add(self, stream_kind: str, items: list[Item], results: dict[str, list[list[bool]]]) -> None:
+        """One episode's answers (:func:`run_episode`'s ``[policy][item][delay] -> correct``)."""
+        for name, per_item in results.items():
+            for item, row in zip(items, per_item):
+                question_kind = QUESTION_KINDS.index(item.question.kind)
+                for d, right in enumerate(row):
+                    self.correct[name][question_kind][d] += int(right)
+                    self.by_stream[name][stream_kind][d] += int(right)
+        self.items.extend(items)
+        self.streams.extend([stream_kind] * len(items))
+
+    def question_counts(self) -> list[int]:
+        """Questions asked of each question kind."""
+        return [sum(item.question.kind == k for item in self.items) for k in QUESTION_KINDS]
+
+    def stream_counts(self) -> dict[str, int]:
+        """Questions asked about streams of each kind (kinds never asked about left out)."""
+        return {k: self.streams.count(k) for k in STREAM_KINDS if self.streams.count(k)}
+
+    def rates(self, delays: tuple[float, ...]) -> tuple[dict[str, Any], ...]:
+        """``accuracy``, ``interval``, ``by_kind`` and ``by_stream`` of the report, each ``[policy][delay]``."""
+        counts, stream_counts, total = self.question_counts(), self.stream_counts(), len(self.items)
+        accuracy, interval, by_kind, by_stream = {}, {}, {}, {}
+        for name, correct in self.correct.items():
+            accuracy[name], interval[name], by_kind[name], by_stream[name] = {}, {}, {}, {}
+            for d, delay in enumerate(delays):
+                right = correct[0][d] + correct[1][d]
+                key = _delay_key(delay)
+                accuracy[name][key] = right / total if total else 0.0
+                interval[name][key] = list(wilson(right, total))
+                by_kind[name][key] = {
+                    question_kind: correct[k][d] / counts[k]
+                    for k, question_kind in enumerate(QUESTION_KINDS)
+                    if counts[k]
+                }
+                by_stream[name][key] = {k: self.by_stream[name][k][d] / n for k, n in stream_counts.items()}
+        return accuracy, interval, by_kind, by_stream
+
+
+def _progress_bar(episodes: int) -> Any:
+    from tqdm import tqdm  # deferred: only with a progress bar
+
+    return tqdm(total=episodes, unit="stream", desc="eval", file=sys.stderr, dynamic_ncols=True)
+
+
 def _delay_key(delay: float) -> str:
     return f"{delay:g}"
-
-
-def accuracy_table(report: dict[str, Any]) -> str:
-    """Accuracy per policy (rows) and delay (columns) with 95% intervals, chance and the question count."""
-    delays = report["delays_s"]
-    width = max(14, *(len(name) for name in report["accuracy"]))
-    header = f"{'policy':<{width}} {'M / C':>11} " + " ".join(f"{'delay ' + d + ' s':>17}" for d in delays)
-    lines = [header]
-    for name, row in report["accuracy"].items():
-        budget = report["budgets"][name]
-        size = (
-            "-"
-            if budget["budget"] is None
-            else f"{budget['budget']}" + (f" / {budget['keep']}" if budget["keep"] else "")
-        )
-        cells = []
-        for d in delays:
-            low, high = report["interval"][name][d]
-            cells.append(f"{row[d]:.2f} [{low:.2f},{high:.2f}]".rjust(17))
-        lines.append(f"{name:<{width}} {size:>11} " + " ".join(cells))
-    q = report["questions"]
-    kind = report.get("kind", "static")
-    streams = "static and moving, alternating," if kind == "mixed" else kind
-    lines.append(
-        f"chance {report['chance']:.3f}; {q['total']} questions ({q['colour']} colour, {q['first']} first-shape) "
-        f"from {report['episodes']} held-out {streams} streams of {report['stream_pairs']} s; [95% Wilson interval]"
-    )
-    return "\n".join(lines)
-
-
-def eval_command(args: argparse.Namespace) -> int:
-    """``python -m kvdemo eval`` (arguments checked by the CLI before anything heavy loads)."""
-    import torch  # deferred on purpose (as above)
-
-    from ..cache.budget import DEFAULT_KEEP_RATIO, token_count  # deferred with torch
-    from ..models.loading import load_model  # deferred with torch
-    from ..policies import make_policy  # deferred with torch
-
-    for name in args.policies:
-        make_policy(name)  # an unknown name fails here, before the model loads
-    budget = token_count("M", args.budget)  # M and C are checked by the budget's rule before the model loads
-    keep = token_count("C", args.keep) if args.keep is not None else int(budget * DEFAULT_KEEP_RATIO)
-    torch.set_num_threads(args.threads)
-    model = load_model(args.model)
-    if model.notice:
-        print(f"note: {model.notice}", file=sys.stderr)
-    predictions: list[dict[str, Any]] = []
-    report = evaluate(
-        model,
-        args.policies,
-        args.delays,
-        args.episodes,
-        args.seed,
-        budget,
-        keep,
-        progress=not args.quiet,
-        kind=args.kind,
-        questions=args.questions,
-        predictions=predictions,
-    )
-    print(accuracy_table(report))
-    if getattr(args, "runs", ""):
-        write_policy_runs(Path(args.runs), args, report, predictions)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"results written to {args.json}", file=sys.stderr)
-    return 0
-
-
-def write_policy_runs(
-    root: Path, args: argparse.Namespace, report: dict[str, Any], predictions: list[dict[str, Any]]
-) -> None:
-    """One run folder per policy under ``root`` (:mod:`kvdemo.experiments.results`): the config, the report's rows of that
-    policy as the metrics, its predictions."""
-    from .results import new_run_folder, write_eval_run  # deferred: only when runs are written
-
-    for name in report["accuracy"]:
-        bounds = report["budgets"][name]
-        config = {
-            "harness": "kvdemo eval",
-            "model": report["model"],
-            "policy": name,
-            "params": {},
-            "M": bounds["budget"],
-            "C": bounds["keep"],
-            "fps": 2.0,
-            "seed": report["seed"],
-            "episodes": report["episodes"],
-            "kind": report["kind"],
-            "questions": report["question_form"],
-            "delays_s": report["delays_s"],
-        }
-        own = {
-            key: (value[name] if isinstance(value, dict) and name in value else value) for key, value in report.items()
-        }
-        folder = write_eval_run(
-            new_run_folder(root, f"eval-{name}"), config, own, [p for p in predictions if p["policy"] == name]
-        )
-        print(f"run folder: {folder}", file=sys.stderr)

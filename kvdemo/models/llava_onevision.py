@@ -31,7 +31,7 @@ from .tiny_random import TEXT_IDS, TOKEN_ID, VOCAB, build_hf_model, byte_tokeniz
 MODEL_CLASSES: dict[str, Any] = {"llava_onevision": LlavaOnevisionForConditionalGeneration}
 
 
-def geometry(config: Any) -> FrameGeometry:
+def config_geometry(config: Any) -> FrameGeometry:
     """Frames resized to the vision tower's square input and pooled to ``ceil(side / patch / 2)`` tokens a side."""
     vision = config.vision_config
     side = int(vision.image_size)
@@ -74,7 +74,7 @@ class LlavaOnevision(TransformersAdapter):
             model,
             tokenizer,
             processor or video_processor(model.config),
-            geometry(model.config),
+            config_geometry(model.config),
             name,
             random_weights,
             notice,
@@ -183,7 +183,7 @@ def build_tiny_random() -> LlavaOnevision:
 SPEC = FamilySpec(
     name="LLaVA-OneVision",
     model_types=tuple(MODEL_CLASSES),
-    geometry=geometry,
+    geometry=config_geometry,
     pixel_mean=PIXEL_MEAN,
     pixel_std=PIXEL_STD,
     load=load,
@@ -198,7 +198,7 @@ SPEC = FamilySpec(
         OfflineModel(
             "tiny-random-llava-ov",
             "llava_onevision",
-            geometry(tiny_random_config()),
+            config_geometry(tiny_random_config()),
             RANDOM_WEIGHTS_NOTICE,
             build_tiny_random,
             (1568, 1176),

@@ -57,7 +57,7 @@ def resize(geometry: FrameGeometry, height: int, width: int) -> tuple[int, int]:
     )
 
 
-def geometry(config: Any, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> FrameGeometry:
+def config_geometry(config: Any, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> FrameGeometry:
     """How a Qwen2-VL / Qwen2.5-VL ``config`` sizes frames (patch x merge pixels per token side)."""
     vision = config.vision_config
     return FrameGeometry(
@@ -155,7 +155,7 @@ class Qwen2VL(TransformersAdapter):
         tokenizer: Any,
         name: str,
         processor: Any = None,
-        geometry_: FrameGeometry | None = None,
+        geometry: FrameGeometry | None = None,
         random_weights: bool = False,
         notice: str | None = None,
     ) -> None:
@@ -164,7 +164,7 @@ class Qwen2VL(TransformersAdapter):
             model,
             tokenizer,
             processor or video_processor(config),
-            geometry_ or geometry(config),
+            geometry or config_geometry(config),
             name,
             random_weights,
             notice,
@@ -285,32 +285,24 @@ def build_tiny_random_qwen2_vl() -> Qwen2VL:
         "tiny-random-qwen2-vl",
         random_weights=True,
         notice=RANDOM_WEIGHTS_NOTICE,
-        geometry_=RANDOM_GEOMETRY,
+        geometry=RANDOM_GEOMETRY,
     )
     return printable_answers(adapter, VOCAB)
 
 
 def build_tiny_model(seed: int = 0) -> Qwen2VL:
-    """The tiny model on the CPU in float32; identical weights for a given ``seed``."""
-    config = tiny_config()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
-    tokenizer = ByteTokenizer()
+    """``tiny-random``: :func:`~kvdemo.models.tiny.tiny_config` with seeded random weights (identical for a given
+    ``seed``) and the byte tokenizer, on the CPU in float32."""
+    model = build_hf_model(tiny_config, Qwen2_5_VLForConditionalGeneration, seed)
     adapter = Qwen2VL(
-        model.float().eval(),
-        tokenizer,
+        model,
+        ByteTokenizer(),
         name=TINY_RANDOM_NAME,
         random_weights=True,
         notice=RANDOM_WEIGHTS_NOTICE,
-        geometry_=RANDOM_GEOMETRY,
+        geometry=RANDOM_GEOMETRY,
     )
-    # Random weights pick arbitrary bytes; keep answers to printable ASCII (and the stop token) so they stay legible.
-    bias = torch.full((config.text_config.vocab_size,), float("-inf"))
-    bias[32:127] = 0.0
-    bias[tokenizer.special_to_id["<|im_end|>"]] = 0.0
-    adapter.logit_bias = bias
-    return adapter
+    return printable_answers(adapter, model.config.text_config.vocab_size)
 
 
 def load_trained_tiny(folder: str | Path = TRAINED_DIR) -> Qwen2VL:
@@ -328,7 +320,7 @@ def load_trained_tiny(folder: str | Path = TRAINED_DIR) -> Qwen2VL:
         ByteTokenizer.from_spec(folder / "tokenizer.json"),
         name=TINY_NAME,
         notice=TRAINED_NOTICE,
-        geometry_=TRAINED_GEOMETRY,
+        geometry=TRAINED_GEOMETRY,
     )
     adapter.max_dialogue_tokens = TRAINED_DIALOGUE_TOKENS
     return adapter
@@ -413,7 +405,7 @@ RELEASED = {
 SPEC = FamilySpec(
     name="Qwen2-VL / Qwen2.5-VL",
     model_types=tuple(MODEL_CLASSES),
-    geometry=geometry,
+    geometry=config_geometry,
     pixel_mean=CLIP_MEAN,
     pixel_std=CLIP_STD,
     load=load,

@@ -17,7 +17,15 @@ from typing import Any
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
 from .adapter import load_checkpoint
-from .qwen3_vl import PIXEL_MEAN, PIXEL_STD, SMALL_GEOMETRY, SMALL_MAX_PIXELS, SMALL_MIN_PIXELS, Qwen3VL, geometry
+from .qwen3_vl import (
+    PIXEL_MEAN,
+    PIXEL_STD,
+    SMALL_GEOMETRY,
+    SMALL_MAX_PIXELS,
+    SMALL_MIN_PIXELS,
+    Qwen3VL,
+    config_geometry,
+)
 from .spec import RANDOM_WEIGHTS_NOTICE, FamilySpec, OfflineModel
 from .tiny_random import TEXT_IDS, VOCAB, build_hf_model, byte_tokenizer, printable_answers, qwen_ids
 
@@ -101,7 +109,7 @@ def build_tiny_random() -> Qwen3_5:
 SPEC = FamilySpec(
     name="Qwen3.5",
     model_types=tuple(MODEL_CLASSES),
-    geometry=geometry,
+    geometry=config_geometry,
     pixel_mean=PIXEL_MEAN,
     pixel_std=PIXEL_STD,
     load=load,

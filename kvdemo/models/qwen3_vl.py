@@ -70,7 +70,7 @@ def resize(geometry: FrameGeometry, height: int, width: int) -> tuple[int, int]:
     )
 
 
-def geometry(
+def config_geometry(
     config: Any, text_per_grid: int = 0, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS
 ) -> FrameGeometry:
     """How a Qwen3-VL / Qwen3.5 ``config`` sizes frames (patch x merge = 32 pixels per token side)."""
@@ -119,7 +119,7 @@ class Qwen3VL(TransformersAdapter):
             model,
             tokenizer,
             processor or video_processor(config),
-            geometry(config, text_per_grid, min_pixels, max_pixels),
+            config_geometry(config, text_per_grid, min_pixels, max_pixels),
             name,
             random_weights,
             notice,
@@ -336,7 +336,7 @@ RELEASED = {
 SPEC = FamilySpec(
     name="Qwen3-VL",
     model_types=tuple(MODEL_CLASSES),
-    geometry=geometry,
+    geometry=config_geometry,
     pixel_mean=PIXEL_MEAN,
     pixel_std=PIXEL_STD,
     load=load,

@@ -14,7 +14,7 @@ The paper compresses once, at prefill, with the user's prompt present. kvdemo's 
   paper's cumulative-focus study with ``k = 0.05 C``); rows are averaged into ``S_(l,h)``. Under GQA a KV
   head's score is the mean over the query heads of its group (kvdemo's). Heads with ``S > cutoff`` are
   static, the others dynamic; ``cutoff`` is the ``theta``-quantile of all heads' scores (``cutoff=quantile``,
-  the issue's reading of the paper's "quantile-based cutoff") or ``theta`` itself (``cutoff=score``, the
+  kvdemo's reading of the paper's "quantile-based cutoff") or ``theta`` itself (``cutoff=score``, the
   reading of the paper's App. D). Re-classified at every compression. ``classify_with=question`` (off by
   default) also runs one pass when a question arrives, with the question itself as the probe (the paper's
   own setting: classification with the user's prompt present), before answering it; that pass changes the
@@ -45,7 +45,7 @@ The paper compresses once, at prefill, with the user's prompt present. kvdemo's 
   counts the ``R`` toward ``M`` (the engine compresses when resident + retrievable would pass ``M``): ``M``
   bounds the query-time context. The split is kvdemo's (the paper offloads a dynamic head entirely after its
   one prefill and retrieves its whole budget; a stream needs resident tokens for the next chunk's prefill):
-  ``retrieve_share = 0.5`` by default. ``accounting=resident`` is kvdemo's earlier reading: the budget bounds
+  ``retrieve_share = 0.5`` by default. ``accounting=resident`` is the other reading: the budget bounds
   the resident tokens and retrieval adds up to ``B`` more, so a dynamic head attends to up to ``2 B`` and ``M``
   bounds only what is held between questions. The report and the head map give each head's resident,
   retrievable and query-time tokens.

@@ -10,7 +10,8 @@ answers (the option heads and the pointer loss of :mod:`kvdemo.world.training`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -150,40 +151,105 @@ def build_batch(
         adapter.temporal_patch_size / episodes[0].video.fps,
         adapter.tokens_per_second,
     )
-    text_start = max(len(prefix) - 1, int(visual_positions.max())) + 1
-    texts, answer_at, answer_targets, answer_of, question_at, question_targets, first_kind = [], [], [], [], [], [], []
-    moving_questions, choice_kind, option_at, option_targets, choice_at, choice_words = [], [], [], [], [], []
-    questions = 0
+    supervised = Supervised()
     if with_text:
         for row, episode in enumerate(episodes):
             questions_asked = asked_questions(episode, choices, rng) if choices > 0 else episode.questions
             turns = dialogue(adapter, questions_asked, rng.permutation(len(questions_asked)))
-            ids = turns.ids
-            offset = len(prefix) + tokens
-            choice_starts = {position + 1 for position, _ in turns.choice_answers}
-            for position, word, letter, right in turns.options:
-                option_at.append((row, offset + position))
-                option_targets.append((word, letter, int(right)))
-            for position, word in turns.choice_answers:
-                choice_at.append((row, offset + position))
-                choice_words.append(word)
-            for (start, length), (mark, stop, target) in zip(turns.answers, turns.questions):
-                choice_kind.append(start in choice_starts)
-                for k in range(length):
-                    answer_at.append((row, offset + start + k - 1))  # the logits at j-1 predict token j
-                    answer_targets.append(ids[start + k])
-                    answer_of.append(questions)
-                for position in range(mark, stop):
-                    question_at.append((row, offset + position))
-                    question_targets.append(target)
-                first_kind.append(QUESTION_CLASSES[target] == "first")
-                moving_questions.append(episode.kind == "moving")
-                questions += 1
-            texts.append(ids)
+            supervised.add(row, episode, turns, len(prefix) + tokens)
+    input_ids, positions = token_layout(adapter, len(episodes), prefix, visual_positions, supervised.texts)
+    return Batch(
+        pixels=torch.cat(flats),
+        grid_thw=torch.tensor([[grid_t, grid_h, grid_w]] * len(episodes)),
+        input_ids=input_ids,
+        positions=positions[:, None, :].expand(3, len(episodes), -1),
+        visual=slice(len(prefix), len(prefix) + tokens),
+        colour_labels=torch.from_numpy(np.concatenate([e.colour_labels.ravel() for e in episodes])),
+        shape_labels=torch.from_numpy(np.concatenate([e.shape_labels.ravel() for e in episodes])),
+        moving_tokens=torch.tensor([e.kind == "moving" for e in episodes]).repeat_interleave(tokens),
+        **supervised.tensors(),
+    )
+
+
+@dataclass
+class Supervised:
+    """What a batch's text supervises, gathered row by row (:meth:`add`): each row's token ids after the video, and
+    the positions the losses read as (row, position in the sequence) with their targets (see :class:`Batch`)."""
+
+    texts: list[list[int]] = field(default_factory=list)
+    answer_at: list[tuple[int, int]] = field(default_factory=list)
+    answer_targets: list[int] = field(default_factory=list)
+    answer_of: list[int] = field(default_factory=list)
+    question_at: list[tuple[int, int]] = field(default_factory=list)
+    question_targets: list[int] = field(default_factory=list)
+    first_kind: list[bool] = field(default_factory=list)
+    moving_questions: list[bool] = field(default_factory=list)
+    choice_kind: list[bool] = field(default_factory=list)
+    option_at: list[tuple[int, int]] = field(default_factory=list)
+    option_targets: list[tuple[int, int, int]] = field(default_factory=list)
+    choice_at: list[tuple[int, int]] = field(default_factory=list)
+    choice_words: list[int] = field(default_factory=list)
+    questions: int = 0
+
+    def add(self, row: int, episode: Episode, turns: Turns, offset: int) -> None:
+        """Row ``row``'s dialogue (``turns`` about ``episode``), its text starting at ``offset`` in the sequence."""
+        ids = turns.ids
+        choice_starts = {position + 1 for position, _ in turns.choice_answers}
+        for position, word, letter, right in turns.options:
+            self.option_at.append((row, offset + position))
+            self.option_targets.append((word, letter, int(right)))
+        for position, word in turns.choice_answers:
+            self.choice_at.append((row, offset + position))
+            self.choice_words.append(word)
+        for (start, length), (mark, stop, target) in zip(turns.answers, turns.questions):
+            self.choice_kind.append(start in choice_starts)
+            for k in range(length):
+                self.answer_at.append((row, offset + start + k - 1))  # the logits at j-1 predict token j
+                self.answer_targets.append(ids[start + k])
+                self.answer_of.append(self.questions)
+            for position in range(mark, stop):
+                self.question_at.append((row, offset + position))
+                self.question_targets.append(target)
+            self.first_kind.append(QUESTION_CLASSES[target] == "first")
+            self.moving_questions.append(episode.kind == "moving")
+            self.questions += 1
+        self.texts.append(ids)
+
+    def tensors(self) -> dict[str, Any]:
+        """The :class:`Batch` fields of what was gathered (each ``*_at`` as ``[2, n]``: rows, positions)."""
+        return dict(
+            answer_at=_row_position(self.answer_at),
+            answer_targets=torch.tensor(self.answer_targets, dtype=torch.long),
+            answer_of=torch.tensor(self.answer_of, dtype=torch.long),
+            question_at=_row_position(self.question_at),
+            question_targets=torch.tensor(self.question_targets, dtype=torch.long),
+            questions=self.questions,
+            first_kind=torch.tensor(self.first_kind, dtype=torch.bool),
+            moving_questions=torch.tensor(self.moving_questions, dtype=torch.bool),
+            choice_kind=torch.tensor(self.choice_kind, dtype=torch.bool),
+            option_at=_row_position(self.option_at),
+            option_targets=torch.tensor(self.option_targets, dtype=torch.long).reshape(-1, 3).t(),
+            choice_at=_row_position(self.choice_at),
+            choice_words=torch.tensor(self.choice_words, dtype=torch.long),
+        )
+
+
+def _row_position(pairs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).t()
+
+
+def token_layout(
+    adapter: Qwen2VL, rows: int, prefix: list[int], visual_positions: torch.Tensor, texts: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids [rows, L]`` (the prefix, a video placeholder per visual position, then each row's text of
+    ``texts``, right-padded) and the positions ``[3, L]`` every row shares: the prefix's, ``visual_positions``, then
+    the text's from the largest position so far + 1."""
+    tokens = visual_positions.shape[1]
+    text_start = max(len(prefix) - 1, int(visual_positions.max())) + 1
     length = len(prefix) + tokens + max((len(t) for t in texts), default=0)
     pad = adapter.tokenizer.special_to_id["<|endoftext|>"]
     video_pad = adapter.tokenizer.special_to_id["<|video_pad|>"]
-    input_ids = torch.full((len(episodes), length), pad, dtype=torch.long)
+    input_ids = torch.full((rows, length), pad, dtype=torch.long)
     input_ids[:, : len(prefix)] = torch.tensor(prefix)
     input_ids[:, len(prefix) : len(prefix) + tokens] = video_pad
     for row, ids in enumerate(texts):
@@ -197,26 +263,4 @@ def build_batch(
         ],
         dim=1,
     )
-    return Batch(
-        pixels=torch.cat(flats),
-        grid_thw=torch.tensor([[grid_t, grid_h, grid_w]] * len(episodes)),
-        input_ids=input_ids,
-        positions=positions[:, None, :].expand(3, len(episodes), -1),
-        visual=slice(len(prefix), len(prefix) + tokens),
-        colour_labels=torch.from_numpy(np.concatenate([e.colour_labels.ravel() for e in episodes])),
-        shape_labels=torch.from_numpy(np.concatenate([e.shape_labels.ravel() for e in episodes])),
-        answer_at=torch.tensor(answer_at, dtype=torch.long).reshape(-1, 2).t(),
-        answer_targets=torch.tensor(answer_targets, dtype=torch.long),
-        answer_of=torch.tensor(answer_of, dtype=torch.long),
-        question_at=torch.tensor(question_at, dtype=torch.long).reshape(-1, 2).t(),
-        question_targets=torch.tensor(question_targets, dtype=torch.long),
-        questions=questions,
-        first_kind=torch.tensor(first_kind, dtype=torch.bool),
-        moving_tokens=torch.tensor([e.kind == "moving" for e in episodes]).repeat_interleave(tokens),
-        moving_questions=torch.tensor(moving_questions, dtype=torch.bool),
-        choice_kind=torch.tensor(choice_kind, dtype=torch.bool),
-        option_at=torch.tensor(option_at, dtype=torch.long).reshape(-1, 2).t(),
-        option_targets=torch.tensor(option_targets, dtype=torch.long).reshape(-1, 3).t(),
-        choice_at=torch.tensor(choice_at, dtype=torch.long).reshape(-1, 2).t(),
-        choice_words=torch.tensor(choice_words, dtype=torch.long),
-    )
+    return input_ids, positions

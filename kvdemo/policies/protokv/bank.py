@@ -47,8 +47,8 @@ from .pq import pq_encode, train_codebooks
 
 #: Key products ``[B, u, K]`` per block of candidates in :meth:`ProtoBank.merge`, and close pairs whose value centres
 #: are compared at a time (kvdemo's): what merging holds is bounded by them, whatever the bank holds. Keys of one
-#: direction (random weights, a static scene) make nearly every pair close: unblocked, the first full-depth GPU run
-#: held 17 GB for ProtoKV at Qwen2.5-VL-3B's shape against a 216 MB budget.
+#: direction (random weights, a static scene) make nearly every pair close: unblocked, merging held 17 GB on a GPU
+#: (measured, a full-depth stream) for ProtoKV at Qwen2.5-VL-3B's shape against a 216 MB budget.
 MERGE_BLOCK = 1 << 22
 MERGE_PAIRS = 1 << 16
 
@@ -397,14 +397,35 @@ class ProtoBank:
         newly qualify, so distances are computed for candidate rows only (``[B, U, K]``, not ``[B, K, K]``), and
         :data:`MERGE_BLOCK` products at a time.
         """
-        rows, capacity = self.mass.shape
-        device = self.mass.device
         active = self.active
-        candidates = candidates & active
-        width = int(candidates.sum(dim=1).max()) if rows else 0
-        if width == 0:
+        partner = self._close_partners(candidates & active, active, eps_k, eps_v)
+        if partner is None:
             self.pending = torch.zeros_like(active)
             return torch.zeros_like(active)
+        has_partner = partner < self.capacity
+        root = ~has_partner
+        merging = has_partner & torch.gather(torch.cat([root, root.new_zeros(self.rows, 1)], 1), 1, partner)
+        self.pending = has_partner & ~merging
+        if not bool(merging.any()):
+            return torch.zeros_like(active)
+        r, j = torch.nonzero(merging, as_tuple=True)
+        i = partner[r, j]
+        self._fold(r, j, i)
+        touched = torch.zeros_like(active)
+        touched[r, i] = True
+        touched[r, j] = True
+        return touched
+
+    def _close_partners(
+        self, candidates: torch.Tensor, active: torch.Tensor, eps_k: float, eps_v: float
+    ) -> torch.Tensor | None:
+        """Each prototype's lowest-index close partner ``[B, K]`` (``K`` where it has none) among the pairs with a
+        ``candidate``; None when no row has a candidate."""
+        rows, capacity = self.mass.shape
+        device = self.mass.device
+        width = int(candidates.sum(dim=1).max()) if rows else 0
+        if width == 0:
+            return None
         chosen = torch.argsort((~candidates).to(torch.int8), dim=1, stable=True)[:, :width]  # [B, U] slot ids
         real = torch.gather(candidates, 1, chosen)
         unit_k, unit_v = F.normalize(self.centre_k, dim=-1), F.normalize(self.centre_v, dim=-1)
@@ -439,15 +460,14 @@ class ProtoBank:
             from_candidates.view(-1).scatter_reduce_(0, (b * capacity + k)[below], j[below], reduce="amin")
             above = k < j
             own.view(-1).scatter_reduce_(0, (b * width + u)[above], k[above], reduce="amin")
-        partner = from_candidates.scatter_reduce(1, chosen, own, reduce="amin")
-        has_partner = partner < capacity
-        root = ~has_partner
-        merging = has_partner & torch.gather(torch.cat([root, root.new_zeros(rows, 1)], 1), 1, partner)
-        self.pending = has_partner & ~merging
-        if not bool(merging.any()):
-            return torch.zeros_like(active)
-        r, j = torch.nonzero(merging, as_tuple=True)
-        i = partner[r, j]
+        return from_candidates.scatter_reduce(1, chosen, own, reduce="amin")
+
+    def _fold(self, r: torch.Tensor, j: torch.Tensor, i: torch.Tensor) -> None:
+        """Merge prototype ``j[n]`` of row ``r[n]`` into prototype ``i[n]`` of that row: mass-weighted centres and
+        spatial means, summed histograms, residual counts and masses; the patches and pending seeds of ``j`` go to
+        ``i``; the churn counts the merge."""
+        rows, capacity = self.mass.shape
+        device = self.mass.device
         # Mass-weighted means, computed for the merge targets only (not the whole bank).
         target = r * capacity + i
         targets, slot_of = torch.unique(target, return_inverse=True)
@@ -475,10 +495,6 @@ class ProtoBank:
         self.seed_slot = torch.where(self.seed_slot >= 0, torch.gather(successor, 1, self.seed_slot.clamp_min(0)), -1)
         self.merged += int(r.numel())
         self.pass_churn[0].index_add_(0, r, torch.ones_like(r, dtype=torch.int32))
-        touched = torch.zeros_like(active)
-        touched[r, i] = True
-        touched[r, j] = True
-        return touched
 
     def _follow_merges(self, successor: torch.Tensor) -> None:
         """Patches absorbed into a merged-away prototype are now represented by its partner (``successor [B, K]``:
