@@ -14,7 +14,7 @@ _EXPORTS = {
     "EngineError": ".stream.engine",
     "FrameStream": ".stream.engine",
     "KVMemory": ".cache.memory",
-    "LayerView": ".policies",
+    "LayerSlice": ".policies",
     "MemoryCapError": ".stream.engine",
     "OccupancyEvent": ".cache.memory",
     "Policy": ".policies",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvdemo.analysis.coverage import coverage, coverage_summary, nearest_retained_cosine, nearest_retained_distances
-from kvdemo.policies import LayerView, PolicyParameterError, make_policy, policy_params
+from kvdemo.policies import LayerSlice, PolicyParameterError, make_policy, policy_params
 from kvdemo.policies.cords import REASON_COVERAGE, REASON_FILL, REASON_RECENT, REASON_UNCOMPRESSED, layer_schedule
 
 ROWS, COLS, DIM = 2, 2, 8
@@ -23,7 +23,7 @@ def frames_view(key_centroids, value_centroids, noise=0.0, layer=0, num_layers=1
     values = v.repeat_interleave(P, 0) + noise * torch.randn(frames * P, DIM, generator=g)
     token = torch.arange(frames * P)
     prov = lambda x: x.int().expand(2, -1).contiguous()  # noqa: E731
-    return LayerView(
+    return LayerSlice(
         layer=layer,
         num_layers=num_layers,
         keys=keys.expand(2, -1, -1).contiguous(),
@@ -343,7 +343,7 @@ def test_selection_equals_a_plain_loop_restatement(seed):
     token = torch.arange(frames * P)
     slot = torch.stack([torch.randperm(frames * P, generator=g) for _ in range(heads)])  # slot -> token
     at3 = lambda x: torch.gather(x, 1, slot[..., None].expand(-1, -1, DIM))  # noqa: E731
-    view = LayerView(
+    view = LayerSlice(
         layer=0,
         num_layers=1,
         keys=at3(keys),

@@ -80,9 +80,9 @@ def _compress(policy_name: str, place) -> tuple[list[torch.Tensor], list[torch.T
     with torch.inference_mode():
         place(memory)
         probe = [p.to(memory.devices[i]) for i, p in enumerate(probe)]
-        memory.apply(policy.compress(memory.views(rotary=rotary, probe=probe), keep))
+        memory.apply(policy.compress(memory.slices(rotary=rotary, probe=probe), keep))
         memory.to("cpu")
-    return [s.kv.clone() for s in memory.layers], [s.packed.clone() for s in memory.layers]
+    return [torch.cat([s.keys, s.values]) for s in memory.layers], [s.packed.clone() for s in memory.layers]
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvdemo.cache.offload import OffloadStore
-from kvdemo.policies import LayerView, PolicyParameterError, make_policy
+from kvdemo.policies import LayerSlice, PolicyParameterError, make_policy
 from kvdemo.policies.hybridkv import capped_allocation
 from kvdemo.policies.topk import select_ranked
 from kvdemo.stream.engine import StreamEngine
@@ -21,7 +21,7 @@ def hand_view(heads=2, frames=3, rows=2, cols=2, dim=4, probe=None, keys=None):
     token = torch.arange(length)
     prov = lambda x: x.int().expand(heads, -1).contiguous()  # noqa: E731
     keys = keys if keys is not None else torch.randn(heads, length, dim, generator=torch.Generator().manual_seed(0))
-    return LayerView(
+    return LayerSlice(
         layer=0,
         num_layers=1,
         keys=keys,
@@ -238,7 +238,7 @@ def test_classify_with_question_runs_one_pass_with_the_question_as_the_probe(tin
 
     def pass_on_a_copy(text):
         twin = copy.deepcopy(engine).attach(tiny_random)  # pickles without the model
-        selection = twin.policy.compress(twin.memory.views(tiny_random.rotary, twin._probe(text)), 405)
+        selection = twin.policy.compress(twin.memory.slices(tiny_random.rotary, twin._probe(text)), 405)
         twin.memory.apply(selection)
         return twin, selection
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvdemo.policies import LayerView, PolicyParameterError, make_policy, policy_params
+from kvdemo.policies import LayerSlice, PolicyParameterError, make_policy, policy_params
 from kvdemo.policies.grid import pool_on_grid
 from kvdemo.policies.infinipot_v import (
     REASON_RECENT,
@@ -25,7 +25,7 @@ def view_from(keys, values, frame, row, col, layer=0, num_layers=1, grid=(ROWS, 
     heads = keys.shape[0]
     as_heads = lambda x: torch.as_tensor(x).int().expand(heads, -1).contiguous()  # noqa: E731
     frame = as_heads(frame)
-    return LayerView(
+    return LayerSlice(
         layer=layer,
         num_layers=num_layers,
         keys=keys,
@@ -260,7 +260,7 @@ def gather(view, index):
     in-place compaction does)."""
     g = lambda x: torch.gather(x, 1, index)  # noqa: E731
     gd = lambda x: torch.gather(x, 1, index[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
-    return LayerView(
+    return LayerSlice(
         layer=view.layer,
         num_layers=view.num_layers,
         keys=gd(view.keys),
@@ -286,7 +286,7 @@ def append(view, keys, values, first_frame, frames):
     heads = view.keys.shape[0]
     cat = lambda a, b: torch.cat([a, torch.as_tensor(b).int().expand(heads, -1)], dim=1)  # noqa: E731
     arrivals = int(view.order.max()) + 1 + torch.arange(frame.shape[0]).expand(heads, -1)
-    return LayerView(
+    return LayerSlice(
         layer=view.layer,
         num_layers=view.num_layers,
         keys=torch.cat([view.keys, keys], 1),

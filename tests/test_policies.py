@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvdemo.errors import BudgetError, PolicyParameterError, UnknownPolicyError, UserError
-from kvdemo.policies import CARDS, REGISTRY, LayerView, PolicyCard, make_policy, policy_card, policy_params
+from kvdemo.policies import CARDS, REGISTRY, LayerSlice, PolicyCard, make_policy, policy_card, policy_params
 from kvdemo.policies.grid import frame_rank
 from kvdemo.policies.topk import arg_min, top_k_indices, top_k_mask, top_k_sorted, top_k_sum, top_k_values
 
@@ -29,7 +29,7 @@ def make_view(frames: int, rows: int = 2, cols: int = 2, heads: int = 2, dim: in
     per = rows * cols
     token = torch.arange(frames * per)
     prov = lambda x: x.int().expand(heads, -1).contiguous()  # noqa: E731
-    return LayerView(
+    return LayerSlice(
         layer=layer,
         num_layers=1,
         keys=torch.randn(heads, frames * per, dim, generator=g),
@@ -312,7 +312,7 @@ def test_the_policy_written_in_the_docs_runs_and_keeps_what_it_says():
         # Two heads of five tokens; head 0's values have norms 1, 5, 2, 4, 3 and head 1's the reverse order.
         scale = torch.tensor([[1.0, 5, 2, 4, 3], [3.0, 4, 2, 5, 1]])
         values = scale[..., None] * torch.tensor([0.6, 0.8])  # ||(0.6, 0.8)|| = 1 in the L2 norm
-        view = LayerView(
+        view = LayerSlice(
             0,
             1,
             torch.zeros(2, 5, 2),

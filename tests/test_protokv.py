@@ -161,7 +161,7 @@ def test_unrotated_cached_keys_are_the_projection_before_rope(tiny_random, small
     stream = FrameStream(tiny_random, 2.0)
     chunk = stream.push(small_video.frames[:4])
     engine.feed_chunk(chunk)
-    view = engine.memory.views(tiny_random.rotary)[0]
+    view = engine.memory.slices(tiny_random.rotary)[0]
     attention = tiny_random.hf.model.language_model.layers[0]
     hidden = attention.input_layernorm(chunk.embeds[None])
     projected = (
@@ -240,7 +240,7 @@ def test_a_prototype_of_mass_n_attends_like_n_duplicates(tiny_random, mass):
     others = torch.tensor([i for i in range(24) if i != chosen]).expand(tiny_random.num_kv_heads, -1)
     updates = []
     for layer in range(tiny_random.num_layers):
-        view = summarised.views()[layer]
+        view = summarised.slices()[layer]
         k, v = view.keys[:, chosen : chosen + 1].clone(), view.values[:, chosen : chosen + 1].clone()
         bias = torch.full((tiny_random.num_kv_heads, 1), math.log(mass))
         updates.append(SummaryUpdate(k, v, bias))
@@ -871,7 +871,7 @@ def test_keys_are_unrotated_in_float32_before_any_rounding():
 
     rotary = qwen7b_rotation(16)
     memory = synthetic_memory(1, 2, 16, budget=16, grid=(2, 4), dtype=torch.bfloat16)
-    view = memory.views(rotary)[0]
+    view = memory.slices(rotary)[0]
     index = torch.arange(16).expand(1, 2, -1)
     tokens = make_policy("protokv")._gather([view], index)
     section = [2, 3, 3]

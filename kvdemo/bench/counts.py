@@ -71,11 +71,11 @@ def count_pass(policy: Policy, layers: int, dtype: torch.dtype = torch.bfloat16)
     with EmulatedDevice(), torch.inference_mode():  # placing the memory and the first pass are not counted
         memory.to(EMULATED)
         probe = None if probe is None else [p.to(EMULATED) for p in probe]
-        memory.apply(policy.compress(memory.views(rotary, probe), keep))
+        memory.apply(policy.compress(memory.slices(rotary, probe), keep))
         append_random(memory, synthetic_chunk(memory.num_grids, 1, grid), torch.Generator().manual_seed(1))
     mode = EmulatedDevice()
     with mode, torch.inference_mode():
-        memory.apply(policy.compress(memory.views(rotary, probe), keep))
+        memory.apply(policy.compress(memory.slices(rotary, probe), keep))
     return {"launches": mode.launches, "host_reads": mode.host_reads}
 
 
@@ -89,13 +89,13 @@ def count_pass_cuda(policy: Policy, layers: int, device: torch.device) -> dict[s
     memory.to(device)
     probe = None if probe is None else [p.to(device) for p in probe]
     with torch.inference_mode():  # the first pass and one more grid, as count_pass
-        memory.apply(policy.compress(memory.views(rotary, probe), keep))
+        memory.apply(policy.compress(memory.slices(rotary, probe), keep))
         append_random(
             memory, synthetic_chunk(memory.num_grids, 1, QWEN7B_SHAPE["grid"]), torch.Generator().manual_seed(1)
         )
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.inference_mode():
-        memory.apply(policy.compress(memory.views(rotary, probe), keep))
+        memory.apply(policy.compress(memory.slices(rotary, probe), keep))
         torch.cuda.synchronize(device)
     launches = reads = 0
     for event in prof.events():

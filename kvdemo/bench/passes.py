@@ -52,7 +52,7 @@ def time_pass(
             floor_ms = floor_run.get("floor_ms", 0.0)
             fresh = copy.deepcopy(memory)
             watch = Stopwatch(devices)
-            selection = policy.compress(fresh.views(rotary, probe), keep)
+            selection = policy.compress(fresh.slices(rotary, probe), keep)
             middle = watch.ms()
             moved = fresh.apply(selection)
             end = watch.ms()
@@ -94,10 +94,10 @@ def floor_targets(memory: KVMemory, keep: int) -> list[torch.Tensor]:
     written once here. A pass compacts the memory's own resident buffers, so the floor writes resident memory too:
     a first write into fresh pages would time the kernel's page faults (measured here 7-9x the write itself,
     depending on whether the allocator handed back memory it had kept), not the memory."""
-    views = memory.views()
+    slices = memory.slices()
     targets = [
         torch.empty(v.num_heads, keep, v.keys.shape[-1], dtype=v.keys.dtype, device=v.keys.device)
-        for v in views
+        for v in slices
         for _ in range(2)
     ]
     with torch.inference_mode():
@@ -114,15 +114,15 @@ def time_floor(
     sum over the buffers viewed as int64 words (a bfloat16 sum would time the conversion, not the memory), the
     write a fill of resident buffers (``targets`` from :func:`floor_targets`, made here when None). ``read_ms``: the
     read's share (median), what any pass that reads every key and value pays before its arithmetic."""
-    views = memory.views()
+    slices = memory.slices()
     targets = targets if targets is not None else floor_targets(memory, keep)
     times, reads = [], []
     with torch.inference_mode():
         for run in range(repeats + int(warmup)):
             watch = Stopwatch(memory.devices)
-            for view in views:
-                _words(view.keys).sum()
-                _words(view.values).sum()
+            for layer_slice in slices:
+                _words(layer_slice.keys).sum()
+                _words(layer_slice.values).sum()
             read = watch.ms()
             for target in targets:
                 _words(target).fill_(1)
@@ -140,9 +140,9 @@ def time_append(memory: KVMemory, grid: tuple[int, int], repeats: int) -> dict[s
 
     chunk = synthetic_chunk(memory.num_grids, 1, grid)
     n = chunk.num_tokens
-    views = memory.views()
+    slices = memory.slices()
     keys = [
-        torch.randn(1, v.num_heads, n, v.keys.shape[-1]).to(device=v.keys.device, dtype=v.keys.dtype) for v in views
+        torch.randn(1, v.num_heads, n, v.keys.shape[-1]).to(device=v.keys.device, dtype=v.keys.dtype) for v in slices
     ]
     positions = synthetic_positions(chunk, memory.prefix_len)
     ours, theirs = [], []
@@ -230,7 +230,7 @@ def _timed_modes(
         fused.use_compiled(compile_ok)
         try:
             compiled = dataclasses.replace(policy).compress(
-                copy.deepcopy(memory).views(probe=_probe(policy, memory)), keep
+                copy.deepcopy(memory).slices(probe=_probe(policy, memory)), keep
             )
         finally:
             fused.use_compiled(None)
@@ -238,7 +238,7 @@ def _timed_modes(
         return {"": time_pass(dataclasses.replace(policy), memory, keep, repeats)}
     out = {}
     with torch.inference_mode():
-        eager = dataclasses.replace(policy).compress(copy.deepcopy(memory).views(probe=_probe(policy, memory)), keep)
+        eager = dataclasses.replace(policy).compress(copy.deepcopy(memory).slices(probe=_probe(policy, memory)), keep)
     same = all(torch.equal(a, b) for a, b in zip(eager.indices, compiled.indices))
     differ = {
         "same_selection": same,

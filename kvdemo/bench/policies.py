@@ -78,7 +78,7 @@ def simulated_stream(
                     probe = [p.to(device) for p in drawn]
                 held_frames = frames_held(memory)
                 watch = Stopwatch(memory.devices)
-                selection = policy.compress(memory.views(rotary, probe), budget.keep_for(per_grid))
+                selection = policy.compress(memory.slices(rotary, probe), budget.keep_for(per_grid))
                 middle = watch.ms()
                 memory.apply(selection)
                 end = watch.ms()
@@ -255,7 +255,7 @@ def decode_benchmark(
     )
     with torch.inference_mode():
         watch = Stopwatch(compressed.devices)
-        selection = policy.compress(compressed.views(probe=probe), keep)
+        selection = policy.compress(compressed.slices(probe=probe), keep)
         middle = watch.ms()
         compressed.apply(selection)
         end = watch.ms()

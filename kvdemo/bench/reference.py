@@ -84,7 +84,7 @@ def reference_benchmark(
     def ours(memory: KVMemory) -> tuple[float, list[torch.Tensor]]:
         fresh = copy.deepcopy(memory)
         start = time.perf_counter()
-        fresh.apply(policy.compress(fresh.views(), shape["keep"]))
+        fresh.apply(policy.compress(fresh.slices(), shape["keep"]))
         return (time.perf_counter() - start) * 1000, fresh.keys
 
     if shape["grid"][0] != shape["grid"][1]:

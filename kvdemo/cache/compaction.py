@@ -27,8 +27,8 @@ def stack_rows(
     if all(t is None for t in per_layer):
         return None
     if all(t is not None for t in per_layer) and len({t.shape[1] for t in per_layer}) == 1:
-        return torch.stack([t.to(stores[0].kv.device) for t in per_layer])
-    heads, device = stores[0].heads, stores[0].kv.device
+        return torch.stack([t.to(stores[0].keys.device) for t in per_layer])
+    heads, device = stores[0].heads, stores[0].keys.device
     width = max(t.shape[1] if t is not None else length for t in per_layer)
     out = []
     for store, t in zip(stores, per_layer):
@@ -93,12 +93,11 @@ def compact_group(
     rows = group.packed.shape[2]
     packed = group.packed.view(-1, PROVENANCE_WIDTH)
     move_rows([(packed, row * rows + slot_of_hole, row * rows + slot_of_mover)])
-    # Keys of row (g, h) are buffer rows (g * 2H + h) * capacity + slot, their values H * capacity rows later.
-    capacity = group.capacity
-    key_row = (row + torch.div(row, heads, rounding_mode="floor") * heads) * capacity + start
-    kv_dst = torch.cat((key_row + slot_of_hole, key_row + slot_of_hole + heads * capacity))
-    kv_src = torch.cat((key_row + slot_of_mover, key_row + slot_of_mover + heads * capacity))
-    moves.append((group.kv.view(-1, group.kv.shape[-1]), kv_dst, kv_src))  # holes and movers: disjoint
+    # The key of row g * H + h, slot s is buffer row (g * H + h) * capacity + s; its value value_offset rows later.
+    key_row = row * group.capacity + start
+    kv_dst = torch.cat((key_row + slot_of_hole, key_row + slot_of_hole + group.value_offset))
+    kv_src = torch.cat((key_row + slot_of_mover, key_row + slot_of_mover + group.value_offset))
+    moves.append((group.rows(), kv_dst, kv_src))  # holes and movers: disjoint
     new_valid = None
     for g, (store, kept_counts) in enumerate(zip(stores, counted)):
         store.visual_len = max(kept_counts, default=0)

@@ -3,9 +3,10 @@ its layers' keys, values, provenance and key bias with a layer axis, so one kern
 group (a compaction's moves, :mod:`kvdemo.cache.compaction`; a policy's batched scoring); each
 :class:`LayerMemory` is one layer's view of its group, with the moves that only one layer makes (a chunk's stream
 text reordered, tokens offloaded, a policy's summary written). Every move is one gather and one scatter of rows over
-all heads on the flattened buffer (:func:`kvdemo.tensors.take_rows`, :func:`kvdemo.tensors.put_rows`); keys (heads
-``0..H-1``) and values (heads ``H..2H-1``) share one buffer so they move together. ``start`` is where the visual
-slots begin (after the prefix and the summary region); the layout is in :mod:`kvdemo.cache.memory`.
+all heads on the flattened buffer (:func:`kvdemo.tensors.take_rows`, :func:`kvdemo.tensors.put_rows`); keys and
+values share one buffer (keys first, then values, each ``[G, H, capacity, D]``) so they move together, and every
+layer's keys are one ``[G * H, capacity, D]`` batch without a copy. ``start`` is where the visual slots begin (after
+the prefix and the summary region); the layout is in :mod:`kvdemo.cache.memory`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ BIAS_DTYPE = torch.float32
 @dataclass(eq=False)
 class LayerGroup:
     """The buffers of the memory layers that share a device and a dtype, with a layer axis (index ``g`` holds memory
-    layer ``layers[g]``): ``kv [G, 2H, capacity, D]`` (keys are heads ``0..H-1``, values ``H..2H-1``),
+    layer ``layers[g]``): ``kv [2, G, H, capacity, D]`` (``kv[0]`` the keys, ``kv[1]`` the values),
     ``packed [G, H, rows, 8]`` int32 provenance (:data:`PROVENANCE`; ``rows = capacity - P - S`` once the prefix is
     committed), ``bias [G, H, capacity]`` float32 additive key bias (allocated, zero, when a layer first needs one;
     a layer reads it only once it uses one, :attr:`LayerMemory.bias`)."""
@@ -47,24 +48,33 @@ class LayerGroup:
 
     @property
     def heads(self) -> int:
-        return int(self.kv.shape[1]) // 2
+        return int(self.kv.shape[2])
 
     @property
     def capacity(self) -> int:
-        return int(self.kv.shape[2])
+        return int(self.kv.shape[3])
+
+    def rows(self) -> torch.Tensor:
+        """The buffer as rows ``[2 * G * H * capacity, D]``: key ``(g, h, slot)`` is row ``(g * H + h) * capacity +
+        slot``, its value :meth:`value_offset` rows later."""
+        return self.kv.view(-1, self.kv.shape[-1])
+
+    @property
+    def value_offset(self) -> int:
+        return int(self.kv.shape[1]) * self.heads * self.capacity
 
     @classmethod
     def empty(cls, heads: int, capacity: int, dim: int, dtype: torch.dtype, device: torch.device) -> LayerGroup:
         """A group of no layers yet (:meth:`add` appends them)."""
         return cls(
-            kv=torch.zeros(0, 2 * heads, capacity, dim, dtype=dtype, device=device),
+            kv=torch.zeros(2, 0, heads, capacity, dim, dtype=dtype, device=device),
             packed=torch.zeros(0, heads, capacity, PROVENANCE_WIDTH, dtype=torch.int32, device=device),
             layers=[],
         )
 
     def add(self, layer: int) -> int:
         """Room for memory layer ``layer`` (zeros) after the group's layers; returns its index."""
-        self.kv = torch.cat([self.kv, self.kv.new_zeros(1, *self.kv.shape[1:])])
+        self.kv = torch.cat([self.kv, self.kv.new_zeros(2, 1, *self.kv.shape[2:])], dim=1)
         self.packed = torch.cat([self.packed, self.packed.new_zeros(1, *self.packed.shape[1:])])
         if self.bias is not None:
             self.bias = torch.cat([self.bias, self.bias.new_zeros(1, *self.bias.shape[1:])])
@@ -75,8 +85,8 @@ class LayerGroup:
         """Reallocate every layer's buffers with ``capacity`` slots and ``rows`` provenance rows (>= what they hold),
         copying their content."""
         old, kept = self.capacity, min(rows, self.packed.shape[2])  # provenance rows past the stream hold nothing
-        kv = self.kv.new_zeros(*self.kv.shape[:2], capacity, self.kv.shape[3])
-        kv[:, :, : min(old, capacity)] = self.kv[:, :, :capacity]
+        kv = self.kv.new_zeros(*self.kv.shape[:3], capacity, self.kv.shape[4])
+        kv[:, :, :, : min(old, capacity)] = self.kv[:, :, :, :capacity]
         packed = self.packed.new_zeros(*self.packed.shape[:2], rows, PROVENANCE_WIDTH)
         packed[:, :, :kept] = self.packed[:, :, :kept]
         self.kv, self.packed = kv, packed
@@ -88,14 +98,14 @@ class LayerGroup:
     def ensure_bias(self) -> torch.Tensor:
         """The group's key bias, allocated (zero) on first use."""
         if self.bias is None:
-            shape = (self.kv.shape[0], self.heads, self.capacity)
+            shape = (self.kv.shape[1], self.heads, self.capacity)
             self.bias = torch.zeros(shape, dtype=BIAS_DTYPE, device=self.kv.device)
         return self.bias
 
     def trimmed(self, live: int, rows: int) -> LayerGroup:
         """A copy holding the first ``live`` slots and ``rows`` provenance rows (what crosses a process boundary)."""
         bias = None if self.bias is None else self.bias[:, :, :live].clone()
-        return LayerGroup(self.kv[:, :, :live].clone(), self.packed[:, :, :rows].clone(), list(self.layers), bias)
+        return LayerGroup(self.kv[:, :, :, :live].clone(), self.packed[:, :, :rows].clone(), list(self.layers), bias)
 
     def to(self, device: torch.device | str) -> LayerGroup:
         return LayerGroup(
@@ -108,10 +118,9 @@ class LayerGroup:
 
 @dataclass(eq=False)
 class LayerMemory:
-    """One layer's view of its group's buffers (see the module docstring for the layout): ``kv [1, 2H, capacity, D]``
-    (keys are heads ``0..H-1``), so a compaction moves both with one gather; ``keys``/``values`` its two halves,
-    ``packed [H, rows, 8]`` its provenance, ``bias [H, capacity]`` its key bias once it uses one (None before: plain
-    attention)."""
+    """One layer's view of its group's buffers (see the module docstring for the layout): ``keys``/``values``
+    ``[1, H, capacity, D]``, ``packed [H, rows, 8]`` its provenance, ``bias [H, capacity]`` its key bias once it uses
+    one (None before: plain attention)."""
 
     group: LayerGroup
     index: int
@@ -121,10 +130,6 @@ class LayerMemory:
     text_len: int = 0  # T: stream-text slots after the visual ones (the fullest head's count when ragged)
     text_valid: torch.Tensor | None = None  # [H, T] bool when heads hold different numbers of text slots
     biased: bool = False  # whether attention reads this layer's bias (a ragged head, a summary region)
-
-    @property
-    def kv(self) -> torch.Tensor:
-        return self.group.kv[self.index : self.index + 1]
 
     @property
     def packed(self) -> torch.Tensor:
@@ -148,11 +153,17 @@ class LayerMemory:
     @property
     def keys(self) -> torch.Tensor:
         """``[1, H, capacity, D]``."""
-        return self.kv[:, : self.heads]
+        return self.group.kv[0, self.index : self.index + 1]
 
     @property
     def values(self) -> torch.Tensor:
-        return self.kv[:, self.heads :]
+        return self.group.kv[1, self.index : self.index + 1]
+
+    def head_rows(self, device: torch.device) -> torch.Tensor:
+        """``[2H]`` the group buffer's row (:meth:`LayerGroup.rows`) of slot 0 of each of this layer's key heads, then
+        of each value head."""
+        first = (self.index * self.heads + torch.arange(self.heads, device=device)) * self.capacity
+        return torch.cat([first, first + self.group.value_offset])
 
     @property
     def provenance(self) -> dict[str, torch.Tensor]:
@@ -168,7 +179,7 @@ class LayerMemory:
         """Rows ``[L, L + T + n)`` after the visual slots hold the stream text ``T`` then a new chunk of ``n``
         tokens (``text [n]`` marks its text); reorder them to the chunk's visual tokens, the text held, the
         chunk's text (keys, values and provenance, every head alike: one gather each)."""
-        held, device = self.text_len, self.kv.device
+        held, device = self.text_len, self.keys.device
         new_visual = torch.nonzero(~text).squeeze(1) + held
         new_text = torch.nonzero(text).squeeze(1) + held
         order = torch.cat(
@@ -176,9 +187,8 @@ class LayerMemory:
         )  # source row of each target row
         width = int(order.numel())
         base = start + self.visual_len
-        heads2, capacity = self.kv.shape[1], self.capacity
-        flat = self.kv.view(heads2 * capacity, self.kv.shape[-1])
-        offsets = torch.arange(heads2, device=device)[:, None] * capacity + base
+        flat = self.group.rows()
+        offsets = self.head_rows(device)[:, None] + base
         put_rows(
             flat, (offsets + torch.arange(width, device=device)).flatten(), take_rows(flat, (offsets + order).flatten())
         )
@@ -200,23 +210,21 @@ class LayerMemory:
         self.offload.counted = bool(update.counted)
         if update.tokens.numel() == 0:
             return 0
-        index = update.tokens.to(self.kv.device)
-        capacity = self.capacity
-        # Rows of the buffer kv [1, 2H, capacity, D]: key (h, slot) is row h * capacity + slot, its value H rows of
-        # heads later.
-        key_rows = torch.arange(heads, device=index.device)[:, None] * capacity + start + index
+        index = update.tokens.to(self.keys.device)
+        key_rows = self.head_rows(index.device)[:heads, None] + start + index
         provenance = {
             name: torch.gather(self.provenance[name][:, : self.visual_len], 1, index)
             for name in ("frame", "row", "col", "order")
         }
-        rows = self.kv.view(2 * heads * capacity, dim)
-        return self.offload.add_rows(rows, key_rows, key_rows + heads * capacity, update.valid, provenance)
+        return self.offload.add_rows(
+            self.group.rows(), key_rows, key_rows + self.group.value_offset, update.valid, provenance
+        )
 
     def compact_stream_text(self, held: int, start: int, grids: int) -> int:
         """After a visual compaction (``held`` visual slots before it): per head, keep the stream text of the grids
         that still have a visual token in that head, moved down to follow the visual slots; returns the
         key/value bytes moved."""
-        heads, device = self.packed.shape[0], self.kv.device
+        heads, device = self.packed.shape[0], self.keys.device
         frame_of = self.packed[..., PROVENANCE["frame"]]
         size = max(grids, 1)
         visual = frame_of[:, : self.visual_len].long()
@@ -230,11 +238,11 @@ class LayerMemory:
         counts = keep.sum(dim=1)
         h, j = torch.nonzero(keep, as_tuple=True)
         target = torch.cumsum(keep.long(), dim=1)[h, j] - 1
-        capacity, rows = self.capacity, self.packed.shape[1]
-        both = torch.tensor([0, heads], device=device)[:, None]
-        flat = self.kv.view(2 * heads * capacity, self.kv.shape[-1])
-        kv_src = ((h[None] + both) * capacity + start + held + j[None]).flatten()
-        kv_dst = ((h[None] + both) * capacity + start + self.visual_len + target[None]).flatten()
+        rows = self.packed.shape[1]
+        first = self.head_rows(device).view(2, heads)[:, h]  # [2, n]: each kept text slot's key and value head row
+        flat = self.group.rows()
+        kv_src = (first + start + held + j[None]).flatten()
+        kv_dst = (first + start + self.visual_len + target[None]).flatten()
         put_rows(flat, kv_dst, take_rows(flat, kv_src))
         packed = self.packed.view(heads * rows, PROVENANCE_WIDTH)
         put_rows(packed, h * rows + self.visual_len + target, take_rows(packed, h * rows + held + j))
@@ -242,7 +250,7 @@ class LayerMemory:
         slot = torch.arange(new_len, device=device)
         self.text_valid = None if bool((counts == new_len).all()) else slot[None] < counts[:, None]
         self.text_len = new_len
-        return int(kv_src.numel()) * self.kv.shape[-1] * self.kv.element_size()
+        return int(kv_src.numel()) * self.keys.shape[-1] * self.keys.element_size()
 
     def refresh_bias(self, start: int) -> None:
         """Visual and stream-text slots: 0 where a head holds a token, ``-inf`` on ragged padding; the slack

@@ -15,7 +15,7 @@ Layout of one layer's buffers ``keys/values [1, H_kv, capacity, D]`` (slots, not
 - stream text: text tokens the stream itself carries between grids (Qwen3-VL's ``<t seconds><|vision_start|>``
   and ``<|vision_end|>`` around every temporal grid), with provenance (their grid); they count against ``M`` and
   leave with their grid's last visual token in that layer and head (:meth:`KVMemory.apply`). Policies never see
-  them: their views hold the visual slots only, and ``LayerView.grid_text`` says what keeping a grid costs;
+  them: their slices hold the visual slots only, and ``LayerSlice.grid_text`` says what keeping a grid costs;
 - slack: where a forward writes new tokens. A chunk's prefill writes there and is committed
   (:meth:`KVMemory.commit_append`); a question writes there and is simply not committed, so the memory
   after :meth:`~kvdemo.stream.engine.StreamEngine.ask` is bit-identical without any copy or rollback.
@@ -38,7 +38,7 @@ only views and reports read, is :mod:`kvdemo.analysis.survival`.
 
 One layer's buffers and the moves that compact them are :mod:`kvdemo.cache.layer`. Reading order here: the timeline
 event, then :class:`KVMemory`: its layout, the layer buffers, the writes, what a policy sees and decides
-(``views``/``apply``), the timeline, pickling and devices.
+(``slices``/``apply``), the timeline, pickling and devices.
 """
 
 # Long on purpose: one class, KVMemory, whose every method keeps the one slot layout drawn above (prefix | summary |
@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from ..policies.contract import LayerView, Selection
+from ..policies.contract import LayerSlice, Selection, SliceStack, VisualSlices
 from ..tensors import move_rows
 from .budget import Budget
 from .chunk import VisualChunk
@@ -283,7 +283,7 @@ class KVMemory:
             (
                 g
                 for g in self.groups
-                if g.kv.device == device and g.kv.dtype == dtype and g.heads == heads and g.kv.shape[3] == dim
+                if g.kv.device == device and g.kv.dtype == dtype and g.heads == heads and g.kv.shape[4] == dim
             ),
             None,
         )
@@ -365,36 +365,84 @@ class KVMemory:
         self.grid_times_s.extend(chunk.grid_times_s)
 
     # --- what a policy sees, and what it decides -------------------------------------------
-    def views(self, rotary: Any = None, probe: list[torch.Tensor] | None = None) -> list[LayerView]:
-        """Per-layer views of the visual slots for a policy (``[H_kv, L, D]`` slices, no copies); ``probe``
-        gives each layer's probe queries ``[H_q, T, D]`` (see ``LayerView.probe``)."""
-        start = self.visual_start
-        views = []
-        for layer, store in enumerate(self.layers):
-            end = start + store.visual_len
-            prov = {name: t[:, : store.visual_len] for name, t in store.provenance.items()}
-            views.append(
-                LayerView(
-                    layer=layer,
-                    num_layers=self.num_layers,
-                    keys=store.keys[0, :, start:end],
-                    values=store.values[0, :, start:end],
-                    frame=prov["frame"],
-                    row=prov["row"],
-                    col=prov["col"],
-                    grid=self.grid_shape or (0, 0),
-                    newest_frame=self.num_grids - 1,
-                    order=prov["order"],
-                    position=prov["position"],
-                    valid=store.valid,
-                    rotary=rotary,
-                    summary_slots=self.summary_slots,
-                    probe=probe[layer] if probe is not None else None,
-                    offloaded=None if store.offload is None else store.offload.tokens.to(store.keys.device),
-                    grid_text=self._grid_text(store),
-                )
+    def slices(self, rotary: Any = None, probe: list[torch.Tensor] | None = None) -> VisualSlices:
+        """What a policy sees: every layer's visual slots (:class:`~kvdemo.policies.contract.LayerSlice`,
+        ``[H_kv, L, D]``) and the same as stacks of a group's consecutive layers of one length
+        (:class:`~kvdemo.policies.contract.SliceStack`, ``[G, H_kv, L, D]``), views of the buffers, no copies;
+        ``probe`` gives each layer's probe queries ``[H_q, T, D]`` (see ``LayerSlice.probe``)."""
+        layers: list[LayerSlice | None] = [None] * len(self.layers)
+        stacks = []
+        for group in self.groups:
+            run: list[int] = []
+            for layer in group.layers:
+                store = self.layers[layer]
+                # a run is layers of one visual length; a layer with stream text is a stack of its own (its text
+                # per grid differs)
+                if run and (store.text_len or store.visual_len != self.layers[run[0]].visual_len):
+                    stacks.append(self._stack(group, run, rotary, probe, layers))
+                    run = []
+                run.append(layer)
+                if store.text_len:
+                    stacks.append(self._stack(group, run, rotary, probe, layers))
+                    run = []
+            if run:
+                stacks.append(self._stack(group, run, rotary, probe, layers))
+        return VisualSlices(layers, stacks)
+
+    def _stack(
+        self,
+        group: LayerGroup,
+        run: list[int],
+        rotary: Any,
+        probe: list[torch.Tensor] | None,
+        layers: list[LayerSlice | None],
+    ) -> SliceStack:
+        """The stack of memory layers ``run`` (consecutive in ``group``, of one visual length) as views of the
+        group's buffers, and each of those layers' slice (into ``layers``) as views of the stack."""
+        start, stores = self.visual_start, [self.layers[layer] for layer in run]
+        first, length, device = group.layers.index(run[0]), stores[0].visual_len, group.kv.device
+        span = slice(first, first + len(run))
+        packed = group.packed[span, :, :length]
+        valid = None
+        if any(store.valid is not None for store in stores):
+            every = torch.ones(group.heads, length, dtype=torch.bool, device=device)
+            valid = torch.stack([store.valid if store.valid is not None else every for store in stores])
+        offloaded = None
+        if any(store.offload is not None for store in stores):
+            counts = [
+                store.offload.tokens
+                if store.offload is not None
+                else torch.zeros(group.heads, dtype=torch.long, device="cpu")
+                for store in stores
+            ]
+            offloaded = torch.stack(counts).to(device)  # one copy for the stack (the counts live on the host)
+        grid_text = self._grid_text(stores[0]) if stores[0].text_len else None
+        fields = dict(
+            keys=group.kv[0, span, :, start : start + length],
+            values=group.kv[1, span, :, start : start + length],
+            frame=packed[..., PROVENANCE["frame"]],
+            row=packed[..., PROVENANCE["row"]],
+            col=packed[..., PROVENANCE["col"]],
+            order=packed[..., PROVENANCE["order"]],
+            position=packed[..., PROVENANCE["position"]],
+            valid=valid,
+            probe=None if probe is None else torch.stack([probe[layer] for layer in run]),
+            offloaded=offloaded,
+            grid_text=None if grid_text is None else grid_text[None],
+        )
+        for g, layer in enumerate(run):
+            per_layer = {name: None if t is None else t[g] for name, t in fields.items()}
+            per_layer["valid"] = stores[g].valid
+            layers[layer] = LayerSlice(
+                layer=layer,
+                num_layers=self.num_layers,
+                grid=self.grid_shape or (0, 0),
+                newest_frame=self.num_grids - 1,
+                rotary=rotary,
+                summary_slots=self.summary_slots,
+                **per_layer,
             )
-        return views
+        return SliceStack(layers=tuple(run), first=layers[run[0]], **fields)
 
     def _grid_text(self, store: LayerMemory) -> torch.Tensor | None:
         """Stream-text slots each head holds per temporal grid ``[H, grids]`` (None without stream text)."""
@@ -463,14 +511,15 @@ class KVMemory:
         for layer, store in enumerate(self.layers):
             length = store.visual_len + store.text_len
             self.reserve(layer, p + size + length + TEXT_RESERVE)
-            store.kv[:, :, p + size : p + size + length] = store.kv[:, :, p : p + length].clone()
+            for half in (store.keys, store.values):
+                half[:, :, p + size : p + size + length] = half[:, :, p : p + length].clone()
             old = store.bias[:, p : p + length].clone() if store.bias is not None else None
             bias = store.use_bias()
             bias.zero_()
             if old is not None:
                 bias[:, p + size : p + size + length] = old
             bias[:, p : p + size] = float("-inf")
-            moved += store.kv[:, :, :length].nbytes
+            moved += 2 * store.keys[:, :, :length].nbytes
         self.summary_open = True
         return moved
 
@@ -552,7 +601,7 @@ class KVMemory:
                 moved.append(part)
         self.groups = moved
         for store in self.layers:
-            target = store.kv.device
+            target = store.keys.device
             store.valid = None if store.valid is None else store.valid.to(target)
             store.text_valid = None if store.text_valid is None else store.text_valid.to(target)
             if store.offload is not None:
@@ -567,7 +616,7 @@ class KVMemory:
     @property
     def devices(self) -> list[torch.device]:
         """Each memory layer's device."""
-        return [store.kv.device for store in self.layers]
+        return [store.keys.device for store in self.layers]
 
 
 def _part(group: LayerGroup, members: list[int]) -> LayerGroup:
@@ -575,5 +624,5 @@ def _part(group: LayerGroup, members: list[int]) -> LayerGroup:
     index = torch.tensor(members, device=group.kv.device)
     bias = None if group.bias is None else group.bias.index_select(0, index)
     return LayerGroup(
-        group.kv.index_select(0, index), group.packed.index_select(0, index), [group.layers[g] for g in members], bias
+        group.kv.index_select(1, index), group.packed.index_select(0, index), [group.layers[g] for g in members], bias
     )

@@ -5,7 +5,19 @@
 # Registration, in the order the CLI's help and the app list them: the papers' policies, then the baselines.
 from . import infinipot_v, cords, protokv, hybridkv, uniform, window, full  # noqa: F401, I001
 from ..errors import BudgetError, PolicyParameterError, UnknownPolicyError
-from .contract import LayerView, OffloadUpdate, Policy, Probed, Selection, SummaryRegion, SummaryUpdate
+from .contract import (
+    LayerSlice,
+    OffloadUpdate,
+    Policy,
+    Probed,
+    Selection,
+    SliceStack,
+    SummaryRegion,
+    SummaryUpdate,
+    VisualSlices,
+    layer_rows,
+    slice_stacks,
+)
 from .registry import (
     CARDS,
     REGISTRY,
@@ -42,7 +54,11 @@ __all__ = [
     "REGISTRY",
     "BenchDeclaration",
     "BudgetError",
-    "LayerView",
+    "LayerSlice",
+    "SliceStack",
+    "VisualSlices",
+    "layer_rows",
+    "slice_stacks",
     "OffloadUpdate",
     "ParamSpec",
     "PolicyCard",

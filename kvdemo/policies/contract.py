@@ -1,8 +1,8 @@
 """The policy contract: what every policy needs, and nothing one policy alone needs.
 
 A policy is a dataclass of its paper's parameters (with their defaults; each field's help text in its
-``metadata``) and one method, ``compress(views, keep) -> Selection``: from per-layer views of the visual part of
-the KV cache (:class:`LayerView`) it chooses, per layer and KV head, the sorted indices of the tokens to keep.
+``metadata``) and one method, ``compress(slices, keep) -> Selection``: from per-layer slices of the visual part of
+the KV cache (:class:`LayerSlice`) it chooses, per layer and KV head, the sorted indices of the tokens to keep.
 Policies know nothing of models, of the UI or of the benchmarks: they see keys, values and provenance.
 
 - :class:`Policy`: the contract (``name``, ``bounded``, ``compress``), with ``report()`` for the run report and
@@ -10,7 +10,7 @@ Policies know nothing of models, of the UI or of the benchmarks: they see keys, 
   by default).
 - Opt-in protocols for what only some policies do: :class:`SummaryRegion` (the policy owns synthetic entries in
   the memory's summary region and is sized by ``M`` alone), :class:`Probed` (the engine runs a probe text after the
-  memory before each compression and passes its queries in the views).
+  memory before each compression and passes its queries in the slices).
 
 The scored core most policies build on (a priority per token, one shared top-k) is :mod:`.topk`; registration by
 name, parameter forms and what is said about a policy (:class:`~.registry.PolicyCard`) are :mod:`.registry`.
@@ -31,7 +31,7 @@ from ..views import View, ViewContext
 
 
 @dataclass
-class LayerView:
+class LayerSlice:
     """What a policy sees of one layer's visual tokens.
 
     Every policy reads the keys, values and provenance (with ``order``, ``valid`` and ``grid_text``, which the
@@ -43,7 +43,7 @@ class LayerView:
     frame, row, col: ``[H_kv, L]`` provenance of each token: the temporal grid it came from (a pair of
     sampled frames; called "frame" as in the papers) and its merged-patch row and column.
     order: ``[H_kv, L]`` arrival number of each token in the stream (larger = newer). The memory compacts
-    in place, so slots are *not* in stream order; ``None`` (hand-made views) means slot order.
+    in place, so slots are *not* in stream order; ``None`` (hand-made slices) means slot order.
     position: ``[H_kv, L, 3]`` the 3-D M-RoPE position each key was rotated at (None if unknown).
     valid: ``[H_kv, L]`` bool when heads hold different numbers of tokens (ragged), else None.
     rotary: the model's rotation (``rotate(x, position)`` / ``unrotate(x, position)``), for policies that
@@ -55,7 +55,7 @@ class LayerView:
     offloaded: ``[H_kv]`` tokens each head keeps in the memory's offload store (retrievable while answering);
     None when the layer has no store.
     grid_text: ``[H_kv, grids]`` stream-text slots each head holds per temporal grid (Qwen3-VL's timestamps and
-    delimiters), None when the stream carries no text. They are not in the view; they stay while a head keeps
+    delimiters), None when the stream carries no text. They are not in the slice; they stay while a head keeps
     at least one visual token of their grid, and count against the budget: keeping the first token of a grid
     costs ``1 + grid_text`` (:func:`~.topk.select_with_text`).
     """
@@ -95,6 +95,129 @@ class LayerView:
         return self.grid[0] * self.grid[1]
 
 
+#: The per-token fields of a :class:`LayerSlice` that a :class:`SliceStack` stacks.
+STACKED_FIELDS = (
+    "keys",
+    "values",
+    "frame",
+    "row",
+    "col",
+    "order",
+    "position",
+    "valid",
+    "probe",
+    "offloaded",
+    "grid_text",
+)
+
+
+@dataclass
+class SliceStack:
+    """Consecutive layers ``layers`` of one device and one visual length ``L``, every field of their slices stacked
+    with a layer axis: ``keys``/``values [G, H, L, D]``, ``frame``/``row``/``col``/``order``/``valid [G, H, L]``,
+    ``position [G, H, L, 3]``, ``probe [G, H_q, T, D]``, ``offloaded [G, H]``, ``grid_text [G, H, grids]`` (the
+    optional ones None where the slices' are). Made by the memory as views of its buffers (no copies: a pass reads every layer's keys with one
+    kernel); :meth:`rows` gives a field as ``[G * H, ...]`` rows, the form a policy batches over. The shared facts
+    (``grid``, ``newest_frame``, ``rotary``, ``summary_slots``, ``num_layers``) are the first slice's.
+    """
+
+    layers: tuple[int, ...]
+    keys: torch.Tensor
+    values: torch.Tensor
+    frame: torch.Tensor
+    row: torch.Tensor
+    col: torch.Tensor
+    order: torch.Tensor
+    first: LayerSlice
+    position: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    probe: torch.Tensor | None = None
+    offloaded: torch.Tensor | None = None
+    grid_text: torch.Tensor | None = None
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.keys.shape[1])
+
+    @property
+    def length(self) -> int:
+        return int(self.keys.shape[2])
+
+    def rows(self, name: str) -> torch.Tensor | None:
+        """Field ``name`` as rows ``[G * H, ...]`` (a view where the stack's strides allow, as the memory's do)."""
+        value = getattr(self, name)
+        return None if value is None else value.reshape(-1, *value.shape[2:])
+
+    @classmethod
+    def of(cls, slices: list[LayerSlice], layers: tuple[int, ...]) -> SliceStack:
+        """The stack of ``slices`` (of ``layers``), by copying each field into one tensor (a memory builds its stacks
+        as views instead: :meth:`kvdemo.cache.memory.KVMemory.slices`)."""
+        fields = {}
+        for name in STACKED_FIELDS:
+            values = [getattr(s, name) for s in slices]
+            if all(v is None for v in values):
+                fields[name] = None
+            elif name == "valid":
+                fields[name] = torch.stack(
+                    [torch.ones_like(s.frame, dtype=torch.bool) if v is None else v for s, v in zip(slices, values)]
+                )
+            elif name == "offloaded":
+                fields[name] = torch.stack(
+                    [
+                        torch.zeros(s.num_heads, dtype=torch.long, device=s.keys.device) if v is None else v
+                        for s, v in zip(slices, values)
+                    ]
+                )
+            else:
+                fields[name] = torch.stack(values)
+        return cls(layers=layers, first=slices[0], **fields)
+
+
+class VisualSlices(list):
+    """What a policy sees of the memory: one :class:`LayerSlice` per layer (a list: ``slices[layer]``), and
+    ``stacks``, the same layers as :class:`SliceStack` (consecutive layers of one device and length together) for a
+    pass that batches over layers."""
+
+    def __init__(self, layers: list[LayerSlice], stacks: list[SliceStack]) -> None:
+        super().__init__(layers)
+        self.stacks = stacks
+
+
+def slice_stacks(slices: list[LayerSlice]) -> list[SliceStack]:
+    """The stacks of ``slices``: the memory's own (views) for :class:`VisualSlices`; for a plain list (hand-made
+    slices), runs of consecutive layers of one device, length and shape copied into stacks (:meth:`SliceStack.of`)."""
+    if isinstance(slices, VisualSlices):
+        return slices.stacks
+    stacks, run = [], []
+
+    def key(s: LayerSlice) -> tuple:
+        optional = tuple(getattr(s, n) is None for n in ("position", "probe", "grid_text"))
+        return s.keys.device, s.keys.shape, s.keys.dtype, optional
+
+    for index, layer_slice in enumerate(slices):
+        if run and key(slices[run[-1]]) != key(layer_slice):
+            stacks.append(SliceStack.of([slices[i] for i in run], tuple(run)))
+            run = []
+        run.append(index)
+    if run:
+        stacks.append(SliceStack.of([slices[i] for i in run], tuple(run)))
+    return stacks
+
+
+def layer_rows(slices: list[LayerSlice], layers: tuple[int, ...], name: str) -> torch.Tensor | None:
+    """Field ``name`` of ``layers`` as rows ``[len(layers) * H, ...]`` (layer by layer): a stack's own rows, a view,
+    when ``layers`` is one of the slices' stacks (:func:`slice_stacks`), else the layers' fields stacked (a copy);
+    None where a layer's is."""
+    if len(layers) > 1:
+        for stack in slice_stacks(slices):
+            if stack.layers == layers:
+                return stack.rows(name)
+    values = [getattr(slices[layer], name) for layer in layers]
+    if any(value is None for value in values):
+        return None
+    return values[0] if len(values) == 1 else torch.cat(values)
+
+
 @dataclass
 class SummaryUpdate:
     """A policy's synthetic entries for one layer's summary region (ProtoKV's pseudo-tokens).
@@ -114,7 +237,7 @@ class SummaryUpdate:
 class OffloadUpdate:
     """One layer's tokens to move to the offload store, and what each head retrieves at decode time.
 
-    tokens: ``[H_kv, E]`` indices into the layer's view (arrival order), ``valid [H_kv, E]`` which count;
+    tokens: ``[H_kv, E]`` indices into the layer's slice (arrival order), ``valid [H_kv, E]`` which count;
     they are stored in chunks of ``chunk`` tokens per head with a resident mean-key index.
     retrieve: ``[H_kv]`` visual tokens each head brings back per decode step (0: it does not retrieve).
     counted: whether those retrieved tokens count toward the budget ``M`` (the memory's visual tokens include
@@ -131,7 +254,7 @@ class OffloadUpdate:
 
 @dataclass
 class Selection:
-    """Per layer, ``LongTensor [H_kv, keep]`` of sorted indices into that layer's view.
+    """Per layer, ``LongTensor [H_kv, keep]`` of sorted indices into that layer's slice.
 
     ``valid`` (optional, per layer ``[H_kv, keep]`` bool) marks the entries that count when heads keep
     different numbers of tokens (ragged budgets); ``summary`` (optional, per layer) refreshes the memory's
@@ -160,8 +283,8 @@ class Policy(abc.ABC):
     bounded: ClassVar[bool] = True
 
     @abc.abstractmethod
-    def compress(self, views: list[LayerView], keep: int) -> Selection:
-        """Choose ``keep`` tokens per layer and KV head from ``views`` (one per layer)."""
+    def compress(self, slices: list[LayerSlice], keep: int) -> Selection:
+        """Choose ``keep`` tokens per layer and KV head from ``slices`` (one per layer)."""
 
     @classmethod
     def takes_keep(cls) -> bool:
@@ -222,7 +345,7 @@ class SummaryRegion(abc.ABC):
 
 class Probed(abc.ABC):
     """A policy that reads the memory with a probe: before each compression the engine asks
-    :attr:`probe_text` after the memory (uncommitted) and passes each layer's queries as ``LayerView.probe``."""
+    :attr:`probe_text` after the memory (uncommitted) and passes each layer's queries as ``LayerSlice.probe``."""
 
     #: The text the memory is probed with (a proxy for a question).
     probe_text: ClassVar[str] = ""

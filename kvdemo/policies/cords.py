@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import PolicyParameterError
-from .contract import LayerView, Selection
+from .contract import LayerSlice, Selection, layer_rows
 from .grid import recent_window
 from .registry import BenchDeclaration, PolicyCard, param, register
 from .topk import Ranking, ScoredPolicy, minmax
@@ -164,46 +164,59 @@ class CoRDS(ScoredPolicy):
         if not 0.0 <= float(self.single_depth) <= 1.0:
             raise PolicyParameterError(f"single_depth must be in [0, 1], got {self.single_depth}")
 
-    def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
-        source = layer_schedule(len(views), self.layers, self.followers, self.single_depth, self.above)
-        chosen: dict[int, tuple[Ranking, torch.Tensor]] = {}
-        for anchor in sorted({a for a in source if a is not None}):
-            chosen[anchor] = self.select(views[anchor], keep)
-        rankings = []
+    def rank(self, slices: list[LayerSlice], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
+        source = layer_schedule(len(slices), self.layers, self.followers, self.single_depth, self.above)
+        anchors = tuple(sorted({a for a in source if a is not None}))
         for layer, anchor in enumerate(source):
-            view = views[layer]
-            if anchor is None:  # above="keep": every token of this layer stays
-                reason = torch.full(view.frame.shape, REASON_UNCOMPRESSED, dtype=torch.int8, device=view.keys.device)
-                rankings.append(
-                    Ranking(
-                        torch.zeros(view.frame.shape, dtype=torch.float64, device=view.keys.device), reason, view.length
-                    )
-                )
-                continue
-            if view.length != views[anchor].length:
+            if anchor is not None and slices[layer].length != slices[anchor].length:
                 raise ValueError(
-                    f"layer {layer} holds {view.length} tokens but its anchor {anchor} holds {views[anchor].length}"
+                    f"layer {layer} holds {slices[layer].length} tokens but its anchor {anchor} holds "
+                    f"{slices[anchor].length}"
                 )
-            rankings.append(chosen[anchor][0])  # followers share their anchor's ranking (ranked once)
+        # Every anchor selects at once: their heads are the rows of one batch (followers reuse their anchor's).
+        heads = slices[anchors[0]].num_heads
+        selected, picks = self.select(
+            layer_rows(slices, anchors, "frame"),
+            layer_rows(slices, anchors, "keys"),
+            layer_rows(slices, anchors, "values"),
+            slices[anchors[0]].tokens_per_frame,
+            keep,
+        )
+        selected.layers = anchors
+        selected.followers = {layer: anchor for layer, anchor in enumerate(source) if anchor not in (None, layer)}
+        rankings = [selected]
+        uncompressed = tuple(layer for layer, anchor in enumerate(source) if anchor is None)
+        for layer in uncompressed:  # above="keep": every token of these layers stays
+            frame = slices[layer].frame
+            whole = torch.full((frame.shape[0],), frame.shape[1], dtype=torch.long, device=frame.device)
+            reason = torch.full(frame.shape, REASON_UNCOMPRESSED, dtype=torch.int8, device=frame.device)
+            rankings.append(
+                Ranking(
+                    torch.zeros(frame.shape, dtype=torch.float64, device=frame.device), reason, (layer,), keep=whole
+                )
+            )
         info = {
             "source_layer": source,
-            "anchors": sorted(chosen),
-            "uncompressed_layers": [layer for layer, anchor in enumerate(source) if anchor is None],
-            "pick_order": {anchor: picks for anchor, (_, picks) in chosen.items()},
+            "anchors": list(anchors),
+            "uncompressed_layers": list(uncompressed),
+            "pick_order": {anchor: picks[i * heads : (i + 1) * heads] for i, anchor in enumerate(anchors)},
         }
         return rankings, info
 
-    def compress(self, views: list[LayerView], keep: int) -> Selection:
-        selection = super().compress(views, keep)
+    def compress(self, slices: list[LayerSlice], keep: int) -> Selection:
+        selection = super().compress(slices, keep)
         selection.uncompressed = tuple(selection.info["uncompressed_layers"])
         return selection
 
-    def select(self, view: LayerView, keep: int) -> tuple[Ranking, torch.Tensor]:
-        """One layer: its ranking (recent tail, then whole coreset frames, then the partial frame's tokens by
-        distance) and the frames picked ``[H, picks]`` (ranks, in pick order)."""
-        heads, length = view.frame.shape
-        recent, rank, held, _ = recent_window(view.frame, view.tokens_per_frame, keep, self.recent_ratio)
-        keys, values = self._scaled(view.keys, view.values)
+    def select(
+        self, frame: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tokens_per_frame: int, keep: int
+    ) -> tuple[Ranking, torch.Tensor]:
+        """Rows of anchor heads (``frame [R, L]``, ``keys``/``values [R, L, D]``): their ranking (recent tail, then
+        whole coreset frames, then the partial frame's tokens by distance; its ``layers`` are the caller's to set)
+        and the frames picked ``[R, picks]`` (ranks, in pick order)."""
+        heads, length = frame.shape
+        recent, rank, held, _ = recent_window(frame, tokens_per_frame, keep, self.recent_ratio)
+        keys, values = self._scaled(keys, values)
         device = keys.device
         frames = int(held.max())
         # Frame centroids [H, F, D] and token counts [H, F]; rank is the dense frame index per head.
@@ -241,10 +254,10 @@ class CoRDS(ScoredPolicy):
             fill = self._token_distance(keys, values, key_c, value_c, selected)
             scaled = fill / fill.max(dim=1, keepdim=True).values.clamp_min(1e-12)
             priority = priority + token_partial.double() * (1 + scaled.double())
-        reason = torch.full((heads, length), REASON_FILL, dtype=torch.int8, device=device)
-        reason[token_whole] = REASON_COVERAGE
-        reason[recent] = REASON_RECENT
-        return Ranking(priority, reason), picks
+        # Codes by arithmetic on the masks (a boolean index would make a GPU wait for its count).
+        reason = REASON_FILL + (REASON_COVERAGE - REASON_FILL) * token_whole.to(torch.int8)
+        reason += (REASON_RECENT - reason) * recent.to(torch.int8)
+        return Ranking(priority, reason, ()), picks
 
     @staticmethod
     def _scaled(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,10 +313,11 @@ class CoRDS(ScoredPolicy):
         steps = int(candidate.sum(dim=1).max())
         picks = torch.full((heads, steps), -1, dtype=torch.long, device=device)
         rows = torch.arange(heads, device=device)
+        # Every step runs (no read of whether any head is still active: a GPU would wait once per step); a head
+        # that stopped stays stopped (its candidates only shrink, its count only grows), so the steps that picked
+        # anything are a prefix, read once at the end.
         for step in range(steps):
             active = remaining.any(dim=1) & (taken < budget)
-            if not bool(active.any()):
-                return picks[:, :step]
             orth = self.gamma * (1 - max_cos_k) + (1 - self.gamma) * (1 - max_cos_v)
             score = minmax(min_dist, remaining, self.eps) + self.bonus * minmax(orth, remaining, self.eps)
             score = torch.where(remaining, score, -big)
@@ -314,7 +328,7 @@ class CoRDS(ScoredPolicy):
             min_dist = torch.minimum(min_dist, bicriteria[rows, :, pick])
             max_cos_k = torch.maximum(max_cos_k, cos_k[rows, :, pick])
             max_cos_v = torch.maximum(max_cos_v, cos_v[rows, :, pick])
-        return picks
+        return picks[:, : int((picks >= 0).any(dim=0).sum())]
 
     def _token_distance(
         self,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .contract import LayerView, Policy, Selection
+from .contract import LayerSlice, Policy, Selection
 from .registry import PolicyCard, register
 
 CARD = PolicyCard("No compression: the cache grows with the stream (the reference).")
@@ -20,5 +20,5 @@ class FullCache(Policy):
     name = "full"
     bounded = False
 
-    def compress(self, views: list[LayerView], keep: int) -> Selection:
-        return Selection([torch.arange(v.length, device=v.keys.device).expand(v.num_heads, -1).clone() for v in views])
+    def compress(self, slices: list[LayerSlice], keep: int) -> Selection:
+        return Selection([torch.arange(v.length, device=v.keys.device).expand(v.num_heads, -1).clone() for v in slices])

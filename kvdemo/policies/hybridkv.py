@@ -6,7 +6,7 @@ The paper compresses once, at prefill, with the user's prompt present. kvdemo's 
 
 - **Probe** (kvdemo's). Each compression runs :attr:`HybridKV.probe_text` ("What happens in the video?") as a
   user turn after the memory, uncommitted, and reads every layer's queries (the engine does this; the
-  policy sees them as ``LayerView.probe``). The system prompt is not a probe: its queries were computed
+  policy sees them as ``LayerSlice.probe``). The system prompt is not a probe: its queries were computed
   before any frame and never attended to the video.
 - **Classification (Sec. 3.1, Eq. 2-3).** Per layer, the probe's queries attend over the visual tokens
   (softmax over the visual context only: the prefix's attention sinks would otherwise dominate every row);
@@ -62,7 +62,7 @@ import torch
 from ..devices.timing import PhaseTimer
 from ..errors import PolicyParameterError
 from ..views import CellGrid, Chart, View, ViewContext
-from .contract import LayerView, OffloadUpdate, Policy, Probed, Selection
+from .contract import LayerSlice, OffloadUpdate, Policy, Probed, Selection
 from .grid import frame_rank, pool_on_grid
 from .registry import BenchDeclaration, PolicyCard, param, register
 from .topk import Ranking, select_ranked, top_k_mask, top_k_sum
@@ -165,25 +165,27 @@ class HybridKV(Policy, Probed):
     def compresses_on_question(self) -> bool:
         return self.classify_with == "question"
 
-    def compress(self, views: list[LayerView], keep: int) -> Selection:
-        if any(view.probe is None for view in views):
-            raise ValueError("HybridKV needs probe queries in its views (use StreamEngine, which runs the probe)")
-        home = views[0].keys.device
+    def compress(self, slices: list[LayerSlice], keep: int) -> Selection:
+        if any(layer_slice.probe is None for layer_slice in slices):
+            raise ValueError("HybridKV needs probe queries in its slices (use StreamEngine, which runs the probe)")
+        home = slices[0].keys.device
         timer = PhaseTimer()
         # The policy's own arithmetic, the probe's queries over every key, timed as two phases: the products, and the
         # softmax, top-k mass and pooling of what they give.
         scratch: dict[tuple[str, torch.device], torch.Tensor] = {}  # buffers every layer reuses
-        scores, priors = zip(*(self.text_centric(view, scratch, timer) for view in views))
+        scores, priors = zip(*(self.text_centric(layer_slice, scratch, timer) for layer_slice in slices))
         with timer.phase("budgets", home):
             # The classification and budgets need every layer's [H] scores together: only those small vectors move
             # to the first layer's device (a model split over devices keeps each layer's tokens where they are).
             sparsity = torch.stack([score.to(home) for score in scores])  # [layers, H]
             static = sparsity > self.threshold(sparsity)
-            held = torch.stack([valid_counts(view).to(home) for view in views])  # [layers, H]
+            held = torch.stack([valid_counts(layer_slice).to(home) for layer_slice in slices])  # [layers, H]
             offloaded = torch.stack(
                 [
-                    torch.zeros_like(held[0]) if view.offloaded is None else view.offloaded.to(held.device)
-                    for view in views
+                    torch.zeros_like(held[0])
+                    if layer_slice.offloaded is None
+                    else layer_slice.offloaded.to(held.device)
+                    for layer_slice in slices
                 ]
             )
             # What a head can be given: what it holds, plus (a dynamic head whose retrieval counts) what it can retrieve.
@@ -192,7 +194,8 @@ class HybridKV(Policy, Probed):
             resident, retrieve = self.split(static, budgets, held)
         with timer.phase("selection", home):
             rankings = [
-                self.rank_layer(view, priors[layer], static[layer], resident[layer]) for layer, view in enumerate(views)
+                self.rank_layer(layer_slice, priors[layer], static[layer], resident[layer])
+                for layer, layer_slice in enumerate(slices)
             ]
             info = {
                 "static": static,
@@ -201,11 +204,11 @@ class HybridKV(Policy, Probed):
                 "resident": resident,
                 "retrieve": retrieve,
             }
-            selection, kept = select_ranked(views, rankings, keep, info)
+            selection, kept = select_ranked(slices, rankings, keep, info)
         with timer.phase("offload plan", home):
             selection.offload = [
-                self.offload(view, mask, static[layer], retrieve[layer])
-                for layer, (view, mask) in enumerate(zip(views, kept))
+                self.offload(layer_slice, mask, static[layer], retrieve[layer])
+                for layer, (layer_slice, mask) in enumerate(zip(slices, kept))
             ]
         selection.info["phase_ms"] = timer.ms
         if selection.valid is None:  # every head kept as many tokens: still say which entries count
@@ -238,7 +241,7 @@ class HybridKV(Policy, Probed):
     # --- Sec. 3.1 ---------------------------------------------------------------------------
     def text_centric(
         self,
-        view: LayerView,
+        layer_slice: LayerSlice,
         scratch: dict[tuple[str, torch.device], torch.Tensor] | None = None,
         timer: PhaseTimer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,34 +249,36 @@ class HybridKV(Policy, Probed):
         attention summed per token, spatially pooled). ``scratch``: float32 buffers a pass's layers share for the
         logits and a widened copy of the keys (see :func:`scratch_buffer`); ``timer``: adds the layer's time to the
         phases ``probe products`` and ``probe softmax + mass``."""
-        heads, length, dim = view.keys.shape
-        device = view.keys.device
+        heads, length, dim = layer_slice.keys.shape
+        device = layer_slice.keys.device
         timer = timer or PhaseTimer()
         with timer.phase("probe products", device):
-            rows = view.probe.to(device).reshape(heads, -1, dim)  # query heads of a group stacked: [H, group * T, D]
-            keys = view.keys
+            rows = layer_slice.probe.to(device).reshape(
+                heads, -1, dim
+            )  # query heads of a group stacked: [H, group * T, D]
+            keys = layer_slice.keys
             if keys.dtype != torch.float32:
                 keys = scratch_buffer(scratch, "keys", (heads, length, dim), device).copy_(keys)
             logits = scratch_buffer(scratch, "logits", (heads, rows.shape[1], length), device)
             torch.matmul(rows.float(), keys.transpose(1, 2), out=logits)  # [H, rows, L]
         with timer.phase("probe softmax + mass", device):
-            return self._classify_rows(view, logits.mul_(dim**-0.5))
+            return self._classify_rows(layer_slice, logits.mul_(dim**-0.5))
 
-    def _classify_rows(self, view: LayerView, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _classify_rows(self, layer_slice: LayerSlice, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`text_centric` from the scaled logits ``[H, rows, L]`` (overwritten)."""
-        heads, length = view.frame.shape
-        if view.valid is not None:
-            logits.masked_fill_(~view.valid[:, None, :], float("-inf"))
+        heads, length = layer_slice.frame.shape
+        if layer_slice.valid is not None:
+            logits.masked_fill_(~layer_slice.valid[:, None, :], float("-inf"))
         attention = torch.softmax(logits, dim=-1)
         prior = attention.sum(dim=1)  # [H, L]
-        held = valid_counts(view)
+        held = valid_counts(layer_slice)
         k = max(1, int(torch.ceil(self.top_k * held.max().float())))
         # The top-k mass last: it reorders each row of the attention in place.
         sparsity = top_k_sum(attention.view(-1, length), min(k, length), overwrite=True).view(heads, -1).mean(-1)  # [H]
         if self.pool_kernel > 1:
-            rank, _ = frame_rank(view.frame)
-            pos = view.row.long() * view.grid[1] + view.col.long()
-            prior = pool_on_grid(prior, rank, pos, view.grid, self.pool_kernel)
+            rank, _ = frame_rank(layer_slice.frame)
+            pos = layer_slice.row.long() * layer_slice.grid[1] + layer_slice.col.long()
+            prior = pool_on_grid(prior, rank, pos, layer_slice.grid, self.pool_kernel)
         return sparsity, prior
 
     def threshold(self, sparsity: torch.Tensor) -> torch.Tensor:
@@ -300,15 +305,21 @@ class HybridKV(Policy, Probed):
         return capped_allocation(desired, held.to(desired.device), total)
 
     # --- Sec. 3.3 ---------------------------------------------------------------------------
-    def rank_layer(self, view: LayerView, prior: torch.Tensor, static: torch.Tensor, budget: torch.Tensor) -> Ranking:
+    def rank_layer(
+        self, layer_slice: LayerSlice, prior: torch.Tensor, static: torch.Tensor, budget: torch.Tensor
+    ) -> Ranking:
         """One layer's ranking keeping ``budget [H]`` tokens per head (the resident share of each head's budget):
         static heads keep the newest ``local_ratio`` of it, then the probe's most attended tokens; dynamic heads
         their newest tokens. Padding last."""
-        heads, length = view.frame.shape
-        device = view.keys.device
+        heads, length = layer_slice.frame.shape
+        device = layer_slice.keys.device
         budget, static = budget.to(device), static.to(device)
-        valid = view.valid if view.valid is not None else torch.ones(heads, length, dtype=torch.bool, device=device)
-        order = torch.where(valid, view.order, -1)  # padding is older than anything
+        valid = (
+            layer_slice.valid
+            if layer_slice.valid is not None
+            else torch.ones(heads, length, dtype=torch.bool, device=device)
+        )
+        order = torch.where(valid, layer_slice.order, -1)  # padding is older than anything
         # Each token's place from the newest (0 = newest): the inverse of the sort, by one scatter instead of a second sort.
         newest_first = torch.argsort(order, dim=1, descending=True)
         slots = torch.arange(length, device=device).expand(heads, -1)
@@ -319,20 +330,24 @@ class HybridKV(Policy, Probed):
         recency = 1.0 - newest_rank.double() / max(length, 1)
         priority = torch.where(static[:, None], local.double() * 2 + salience.double(), recency)
         reason = torch.where(static[:, None], torch.where(local, REASON_LOCAL, REASON_SALIENT), REASON_RESIDENT)
-        return Ranking(priority.masked_fill(~valid, -1.0), reason.to(torch.int8), budget)
+        return Ranking(priority.masked_fill(~valid, -1.0), reason.to(torch.int8), (layer_slice.layer,), keep=budget)
 
     def offload(
-        self, view: LayerView, kept: torch.Tensor, static: torch.Tensor, retrieve: torch.Tensor
+        self, layer_slice: LayerSlice, kept: torch.Tensor, static: torch.Tensor, retrieve: torch.Tensor
     ) -> OffloadUpdate:
         """Dynamic heads move what they evict to the offload store (arrival order) and retrieve up to ``retrieve
         [H]`` tokens while answering; static heads drop what they evict."""
-        heads, length = view.frame.shape
-        device = view.keys.device
+        heads, length = layer_slice.frame.shape
+        device = layer_slice.keys.device
         static, retrieve = static.to(device), retrieve.to(device)
-        valid = view.valid if view.valid is not None else torch.ones(heads, length, dtype=torch.bool, device=device)
+        valid = (
+            layer_slice.valid
+            if layer_slice.valid is not None
+            else torch.ones(heads, length, dtype=torch.bool, device=device)
+        )
         evicted = valid & ~kept & ~static[:, None]
         count = evicted.sum(dim=1)
-        arrival = torch.where(evicted, view.order.long(), torch.iinfo(torch.int64).max)
+        arrival = torch.where(evicted, layer_slice.order.long(), torch.iinfo(torch.int64).max)
         tokens = torch.argsort(arrival, dim=1)[:, : int(count.max()) if heads else 0]
         token_valid = torch.arange(tokens.shape[1], device=device)[None] < count[:, None]
         return OffloadUpdate(
@@ -420,8 +435,10 @@ def scratch_buffer(
     return pool[(name, device)][:size].view(shape)
 
 
-def valid_counts(view: LayerView) -> torch.Tensor:
-    """Tokens each head of a view holds ``[H]``."""
-    if view.valid is None:
-        return torch.full((view.num_heads,), view.length, dtype=torch.long, device=view.keys.device)
-    return view.valid.sum(dim=1)
+def valid_counts(layer_slice: LayerSlice) -> torch.Tensor:
+    """Tokens each head of a layer's slice holds ``[H]``."""
+    if layer_slice.valid is None:
+        return torch.full(
+            (layer_slice.num_heads,), layer_slice.length, dtype=torch.long, device=layer_slice.keys.device
+        )
+    return layer_slice.valid.sum(dim=1)

@@ -47,7 +47,7 @@ import torch
 from ..devices.timing import PhaseTimer
 from ..errors import PolicyParameterError
 from ..tensors import as_words, flat_nonzero, rows_at
-from .contract import LayerView
+from .contract import LayerSlice, SliceStack, slice_stacks
 from .fused import compiled_enabled, run_compiled, tar_and_van_terms
 from .grid import pool_on_grid, recent_window
 from .registry import PolicyCard, param, register
@@ -96,12 +96,10 @@ def value_norms(values: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(values, dim=-1).float()
 
 
-def coefficients_of_variation(vans: list[torch.Tensor]) -> list[float]:
-    """CV = std / mean of each layer's VaN map (all heads and tokens), read back in one go (a GPU waits once)."""
-    if not vans:
-        return []
-    cvs = [van.std(unbiased=False) / van.mean().clamp_min(1e-12) for van in vans]
-    return torch.stack([cv.to(cvs[0].device) for cv in cvs]).tolist()
+def layer_cvs(van: torch.Tensor, layers: int) -> torch.Tensor:
+    """CV = std / mean of each layer's VaN map (all its heads and tokens): ``van [layers * H, L]`` -> ``[layers]``."""
+    per_layer = van.reshape(layers, -1)
+    return per_layer.std(dim=1, unbiased=False) / per_layer.mean(dim=1).clamp_min(1e-12)
 
 
 CARD = PolicyCard(
@@ -159,35 +157,29 @@ class InfiniPotV(ScoredPolicy):
             self._calibrated = calibrate_cv_thresholds(cvs)
         return self._calibrated
 
-    def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
-        # Layers of equal length on one device are scored together ([layers * H, L] at once); only the reads of
-        # keys and values stay per layer (one read of each: VaN and, with alpha > 0, TaR's similarities).
-        groups: dict[tuple[int, torch.device], list[int]] = {}
-        for layer, view in enumerate(views):
-            groups.setdefault((view.length, view.keys.device), []).append(layer)
+    def rank(self, slices: list[LayerSlice], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
+        # Every stack of layers (one device, one length) is scored at once, as rows [layers * H, L]: one read of
+        # its keys and values (VaN and, with alpha > 0, TaR's similarities), one recent window, one pooling per kernel.
+        stacks = slice_stacks(slices)
         timer = PhaseTimer()
-        device = views[0].keys.device if views else None
+        device = slices[0].keys.device if slices else None
         with timer.phase("scoring", device):
-            vans, similarity, windows = self._read(views, groups, keep)
-            cvs = coefficients_of_variation(vans)
+            scores = [self._read(stack, keep) for stack in stacks]
+            cvs = [0.0] * len(slices)
+            per_stack = [layer_cvs(van, len(stack.layers)) for stack, (van, _, _) in zip(stacks, scores)]
+            layers = [layer for stack in stacks for layer in stack.layers]
+            for layer, cv in zip(layers, torch.cat([cv.to(device) for cv in per_stack]).tolist()):  # one read
+                cvs[layer] = cv
         thresholds = self.thresholds_for(cvs)
         kernels = [kernel_for_cv(cv, thresholds) if self.van == "pool" else 1 for cv in cvs]
-        rankings: list[Ranking] = [None] * len(views)  # type: ignore[list-item]
-        recent_frames = [0] * len(views)
-        for key, members in groups.items():
-            priority, reason, r = self._score(
-                [views[i] for i in members],
-                [vans[i] for i in members],
-                [similarity[i] for i in members],
-                [kernels[i] for i in members],
-                keep,
-                windows[key],
-                timer,
-            )
-            for i, layer_priority, layer_reason in zip(
-                members, priority.chunk(len(members)), reason.chunk(len(members))
-            ):
-                rankings[i], recent_frames[i] = Ranking(layer_priority, layer_reason), r
+        rankings: list[Ranking] = []
+        recent_frames = [0] * len(slices)
+        for stack, (van, similarity, window) in zip(stacks, scores):
+            stack_kernels = [kernels[layer] for layer in stack.layers]
+            priority, reason, r = self._score(stack, van, similarity, stack_kernels, keep, window, timer)
+            rankings.append(Ranking(priority, reason, stack.layers))
+            for layer in stack.layers:
+                recent_frames[layer] = r
         info = {
             "kernel": kernels,
             "cv": cvs,
@@ -197,52 +189,40 @@ class InfiniPotV(ScoredPolicy):
         }
         return rankings, info
 
-    def _read(
-        self, views: list[LayerView], groups: dict[tuple[int, torch.device], list[int]], keep: int
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], dict[tuple[int, torch.device], tuple]]:
-        """The one read of every key and value: per layer the VaN map and (``alpha > 0``) TaR's similarities
-        ``[H, L]`` (:func:`tar_and_van`), and per group of equal-length layers its recent window and patch ids."""
-        vans: list[torch.Tensor] = [None] * len(views)  # type: ignore[list-item]
-        similarity: list[torch.Tensor | None] = [None] * len(views)
-        windows = {}
-        for key, members in groups.items():
-            group = [views[i] for i in members]
-            heads, grid, per_frame = group[0].num_heads, group[0].grid, group[0].tokens_per_frame
-            frame = torch.cat([v.frame for v in group])
-            pos = torch.cat([v.row * grid[1] + v.col for v in group]).long()
-            windows[key] = (*recent_window(frame, per_frame, keep, self.recent_ratio), pos)
-            recent = windows[key][0]
-            for j, (i, view) in enumerate(zip(members, group)):
-                rows = slice(j * heads, (j + 1) * heads)
-                if self.alpha > 0:
-                    similarity[i], vans[i] = tar_and_van(view.keys, view.values, recent[rows], pos[rows], per_frame)
-                else:
-                    vans[i] = value_norms(view.values)
-        return vans, similarity, windows
+    def _read(self, stack: SliceStack, keep: int) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
+        """The one read of every key and value of ``stack``: its VaN map and (``alpha > 0``) TaR's similarities
+        ``[R, L]`` over its rows ``R = layers * H`` (:func:`tar_and_van`), and its recent window and patch ids."""
+        grid, per_frame = stack.first.grid, stack.first.tokens_per_frame
+        frame = stack.rows("frame")
+        pos = (stack.rows("row") * grid[1] + stack.rows("col")).long()
+        window = (*recent_window(frame, per_frame, keep, self.recent_ratio), pos)
+        keys, values = stack.rows("keys"), stack.rows("values")
+        if self.alpha > 0:
+            similarity, van = tar_and_van(keys, values, window[0], pos, per_frame)
+            return van, similarity, window
+        return value_norms(values), None, window
 
     def _score(
         self,
-        views: list[LayerView],
-        vans: list[torch.Tensor],
-        similarity: list[torch.Tensor | None],
+        stack: SliceStack,
+        van: torch.Tensor,
+        similarity: torch.Tensor | None,
         kernels: list[int],
         keep: int,
         window: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor],
         timer: PhaseTimer,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Priorities and reasons ``[B, L]`` for layers of equal length, stacked as rows ``B = layers * H``,
-        and the recent window (frames): TaR picks (the recent window included) rank above every pooled VaN
-        score (Alg. 2 lines 24-25). ``vans`` are the layers' raw VaN maps ``[H, L]``, ``similarity`` their mean
-        cosine similarities to the recent frames (:func:`patch_similarity`; None when ``alpha = 0``), ``kernels``
-        their pooling kernels, ``window`` the group's recent window (:func:`recent_window`) and patch ids; the
-        time goes to ``timer``'s ``pooling`` and ``selection`` phases."""
-        heads = views[0].num_heads
-        grid = views[0].grid
-        order = torch.cat([v.order for v in views])
+        """Priorities and reasons ``[R, L]`` for the rows of ``stack`` (``R = layers * H``), and the recent window
+        (frames): TaR picks (the recent window included) rank above every pooled VaN score (Alg. 2 lines 24-25).
+        ``van`` is the raw VaN map ``[R, L]``, ``similarity`` the mean cosine similarities to the recent frames
+        (:func:`patch_similarity`; None when ``alpha = 0``), ``kernels`` each layer's pooling kernel, ``window`` the
+        recent window (:func:`recent_window`) and patch ids; the time goes to ``timer``'s ``pooling`` and
+        ``selection`` phases."""
+        heads, grid = stack.num_heads, stack.first.grid
+        order = stack.rows("order")
         recent, rank, _, recent_frames, pos = window
 
         with timer.phase("pooling", recent.device):
-            van = torch.cat(vans)
             for kernel in set(kernels) - {1}:
                 # the rows of the layers with this kernel, as indices made from the host's list (no boolean mask
                 # to count on the device: a GPU would wait)
@@ -256,7 +236,7 @@ class InfiniPotV(ScoredPolicy):
     def _pick(
         self,
         van01: torch.Tensor,
-        similarity: list[torch.Tensor | None],
+        similarity: torch.Tensor | None,
         recent: torch.Tensor,
         rank: torch.Tensor,
         order: torch.Tensor,
@@ -266,7 +246,7 @@ class InfiniPotV(ScoredPolicy):
         """TaR's share (the recent window first) forced above the pooled VaN scores ``van01 [B, L]``."""
         tar_pick = torch.zeros_like(recent)
         if self.alpha > 0:
-            score = self._tar_scores(torch.cat(similarity), recent, rank)
+            score = self._tar_scores(similarity, recent, rank)
             # Recent tokens rank above every past score (|score| <= 1); among themselves by VaN.
             key = torch.where(recent, 2.0 + 1e-3 * van01, score)
             share = torch.clamp(recent.sum(dim=1), max=keep).clamp_min(round(self.alpha * keep))

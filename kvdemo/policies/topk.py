@@ -1,14 +1,15 @@
-"""The scored core and the one shared top-k: most policies score every token (:class:`ScoredPolicy` returns one
-:class:`Ranking` per layer: a priority and a reason per token, optionally a per-head count) and
-:func:`select_ranked` turns rankings into a :class:`~.contract.Selection` (in the spirit of kvpress's
-``ScorerPress``). The kernels below it (masks, ties to the newer token, the stream's text counted against the
-budget, normalisation) are shared by every policy that selects.
+"""The scored core and the one shared top-k: most policies score every token (:class:`ScoredPolicy` returns
+:class:`Ranking` s: a priority and a reason per token of one or more layers' heads, as rows, optionally a count per
+row) and :func:`select_ranked` turns them into a :class:`~.contract.Selection` (in the spirit of kvpress's
+``ScorerPress``), one top-k per ranking whatever the number of layers it covers. The kernels below it (masks, ties to
+the newer token, the stream's text counted against the budget, normalisation) are shared by every policy that
+selects.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,131 +17,138 @@ import torch
 
 from ..devices.timing import PhaseTimer
 from ..tensors import flat_nonzero
-from .contract import LayerView, Policy, Selection
+from .contract import LayerSlice, Policy, Selection, layer_rows
 
 
 @dataclass
 class Ranking:
-    """One layer's scores: ``priority [H, L]`` (higher is kept first; exact ties go to the newer token),
-    ``reason [H, L]`` int8 code of each token, and ``keep``: the tokens each head keeps (``None``: the pass's
-    ``keep``; an int; or ``[H]`` per head, a ragged selection)."""
+    """The scores of the heads of ``layers`` as rows (layer by layer, ``R = len(layers) * H``): ``priority [R, L]``
+    (higher is kept first; exact ties go to the newer token), ``reason [R, L]`` int8 code of each token, and
+    ``keep [R]``, the tokens each row keeps (None: the pass's ``keep`` for every row; rows keeping different counts
+    make a ragged selection). ``followers``: layers that take the selection of one of ``layers`` as theirs (follower
+    -> that layer; CoRDS' follower layers)."""
 
     priority: torch.Tensor
     reason: torch.Tensor
-    keep: int | torch.Tensor | None = None
+    layers: tuple[int, ...]
+    keep: torch.Tensor | None = None
+    followers: dict[int, int] = field(default_factory=dict)
 
 
 class ScoredPolicy(Policy):
     """A policy that scores every token; the shared top-k (:func:`select_ranked`) keeps the best."""
 
     @abc.abstractmethod
-    def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
-        """One :class:`Ranking` per layer (layers may share one object) and the pass's explanation
-        (``Selection.info``)."""
+    def rank(self, slices: list[LayerSlice], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
+        """Rankings that cover every layer once (a ranking per stack of layers, :func:`~.contract.slice_stacks`,
+        batches a pass over them) and the pass's explanation (``Selection.info``)."""
 
-    def compress(self, views: list[LayerView], keep: int) -> Selection:
+    def compress(self, slices: list[LayerSlice], keep: int) -> Selection:
         """Rank, then the shared top-k; ``info["phase_ms"]`` splits the time (the phases ``rank`` reports in its
         own ``phase_ms``, else all of it as ``scoring``; the top-k is ``selection``)."""
         timer = PhaseTimer()
-        device = views[0].keys.device if views else None
+        device = slices[0].keys.device if slices else None
         with timer.phase("rank", device):
-            rankings, info = self.rank(views, keep)
+            rankings, info = self.rank(slices, keep)
         phases = dict(info.pop("phase_ms", None) or {"scoring": timer.ms["rank"]})
         with timer.phase("selection", device):
-            selection, _ = select_ranked(views, rankings, keep, info)
+            selection, _ = select_ranked(slices, rankings, keep, info)
         phases["selection"] = phases.get("selection", 0.0) + timer.ms["selection"]
         selection.info["phase_ms"] = phases
         return selection
 
 
 def select_ranked(
-    views: list[LayerView], rankings: list[Ranking], keep: int, info: dict[str, Any] | None = None
+    slices: list[LayerSlice], rankings: list[Ranking], keep: int, info: dict[str, Any] | None = None
 ) -> tuple[Selection, list[torch.Tensor]]:
-    """The shared top-k: per layer, the ``keep`` tokens of highest priority per head (ties to the newer
-    token), as sorted indices with their reasons in ``info["reason"]``; a ranking with a per-head ``keep``
-    gives a ragged selection (indices padded to the largest count, ``valid`` marking the real ones).
-    Layers sharing a ranking object are ranked once; layers of equal length are ranked together as one
-    ``[layers * H, L]`` batch (per device, when a model's layers sit on several). Returns the selection and each
-    layer's kept mask ``[H, L]``."""
+    """The shared top-k: per ranking, the ``keep`` tokens of highest priority in every row (ties to the newer token),
+    in one top-k whatever the number of layers its rows cover; per layer, sorted indices ``[H, K]`` with their
+    reasons in ``info["reason"]`` (views of the ranking's). A ranking with a ``keep`` per row gives a ragged selection
+    (indices padded to the largest count, ``valid`` marking the real ones); where the stream carries its own text, its
+    cost counts (:func:`select_with_text`). Rows keeping the pass's ``keep`` need no read of their counts (a GPU does
+    not wait). Returns the selection and each layer's kept mask ``[H, L]``."""
     info = dict(info or {})
-    unique: dict[int, int] = {}
-    for layer, ranking in enumerate(rankings):
-        unique.setdefault(id(ranking), layer)
-    kept: dict[int, torch.Tensor] = {}
-    batches: dict[tuple[int, int, torch.device], list[int]] = {}
-    for first in unique.values():
-        ranking = rankings[first]
-        count = keep if ranking.keep is None else ranking.keep
-        view = views[first]
-        if view.grid_text is not None:
-            kept[first] = select_with_text(ranking.priority, count, view.order, view.frame, view.grid_text)
-        elif isinstance(count, torch.Tensor) and count.numel() > 1:
-            kept[first] = top_k_mask(ranking.priority, count, view.order)
-        else:
-            batches.setdefault((view.length, int(count), ranking.priority.device), []).append(first)
-    done: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    for (length, count, _), members in batches.items():
-        priority = torch.cat([rankings[m].priority for m in members])
-        order = torch.cat([views[m].order.to(priority.device) for m in members])
-        mask = top_k_mask(priority, min(count, length), order)
-        kept.update(zip(members, mask.chunk(len(members))))
-        # every row keeps the same count: the batch's indices come out of one nonzero, then split by layer
-        index, valid, equal = _kept_indices(mask)
-        for m, index, valid in zip(members, index.chunk(len(members)), valid.chunk(len(members))):
-            done[m] = index, valid, torch.gather(rankings[m].reason, 1, index), not equal
-    indices, valids, reasons = [], [], []
+    count = len(slices)
+    indices: list[torch.Tensor | None] = [None] * count
+    valids: list[torch.Tensor | None] = [None] * count
+    reasons: list[torch.Tensor | None] = [None] * count
+    masks: list[torch.Tensor | None] = [None] * count
     ragged = False
     for ranking in rankings:
-        first = unique[id(ranking)]
-        if first not in done:  # layers sharing a ranking share its (read-only) indices
-            index, valid, equal = _kept_indices(kept[first])
-            done[first] = index, valid, torch.gather(ranking.reason, 1, index), not equal
-        index, valid, reason, uneven = done[first]
-        ragged |= uneven
-        indices.append(index)
-        valids.append(valid)
-        reasons.append(reason)
+        layers, heads = ranking.layers, slices[ranking.layers[0]].num_heads
+        order = layer_rows(slices, layers, "order")
+        grid_text = layer_rows(slices, layers, "grid_text")
+        wanted = keep if ranking.keep is None else ranking.keep
+        exact = None  # the count every row keeps, when known without reading it
+        if grid_text is not None:
+            mask = select_with_text(ranking.priority, wanted, order, layer_rows(slices, layers, "frame"), grid_text)
+        elif ranking.keep is not None:
+            mask = top_k_mask(ranking.priority, ranking.keep, order)
+        else:
+            exact = min(int(keep), ranking.priority.shape[1])
+            mask = top_k_mask(ranking.priority, exact, order)
+        index, valid = kept_indices(mask, exact)
+        ragged |= valid is not None
+        reason = torch.gather(ranking.reason, 1, index)
+        parts = (index, valid, reason, mask)
+        for position, layer in enumerate(layers):
+            rows = slice(position * heads, (position + 1) * heads)
+            indices[layer], valids[layer], reasons[layer], masks[layer] = (
+                None if t is None else t[rows] for t in parts
+            )
+        for layer, source in ranking.followers.items():  # they take their source's (read-only) tensors as theirs
+            indices[layer], valids[layer], reasons[layer], masks[layer] = (
+                indices[source],
+                valids[source],
+                reasons[source],
+                masks[source],
+            )
+    missing = [layer for layer in range(count) if indices[layer] is None]
+    if missing:
+        raise ValueError(f"the rankings cover no selection of layer(s) {missing}")
+    if ragged:  # every layer says which entries count
+        valids = [torch.ones_like(i, dtype=torch.bool) if v is None else v for i, v in zip(indices, valids)]
     info["reason"] = reasons
-    selection = Selection(indices, info, valid=valids if ragged else None)
-    return selection, [kept[unique[id(r)]] for r in rankings]
+    return Selection(indices, info, valid=valids if ragged else None), masks
 
 
-def kept_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A kept mask ``[H, L]`` as ascending indices ``[H, width]`` (``width`` the largest count) and ``valid
-    [H, width]``; a row keeping fewer is padded with index 0, marked invalid. Rows keeping the same count (the
-    usual case) are one ``nonzero``; ragged rows are sorted."""
-    index, valid, _ = _kept_indices(mask)
-    return index, valid
-
-
-def _kept_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """:func:`kept_indices` and whether every row keeps the same count (read with the counts: no second wait)."""
-    heads, length = mask.shape
-    counts = mask.sum(dim=1).tolist()  # one read of the counts (a GPU waits once)
-    width = max(counts, default=0)
-    if heads and all(count == width for count in counts):
-        return mask_to_indices(mask), torch.ones(heads, width, dtype=torch.bool, device=mask.device), True
-    slots = torch.arange(length, device=mask.device)
-    index = torch.sort(torch.where(mask, slots, length), dim=1).values[:, :width]
-    valid = index < length
-    return index.masked_fill(~valid, 0), valid, heads == 0
+def kept_indices(mask: torch.Tensor, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A kept mask ``[R, L]`` as ascending indices ``[R, width]`` and, when rows keep different numbers, ``valid
+    [R, width]`` (``width`` the largest count; a row keeping fewer is padded with index 0, marked invalid; None when
+    every row keeps ``width``). ``count``: what every row is known to keep (no read of the counts: a GPU does not
+    wait); without it the counts are read once."""
+    rows, length = mask.shape
+    if count is None:
+        counts = mask.sum(dim=1).tolist()  # one read of the counts (a GPU waits once)
+        width = max(counts, default=0)
+        if any(c != width for c in counts):
+            slots = torch.arange(length, device=mask.device)
+            index = torch.sort(torch.where(mask, slots, length), dim=1).values[:, :width]
+            valid = index < length
+            return index.masked_fill(~valid, 0), valid
+        count = width
+    return mask_to_indices(mask, count), None
 
 
 def top_k_mask(scores: torch.Tensor, k: int | torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
-    """Boolean mask ``[H, L]`` of the ``k`` highest ``scores [H, L]`` per row (``k`` an int or ``[H]`` per row).
+    """Boolean mask ``[R, L]`` of the ``k`` highest ``scores [R, L]`` per row (``k`` an int, or ``[R]``: a count per
+    row).
 
-    Exact ties go to the newer token (larger ``order [H, L]``, the tokens' arrival numbers; slot order when
+    Exact ties go to the newer token (larger ``order [R, L]``, the tokens' arrival numbers; slot order when
     None): a ramp far below float32 resolution is added in float64, so the choice is deterministic and
     never reorders distinct scores.
     """
-    heads, length = scores.shape
+    rows, length = scores.shape
     key = scores.double() + tie_ramp(order, length, scores.device)
-    mask = torch.zeros(heads, length, dtype=torch.bool, device=scores.device)
-    if isinstance(k, torch.Tensor) and k.numel() > 1 and bool((k != k.flatten()[0]).any()):
-        k = k.to(scores.device).clamp(0, length)
-        order = top_k_indices(key, int(k.max()), ordered=True)
-        return mask.scatter_(1, order, torch.arange(order.shape[1], device=scores.device)[None] < k[:, None])
-    k = min(int(k.flatten()[0]) if isinstance(k, torch.Tensor) else int(k), length)
+    mask = torch.zeros(rows, length, dtype=torch.bool, device=scores.device)
+    if isinstance(k, torch.Tensor):
+        counts = k.to(scores.device).clamp(0, length)
+        wanted = counts.tolist()  # one read: rows keeping one count take the cheaper path below
+        if len(set(wanted)) > 1:
+            ranked = top_k_indices(key, max(wanted), ordered=True)  # best first
+            return mask.scatter_(1, ranked, torch.arange(max(wanted), device=scores.device)[None] < counts[:, None])
+        k = wanted[0] if wanted else 0
+    k = min(int(k), length)
     if k <= 0:
         return mask
     if 2 * k > length:  # cheaper to find the (distinct, thanks to the ramp) L - k lowest and keep the rest
@@ -252,11 +260,14 @@ def minmax(x: torch.Tensor, valid: torch.Tensor | None = None, eps: float = 1e-1
     return torch.where(valid, (x - low) / (high - low + eps), torch.zeros_like(x))
 
 
-def mask_to_indices(mask: torch.Tensor) -> torch.Tensor:
-    """A mask ``[H, L]`` with the same count per row -> ascending indices ``[H, count]``."""
-    heads, length = mask.shape
-    starts = torch.arange(heads, device=mask.device)[:, None] * length  # each row's first flat position
-    return flat_nonzero(mask).to(mask.device).view(heads, -1) - starts
+def mask_to_indices(mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
+    """A mask ``[R, L]`` with the same count per row -> ascending indices ``[R, count]`` (``count`` when the caller
+    knows it: no wait on a GPU)."""
+    rows, length = mask.shape
+    if count is None:
+        count = int(mask[:1].sum()) if rows else 0
+    starts = torch.arange(rows, device=mask.device)[:, None] * length  # each row's first flat position
+    return flat_nonzero(mask, rows * count).to(mask.device).view(rows, count) - starts
 
 
 def top_k_sorted(scores: torch.Tensor, keep: int, order: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .contract import LayerView
+from .contract import LayerSlice, slice_stacks
 from .grid import frame_rank
 from .registry import PolicyCard, register
 from .topk import Ranking, ScoredPolicy
@@ -31,13 +31,17 @@ class UniformFrames(ScoredPolicy):
 
     name = "uniform"
 
-    def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
-        return [self._rank(view, keep) for view in views], {}
+    def rank(self, slices: list[LayerSlice], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
+        return [
+            self._rank(stack.rows("frame"), stack.layers, keep, stack.first.tokens_per_frame)
+            for stack in slice_stacks(slices)
+        ], {}
 
     @staticmethod
-    def _rank(view: LayerView, keep: int) -> Ranking:
-        rank, frames_held = frame_rank(view.frame)  # [H, L], [H]
-        k = keep // view.tokens_per_frame
+    def _rank(frame: torch.Tensor, layers: tuple[int, ...], keep: int, tokens_per_frame: int) -> Ranking:
+        """The ranking of rows ``frame [R, L]`` (every head of ``layers``, each row ranked among its own frames)."""
+        rank, frames_held = frame_rank(frame)  # [R, L], [R]
+        k = keep // tokens_per_frame
         is_chosen = torch.zeros_like(rank, dtype=torch.bool)
         if k > 0:
             steps = torch.arange(k, device=rank.device, dtype=torch.float64)
@@ -46,4 +50,4 @@ class UniformFrames(ScoredPolicy):
             is_chosen = (rank[:, :, None] == chosen[:, None, :]).any(-1)
         # Chosen frames first; the rest ranks by recency (ties in priority go to the newer token).
         reason = torch.where(is_chosen, REASON_FRAME, REASON_FILL).to(torch.int8)
-        return Ranking(is_chosen.double(), reason)
+        return Ranking(is_chosen.double(), reason, layers)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .contract import LayerView
+from .contract import LayerSlice, slice_stacks
 from .registry import PolicyCard, register
 from .topk import Ranking, ScoredPolicy
 
@@ -26,7 +26,11 @@ class SlidingWindow(ScoredPolicy):
 
     name = "sliding-window"
 
-    def rank(self, views: list[LayerView], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
-        return [
-            Ranking(view.order.double(), torch.full_like(view.frame, REASON_RECENT, dtype=torch.int8)) for view in views
-        ], {}
+    def rank(self, slices: list[LayerSlice], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
+        rankings = []
+        for stack in slice_stacks(slices):  # every layer of a stack at once: rows [G * H, L]
+            order = stack.rows("order")
+            rankings.append(
+                Ranking(order.double(), torch.full_like(order, REASON_RECENT, dtype=torch.int8), stack.layers)
+            )
+        return rankings, {}

@@ -279,7 +279,7 @@ class StreamEngine:
         watch = self._stopwatch()
         keep = self.budget.keep_for(incoming)
         probe = self._probe(probe_text or self.policy.probe_text) if isinstance(self.policy, Probed) else None
-        selection = self.policy.compress(self.memory.views(self.model.rotary, probe), keep)
+        selection = self.policy.compress(self.memory.slices(self.model.rotary, probe), keep)
         moved = self.memory.apply(selection)
         ms = watch.ms()
         self.last_selection_info = selection.info

@@ -75,7 +75,7 @@ from ...devices.timing import PhaseTimer
 from ...errors import PolicyParameterError
 from ...tensors import gather_rows
 from ...views import LOST, View, ViewContext
-from ..contract import LayerView, Policy, Selection, SummaryRegion, SummaryUpdate
+from ..contract import LayerSlice, Policy, Selection, SummaryRegion, SummaryUpdate
 from ..registry import BenchDeclaration, PolicyCard, param, register
 from ..topk import select_with_text
 from .assignment import assign
@@ -164,41 +164,41 @@ class ProtoKV(Policy, SummaryRegion):
         return f"a near window of {near} exact tokens + {prototypes} prototypes x {self.pseudo_tokens} pseudo-tokens"
 
     # --- the pass -------------------------------------------------------------------------
-    def compress(self, views: list[LayerView], keep: int) -> Selection:
+    def compress(self, slices: list[LayerSlice], keep: int) -> Selection:
         """Keep the newest ``keep`` near tokens of every row, absorb the others, refresh the summary.
 
         Where the stream carries its own text (Qwen3-VL's timestamps), that text counts against the near
         window (:func:`select_with_text`): the window keeps the newest tokens whose grids' text fits too."""
-        heads, dim = views[0].num_heads, views[0].keys.shape[-1]
-        device = views[0].keys.device
-        keep = min(self._near_with_text(view, keep) for view in views)
+        heads, dim = slices[0].num_heads, slices[0].keys.shape[-1]
+        device = slices[0].keys.device
+        keep = min(self._near_with_text(layer_slice, keep) for layer_slice in slices)
         indices, evicted, newest = [], [], []
-        for view in views:
-            ranked = torch.argsort(view.order, dim=1)  # oldest first
-            cut = view.length - keep
+        for layer_slice in slices:
+            ranked = torch.argsort(layer_slice.order, dim=1)  # oldest first
+            cut = layer_slice.length - keep
             evicted.append(ranked[:, :cut].to(device))  # the bank's device: the first layer's
             indices.append(ranked[:, cut:].sort(dim=1).values)
             newest.append(ranked[:, cut:].flip(1).to(device))
         evict = torch.stack(evicted)  # [layers, H, E]
         near_newest = torch.stack(newest)  # [layers, H, keep], newest first
         if self._bank is None:
-            prototypes = views[0].summary_slots // self.pseudo_tokens
+            prototypes = slices[0].summary_slots // self.pseudo_tokens
             if prototypes < 1:
                 raise ValueError("ProtoKV needs a memory with a summary region (StreamEngine sizes it from M)")
-            self._bank = self._new_bank(len(views) * heads, prototypes, dim, views[0].grid, device)
+            self._bank = self._new_bank(len(slices) * heads, prototypes, dim, slices[0].grid, device)
         bank = self._bank
-        t = int(views[0].newest_frame)
+        t = int(slices[0].newest_frame)
         timer = PhaseTimer()
         touched = torch.zeros(bank.rows, bank.capacity, dtype=torch.bool, device=device)
         if evict.shape[-1]:
             with timer.phase("gather", device):
-                tokens = self._gather(views, evict)
+                tokens = self._gather(slices, evict)
             touched |= self.absorb(bank, *tokens[:7], t, timer, order=tokens.order)
         with timer.phase("maintenance", device):
-            touched |= self.maintain(bank, lambda count: self._gather(views, near_newest[..., :count]), t, touched)
+            touched |= self.maintain(bank, lambda count: self._gather(slices, near_newest[..., :count]), t, touched)
             bank.close_pass(t)
         with timer.phase("synthesis", device):
-            summary = self.synthesize(bank, touched, views[0].rotary, heads)
+            summary = self.synthesize(bank, touched, slices[0].rotary, heads)
         reasons = [torch.full_like(index, REASON_NEAR, dtype=torch.int8) for index in indices]
         self._last = {
             "evicted": int(evict.shape[-1]),
@@ -211,11 +211,13 @@ class ProtoKV(Policy, SummaryRegion):
         )
 
     @staticmethod
-    def _near_with_text(view: LayerView, keep: int) -> int:
-        """Newest tokens every head of ``view`` can keep within ``keep`` once their grids' text is charged."""
-        if view.grid_text is None:
+    def _near_with_text(layer_slice: LayerSlice, keep: int) -> int:
+        """Newest tokens every head of ``layer_slice`` can keep within ``keep`` once their grids' text is charged."""
+        if layer_slice.grid_text is None:
             return keep
-        kept = select_with_text(view.order.double(), keep, view.order, view.frame, view.grid_text)
+        kept = select_with_text(
+            layer_slice.order.double(), keep, layer_slice.order, layer_slice.frame, layer_slice.grid_text
+        )
         return int(kept.sum(dim=1).min())
 
     def _new_bank(self, rows: int, prototypes: int, dim: int, grid: tuple[int, int], device: torch.device) -> ProtoBank:
@@ -227,30 +229,30 @@ class ProtoKV(Policy, SummaryRegion):
         )
 
     @staticmethod
-    def _gather(views: list[LayerView], index: torch.Tensor) -> Tokens:
+    def _gather(slices: list[LayerSlice], index: torch.Tensor) -> Tokens:
         """Tokens ``index [layers, H, E]`` of every row (:class:`~.bank.Tokens`, ``[B, E, ...]``) on ``index``'s device
         (the bank's: a layer on another device gathers there and moves only the gathered tokens). Keys are
         un-rotated in float32 (a bfloat16 cache's keys are widened first, so the key before RoPE is not rounded
         back to bfloat16: Sec. 3.3 keeps centres before RoPE, and their EMA is float32)."""
         keys, values, position, frame, row, col, order = [], [], [], [], [], [], []
         home = index.device
-        for view, idx in zip(views, index):
-            idx = idx.to(view.keys.device)
-            expand = idx[..., None].expand(-1, -1, view.keys.shape[-1])
-            keys.append(torch.gather(view.keys, 1, expand).to(home))
-            values.append(torch.gather(view.values, 1, expand).to(home))
-            position.append(torch.gather(view.position, 1, idx[..., None].expand(-1, -1, 3)).to(home))
-            frame.append(torch.gather(view.frame, 1, idx).to(home))
-            row.append(torch.gather(view.row, 1, idx).to(home))
-            col.append(torch.gather(view.col, 1, idx).to(home))
-            order.append(torch.gather(view.order, 1, idx).to(home))
+        for layer_slice, idx in zip(slices, index):
+            idx = idx.to(layer_slice.keys.device)
+            expand = idx[..., None].expand(-1, -1, layer_slice.keys.shape[-1])
+            keys.append(torch.gather(layer_slice.keys, 1, expand).to(home))
+            values.append(torch.gather(layer_slice.values, 1, expand).to(home))
+            position.append(torch.gather(layer_slice.position, 1, idx[..., None].expand(-1, -1, 3)).to(home))
+            frame.append(torch.gather(layer_slice.frame, 1, idx).to(home))
+            row.append(torch.gather(layer_slice.row, 1, idx).to(home))
+            col.append(torch.gather(layer_slice.col, 1, idx).to(home))
+            order.append(torch.gather(layer_slice.order, 1, idx).to(home))
         position = torch.cat(position).long()
         keys = torch.cat(keys)
-        rotary = views[0].rotary
+        rotary = slices[0].rotary
         if rotary is None:
-            raise ValueError("ProtoKV needs the model's rotation to keep keys before RoPE (views without rotary)")
+            raise ValueError("ProtoKV needs the model's rotation to keep keys before RoPE (slices without rotary)")
         keys = rotary.unrotate(keys.float(), position)
-        rows, cols = views[0].grid
+        rows, cols = slices[0].grid
         row, col = torch.cat(row).float(), torch.cat(col).float()
         spatial = torch.stack([(row + 0.5) / rows, (col + 0.5) / cols], dim=-1)
         return Tokens(
