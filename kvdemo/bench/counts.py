@@ -18,7 +18,7 @@ import torch
 from ..cache.budget import DEFAULT_KEEP_RATIO, Budget
 from ..cache.memory import KVMemory
 from ..devices.emulated_device import DEVICE as EMULATED
-from ..devices.emulated_device import EmulatedDevice
+from ..devices.emulated_device import EmulatedDevice, place_module
 from ..policies import Policy, Probed, make_policy, policy_names
 from ..testing import (
     QWEN7B_SHAPE,
@@ -68,6 +68,7 @@ def count_pass(policy: Policy, layers: int, dtype: torch.dtype = torch.bfloat16)
     trigger, counted."""
     memory, keep, rotary, probe = pass_memory(policy, layers, dtype)
     grid = QWEN7B_SHAPE["grid"]
+    place_module(rotary.rotary_emb)  # the rotation sits beside the model's weights, on the device
     with EmulatedDevice(), torch.inference_mode():  # placing the memory and the first pass are not counted
         memory.to(EMULATED)
         probe = None if probe is None else [p.to(EMULATED) for p in probe]
@@ -86,6 +87,7 @@ def count_pass_cuda(policy: Policy, layers: int, device: torch.device) -> dict[s
     from torch.profiler import ProfilerActivity, profile  # deferred: only a CUDA count needs the profiler
 
     memory, keep, rotary, probe = pass_memory(policy, layers)
+    rotary.rotary_emb.to(device)
     memory.to(device)
     probe = None if probe is None else [p.to(device) for p in probe]
     with torch.inference_mode():  # the first pass and one more grid, as count_pass
