@@ -30,17 +30,25 @@ def flat_nonzero(mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
     """Ascending int64 positions ``[N]`` of the true entries of ``mask`` (any shape) in its flattened, row-major
     order: ``torch.nonzero(mask.flatten()).squeeze(1)``. On a CPU through numpy's ``flatnonzero`` (kvdemo's choice:
     about ten times faster than ``torch.nonzero`` on a 7B cache's ``[112, 6144]`` masks, single thread). Elsewhere,
-    with ``count`` (the number of true entries, known to the caller), by a running count and one scatter, so the
-    device is not waited for to learn the output's size (``torch.nonzero`` makes a GPU wait)."""
+    with ``count`` (the number of true entries, known to the caller), without waiting for the device to learn the
+    output's size (:func:`padded_nonzero`; ``torch.nonzero`` makes a GPU wait)."""
     if mask.device.type == "cpu":
         return torch.from_numpy(np.flatnonzero(mask.detach().numpy())).long()
     if count is None:
         return torch.nonzero(mask.flatten()).squeeze(1)
+    return padded_nonzero(mask, count)[0]
+
+
+def padded_nonzero(mask: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ascending positions of the true entries of ``mask`` in its flattened order, padded to ``size`` entries
+    (the caller's bound on their count) with position 0, and which of them are real: ``positions, real [size]``. A
+    running count and one scatter: nothing is read back, so a GPU does not wait."""
     flat = mask.flatten()
     slot = torch.cumsum(flat, 0) - 1  # where each true entry goes; a false one goes to a spare slot past the end
-    slot = torch.where(flat, slot, count)
+    slot = torch.where(flat, slot, size)
     positions = torch.arange(flat.numel(), device=mask.device)
-    return torch.zeros(count + 1, dtype=torch.long, device=mask.device).scatter_(0, slot, positions)[:count]
+    out = torch.zeros(size + 1, dtype=torch.long, device=mask.device).scatter_(0, slot, positions)[:size]
+    return out, torch.arange(size, device=mask.device) < flat.sum()
 
 
 def owners(counts: torch.Tensor, total: int) -> torch.Tensor:

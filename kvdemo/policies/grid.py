@@ -63,11 +63,17 @@ def recent_window(
 
 
 def pool_on_grid(
-    score: torch.Tensor, rank: torch.Tensor, pos: torch.Tensor, grid: tuple[int, int], kernel: int
+    score: torch.Tensor,
+    rank: torch.Tensor,
+    pos: torch.Tensor,
+    grid: tuple[int, int],
+    kernel: int,
+    frames: int | None = None,
 ) -> torch.Tensor:
     """Average ``score [H, L]`` over each token's ``kernel x kernel`` spatial neighbours in the same frame.
 
-    ``rank [H, L]`` is the token's dense frame index per head, ``pos [H, L]`` its ``row * cols + col``.
+    ``rank [H, L]`` is the token's dense frame index per head (``frames``: more than the largest, when the caller
+    knows it), ``pos [H, L]`` its ``row * cols + col``.
     Only neighbours that are held count: evicted ones and the grid's zero padding are left out of the
     average (kvdemo's choice; ``count_include_pad`` and the authors' code count padding as zeros).
     """
@@ -75,7 +81,8 @@ def pool_on_grid(
         return score
     heads, length = score.shape
     rows, cols = grid
-    frames = int(rank.max()) + 1 if length else 1
+    if frames is None:  # the frames the ranks span (a caller pooling several times reads it once and passes it)
+        frames = int(rank.max()) + 1 if length else 1
     # The scores and a mask of held tokens on a dense grid laid out as 2 * heads channels-last images [rows, cols] whose
     # channels are the head's frames: one head's frames share a pixel's cache lines, so the pooling reads each
     # image's neighbourhoods from cache. (All frames of all heads as channels of one image read a whole pixel of

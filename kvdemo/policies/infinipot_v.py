@@ -46,7 +46,7 @@ import torch
 
 from ..devices.timing import PhaseTimer
 from ..errors import PolicyParameterError
-from ..tensors import as_words, flat_nonzero, rows_at
+from ..tensors import as_words, flat_nonzero, padded_nonzero, rows_at
 from .contract import LayerSlice, SliceStack, slice_stacks
 from .fused import compiled_enabled, run_compiled, tar_and_van_terms
 from .grid import pool_on_grid, recent_window
@@ -198,7 +198,9 @@ class InfiniPotV(ScoredPolicy):
         window = (*recent_window(frame, per_frame, keep, self.recent_ratio), pos)
         keys, values = stack.rows("keys"), stack.rows("values")
         if self.alpha > 0:
-            similarity, van = tar_and_van(keys, values, window[0], pos, per_frame)
+            # at most the recent frames' tokens in every row: a GPU gathers them without waiting for their number
+            bound = frame.shape[0] * min(window[3] * per_frame, frame.shape[1])
+            similarity, van = tar_and_van(keys, values, window[0], pos, per_frame, bound)
             return van, similarity, window
         return value_norms(values), None, window
 
@@ -223,12 +225,13 @@ class InfiniPotV(ScoredPolicy):
         recent, rank, _, recent_frames, pos = window
 
         with timer.phase("pooling", recent.device):
+            frames = int(rank.max()) + 1 if set(kernels) - {1} and rank.numel() else 1  # one read for every kernel
             for kernel in set(kernels) - {1}:
                 # the rows of the layers with this kernel, as indices made from the host's list (no boolean mask
                 # to count on the device: a GPU would wait)
                 layers = torch.tensor([i for i, k in enumerate(kernels) if k == kernel], device=van.device)
                 rows = (layers[:, None] * heads + torch.arange(heads, device=van.device)).flatten()
-                van[rows] = pool_on_grid(van[rows], rank[rows], pos[rows], grid, kernel)
+                van[rows] = pool_on_grid(van[rows], rank[rows], pos[rows], grid, kernel, frames)
             van01 = minmax(-van if self.van == "reverse" else van)
         with timer.phase("selection", recent.device):
             return self._pick(van01, similarity, recent, rank, order, keep, recent_frames)
@@ -281,23 +284,33 @@ SIMILARITY_BLOCK = 1024
 
 
 def recent_reference(
-    keys: torch.Tensor, recent: torch.Tensor, row: torch.Tensor, rows: int
+    keys: torch.Tensor, recent: torch.Tensor, row: torch.Tensor, rows: int, bound: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (head, patch) row: the sum of the recent frames' unit keys ``[rows, D]`` (summed in float32, rounded
     once to the cache's dtype) and how many recent frames hold it ``[rows]`` float32. ``keys [H, L, D]``,
-    ``recent``/``row [H, L]`` (row = head * patches + patch)."""
-    at = flat_nonzero(recent).to(keys.device)  # (head, slot) of each recent token, as head * L + slot
+    ``recent``/``row [H, L]`` (row = head * patches + patch). ``bound``: at most that many recent tokens in all (the
+    recent frames' tokens), so a GPU gathers them without waiting to learn their number; a CPU gathers exactly them."""
+    if bound is None or recent.device.type == "cpu":
+        at = flat_nonzero(recent).to(keys.device)  # (head, slot) of each recent token, as head * L + slot
+        real = None
+    else:
+        at, real = padded_nonzero(recent, bound)  # the padding gathers token 0 and adds nothing
     head = at // recent.shape[1]
     recent_keys = rows_at(keys, head, at - head * recent.shape[1]).float()
     recent_keys = recent_keys / torch.linalg.vector_norm(recent_keys, dim=-1, keepdim=True).clamp_min(1e-12)
     recent_rows = row.flatten().index_select(0, at)
+    weight = torch.ones(at.shape[0], dtype=torch.float32, device=keys.device) if real is None else real.float()
+    if real is not None:
+        recent_keys = recent_keys * weight[:, None]
     reference = torch.zeros(rows, keys.shape[-1], dtype=torch.float32, device=keys.device)
     reference.index_add_(0, recent_rows, recent_keys)
-    count = torch.bincount(recent_rows, minlength=rows).to(torch.float32)
+    count = torch.zeros(rows, dtype=torch.float32, device=keys.device).index_add_(0, recent_rows, weight)
     return reference.to(keys.dtype), count
 
 
-def patch_similarity(keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor, per_frame: int) -> torch.Tensor:
+def patch_similarity(
+    keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor, per_frame: int, bound: int | None = None
+) -> torch.Tensor:
     """Mean cosine similarity ``[H, L]`` of every token's key to the keys of the recent frames at the same
     patch (Eq. 4 without the sign): ``(1/r) sum_t' cos(K(t,i,j), K_recent(t',i,j))``.
 
@@ -316,7 +329,7 @@ def patch_similarity(keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor
     heads, length, dim = keys.shape
     device = keys.device
     row = torch.arange(heads, device=device)[:, None] * per_frame + pos  # (head, patch) id [H, L]
-    reference, count = recent_reference(keys, recent, row, heads * per_frame)
+    reference, count = recent_reference(keys, recent, row, heads * per_frame, bound)
     reference = as_words(reference)
     similarity = torch.empty(heads, length, dtype=torch.float32, device=device)
     step = length if device.type == "cuda" else SIMILARITY_BLOCK
@@ -331,9 +344,15 @@ def patch_similarity(keys: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor
 
 
 def tar_and_van(
-    keys: torch.Tensor, values: torch.Tensor, recent: torch.Tensor, pos: torch.Tensor, per_frame: int
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    recent: torch.Tensor,
+    pos: torch.Tensor,
+    per_frame: int,
+    bound: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's TaR similarities (:func:`patch_similarity`) and VaN map (:func:`value_norms`), ``[H, L]`` each.
+    """Rows' TaR similarities (:func:`patch_similarity`) and VaN map (:func:`value_norms`), ``[H, L]`` each (``H`` rows:
+    a layer's heads, or every head of a stack of layers); ``bound`` caps the recent tokens (:func:`recent_reference`).
 
     With compiled kernels on (:mod:`kvdemo.policies.fused`), both come out of one fused read of the keys and
     values (:func:`~kvdemo.policies.fused.tar_and_van_terms`, the same arithmetic); otherwise the eager
@@ -342,8 +361,8 @@ def tar_and_van(
     heads = keys.shape[0]
     if compiled_enabled():
         row = (torch.arange(heads, device=keys.device)[:, None] * per_frame + pos).contiguous()
-        reference, count = recent_reference(keys, recent, row, heads * per_frame)
+        reference, count = recent_reference(keys, recent, row, heads * per_frame, bound)
         out = run_compiled(tar_and_van_terms, keys, values, reference, row, count, keys.dtype != torch.float32)
         if out is not None:
             return out
-    return patch_similarity(keys, recent, pos, per_frame), value_norms(values)
+    return patch_similarity(keys, recent, pos, per_frame, bound), value_norms(values)
