@@ -17,6 +17,7 @@ from kvdemo.errors import PruningSettingError, UserError
 from kvdemo.pruning import PruneSpec, Pruning, entry_label, parse_prune, split_entry
 from kvdemo.pruning.evs import EVS, evs_scores, top_scores
 from kvdemo.pruning.vidcom2 import VidCom2
+from kvdemo.stream.engine import StreamEngine
 
 # --- plain restatements (Python lists and floats, one token and one frame at a time) -------------------------
 
@@ -393,3 +394,50 @@ def test_the_stage_records_what_each_grid_offered_and_let_in():
     assert pruned.shape == (3, 2, 3) and not pruned[0].any()
     assert pruned[2].flatten().tolist() == (~keeps[1]).tolist()
     assert stage.points[-1][1:] == (18, report["entered"])
+
+
+# --- in front of a policy, in the engine ------------------------------------------------------------------------
+
+
+def stream_chunks(engine: StreamEngine, video, frames_per_chunk: int = 2) -> StreamEngine:
+    for start in range(0, video.num_frames, frames_per_chunk):
+        engine.feed(video.frames[start : start + frames_per_chunk], video.times_s[start : start + frames_per_chunk])
+    engine.flush()
+    return engine
+
+
+@pytest.mark.parametrize("prune", ["evs:0.5", "vidcom2:0.5"])
+def test_the_budget_counts_what_entered(tiny_random, pancake, prune):
+    """In front of a bounded policy: the memory holds at most M of the tokens that entered, compresses less often
+    than without pruning, and what entered (the report's count) is what the memory took in."""
+    plain = stream_chunks(StreamEngine(tiny_random, "sliding-window", budget=540, keep=405), pancake)
+    pruned = stream_chunks(StreamEngine(tiny_random, "sliding-window", budget=540, keep=405, prune=prune), pancake)
+    report = pruned.report()["pruning"]
+    assert report["offered"] == plain.memory.tokens_seen == sum(c["offered_tokens"] for c in pruned.stats.per_chunk)
+    assert report["entered"] == pruned.memory.tokens_seen == sum(c["entered_tokens"] for c in pruned.stats.per_chunk)
+    assert report["entered"] < report["offered"]
+    assert max(e.visual_tokens for e in pruned.memory.timeline) <= 540
+    assert pruned.stats.compressions < plain.stats.compressions
+    before = [t.clone() for t in pruned.memory.keys]
+    pruned.answer("What is in the video?", 4)
+    assert all(torch.equal(a, b) for a, b in zip(before, pruned.memory.keys))
+
+
+def test_pruning_state_crosses_a_process_boundary(tiny_random, pancake):
+    """An engine pickled mid-stream (a ZeroGPU call) and attached again prunes the rest as one that never left."""
+    import pickle
+
+    whole = stream_chunks(StreamEngine(tiny_random, "full", prune="evs:0.6"), pancake)
+    first = StreamEngine(tiny_random, "full", prune="evs:0.6")
+    half = pancake.num_frames // 2 // 2 * 2
+    for start in range(0, half, 2):
+        first.feed(pancake.frames[start : start + 2], pancake.times_s[start : start + 2])
+    resumed = pickle.loads(pickle.dumps(first.to("cpu"))).bind(tiny_random)
+    for start in range(half, pancake.num_frames, 2):
+        resumed.feed(pancake.frames[start : start + 2], pancake.times_s[start : start + 2])
+    resumed.flush()
+    assert resumed.report()["pruning"] == {
+        **whole.report()["pruning"],
+        "prune_ms": resumed.pruning.report()["prune_ms"],
+    }
+    assert torch.equal(resumed.question_logits("What?"), whole.question_logits("What?"))
