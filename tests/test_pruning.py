@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from kvdemo.errors import PruningSettingError, UserError
-from kvdemo.pruning import PruneSpec, Pruning, entry_label, parse_prune, split_entry
+from kvdemo.pruning import PruneSpec, entry_label, parse_prune, split_entry
 from kvdemo.pruning.evs import EVS, evs_scores, top_scores
+from kvdemo.pruning.stage import Pruning
 from kvdemo.pruning.vidcom2 import VidCom2
 from kvdemo.stream.engine import StreamEngine
 
@@ -441,3 +442,26 @@ def test_pruning_state_crosses_a_process_boundary(tiny_random, pancake):
         "prune_ms": resumed.pruning.report()["prune_ms"],
     }
     assert torch.equal(resumed.question_logits("What?"), whole.question_logits("What?"))
+
+
+# --- engines named by their pruning: the lineup, compare's lines ------------------------------------------------
+
+
+def test_the_lineup_names_each_engine_by_its_pruning_and_policy(tiny_random):
+    from kvdemo.experiments.compare import parse_overrides
+    from kvdemo.stream.lineup import Contender, make_engines
+
+    engines = make_engines(tiny_random, ["full", "evs:.75+full", Contender("full", prune="vidcom2:0.5")], fps=2.0)
+    assert list(engines) == ["full", "evs:0.75+full", "vidcom2:0.5+full"]
+    assert engines["full"].pruning is None and engines["evs:0.75+full"].pruning.spec == PruneSpec("evs", 0.75)
+    contenders = parse_overrides(
+        ["sliding-window", "evs:0.5+sliding-window", "evs:0.5+full"],
+        "evs:0.5+sliding-window: M=96 C=64\nsliding-window: prune=vidcom2:0.25",
+        prune="evs:0.9",
+    )
+    assert [c.label for c in contenders] == ["vidcom2:0.25+sliding-window", "evs:0.5+sliding-window", "evs:0.5+full"]
+    assert (contenders[1].budget, contenders[1].keep) == ("96", "64")
+    with pytest.raises(UserError, match="each policy once"):
+        parse_overrides(["full"], "")
+    with pytest.raises(PruningSettingError, match="sliding-window's prune: unknown pruning method 'x'"):
+        parse_overrides(["sliding-window"], "sliding-window: prune=x:0.5")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..pruning import split_entry
 from .evaluation import evaluate
 
 
@@ -50,7 +51,7 @@ def eval_command(args: argparse.Namespace) -> int:
     from ..policies import make_policy  # deferred with torch
 
     for name in args.policies:
-        make_policy(name)  # an unknown name fails here, before the model loads
+        make_policy(split_entry(name)[1])  # an unknown name fails here, before the model loads
     budget = token_count("M", args.budget)  # M and C are checked by the budget's rule before the model loads
     keep = token_count("C", args.keep) if args.keep is not None else int(budget * DEFAULT_KEEP_RATIO)
     torch.set_num_threads(args.threads)

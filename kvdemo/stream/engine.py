@@ -31,7 +31,8 @@ from ..dialogue import QuestionError, check_question, replayed_dialogue
 from ..errors import UserError
 from ..models.base import VideoLM
 from ..policies import BudgetError, Policy, Probed, make_policy
-from ..pruning import PruneSpec, Pruning, parse_prune
+from ..pruning import PruneSpec, parse_prune
+from ..pruning.stage import Pruning
 from ..views import View, ViewContext
 
 DEFAULT_MAX_NEW_TOKENS = 64
