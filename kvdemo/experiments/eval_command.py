@@ -18,7 +18,8 @@ def accuracy_table(report: dict[str, Any]) -> str:
     """Accuracy per policy (rows) and delay (columns) with 95% intervals, chance and the question count."""
     delays = report["delays_s"]
     width = max(14, *(len(name) for name in report["accuracy"]))
-    header = f"{'policy':<{width}} {'M / C':>11} " + " ".join(f"{'delay ' + d + ' s':>17}" for d in delays)
+    held = report.get("tokens_held", {})
+    header = f"{'policy':<{width}} {'M / C':>11} {'held':>6} " + " ".join(f"{'delay ' + d + ' s':>17}" for d in delays)
     lines = [header]
     for name, row in report["accuracy"].items():
         budget = report["budgets"][name]
@@ -31,13 +32,14 @@ def accuracy_table(report: dict[str, Any]) -> str:
         for d in delays:
             low, high = report["interval"][name][d]
             cells.append(f"{row[d]:.2f} [{low:.2f},{high:.2f}]".rjust(17))
-        lines.append(f"{name:<{width}} {size:>11} " + " ".join(cells))
+        lines.append(f"{name:<{width}} {size:>11} {held.get(name, 0):>6.0f} " + " ".join(cells))
     q = report["questions"]
     kind = report.get("kind", "static")
     streams = "static and moving, alternating," if kind == "mixed" else kind
     lines.append(
         f"chance {report['chance']:.3f}; {q['total']} questions ({q['colour']} colour, {q['first']} first-shape) "
-        f"from {report['episodes']} held-out {streams} streams of {report['stream_pairs']} s; [95% Wilson interval]"
+        f"from {report['episodes']} held-out {streams} streams of {report['stream_pairs']} s; [95% Wilson interval]; "
+        "held: mean visual tokens in the cache when asked"
     )
     return "\n".join(lines)
 
@@ -91,10 +93,12 @@ def write_policy_runs(
 
     for name in report["accuracy"]:
         bounds = report["budgets"][name]
+        prune, _ = split_entry(name)
         config = {
             "harness": "kvdemo eval",
             "model": report["model"],
-            "policy": name,
+            "policy": name,  # the engine's name: a pruned engine is a line of its own in the results' chart
+            "prune": prune.text if prune is not None else None,
             "params": {},
             "M": bounds["budget"],
             "C": bounds["keep"],

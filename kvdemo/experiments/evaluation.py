@@ -233,10 +233,12 @@ def evaluate(
 
     Returns the JSON report: ``chance``, ``episodes``, ``budget``, ``keep``, ``accuracy[policy][delay]``,
     plus ``interval`` (95%), ``by_kind`` (question kinds), ``by_stream`` (``[policy][delay][stream kind]``:
-    accuracy and question count), ``questions`` and the engines' actual ``budgets``.
+    accuracy and question count), ``questions``, the engines' actual ``budgets`` and ``tokens_held`` (per policy,
+    the mean visual tokens its memory held when asked: what "equal memory" compares).
     """
     check_settings(policies, episodes, delays, questions)
     policies = engine_names(policies)
+    predictions = predictions if predictions is not None else []  # their tokens held make tokens_held
     specs = [spec] if spec is not None else [eval_spec(delays, kind=k) for k in stream_kinds(kind)]
     kind = spec.kind if spec is not None else kind
     budgets = {
@@ -279,6 +281,10 @@ def evaluate(
         "seed": seed,
         "model": model.name,
         "budgets": budgets,
+        "tokens_held": {
+            name: round(float(np.mean([p["tokens_held"] for p in predictions if p["policy"] == name] or [0])), 1)
+            for name in policies
+        },
     }
 
 
