@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         from .policies import BENCH_POLICY  # deferred with it
 
         args.policy = args.policy or BENCH_POLICY
+        args.prune = parse_prune(args.prune, "--prune")
         return bench_command(args, dict(parse_param(p) for p in args.param))
     except UserError as exc:
         print(f"error: {one_line(str(exc), argv)}", file=sys.stderr)

@@ -465,3 +465,21 @@ def test_the_lineup_names_each_engine_by_its_pruning_and_policy(tiny_random):
         parse_overrides(["full"], "")
     with pytest.raises(PruningSettingError, match="sliding-window's prune: unknown pruning method 'x'"):
         parse_overrides(["sliding-window"], "sliding-window: prune=x:0.5")
+
+
+def test_bench_times_the_prefill_pruning_saves():
+    """``bench --prune``: the four engines on one stream, each chunk's offered and entered tokens, and the saving
+    each pruned engine's prefill makes against its unpruned twin (computed from their own timings)."""
+    from kvdemo.bench.pruning import pruning_benchmark, pruning_table
+    from kvdemo.cache.budget import Budget
+    from kvdemo.policies import make_policy
+
+    policy = make_policy("sliding-window")
+    result = pruning_benchmark(policy, 8, Budget.from_user(policy, 400, 300), PruneSpec("evs", 0.75))
+    engines = result["engines"]
+    assert list(engines) == ["full", "evs:0.75+full", "sliding-window", "evs:0.75+sliding-window"]
+    assert [row["offered_tokens"] for row in engines["evs:0.75+full"]["per_chunk"]] == [96] * 4
+    assert engines["evs:0.75+full"]["entered"] < engines["full"]["entered"] == 384
+    saved = result["saved"]["evs:0.75+full"]
+    assert saved["prefill_ms"] == pytest.approx(engines["full"]["prefill_ms"] - engines["evs:0.75+full"]["prefill_ms"])
+    assert "evs:0.75+sliding-window: prefill" in pruning_table(result)
