@@ -4,7 +4,7 @@ on the random tiny models: the logits after a pruned stream equal transformers' 
 same kept tokens (the embeddings transformers' full forward builds from the family processor's prompt) at the
 positions of the full prompt (transformers' ``get_rope_index`` for Qwen3-VL/3.5, the original rule restated for
 Qwen2.5-VL, one per token for LLaVA-OneVision); the same tokens at positions renumbered as if the pruned ones never
-existed answer otherwise (the misalignment vLLM's issue #30847 reports)."""
+existed answer otherwise (the misalignment an open vLLM bug report describes)."""
 
 from __future__ import annotations
 

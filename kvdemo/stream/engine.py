@@ -514,6 +514,7 @@ class StreamEngine:
         that could not be decoded (a damaged file).
         """
         timeline = [e.to_dict() for e in self.memory.timeline]
+        pruning = {"pruning": self.pruning.report()} if self.pruning is not None else {}  # what each grid let in
         return {
             "model": self.model.name,
             "video": video,
@@ -546,5 +547,5 @@ class StreamEngine:
                 for a in self.answers
             ],
             "policy_state": self.policy.report(),
-            "pruning": self.pruning.report() if self.pruning is not None else None,
+            **pruning,
         }
