@@ -32,7 +32,8 @@ class Contender:
     :class:`~kvdemo.cache.budget.Budget`) and ``C`` (``keep``); None takes the run's shared ones. ``policy``: an
     instance to run as is (its state is the engine's: give a name to get a fresh policy at each build). ``prune``:
     pruning before the LLM in front of the policy (``"evs:0.75"`` or a :class:`~kvdemo.pruning.PruneSpec`; read at
-    once, so a bad one fails before any model loads); the engine is then named :attr:`label`."""
+    once, so a bad one fails before any model loads); the engine is then named :attr:`label`, and a ``name`` written
+    as a label (``"evs:0.75+full"``) is read back into the policy's name and its pruning."""
 
     name: str
     params: dict[str, Any] = field(default_factory=dict)
@@ -42,7 +43,8 @@ class Contender:
     prune: PruneSpec | str | None = None
 
     def __post_init__(self) -> None:
-        self.prune = parse_prune(self.prune, f"{self.name}'s pruning")
+        own, self.name = split_entry(self.name)
+        self.prune = parse_prune(self.prune, f"{self.name}'s pruning") or own
 
     @property
     def label(self) -> str:
@@ -70,8 +72,7 @@ def contender(entry: str | Policy | Contender) -> Contender:
         return entry
     if isinstance(entry, Policy):
         return Contender(entry.name, policy=entry)
-    prune, name = split_entry(str(entry))
-    return Contender(name, prune=prune)
+    return Contender(str(entry))
 
 
 def lineup_budgets(
