@@ -475,7 +475,7 @@ def test_bench_times_the_prefill_pruning_saves():
     from kvdemo.policies import make_policy
 
     policy = make_policy("sliding-window")
-    result = pruning_benchmark(policy, 8, Budget.from_user(policy, 400, 300), PruneSpec("evs", 0.75))
+    result = pruning_benchmark(policy, 8, Budget.resolve(policy, 400, 300), PruneSpec("evs", 0.75))
     engines = result["engines"]
     assert list(engines) == ["full", "evs:0.75+full", "sliding-window", "evs:0.75+sliding-window"]
     assert [row["offered_tokens"] for row in engines["evs:0.75+full"]["per_chunk"]] == [96] * 4
