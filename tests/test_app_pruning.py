@@ -14,6 +14,8 @@ from kvdemo.app.layout import build_demo
 from kvdemo.app.sessions import AppServices, CompareSettings, RunSettings
 from kvdemo.app.single_updates import DisplayChoice, SingleUpdates
 
+pytestmark = pytest.mark.slow  # streams through the app's handlers and builds its Blocks (minutes on a busy CPU)
+
 
 @pytest.fixture(scope="module")
 def services():

@@ -417,9 +417,10 @@ def test_a_model_neither_local_nor_reachable_fails_once_with_one_line(env):
     assert "--model /path/to/folder" in lines[0] and "offline model (tiny, tiny-random" in lines[0]
 
 
+@pytest.mark.slow
 def test_run_prunes_before_the_llm_in_front_of_the_full_cache(media, tmp_path, capsys):
-    """``--prune evs:0.75 --policy full``: a quarter of the clip's 1,350 visual tokens enter (EVS's count on the
-    whole stream, kept by its streamed rule), the report has the pruning section, the summary says it."""
+    """``--prune evs:0.75 --policy full``: the first grid of the clip's 1,350 visual tokens enters whole, then what
+    EVS keeps of the stream so far; the report has the pruning section, the summary says it."""
     out = tmp_path / "report.json"
     video = str(media / "flipping_a_pancake.mkv")
     args = ["run", "--video", video, "--policy", "full", "--prune", "evs:0.75", "--quiet", "--json", str(out)]
@@ -433,6 +434,7 @@ def test_run_prunes_before_the_llm_in_front_of_the_full_cache(media, tmp_path, c
     assert "pruning before the LLM" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -458,6 +460,7 @@ def test_eval_and_compare_read_pruning_per_engine_before_the_model_loads(capsys)
         assert err.count("\n") == 1 and "between 0 and 1" in err, err
 
 
+@pytest.mark.slow
 def test_eval_puts_pruning_in_front_of_policies(capsys):
     """``--prune`` stands in front of every policy named without its own; ``METHOD:VALUE+POLICY`` names its own."""
     argv = ["eval", "--runs", "", "--episodes", "1", "--delays", "0", "--quiet", "-M", "64", "-C", "48"]

@@ -299,6 +299,7 @@ def clip_embeddings(pancake, tiny_random):
     return chunk.embeds.float().view(chunk.num_grids, chunk.tokens_per_grid, -1), thw, merge
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,rate", [("evs", 0.75), ("evs", 0.5), ("vidcom2", 0.75), ("vidcom2", 0.3)])
 def test_one_chunk_keeps_what_vllm_keeps_on_the_real_clip(clip_embeddings, method, rate):
     """The whole clip as one chunk: kvdemo's kept tokens equal vLLM's ``compute_retention_mask`` on the same
@@ -312,6 +313,7 @@ def test_one_chunk_keeps_what_vllm_keeps_on_the_real_clip(clip_embeddings, metho
     assert frames.shape[0] >= 10 and torch.equal(ours.cpu(), theirs.cpu())
 
 
+@pytest.mark.slow
 def test_streamed_evs_on_the_real_clip_is_vllm_on_each_prefix(clip_embeddings):
     """Grid by grid, the tokens that enter are vLLM's mask on the clip so far, restricted to the newest grid."""
     frames, (_, H, W), merge = clip_embeddings
@@ -407,6 +409,7 @@ def stream_chunks(engine: StreamEngine, video, frames_per_chunk: int = 2) -> Str
     return engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prune", ["evs:0.5", "vidcom2:0.5"])
 def test_the_budget_counts_what_entered(tiny_random, pancake, prune):
     """In front of a bounded policy: the memory holds at most M of the tokens that entered, compresses less often
@@ -424,6 +427,7 @@ def test_the_budget_counts_what_entered(tiny_random, pancake, prune):
     assert all(torch.equal(a, b) for a, b in zip(before, pruned.memory.keys))
 
 
+@pytest.mark.slow
 def test_pruning_state_crosses_a_process_boundary(tiny_random, pancake):
     """An engine pickled mid-stream (a ZeroGPU call) and attached again prunes the rest as one that never left."""
     import pickle
@@ -467,6 +471,7 @@ def test_the_lineup_names_each_engine_by_its_pruning_and_policy(tiny_random):
         parse_overrides(["sliding-window"], "sliding-window: prune=x:0.5")
 
 
+@pytest.mark.slow
 def test_bench_times_the_prefill_pruning_saves():
     """``bench --prune``: the four engines on one stream, each chunk's offered and entered tokens, and the saving
     each pruned engine's prefill makes against its unpruned twin (computed from their own timings)."""

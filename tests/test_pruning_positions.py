@@ -16,6 +16,8 @@ from kvdemo.models.loading import load_model
 from kvdemo.stream.engine import StreamEngine
 from test_families import QUESTION, processor_inputs, stream_frames
 
+pytestmark = pytest.mark.slow  # a float64 stream and transformers' forward per family (seconds to a minute each)
+
 FAMILIES = ("tiny-random", "tiny-random-qwen3-vl", "tiny-random-qwen3.5", "tiny-random-llava-ov")
 FPS = 2.0
 #: Qwen3.5's linear-attention kernels cast to float32 and chunk by 64 (shared/notes/model-families.md): a chunked
