@@ -53,10 +53,7 @@ def start_session(
     tokens, shape = model.geometry.chunk_tokens(frame_size, FRAMES_PER_CHUNK)
     sized = size_lineup(lineup, tokens, shape)
     cap = cap_bytes(settings.cap_mb)
-    contenders = [
-        Contender(entry.name, policy=policy, budget=budget, prune=entry.prune)
-        for entry, (policy, budget) in zip(settings.contenders(), sized.values())
-    ]
+    contenders = [Contender(name, policy=policy, budget=budget) for name, (policy, budget) in sized.items()]
     engines = make_engines(model, contenders, fps=fps, baseline=settings.baseline, baseline_cap_bytes=cap)
     state = Session(
         settings=settings, group=EngineGroup(model, engines, fps), source=source, frame_size=tuple(frame_size)

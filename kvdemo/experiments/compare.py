@@ -118,10 +118,7 @@ def compare_lineup(
     ``keep``) and sized for chunks of ``tokens`` visual tokens: every budget error, naming the policy it is about,
     before a model loads."""
     sized = size_lineup(lineup_budgets(contenders, budget, keep, baseline=True), tokens, shape, named=True)
-    return [
-        Contender(entry.name, policy=policy, budget=bounds, prune=entry.prune)
-        for entry, (policy, bounds) in zip(contenders, sized.values())
-    ]
+    return [Contender(name, policy=policy, budget=bounds) for name, (policy, bounds) in sized.items()]
 
 
 def token_bytes(model) -> int:
