@@ -22,6 +22,7 @@ from .dialogue import QuestionError, check_question, check_question_text, clippe
 from .errors import UserError  # light: imports nothing
 from .experiments.evaluation import QUESTION_FORMS  # light: torch loads when an evaluation runs
 from .media.video import Video, VideoFile, open_video  # light: numpy and, when a file is opened, PyAV
+from .pruning import entry_label, parse_prune, split_entry  # light: the choice as text
 from .usage import UsageError, build_parser, one_line, parse_param  # the grammar: parser, help texts
 from .world.synthetic import STREAM_KINDS, Episode, grade, sample_episode  # light: numpy
 
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         from .policies import BENCH_POLICY  # deferred with it
 
         args.policy = args.policy or BENCH_POLICY
+        args.prune = parse_prune(args.prune, "--prune")
         return bench_command(args, dict(parse_param(p) for p in args.param))
     except UserError as exc:
         print(f"error: {one_line(str(exc), argv)}", file=sys.stderr)
@@ -124,6 +126,7 @@ def check_run_arguments(args: argparse.Namespace) -> dict[str, Any]:
             args.ask[number - 1] = check_question_text(question)
         except QuestionError as exc:
             raise UsageError(f"--ask, question {number}: {exc}") from None
+    args.prune = parse_prune(args.prune, "--prune")
     return dict(parse_param(p) for p in args.param)
 
 
@@ -147,18 +150,21 @@ def run_command(args: argparse.Namespace) -> int:
 
     model = load_model(args.model)
     check_questions(model, args.ask)
+    studied = Contender(policy.name, policy=policy, budget=budget, prune=args.prune)
     engines = make_engines(
         model,
-        [Contender(policy.name, policy=policy, budget=budget)],
+        [studied],
         fps=video.fps,
         max_new_tokens=args.max_new_tokens,
-        baseline=bool(args.coverage and policy.bounded),
+        baseline=bool(args.coverage and (policy.bounded or args.prune)),
     )
-    engine = engines[policy.name]
+    engine = engines[studied.label]
 
     print(video.describe(), file=sys.stderr)
     print(
-        f"model {model.name}; policy {policy.name}" + (f", {budget.describe()}{note}" if budget.bounded else ""),
+        f"model {model.name}; policy {policy.name}"
+        + (f", {budget.describe()}{note}" if budget.bounded else "")
+        + (f"; pruning before the LLM: {args.prune.text}" if args.prune else ""),
         file=sys.stderr,
     )
     if model.notice:
@@ -246,8 +252,9 @@ def answer_and_report(
     print(summary_table(report, engine))
     if args.coverage:
         full_memory = engines["full"].memory if "full" in engines else engine.memory
-        report["coverage"] = {policy.name: coverage(full_memory, engine.memory)}
-        if policy.bounded:
+        studied = next(name for name, candidate in engines.items() if candidate is engine)
+        report["coverage"] = {studied: coverage(full_memory, engine.memory)}
+        if "full" in engines:
             report["coverage"]["full"] = coverage(full_memory, full_memory)
         print("\ncoverage: cosine distance of every full-cache token to its nearest kept token (lower is better)")
         print(coverage_table(report["coverage"]))
@@ -300,7 +307,7 @@ def compare(args: argparse.Namespace) -> int:
     if args.budget is None:
         args.budget, default_keep = compare_budget(*default_budget(args.model)[:2])
         args.keep = default_keep if args.keep is None else args.keep
-    contenders = parse_overrides(args.policies.split(","), "\n".join(args.override))  # before the model loads
+    contenders = parse_overrides(args.policies.split(","), "\n".join(args.override), args.prune)  # before the model
     video, episode, geometry = open_source(args)
     tokens, shape = geometry.chunk_tokens(video.size, 2)
     contenders = compare_lineup(contenders, args.budget, args.keep, tokens, shape)  # every budget, resolved and sized
@@ -335,6 +342,9 @@ def summary_table(report: dict[str, Any], engine) -> str:
         ("prefill", f"{stats.prefill_ms:.0f} ms"),
         ("compression", f"{stats.compress_ms:.0f} ms ({_percent(stats.compress_ms, stats.prefill_ms)} of prefill)"),
     ]
+    if engine.pruning is not None:
+        rows.append(("pruning before the LLM", engine.pruning.describe()))
+        rows.append(("pruning selection", f"{engine.pruning.ms:.0f} ms"))
     for answer in engine.answers:
         rows.append(("answer", f"{answer.ms:.0f} ms ({answer.tokens} tokens, first after {answer.ttft_ms:.0f} ms)"))
     for key, value in report.get("policy_state", {}).items():
@@ -366,6 +376,9 @@ def check_eval_arguments(args: argparse.Namespace) -> None:
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not args.policies:
         raise UsageError("--policies names no policy")
+    shared = parse_prune(args.prune, "--prune")
+    entries = [split_entry(p, "--policies") for p in args.policies]  # a bad pruning choice fails here, before torch
+    args.policies = [entry_label(shared, p) if own is None else p for (own, _), p in zip(entries, args.policies)]
     try:
         args.delays = tuple(float(d) for d in args.delays.split(",") if d.strip())
     except ValueError:

@@ -43,6 +43,10 @@ class EvaluationSettingError(UserError):
     """A setting of an evaluation run that cannot work (episodes, question form)."""
 
 
+class PruningSettingError(UserError):
+    """A pruning choice that cannot work: an unknown method, or a rate outside (0, 1) (the message names the field)."""
+
+
 #: Every kind defined here, for the tests and the docs.
 KINDS = (
     BudgetError,
@@ -51,4 +55,5 @@ KINDS = (
     PolicyParameterError,
     StreamSettingError,
     EvaluationSettingError,
+    PruningSettingError,
 )

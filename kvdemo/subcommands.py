@@ -8,10 +8,19 @@ import argparse
 from typing import Any
 
 from .experiments.evaluation import DEFAULT_DELAYS, EVAL_KINDS, QUESTION_FORMS
+from .pruning import METHODS as PRUNING_METHODS
 from .world.synthetic import STREAM_KINDS
 
 #: Every command's help keeps its description's and examples' line breaks.
 FORMATTER = argparse.RawDescriptionHelpFormatter
+#: What ``--prune`` takes, from the methods' own declarations.
+PRUNE_HELP = (
+    "pruning before the LLM, in front of the policy: "
+    + ", ".join(f"{name}:{method.parameter.upper()}" for name, method in PRUNING_METHODS.items())
+    + " (evs:0.75 prunes 3/4 of the visual tokens, vidcom2:0.25 keeps 1/4; vLLM's parameters); default none"
+)
+#: What ``--policies`` says of an engine entry with pruning in front of its policy.
+PRUNED_ENTRY = "; METHOD:VALUE+POLICY puts pruning in front of one (evs:0.75+full)"
 
 
 class PolicyHelp:
@@ -70,6 +79,7 @@ def add_stream_options(stream: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--ask", action="append", default=[], metavar="QUESTION", help="question asked after the stream (repeatable)"
     )
     stream.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap (default 64)")
+    stream.add_argument("--prune", metavar="METHOD:VALUE", help=PRUNE_HELP)
     stream.add_argument("--json", metavar="OUT", help="write the report here")
     return stream
 
@@ -89,7 +99,11 @@ examples:
   python -m kvdemo run --video clip.mp4 --param alpha=1 --param tar=frame
       an InfiniPot-V ablation from the paper's Table 5 (TaR only, frame-level)
   python -m kvdemo run --video clip.mp4 --policy cords --coverage
-      CoRDS, with how well the kept tokens cover a full cache"""
+      CoRDS, with how well the kept tokens cover a full cache
+  python -m kvdemo run --policy full --prune evs:0.75
+      EVS before the LLM, the full cache behind it
+  python -m kvdemo run -M 64 -C 48 --prune vidcom2:0.5
+      VidCom2 (half enter) in front of the default policy"""
 
 
 def add_run(commands: Any, stream: argparse.ArgumentParser, about: PolicyHelp) -> None:
@@ -135,7 +149,9 @@ examples:
   python -m kvdemo compare --policies infinipot-v,cords,protokv,hybridkv -M 64 -C 48 \\
       --ask "What colour was the circle?" --attribution --fidelity --json compare.json
   python -m kvdemo compare --sample moving --override "hybridkv: M=96 C=72 share=0.5"
-      the moving-camera sample, HybridKV with its own budget and dynamic share"""
+      the moving-camera sample, HybridKV with its own budget and dynamic share
+  python -m kvdemo compare --policies evs:0.75+full,infinipot-v,evs:0.5+infinipot-v -M 64 -C 48
+      pruning alone (the full cache behind it), eviction alone, and pruning in front of eviction"""
 
 
 def add_compare(commands: Any, stream: argparse.ArgumentParser, about: PolicyHelp) -> None:
@@ -149,7 +165,9 @@ def add_compare(commands: Any, stream: argparse.ArgumentParser, about: PolicyHel
         formatter_class=FORMATTER,
     )
     comparing.set_defaults(frames_per_chunk=2, param=[])  # what the checks shared with run read
-    comparing.add_argument("--policies", help=about.named("comma-separated, at most 4", "COMPARE_POLICIES"))
+    comparing.add_argument(
+        "--policies", help=about.named("comma-separated, at most 4" + PRUNED_ENTRY, "COMPARE_POLICIES")
+    )
     comparing.add_argument("--budget", "-M", help="M shared by every policy (default: 2/3 of the model's, 64 for tiny)")
     comparing.add_argument(
         "--keep", "-C", help="C shared by the policies that take one (default: 2/3 of the model's, 48 for tiny)"
@@ -158,8 +176,8 @@ def add_compare(commands: Any, stream: argparse.ArgumentParser, about: PolicyHel
         "--override",
         action="append",
         default=[],
-        metavar="'POLICY: M=.. C=.. KEY=VALUE ..'",
-        help="a policy's own budget and parameters (repeatable)",
+        metavar="'POLICY: M=.. C=.. prune=.. KEY=VALUE ..'",
+        help="a policy's own budget, pruning and parameters (repeatable)",
     )
     comparing.add_argument(
         "--attribution", action="store_true", help="record what each answer looked at (kvdemo.analysis.explain)"
@@ -184,7 +202,9 @@ examples:
   python -m kvdemo eval --policies full,sliding-window,uniform,infinipot-v,cords --delays 0,4,8,16,32 \\
       --episodes 200 --seed 0 --budget 64 --keep 48 --json eval.json
   python -m kvdemo eval --kind moving --budget 64 --keep 48
-      the same on streams with camera motion, a drifting background and reappearing objects"""
+      the same on streams with camera motion, a drifting background and reappearing objects
+  python -m kvdemo eval --policies full,evs:0.75+full,vidcom2:0.25+full,infinipot-v,evs:0.5+infinipot-v
+      pruning before the LLM (METHOD:VALUE+POLICY), alone and in front of eviction"""
 
 
 def add_eval(commands: Any, about: PolicyHelp) -> None:
@@ -196,7 +216,9 @@ def add_eval(commands: Any, about: PolicyHelp) -> None:
         epilog=EVAL_EXAMPLES,
         formatter_class=FORMATTER,
     )
-    evaluate.add_argument("--policies", help=about.named("comma-separated policy names", "EVAL_POLICIES"))
+    evaluate.add_argument(
+        "--policies", help=about.named("comma-separated policy names" + PRUNED_ENTRY, "EVAL_POLICIES")
+    )
     evaluate.add_argument(
         "--delays",
         default=",".join(str(d) for d in DEFAULT_DELAYS),
@@ -231,6 +253,9 @@ def add_eval(commands: Any, about: PolicyHelp) -> None:
         choices=QUESTION_FORMS,
         default="bare",
         help="bare questions (default) or a benchmark's multiple-choice prompt of them (answer: the letter)",
+    )
+    evaluate.add_argument(
+        "--prune", metavar="METHOD:VALUE", help=PRUNE_HELP + "; in front of every policy named without its own"
     )
     evaluate.add_argument("--json", metavar="OUT", help="write the results here")
     evaluate.add_argument(

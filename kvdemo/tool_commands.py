@@ -68,6 +68,12 @@ def add_bench(commands: Any, about: PolicyHelp) -> None:
         help="the authors' InfiniPot-V kvcache_utils.py (or a clone of aiha-lab/InfiniPot-V): time kvdemo's "
         "pass against theirs on the same 7B-shape tensors and compare the kept tokens",
     )
+    bench.add_argument(
+        "--prune",
+        metavar="METHOD:VALUE",
+        help="also stream the full cache and the policy with this pruning before the LLM in front of each, and print "
+        "the prefill time it saves per chunk (evs:0.75, vidcom2:0.25)",
+    )
     bench.add_argument("--every", type=int, default=1, help="print every Nth chunk of the table (default: all)")
     bench.add_argument(
         "--count",

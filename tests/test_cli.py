@@ -415,3 +415,55 @@ def test_a_model_neither_local_nor_reachable_fails_once_with_one_line(env):
         "and the Hub cannot be reached"
     )
     assert "--model /path/to/folder" in lines[0] and "offline model (tiny, tiny-random" in lines[0]
+
+
+@pytest.mark.slow
+def test_run_prunes_before_the_llm_in_front_of_the_full_cache(media, tmp_path, capsys):
+    """``--prune evs:0.75 --policy full``: the first grid of the clip's 1,350 visual tokens enters whole, then what
+    EVS keeps of the stream so far; the report has the pruning section, the summary says it."""
+    out = tmp_path / "report.json"
+    video = str(media / "flipping_a_pancake.mkv")
+    args = ["run", "--video", video, "--policy", "full", "--prune", "evs:0.75", "--quiet", "--json", str(out)]
+    assert main([*args, "--max-pixels", str(256 * 28 * 28)]) == 0
+    report = json.loads(out.read_text())
+    pruning = report["pruning"]
+    assert pruning["method"] == "evs" and pruning["rate"] == 0.75 and pruning["offered"] == 1350
+    assert [g["grid"] for g in pruning["grids"]] == list(range(10)) and pruning["grids"][0]["entered"] == 135
+    assert pruning["entered"] == sum(g["entered"] for g in pruning["grids"]) < 1350
+    assert report["timeline"][-1]["visual_tokens"] == pruning["entered"]
+    assert "pruning before the LLM" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prune", "evs:1.5"], "error: --prune: evs's video_pruning_rate must lie strictly between 0 and 1, got 1.5"),
+        (["--prune", "fast:0.5"], "error: --prune: unknown pruning method 'fast'"),
+        (["--prune", "vidcom2:0"], "error: --prune: vidcom2's video_retention_ratio must lie strictly between 0 and 1"),
+    ],
+)
+def test_a_bad_pruning_choice_is_one_line_before_torch_loads(tmp_path, args, message):
+    done, imported = run_cli_in_a_fresh_process("run", "--video", str(tmp_path / "missing.mp4"), *args)
+    assert done.returncode == 2 and done.stderr.strip().startswith(message), done.stderr
+    assert done.stderr.strip().count("\n") == 0 and not imported["torch"]
+
+
+def test_eval_and_compare_read_pruning_per_engine_before_the_model_loads(capsys):
+    for argv in (
+        ["eval", "--policies", "evs:2+full", "--episodes", "1"],
+        ["compare", "--policies", "vidcom2:video_pruning_rate=1+full", "--max-frames", "4"],
+        ["compare", "--prune", "evs:-1", "--max-frames", "4"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "between 0 and 1" in err, err
+
+
+@pytest.mark.slow
+def test_eval_puts_pruning_in_front_of_policies(capsys):
+    """``--prune`` stands in front of every policy named without its own; ``METHOD:VALUE+POLICY`` names its own."""
+    argv = ["eval", "--runs", "", "--episodes", "1", "--delays", "0", "--quiet", "-M", "64", "-C", "48"]
+    assert main([*argv, "--policies", "full,vidcom2:0.5+full", "--prune", "evs:0.5"]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"^evs:0\.5\+full\s", table, re.M) and re.search(r"^vidcom2:0\.5\+full\s", table, re.M), table

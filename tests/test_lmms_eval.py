@@ -258,3 +258,31 @@ def test_lmms_evals_own_qwen2_5_vl_agrees_with_the_full_cache(tasks, tmp_path):
     letters = {answer[0] if isinstance(answer, list) else answer for answer in answers[1].values()}
     assert letters <= set("ABCD")  # the bundled model answers VideoMME's prompt with an option letter
     shutil.rmtree(folder)
+
+
+def test_pruning_in_front_of_the_policy_under_lmms_eval(tasks, tmp_path):
+    """``prune=evs:0.75`` in ``--model_args`` (read by lmms-eval's own parser): every video streams with EVS before the
+    LLM, what entered is recorded, and the budget counts it."""
+    from lmms_eval.utils import simple_parse_args_string
+
+    from kvdemo.integrations.lmms_eval import KVDemoLMM
+
+    arguments = simple_parse_args_string(
+        f"pretrained=tiny,policy=sliding-window,M=32,C=16,prune=evs:0.75,runs={tmp_path}"
+    )
+    _evaluate(KVDemoLMM(**arguments), tasks, ["kvdemo_videomme"])
+    (run,) = list(tmp_path.iterdir())
+    config = json.loads((run / "config.json").read_text())
+    lines = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
+    assert config["prune"] == "evs:0.75" and run.name.startswith("lmms-eval-evs:0.75+sliding-window")
+    assert all(p["prune"] == "evs:0.75" and p["peak_tokens"] <= 32 for p in lines)
+    assert all(0 < p["tokens_entered"] < p["frames_fed"] * 8 for p in lines)  # 16 tokens a pair of frames offered
+
+
+def test_a_bad_pruning_argument_fails_before_the_model_loads(monkeypatch):
+    from kvdemo.errors import PruningSettingError
+    from kvdemo.integrations import lmms_eval
+
+    monkeypatch.setattr(lmms_eval, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(PruningSettingError, match="prune.*video_pruning_rate.*between 0 and 1"):
+        lmms_eval.KVDemoLMM(pretrained="tiny", prune="evs:2")

@@ -203,6 +203,7 @@ FLOORS: list[tuple[str, list[str]]] = [
     ),
     ("what a policy decides; frames in", ["kvdemo.policies", "kvdemo.media"]),
     ("the memory under a budget", ["kvdemo.cache"]),
+    ("what enters the memory: pruning before the LLM", ["kvdemo.pruning"]),
     ("the model families", ["kvdemo.models"]),
     ("the generated world", ["kvdemo.world"]),
     ("reading a memory and an answer", ["kvdemo.analysis"]),

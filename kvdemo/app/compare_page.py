@@ -14,7 +14,7 @@ from .comparing import SLOTS, CompareUpdates, compare_fidelity, redraw_attributi
 from .handlers import request_stop
 from .page import Page, guard
 from .sessions import SESSION_TTL_S, AppServices, CompareSettings
-from .settings import SAMPLE_KIND_HELP, baseline_cap_default
+from .settings import PRUNE_CHOICES, PRUNE_HELP, SAMPLE_KIND_HELP, baseline_cap_default
 
 
 class ComparePage(Page):
@@ -76,6 +76,20 @@ class ComparePage(Page):
                     label=f"Policies (at most {MAX_POLICIES})",
                     elem_id="compare-policies",
                 )
+                with gr.Accordion("Pruning before the LLM, per column", open=False, elem_id="compare-pruning"):
+                    gr.Markdown(f"In front of the first, second... chosen policy: {PRUNE_HELP}.")
+                    with gr.Row():
+                        self.prunes = [
+                            gr.Dropdown(
+                                PRUNE_CHOICES,
+                                value=PRUNE_CHOICES[0],
+                                label=f"Column {slot + 1}",
+                                allow_custom_value=True,
+                                min_width=90,
+                                elem_id=f"compare-prune-{slot}",
+                            )
+                            for slot in range(MAX_POLICIES)
+                        ]
                 with gr.Row():
                     self.budget = gr.Number(self.budget0, label="M (shared)", precision=0, elem_id="compare-budget")
                     self.keep = gr.Number(self.keep0, label="C (shared)", precision=0, elem_id="compare-keep")
@@ -242,6 +256,7 @@ class ComparePage(Page):
             int(values["max_pixels"] or 0),
             float(values["cap_mb"] or 0),
             values["sample_kind"] or "static",
+            prunes=[values.get(f"prune_{slot}") or "" for slot in range(MAX_POLICIES)],
         )
         return settings, self.updates
 
@@ -270,6 +285,7 @@ class ComparePage(Page):
             "max_pixels": self.max_pixels,
             "cap_mb": self.cap_mb,
             "sample_kind": self.sample_kind,
+            **{f"prune_{slot}": dropdown for slot, dropdown in enumerate(self.prunes)},
         }
         runs = self.outputs()
         started = [

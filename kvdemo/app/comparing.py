@@ -17,7 +17,7 @@ import numpy as np
 from .. import viz
 from ..analysis.explain import attribution_views, fidelity_views
 from ..errors import BudgetError, StreamSettingError, UserError
-from ..experiments.compare import FULL, MAX_POLICIES, comparison_report, model_seconds, parse_overrides, question_record
+from ..experiments.compare import FULL, MAX_POLICIES, comparison_report, model_seconds, question_record
 from ..stream.engine import EngineError
 from ..views import counted
 from .gpu import measure_fidelity, sweep_delays
@@ -110,8 +110,10 @@ class CompareUpdates(PageUpdates):
 
 def strips_legend(state: Session) -> str:
     """What the survivor strips' colours mean, for the statuses the compared engines can show."""
+    pruned = any(engine.pruning is not None for engine in state.engines.values())
     return (
         viz.status_legend(viz.possible_statuses(state.engines.values()))
+        + (" &nbsp; " + viz.pruned_legend() if pruned else "")
         + " (tint = share of the (layer, KV head) copies in each state)"
     )
 
@@ -164,7 +166,8 @@ def occupancy(state: Session, title: str = ""):
     """Every engine's occupancy line in one chart (the shared ``M`` dashed), under ``title`` if one is given."""
     series = {(name if name != FULL else "full cache"): e.memory.timeline for name, e in state.engines.items()}
     budgets = [e.budget.M for e in state.engines.values() if e.budget.M is not None]
-    return viz.occupancy_figure(series, max(budgets) if budgets else None, title)
+    pruning = {name: e.pruning.points for name, e in state.engines.items() if e.pruning is not None}
+    return viz.occupancy_figure(series, max(budgets) if budgets else None, title, pruning=pruning)
 
 
 def strips(state: Session) -> np.ndarray | None:
@@ -272,13 +275,13 @@ def run_sweep(settings: CompareSettings, delays_text: str, more_streams: int) ->
         delays = parse_delays(delays_text)
         if not 0 <= int(more_streams or 0) <= 20:
             raise StreamSettingError(f"more streams: 0 to 20, got {more_streams}")
-        contenders = parse_overrides(settings.policies, "")
+        contenders = settings.contenders(overrides=False)
         if settings.overrides.strip():
             raise BudgetError("the delay sweep runs every policy at the shared M and C (clear the per-policy lines)")
     except UserError as exc:
         yield {"sweep_text": f"⚠️ {exc}"}
         return
-    names = [c.name for c in contenders] + [FULL]
+    names = [c.label for c in contenders] + [FULL]
     last = 0.0
     sweep = None
     try:

@@ -124,10 +124,11 @@ class RunSettings:
     baseline: bool
     cap_mb: float
     sample: str = "static"  # the bundled sample's stream kind (kvdemo.world.synthetic.STREAM_KINDS)
+    prune: str = ""  # pruning before the LLM in front of the policy ("evs:0.75"; "" or "none": none)
 
     def contenders(self) -> list[Contender]:
-        """The one policy under study (its parameters parsed from the form)."""
-        return [Contender(self.policy, dict(self.params))]
+        """The one policy under study (its parameters parsed from the form), behind its pruning."""
+        return [Contender(self.policy, dict(self.params), prune=self.prune or None)]
 
 
 @dataclass
@@ -145,10 +146,18 @@ class CompareSettings:
     cap_mb: float
     sample: str = "static"
     baseline: bool = True  # the full cache is always compared
+    #: Pruning before the LLM per column: in front of the first chosen policy, the second... ("" or "none": none).
+    prunes: list[str] = field(default_factory=list)
 
-    def contenders(self) -> list[Contender]:
-        """The compared policies with their own lines (:func:`kvdemo.experiments.compare.parse_overrides`)."""
-        return [Contender(c.name, c.params, c.budget, c.keep) for c in parse_overrides(self.policies, self.overrides)]
+    def contenders(self, overrides: bool = True) -> list[Contender]:
+        """The compared policies with their own lines (:func:`kvdemo.experiments.compare.parse_overrides`; a line's
+        ``prune=`` wins over its column's pruning)."""
+        chosen = parse_overrides(self.policies, self.overrides if overrides else "")
+        columns = [*self.prunes, *[None] * len(chosen)]
+        return [
+            Contender(c.name, c.params, c.budget, c.keep, prune=c.prune or columns[i] or None)
+            for i, c in enumerate(chosen)
+        ]
 
 
 @dataclass(eq=False)  # sessions are compared by identity (the pool holds them in a list)

@@ -13,12 +13,20 @@ from ..media.geometry import FrameGeometry
 from ..media.video import VideoError, open_video
 from ..models.catalog import geometry_for, resolve_model_name
 from ..policies import BudgetError, Policy, coerce_param, policy_class, policy_params
+from ..pruning import METHODS, NONE
 from ..stream.lineup import cap_bytes
 from ..views import counted
 from ..world.synthetic import sample_episode
 from .sessions import CACHE_TTL_S, CompareSettings, RunSettings
 
 FRAMES_PER_CHUNK = 2
+#: The pruning choices the app lists (any ``METHOD:VALUE`` may be typed): none, then each method at two rates.
+PRUNE_CHOICES = [NONE, "evs:0.75", "evs:0.5", "vidcom2:0.25", "vidcom2:0.5"]
+PRUNE_HELP = (
+    "before the LLM, in front of the policy: "
+    + "; ".join(f"{name}:{method.parameter}" for name, method in METHODS.items())
+    + " (evs:0.75 prunes 3/4 of the visual tokens, vidcom2:0.25 keeps 1/4)"
+)
 
 #: What each kind of bundled sample shows, under its choice (it follows the choice).
 SAMPLE_KIND_HELP = {
@@ -80,7 +88,7 @@ def settings_lineup(settings: RunSettings | CompareSettings) -> dict[str, tuple[
     lineup = {}
     for contender in contenders:
         try:
-            lineup[contender.name] = contender.policy_and_budget(settings.budget, settings.keep)
+            lineup[contender.label] = contender.policy_and_budget(settings.budget, settings.keep)
         except BudgetError as exc:
             if len(contenders) == 1:
                 raise

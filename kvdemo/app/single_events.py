@@ -81,6 +81,7 @@ class SinglePageEvents(SinglePage):
             "colour_by_reason": self.by_reason,
             "log_scale": self.log_scale,
             "sample_kind": self.sample_kind,
+            "prune": self.prune,
         }
         # Streams and questions have separate slots: a question is served within one chunk's time whatever
         # other sessions stream (its own session's stream pauses between chunks while it is answered).

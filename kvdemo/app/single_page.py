@@ -13,6 +13,8 @@ from ..world.synthetic import sample_episode, sample_manifest
 from .page import Page
 from .sessions import AppServices, RunSettings, Session
 from .settings import (
+    PRUNE_CHOICES,
+    PRUNE_HELP,
     SAMPLE_KIND_HELP,
     baseline_cap_default,
     parse_params,
@@ -99,6 +101,14 @@ class SinglePage(Page):
                 "random weights of each family); Hub ids need a GPU and the Hub",
             )
             self.policy = gr.Dropdown(UI_POLICIES, value=DEFAULT_POLICY, label="Policy", elem_id="policy")
+            self.prune = gr.Dropdown(
+                PRUNE_CHOICES,
+                value=PRUNE_CHOICES[0],
+                label="Pruning before the LLM",
+                allow_custom_value=True,
+                info=PRUNE_HELP,
+                elem_id="prune",
+            )
             with gr.Row():
                 self.budget = gr.Number(self.budget0, label="M (max visual tokens)", precision=0, elem_id="budget")
                 self.keep = gr.Number(self.keep0, label="C (kept by a compression)", precision=0, elem_id="keep")
@@ -290,6 +300,7 @@ class SinglePage(Page):
             baseline=bool(values["baseline"]),
             cap_mb=float(values["baseline_cap_mb"] or 0),
             sample=values.get("sample_kind") or "static",
+            prune=values.get("prune") or "",
         )
         view = DisplayChoice(
             values["view_layer"], values["view_head"], bool(values["colour_by_reason"]), bool(values["log_scale"])

@@ -154,10 +154,12 @@ def occupancy_plot(session: Session, log_scale: bool = False):
     engine = session.engine
     if engine is None:
         return None
-    series = {_series_label(engine.policy.name, engine.budget.M): engine.memory.timeline}
+    name = _series_label(next(iter(session.contenders)), engine.budget.M)
+    series = {name: engine.memory.timeline}
     if session.full is not None:
         series["full cache"] = session.full.memory.timeline
-    return viz.occupancy_figure(series, engine.budget.M, log_scale=log_scale)
+    pruning = {name: engine.pruning.points} if engine.pruning is not None else None
+    return viz.occupancy_figure(series, engine.budget.M, log_scale=log_scale, pruning=pruning)
 
 
 def empty_occupancy_plot(policy: str, budget: int):
@@ -215,12 +217,21 @@ def legend(state: Session, view: DisplayChoice = DisplayChoice()) -> str:
         fractions = viz.status_fractions(engine, layer, head)
         if fractions is not None:
             present = np.array([code for code, share in zip(viz.STATUS_COLOURS, fractions) if share.any()])
-            return viz.status_legend(present) + " (tint = share of the (layer, KV head) copies in each state)"
+            return (
+                viz.status_legend(present)
+                + (" &nbsp; " + viz.pruned_legend() if engine.pruning is not None else "")
+                + " (tint = share of the (layer, KV head) copies in each state)"
+            )
     names = policy_card(engine.policy.name).reasons if engine else {}
+    pruned = engine is not None and engine.pruning is not None
     if names and view.by_reason:
-        return viz.legend_text(names)
+        return viz.legend_text(names, pruned)
     note = " Pick a layer and a KV head to see what one head holds" + (", and colour by reason." if names else ".")
-    return "Tint = share of (layer, KV head) copies held; dark = evicted." + (note if engine is not None else "")
+    return (
+        "Tint = share of (layer, KV head) copies held; dark = evicted"
+        + ("; " + viz.pruned_legend() + " (it never entered the cache)." if pruned else ".")
+        + (note if engine is not None else "")
+    )
 
 
 def live_update(

@@ -24,6 +24,7 @@ from .passes import (
 )
 from .plans import bench_plan
 from .policies import BENCHMARKS, long_stream_benchmark, long_stream_table
+from .pruning import pruning_benchmark, pruning_table
 from .reference import load_reference, reference_benchmark, reference_table
 from .synthetic_stream import stream_benchmark, stream_table
 from .zerogpu import zerogpu_table, zerogpu_transfer_benchmark
@@ -68,6 +69,10 @@ def bench_command(args: argparse.Namespace, params: dict[str, Any]) -> int:
     stream = stream_benchmark(policy, args.frames, budget)
     results["stream"] = stream
     print(stream_table(stream, policy.name, args.every))
+    if getattr(args, "prune", None) is not None:
+        print(f"\nthe same stream with {args.prune.text} before the LLM, in front of each...", file=sys.stderr)
+        results["pruning"] = pruning_benchmark(policy, args.frames, budget, args.prune)
+        print(pruning_table(results["pruning"], args.every))
     if getattr(args, "zerogpu", False):
         print("\nwhat a ZeroGPU call pickles at Qwen2.5-VL-3B's defaults...", file=sys.stderr)
         results["zerogpu"] = zerogpu_transfer_benchmark()

@@ -14,6 +14,7 @@ prefix and an answer's slack), the full cache grows with the stream until its by
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 from ..analysis.explain import evidence_ratio, fidelity
 from ..dialogue import clipped
 from ..errors import PolicyChoiceError, PolicyParameterError
+from ..pruning import PruneSpec, entry_label, parse_prune, split_entry
 from ..stream.engine import StreamEngine
 from ..stream.lineup import FULL, Contender, cap_bytes, lineup_budgets, make_engines, size_lineup
 from ..stream.streaming import EngineGroup
@@ -30,6 +32,9 @@ from ..views import counted
 
 #: Bounded policies compared at once (and the full cache beside them).
 MAX_POLICIES = 4
+#: A line of a policy's own settings: its engine's name (which may hold a colon: ``evs:0.5+cords``), then a colon
+#: followed by a space or the line's end.
+OVERRIDE_LINE = re.compile(r"^\s*(\S+?):(?=\s|$)")
 #: The shared M and C a comparison starts with: two thirds of the model's single-policy defaults (kvdemo's choice:
 #: several engines share the memory one would have; for the tiny model 64 and 48, the eval's defaults).
 COMPARE_BUDGET_SHARE = 2 / 3
@@ -40,11 +45,13 @@ def compare_budget(budget: int, keep: int) -> tuple[int, int]:
     return round(budget * COMPARE_BUDGET_SHARE), round(keep * COMPARE_BUDGET_SHARE)
 
 
-def parse_overrides(names: list[str], text: str = "") -> list[Contender]:
-    """The compared policies, with the lines of ``text`` (``"policy: M=96 C=72 key=value ..."``, one per policy)
-    giving a policy its own budget and parameters; a one-line :class:`~kvdemo.errors.PolicyChoiceError` (which
-    policies) or :class:`~kvdemo.errors.PolicyParameterError` (a line) otherwise."""
-    names = [n.strip() for n in names if n and n.strip()]
+def parse_overrides(names: list[str], text: str = "", prune: PruneSpec | str | None = None) -> list[Contender]:
+    """The compared policies (each a name, or ``METHOD:VALUE+POLICY`` with pruning before the LLM in front of it),
+    with the lines of ``text`` (``"policy: M=96 C=72 prune=evs:0.5 key=value ..."``, one per policy) giving a policy
+    its own budget, pruning and parameters, and ``prune`` the pruning of those that name none; a one-line
+    :class:`~kvdemo.errors.PolicyChoiceError` (which policies), :class:`~kvdemo.errors.PolicyParameterError` (a line)
+    or :class:`~kvdemo.errors.PruningSettingError` otherwise."""
+    names = [entry_label(*split_entry(n)) for n in names if n and n.strip()]
     if not names:
         raise PolicyChoiceError("choose at least one policy to compare")
     if len(names) > MAX_POLICIES:
@@ -55,20 +62,27 @@ def parse_overrides(names: list[str], text: str = "") -> list[Contender]:
         raise PolicyChoiceError(
             f"each policy once, and not {FULL!r} (the full cache is always the baseline): {', '.join(names)}"
         )
-    contenders = {name: Contender(name) for name in names}
+    shared = parse_prune(prune, "pruning")
+    contenders = {}
+    for name in names:
+        own, policy = split_entry(name)
+        contenders[name] = Contender(policy, prune=own or shared)
     for line in (text or "").splitlines():
         if not line.strip():
             continue
-        name, _, rest = line.partition(":")
-        if name.strip() not in contenders:
+        found = OVERRIDE_LINE.match(line)
+        name, rest = (found.group(1), line[found.end() :]) if found else (line.strip(), "")
+        if name not in contenders:
             raise PolicyParameterError(f"the line {line.strip()!r} names no compared policy ({', '.join(names)})")
-        contender = contenders[name.strip()]
+        contender = contenders[name]
         for item in rest.split():
             key, eq, value = item.partition("=")
             if not eq:
-                raise PolicyParameterError(f"{item!r} in {name.strip()}'s line is not key=value")
+                raise PolicyParameterError(f"{item!r} in {name}'s line is not key=value")
             if key in ("M", "C"):
                 setattr(contender, "budget" if key == "M" else "keep", value)
+            elif key == "prune":
+                contender.prune = parse_prune(value, f"{name}'s prune")
             else:
                 contender.params[key.replace("-", "_")] = value
     return list(contenders.values())

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..pruning import split_entry
 from .evaluation import evaluate
 
 
@@ -17,7 +18,8 @@ def accuracy_table(report: dict[str, Any]) -> str:
     """Accuracy per policy (rows) and delay (columns) with 95% intervals, chance and the question count."""
     delays = report["delays_s"]
     width = max(14, *(len(name) for name in report["accuracy"]))
-    header = f"{'policy':<{width}} {'M / C':>11} " + " ".join(f"{'delay ' + d + ' s':>17}" for d in delays)
+    held = report.get("tokens_held", {})
+    header = f"{'policy':<{width}} {'M / C':>11} {'held':>6} " + " ".join(f"{'delay ' + d + ' s':>17}" for d in delays)
     lines = [header]
     for name, row in report["accuracy"].items():
         budget = report["budgets"][name]
@@ -30,13 +32,14 @@ def accuracy_table(report: dict[str, Any]) -> str:
         for d in delays:
             low, high = report["interval"][name][d]
             cells.append(f"{row[d]:.2f} [{low:.2f},{high:.2f}]".rjust(17))
-        lines.append(f"{name:<{width}} {size:>11} " + " ".join(cells))
+        lines.append(f"{name:<{width}} {size:>11} {held.get(name, 0):>6.0f} " + " ".join(cells))
     q = report["questions"]
     kind = report.get("kind", "static")
     streams = "static and moving, alternating," if kind == "mixed" else kind
     lines.append(
         f"chance {report['chance']:.3f}; {q['total']} questions ({q['colour']} colour, {q['first']} first-shape) "
-        f"from {report['episodes']} held-out {streams} streams of {report['stream_pairs']} s; [95% Wilson interval]"
+        f"from {report['episodes']} held-out {streams} streams of {report['stream_pairs']} s; [95% Wilson interval]; "
+        "held: mean visual tokens in the cache when asked"
     )
     return "\n".join(lines)
 
@@ -50,7 +53,7 @@ def eval_command(args: argparse.Namespace) -> int:
     from ..policies import make_policy  # deferred with torch
 
     for name in args.policies:
-        make_policy(name)  # an unknown name fails here, before the model loads
+        make_policy(split_entry(name)[1])  # an unknown name fails here, before the model loads
     budget = token_count("M", args.budget)  # M and C are checked by the budget's rule before the model loads
     keep = token_count("C", args.keep) if args.keep is not None else int(budget * DEFAULT_KEEP_RATIO)
     torch.set_num_threads(args.threads)
@@ -90,10 +93,12 @@ def write_policy_runs(
 
     for name in report["accuracy"]:
         bounds = report["budgets"][name]
+        prune, _ = split_entry(name)
         config = {
             "harness": "kvdemo eval",
             "model": report["model"],
-            "policy": name,
+            "policy": name,  # the engine's name: a pruned engine is a line of its own in the results' chart
+            "prune": prune.text if prune is not None else None,
             "params": {},
             "M": bounds["budget"],
             "C": bounds["keep"],

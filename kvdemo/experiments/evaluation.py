@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import EvaluationSettingError, PolicyChoiceError, StreamSettingError
 from ..media.video import frames_for
+from ..pruning import entry_label, split_entry
 from ..world.choices import CHOICE_FORMATS, LETTERS, multiple_choice
 from ..world.synthetic import (
     COLOURS,
@@ -117,6 +118,12 @@ def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
     centre = (p + z * z / (2 * total)) / (1 + z * z / total)
     half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def engine_names(entries: list[str]) -> list[str]:
+    """The engines' names of ``entries`` (a policy, or ``METHOD:VALUE+POLICY`` with pruning in front of it), written
+    as the lineup names them (``evs:.75+full`` is ``evs:0.75+full``)."""
+    return [entry_label(*split_entry(entry)) for entry in entries]
 
 
 def build_engines(
@@ -226,9 +233,12 @@ def evaluate(
 
     Returns the JSON report: ``chance``, ``episodes``, ``budget``, ``keep``, ``accuracy[policy][delay]``,
     plus ``interval`` (95%), ``by_kind`` (question kinds), ``by_stream`` (``[policy][delay][stream kind]``:
-    accuracy and question count), ``questions`` and the engines' actual ``budgets``.
+    accuracy and question count), ``questions``, the engines' actual ``budgets`` and ``tokens_held`` (per policy,
+    the mean visual tokens its memory held when asked: what "equal memory" compares).
     """
     check_settings(policies, episodes, delays, questions)
+    policies = engine_names(policies)
+    predictions = predictions if predictions is not None else []  # their tokens held make tokens_held
     specs = [spec] if spec is not None else [eval_spec(delays, kind=k) for k in stream_kinds(kind)]
     kind = spec.kind if spec is not None else kind
     budgets = {
@@ -271,6 +281,10 @@ def evaluate(
         "seed": seed,
         "model": model.name,
         "budgets": budgets,
+        "tokens_held": {
+            name: round(float(np.mean([p["tokens_held"] for p in predictions if p["policy"] == name] or [0])), 1)
+            for name in policies
+        },
     }
 
 

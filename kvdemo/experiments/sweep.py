@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ..views import Chart, Series, counted
 from ..world.synthetic import generate_episode
-from .evaluation import EVAL_STREAMS, episode_answers, eval_spec, valid_items
+from .evaluation import EVAL_STREAMS, engine_names, episode_answers, eval_spec, valid_items
 
 if TYPE_CHECKING:  # the model's module imports torch: a type only
     from ..models.base import VideoLM
@@ -66,6 +66,7 @@ def delay_sweep(
 
     if not delays or min(delays) < 0:
         raise ValueError(f"delays must be non-negative seconds, got {list(delays)}")
+    policies = engine_names(policies)
     state = Sweep(
         list(policies),
         tuple(delays),

@@ -9,6 +9,8 @@ class is a "simple" lmms-eval model (``is_simple = True``: requests carry the ta
 - ``policy`` (default ``full``), ``M`` and ``C`` (the budget, visual tokens; without ``M`` a bounded policy runs at
   the model's default budget, the app's, and the run's config says so in ``budget_from``; ``C`` left out is 0.75 M),
   ``param_<name>=value`` for each policy parameter (``param_alpha=0.5``).
+- ``prune``: pruning before the LLM in front of the policy (``prune=evs:0.75``, ``prune=vidcom2:0.25``;
+  :mod:`kvdemo.pruning`); default none.
 - ``fps`` (sampling, default 2), ``min_pixels`` / ``max_pixels`` (the frame size range; default the model's),
   ``max_new_tokens`` (default: the task's ``generation_kwargs``).
 - ``time_field``: a document field holding the stream time (seconds) to ask at; without it (or where a document
@@ -55,6 +57,7 @@ from ..media.video import VideoError, open_video  # noqa: E402
 from ..models.catalog import default_budget  # noqa: E402
 from ..models.loading import load_model  # noqa: E402
 from ..policies import make_policy  # noqa: E402
+from ..pruning import parse_prune  # noqa: E402
 from ..stream.engine import EngineError, StreamEngine  # noqa: E402
 from ..stream.lineup import Contender, make_engines  # noqa: E402
 
@@ -89,6 +92,7 @@ class KVDemoLMM(lmms):
         max_pixels: int | None = None,
         max_new_tokens: int | None = None,
         time_field: str | None = None,
+        prune: str | None = None,
         runs: str = "runs",
         device: str | None = None,
         batch_size: int | str | None = 1,
@@ -113,12 +117,14 @@ class KVDemoLMM(lmms):
             C = default_keep if C is None else C
             self.budget_from = "the model's default (as the app starts it)"
         self.bounds = Budget.resolve(policy, M, C, default_ratio=DEFAULT_KEEP_RATIO)
+        self.prune = parse_prune(prune, "kvdemo's model argument prune")
+        self.engine_name = Contender(self.policy_name, prune=self.prune).label
         self._rank, self._world_size, local_device = _process_placement()
         self.accelerator = _accelerator() if self._world_size > 1 else None
         self.model = load_model(self.checkpoint, device=device or local_device)
         self.geometry = self.model.geometry.with_pixels(min_pixels, max_pixels)
         self.writer = RunWriter.open(
-            Path(runs), f"lmms-eval-{self.policy_name}", self._config(), self._rank, self._world_size
+            Path(runs), f"lmms-eval-{self.engine_name}", self._config(), self._rank, self._world_size
         )
 
     # --- lmms-eval's API --------------------------------------------------------------------------
@@ -230,6 +236,8 @@ class KVDemoLMM(lmms):
                 "ask_s": ask.time_s,
                 "delay_s": ask.doc.get("delay_s"),
                 "policy": engine.policy.name,
+                "prune": engine.pruning.spec.text if engine.pruning is not None else None,
+                "tokens_entered": engine.pruning.entered if engine.pruning is not None else None,
                 "M": engine.budget.M,
                 "C": engine.budget.C,
                 "tokens_held": engine.memory.visual_tokens,
@@ -245,8 +253,8 @@ class KVDemoLMM(lmms):
 
     def _engine(self) -> StreamEngine:
         """A fresh engine (a fresh policy, its state its own) under the budget resolved once, for one video."""
-        contender = Contender(self.policy_name, self.policy_params, budget=self.bounds)
-        return make_engines(self.model, [contender], fps=self.fps)[self.policy_name]
+        contender = Contender(self.policy_name, self.policy_params, budget=self.bounds, prune=self.prune)
+        return make_engines(self.model, [contender], fps=self.fps)[contender.label]
 
     def _ask(self, index: int, context: str, gen_kwargs: dict[str, Any], doc: dict[str, Any], task: str) -> Ask:
         until = gen_kwargs.get("until") or ()
@@ -268,6 +276,7 @@ class KVDemoLMM(lmms):
             "checkpoint": self.checkpoint,
             "policy": self.policy_name,
             "params": self.policy_params,
+            "prune": self.prune.text if self.prune is not None else None,
             "M": self.bounds.M,
             "C": self.bounds.C,
             "budget_from": self.budget_from,

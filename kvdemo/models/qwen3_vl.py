@@ -190,6 +190,7 @@ class Qwen3VL(TransformersAdapter):
             encode_ms=watch.ms(),
             text=torch.cat(text),
             extras=extras,
+            per_visual_token=tuple(extras),
         )
 
     # --- positions ------------------------------------------------------------------------

@@ -31,6 +31,8 @@ from ..dialogue import QuestionError, check_question, replayed_dialogue
 from ..errors import UserError
 from ..models.base import VideoLM
 from ..policies import BudgetError, Policy, Probed, make_policy
+from ..pruning import PruneSpec, parse_prune
+from ..pruning.stage import Pruning
 from ..views import View, ViewContext
 
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -156,6 +158,9 @@ class StreamEngine:
     numbers, resolved here (:meth:`Budget.resolve`, exact; ``full`` ignores both). An unsized budget is sized at the
     first chunk, once (:meth:`Budget.sized`); later chunks are only checked against it. ``max_cache_bytes``
     (optional) stops the stream with :class:`MemoryCapError` before the cache would exceed it.
+    ``prune`` (``"evs:0.75"``, ``"vidcom2:0.25"`` or a :class:`~kvdemo.pruning.PruneSpec`) puts pruning before the LLM
+    in front of the policy (:mod:`kvdemo.pruning`): the tokens it prunes never enter the memory, and the budget counts
+    what entered.
     """
 
     def __init__(
@@ -168,8 +173,12 @@ class StreamEngine:
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         max_cache_bytes: int | None = None,
         policy_params: dict[str, Any] | None = None,
+        prune: str | PruneSpec | None = None,
     ) -> None:
         self.model = model
+        spec = parse_prune(prune)
+        #: Pruning before the LLM (None: every encoded token enters).
+        self.pruning: Pruning | None = Pruning(spec) if spec is not None else None
         self.policy = make_policy(policy, **(policy_params or {})) if isinstance(policy, str) else policy
         if isinstance(budget, Budget):
             if keep is not None:
@@ -212,12 +221,16 @@ class StreamEngine:
         self.attach(model)
         self.memory.to(model.layer_devices())
         self.policy.to(model.device)
+        if self.pruning is not None:
+            self.pruning.to(model.device)
         return self
 
     def to(self, device: torch.device | str) -> "StreamEngine":
         """Move the memory and the policy's state to ``device`` (e.g. to the CPU before pickling)."""
         self.memory.to(device)
         self.policy.to(device)
+        if self.pruning is not None:
+            self.pruning.to(device)
         return self
 
     # --- streaming ------------------------------------------------------------------------
@@ -235,22 +248,31 @@ class StreamEngine:
 
     @torch.inference_mode()
     def feed_chunk(self, chunk: VisualChunk) -> list[OccupancyEvent]:
-        """Prefill an encoded chunk on the memory (compressing first if it would overflow ``M``)."""
-        self._check_chunk(chunk)
+        """Prefill an encoded chunk on the memory (compressing first if it would overflow ``M``). With pruning, only
+        the tokens it lets in are prefilled, each at the position the model gives it in the full video."""
+        self._check_chunk(chunk)  # the whole chunk: pruning may let every token of one in (a scene cut)
         if self.memory.is_empty:
             self._prefill_prefix()
+        positions, cursor = self.model.chunk_positions(chunk, self.memory.cursor)
+        offered = chunk.visual_tokens
+        if self.pruning is not None:
+            watch = self._stopwatch()
+            keep = self.pruning.prune(chunk)
+            self.pruning.ms += watch.ms()
+            chunk, positions = chunk.subset(keep), positions[:, keep.to(positions.device)]
         events = []
         if must_compress(self.budget, self.memory, self.uncompressed_layers, chunk.num_tokens):
             events.append(self.compress(incoming=chunk.num_tokens))
         self._check_cap(chunk)
         watch = self._stopwatch()
-        positions, cursor = self.model.chunk_positions(chunk, self.memory.cursor)
         self._check_positions(cursor)
-        cache = MemoryCache(self.memory)
-        self.model.forward(chunk.embeds, positions, cache, chunk)
+        if chunk.num_tokens:  # a chunk pruned whole puts nothing in the sequence: its grids are only recorded
+            cache = MemoryCache(self.memory)
+            self.model.forward(chunk.embeds, positions, cache, chunk)
         self.memory.commit_append(chunk, positions)
         self.memory.cursor = cursor
-        cache.commit_linear_state()
+        if chunk.num_tokens:
+            cache.commit_linear_state()
         prefill_ms = watch.ms()
         self.frames_fed += chunk.frames
         self.last_time_s = chunk.end_time_s
@@ -266,6 +288,8 @@ class StreamEngine:
                 compress_ms=sum(e.ms for e in events if e.event == "compress"),
                 visual_tokens=self.memory.visual_tokens,
                 cache_bytes=self.memory.nbytes,
+                offered_tokens=offered,
+                entered_tokens=chunk.visual_tokens,
             )
         )
         return events
@@ -490,6 +514,7 @@ class StreamEngine:
         that could not be decoded (a damaged file).
         """
         timeline = [e.to_dict() for e in self.memory.timeline]
+        pruning = {"pruning": self.pruning.report()} if self.pruning is not None else {}  # what each grid let in
         return {
             "model": self.model.name,
             "video": video,
@@ -522,4 +547,5 @@ class StreamEngine:
                 for a in self.answers
             ],
             "policy_state": self.policy.report(),
+            **pruning,
         }

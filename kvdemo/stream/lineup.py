@@ -18,6 +18,7 @@ from ..cache.budget import Budget
 from ..errors import StreamSettingError
 from ..models.base import VideoLM
 from ..policies import BudgetError, Policy, make_policy
+from ..pruning import PruneSpec, entry_label, parse_prune, split_entry
 from .engine import DEFAULT_MAX_NEW_TOKENS, StreamEngine
 
 #: Engine name of the full-cache baseline (and the unbounded policy it runs).
@@ -29,13 +30,26 @@ class Contender:
     """One engine of a run: ``name`` (the engine's name, and the registered policy it runs unless ``policy`` is
     given), the policy's parameters, and its own ``M`` (``budget``: as typed, or an already resolved
     :class:`~kvdemo.cache.budget.Budget`) and ``C`` (``keep``); None takes the run's shared ones. ``policy``: an
-    instance to run as is (its state is the engine's: give a name to get a fresh policy at each build)."""
+    instance to run as is (its state is the engine's: give a name to get a fresh policy at each build). ``prune``:
+    pruning before the LLM in front of the policy (``"evs:0.75"`` or a :class:`~kvdemo.pruning.PruneSpec`; read at
+    once, so a bad one fails before any model loads); the engine is then named :attr:`label`, and a ``name`` written
+    as a label (``"evs:0.75+full"``) is read back into the policy's name and its pruning."""
 
     name: str
     params: dict[str, Any] = field(default_factory=dict)
     budget: Any = None
     keep: Any = None
     policy: Policy | None = None
+    prune: PruneSpec | str | None = None
+
+    def __post_init__(self) -> None:
+        own, self.name = split_entry(self.name)
+        self.prune = parse_prune(self.prune, f"{self.name}'s pruning") or own
+
+    @property
+    def label(self) -> str:
+        """The engine's name: the policy's, behind its pruning when it has one (``evs:0.75+full``)."""
+        return entry_label(self.prune, self.name)
 
     def policy_and_budget(
         self, budget: Any = None, keep: Any = None, default_ratio: float | None = None
@@ -52,7 +66,8 @@ class Contender:
 
 
 def contender(entry: str | Policy | Contender) -> Contender:
-    """``entry`` as a :class:`Contender`: a registered name, a policy instance (run as is) or a contender."""
+    """``entry`` as a :class:`Contender`: a registered name (behind a pruning choice: ``evs:0.75+full``), a policy
+    instance (run as is) or a contender."""
     if isinstance(entry, Contender):
         return entry
     if isinstance(entry, Policy):
@@ -71,14 +86,14 @@ def lineup_budgets(
     checks a run makes before its model, each a :class:`BudgetError` with a one-line reason (a name twice, or
     the baseline's name taken while ``baseline`` is asked for)."""
     entries = [contender(entry) for entry in contenders]
-    names = [entry.name for entry in entries] + ([FULL] if baseline else [])
+    names = [entry.label for entry in entries] + ([FULL] if baseline else [])
     for name in names:
         if names.count(name) > 1:
             raise BudgetError(
                 f"each engine once: {name!r} is named twice"
                 + (" (the full cache is the baseline)" if baseline and name == FULL else "")
             )
-    return {entry.name: entry.policy_and_budget(budget, keep, default_ratio) for entry in entries}
+    return {entry.label: entry.policy_and_budget(budget, keep, default_ratio) for entry in entries}
 
 
 def size_lineup(
@@ -114,10 +129,15 @@ def make_engines(
     """The run's engines, in order: one per contender (name -> engine, under the budget :func:`lineup_budgets`
     gives it of its own or the shared ``budget`` = M and ``keep`` = C), then, with ``baseline``, the full cache
     as :data:`FULL` (stopped by :class:`~kvdemo.stream.engine.MemoryCapError` at ``baseline_cap_bytes``; None: no cap).
-    Every engine samples at ``fps`` and answers with at most ``max_new_tokens``."""
+    Every engine samples at ``fps`` and answers with at most ``max_new_tokens``; a contender's pruning stands in
+    front of its engine (named :attr:`Contender.label`)."""
+    entries = [contender(entry) for entry in contenders]
+    resolved = lineup_budgets(entries, budget, keep, default_ratio, baseline)
     engines = {
-        name: StreamEngine(model, policy, budget=bounds, fps=fps, max_new_tokens=max_new_tokens)
-        for name, (policy, bounds) in lineup_budgets(contenders, budget, keep, default_ratio, baseline).items()
+        entry.label: StreamEngine(
+            model, policy, budget=bounds, fps=fps, max_new_tokens=max_new_tokens, prune=entry.prune
+        )
+        for entry, (policy, bounds) in zip(entries, resolved.values())
     }
     if baseline:
         engines[FULL] = StreamEngine(

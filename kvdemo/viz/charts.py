@@ -28,15 +28,22 @@ OCCUPANCY_COLOURS = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c
 
 
 def occupancy_figure(
-    series: dict[str, list[OccupancyEvent]], budget: int | None = None, title: str = "", log_scale: bool = False
+    series: dict[str, list[OccupancyEvent]],
+    budget: int | None = None,
+    title: str = "",
+    log_scale: bool = False,
+    pruning: dict[str, list[tuple[float, int, int]]] | None = None,
 ):
     """Visual tokens (top) and real cache MB (bottom) over stream time for each engine.
 
     ``series`` maps a label ("infinipot-v at M=2048", "full cache") to its timeline; compression
     events are marked. A bounded policy draws a sawtooth under ``budget``; the full cache a line.
     ``log_scale``: logarithmic y axes, so a sawtooth stays visible beside a full cache that has grown.
+    ``pruning`` maps the label of an engine with pruning before the LLM to its points ``(time s, visual tokens offered
+    so far, entered so far)``: two more lines of its colour, what the stream offered against what entered.
     (Built as one dict: plotly's subplot helpers cost ~100 ms per live update.)
     """
+    pruning = pruning or {}
     data = []
     for index, (label, events) in enumerate(series.items()):
         colour = OCCUPANCY_COLOURS[index % len(OCCUPANCY_COLOURS)]
@@ -83,6 +90,22 @@ def occupancy_figure(
                     line=dict(color=colour, width=2, dash="dot"),
                 )
             )
+        for name, column, dash in (("offered so far", 1, "dot"), ("entered so far", 2, "dashdot")):
+            if label in pruning:
+                points = pruning[label]
+                data.append(
+                    dict(
+                        type="scatter",
+                        x=[p[0] for p in points],
+                        y=[p[column] for p in points],
+                        mode="lines",
+                        name=f"{label}: {name} (pruning before the LLM)",
+                        legendgroup=label,
+                        xaxis="x",
+                        yaxis="y",
+                        line=dict(color=colour, width=1.5, dash=dash),
+                    )
+                )
         compressions = [e for e in events if e.event == "compress"]
         if compressions:
             data.append(
@@ -135,6 +158,7 @@ def occupancy_figure(
             )
         )
     tokens = [e.visual_tokens for events in series.values() for e in events] + ([budget] if budget else [])
+    tokens += [p[1] for points in pruning.values() for p in points]
     megabytes = [max(e.cache_bytes, e.offloaded_bytes) / 2**20 for events in series.values() for e in events]
     scale = dict(type="log") if log_scale else dict(rangemode="tozero")
     empty = not any(series.values())

@@ -1,6 +1,6 @@
 """Frames and what survives of them: thumbnails, patch overlays on the frame grid, captioned strips, and the
 survivor views of any memory (aggregated over layers and KV heads, or one head coloured by the policy's
-reason)."""
+reason), with the patches pruned before the LLM (they never entered the memory) in a colour of their own."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from ..cache.memory import KVMemory
 #: Reason code of a patch that is not held (evicted).
 EVICTED = -1
 NEW_COLOUR = (170, 170, 170)
+#: The colour of a patch pruned before the LLM (it never entered the memory), and its legend entry.
+PRUNED_COLOUR = (214, 39, 120)
+PRUNED_NAME = "pruned before the LLM"
 REASON_COLOURS = [(66, 133, 244), (251, 140, 0), (52, 168, 83), (171, 71, 188), (0, 172, 193)]
 
 
@@ -143,13 +146,34 @@ def labelled_rows(rows: list[tuple[str, np.ndarray]], gap: int = 8) -> np.ndarra
     return np.asarray(canvas)
 
 
-def legend_text(reason_names: dict[int, str]) -> str:
-    """Markdown legend of the reason colours."""
+def mark_pruned(tile: np.ndarray, pruned: np.ndarray | None) -> np.ndarray:
+    """``tile [H, W, 3]`` (a frame already overlaid) with its patches ``pruned [rows, cols]`` (bool: pruned before the
+    LLM) painted in :data:`PRUNED_COLOUR` over the frame, darkened, diagonally striped so they read apart from
+    evicted patches in any overlay; ``tile`` itself when nothing was pruned."""
+    if pruned is None or not pruned.any():
+        return tile
+    height, width = tile.shape[:2]
+    mask = _upsample(pruned.astype(np.float32), (height, width))[..., None]
+    stripes = (((np.arange(height)[:, None] + np.arange(width)[None, :]) // 3) % 2 == 0)[..., None]
+    colour = np.array(PRUNED_COLOUR, dtype=np.float32)
+    painted = tile.astype(np.float32) * 0.45 + colour * np.where(stripes, 0.55, 0.3)
+    return _grid_lines(np.where(mask > 0, painted, tile).clip(0, 255).astype(np.uint8), pruned.shape)
+
+
+def pruned_legend() -> str:
+    """The legend entry of the patches pruned before the LLM."""
+    return f"<span style='color:rgb{PRUNED_COLOUR}'>■</span> {PRUNED_NAME}"
+
+
+def legend_text(reason_names: dict[int, str], pruned: bool = False) -> str:
+    """Markdown legend of the reason colours (``pruned``: with the entry of the patches pruned before the LLM)."""
     parts = [
         f"<span style='color:rgb{REASON_COLOURS[code % len(REASON_COLOURS)]}'>■</span> {name}"
         for code, name in sorted(reason_names.items())
     ]
     parts.append(f"<span style='color:rgb{NEW_COLOUR}'>■</span> new since the last compression")
+    if pruned:
+        parts.append(pruned_legend())
     parts.append("dark = evicted")
     return " &nbsp; ".join(parts)
 
@@ -189,11 +213,13 @@ def survivor_strip(
     head: int | None = None,
     last: int = 4,
     by_reason: bool = False,
+    pruned: np.ndarray | None = None,
 ) -> np.ndarray:
     """The newest ``last`` temporal grids with what survives of each, as one image.
 
     Aggregated over layers/heads (tint = fraction of copies held) unless ``layer`` and ``head`` are
-    given; then ``by_reason`` colours each kept patch by the policy's reason.
+    given; then ``by_reason`` colours each kept patch by the policy's reason. ``pruned [grids, rows, cols]``
+    (bool) marks the patches pruned before the LLM (:func:`mark_pruned`).
     """
     grids = drawable(range(max(0, memory.num_grids - last), memory.num_grids), thumbnails)
     if not grids:
@@ -208,16 +234,32 @@ def survivor_strip(
         tiles = [overlay_fraction(thumbnails[g], fraction[g]) for g in grids]
         kept = [fraction[g].mean() for g in grids]
     captions = [f"t={memory.grid_times_s[g]:.1f}s  {100 * k:.0f}% kept" for g, k in zip(grids, kept)]
-    return frame_strip(tiles, captions)
+    return frame_strip(*with_pruned(tiles, captions, grids, pruned))
+
+
+def with_pruned(
+    tiles: list[np.ndarray], captions: list[str], grids: list[int], pruned: np.ndarray | None
+) -> tuple[list[np.ndarray], list[str]]:
+    """``tiles`` and ``captions`` of ``grids`` with their patches pruned before the LLM marked and counted (``pruned
+    [grids, rows, cols]`` bool, or None)."""
+    if pruned is None:
+        return tiles, captions
+    shown = [g < len(pruned) for g in grids]
+    tiles = [mark_pruned(tile, pruned[g]) if ok else tile for tile, g, ok in zip(tiles, grids, shown)]
+    captions = [
+        f"{caption} · {100 * pruned[g].mean():.0f}% pruned" if ok and pruned[g].any() else caption
+        for caption, g, ok in zip(captions, grids, shown)
+    ]
+    return tiles, captions
 
 
 def survivor_gallery(
-    memory: KVMemory, thumbnails: list[np.ndarray], max_width: int = 160
+    memory: KVMemory, thumbnails: list[np.ndarray], max_width: int = 160, pruned: np.ndarray | None = None
 ) -> list[tuple[np.ndarray, str]]:
-    """Every temporal grid so far with what survives of it (aggregated), captioned with time and share."""
+    """Every temporal grid so far with what survives of it (aggregated), captioned with time and share (and what was
+    pruned before the LLM: ``pruned [grids, rows, cols]``)."""
     fraction = survival_fraction_map(memory)
-    items = []
-    for g in drawable(range(memory.num_grids), thumbnails):
-        tile = overlay_fraction(thumbnail(thumbnails[g], max_width), fraction[g])
-        items.append((tile, f"t={memory.grid_times_s[g]:.1f}s · {100 * fraction[g].mean():.0f}% kept"))
-    return items
+    grids = drawable(range(memory.num_grids), thumbnails)
+    tiles = [overlay_fraction(thumbnail(thumbnails[g], max_width), fraction[g]) for g in grids]
+    captions = [f"t={memory.grid_times_s[g]:.1f}s · {100 * fraction[g].mean():.0f}% kept" for g in grids]
+    return list(zip(*with_pruned(tiles, captions, grids, pruned))) if grids else []

@@ -8,7 +8,17 @@ import numpy as np
 
 from ..analysis.survival import survival_counts
 from ..policies.contract import SummaryRegion
-from .frames import EVICTED, _grid_lines, _upsample, drawable, frame_strip, survivor_gallery, survivor_strip, thumbnail
+from .frames import (
+    EVICTED,
+    _grid_lines,
+    _upsample,
+    drawable,
+    frame_strip,
+    survivor_gallery,
+    survivor_strip,
+    thumbnail,
+    with_pruned,
+)
 
 #: Per-patch status codes of :func:`patch_status`.
 HELD, SUMMARISED, OFFLOADED, RETRIEVED = 0, 1, 2, 3
@@ -154,6 +164,14 @@ def _status_caption(fractions: np.ndarray) -> str:
     return " · ".join(parts)
 
 
+def pruned_patches(engine) -> np.ndarray | None:
+    """``[grids, rows, cols]`` bool: the patches of ``engine``'s grids pruned before the LLM (None without pruning), as
+    many grids as its memory has seen."""
+    if getattr(engine, "pruning", None) is None:
+        return None
+    return engine.pruning.pruned_map()[: engine.memory.num_grids]
+
+
 def engine_strip(
     engine,
     thumbnails: list[np.ndarray],
@@ -164,28 +182,28 @@ def engine_strip(
 ) -> np.ndarray:
     """What survives of the newest grids for ``engine``: :func:`survivor_strip`, or, for a policy that
     summarises (ProtoKV) or offloads (HybridKV), each patch tinted by its statuses (:func:`patch_status`)
-    over the chosen layer/KV head or all of them, so that a summarised patch never reads as evicted."""
+    over the chosen layer/KV head or all of them, so that a summarised patch never reads as evicted. Patches pruned
+    before the LLM are marked in their own colour (:func:`~kvdemo.viz.frames.mark_pruned`)."""
     memory = engine.memory
+    pruned = pruned_patches(engine)
     if not by_reason or layer is None or head is None:
         fractions = status_fractions(engine, layer, head)
         if fractions is not None:
             grids = drawable(range(max(0, memory.num_grids - last), memory.num_grids), thumbnails)
             tiles = [overlay_status_fractions(thumbnails[g], fractions[:, g]) for g in grids]
             captions = [f"t={memory.grid_times_s[g]:.1f}s  {_status_caption(fractions[:, g])}" for g in grids]
-            return frame_strip(tiles, captions)
-    return survivor_strip(memory, thumbnails, layer, head, last=last, by_reason=by_reason)
+            return frame_strip(*with_pruned(tiles, captions, grids, pruned))
+    return survivor_strip(memory, thumbnails, layer, head, last=last, by_reason=by_reason, pruned=pruned)
 
 
 def engine_gallery(engine, thumbnails: list[np.ndarray], max_width: int = 160) -> list[tuple[np.ndarray, str]]:
     """Every grid so far with what survives of it (aggregated; statuses for summarising/offloading policies)."""
     fractions = status_fractions(engine)
+    pruned = pruned_patches(engine)
     if fractions is None:
-        return survivor_gallery(engine.memory, thumbnails, max_width)
+        return survivor_gallery(engine.memory, thumbnails, max_width, pruned)
     memory = engine.memory
-    return [
-        (
-            overlay_status_fractions(thumbnail(thumbnails[g], max_width), fractions[:, g]),
-            f"t={memory.grid_times_s[g]:.1f}s · {_status_caption(fractions[:, g])}",
-        )
-        for g in drawable(range(memory.num_grids), thumbnails)
-    ]
+    grids = drawable(range(memory.num_grids), thumbnails)
+    tiles = [overlay_status_fractions(thumbnail(thumbnails[g], max_width), fractions[:, g]) for g in grids]
+    captions = [f"t={memory.grid_times_s[g]:.1f}s · {_status_caption(fractions[:, g])}" for g in grids]
+    return list(zip(*with_pruned(tiles, captions, grids, pruned))) if grids else []
