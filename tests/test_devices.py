@@ -377,7 +377,11 @@ def test_the_doctor_runs_its_small_matrix_on_the_cpu(tmp_path, capsys):
     assert [r["same_tokens"] for r in report["split"]] == [True] * len(POLICIES)
     assert report["attention"]["backend"].startswith("cpu") and report["ok"]
     assert report["key_lengths"] == []  # timed on CUDA only
-    assert "all checks passed" in capsys.readouterr().out
+    decode = report["decode"]  # kvdemo's decode beside transformers' generate on the exported tiny model
+    assert decode["kvdemo_ms"] > 0 and decode["generate_ms"] > 0 and decode["new_tokens"] == 32
+    assert decode["ratio"] == pytest.approx(decode["kvdemo_ms"] / decode["generate_ms"])
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and "transformers' generate" in out
 
 
 def test_the_doctors_attention_table_runs_every_call_and_compares_the_blocks():

@@ -10,7 +10,9 @@ kvdemo's masked calls (on CUDA, with what a new key length costs each backend an
 real head shapes: :mod:`.attention_checks`), and timings per policy (prefill per chunk, compression pass, decode
 per token, compression as % of prefill) on the tiny model and, with ``--real-shapes``, one compression pass on two
 layers at Qwen2.5-VL-3B/-7B's per-layer cache shapes; with ``--full-depth``, whole models at released configs with
-random weights, streamed per policy (:mod:`.fulldepth`). Prints tables, writes JSON; asserts nothing about speed.
+random weights, streamed per policy (:mod:`.fulldepth`); last, kvdemo's decode per token against transformers' own
+``generate`` on the same weights and device (:mod:`.decode_check`). Prints tables, writes JSON; asserts nothing about
+speed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import platform
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +40,7 @@ from ..usage import UsageError
 from ..world.synthetic import sample_episode
 from . import fulldepth, write_json
 from .attention_checks import attention_backend, attention_memory, key_length_cost
+from .decode_check import decode_against_generate, decode_line
 from .passes import time_pass
 
 QUESTION = "What colour was the circle?"
@@ -338,6 +343,8 @@ def doctor(
             full_depth, str(device), seconds, checkpoints, keep_folders=tuple(full_depth) if keep_checkpoints else ()
         )
         _write(report, json_path)
+    report["decode"] = decode_check(device, full_depth, checkpoints)
+    print("\n" + decode_line(report["decode"]))
     failed = [r for r in report["models"] if not (r["under_M"] and r["memory_unchanged_by_asking"])]
     failed += [r for r in report["split"] if not r["same_tokens"]]
     report["ok"] = not failed
@@ -345,6 +352,19 @@ def doctor(
     print(f"\n{'all checks passed' if not failed else f'{len(failed)} check(s) FAILED'} in {report['seconds']:.0f} s")
     _write(report, json_path)
     return report
+
+
+def decode_check(device: torch.device, full_depth: list[str] | None, checkpoints: str) -> dict[str, Any]:
+    """kvdemo's decode per token against transformers' ``generate`` (:mod:`.decode_check`): on the first full-depth
+    checkpoint when the doctor streams some (written again, then removed), else on the trained tiny model."""
+    if not full_depth:
+        return decode_against_generate(device)
+    folder = Path(checkpoints) / f"decode-{full_depth[0]}"
+    try:
+        fulldepth.write_random_checkpoint(full_depth[0], folder, device)
+        return decode_against_generate(device, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _write(report: dict[str, Any], json_path: str | None) -> None:

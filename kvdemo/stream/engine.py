@@ -370,10 +370,13 @@ class StreamEngine:
         return Stopwatch({self.model.device, *self.memory.devices})
 
     # --- answering ------------------------------------------------------------------------
-    def ask(self, question: str, max_new_tokens: int | None = None, attribute: bool = False) -> Iterator[str]:
+    def ask(
+        self, question: str, max_new_tokens: int | None = None, attribute: bool = False, ignore_stop: bool = False
+    ) -> Iterator[str]:
         """Answer ``question`` from the memory; yields text pieces as tokens are generated. With ``attribute`` the
         answer records what it looked at (``Answer.attribution``, :mod:`kvdemo.analysis.explain`), tallied in the
-        attention seam while it is generated.
+        attention seam while it is generated; with ``ignore_stop``, exactly ``max_new_tokens`` are generated (a stop
+        token does not end the answer: what a decode benchmark needs).
 
         The question and answer tokens are written into the memory's slack and never committed, so the
         memory afterwards is bit-identical (no copy, no rollback). The one exception is a policy that
@@ -388,7 +391,7 @@ class StreamEngine:
             and self._held_under_budget() > self.budget.keep_for(0)
         ):
             self.compress(probe_text=question)
-        return self._generate(question, max_new_tokens or self.max_new_tokens, attribute)
+        return self._generate(question, max_new_tokens or self.max_new_tokens, attribute, ignore_stop)
 
     def check_question(self, question: str) -> str:
         """``question`` stripped, or :class:`EngineError` saying why it cannot be asked (:mod:`kvdemo.dialogue`)."""
@@ -399,9 +402,11 @@ class StreamEngine:
         except QuestionError as exc:
             raise EngineError(str(exc)) from None
 
-    def answer(self, question: str, max_new_tokens: int | None = None, attribute: bool = False) -> Answer:
+    def answer(
+        self, question: str, max_new_tokens: int | None = None, attribute: bool = False, ignore_stop: bool = False
+    ) -> Answer:
         """:meth:`ask`, collected."""
-        for _ in self.ask(question, max_new_tokens, attribute):
+        for _ in self.ask(question, max_new_tokens, attribute, ignore_stop):
             pass
         return self.answers[-1]
 
@@ -423,7 +428,9 @@ class StreamEngine:
         return self.model.forward(embeds, positions, cache), cache, cursor, dropped
 
     @torch.inference_mode()
-    def _generate(self, question: str, max_new_tokens: int, attribute: bool = False) -> Iterator[str]:
+    def _generate(
+        self, question: str, max_new_tokens: int, attribute: bool = False, ignore_stop: bool = False
+    ) -> Iterator[str]:
         watch = self._stopwatch()
         tally = AttributionTally(self.memory) if attribute else None
         logits, cache, cursor, dropped = self._question_prefill(question, (tally,) if tally else ())
@@ -433,7 +440,7 @@ class StreamEngine:
             bias = self.model.logit_bias
             for step in range(max_new_tokens):
                 token = int(torch.argmax(logits if bias is None else logits + bias.to(logits.device)))
-                if token in self.model.stop_ids:
+                if token in self.model.stop_ids and not ignore_stop:
                     break
                 generated.append(token)
                 if not ttft_ms:
