@@ -340,7 +340,7 @@ def summary_table(report: dict[str, Any], engine) -> str:
         ("compressions", stats.compressions),
         ("vision encode", f"{stats.encode_ms:.0f} ms"),
         ("prefill", f"{stats.prefill_ms:.0f} ms"),
-        ("compression", f"{stats.compress_ms:.0f} ms ({_percent(stats.compress_ms, stats.prefill_ms)} of prefill)"),
+        ("compression", compression_text(stats)),
     ]
     if engine.pruning is not None:
         rows.append(("pruning before the LLM", engine.pruning.describe()))
@@ -363,8 +363,15 @@ def budget_text(report: dict[str, Any]) -> str:
     )
 
 
-def _percent(part: float, whole: float) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "n/a"
+def compression_text(stats) -> str:
+    """The compression row: total time, and one pass as a share of one chunk's prefill (first chunk's warm-up apart)."""
+    if not stats.compressions:
+        return "none"
+    share = f", one pass {stats.pass_ms:.1f} ms"
+    if stats.pass_share is not None:
+        share += f" = {100 * stats.pass_share:.1f}% of one chunk's prefill ({stats.chunk_prefill_ms:.1f} ms"
+        share += ", the first chunk's warm-up left out)" if stats.chunks > 1 else ")"
+    return f"{stats.compress_ms:.0f} ms in {stats.compressions} pass(es){share}"
 
 
 def check_eval_arguments(args: argparse.Namespace) -> None:

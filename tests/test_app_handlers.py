@@ -508,28 +508,28 @@ def test_counts_agree_and_the_compression_time_is_said_in_words(hub):
     """Every count in the status, the answers and the messages agrees with its noun ("1 token",
     "1 compression"); the compression time is a share of the prefill time, said in words; the Ready text names the
     sample's button (a sample kind is always chosen)."""
-    from types import SimpleNamespace
 
     from kvdemo.app.page_updates import answer_markdown
     from kvdemo.app.single_updates import READY, compression_time, status_text
-    from kvdemo.stream.engine import Answer
+    from kvdemo.stream.engine import Answer, EngineStats
     from kvdemo.views import counted
 
     assert [counted(n, "token") for n in (0, 1, 2)] == ["0 tokens", "1 token", "2 tokens"]
     assert counted(1, "patch", "patches") == "1 patch" and counted(3, "patch", "patches") == "3 patches"
-    stats = SimpleNamespace(compressions=1, compress_ms=30.0, prefill_ms=120.0)
-    assert compression_time(stats) == "1 compression, taking 25% as long as prefilling the chunks"
-    stats = SimpleNamespace(compressions=3, compress_ms=408.0, prefill_ms=120.0)
-    assert compression_time(stats) == "3 compressions, taking 340% as long as prefilling the chunks"
-    assert compression_time(SimpleNamespace(compressions=0, compress_ms=0.0, prefill_ms=120.0)) == "0 compressions"
+    chunks = [{"prefill_ms": ms} for ms in (400.0, 100.0, 140.0)]  # the first pays for the warm-up: left out
+    stats = EngineStats(chunks=3, compress_ms=30.0, compressions=1, prefill_ms=640.0, per_chunk=chunks)
+    assert compression_time(stats) == (
+        "1 compression, each 30 ms = 25% of a chunk's prefill (120 ms, the first chunk's warm-up left out)"
+    )
+    stats = EngineStats(chunks=1, compress_ms=408.0, compressions=3, prefill_ms=120.0, per_chunk=chunks[1:2])
+    assert compression_time(stats) == "3 compressions, each 136 ms = 136% of a chunk's prefill (100 ms)"
+    assert compression_time(EngineStats(chunks=2, per_chunk=chunks[:2])) == "0 compressions"
     assert status_text(Session()) == READY and "Run the bundled sample" in READY and "pick the sample" not in READY
     one = Answer("q", "a", ms=5.0, ttft_ms=1.0, tokens=1, cache_bytes=2**20, visual_tokens=1)
     assert "1 token in 5 ms" in answer_markdown(Session(), one)
     updates, session = run(hub, None, None, budget=96, keep=72, fps=0.5)
     status = updates[-1]["status"]
-    assert (
-        "compressions, taking" in status and "% as long as prefilling the chunks" in status and "overhead" not in status
-    )
+    assert "compressions, each" in status and "% of a chunk's prefill" in status and "overhead" not in status
 
 
 def test_charts_read_as_the_newcomer_expected():

@@ -334,7 +334,7 @@ def test_what_a_newcomer_reads_is_whole_and_follows_the_choices(browser, app_url
     choose_protokv(page)
     page.click("#sample-button")
     page.wait_for_function("document.querySelector('#status').innerText.includes('80/80 frames')", timeout=240_000)
-    assert "% as long as prefilling the chunks" in page.locator("#status").inner_text()
+    assert "% of a chunk's prefill" in page.locator("#status").inner_text()
     page.get_by_text("Every frame so far").click()
     page.wait_for_function("document.querySelectorAll('#gallery .caption-label').length > 4", timeout=60_000)
     cut = page.evaluate("""() => [...document.querySelectorAll('#gallery .caption-label')]

@@ -95,14 +95,18 @@ READY = (
 
 
 def compression_time(stats) -> str:
-    """How many compressions ran and what they cost, in words: the time spent compressing as a share of the time spent
-    prefilling the chunks (the work a stream costs without compression), e.g. "3 compressions, taking 12% as long as
-    prefilling the chunks"."""
+    """How many compressions ran and what one costs, in words: one pass as a share of one chunk's prefill (the work a
+    chunk costs without compression; the first chunk's warm-up left out), e.g. "3 compressions, each 12 ms = 27% of
+    a chunk's prefill (45 ms, the first chunk's warm-up left out)"."""
     done = counted(stats.compressions, "compression")
-    if not stats.compressions or not stats.prefill_ms:
+    share = stats.pass_share
+    if share is None:
         return done
-    share = 100 * stats.compress_ms / stats.prefill_ms
-    return f"{done}, taking {share:.0f}% as long as prefilling the chunks"
+    warm = ", the first chunk's warm-up left out" if stats.chunks > 1 else ""
+    return (
+        f"{done}, each {stats.pass_ms:.0f} ms = {100 * share:.0f}% of a chunk's prefill "
+        f"({stats.chunk_prefill_ms:.0f} ms{warm})"
+    )
 
 
 def summary_note(memory) -> str:
