@@ -174,12 +174,12 @@ def test_unknown_model_family_is_a_clear_error(tmp_path):
 
 
 def test_auto_resolves_to_tiny_without_cuda(monkeypatch):
-    from kvdemo.models.catalog import resolve_model_name
+    from kvdemo.models.catalog import chosen_model_name
 
     monkeypatch.delenv("KVDEMO_MODEL", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert resolve_model_name("auto") == "tiny"
+    assert chosen_model_name("auto") == "tiny"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_model_name(None) == "Qwen/Qwen2.5-VL-3B-Instruct"
+    assert chosen_model_name(None) == "Qwen/Qwen2.5-VL-3B-Instruct"
     monkeypatch.setenv("KVDEMO_MODEL", "tiny")
-    assert resolve_model_name(None) == "tiny"
+    assert chosen_model_name(None) == "tiny"

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..experiments.compare import parse_overrides
-from ..models.catalog import OFFLINE_MODELS, REAL_MODELS, resolve_model_name
+from ..models.catalog import OFFLINE_MODELS, REAL_MODELS, chosen_model_name
 from ..models.loading import load_model
 from ..stream.engine import StreamEngine
 from ..stream.lineup import FULL, Contender
@@ -49,7 +49,7 @@ _MODELS_LOCK = threading.Lock()
 def model_by_name(name: str):
     """The model called ``name``, loaded once per process. A GPU call resolves its model here by name
     (a ZeroGPU worker is a fork of this process, so a model loaded at start-up is already there)."""
-    name = resolve_model_name(name)
+    name = chosen_model_name(name)
     with _MODELS_LOCK:
         if name not in _MODELS:
             _MODELS[name] = load_model(name)
@@ -61,7 +61,7 @@ class ModelHub:
     weights); ``default`` is the model the app starts with."""
 
     def __init__(self, default: str | None = None) -> None:
-        self.default = resolve_model_name(default)
+        self.default = chosen_model_name(default)
 
     def get(self, name: str | None = None):
         return model_by_name(name or self.default)

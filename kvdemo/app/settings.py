@@ -11,7 +11,7 @@ from ..devices import zerogpu
 from ..errors import StreamSettingError, UserError
 from ..media.geometry import FrameGeometry
 from ..media.video import VideoError, open_video
-from ..models.catalog import geometry_for, resolve_model_name
+from ..models.catalog import chosen_model_name, geometry_for
 from ..policies import BudgetError, Policy, coerce_param, policy_class, policy_params
 from ..pruning import METHODS, NONE
 from ..stream.lineup import cap_bytes
@@ -113,7 +113,7 @@ def validate_settings(
     with one chunk of the uploaded ``video`` (resized as ``model`` sizes frames) when there is one, else of the
     bundled sample (what runs without an upload)."""
     try:
-        settings = RunSettings(model or resolve_model_name(None), policy, {}, budget, keep, fps, max_pixels, False, 0)
+        settings = RunSettings(model or chosen_model_name(None), policy, {}, budget, keep, fps, max_pixels, False, 0)
         [(policy, resolved)] = settings_lineup(settings).values()
         geometry = settings_geometry(settings)
         if video:

@@ -38,7 +38,7 @@ __all__ = [
     "offline_model",
     "register_family",
     "released_configs",
-    "resolve_model_name",
+    "chosen_model_name",
 ]
 
 #: The real model ``auto`` means on a machine with a CUDA GPU.
@@ -101,7 +101,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def resolve_model_name(name: str | None = None) -> str:
+def chosen_model_name(name: str | None = None) -> str:
     """``auto`` -> a real Qwen2.5-VL on a CUDA machine, the offline ``tiny`` model otherwise.
 
     ``KVDEMO_MODEL`` overrides the default when no name is given.
@@ -114,7 +114,7 @@ def resolve_model_name(name: str | None = None) -> str:
 
 def offline_model(name: str | None) -> OfflineModel | None:
     """The offline model ``name`` resolves to, or None for a real checkpoint."""
-    resolved = resolve_model_name(name)
+    resolved = chosen_model_name(name)
     return next((m for spec in families().values() for m in spec.offline if m.name == resolved), None)
 
 
@@ -130,7 +130,7 @@ def family_of(name: str | None) -> str | None:
     if offline is not None:
         return offline.family
     try:
-        return checkpoint_config(resolve_model_name(name)).model_type
+        return checkpoint_config(chosen_model_name(name)).model_type
     except ModelError:
         return None
 
@@ -180,7 +180,7 @@ def default_budget(name: str | None) -> tuple[int, int, int]:
     offline = offline_model(name)
     if offline is not None:
         return (*offline.budget, offline.geometry.max_pixels)
-    config = checkpoint_config(resolve_model_name(name))
+    config = checkpoint_config(chosen_model_name(name))
     spec = family_spec(config.model_type)
     return (*spec.budget, spec.geometry(config).max_pixels)
 
@@ -195,7 +195,7 @@ def geometry_for(name: str | None) -> FrameGeometry:
     offline = offline_model(name)
     if offline is not None:
         return offline.geometry
-    config = checkpoint_config(resolve_model_name(name))
+    config = checkpoint_config(chosen_model_name(name))
     return family_spec(config.model_type).geometry(config)
 
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from .base import VideoLM
-from .catalog import checkpoint_config, family_spec, offline_model, resolve_model_name
+from .catalog import checkpoint_config, chosen_model_name, family_spec, offline_model
 
 log = logging.getLogger("kvdemo")
 
@@ -24,7 +24,7 @@ def load_model(name: str | None = None, device: str | None = None) -> VideoLM:
         from .qwen2_vl import load_trained_tiny  # deferred on purpose: the catalog imports family files on demand
 
         return load_trained_tiny(name)
-    resolved = resolve_model_name(name)
+    resolved = chosen_model_name(name)
     log.info("loading model %s%s", resolved, f" ({name} resolves to it)" if name and name != resolved else "")
     start = time.perf_counter()
     offline = offline_model(resolved)
