@@ -54,12 +54,13 @@ from typing import Any
 
 import torch
 
-from ..policies.contract import LayerSlice, Selection, SliceStack, VisualSlices
+from ..policies.contract import Selection, VisualSlices
 from ..tensors import move_rows
 from .budget import Budget
 from .chunk import VisualChunk
 from .compaction import compact_group, refresh_group_bias
 from .layer import PROVENANCE, PROVENANCE_WIDTH, REASON_NEW, LayerGroup, LayerMemory
+from .slicing import memory_slices
 
 #: Slots kept free after the live part for a question and its answer (grown on demand beyond that).
 TEXT_RESERVE = 256
@@ -366,93 +367,10 @@ class KVMemory:
 
     # --- what a policy sees, and what it decides -------------------------------------------
     def slices(self, rotary: Any = None, probe: list[torch.Tensor] | None = None) -> VisualSlices:
-        """What a policy sees: every layer's visual slots (:class:`~kvdemo.policies.contract.LayerSlice`,
-        ``[H_kv, L, D]``) and the same as stacks of a group's consecutive layers of one length
-        (:class:`~kvdemo.policies.contract.SliceStack`, ``[G, H_kv, L, D]``), views of the buffers, no copies;
-        ``probe`` gives each layer's probe queries ``[H_q, T, D]`` (see ``LayerSlice.probe``)."""
-        layers: list[LayerSlice | None] = [None] * len(self.layers)
-        stacks = []
-        for group in self.groups:
-            run: list[int] = []
-            for layer in group.layers:
-                store = self.layers[layer]
-                # a run is layers of one visual length; a layer with stream text is a stack of its own (its text
-                # per grid differs)
-                if run and (store.text_len or store.visual_len != self.layers[run[0]].visual_len):
-                    stacks.append(self._stack(group, run, rotary, probe, layers))
-                    run = []
-                run.append(layer)
-                if store.text_len:
-                    stacks.append(self._stack(group, run, rotary, probe, layers))
-                    run = []
-            if run:
-                stacks.append(self._stack(group, run, rotary, probe, layers))
-        return VisualSlices(layers, stacks)
-
-    def _stack(
-        self,
-        group: LayerGroup,
-        run: list[int],
-        rotary: Any,
-        probe: list[torch.Tensor] | None,
-        layers: list[LayerSlice | None],
-    ) -> SliceStack:
-        """The stack of memory layers ``run`` (consecutive in ``group``, of one visual length) as views of the
-        group's buffers, and each of those layers' slice (into ``layers``) as views of the stack."""
-        start, stores = self.visual_start, [self.layers[layer] for layer in run]
-        first, length, device = group.layers.index(run[0]), stores[0].visual_len, group.kv.device
-        span = slice(first, first + len(run))
-        packed = group.packed[span, :, :length]
-        valid = None
-        if any(store.valid is not None for store in stores):
-            every = torch.ones(group.heads, length, dtype=torch.bool, device=device)
-            valid = torch.stack([store.valid if store.valid is not None else every for store in stores])
-        offloaded = None
-        if any(store.offload is not None for store in stores):
-            counts = [
-                store.offload.tokens
-                if store.offload is not None
-                else torch.zeros(group.heads, dtype=torch.long, device="cpu")
-                for store in stores
-            ]
-            offloaded = torch.stack(counts).to(device)  # one copy for the stack (the counts live on the host)
-        grid_text = self._grid_text(stores[0]) if stores[0].text_len else None
-        fields = dict(
-            keys=group.kv[0, span, :, start : start + length],
-            values=group.kv[1, span, :, start : start + length],
-            frame=packed[..., PROVENANCE["frame"]],
-            row=packed[..., PROVENANCE["row"]],
-            col=packed[..., PROVENANCE["col"]],
-            order=packed[..., PROVENANCE["order"]],
-            position=packed[..., PROVENANCE["position"]],
-            valid=valid,
-            probe=None if probe is None else torch.stack([probe[layer] for layer in run]),
-            offloaded=offloaded,
-            grid_text=None if grid_text is None else grid_text[None],
-        )
-        for g, layer in enumerate(run):
-            per_layer = {name: None if t is None else t[g] for name, t in fields.items()}
-            per_layer["valid"] = stores[g].valid
-            layers[layer] = LayerSlice(
-                layer=layer,
-                num_layers=self.num_layers,
-                grid=self.grid_shape or (0, 0),
-                newest_frame=self.num_grids - 1,
-                rotary=rotary,
-                summary_slots=self.summary_slots,
-                **per_layer,
-            )
-        return SliceStack(layers=tuple(run), first=layers[run[0]], **fields)
-
-    def _grid_text(self, store: LayerMemory) -> torch.Tensor | None:
-        """Stream-text slots each head holds per temporal grid ``[H, grids]`` (None without stream text)."""
-        if not store.text_len:
-            return None
-        heads, size = store.packed.shape[0], max(self.num_grids, 1)
-        frame = store.packed[:, store.visual_len : store.visual_len + store.text_len, PROVENANCE["frame"]].long()
-        held = store.text_valid if store.text_valid is not None else torch.ones_like(frame, dtype=torch.bool)
-        cell = (torch.arange(heads, device=frame.device)[:, None] * size + frame)[held]
-        return torch.bincount(cell, minlength=heads * size).view(heads, size)
+        """What a policy sees: every layer's visual slots and the same as stacks of layers (views of the buffers, no
+        copies; :func:`kvdemo.cache.slicing.memory_slices`); ``probe`` gives each layer's probe queries ``[H_q, T,
+        D]`` (see ``LayerSlice.probe``)."""
+        return memory_slices(self, rotary, probe)
 
     @torch.inference_mode()
     def apply(self, selection: Selection) -> int:
