@@ -20,9 +20,14 @@ Layout of one layer's buffers ``keys/values [1, H_kv, capacity, D]`` (slots, not
   (:meth:`KVMemory.commit_append`); a question writes there and is simply not committed, so the memory
   after :meth:`~kvdemo.stream.engine.StreamEngine.ask` is bit-identical without any copy or rollback.
 
+The layers of one device and dtype share one buffer with a layer axis (:class:`~kvdemo.cache.layer.LayerGroup`:
+``[2, G, H_kv, capacity, D]``, one capacity for the group), each layer's cache a view of it, so one kernel
+addresses every layer: a policy's pass scores them as one batch and a compaction moves them together (a
+``device_map`` split gives one group per device).
+
 Every byte moves once: an append copies the chunk into the slack; a compression moves only the kept tokens
-that sit at or beyond slot ``C`` into the evicted slots below ``C`` (at most ``M - C`` tokens per head,
-one gather and one scatter of rows of the flattened ``[H * capacity, D]`` buffer: :func:`kvdemo.tensors.move_rows`),
+that sit at or beyond slot ``C`` into the evicted slots below ``C`` (at most ``M - C`` tokens per head, one gather
+and one scatter of rows of the group's flattened buffer for every layer at once: :mod:`kvdemo.cache.compaction`),
 never the prefix. Keys
 carry their rotation (post-RoPE), so attention does not care where a token sits: only a new chunk must
 come after what it attends to, which the slack guarantees. Buffers follow what the stream holds: they grow
@@ -36,7 +41,8 @@ and writing through :meth:`KVMemory.ensure_layer` / :meth:`KVMemory.reserve`; kv
 reads the key bias. HybridKV's offload store is :mod:`kvdemo.cache.offload`; what survives of each frame, which
 only views and reports read, is :mod:`kvdemo.analysis.survival`.
 
-One layer's buffers and the moves that compact them are :mod:`kvdemo.cache.layer`. Reading order here: the timeline
+The groups and one layer's own moves are :mod:`kvdemo.cache.layer`, the compaction :mod:`kvdemo.cache.compaction`,
+what a policy sees :mod:`kvdemo.cache.slicing`. Reading order here: the timeline
 event, then :class:`KVMemory`: its layout, the layer buffers, the writes, what a policy sees and decides
 (``slices``/``apply``), the timeline, pickling and devices.
 """
