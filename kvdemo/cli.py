@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from .bench import write_json  # light: json and pathlib
 from .dialogue import QuestionError, check_question, check_question_text, clipped  # light: no torch
-from .errors import UserError  # light: imports nothing
+from .errors import StreamSettingError, UserError  # light: imports nothing
 from .experiments.evaluation import QUESTION_FORMS  # light: torch loads when an evaluation runs
-from .media.video import Video, VideoFile, open_video  # light: numpy and, when a file is opened, PyAV
+from .media.video import Video, VideoFile, open_video, sampling_fps  # light: numpy and, when a file is opened, PyAV
 from .pruning import entry_label, parse_prune, split_entry  # light: the choice as text
 from .usage import UsageError, build_parser, one_line, parse_param  # the grammar: parser, help texts
 from .world.synthetic import STREAM_KINDS, Episode, grade, sample_episode  # light: numpy
@@ -107,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_run_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """Plain checks of ``run``'s numbers; returns the policy parameters. Raises :class:`UsageError`."""
+    try:
+        args.fps = sampling_fps(args.fps)
+    except StreamSettingError as exc:
+        raise UsageError(f"--fps: {exc}") from None
     positive = {
-        "--fps": args.fps,
         "--frames-per-chunk": args.frames_per_chunk,
         "--max-frames": args.max_frames,
         "--max-new-tokens": args.max_new_tokens,

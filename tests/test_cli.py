@@ -213,7 +213,7 @@ def test_a_budget_error_comes_before_the_model_loads_on_its_own_line(media):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--fps", "-1"], "--fps must be positive"),
+        (["--fps", "-1"], "--fps: sampling fps must be positive, got -1"),
         (["--max-frames", "0"], "--max-frames must be positive"),
         (
             ["--min-pixels", "900000", "--max-pixels", "602112"],

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvdemo.errors import BudgetError, PolicyParameterError, UnknownPolicyError, UserError
-from kvdemo.policies import CARDS, REGISTRY, LayerSlice, PolicyCard, make_policy, policy_card, policy_params
+from kvdemo.policies import CARDS, REGISTRY, LayerSlice, PolicyCard, make_policy, param, policy_card, policy_params
 from kvdemo.policies.grid import frame_rank
 from kvdemo.policies.topk import arg_min, top_k_indices, top_k_mask, top_k_sorted, top_k_sum, top_k_values
 
@@ -235,7 +235,15 @@ def test_unknown_policy_and_parameter_are_clear_errors():
             PolicyParameterError,
             "infinipot-v's alpha takes a number (float), got 'abc'",
         ),
-        ("infinipot-v", {"alpha": 1.5}, PolicyParameterError, "alpha must be in [0, 1], got 1.5"),
+        ("infinipot-v", {"alpha": 1.5}, PolicyParameterError, "infinipot-v's alpha must be in [0, 1], got 1.5"),
+        (
+            "infinipot-v",
+            {"recent_ratio": "0"},
+            PolicyParameterError,
+            "infinipot-v's recent_ratio must be in (0, 1], got 0",
+        ),
+        ("protokv", {"near_share": 1}, PolicyParameterError, "protokv's near_share must be in (0, 1), got 1"),
+        ("protokv", {"spatial_rate": "nan"}, PolicyParameterError, "protokv's spatial_rate must be in [0, 1), got nan"),
         (
             "infinipot-v",
             {"tar": "sideways"},
@@ -249,12 +257,8 @@ def test_unknown_policy_and_parameter_are_clear_errors():
             PolicyParameterError,
             "protokv's pseudo_tokens takes a number (int), got 2.5",
         ),
-        (
-            "hybridkv",
-            {"chunk": 0},
-            PolicyParameterError,
-            "share must be >= 0, chunk >= 1 and pool_kernel an odd number >= 1",
-        ),
+        ("hybridkv", {"chunk": 0}, PolicyParameterError, "hybridkv's chunk must be in [1, inf), got 0"),
+        ("hybridkv", {"pool_kernel": 4}, PolicyParameterError, "hybridkv's pool_kernel must be odd"),
     ],
 )
 def test_each_bad_policy_input_raises_its_own_kind_in_one_line(name, params, kind, message):
@@ -328,6 +332,8 @@ def test_the_policy_written_in_the_docs_runs_and_keeps_what_it_says():
         assert (selection.info["reason"][0] == 0).all()
         with pytest.raises(PolicyParameterError, match="takes a number"):
             make_policy(name, norm="loud")
+        with pytest.raises(PolicyParameterError, match=re.escape("largest-values's norm must be in [1, inf], got 0.5")):
+            make_policy(name, norm=0.5)
     finally:
         for registry in (REGISTRY, CARDS):
             for added in [n for n in registry if n not in BUILT_IN]:
@@ -335,3 +341,17 @@ def test_the_policy_written_in_the_docs_runs_and_keeps_what_it_says():
 
 
 BUILT_IN = tuple(REGISTRY)
+
+
+def test_declared_intervals_hold_their_defaults_and_their_ends_follow_the_brackets():
+    for name in REGISTRY:
+        for spec in policy_params(name):
+            if spec.within:
+                assert make_policy(name, **{spec.name: spec.default}), (name, spec.name)
+    assert make_policy("infinipot-v", alpha=0).alpha == 0 and make_policy("infinipot-v", alpha=1).alpha == 1
+    assert make_policy("infinipot-v", recent_ratio=1).recent_ratio == 1
+    for name, params in [("infinipot-v", {"recent_ratio": 0}), ("protokv", {"near_share": 0}), ("cords", {"eps": 0})]:
+        with pytest.raises(PolicyParameterError, match="must be in"):
+            make_policy(name, **params)
+    with pytest.raises(ValueError, match="an interval is written like"):
+        param(1.0, "a number", within="0..1")

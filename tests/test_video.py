@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from kvdemo.media.video import (
+    Video,
     VideoError,
     load_video,
+    open_video,
     resize_frames,
     sample_count,
     write_video,
@@ -49,8 +51,27 @@ def test_sample_count_follows_duration():
     assert sample_count(10.381, 2.0, max_frames=3) == 3
     assert sample_count(0.2, 2.0) == 1  # at least the first frame
     assert sample_count(None, 2.0) is None and sample_count(None, 2.0, max_frames=5) == 5
-    with pytest.raises(VideoError):
-        sample_count(10, 0.0)
+
+
+@pytest.mark.parametrize("fps", [0, -2, float("nan"), float("inf"), "fast", None])
+def test_a_sampling_rate_is_checked_by_one_rule_wherever_it_comes_in(fps, tmp_path):
+    """Files, in-memory videos, frame streams and the app's settings give the same one-line error for a bad rate."""
+    from kvdemo.app.sessions import RunSettings
+    from kvdemo.app.settings import settings_lineup
+    from kvdemo.errors import StreamSettingError
+    from kvdemo.stream.engine import FrameStream
+
+    video = Video(np.zeros((4, 28, 28, 3), np.uint8), np.arange(4) / 2.0, 2.0, "four black frames")
+    settings = RunSettings("tiny-random", "uniform", {}, 96, 72, fps, 200704, False, 0.0)
+    for call in (
+        lambda: open_video(tmp_path / "missing.mp4", fps=fps),
+        lambda: video.sampled(fps),
+        lambda: FrameStream(None, fps),
+        lambda: settings_lineup(settings),
+    ):
+        with pytest.raises(StreamSettingError) as error:
+            call()
+        assert str(error.value) == f"sampling fps must be positive, got {fps}"
 
 
 def test_real_clip_decodes_at_fps(pancake):

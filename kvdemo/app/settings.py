@@ -10,7 +10,7 @@ from ..cache.budget import Budget
 from ..devices import zerogpu
 from ..errors import StreamSettingError, UserError
 from ..media.geometry import FrameGeometry
-from ..media.video import VideoError, open_video
+from ..media.video import VideoError, open_video, sampling_fps
 from ..models.catalog import chosen_model_name, geometry_for
 from ..policies import BudgetError, Policy, coerce_param, policy_class, policy_params
 from ..pruning import METHODS, NONE
@@ -93,8 +93,7 @@ def settings_lineup(settings: RunSettings | CompareSettings) -> dict[str, tuple[
             if len(contenders) == 1:
                 raise
             raise BudgetError(f"{contender.name}: {exc}") from None
-    if settings.fps is None or float(settings.fps) <= 0:
-        raise StreamSettingError(f"sampling fps must be positive, got {settings.fps}")
+    sampling_fps(settings.fps)
     settings_geometry(settings)
     cap_bytes(settings.cap_mb)
     return lineup

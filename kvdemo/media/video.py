@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import UserError
+from ..errors import StreamSettingError, UserError
 from ..views import counted
 from .geometry import FrameGeometry
 
@@ -32,6 +32,19 @@ MAX_SOURCE_PIXELS = 8192 * 8192
 
 class VideoError(UserError):
     """A video could not be used; the message names the file and says why."""
+
+
+def sampling_fps(fps: Any) -> float:
+    """``fps`` as a sampling rate: the one check of it, made where a rate comes in (the CLI's and the app's settings,
+    :class:`VideoFile`, :meth:`Video.sampled`, :class:`~kvdemo.stream.engine.FrameStream`);
+    :class:`~kvdemo.errors.StreamSettingError` unless it is a positive, finite number."""
+    try:
+        rate = float(fps)
+    except (TypeError, ValueError):
+        rate = math.nan
+    if not 0 < rate < math.inf:  # also nan
+        raise StreamSettingError(f"sampling fps must be positive, got {fps}")
+    return rate
 
 
 def resize_frames(frames: np.ndarray, geometry: FrameGeometry) -> np.ndarray:
@@ -110,8 +123,7 @@ class Video:
     def sampled(self, fps: float) -> "Video":
         """The frames shown at times ``k / fps`` (``fps`` below the video's own rate); at or above it the
         video as it is (it streams at its own rate, as a file does)."""
-        if fps <= 0:
-            raise VideoError(f"sampling fps must be positive, got {fps}")
+        fps = sampling_fps(fps)
         if fps >= self.fps:
             return self
         count = sample_count(self.num_frames / self.fps, fps)
@@ -144,9 +156,7 @@ def _describe(name: str, frames: int, fps: float, size, source_size, source_fps:
 
 def sample_count(duration_s: float | None, fps: float, max_frames: int | None = None) -> int | None:
     """How many frames sampling at ``fps`` takes from ``duration_s`` seconds (times k / fps, k = 0, 1, ...);
-    ``None`` when the duration is unknown (sample until the end)."""
-    if fps <= 0:
-        raise VideoError(f"sampling fps must be positive, got {fps}")
+    ``None`` when the duration is unknown (sample until the end). ``fps`` is already checked (:func:`sampling_fps`)."""
     if max_frames is not None and max_frames <= 0:
         raise VideoError(f"max_frames must be positive, got {max_frames}")
     count = None if duration_s is None else max(1, int(math.floor(duration_s * fps + 1e-9)))
@@ -175,6 +185,7 @@ class VideoFile:
         max_frames: int | None = None,
         geometry: FrameGeometry | None = None,
     ) -> None:
+        fps = sampling_fps(fps)
         path = Path(path)
         try:
             found, folder, size = path.exists(), path.is_dir(), path.stat().st_size if path.is_file() else None
@@ -186,8 +197,6 @@ class VideoFile:
             raise VideoError(f"{path}: is a directory, not a video file")
         if size == 0:
             raise VideoError(f"{path.name}: the file is empty")
-        if fps <= 0:
-            raise VideoError(f"sampling fps must be positive, got {fps}")
         self.path, self.geometry = path, geometry
         with self._open() as container:
             stream = container.streams.video[0]

@@ -124,11 +124,15 @@ class CoRDS(ScoredPolicy):
 
     name = "cords"
 
-    beta: float = param(0.25, "key weight in the bicriteria distance beta*d_K + (1-beta)*d_V (0.25: value-favouring)")
-    gamma: float = param(0.25, "key weight in the orthogonal anti-redundancy bonus")
-    bonus: float = param(0.25, "weight of the orthogonal bonus (0 = bicriteria coverage only)")
-    eps: float = param(1e-6, "epsilon of the min-max normalisation")
-    recent_ratio: float = param(0.125, "recent tail r = ratio x frames held (at least one frame), always kept")
+    beta: float = param(
+        0.25, "key weight in the bicriteria distance beta*d_K + (1-beta)*d_V (0.25: value-favouring)", within="[0, 1]"
+    )
+    gamma: float = param(0.25, "key weight in the orthogonal anti-redundancy bonus", within="[0, 1]")
+    bonus: float = param(0.25, "weight of the orthogonal bonus (0 = bicriteria coverage only)", within="[0, inf)")
+    eps: float = param(1e-6, "epsilon of the min-max normalisation", within="(0, inf)")
+    recent_ratio: float = param(
+        0.125, "recent tail r = ratio x frames held (at least one frame), always kept", within="(0, 1]"
+    )
     layers: str = param(
         "bottom25",
         "where selection is active, counted over the attention layers (the memory's): "
@@ -147,22 +151,8 @@ class CoRDS(ScoredPolicy):
         "layers=single: the attention layer at this relative depth, floor(depth x "
         "attention layers) (0.5 = the middle layer, as the paper's single-layer run; 0 = "
         "layer 0)",
+        within="[0, 1]",
     )
-
-    def __post_init__(self) -> None:
-        for name in ("beta", "gamma"):
-            if not 0.0 <= float(getattr(self, name)) <= 1.0:
-                raise PolicyParameterError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if float(self.bonus) < 0 or float(self.eps) <= 0:
-            raise PolicyParameterError(f"bonus must be >= 0 and eps > 0, got bonus={self.bonus}, eps={self.eps}")
-        if not 0.0 < float(self.recent_ratio) <= 1.0:
-            raise PolicyParameterError(f"recent_ratio must be in (0, 1], got {self.recent_ratio}")
-        if self.layers not in SCHEDULES:
-            raise PolicyParameterError(f"layers must be one of {', '.join(SCHEDULES)}, got {self.layers!r}")
-        if self.above not in OUTSIDE_ACTIVE:
-            raise PolicyParameterError(f"above must be one of {', '.join(OUTSIDE_ACTIVE)}, got {self.above!r}")
-        if not 0.0 <= float(self.single_depth) <= 1.0:
-            raise PolicyParameterError(f"single_depth must be in [0, 1], got {self.single_depth}")
 
     def rank(self, slices: list[LayerSlice], keep: int) -> tuple[list[Ranking], dict[str, Any]]:
         source = layer_schedule(len(slices), self.layers, self.followers, self.single_depth, self.above)

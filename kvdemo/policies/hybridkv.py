@@ -112,19 +112,27 @@ class HybridKV(Policy, Probed):
     probe_text: ClassVar[str] = "What happens in the video?"
 
     theta: float = param(
-        0.9, "classification cutoff: heads with sparsity above it are static (a quantile, or a score; see cutoff)"
+        0.9,
+        "classification cutoff: heads with sparsity above it are static (a quantile, or a score; see cutoff)",
+        within="[0, 1]",
     )
     cutoff: str = param(
         "quantile",
         "quantile: theta is a quantile of all heads' scores; score: theta is the score itself",
         choices=CUTOFFS,
     )
-    share: float = param(0.75, "r: each dynamic head gets r x C (the rest goes to static heads)")
-    alpha: float = param(0.5, "static heads: share of their budget split evenly (the rest in proportion to sparsity)")
-    top_k: float = param(0.05, "fraction of the visual tokens whose attention mass makes a row's sparsity")
-    local_ratio: float = param(0.125, "static heads: share of their budget kept for the newest tokens")
-    pool_kernel: int = param(3, "static heads: spatial pooling kernel of the text-prior scores (1 = none)")
-    chunk: int = param(8, "dynamic heads: tokens per offloaded chunk (one mean key each)")
+    share: float = param(0.75, "r: each dynamic head gets r x C (the rest goes to static heads)", within="[0, inf)")
+    alpha: float = param(
+        0.5, "static heads: share of their budget split evenly (the rest in proportion to sparsity)", within="[0, 1]"
+    )
+    top_k: float = param(
+        0.05, "fraction of the visual tokens whose attention mass makes a row's sparsity", within="[0, 1]"
+    )
+    local_ratio: float = param(0.125, "static heads: share of their budget kept for the newest tokens", within="[0, 1]")
+    pool_kernel: int = param(
+        3, "static heads: spatial pooling kernel of the text-prior scores, odd (1 = none)", within="[1, inf)"
+    )
+    chunk: int = param(8, "dynamic heads: tokens per offloaded chunk (one mean key each)", within="[1, inf)")
     classify_with: str = param(
         "probe",
         "probe: classify at each compression with the proxy probe; question: also run "
@@ -143,23 +151,15 @@ class HybridKV(Policy, Probed):
         0.5,
         "accounting=budget: share of a dynamic head's budget kept free for chunks "
         "retrieved while answering (whole chunks; the rest stays resident)",
+        within="[0, 1]",
     )
     _last: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.cutoff not in CUTOFFS:
-            raise PolicyParameterError(f"cutoff must be one of {', '.join(CUTOFFS)}, got {self.cutoff!r}")
-        if self.classify_with not in CLASSIFY_WITH:
+        if self.pool_kernel % 2 == 0:
             raise PolicyParameterError(
-                f"classify_with must be one of {', '.join(CLASSIFY_WITH)}, got {self.classify_with!r}"
+                f"hybridkv's pool_kernel must be odd (a kernel centred on its patch), got {self.pool_kernel}"
             )
-        if self.accounting not in ACCOUNTINGS:
-            raise PolicyParameterError(f"accounting must be one of {', '.join(ACCOUNTINGS)}, got {self.accounting!r}")
-        for name in ("theta", "alpha", "top_k", "local_ratio", "retrieve_share"):
-            if not 0.0 <= float(getattr(self, name)) <= 1.0:
-                raise PolicyParameterError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.share < 0 or self.chunk < 1 or self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
-            raise PolicyParameterError("share must be >= 0, chunk >= 1 and pool_kernel an odd number >= 1")
 
     @property
     def compresses_on_question(self) -> bool:

@@ -116,9 +116,13 @@ class InfiniPotV(ScoredPolicy):
     name = "infinipot-v"
 
     alpha: float = param(
-        0.5, "share of C chosen by TaR (recent frames included); the rest by pooled VaN. 0 = VaN only, 1 = TaR only"
+        0.5,
+        "share of C chosen by TaR (recent frames included); the rest by pooled VaN. 0 = VaN only, 1 = TaR only",
+        within="[0, 1]",
     )
-    recent_ratio: float = param(0.125, "recent window r = ratio x frames held (at least one frame), kept whole")
+    recent_ratio: float = param(
+        0.125, "recent window r = ratio x frames held (at least one frame), kept whole", within="(0, 1]"
+    )
     tar: str = param(
         "patch",
         "TaR scoring: patch (paper), frame (whole-frame similarity), reverse (keep the most redundant)",
@@ -135,14 +139,6 @@ class InfiniPotV(ScoredPolicy):
     _calibrated: tuple[float, float, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= float(self.alpha) <= 1.0:
-            raise PolicyParameterError(f"alpha must be in [0, 1], got {self.alpha}")
-        if not 0.0 < float(self.recent_ratio) <= 1.0:
-            raise PolicyParameterError(f"recent_ratio must be in (0, 1], got {self.recent_ratio}")
-        if self.tar not in ("patch", "frame", "reverse"):
-            raise PolicyParameterError(f"tar must be patch, frame or reverse, got {self.tar!r}")
-        if self.van not in ("pool", "plain", "reverse"):
-            raise PolicyParameterError(f"van must be pool, plain or reverse, got {self.van!r}")
         if self.cv_thresholds is not None:
             thresholds = tuple(float(t) for t in self.cv_thresholds)
             if len(thresholds) != 3 or not thresholds[0] < thresholds[1] < thresholds[2]:

@@ -2,11 +2,14 @@
 dataclass fields (default, kind, and the help text and choices in each field's ``metadata``), coercion of form
 and command-line values, and :func:`make_policy`.
 
-A policy's parameter declares its help text (and, for a text parameter, its choices) where it is defined, in
-the field's ``metadata`` (:func:`param` writes the ``field`` for it)::
+A policy's parameter declares its help text (and, for a text parameter, its choices; for a number, the interval it
+must lie in) where it is defined, in the field's ``metadata`` (:func:`param` writes the ``field`` for it)::
 
-    alpha: float = param(0.5, "share of C chosen by TaR")  # field(default=0.5, metadata={"help": ...})
+    alpha: float = param(0.5, "share of C chosen by TaR", within="[0, 1]")  # field(default=0.5, metadata={...})
     tar: str = param("patch", "TaR scoring", choices=("patch", "frame", "reverse"))
+
+Those declarations are the one check of a value a user gives (:func:`coerce_param`, which :func:`make_policy` and the
+app's form run); a policy's ``__post_init__`` checks only what relates two parameters.
 
 What is said and shown about a policy (its one-line summary, the names of its reason codes, the titles of its
 views) and what ``bench`` measures about it are declared beside the class in a :class:`PolicyCard`, registered
@@ -63,19 +66,40 @@ class PolicyCard:
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One policy parameter as a form field: name, default, kind (bool/float/int/choice/numbers), help."""
+    """One policy parameter as a form field: name, default, kind (bool/float/int/choice/numbers), help, a text
+    parameter's choices and a number's interval (``within``, e.g. ``"(0, 1]"``; "" for any number)."""
 
     name: str
     default: Any
     kind: str
     help: str = ""
     choices: tuple[str, ...] = ()
+    within: str = ""
 
 
-def param(default: Any, help: str, choices: tuple[str, ...] = ()) -> Any:
-    """A policy parameter's dataclass field: ``field(default=default, metadata={"help": help, "choices": choices})``
-    (the CLI's and the app's help text; a text parameter's allowed values)."""
-    return field(default=default, metadata={"help": help, "choices": tuple(choices)})
+def param(default: Any, help: str, choices: tuple[str, ...] = (), within: str = "") -> Any:
+    """A policy parameter's dataclass field: ``field(default=default, metadata={"help": ..., "choices": ...,
+    "within": ...})``: the CLI's and the app's help text, a text parameter's allowed values, and the interval a number
+    must lie in, written as in mathematics (``"[0, 1]"``, ``"(0, 1]"``, ``"[1, inf)"``)."""
+    if within:
+        interval(within)  # a malformed interval fails where it is declared
+    return field(default=default, metadata={"help": help, "choices": tuple(choices), "within": within})
+
+
+def interval(text: str) -> tuple[float, float, bool, bool]:
+    """``"(0, 1]"`` as ``(low, high, low_included, high_included)``."""
+    low, _, high = text[1:-1].partition(",")
+    if text[:1] not in "[(" or text[-1:] not in ")]" or not _:
+        raise ValueError(f"an interval is written like [0, 1] or (0, inf), got {text!r}")
+    return float(low), float(high), text[0] == "[", text[-1] == "]"
+
+
+def in_interval(value: float, text: str) -> bool:
+    """Whether ``value`` lies in the interval ``text`` (:func:`interval`)."""
+    low, high, low_included, high_included = interval(text)
+    above = value >= low if low_included else value > low
+    below = value <= high if high_included else value < high
+    return above and below
 
 
 #: The registered policies and their cards, by name, in registration order.
@@ -132,14 +156,23 @@ def policy_params(name: str) -> list[ParamSpec]:
             kind = "float"
         else:
             kind = "numbers"  # an optional list of numbers (e.g. CV thresholds)
-        specs.append(ParamSpec(f.name, default, kind, str(f.metadata.get("help", "")), choices))
+        help_text, within = str(f.metadata.get("help", "")), str(f.metadata.get("within", ""))
+        specs.append(ParamSpec(f.name, default, kind, help_text, choices, within))
     return specs
 
 
 def coerce_param(policy: str, spec: ParamSpec, value: Any) -> Any:
     """``value`` as parameter ``spec`` of ``policy`` takes it (a number from text, a list of numbers from
-    "0.1, 0.2"; blank numbers mean "none"); :class:`~kvdemo.errors.PolicyParameterError` naming the parameter if
-    it cannot be."""
+    "0.1, 0.2"; blank numbers mean "none"), within its declared choices or interval;
+    :class:`~kvdemo.errors.PolicyParameterError` naming the policy, the parameter and the value if it cannot be."""
+    number = _coerced(policy, spec, value)
+    if spec.within and number is not None and not in_interval(number, spec.within):
+        raise PolicyParameterError(f"{policy}'s {spec.name} must be in {spec.within}, got {number:g}")
+    return number
+
+
+def _coerced(policy: str, spec: ParamSpec, value: Any) -> Any:
+    """``value`` converted to ``spec``'s kind (a text parameter checked against its choices)."""
     try:
         if spec.kind == "numbers":
             if value is None or isinstance(value, (list, tuple)):

@@ -29,6 +29,7 @@ from ..cache.memory import KVMemory, OccupancyEvent
 from ..devices.timing import Stopwatch
 from ..dialogue import QuestionError, check_question, replayed_dialogue
 from ..errors import UserError
+from ..media.video import sampling_fps
 from ..models.base import VideoLM
 from ..policies import BudgetError, Policy, Probed, make_policy
 from ..pruning import PruneSpec, parse_prune
@@ -79,10 +80,8 @@ class FrameStream:
     """
 
     def __init__(self, model: VideoLM, fps: float) -> None:
-        if fps <= 0:
-            raise EngineError(f"sampling fps must be positive, got {fps}")
         self.model = model
-        self.fps = float(fps)
+        self.fps = sampling_fps(fps)
         self.next_grid = 0
         self.frames_seen = 0
         self._pending: list[tuple[np.ndarray, float]] = []

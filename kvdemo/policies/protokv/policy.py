@@ -111,40 +111,36 @@ class ProtoKV(Policy, SummaryRegion):
     name = "protokv"
     window_name = "near window"
 
-    near_share: float = param(0.25, "W / M: the exact near window's share of the budget (paper: W : K_max*S = 1 : 3)")
-    pseudo_tokens: int = param(8, "S: pseudo-tokens per prototype at read time (K_max = (1 - near_share) M / S)")
+    near_share: float = param(
+        0.25, "W / M: the exact near window's share of the budget (paper: W : K_max*S = 1 : 3)", within="(0, 1)"
+    )
+    pseudo_tokens: int = param(
+        8, "S: pseudo-tokens per prototype at read time (K_max = (1 - near_share) M / S)", within="[1, inf)"
+    )
     lambda_sp: float = param(0.1, "weight of the spatial Mahalanobis term in the assignment (0 = no continuity)")
     lambda_idle: float = param(0.01, "penalty for assigning to a prototype idle longer than t_idle")
-    t_idle: int = param(120, "idle threshold in temporal grids (aging and the idle penalty)")
-    centre_rate: float = param(0.05, "EMA rate of the key/value centres (alpha = beta)")
-    spatial_rate: float = param(0.05, "EMA rate of the spatial mean and covariance (eta)")
-    decay: float = param(0.05, "mass decay of idle prototypes per maintenance (gamma)")
+    t_idle: int = param(120, "idle threshold in temporal grids (aging and the idle penalty)", within="[0, inf)")
+    centre_rate: float = param(0.05, "EMA rate of the key/value centres (alpha = beta)", within="[0, 1]")
+    spatial_rate: float = param(0.05, "EMA rate of the spatial mean and covariance (eta)", within="[0, 1)")
+    decay: float = param(0.05, "mass decay of idle prototypes per maintenance (gamma)", within="[0, 1]")
     merge_k: float = param(0.20, "merge threshold on normalised key centres (eps_K)")
     merge_v: float = param(0.25, "merge threshold on normalised value centres (eps_V)")
-    subquantizers: int = param(8, "G: PQ sub-quantisers of the residual histograms")
-    codewords: int = param(16, "C: codewords per sub-quantiser")
-    beam: int = param(0, "beam width of the residual-mode search (0 = 4 S; at least S)")
-    warmup: int = param(256, "residuals per row collected before the PQ codebooks are trained (T_warm)")
-    smoothing: float = param(0.1, "epsilon of the smoothed PQ probabilities")
+    subquantizers: int = param(8, "G: PQ sub-quantisers of the residual histograms", within="[1, inf)")
+    codewords: int = param(16, "C: codewords per sub-quantiser", within="[1, inf)")
+    beam: int = param(0, "beam width of the residual-mode search (0 = 4 S; at least S)", within="[0, inf)")
+    warmup: int = param(
+        256, "residuals per row collected before the PQ codebooks are trained (T_warm)", within="[1, inf)"
+    )
+    smoothing: float = param(0.1, "epsilon of the smoothed PQ probabilities", within="(0, inf)")
     residuals: bool = param(True, "decode residual modes (off = pseudo-tokens are the centres: 'w/o residual stats')")
     mass_bias: bool = param(True, "add log n_k to pseudo-token logits (off = 'w/o mass bias')")
-    history: int = param(16, "absorbed temporal grids whose prototype assignment is kept for the views")
+    history: int = param(
+        16, "absorbed temporal grids whose prototype assignment is kept for the views", within="[1, inf)"
+    )
     _bank: ProtoBank | None = field(default=None, init=False, repr=False, compare=False)
     _last: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not 0.0 < float(self.near_share) < 1.0:
-            raise PolicyParameterError(f"near_share must be in (0, 1), got {self.near_share}")
-        for name in ("pseudo_tokens", "subquantizers", "codewords", "warmup", "history"):
-            if int(getattr(self, name)) < 1:
-                raise PolicyParameterError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("centre_rate", "decay"):
-            if not 0.0 <= float(getattr(self, name)) <= 1.0:
-                raise PolicyParameterError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if not 0.0 <= float(self.spatial_rate) < 1.0:
-            raise PolicyParameterError(f"spatial_rate must be in [0, 1), got {self.spatial_rate}")
-        if self.beam < 0 or self.t_idle < 0 or self.smoothing <= 0:
-            raise PolicyParameterError("beam and t_idle must be >= 0 and smoothing > 0")
         if 0 < self.beam < self.pseudo_tokens:
             raise PolicyParameterError(
                 f"beam={self.beam} is narrower than S={self.pseudo_tokens} pseudo-tokens (it "
