@@ -70,7 +70,8 @@ def test_results_tabulate_folders_and_chart_accuracy_against_the_budget(tmp_path
     ]
     runs = [read_run(f) for f in folders]
     table = results_table(runs).splitlines()
-    assert len(table) == 4 and "1.000" in table[1] and "0.250" in table[2] and "0.750" in table[3]
+    assert len(table) == 5 and "1.000" in table[1] and "0.250" in table[2] and "0.750" in table[3]
+    assert table[4].startswith("d=... s: accuracy by delay") and "(runs without a task)" in table[4]
     chart = accuracy_chart(runs)
     (series,) = chart.parts
     assert series.x == [32.0, 64.0] and series.lines == {"sliding-window": [0.25, 0.75]} and series.limit == 1.0
@@ -103,3 +104,27 @@ def test_delay_chart_has_a_line_per_run_and_a_bad_folder_says_why(tmp_path, caps
     assert main(["results", str(folder), str(tmp_path / "empty"), "--x", "delay"]) == 0
     out, err = capsys.readouterr()
     assert f"skipped {tmp_path / 'empty'}: no predictions" in err and folder.name in out
+
+
+def test_an_lmms_eval_run_has_a_row_per_task_with_its_full_name_and_the_delay_columns_say_whose(tmp_path):
+    """Three tasks in one run, scored by different scorers, are three rows (not one blended accuracy); only
+    kvdemo_bare asks at several delays, and the line under the table says the d= columns are its."""
+    name = "lmms-eval-infinipot-v-20261128-101512-123456"
+    folder = tmp_path / name
+    folder.mkdir()
+    config = {"harness": "lmms-eval", "model": "tiny", "policy": "infinipot-v", "M": 64, "C": 48}
+    (folder / "config.json").write_text(json.dumps(config))
+    rows = [("kvdemo_videomme", True, None)] * 3 + [("kvdemo_videomme", False, None)]
+    rows += [("kvdemo_ovo_backward", True, None)] * 2
+    rows += [("kvdemo_bare", True, 0), ("kvdemo_bare", True, 0), ("kvdemo_bare", True, 4), ("kvdemo_bare", False, 4)]
+    lines = [json.dumps({"task": t, "correct": r, "delay_s": d}) for t, r, d in rows]
+    (folder / "predictions.jsonl").write_text("\n".join(lines) + "\n")
+    table = results_table([read_run(folder)]).splitlines()
+    assert table[0].split("  ")[0].strip() == "run" and "task" in table[0] and table[0].rstrip().endswith("d=4 s")
+    cells = {line.split()[5]: line.split() for line in table[1:4]}
+    assert set(cells) == {"kvdemo_bare", "kvdemo_ovo_backward", "kvdemo_videomme"}
+    assert all(row[0] == name for row in cells.values()), "full run names"
+    assert cells["kvdemo_videomme"][6:] == ["4", "0.750", "-", "-"]
+    assert cells["kvdemo_ovo_backward"][6:] == ["2", "1.000", "-", "-"]
+    assert cells["kvdemo_bare"][6:] == ["4", "0.750", "1.000", "0.500"]
+    assert "(kvdemo_bare)" in table[4]

@@ -171,25 +171,64 @@ def read_run(folder: Path) -> Run:
 
 
 def results_table(runs: list[Run]) -> str:
-    """One row per run: harness, model, policy, M / C, answers, accuracy, then accuracy per delay (when any)."""
-    delays = sorted({d for r in runs for d in r.metrics.get("by_delay", {})}, key=float)
-    header = f"{'run':<34} {'harness':<11} {'model':<14} {'policy':<14} {'M / C':>9} {'answers':>7} {'accuracy':>8}"
-    lines = [header + "".join(f" {'d=' + d + ' s':>8}" for d in delays)]
+    """One row per run and task (a run of several lmms-eval tasks gets a row for each: their scorers differ), with
+    full names: run, harness, model, policy, M / C, task, answers, accuracy, then accuracy per delay where a task
+    asked at several delays, and a line under the table that says which tasks those columns belong to."""
+    rows = []
     for run in runs:
-        c, m = run.config, run.metrics
+        by_task: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for prediction in run.predictions:
+            by_task[str(prediction.get("task") or "-")].append(prediction)
+        for task in sorted(by_task):
+            rows.append((run, task, run.metrics if len(by_task) == 1 else accuracy_metrics(by_task[task])))
+    delays = sorted({d for _, _, m in rows for d in m.get("by_delay", {})}, key=float)
+    header = [
+        "run",
+        "harness",
+        "model",
+        "policy",
+        "M / C",
+        "task",
+        "answers",
+        "accuracy",
+        *(f"d={d} s" for d in delays),
+    ]
+    cells = [header]
+    for run, task, m in rows:
+        c = run.config
         size = (
             "-"
             if c.get("M") is None or c.get("policy") == "full"
             else f"{c['M']}" + (f"/{c['C']}" if c.get("C") else "")
         )
-        accuracy = "-" if m["accuracy"] is None else f"{m['accuracy']:.3f}"
-        row = (
-            f"{run.folder.name[:34]:<34} {c.get('harness', '?'):<11} {str(c.get('model', '?'))[:14]:<14} "
-            f"{c.get('policy', '?'):<14} {size:>9} {m['answers']:>7} {accuracy:>8}"
-        )
         by_delay = m.get("by_delay", {})
-        lines.append(row + "".join(f" {by_delay[d]:>8.3f}" if d in by_delay else f" {'-':>8}" for d in delays))
-    return "\n".join(lines)
+        cells.append(
+            [
+                run.folder.name,
+                str(c.get("harness", "?")),
+                str(c.get("model", "?")),
+                str(c.get("policy", "?")),
+                size,
+                task,
+                str(m["answers"]),
+                "-" if m["accuracy"] is None else f"{m['accuracy']:.3f}",
+                *(f"{by_delay[d]:.3f}" if d in by_delay else "-" for d in delays),
+            ]
+        )
+    widths = [max(len(row[k]) for row in cells) for k in range(len(header))]
+    numbers = {"M / C", "answers", "accuracy"} | set(header[8:])
+    lines = [
+        " ".join(cell.rjust(w) if name in numbers else cell.ljust(w) for name, cell, w in zip(header, row, widths))
+        for row in cells
+    ]
+    if delays:
+        asked = sorted({task for _, task, m in rows if m.get("by_delay")})
+        named = ", ".join("runs without a task" if task == "-" else task for task in asked)
+        lines.append(
+            f"d=... s: accuracy by delay after the evidence left view, for the tasks that ask at several delays "
+            f"({named}); '-' where a task does not"
+        )
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def accuracy_chart(runs: list[Run], x: str = "budget") -> Chart:
