@@ -308,3 +308,25 @@ def test_evidence_and_object_token_shares_by_hand():
             "star",
         )
     )
+
+
+def test_the_attribution_overlay_keeps_each_patchs_hue_and_outlines_what_was_looked_at():
+    """The purple diamond showed pink under the old red tint. A 4 x 4-patch frame all purple, one patch looked at
+    fully, one at half, the rest not at all: inside every patch the colour stays purple (only its brightness follows
+    the share), and only the edges of the patches looked at are outlined."""
+    from kvdemo.viz.frames import VALUE_OUTLINE, overlay_values
+
+    purple = np.array([155, 65, 210], dtype=np.float64)
+    frame = np.broadcast_to(purple.astype(np.uint8), (112, 112, 3)).copy()
+    values = np.zeros((4, 4))
+    values[1, 2], values[3, 0] = 1.0, 0.5
+    image = overlay_values(frame, values).astype(np.float64)
+    for row in range(4):
+        for col in range(4):
+            inside = image[row * 28 + 6 : row * 28 + 22, col * 28 + 6 : col * 28 + 22].reshape(-1, 3)
+            brightness = 0.3 + 0.7 * values[row, col]
+            np.testing.assert_allclose(inside, np.broadcast_to(purple * brightness, inside.shape), atol=1.0)
+    outline = VALUE_OUTLINE.astype(np.float64)
+    np.testing.assert_allclose(image[28 + 14, 2 * 28 + 1], outline, atol=1.0)  # the full patch's left edge
+    np.testing.assert_allclose(image[3 * 28 + 14, 1], (purple * 0.65 + outline) / 2, atol=1.5)  # half: half opaque
+    np.testing.assert_allclose(image[14, 1], purple * 0.3, atol=1.0)  # a patch not looked at: no outline

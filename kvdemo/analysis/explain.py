@@ -163,8 +163,8 @@ def attribution_views(
     layer: int | None = None,
     head: int | None = None,
 ) -> list[View]:
-    """One :class:`~kvdemo.views.PatchValues` per engine over ``grids``: "what this answer looked at", tinted on a
-    scale shared by every engine (so they compare), the shares of text, summary and retrieved in the caption."""
+    """One :class:`~kvdemo.views.PatchValues` per engine over ``grids``: "what this answer looked at", on a scale
+    shared by every engine (so they compare), the shares of text, summary and retrieved in the caption."""
     maps = {name: a.patch_map(layer, head) for name, a in attributions.items()}
     top = max((float(m[grids].max()) for m in maps.values() if m.size and len(grids)), default=0.0) or 1.0
     views: list[View] = []
@@ -175,7 +175,8 @@ def attribution_views(
         views.append(
             PatchValues(
                 f"{name}: what the answer looked at",
-                f"attention share: {parts} (tint: relative to the largest patch of any engine, {100 * top:.2f}%)",
+                f"attention share: {parts} (brightness and outline: relative to the largest patch of any engine, "
+                f"{100 * top:.2f}%)",
                 list(grids),
                 np.clip(maps[name][grids] / top, 0, 1),
                 [f"{grid_times_s[g]:.0f} s · {100 * mass[g]:.1f}%" for g in grids],

@@ -207,9 +207,10 @@ def attribution_update(state: Session, question: str, view: DisplayChoice = Disp
     )
     text = (
         f"**What each answer looked at** — “{question}” ({where}): the {counted(len(grids), 'frame')} the answers attended most, each "
-        "patch tinted by the share of the answer's attention (question and generated tokens) "
-        "on the tokens of that patch the engine still held or brought back from host memory (one scale for every "
-        "engine).\n\n" + "\n".join(f"- {v.title.split(':')[0]}: {v.caption.split(' (tint')[0]}" for v in views)
+        "patch as bright, and its cyan outline as strong, as the share of the answer's attention (question and "
+        "generated tokens) on the tokens of that patch the engine still held or brought back from host memory (one "
+        "scale for every engine; the frames keep their own colours).\n\n"
+        + "\n".join(f"- {v.title.split(':')[0]}: {v.caption.split(' (brightness')[0]}" for v in views)
     )
     if ratios:
         text += f"\n\nEvidence ratio (attention per frame showing the asked object ÷ per frame; 1 = no preference): {', '.join(ratios)}"

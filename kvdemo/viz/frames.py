@@ -79,12 +79,31 @@ def overlay_reasons(frame: np.ndarray, codes: np.ndarray) -> np.ndarray:
     return _grid_lines(np.clip(image, 0, 255).astype(np.uint8), codes.shape)
 
 
-def overlay_values(frame: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Tint each patch by ``values [rows, cols]`` in [0, 1] (a heat colour), darken the rest."""
-    heat = _upsample(np.clip(values, 0, 1).astype(np.float32), frame.shape[:2])[..., None]
-    hot = np.array([255, 60, 0], dtype=np.float32)
-    image = frame.astype(np.float32) * (0.3 + 0.7 * heat)
-    image = image * (1 - 0.5 * heat) + hot * 0.5 * heat
+#: The outline of a patch in proportion to its value (:func:`overlay_values`): a colour none of the generated streams'
+#: objects has, on the patch's edge only.
+VALUE_OUTLINE = np.array([0, 229, 255], dtype=np.float32)
+
+
+def overlay_values(frame: np.ndarray, values: np.ndarray, border: int = 2) -> np.ndarray:
+    """Each patch's ``values [rows, cols]`` in [0, 1] shown without changing the hue of what it covers: the frame's
+    own colours at a brightness that grows with the value (dark where it is 0), and an outline ``border`` pixels
+    wide on the patch's edge, as opaque as the value (a tint would turn a purple object pink)."""
+    height, width = frame.shape[:2]
+    rows, cols = values.shape
+    clipped = np.clip(values, 0, 1).astype(np.float32)
+    heat = _upsample(clipped, (height, width))[..., None]
+    image = frame.astype(np.float32) * (0.3 + 0.7 * heat)  # one factor for all three channels: the hue stays
+
+    def edges(size: int, cells: int) -> np.ndarray:  # [size] bool: within ``border`` pixels of a cell's edge
+        cell = np.minimum(np.arange(size) * cells // size, cells - 1)
+        before = cell[np.maximum(np.arange(size) - border, 0)]
+        after = cell[np.minimum(np.arange(size) + border, size - 1)]
+        index = np.arange(size)
+        return (before != cell) | (after != cell) | (index < border) | (index >= size - border)
+
+    on_edge = edges(height, rows)[:, None] | edges(width, cols)[None, :]
+    alpha = heat * on_edge[..., None]
+    image = image * (1 - alpha) + VALUE_OUTLINE * alpha
     return _grid_lines(np.clip(image, 0, 255).astype(np.uint8), values.shape)
 
 
