@@ -580,6 +580,40 @@ def test_charts_read_as_the_newcomer_expected():
     assert heads.layout.showlegend and {t.name for t in heads.data if t.type == "scatter"} == {"static", "dynamic"}
 
 
+def test_lines_with_the_same_values_say_so_and_both_show():
+    """Equal lines hid each other: the full cache under InfiniPot-V in the delay sweep and in `kvdemo results`' PNG,
+    four policies on one occupancy line at M = 64. A repeated line is dashed, its legend names the line it repeats,
+    and in the PNG the line drawn first still shows."""
+    from kvdemo.cache.memory import OccupancyEvent
+    from kvdemo.views import Chart, Series
+    from kvdemo.viz.charts import CHART_COLOURS, same_values
+    from kvdemo.viz.png import RIGHT, WIDTH, chart_png
+
+    lines = {"infinipot-v": [1.0, 1.0, 0.5], "sliding-window": [1.0, 0.2, 0.1], "full": [1.0, 1.0, 0.5]}
+    assert same_values(lines) == {"full": "infinipot-v"}
+    figure = viz.chart_figure(Chart("sweep", "", [Series([0, 4, 8], lines, "delay (s)", "accuracy", markers=True)]))
+    assert [trace.name for trace in figure.data] == [
+        "infinipot-v",
+        "sliding-window",
+        "full (same values as infinipot-v)",
+    ]
+    events = {
+        name: [
+            OccupancyEvent(frame=2 * i, time_s=float(i), event="append", visual_tokens=t, cache_bytes=t, ms=1.0)
+            for i, t in enumerate(tokens)
+        ]
+        for name, tokens in {"infinipot-v": [16, 32, 48], "cords": [16, 32, 48], "full cache": [16, 32, 64]}.items()
+    }
+    occupancy = viz.occupancy_figure(events, 64)
+    tokens = [trace for trace in occupancy.data if trace.yaxis == "y" and trace.mode == "lines"]
+    assert [trace.name for trace in tokens] == ["infinipot-v", "cords (same tokens as infinipot-v)", "full cache"]
+    assert tokens[0].line.dash is None and tokens[1].line.dash not in (None, "solid") and tokens[2].line.dash is None
+    image = np.asarray(chart_png(Chart("sweep", "", [Series([0, 4, 8], lines, "delay (s)", "accuracy", markers=True)])))
+    first = tuple(int(CHART_COLOURS[1][i : i + 2], 16) for i in (1, 3, 5))  # the first line's colour
+    plot = image[:, : WIDTH - RIGHT]  # left of the legend
+    assert (plot == first).all(axis=-1).sum() > 50, "the line drawn first shows around and between the repeated one"
+
+
 def test_runs_beyond_the_stream_slots_wait_in_line_and_say_where():
     """A run that finds every stream slot taken says in its status that it is queued and where, as its place
     changes, and starts once a slot is free; a run that leaves (ends, or is closed while it waits) frees its

@@ -533,6 +533,38 @@ def test_the_churn_counts_each_passes_merges_and_recyclings_per_row():
     assert report["merged_per_row_pass"] == 0.25 and report["recycled_per_row_pass"] == 0.25  # 1 / (2 passes x 2 rows)
 
 
+def test_merges_and_recyclings_differ_once_aging_empties_a_slot_and_the_churn_chart_says_which():
+    """Not equal by construction: with t_idle = 1 and decay = 1 a prototype idle for 10 grids loses all its mass, so
+    its slot is recycled in a pass that merged nothing (row 0's prototypes are far apart). The churn chart's axis
+    counts slots per pass, and its caption says whether the two series agree and why."""
+    from kvdemo.policies.protokv.views import prototype_views
+    from kvdemo.views import ViewContext
+
+    policy = make_policy("protokv", subquantizers=2, t_idle=1, decay=1.0)
+    bank = fresh_bank(policy, 3, 4, rows=1)
+    bank.used[:] = True
+    bank.centre_k[:] = torch.eye(4)[:3]
+    bank.centre_v[:] = bank.centre_k.clone()
+    bank.mass[:] = torch.tensor([2, 3, 4])
+    bank.tau_time[:] = torch.tensor([[10, 0, 10]])  # prototype 1 idle since grid 0
+    near_key = torch.tensor([[[0.5, 0.5, 0.5, 0.5]]])
+
+    def near(count):
+        return near_tokens(near_key, near_key, [[0.25, 0.75]], [[4, 5, 6]], order=[[40]])
+
+    policy.maintain(bank, near, t=10)
+    bank.close_pass(10)
+    assert bank.churn.tolist() == [[[0], [1]]]  # [pass, (merged, recycled), row]: recycled, never merged
+    policy._bank = bank
+    context = ViewContext(1, 1, (2, 2), [float(t) for t in range(11)], [], 24)
+    data = {"grids": [], "prototype": [], "mass": np.array([2, 0, 4])}
+    differ = prototype_views(data, policy.churn(0), context, 0, 0)[-1]
+    assert differ.parts[2].y_title == "slots merged / recycled per pass"
+    assert "slots emptied by aging are refilled too" in differ.caption
+    same = {"grids": [10, 11], "merged": [1, 0], "recycled": [1, 0], "merged_per_pass": 0.5, "recycled_per_pass": 0.5}
+    assert "the same in every pass" in prototype_views(data, same, context, 0, 0)[-1].caption
+
+
 # --- residuals ------------------------------------------------------------------------------------
 
 

@@ -27,6 +27,20 @@ CELL_COLOURS = ["#ffbb78", "#1f77b4", "#98df8a", "#c5b0d5"]
 OCCUPANCY_COLOURS = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
 
 
+def same_values(lines: dict[str, Any]) -> dict[str, str]:
+    """Each line whose values equal an earlier line's -> that earlier line's name: drawn on top of one another, so the
+    legend says so ("full cache (same values as infinipot-v)") and the later one is dashed over the earlier."""
+    first: dict[tuple, str] = {}
+    same = {}
+    for name, values in lines.items():
+        key = tuple(values)
+        if key in first:
+            same[name] = first[key]
+        else:
+            first[key] = name
+    return same
+
+
 def occupancy_figure(
     series: dict[str, list[OccupancyEvent]],
     budget: int | None = None,
@@ -45,17 +59,18 @@ def occupancy_figure(
     """
     pruning = pruning or {}
     data = []
+    same = same_values({label: [(e.time_s, e.visual_tokens) for e in events] for label, events in series.items()})
     for index, (label, events) in enumerate(series.items()):
         colour = OCCUPANCY_COLOURS[index % len(OCCUPANCY_COLOURS)]
         x = [e.time_s for e in events]
-        line = dict(color=colour, width=2)
+        line = dict(color=colour, width=2, **({"dash": LINE_DASHES[index % len(LINE_DASHES)]} if label in same else {}))
         data.append(
             dict(
                 type="scatter",
                 x=x,
                 y=[e.visual_tokens for e in events],
                 mode="lines",
-                name=label,
+                name=f"{label} (same tokens as {same[label]})" if label in same else label,
                 legendgroup=label,
                 line=line,
                 xaxis="x",
@@ -283,6 +298,7 @@ def chart_figure(chart: Chart, title: str = ""):
             y_ticks = integer_ticks(float(counts.max()) if len(counts) else 1)
         elif isinstance(part, Series):
             count = len(part.lines)
+            same = same_values(part.lines)
             for k, (colour, (name, ys)) in enumerate(zip(CHART_COLOURS[1:] + CHART_COLOURS[:1], part.lines.items())):
                 marker = dict(
                     symbol=MARKER_SYMBOLS[k % len(MARKER_SYMBOLS)], size=6 + 3 * (count - 1 - k), color=colour
@@ -293,7 +309,7 @@ def chart_figure(chart: Chart, title: str = ""):
                         x=part.x,
                         y=ys,
                         mode="lines+markers" if part.markers else "lines",
-                        name=name,
+                        name=f"{name} (same values as {same[name]})" if name in same else name,
                         line=dict(color=colour, width=2, dash=LINE_DASHES[k % len(LINE_DASHES)]),
                         marker=marker,
                         xaxis=xaxis,

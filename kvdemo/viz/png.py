@@ -8,7 +8,7 @@ import math
 from PIL import Image, ImageDraw, ImageFont
 
 from ..views import Chart, Series
-from .charts import CHART_COLOURS
+from .charts import CHART_COLOURS, same_values
 
 WIDTH, HEIGHT = 900, 520
 LEFT, RIGHT, TOP, BOTTOM = 80, 220, 60, 70
@@ -28,9 +28,29 @@ def _label(value: float) -> str:
     return f"{value:g}"
 
 
+def _line(draw: ImageDraw.ImageDraw, a: tuple[float, float], b: tuple[float, float], colour: str, dashed: bool) -> None:
+    """A segment from ``a`` to ``b``, whole or in dashes of 8 px every 14 px."""
+    if not dashed:
+        draw.line([a, b], fill=colour, width=3)
+        return
+    length = math.dist(a, b)
+    for start in range(0, max(int(length), 1), 14):
+        t0, t1 = start / max(length, 1e-9), min(start + 8, length) / max(length, 1e-9)
+        draw.line(
+            [
+                (a[0] + (b[0] - a[0]) * t0, a[1] + (b[1] - a[1]) * t0),
+                (a[0] + (b[0] - a[0]) * t1, a[1] + (b[1] - a[1]) * t1),
+            ],
+            fill=colour,
+            width=3,
+        )
+
+
 def chart_png(chart: Chart) -> Image.Image:
     """The chart's first line part as an RGB image ``WIDTH x HEIGHT``: axes with round ticks, one coloured line
-    with dots per series (gaps where a value is None), the ``limit`` as a dashed grey level, a legend on the right."""
+    with dots per series (gaps where a value is None), the ``limit`` as a dashed grey level, a legend on the right.
+    A line with the same values as an earlier one is dashed over it with smaller dots (the earlier one's show as
+    rings around them), and its legend entry says which line it repeats."""
     series = next((part for part in chart.parts if isinstance(part, Series)), None)
     if series is None:
         raise ValueError("chart_png draws line charts (a Series part)")
@@ -72,20 +92,27 @@ def chart_png(chart: Chart) -> Image.Image:
         for start in range(LEFT, LEFT + plot_w, 12):
             draw.line([(start, py), (min(start + 6, LEFT + plot_w), py)], fill="#555", width=2)
     colours = CHART_COLOURS[1:] + CHART_COLOURS[:1]
+    same = same_values(series.lines)
+    legend_y = TOP + 10
     for index, (name, ys) in enumerate(series.lines.items()):
         colour = colours[index % len(colours)]
         points = [at(x, y) if y is not None else None for x, y in zip(series.x, ys)]
         for a, b in zip(points, points[1:]):
             if a is not None and b is not None:
-                draw.line([a, b], fill=colour, width=3)
+                _line(draw, a, b, colour, name in same)
+        radius = 2 if name in same else 4  # a repeated line's dots sit inside the rings of the one it repeats
         for point in points:
             if point is not None:
-                draw.ellipse([point[0] - 4, point[1] - 4, point[0] + 4, point[1] + 4], fill=colour)
-        legend_y = TOP + 10 + 20 * index
-        draw.line([(WIDTH - RIGHT + 20, legend_y), (WIDTH - RIGHT + 44, legend_y)], fill=colour, width=3)
+                draw.ellipse([point[0] - radius, point[1] - radius, point[0] + radius, point[1] + radius], fill=colour)
+        _line(draw, (WIDTH - RIGHT + 20, legend_y), (WIDTH - RIGHT + 44, legend_y), colour, name in same)
         draw.text((WIDTH - RIGHT + 50, legend_y), name[:26], fill="black", font=font, anchor="lm")
+        if name in same:
+            legend_y += 14
+            draw.text(
+                (WIDTH - RIGHT + 50, legend_y), f"same values as {same[name]}"[:30], fill="#555", font=font, anchor="lm"
+            )
+        legend_y += 20
     if series.limit is not None:
-        legend_y = TOP + 10 + 20 * len(series.lines)
         draw.line([(WIDTH - RIGHT + 20, legend_y), (WIDTH - RIGHT + 30, legend_y)], fill="#555", width=2)
         draw.line([(WIDTH - RIGHT + 36, legend_y), (WIDTH - RIGHT + 44, legend_y)], fill="#555", width=2)
         draw.text((WIDTH - RIGHT + 50, legend_y), "full cache", fill="black", font=font, anchor="lm")

@@ -51,14 +51,24 @@ def prototype_views(
         times,
         {"merged away": churn["merged"], "recycled": churn["recycled"]},
         "stream time (s)",
-        "prototypes per pass",
+        "slots merged / recycled per pass",
         markers=True,
     )
+    # Not equal by construction: a slot merged away is empty and refilled in the same pass while the near window has a
+    # free token to seed it, and slots that aging emptied (idle past t_idle) are refilled too.
+    equal = churn["merged"] == churn["recycled"]
     caption = (
         f"{int(active.size)} of {len(mass)} prototypes active in this bank, total mass {int(active.sum())}; "
         f"middle: pseudo-tokens attention can see (capacity {context.summary_slots}, dashed); right: the "
         f"bank's churn, {churn['merged_per_pass']:.2f} merges and {churn['recycled_per_pass']:.2f} recyclings "
-        f"per pass here over the last {len(times)} passes."
+        f"per pass here over the last {len(times)} passes"
+        + (
+            " (the same in every pass: each slot merged away was refilled from the near window in its pass, and "
+            "no slot idled past t_idle to be emptied by aging)."
+            if equal and times
+            else " (a slot merged away is refilled in its pass when the near window has a token to seed it; "
+            "slots emptied by aging are refilled too)."
+        )
     )
     views.append(Chart("Prototype bank", caption, [histogram, occupancy, churn_part]))
     return views
