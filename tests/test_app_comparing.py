@@ -174,6 +174,18 @@ def test_a_new_conversation_clears_every_chat_and_dialogue(services):
     assert all(engine.history == [] for engine in state.engines.values())
 
 
+def test_the_status_says_the_full_cache_stopped_only_when_it_did(services, compared):
+    """The bundled sample's full cache holds 80 frames x 16 tokens (a fraction of a MB on the tiny model): under the
+    default 2048 MB cap it runs to the end, and the status names the cap as a limit; under a 0.05 MB cap it stops."""
+    updates, state = compared
+    status = updates[-1]["status"]
+    assert FULL not in state.stopped and "stopped" not in status
+    assert "it stops if it reaches its 2048 MB cap" in status
+    small = list(run_comparison(services, None, None, settings(cap_mb=0.05)))[-1]
+    full_line = [line for line in small["status"].split("\n\n") if line.startswith("**full cache**")]
+    assert FULL in small["session"].stopped and full_line and "— stopped at" in full_line[0]
+
+
 def test_user_mistakes_are_one_line_messages_and_keep_the_previous_comparison(services, compared):
     _, state = compared
     failed = list(run_comparison(services, state, None, settings(budget=10, keep=5)))

@@ -136,7 +136,8 @@ def memory_bound(
     per_token = token_bytes(model)
     bounded = {name: e.budget.M * per_token for name, e in engines.items() if e.budget.M is not None}
     per_minute = tokens_per_second * 60 * per_token
-    cap = f", stopped at its {full_cap_bytes / 2**20:.0f} MB cap" if full_cap_bytes else " (no cap)"
+    # The cap as a limit, not an event: whether the full cache reached it is its engine's own line (its stop reason).
+    cap = f" (it stops if it reaches its {full_cap_bytes / 2**20:.0f} MB cap)" if full_cap_bytes else " (no cap)"
     sentence = (
         f"memory grows with the number of policies: {counted(len(bounded), 'bounded engine')} hold at most "
         f"{sum(bounded.values()) / 2**20:.1f} MB of keys and values together ("
