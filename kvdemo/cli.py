@@ -292,7 +292,9 @@ def open_source(args: argparse.Namespace):
 
 
 def compare(args: argparse.Namespace) -> int:
-    """``python -m kvdemo compare``: the arguments and the stream checked, then the model loaded (kvdemo.experiments.compare)."""
+    """``python -m kvdemo compare``: the arguments and the file, then the policies, their parameters and budgets
+    (torch), then each budget sized for one chunk of the stream (the model's family sizes it), and only then the model
+    (kvdemo.experiments.compare)."""
     check_run_arguments(args)
     if args.video:
         open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
@@ -302,18 +304,24 @@ def compare(args: argparse.Namespace) -> int:
         compare_lineup,
         parse_overrides,
     )
-    from .models.catalog import default_budget  # deferred with them
-    from .models.loading import load_model  # deferred with it
     from .policies import COMPARE_POLICIES  # deferred with them
+    from .stream.lineup import lineup_budgets  # deferred with them
 
     args.policies = args.policies or ",".join(COMPARE_POLICIES)
-    if args.budget is None:
+    contenders = parse_overrides(args.policies.split(","), "\n".join(args.override), args.prune)  # names, lines first
+    if args.budget is not None:
+        lineup_budgets(contenders, args.budget, args.keep, baseline=True)  # M and C before the family is looked up
+    else:
+        from .models.catalog import default_budget  # deferred: the model's family gives the default
+
         args.budget, default_keep = compare_budget(*default_budget(args.model)[:2])
         args.keep = default_keep if args.keep is None else args.keep
-    contenders = parse_overrides(args.policies.split(","), "\n".join(args.override), args.prune)  # before the model
     video, episode, geometry = open_source(args)
     tokens, shape = geometry.chunk_tokens(video.size, 2)
     contenders = compare_lineup(contenders, args.budget, args.keep, tokens, shape)  # every budget, resolved and sized
+
+    from .models.loading import load_model  # deferred: everything the user typed is good, the model comes now
+
     model = load_model(args.model)
     check_questions(model, args.ask)
     if model.notice:

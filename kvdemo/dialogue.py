@@ -20,6 +20,8 @@ MAX_DIALOGUE_TOKENS = 1024
 #: before loading the model). kvdemo's choice: 8 characters a token, more than the tokenizers of the supported
 #: families average on text (about 4) and the byte tokenizer's 1, so no question within the token limit is refused.
 MAX_QUESTION_CHARS = 8 * MAX_QUESTION_TOKENS
+#: The longest answer, in new tokens, unless a caller says otherwise.
+DEFAULT_MAX_NEW_TOKENS = 64
 
 
 class QuestionError(UserError):

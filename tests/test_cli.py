@@ -467,3 +467,49 @@ def test_eval_puts_pruning_in_front_of_policies(capsys):
     assert main([*argv, "--policies", "full,vidcom2:0.5+full", "--prune", "evs:0.5"]) == 0
     table = capsys.readouterr().out
     assert re.search(r"^evs:0\.5\+full\s", table, re.M) and re.search(r"^vidcom2:0\.5\+full\s", table, re.M), table
+
+
+#: Bad input a user can type, in the order one process tries it: what needs only the policies' declarations first
+#: (torch), then what needs the model's family (its frame geometry: transformers), each with the start of its error.
+BAD_INPUT = [
+    (["compare", "--policies", "full,bogus"], "unknown policy 'bogus'", "torch"),
+    (["compare", "--policies", "cords,cords"], "'cords' is named twice", "torch"),
+    (["compare", "-M", "10", "-C", "20"], "C=20 is not smaller than M=10", "torch"),
+    (["compare", "--override", "cords: alpha=x"], "policy 'cords' has no parameter(s) alpha", "torch"),
+    (["run", "--policy", "bogus"], "unknown policy 'bogus'", "torch"),
+    (["run", "-M", "10", "-C", "20"], "C=20 is not smaller than M=10", "torch"),
+    (["run", "--param", "alpha=2"], "infinipot-v's alpha must be in [0, 1], got 2", "torch"),
+    (["run", "-M", "10"], "M=10 is smaller than one chunk (16 visual tokens", "transformers"),
+    (
+        ["compare", "--policies", "infinipot-v,cords", "-M", "20", "-C", "10"],
+        "infinipot-v: M - C = 10 leaves no room for one chunk (16 visual tokens",
+        "transformers",
+    ),
+    (["run", "--model", "nosuchmodel"], "model 'nosuchmodel' is not an offline model (tiny,", "transformers"),
+]
+
+
+@pytest.mark.slow
+def test_bad_input_is_refused_before_the_model_loads_and_before_what_it_does_not_need():
+    """Each bad input's one-line error starts with the wrong value, comes before any model is loaded, and (for names,
+    budgets and parameters) before transformers is imported: one fresh process tries them in order."""
+    probe = (
+        "import contextlib, io, json, sys\n"
+        "from kvdemo.cli import main\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        code = main(argv + ['--quiet'] * (argv[0] == 'run'))\n"
+        "    heavy = [m for m in ('torch', 'transformers', 'kvdemo.models.loading') if m in sys.modules]\n"
+        "    print(json.dumps([code, err.getvalue(), heavy]))\n"
+    )
+    arguments = json.dumps([argv for argv, _, _ in BAD_INPUT])
+    done = subprocess.run([sys.executable, "-c", probe, arguments], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(results) == len(BAD_INPUT)
+    for (argv, start, heaviest), (code, err, heavy) in zip(BAD_INPUT, results):
+        assert code == 2 and err.startswith(f"error: {start}") and err.count("\n") == 1, (argv, err)
+        assert "kvdemo.models.loading" not in heavy, argv
+        if heaviest == "torch":
+            assert "transformers" not in heavy, argv

@@ -10,7 +10,7 @@ import pytest
 from gradio_client import handle_file
 
 from kvdemo.cli import main
-from kvdemo.errors import PolicyChoiceError, PolicyParameterError
+from kvdemo.errors import PolicyChoiceError, PolicyParameterError, UnknownPolicyError
 from kvdemo.experiments.compare import compare_engines, memory_bound, parse_overrides
 from kvdemo.stream.streaming import stream_video
 from kvdemo.world.synthetic import sample_episode
@@ -28,7 +28,9 @@ ASK_STATUS, ASK_ATTRIBUTION, ASK_ATTRIBUTION_TEXT, ASK_REPORT, ASK_CHATS = range
     [
         (FOUR + ["uniform"], "", "at most 4", PolicyChoiceError),
         (["cords", "cords"], "", "each policy once", PolicyChoiceError),
-        (["full"], "", "each policy once", PolicyChoiceError),
+        (["full"], "", "'full' is always compared", PolicyChoiceError),
+        (["full", "bogus"], "", "unknown policy 'bogus'", UnknownPolicyError),
+        (FOUR + ["bogus"], "", "unknown policy 'bogus'", UnknownPolicyError),
         ([], "", "at least one", PolicyChoiceError),
         (["cords"], "uniform: M=10", "names no compared policy", PolicyParameterError),
         (["cords"], "cords: M96", "not key=value", PolicyParameterError),

@@ -30,8 +30,8 @@ TABLE = [
         96,
         96,
         None,
-        "C must be smaller than M (a compression keeps C of the M tokens), got M=96, C=96; lower C to at most 95 or "
-        "raise M to at least 97",
+        "C=96 is not smaller than M=96: C must be smaller than M (a compression keeps C of the M tokens); lower C to at "
+        "most 95 or raise M to at least 97",
     ),
     ("uniform", 96, 0, None, "M and C must be positive, got C=0"),
     ("uniform", 96, None, 0.75, (96, 72, 0)),

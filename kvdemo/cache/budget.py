@@ -85,7 +85,7 @@ class Budget:
         if C >= M:
             lower = f"lower C to at most {M - 1} or " if M > 1 else ""
             raise BudgetError(
-                f"C must be smaller than M (a compression keeps C of the M tokens), got M={M}, C={C}; "
+                f"C={C} is not smaller than M={M}: C must be smaller than M (a compression keeps C of the M tokens); "
                 f"{lower}raise M to at least {C + 1}"
             )
         return cls(M, C)

@@ -17,18 +17,20 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..analysis.explain import evidence_ratio, fidelity
 from ..dialogue import clipped
 from ..errors import PolicyChoiceError, PolicyParameterError
+from ..policies import make_policy, policy_class
 from ..pruning import PruneSpec, entry_label, parse_prune, split_entry
-from ..stream.engine import StreamEngine
 from ..stream.lineup import FULL, Contender, cap_bytes, lineup_budgets, make_engines, size_lineup
-from ..stream.streaming import EngineGroup
 from ..views import counted
+
+if TYPE_CHECKING:  # the engines import transformers: the CLI checks the choices here before they load
+    from ..stream.engine import StreamEngine
+    from ..stream.streaming import EngineGroup
 
 #: Bounded policies compared at once (and the full cache beside them).
 MAX_POLICIES = 4
@@ -49,18 +51,22 @@ def parse_overrides(names: list[str], text: str = "", prune: PruneSpec | str | N
     """The compared policies (each a name, or ``METHOD:VALUE+POLICY`` with pruning before the LLM in front of it),
     with the lines of ``text`` (``"policy: M=96 C=72 prune=evs:0.5 key=value ..."``, one per policy) giving a policy
     its own budget, pruning and parameters, and ``prune`` the pruning of those that name none; a one-line
-    :class:`~kvdemo.errors.PolicyChoiceError` (which policies), :class:`~kvdemo.errors.PolicyParameterError` (a line)
-    or :class:`~kvdemo.errors.PruningSettingError` otherwise."""
+    :class:`~kvdemo.errors.UnknownPolicyError` (a name), :class:`~kvdemo.errors.PolicyChoiceError` (which policies),
+    :class:`~kvdemo.errors.PolicyParameterError` (a line, or a parameter the policy does not take) or
+    :class:`~kvdemo.errors.PruningSettingError` otherwise."""
     names = [entry_label(*split_entry(n)) for n in names if n and n.strip()]
     if not names:
         raise PolicyChoiceError("choose at least one policy to compare")
+    for name in names:  # the wrong name first, whatever else is wrong with the list
+        policy_class(split_entry(name)[1])
+    if FULL in names:
+        raise PolicyChoiceError(f"{FULL!r} is always compared (the full cache is the baseline): leave it out")
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise PolicyChoiceError(f"{twice!r} is named twice: each policy once")
     if len(names) > MAX_POLICIES:
         raise PolicyChoiceError(
             f"compare at most {MAX_POLICIES} policies at once (memory grows with each), got {len(names)}"
-        )
-    if len(set(names)) != len(names) or FULL in names:
-        raise PolicyChoiceError(
-            f"each policy once, and not {FULL!r} (the full cache is always the baseline): {', '.join(names)}"
         )
     shared = parse_prune(prune, "pruning")
     contenders = {}
@@ -85,6 +91,8 @@ def parse_overrides(names: list[str], text: str = "", prune: PruneSpec | str | N
                 contender.prune = parse_prune(value, f"{name}'s prune")
             else:
                 contender.params[key.replace("-", "_")] = value
+    for contender in contenders.values():
+        make_policy(contender.name, **contender.params)  # a line's parameters, checked as the policy declares them
     return list(contenders.values())
 
 
@@ -172,6 +180,7 @@ def ask_all(
 def question_record(question: str, answers: dict[str, Any], episode=None, time_s: float = 0.0) -> dict[str, Any]:
     """One question's entry of the comparison report: each engine's answer, grade (on a generated stream),
     attribution and, where the ground truth names the object, the evidence ratio of its attribution."""
+    from ..analysis.explain import evidence_ratio  # deferred on purpose (see the imports)
     from ..world.synthetic import grade  # deferred on purpose: grading needs the generated world only on its streams
 
     known = episode.answer_for(question) if episode is not None else None
@@ -229,6 +238,9 @@ def compare_command(args, model, video, contenders: list[Contender], episode=Non
     """``python -m kvdemo compare`` on ``video`` with ``contenders`` (the CLI parsed and checked the arguments, opened
     the stream and sized every budget, :func:`compare_lineup`; ``episode``: its generated ground truth, for the
     bundled sample)."""
+    from ..analysis.explain import fidelity  # deferred on purpose (see the imports)
+    from ..stream.streaming import EngineGroup  # deferred with it
+
     cap = cap_bytes(args.full_cap_mb)
     engines = compare_engines(model, contenders, None, None, video.fps, cap, args.max_new_tokens)
     tokens, _ = model.geometry.chunk_tokens(video.size, 2)

@@ -137,12 +137,18 @@ def family_of(name: str | None) -> str | None:
 
 def checkpoint_config(model_id: str) -> Any:
     """A checkpoint's config (local folder, Hugging Face cache, or the Hub); :class:`ModelError` naming it if it
-    cannot be read. The folder and the cache are tried first, and the Hub is asked only once it answered one
+    cannot be read. A name that is neither a folder nor an ``owner/name`` id is refused at once; the folder and the
+    cache are tried first, and the Hub is asked only once it answered one
     request (``hub_reachable``): without a network, huggingface_hub would retry each file five times (about 25 s
     and a dozen warnings) before failing."""
+    shown = model_id if len(model_id) <= 80 else model_id[:77] + "..."
+    if "/" not in model_id and not os.path.isdir(model_id):  # no folder, and not a Hub id (owner/name): say so now
+        raise ModelError(
+            f"model {shown!r} is not an offline model ({', '.join(__getattr__('OFFLINE_MODELS'))}), a local folder "
+            "or a Hugging Face id (owner/name)"
+        )
     from transformers import AutoConfig  # deferred on purpose: only real checkpoints need it
 
-    shown = model_id if len(model_id) <= 80 else model_id[:77] + "..."
     try:
         return AutoConfig.from_pretrained(model_id, trust_remote_code=False, local_files_only=True)
     except Exception as exc:

@@ -27,7 +27,7 @@ from ..cache.budget import Budget
 from ..cache.chunk import VisualChunk
 from ..cache.memory import KVMemory, OccupancyEvent
 from ..devices.timing import Stopwatch
-from ..dialogue import QuestionError, check_question, replayed_dialogue
+from ..dialogue import DEFAULT_MAX_NEW_TOKENS, QuestionError, check_question, replayed_dialogue
 from ..errors import UserError
 from ..media.video import sampling_fps
 from ..models.base import VideoLM
@@ -35,8 +35,6 @@ from ..policies import BudgetError, Policy, Probed, make_policy
 from ..pruning import PruneSpec, parse_prune
 from ..pruning.stage import Pruning
 from ..views import View, ViewContext
-
-DEFAULT_MAX_NEW_TOKENS = 64
 
 
 class EngineError(UserError):

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..cache.budget import Budget
+from ..dialogue import DEFAULT_MAX_NEW_TOKENS
 from ..errors import StreamSettingError
 from ..models.base import VideoLM
 from ..policies import BudgetError, Policy, make_policy
 from ..pruning import PruneSpec, entry_label, parse_prune, split_entry
-from .engine import DEFAULT_MAX_NEW_TOKENS, StreamEngine
+
+if TYPE_CHECKING:
+    from .engine import StreamEngine
 
 #: Engine name of the full-cache baseline (and the unbounded policy it runs).
 FULL = "full"
@@ -131,6 +134,8 @@ def make_engines(
     as :data:`FULL` (stopped by :class:`~kvdemo.stream.engine.MemoryCapError` at ``baseline_cap_bytes``; None: no cap).
     Every engine samples at ``fps`` and answers with at most ``max_new_tokens``; a contender's pruning stands in
     front of its engine (named :attr:`Contender.label`)."""
+    from .engine import StreamEngine  # deferred on purpose: resolving a lineup (the CLI's checks) needs no transformers
+
     entries = [contender(entry) for entry in contenders]
     resolved = lineup_budgets(entries, budget, keep, default_ratio, baseline)
     engines = {
