@@ -224,7 +224,7 @@ def stream_with_progress(
         for step in stream_video(model, video, engines, frames_per_chunk):
             if progress is not None:
                 progress.update(step.chunk.frames)
-                progress.set_postfix(tokens=engine.memory.visual_tokens, MB=f"{engine.memory.nbytes / 2**20:.1f}")
+                progress.set_postfix(tokens=engine.memory.held_tokens, MB=f"{engine.memory.nbytes / 2**20:.1f}")
     except BaseException:
         if progress is not None:
             progress.leave = False  # an error is printed on its own line, not after a stale bar
@@ -345,8 +345,13 @@ def summary_table(report: dict[str, Any], engine) -> str:
         ("budget M / keep C", budget_text(report)),
         ("frames fed", report["frames"]),
         ("tokens per grid", report["tokens_per_grid"]),
-        ("visual tokens now", engine.memory.visual_tokens),
-        ("peak visual tokens", report["peak_visual_tokens"]),
+        ("visual tokens held", engine.memory.held_tokens),
+        ("peak visual tokens held", report["peak_visual_tokens"] - report["summary_slots"]),
+        *(
+            [("summary slots", f"{report['summary_slots']} reserved in M, {engine.memory.summary_active} in use")]
+            if report["summary_slots"]
+            else []
+        ),
         ("peak cache", f"{report['peak_cache_bytes'] / 2**20:.2f} MB"),
         ("compressions", stats.compressions),
         ("vision encode", f"{stats.encode_ms:.0f} ms"),

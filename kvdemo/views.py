@@ -23,6 +23,16 @@ def counted(count: int, noun: str, plural: str | None = None) -> str:
     return f"{count} {noun if count == 1 else plural or noun + 's'}"
 
 
+def tokens_held(memory: Any) -> str:
+    """What a memory holds, as the CLI and the app say it: "150 visual tokens held", and for a policy with a summary
+    region the slots it reserves in ``M`` from the first chunk beside them ("150 visual tokens held + 4608 summary
+    slots reserved (0 in use)"), never added to the tokens held."""
+    held = counted(memory.held_tokens, "visual token") + " held"
+    if not memory.summary_slots:
+        return held
+    return f"{held} + {counted(memory.summary_slots, 'summary slot')} reserved ({memory.summary_active} in use)"
+
+
 #: Label of a patch that carries none (drawn as it is), and of one whose label no longer holds (dark red).
 UNLABELLED, LOST = -1, -2
 

@@ -410,7 +410,7 @@ def test_what_a_new_user_meets_is_said_where_they_look(client, app, tmp_path):
     assert status.startswith("⚠️ **empty.mp4: the file is empty**") and str(app.cache) not in status
     final = fresh.predict("tiny", "protokv", 96, None, 2, log_scale=True, api_name="/run_sample")
     assert re.search(
-        r"96 visual tokens \(M=96: 32 exact \+ 64 summary slots, counted from the first chunk, \d+ in use\)",
+        r"32 visual tokens held \+ 64 summary slots reserved \(\d+ in use\) \(M=96\)",
         final[STATUS],
     ), final[STATUS]
     assert '"type":"log"' in final[PLOT]["plot"]

@@ -47,8 +47,23 @@ def test_run_writes_a_report_that_respects_the_budget(media, tmp_path, capsys, p
         assert appends == [135 * (i + 1) for i in range(10)]
     assert report["answers"][0]["question"] == "What is cooking?"
     printed = capsys.readouterr()
-    assert "peak visual tokens" in printed.out
+    assert "peak visual tokens held" in printed.out
     assert "trained on synthetic streams" in printed.err and "mean little" in printed.err
+
+
+@pytest.mark.slow
+def test_the_summary_reports_the_tokens_held_and_protokvs_reserved_slots_apart(media, capsys):
+    """The clip is 10 temporal grids of 3 x 5 tokens on the trained tiny model: 150 visual tokens. ProtoKV at
+    M = 6144 never compresses it and reserves three quarters of M (4608) for its prototypes' pseudo-tokens, unused."""
+    video = str(media / "flipping_a_pancake.mkv")
+    assert main(["run", "--video", video, "--model", "tiny", "--policy", "protokv", "-M", "6144", "--quiet"]) == 0
+    rows = dict(line.split("  ", 1) for line in capsys.readouterr().out.splitlines() if "  " in line)
+    rows = {name.strip(): value.strip() for name, value in rows.items()}
+    assert rows["visual tokens held"] == "150" and rows["peak visual tokens held"] == "150"
+    assert rows["summary slots"] == "4608 reserved in M, 0 in use"
+    assert main(["run", "--video", video, "--model", "tiny", "--policy", "full", "--quiet"]) == 0
+    rows = capsys.readouterr().out
+    assert re.search(r"^visual tokens held +150$", rows, re.M) and "summary slots" not in rows
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from ..analysis.explain import attribution_views, fidelity_views
 from ..errors import BudgetError, StreamSettingError, UserError
 from ..experiments.compare import FULL, MAX_POLICIES, comparison_report, model_seconds, question_record
 from ..stream.engine import EngineError
-from ..views import counted
+from ..views import counted, tokens_held
 from .gpu import measure_fidelity, sweep_delays
 from .page_updates import PageUpdates
 from .sessions import CompareSettings, Session
@@ -132,7 +132,7 @@ def status(state: Session, total: int | None = None, error: str = "") -> str:
     for name, engine in state.engines.items():
         why = state.stopped.get(name)
         lines.append(
-            f"{label(state, name)}: {counted(engine.memory.visual_tokens, 'visual token')}, "
+            f"{label(state, name)}: {tokens_held(engine.memory)}, "
             f"{engine.memory.nbytes / 2**20:.2f} MB, {counted(engine.stats.compressions, 'compression')}"
             + (f" — {why}" if why else "")
         )

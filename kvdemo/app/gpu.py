@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,7 +47,7 @@ def feed_frames(session: Session, frames: np.ndarray, times_s: np.ndarray | None
     grids = sum(step.chunk.num_grids for step in steps)
     for g in range(grids):
         session.thumbnails.append(viz.thumbnail(frames[min(2 * g, len(frames) - 1)]))
-    session.chunk_ms = sum(step.chunk.encode_ms for step in steps) + (time.perf_counter() - start) * 1000
+    session.chunk_ms.append(sum(step.chunk.encode_ms for step in steps) + (time.perf_counter() - start) * 1000)
     session.last_used = time.monotonic()
     return True
 
@@ -69,7 +69,7 @@ class Segment:
     updates: PageUpdates
     total: int | None
     source: str
-    chunk_ms: float = 0.0
+    chunk_ms: list[float] = field(default_factory=list)  # the wall time of each chunk this call fed
     fed: int = 0
 
     @classmethod
@@ -92,7 +92,7 @@ class Segment:
         chunks the call fed."""
         state.group = self.group.attach(model_by_name(self.model))
         state.thumbnails.extend(self.thumbnails[old_thumbnails:])
-        state.chunk_ms = self.chunk_ms or state.chunk_ms
+        state.chunk_ms.extend(self.chunk_ms)
         state.last_used = time.monotonic()
         return self.fed
 

@@ -176,7 +176,8 @@ class Session:
     episode: Episode | None = None
     lost_frames: int = 0
     frame_size: tuple[int, int] | None = None
-    chunk_ms: float = 0.0
+    #: Wall time of each chunk fed so far (its encoding and every engine's prefill and compression), oldest first.
+    chunk_ms: list[float] = field(default_factory=list)
     coverage: dict[str, Any] | None = None
     #: What the engines may hold (:func:`kvdemo.experiments.compare.memory_bound`; the comparison's status says it).
     bound: dict[str, Any] = field(default_factory=dict)

@@ -15,7 +15,7 @@ from ..analysis.coverage import coverage
 from ..experiments.compare import FULL
 from ..models.catalog import TRAINED_NOTICE, caveat_for, family_of, family_spec, offline_model
 from ..policies import CARDS, policy_card
-from ..views import View, counted
+from ..views import View, counted, tokens_held
 from .page_updates import PageUpdates
 from .sessions import CACHE_TTL_S, STATIC_DIR, Session
 from .settings import policy_label
@@ -71,16 +71,16 @@ def status_text(
             progress = f"stopped at {progress}"
         offloaded = engine.memory.offloaded_bytes
         lines.append(
-            f"**{progress}** · {engine.policy.name}: {counted(engine.memory.visual_tokens, 'visual token')} "
-            f"({engine.budget.describe()}{summary_note(engine.memory)}), {engine.memory.nbytes / 2**20:.2f} MB"
+            f"**{progress}** · {engine.policy.name}: {tokens_held(engine.memory)} "
+            f"({engine.budget.describe()}), {engine.memory.nbytes / 2**20:.2f} MB"
             + (f" + {offloaded / 2**20:.2f} MB offloaded" if offloaded else "")
-            + f" · {session.chunk_ms:.0f} ms/chunk · {compression_time(stats)}"
+            + f" · {chunk_time(session.chunk_ms)} · {compression_time(stats)}"
         )
         full = session.full
         if full is not None:
             state = session.stopped.get(FULL)
             lines.append(
-                f"full cache: {counted(full.memory.visual_tokens, 'visual token')}, {full.memory.nbytes / 2**20:.2f} MB"
+                f"full cache: {tokens_held(full.memory)}, {full.memory.nbytes / 2**20:.2f} MB"
                 + (f" — {state}" if state else "")
             )
         if session.source:
@@ -92,6 +92,18 @@ def status_text(
 READY = (
     "Ready: **Run the bundled sample** plays the kind chosen under the buttons; or upload a video, then click **Run**."
 )
+
+
+def chunk_time(chunk_ms: list[float]) -> str:
+    """A run's time per chunk, in words: the median of its chunks after the first, and the first apart (it also
+    prefills the prompt and lays out the memory, and the process's first chunk warms the model up), e.g.
+    "47 ms/chunk (median; the first, with warm-up, 428 ms)"."""
+    if not chunk_ms:
+        return "no chunk yet"
+    first = f"{chunk_ms[0]:.0f} ms"
+    if len(chunk_ms) == 1:
+        return f"first chunk {first} (with warm-up)"
+    return f"{float(np.median(chunk_ms[1:])):.0f} ms/chunk (median; the first, with warm-up, {first})"
 
 
 def compression_time(stats) -> str:
@@ -106,18 +118,6 @@ def compression_time(stats) -> str:
     return (
         f"{done}, each {stats.pass_ms:.0f} ms = {100 * share:.0f}% of a chunk's prefill "
         f"({stats.chunk_prefill_ms:.0f} ms{warm})"
-    )
-
-
-def summary_note(memory) -> str:
-    """How the visual tokens of a memory with a summary region split: its summary slots count from the first
-    chunk, in use or not (so early in a stream such a policy holds more than the full cache)."""
-    if not memory.summary_slots:
-        return ""
-    exact = memory.visual_tokens - memory.summary_slots
-    return (
-        f": {exact} exact + {counted(memory.summary_slots, 'summary slot')}, counted from the first chunk, "
-        f"{memory.summary_active} in use"
     )
 
 

@@ -180,6 +180,12 @@ class KVMemory:
         )
 
     @property
+    def held_tokens(self) -> int:
+        """Visual tokens held: :attr:`visual_tokens` less the summary slots, which count against the budget from the
+        first chunk whether a policy has filled them or not (:attr:`summary_active` says how many it has)."""
+        return self.visual_tokens - self.summary_slots if self.layers else 0
+
+    @property
     def largest_head_tokens(self) -> int:
         """The most visual tokens (summary slots included) any single KV head of any layer holds."""
         if not self.layers:

@@ -282,12 +282,16 @@ def comparison_table(report: dict[str, Any]) -> str:
     its answer (graded on a generated stream), visual share of its attention, evidence ratio and fidelity."""
     engines = {**report["policies"], **({FULL: report[FULL]} if report.get(FULL) else {})}
     lines = [f"{'engine':<14} {'M / C':>9} {'peak tokens':>11} {'peak MB':>8} {'compressions':>12}"]
+    reserved = []
     for name, r in engines.items():
         size = "-" if r["budget"] is None else f"{r['budget']}" + (f"/{r['keep']}" if r["keep"] is not None else "")
         passes = sum(e["event"] == "compress" for e in r["timeline"])
-        lines.append(
-            f"{name:<14} {size:>9} {r['peak_visual_tokens']:>11} {r['peak_cache_bytes'] / 2**20:>8.2f} {passes:>12}"
-        )
+        held = r["peak_visual_tokens"] - r["summary_slots"]
+        lines.append(f"{name:<14} {size:>9} {held:>11} {r['peak_cache_bytes'] / 2**20:>8.2f} {passes:>12}")
+        if r["summary_slots"]:
+            reserved.append(f"{name} also reserves {r['summary_slots']} summary slots in M")
+    if reserved:
+        lines.append(f"(peak tokens: visual tokens held; {'; '.join(reserved)})")
     for q in report["questions"]:
         lines.append(f"\nQ: {clipped(q['question'])}" + (f"  (ground truth: {q['expected']})" if q["expected"] else ""))
         for name, a in q["answers"].items():

@@ -556,6 +556,7 @@ class StreamEngine:
             "tokens_per_grid": self.tokens_per_grid,
             "timeline": timeline,
             "peak_visual_tokens": max((e["visual_tokens"] for e in timeline), default=0),
+            "summary_slots": self.memory.summary_slots,  # counted in every visual_tokens above, in use or not
             "peak_cache_bytes": max((e["cache_bytes"] for e in timeline), default=0),
             "largest_head_tokens": self.memory.largest_head_tokens,
             "text_tokens": self.memory.text_tokens,
