@@ -246,11 +246,16 @@ def answer_and_report(
     ``--coverage``, how well the kept tokens cover the full cache; write ``--json``."""
     from .analysis.coverage import coverage, coverage_table  # deferred on purpose: it imports torch
 
-    for question in args.ask:
+    for number, question in enumerate(args.ask):
         print(f"\nQ: {clipped(question)}\nA: ", end="", flush=True)
         for piece in engine.ask(question):
             print(piece, end="", flush=True)
-        print(f"   ({grade(episode, question, engine.answers[-1].answer, engine.last_time_s).note})" if episode else "")
+        if episode is not None:  # graded in the dialogue so far: "And the diamond?" follows the question before it
+            print(
+                f"   ({grade(episode, question, engine.answers[-1].answer, engine.last_time_s, args.ask[:number]).note})"
+            )
+        else:
+            print()
     report = engine.report(video=video.describe(), lost_frames=video.lost_frames)
     print(summary_table(report, engine))
     if args.coverage:

@@ -544,6 +544,20 @@ def test_the_time_per_chunk_is_the_runs_median_with_the_warm_up_chunk_apart(hub)
     assert chunk_time(session.chunk_ms) in status_text(session)
 
 
+def test_a_question_about_a_shape_never_shown_and_a_follow_up_are_graded_in_the_chat(hub):
+    """docs/app.md: a question about an object the sample did not show says so; "And the diamond?" after a colour
+    question is graded as the diamond's colour question (the static sample has no square; its diamond is purple)."""
+    _, session = run(hub, None, None, budget=96, keep=72, fps=0.5)
+    list(ask(session, "What colour was the square?"))
+    list(ask(session, "And the diamond?"))
+    for name in ("infinipot-v", "full"):
+        chat = session.chat[name]
+        assert "no square was shown in this stream" in chat[1]["content"]
+        assert "(purple) (read as “What colour was the diamond?”)" in chat[3]["content"] or (
+            "the ground truth is purple (read as “What colour was the diamond?”)" in chat[3]["content"]
+        )
+
+
 def test_charts_read_as_the_newcomer_expected():
     """Log axes get a few spaced ticks (plotly's own labels every digit, which run together) and the
     M label sits at the line's right end, off the tick labels; integer axes (counts, layers) have whole ticks; lines

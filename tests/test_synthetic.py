@@ -131,6 +131,29 @@ def test_grading_reads_the_question_loosely_and_the_answer_strictly():
     assert grade_answer("red", " Red.") and not grade_answer("red", "reddish")
 
 
+def test_grading_knows_every_object_shown_and_reads_follow_ups_in_the_dialogue():
+    """The static sample shows an orange triangle (2-4 s), a yellow circle (11-13 s), a purple diamond (30-34 s) and a
+    blue star (32-37 s); the moving one also a green ring among its decoys (10-15 s, 17-21 s). No square."""
+    static, moving = sample_episode("static"), sample_episode("moving")
+    unshown = grade(static, "What colour was the square?", "yellow", 40.0)
+    assert unshown.correct is False and unshown.expected is None
+    assert (
+        unshown.note
+        == "✗ no square was shown in this stream (it showed triangle, circle, diamond, star), so no colour is right"
+    )
+    square_then_diamond = grade(static, "And the diamond?", "purple", 40.0, ["What colour was the square?"])
+    assert (square_then_diamond.expected, square_then_diamond.correct) == ("purple", True)
+    assert square_then_diamond.note.endswith("(read as “What colour was the diamond?”)")
+    chained = grade(static, "What about the star", "red", 40.0, ["What colour was the circle?", "And the diamond?"])
+    assert (chained.expected, chained.correct) == ("blue", False)
+    assert grade(static, "And the star?", "blue", 20.0, ["What colour was the circle?"]).note.startswith(
+        "its evidence appears at 32 s"
+    )
+    assert grade(static, "And the diamond?", "purple", 40.0).correct is None  # nothing before it to follow
+    assert grade(static, "And the diamond?", "purple", 40.0, ["Which shape appeared first?"]).correct is None
+    assert grade(moving, "What colour was the ring?", "green", 40.0).correct is True  # a decoy: shown, never asked
+
+
 def test_bad_specs_are_clear_errors():
     with pytest.raises(VideoError, match="multiples of 28"):
         StreamSpec(size=(100, 112))

@@ -21,7 +21,7 @@ from ..experiments.compare import FULL, MAX_POLICIES, comparison_report, model_s
 from ..stream.engine import EngineError
 from ..views import counted, tokens_held
 from .gpu import measure_fidelity, sweep_delays
-from .page_updates import PageUpdates
+from .page_updates import PageUpdates, earlier_questions
 from .sessions import CompareSettings, Session
 from .settings import USER_ERRORS
 from .single_updates import DisplayChoice
@@ -91,7 +91,10 @@ class CompareUpdates(PageUpdates):
         return {f"chat:{slot}": list(chat.get(name, [])) for slot, name in enumerate(state.engines if state else [])}
 
     def answered(self, state: Session, question: str, answers: dict[str, Any]) -> dict[str, Any]:
-        state.questions.append(question_record(question, answers, state.episode, state.engines[FULL].last_time_s))
+        earlier = earlier_questions(state.engines[FULL])
+        state.questions.append(
+            question_record(question, answers, state.episode, state.engines[FULL].last_time_s, earlier)
+        )
         state.attributions = {name: a.attribution for name, a in answers.items() if a.attribution is not None}
         return {
             "ask_status": f"✓ answered by {counted(len(answers), 'engine')}",

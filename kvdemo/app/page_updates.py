@@ -116,10 +116,18 @@ def answer_note(state: Session, answer) -> str:
     if model is not None and model.random_weights:
         return " · random weights"
     if state.episode is not None and engine is not None:
-        return " · " + grade(state.episode, answer.question, answer.answer, engine.last_time_s).note
+        return (
+            " · "
+            + grade(state.episode, answer.question, answer.answer, engine.last_time_s, earlier_questions(engine)).note
+        )
     if model is not None and model.notice:
         return " · the tiny model knows only its generated streams: on this video its answers mean little"
     return ""
+
+
+def earlier_questions(engine) -> list[str]:
+    """The questions of ``engine``'s dialogue before its latest answer, oldest first (a follow-up is graded in them)."""
+    return [question for question, _ in engine.history[:-1]]
 
 
 def answer_markdown(state: Session, answer, details: bool = True) -> str:

@@ -177,18 +177,21 @@ def ask_all(
     }
 
 
-def question_record(question: str, answers: dict[str, Any], episode=None, time_s: float = 0.0) -> dict[str, Any]:
-    """One question's entry of the comparison report: each engine's answer, grade (on a generated stream),
-    attribution and, where the ground truth names the object, the evidence ratio of its attribution."""
+def question_record(
+    question: str, answers: dict[str, Any], episode=None, time_s: float = 0.0, earlier: list[str] | None = None
+) -> dict[str, Any]:
+    """One question's entry of the comparison report: each engine's answer, grade (on a generated stream, in the
+    dialogue's ``earlier`` questions), attribution and, where the ground truth names the object, the evidence ratio of
+    its attribution."""
     from ..analysis.explain import evidence_ratio  # deferred on purpose (see the imports)
-    from ..world.synthetic import grade  # deferred on purpose: grading needs the generated world only on its streams
+    from ..world.grading import asked_question, grade  # deferred on purpose: only generated streams are graded
 
-    known = episode.answer_for(question) if episode is not None else None
+    known = episode.answer_for(asked_question(question, earlier or [])) if episode is not None else None
     record: dict[str, Any] = {"question": question, "expected": known.answer if known else None, "answers": {}}
     for name, answer in answers.items():
         entry: dict[str, Any] = {"answer": answer.answer, "ms": round(answer.ms, 1), "tokens": answer.tokens}
         if episode is not None:
-            entry["correct"] = grade(episode, question, answer.answer, time_s).correct
+            entry["correct"] = grade(episode, question, answer.answer, time_s, earlier or []).correct
         if answer.attribution is not None:
             entry["attribution"] = answer.attribution.to_dict()
             if known is not None:
@@ -262,9 +265,9 @@ def compare_command(args, model, video, contenders: list[Contender], episode=Non
     if video.lost_frames:
         print(f"warning: {video.describe()}", file=sys.stderr)
     questions = []
-    for question in args.ask:
+    for number, question in enumerate(args.ask):
         answers = ask_all(engines, group.stopped, question, args.attribution)
-        record = question_record(question, answers, episode, engines[FULL].last_time_s)
+        record = question_record(question, answers, episode, engines[FULL].last_time_s, args.ask[:number])
         if args.fidelity and FULL not in group.stopped:
             record["fidelity"] = fidelity(engines[FULL], {n: e for n, e in engines.items() if n != FULL}, question)
         questions.append(record)

@@ -48,13 +48,14 @@ training and evaluation keep disjoint streams).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
 
 from ..media.video import Video, VideoError
 from .camera import camera_path, place_seen_objects, render_moving
+from .grading import Grade, grade, grade_answer  # grading is this module's API too
 from .scene import (  # the vocabulary of a stream; the names below are this module's API too
     CELL,
     CLUTTER,
@@ -107,33 +108,6 @@ __all__ = [
     "shape_mask",
     "synthetic_video",
 ]
-
-
-@dataclass(frozen=True)
-class Grade:
-    """How an answer compares with a generated stream's ground truth (``correct`` is None when there is
-    nothing to compare with); ``note`` says it in a few words for the chat."""
-
-    expected: str | None
-    correct: bool | None
-    note: str
-
-
-def grade(episode: Episode, question: str, answer: str, time_s: float) -> Grade:
-    """Compare ``answer`` to ``question`` asked at stream time ``time_s`` with ``episode``'s ground truth."""
-    known = episode.answer_for(question)
-    if known is None:
-        return Grade(None, None, "no ground truth for this question in the generated stream")
-    if time_s <= known.shown_s:
-        return Grade(None, None, f"its evidence appears at {known.shown_s:g} s, later in the stream")
-    if grade_answer(known.answer, answer):
-        return Grade(known.answer, True, f"✓ matches the ground truth ({known.answer})")
-    return Grade(known.answer, False, f"✗ the ground truth is {known.answer}")
-
-
-def grade_answer(expected: str, answer: str) -> bool:
-    """An answer is right when it is the expected word (case, spacing and final punctuation ignored)."""
-    return (answer or "").strip().strip(".!").casefold() == expected.casefold()
 
 
 # --- the bundled sample --------------------------------------------------------------------------
