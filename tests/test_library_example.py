@@ -57,7 +57,36 @@ def test_the_readme_library_example_runs_for_every_family(name, clip, monkeypatc
     assert namespace["report"]["policy"] == "infinipot-v"
     assert namespace["answer"].attribution is not None
     printed = capsys.readouterr().out
-    assert re.findall(r"^(\d+) \{'infinipot-v': \d+, 'full': \d+\}$", printed, re.M) == ["2", "4"]  # a line a chunk
+    held = r"^(\d+) frames, visual tokens held: \{'infinipot-v': \d+, 'full': \d+\}$"
+    assert re.findall(held, printed, re.M) == ["2", "4"]  # a line a chunk
+    assert re.search(r"^answer: .*\n(?=attention shares: )", printed, re.M), "the streamed answer ends its own line"
+
+
+@pytest.mark.slow
+def test_the_readme_library_example_compresses_the_real_clip_and_labels_every_result(
+    media, monkeypatch, capsys, tmp_path
+):
+    """On the real clip (20 frames at 2 fps, 15 tokens a chunk on the trained tiny model) the example's budget, four
+    chunks, is exceeded: InfiniPot-V compresses, so what it changed against the full cache is not zero; every result
+    is on its own labelled line, and the offline model's answer about a real video comes with its note."""
+    code = library_example().replace('"clip.mp4"', repr(str(media / "flipping_a_pancake.mkv")))
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, "README.md ## Library (real clip)", "exec"), namespace)
+    policy, full = namespace["policy"], namespace["engines"]["full"]
+    assert (policy.budget.M, policy.budget.C) == (60, 45) and full.memory.held_tokens == 150
+    assert policy.stats.compressions > 0 and policy.memory.held_tokens <= 60
+    lines = capsys.readouterr().out.splitlines()[10:]  # after the ten chunks' lines
+    labels = ["compressions: ", "note: ", "answer: ", "attention shares: ", "attention per frame pair (by its time): "]
+    labels += [
+        "attention-output error per layer, against the full cache: ",
+        "first-token KL divergence from the full cache: ",
+    ]
+    assert [next(label for label in labels if line.startswith(label)) for line in lines] == labels
+    assert lines[1].endswith("Its answers about this video mean little.")
+    assert len(namespace["answer"].attribution.frame_mass()) == 10 and lines[4].count(" s': ") == 10  # frame pairs
+    errors = namespace["measured"]["layer_error"]
+    assert len(errors) == 4 and min(errors) > 0 and namespace["measured"]["first_token_kl"] > 0
 
 
 def test_the_docs_library_page_example_runs(clip, monkeypatch, capsys, tmp_path):
