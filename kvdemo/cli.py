@@ -325,13 +325,18 @@ def compare(args: argparse.Namespace) -> int:
     tokens, shape = geometry.chunk_tokens(video.size, 2)
     contenders = compare_lineup(contenders, args.budget, args.keep, tokens, shape)  # every budget, resolved and sized
 
+    from .models.catalog import resolve_model_name  # deferred with the loader
     from .models.loading import load_model  # deferred: everything the user typed is good, the model comes now
 
+    if not args.quiet:
+        print(f"loading model {resolve_model_name(args.model)}", file=sys.stderr)
     model = load_model(args.model)
     check_questions(model, args.ask)
     if model.notice:
         print(f"note: {model.notice}", file=sys.stderr)
-    return compare_command(args, model, video, contenders, episode)
+    return compare_command(
+        args, model, video, contenders, episode, None if args.quiet else lambda: _progress(video.num_frames, False)
+    )
 
 
 def _progress(total: int, quiet: bool):

@@ -190,6 +190,7 @@ def add_compare(commands: Any, stream: argparse.ArgumentParser, about: PolicyHel
     comparing.add_argument(
         "--full-cap-mb", type=float, default=2048, help="the full cache stops here (default 2048; 0: no cap)"
     )
+    comparing.add_argument("--quiet", action="store_true", help="no progress (bar and a line per question)")
 
 
 EVAL_DESCRIPTION = """\

@@ -119,6 +119,9 @@ def test_cli_compare_writes_one_report_per_engine_in_one_file(tmp_path, capsys):
     assert set(record["fidelity"]) == set(FOUR)
     assert all(len(f["layer_error"]) == 4 and f["first_token_kl"] >= 0 for f in record["fidelity"].values())
     assert report["memory"]["text"] in printed.err
+    # Progress on stderr while it works: the model's load, a bar over the 80 frames, a line per question.
+    assert "loading model tiny" in printed.err and "80/80" in printed.err
+    assert "asking 5 engines question 1 of 1" in printed.err
     assert report["timing"]["stream_s"] == 40 and report["timing"]["model_s"] > 0
     assert "model work" in printed.out and "evidence ratio" in printed.out
 

@@ -11,6 +11,7 @@ import ast
 import contextlib
 import copy
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -380,8 +381,14 @@ def test_the_doctor_runs_its_small_matrix_on_the_cpu(tmp_path, capsys):
     decode = report["decode"]  # kvdemo's decode beside transformers' generate on the exported tiny model
     assert decode["kvdemo_ms"] > 0 and decode["generate_ms"] > 0 and decode["new_tokens"] == 32
     assert decode["ratio"] == pytest.approx(decode["kvdemo_ms"] / decode["generate_ms"])
-    out = capsys.readouterr().out
-    assert "all checks passed" in out and "transformers' generate" in out
+    printed = capsys.readouterr()
+    assert "all checks passed" in printed.out and "transformers' generate" in printed.out
+    # A line per step on stderr while it works (the tables stay on stdout): 2 models x 7 policies, then the rest.
+    runs = re.findall(r"^doctor: \[ *\d+ s\] (\S+) x (\S+), streamed twice \((\d+)/14\)$", printed.err, re.M)
+    assert [int(n) for _, _, n in runs] == list(range(1, 15)) and {(m, p) for m, p, _ in runs} == {
+        (r["model"], r["policy"]) for r in rows
+    }
+    assert "doctor:" not in printed.out
 
 
 def test_the_doctors_attention_table_runs_every_call_and_compares_the_blocks():

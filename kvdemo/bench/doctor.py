@@ -21,6 +21,8 @@ import contextlib
 import hashlib
 import platform
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,10 +98,20 @@ def _one_run(model: Any, policy: str, frames: Any, budget: Budget | None, device
     }
 
 
-def model_matrix(models: list[str], device: torch.device, frames: int) -> list[dict[str, Any]]:
-    """Every policy x ``models``, each run twice on ``device``."""
+def step(text: str, start: float | None = None) -> None:
+    """A progress line on stderr (the tables go to stdout): the checklist takes minutes on a CPU. ``start``: the
+    checklist's ``time.monotonic()`` at its start, for the seconds so far."""
+    elapsed = f"[{time.monotonic() - start:4.0f} s] " if start is not None else ""
+    print(f"doctor: {elapsed}{text}", file=sys.stderr, flush=True)
+
+
+def model_matrix(
+    models: list[str], device: torch.device, frames: int, start: float | None = None
+) -> list[dict[str, Any]]:
+    """Every policy x ``models``, each run twice on ``device`` (a progress line per run, :func:`step`)."""
     rows = []
     episode = sample_episode()
+    total = len(models) * len(policy_names())
     for name in models:
         model = load_model(name)
         if device.type == "cuda":
@@ -113,6 +125,7 @@ def model_matrix(models: list[str], device: torch.device, frames: int) -> list[d
         names = sorted(policy_names(), key=lambda p: make_policy(p).bounded)  # the full cache first
         M = None
         for policy_name in names:
+            step(f"{name} x {policy_name}, streamed twice ({len(rows) + 1}/{total})", start)
             policy = make_policy(policy_name)
             budget = Budget.resolve(policy, M, None, default_ratio=DEFAULT_KEEP_RATIO) if policy.bounded else None
             with torch.inference_mode():
@@ -258,7 +271,7 @@ def doctor(
     unknown = sorted(set(full_depth or ()) - set(released_configs()))
     if unknown:
         raise SystemExit(f"error: --full-depth knows {', '.join(released_configs())}; not {', '.join(unknown)}")
-    watch = Stopwatch(device)
+    watch, start = Stopwatch(device), time.monotonic()
     report: dict[str, Any] = {
         "machine": {
             "python": platform.python_version(),
@@ -267,6 +280,7 @@ def doctor(
             "threads": torch.get_num_threads(),
         }
     }
+    step(f"the attention backend on {device}", start)
     report["attention"] = attention_backend(device)
     print(f"attention on {device}: " + ", ".join(f"{k}={v}" for k, v in report["attention"].items()))
     report["key_lengths"] = key_length_cost(device)
@@ -303,6 +317,7 @@ def doctor(
                 ],
             )
         )
+    step("every policy with the memory's layers split across two devices", start)
     report["split"] = split_matrix(device)
     print("\nlayers split across two devices (layer 0 on the host):")
     print(
@@ -316,12 +331,13 @@ def doctor(
             ],
         )
     )
-    report["models"] = model_matrix(list(models or quick_models()), device, frames)
+    report["models"] = model_matrix(list(models or quick_models()), device, frames, start)
     print(
         f"\nevery policy x model on {device}, {frames} frames of the bundled sample, M = half the full cache's tokens:"
     )
     print(_table(report["models"], MATRIX_COLUMNS))
     if real_shapes:
+        step("one compression pass per policy at Qwen2.5-VL-3B/-7B layer shapes", start)
         report["real_shapes"] = real_shape_passes(device, repeats)
         print("\none compression pass, two layers at Qwen2.5-VL per-layer cache shapes (median ms):")
         print(
@@ -343,6 +359,7 @@ def doctor(
             full_depth, str(device), seconds, checkpoints, keep_folders=tuple(full_depth) if keep_checkpoints else ()
         )
         _write(report, json_path)
+    step("kvdemo's decode beside transformers' generate", start)
     report["decode"] = decode_check(device, full_depth, checkpoints)
     print("\n" + decode_line(report["decode"]))
     failed = [r for r in report["models"] if not (r["under_M"] and r["memory_unchanged_by_asking"])]

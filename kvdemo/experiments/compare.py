@@ -237,10 +237,11 @@ def comparison_report(
     }
 
 
-def compare_command(args, model, video, contenders: list[Contender], episode=None) -> int:
+def compare_command(args, model, video, contenders: list[Contender], episode=None, progress=None) -> int:
     """``python -m kvdemo compare`` on ``video`` with ``contenders`` (the CLI parsed and checked the arguments, opened
     the stream and sized every budget, :func:`compare_lineup`; ``episode``: its generated ground truth, for the
-    bundled sample)."""
+    bundled sample). ``progress``: makes a bar (tqdm's interface), advanced by the frames streamed; with one, each
+    question is announced on stderr as it is asked of every engine."""
     from ..analysis.explain import fidelity  # deferred on purpose (see the imports)
     from ..stream.streaming import EngineGroup  # deferred with it
 
@@ -254,18 +255,26 @@ def compare_command(args, model, video, contenders: list[Contender], episode=Non
     )
     print(bound["text"], file=sys.stderr)
     group = EngineGroup(model, engines, video.fps)
+    bar = progress() if progress is not None else None  # after the lines above, so that it does not cut into them
     parts = video.chunks(2)
     current = next(parts, None)
     while current is not None:
         following = next(parts, None)
-        group.push(current[1], current[2], flush=following is None, total=video.num_frames)
+        steps = group.push(current[1], current[2], flush=following is None, total=video.num_frames)
+        if bar is not None:
+            bar.update(sum(step.chunk.frames for step in steps))
         current = following
+    if bar is not None:
+        bar.close()
     for name, why in group.stopped.items():
         print(f"{name}: {why}", file=sys.stderr)
     if video.lost_frames:
         print(f"warning: {video.describe()}", file=sys.stderr)
     questions = []
     for number, question in enumerate(args.ask):
+        if progress is not None:
+            running = len(engines) - len(group.stopped)
+            print(f"asking {running} engines question {number + 1} of {len(args.ask)}", file=sys.stderr, flush=True)
         answers = ask_all(engines, group.stopped, question, args.attribution)
         record = question_record(question, answers, episode, engines[FULL].last_time_s, args.ask[:number])
         if args.fidelity and FULL not in group.stopped:
