@@ -85,6 +85,23 @@ def test_sample_run_and_question_in_chromium(browser, app_url, artifacts):
         assert asked in page.locator(chat).inner_text()
     assert page.input_value("#question textarea") == asked
 
+    # A reader scrolls both panes back to the first turn (a mouse wheel over a pane does it), then asks three more
+    # questions: after each answer every pane shows its newest turn (Gradio's own autoscroll gave up once scrolled up).
+    page.evaluate("() => document.querySelectorAll('#policy-chat *, #full-chat *').forEach(e => e.scrollTop = 0)")
+    for turn in (2, 3, 4):
+        page.locator("#examples button").nth(turn - 1).click()
+        for chat in ("#policy-chat", "#full-chat"):
+            page.wait_for_function(
+                f"document.querySelector('{chat}').innerText.split('first token').length > {turn}", timeout=120_000
+            )
+        page.wait_for_function(f"{SCROLLED_TO_NEWEST}('#policy-chat, #full-chat')", timeout=30_000)
+
+
+#: JS: whether every scrolled box inside the panes matching a selector shows its end (the newest turn).
+SCROLLED_TO_NEWEST = """(selector => [...document.querySelectorAll(selector)].every(pane => [...pane.querySelectorAll('*')]
+    .filter(e => e.scrollHeight > e.clientHeight + 1 && getComputedStyle(e).overflowY !== 'visible')
+    .every(e => e.scrollTop + e.clientHeight >= e.scrollHeight - 2)))"""
+
 
 def test_webcam_with_a_fake_camera(browser, app_url, artifacts):
     context = browser.new_context(viewport={"width": 1400, "height": 1400}, permissions=["camera"])
@@ -375,6 +392,15 @@ def test_four_policies_compared_in_chromium(browser, app_url, artifacts):
         "document.querySelector('#compare-attribution img') && document.querySelector('#compare-attribution img').naturalWidth > 0",
         timeout=60_000,
     )
+    # Nothing of the pane's own sits on the question's bubble (its Clear button did, in the narrow panes).
+    covered = page.evaluate("""() => [...document.querySelectorAll("[id^='compare-chat-']")].filter(pane => {
+        const bubble = pane.querySelector('[data-testid="user"]').getBoundingClientRect();
+        return [...pane.querySelectorAll('button')].filter(b => b.offsetParent !== null).some(b => {
+            const r = b.getBoundingClientRect();
+            return r.left < bubble.right && r.right > bubble.left && r.top < bubble.bottom && r.bottom > bubble.top;
+        });
+    }).map(pane => pane.id)""")
+    assert covered == [], covered
     page.click("#compare-fidelity")
     page.wait_for_function(
         "document.querySelector('#compare-fidelity-text').innerText.includes('first-token KL')", timeout=120_000

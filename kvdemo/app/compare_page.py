@@ -322,30 +322,33 @@ class ComparePage(Page):
             request_stop, [self.state], None, api_name="compare_stop", concurrency_limit=None, show_progress="hidden"
         )
         asked = [self.state, self.ask_status, self.attribution, self.attribution_text, self.report, *self.chats]
-        self.ask_button.click(
-            self.on_ask,
-            [self.state, self.question, self.attribute],
-            asked,
-            api_name="compare_ask",
-            show_progress_on=[self.ask_status],
-            **self.questions_slots,
-        )
-        self.question.submit(
-            self.on_ask,
-            [self.state, self.question, self.attribute],
-            asked,
-            api_visibility="private",
-            show_progress_on=[self.ask_status],
-            **self.questions_slots,
-        )
-        self.examples.click(
-            self.on_example,
-            [self.state, self.examples, self.attribute],
-            [*asked, self.question],
-            api_visibility="private",
-            show_progress_on=[self.ask_status],
-            **self.questions_slots,
-        )
+        questions = [
+            self.ask_button.click(
+                self.on_ask,
+                [self.state, self.question, self.attribute],
+                asked,
+                api_name="compare_ask",
+                show_progress_on=[self.ask_status],
+                **self.questions_slots,
+            ),
+            self.question.submit(
+                self.on_ask,
+                [self.state, self.question, self.attribute],
+                asked,
+                api_visibility="private",
+                show_progress_on=[self.ask_status],
+                **self.questions_slots,
+            ),
+            self.examples.click(
+                self.on_example,
+                [self.state, self.examples, self.attribute],
+                [*asked, self.question],
+                api_visibility="private",
+                show_progress_on=[self.ask_status],
+                **self.questions_slots,
+            ),
+        ]
+        self.show_newest_turn(questions)
         self.clear_button.click(
             self.on_new_conversation,
             [self.state],

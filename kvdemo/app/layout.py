@@ -24,10 +24,11 @@ log = logging.getLogger("kvdemo")
 #: Gradio's own cleanup of its cache (every 10 minutes, files older than an hour); it misses the files of
 #: components updated with gr.update, which :class:`~kvdemo.app.sessions.CacheSweeper` deletes.
 CACHE_CLEANUP = (600, 3600)
-#: The chat panes' own "Clear" button would clear the view but not the engines' dialogue (and it sits on
-#: the first question's bubble): "New conversation" does both.
+#: The chat panes' own "Clear" button (both pages) would clear the view but not the engines' dialogue (and it sits on
+#: the first question's bubble, in the comparison's narrow panes over its text): "New conversation" does both.
 CSS = (
-    "#policy-chat button[aria-label='Clear'], #full-chat button[aria-label='Clear'] { display: none; }"
+    "#policy-chat button[aria-label='Clear'], #full-chat button[aria-label='Clear'],"
+    " [id^='compare-chat-'] button[aria-label='Clear'] { display: none; }"
     # Gradio cuts a thumbnail's caption to one line ("t=12.0s · 45% exact · 3…"): wrap it, whole, over the frame.
     " #gallery .caption-label { white-space: normal; max-width: 100%; opacity: 0.9; text-overflow: clip;"
     " font-size: 11px; line-height: 1.25; }"

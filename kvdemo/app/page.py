@@ -25,6 +25,19 @@ from .settings import SAMPLE_KIND_HELP, USER_ERRORS
 
 log = logging.getLogger("kvdemo")
 
+#: Run in the browser when an answer is done: every chat pane shows its newest turn. Gradio's own autoscroll stops for
+#: good once a pane was scrolled up (a mouse wheel that scrolls the page over a pane does it), and the newest answer
+#: then stayed below the fold; asking a question is the moment to show it again.
+SHOW_NEWEST_TURN = """() => {
+  for (const pane of document.querySelectorAll("#policy-chat, #full-chat, [id^='compare-chat-']")) {
+    for (const el of pane.querySelectorAll("*")) {
+      if (el.scrollHeight > el.clientHeight + 1 && getComputedStyle(el).overflowY !== "visible") {
+        el.scrollTop = el.scrollHeight;
+      }
+    }
+  }
+}"""
+
 
 def internal_error(exc: Exception) -> str:
     """A bug said in one line (its traceback goes to the log)."""
@@ -165,6 +178,11 @@ class Page(ABC):
     def run_settings(self, values: dict[str, Any]) -> tuple[Any, PageUpdates]:
         """The settings form's values as the page's settings, and the updates the run shows."""
         raise NotImplementedError
+
+    def show_newest_turn(self, events: list) -> None:
+        """After each of the ``events`` (a question asked), scroll every chat pane to its newest turn (in the browser)."""
+        for event in events:
+            event.then(None, None, None, js=SHOW_NEWEST_TURN, api_visibility="private", show_progress="hidden")
 
     def in_line(self, run: Callable, key: str = "status"):
         """``run()``'s updates once it holds one of the app's stream slots; while it waits, where it stands."""

@@ -150,6 +150,7 @@ class SinglePageEvents(SinglePage):
                 **questions,
             ),
         ]
+        self.show_newest_turn(asked)
         for event in asked:  # answering changes what some heads hold (retrieval): redraw the views
             event.then(
                 self.on_redraw,
