@@ -250,12 +250,8 @@ def answer_and_report(
         print(f"\nQ: {clipped(question)}\nA: ", end="", flush=True)
         for piece in engine.ask(question):
             print(piece, end="", flush=True)
-        if episode is not None:  # graded in the dialogue so far: "And the diamond?" follows the question before it
-            print(
-                f"   ({grade(episode, question, engine.answers[-1].answer, engine.last_time_s, args.ask[:number]).note})"
-            )
-        else:
-            print()
+        answer, earlier = engine.answers[-1].answer, args.ask[:number]  # "And the diamond?" follows what was asked
+        print(f"   ({grade(episode, question, answer, engine.last_time_s, earlier).note})" if episode else "")
     report = engine.report(video=video.describe(), lost_frames=video.lost_frames)
     print(summary_table(report, engine))
     if args.coverage:
@@ -297,9 +293,8 @@ def open_source(args: argparse.Namespace):
 
 
 def compare(args: argparse.Namespace) -> int:
-    """``python -m kvdemo compare``: the arguments and the file, then the policies, their parameters and budgets
-    (torch), then each budget sized for one chunk of the stream (the model's family sizes it), and only then the model
-    (kvdemo.experiments.compare)."""
+    """``python -m kvdemo compare``: the arguments, the file, the policies and budgets (torch), each budget sized for one
+    chunk (the model's family sizes it), then the model (kvdemo.experiments.compare)."""
     check_run_arguments(args)
     if args.video:
         open_video(Path(args.video), fps=args.fps, max_frames=args.max_frames)  # a bad file fails before torch loads
@@ -324,9 +319,8 @@ def compare(args: argparse.Namespace) -> int:
     video, episode, geometry = open_source(args)
     tokens, shape = geometry.chunk_tokens(video.size, 2)
     contenders = compare_lineup(contenders, args.budget, args.keep, tokens, shape)  # every budget, resolved and sized
-
-    from .models.catalog import resolve_model_name  # deferred with the loader
-    from .models.loading import load_model  # deferred: everything the user typed is good, the model comes now
+    from .models.catalog import resolve_model_name  # deferred: everything the user typed is good, the model comes now
+    from .models.loading import load_model  # deferred with it
 
     if not args.quiet:
         print(f"loading model {resolve_model_name(args.model)}", file=sys.stderr)
@@ -349,19 +343,15 @@ def _progress(total: int, quiet: bool):
 
 def summary_table(report: dict[str, Any], engine) -> str:
     """The run's summary as aligned rows (``engine``: the :class:`~kvdemo.stream.engine.StreamEngine` that ran)."""
-    stats = engine.stats
+    stats, slots = engine.stats, report["summary_slots"]
     rows = [
         ("policy", report["policy"]),
         ("budget M / keep C", budget_text(report)),
         ("frames fed", report["frames"]),
         ("tokens per grid", report["tokens_per_grid"]),
         ("visual tokens held", engine.memory.held_tokens),
-        ("peak visual tokens held", report["peak_visual_tokens"] - report["summary_slots"]),
-        *(
-            [("summary slots", f"{report['summary_slots']} reserved in M, {engine.memory.summary_active} in use")]
-            if report["summary_slots"]
-            else []
-        ),
+        ("peak visual tokens held", report["peak_visual_tokens"] - slots),
+        *([("summary slots", f"{slots} reserved in M, {engine.memory.summary_active} in use")] if slots else []),
         ("peak cache", f"{report['peak_cache_bytes'] / 2**20:.2f} MB"),
         ("compressions", stats.compressions),
         ("vision encode", f"{stats.encode_ms:.0f} ms"),
