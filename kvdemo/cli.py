@@ -72,25 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         if args.command == "doctor":
-            from .bench.doctor import doctor  # deferred: the checklist loads torch and the models
+            from .bench.doctor import doctor_command  # deferred: the checklist loads torch and the models
 
-            models = [m.strip() for m in args.models.split(",")] if args.models else None
-            full = [m.strip() for m in args.full_depth.split(",")] if args.full_depth else []
-            return (
-                0
-                if doctor(
-                    args.device,
-                    models,
-                    args.frames,
-                    args.real_shapes,
-                    json_path=args.json,
-                    full_depth=full,
-                    seconds=args.seconds,
-                    checkpoints=args.checkpoints,
-                    keep_checkpoints=args.keep_checkpoints,
-                )["ok"]
-                else 1
-            )
+            return doctor_command(args)
         from .bench.command import bench_command  # deferred: the benchmarks import torch and transformers
         from .policies import BENCH_POLICY  # deferred with it
 

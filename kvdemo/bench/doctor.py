@@ -238,6 +238,24 @@ MATRIX_COLUMNS = [
 ]
 
 
+def doctor_command(args) -> int:
+    """``python -m kvdemo doctor`` with its parsed arguments: the checklist's exit status (0: every check passed)."""
+    models = [m.strip() for m in args.models.split(",")] if args.models else None
+    full = [m.strip() for m in args.full_depth.split(",")] if args.full_depth else []
+    report = doctor(
+        args.device,
+        models,
+        args.frames,
+        args.real_shapes,
+        json_path=args.json,
+        full_depth=full,
+        seconds=args.seconds,
+        checkpoints=args.checkpoints,
+        keep_checkpoints=args.keep_checkpoints,
+    )
+    return 0 if report["ok"] else 1
+
+
 def doctor(
     device_name: str = "auto",
     models: list[str] | None = None,
