@@ -59,18 +59,9 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:  # a folder that is not a run, a chart with nothing to draw
                 raise UsageError(str(exc)) from None
         if args.command == "make-tasks":
-            from .integrations.local_tasks import make_tasks  # deferred: PyAV writes the videos
+            from .integrations.local_tasks import make_tasks_command  # deferred: PyAV writes the videos
 
-            if args.streams <= 0:
-                raise UsageError(f"--streams must be positive, got {args.streams}")
-            counts = make_tasks(args.folder, args.streams, args.seed)
-            folder = Path(args.folder).resolve()
-            print(", ".join(f"{task}: {n} rows" for task, n in counts.items()))
-            print(
-                f"run: HF_HOME={folder / 'hf'} HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m lmms_eval --model kvdemo "
-                f"--tasks kvdemo_videomme --include_path {folder} --output_path {folder / 'results'}"
-            )
-            return 0
+            return make_tasks_command(args)
         if args.command == "doctor":
             from .bench.doctor import doctor_command  # deferred: the checklist loads torch and the models
 
@@ -303,11 +294,11 @@ def compare(args: argparse.Namespace) -> int:
     video, episode, geometry = open_source(args)
     tokens, shape = geometry.chunk_tokens(video.size, 2)
     contenders = compare_lineup(contenders, args.budget, args.keep, tokens, shape)  # every budget, resolved and sized
-    from .models.catalog import resolve_model_name  # deferred: everything the user typed is good, the model comes now
+    from .models.catalog import chosen_model_name  # deferred: everything the user typed is good, the model comes now
     from .models.loading import load_model  # deferred with it
 
     if not args.quiet:
-        print(f"loading model {resolve_model_name(args.model)}", file=sys.stderr)
+        print(f"loading model {chosen_model_name(args.model)}", file=sys.stderr)
     model = load_model(args.model)
     check_questions(model, args.ask)
     if model.notice:

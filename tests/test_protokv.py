@@ -19,6 +19,7 @@ from kvdemo.policies.contract import SummaryUpdate
 from kvdemo.policies.protokv.assignment import ASSIGNMENT_BLOCK, assign
 from kvdemo.policies.protokv.bank import Tokens
 from kvdemo.policies.protokv.ema import mahalanobis
+from kvdemo.policies.protokv.gathering import gather_tokens
 from kvdemo.policies.protokv.pq import beam_search, pq_decode, pq_encode, train_codebooks
 from kvdemo.stream.engine import StreamEngine
 from kvdemo.stream.streaming import stream_video
@@ -905,7 +906,7 @@ def test_keys_are_unrotated_in_float32_before_any_rounding():
     memory = synthetic_memory(1, 2, 16, budget=16, grid=(2, 4), dtype=torch.bfloat16)
     view = memory.slices(rotary)[0]
     index = torch.arange(16).expand(1, 2, -1)
-    tokens = make_policy("protokv")._gather([view], index)
+    tokens = gather_tokens([view], index)
     section = [2, 3, 3]
     expected = rotate_by_hand(view.keys.double(), -view.position.long(), rotary.rotary_emb.inv_freq, section)
     assert tokens.keys.dtype == torch.float32

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..media.video import write_video
+from ..usage import UsageError
 from ..world.choices import multiple_choice
 from ..world.synthetic import Episode, StreamSpec, generate_episode, grade_answer
 
@@ -62,6 +63,20 @@ def make_tasks(folder: str | Path, streams: int = 8, seed: int = 0) -> dict[str,
         template = resources.files("kvdemo.integrations").joinpath("tasks", f"{task}.yaml").read_text()
         (folder / f"{task}.yaml").write_text(template.replace("@DATA@", str(folder)))
     return {task: len(task_rows) for task, task_rows in rows.items()}
+
+
+def make_tasks_command(args) -> int:
+    """``python -m kvdemo make-tasks``: write the tasks and print the lmms-eval command that runs them offline."""
+    if args.streams <= 0:
+        raise UsageError(f"--streams must be positive, got {args.streams}")
+    counts = make_tasks(args.folder, args.streams, args.seed)
+    folder = Path(args.folder).resolve()
+    print(", ".join(f"{task}: {n} rows" for task, n in counts.items()))
+    print(
+        f"run: HF_HOME={folder / 'hf'} HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m lmms_eval --model kvdemo "
+        f"--tasks kvdemo_videomme --include_path {folder} --output_path {folder / 'results'}"
+    )
+    return 0
 
 
 def _write(path: Path, episode: Episode, frames: int | None = None) -> None:

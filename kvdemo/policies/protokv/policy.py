@@ -79,7 +79,8 @@ from ..contract import LayerSlice, Policy, Selection, SummaryRegion, SummaryUpda
 from ..registry import BenchDeclaration, PolicyCard, param, register
 from ..topk import select_with_text
 from .assignment import assign
-from .bank import NearTokens, ProtoBank, Tokens
+from .bank import NearTokens, ProtoBank
+from .gathering import gather_tokens
 from .pq import beam_search, pq_decode
 from .split import near_and_bank
 from .views import bank_churn, prototype_views
@@ -188,10 +189,10 @@ class ProtoKV(Policy, SummaryRegion):
         touched = torch.zeros(bank.rows, bank.capacity, dtype=torch.bool, device=device)
         if evict.shape[-1]:
             with timer.phase("gather", device):
-                tokens = self._gather(slices, evict)
+                tokens = gather_tokens(slices, evict)
             touched |= self.absorb(bank, *tokens[:7], t, timer, order=tokens.order)
         with timer.phase("maintenance", device):
-            touched |= self.maintain(bank, lambda count: self._gather(slices, near_newest[..., :count]), t, touched)
+            touched |= self.maintain(bank, lambda count: gather_tokens(slices, near_newest[..., :count]), t, touched)
             bank.close_pass(t)
         with timer.phase("synthesis", device):
             summary = self.synthesize(bank, touched, slices[0].rotary, heads)
@@ -222,44 +223,6 @@ class ProtoKV(Policy, SummaryRegion):
             raise PolicyParameterError(f"head dim {dim} is not divisible by {self.subquantizers} PQ sub-quantisers")
         return ProtoBank.empty(
             rows, prototypes, dim, grid, self.subquantizers, self.codewords, self.warmup, self.history, device
-        )
-
-    @staticmethod
-    def _gather(slices: list[LayerSlice], index: torch.Tensor) -> Tokens:
-        """Tokens ``index [layers, H, E]`` of every row (:class:`~.bank.Tokens`, ``[B, E, ...]``) on ``index``'s device
-        (the bank's: a layer on another device gathers there and moves only the gathered tokens). Keys are
-        un-rotated in float32 (a bfloat16 cache's keys are widened first, so the key before RoPE is not rounded
-        back to bfloat16: Sec. 3.3 keeps centres before RoPE, and their EMA is float32)."""
-        keys, values, position, frame, row, col, order = [], [], [], [], [], [], []
-        home = index.device
-        for layer_slice, idx in zip(slices, index):
-            idx = idx.to(layer_slice.keys.device)
-            expand = idx[..., None].expand(-1, -1, layer_slice.keys.shape[-1])
-            keys.append(torch.gather(layer_slice.keys, 1, expand).to(home))
-            values.append(torch.gather(layer_slice.values, 1, expand).to(home))
-            position.append(torch.gather(layer_slice.position, 1, idx[..., None].expand(-1, -1, 3)).to(home))
-            frame.append(torch.gather(layer_slice.frame, 1, idx).to(home))
-            row.append(torch.gather(layer_slice.row, 1, idx).to(home))
-            col.append(torch.gather(layer_slice.col, 1, idx).to(home))
-            order.append(torch.gather(layer_slice.order, 1, idx).to(home))
-        position = torch.cat(position).long()
-        keys = torch.cat(keys)
-        rotary = slices[0].rotary
-        if rotary is None:
-            raise ValueError("ProtoKV needs the model's rotation to keep keys before RoPE (slices without rotary)")
-        keys = rotary.unrotate(keys.float(), position)
-        rows, cols = slices[0].grid
-        row, col = torch.cat(row).float(), torch.cat(col).float()
-        spatial = torch.stack([(row + 0.5) / rows, (col + 0.5) / cols], dim=-1)
-        return Tokens(
-            keys,
-            torch.cat(values).float(),
-            spatial,
-            position,
-            torch.cat(frame).long(),
-            row.long(),
-            col.long(),
-            torch.cat(order).long(),
         )
 
     # --- Alg. 1 -----------------------------------------------------------------------------
@@ -329,7 +292,7 @@ class ProtoKV(Policy, SummaryRegion):
     # --- Alg. 2 -----------------------------------------------------------------------------
     def maintain(self, bank: ProtoBank, near: NearTokens, t: int, changed: torch.Tensor | None = None) -> torch.Tensor:
         """Aging, merging, recycling (once per chunk); returns the prototypes whose centres changed.
-        ``near(n)`` gathers the newest ``n`` near-window tokens of every row (as :meth:`_gather` returns them);
+        ``near(n)`` gathers the newest ``n`` near-window tokens of every row (as :func:`.gathering.gather_tokens` returns them);
         ``changed [B, K]`` marks the prototypes absorption touched (merge candidates; all when None)."""
         if changed is None:
             changed = torch.ones_like(bank.used)
