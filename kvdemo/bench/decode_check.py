@@ -27,7 +27,7 @@ from ..stream.engine import StreamEngine
 from ..world.synthetic import sample_episode
 
 QUESTION = "What colour was the circle?"
-#: What kvdemo's decode per token may cost at most, as a share of transformers' ``generate``'s (the issue's target).
+#: What kvdemo's decode per token may cost at most, as a share of transformers' ``generate``'s.
 DECODE_TARGET = 1.0
 
 
