@@ -179,7 +179,7 @@ def check_run(args: argparse.Namespace) -> tuple[Policy, Budget, str, Video | Vi
     if budget is None:
         budget = auto_budget(policy, chunk_tokens, geometry.chunk_tokens(video.size, video.num_frames)[0])
         note = " (auto: about a third of this stream's visual tokens)"
-    budget = budget.sized(policy, chunk_tokens, shape)  # the one sizing step, before the model loads
+    budget = budget.sized(policy, chunk_tokens, shape, args.frames_per_chunk / args.fps)  # before the model loads
     return policy, budget, note, video, episode
 
 
@@ -293,7 +293,7 @@ def compare(args: argparse.Namespace) -> int:
         args.keep = default_keep if args.keep is None else args.keep
     video, episode, geometry = open_source(args)
     tokens, shape = geometry.chunk_tokens(video.size, 2)
-    contenders = compare_lineup(contenders, args.budget, args.keep, tokens, shape)  # every budget, resolved and sized
+    contenders = compare_lineup(contenders, args.budget, args.keep, tokens, shape, 2 / args.fps)  # resolved, sized
     from .models.catalog import chosen_model_name  # deferred: everything the user typed is good, the model comes now
     from .models.loading import load_model  # deferred with it
 

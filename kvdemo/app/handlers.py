@@ -51,7 +51,7 @@ def start_session(
     fps = fps or settings.fps
     model = services.models.get(settings.model)
     tokens, shape = model.geometry.chunk_tokens(frame_size, FRAMES_PER_CHUNK)
-    sized = size_lineup(lineup, tokens, shape)
+    sized = size_lineup(lineup, tokens, shape, seconds=FRAMES_PER_CHUNK / fps)
     cap = cap_bytes(settings.cap_mb)
     contenders = [Contender(name, policy=policy, budget=budget) for name, (policy, budget) in sized.items()]
     engines = make_engines(model, contenders, fps=fps, baseline=settings.baseline, baseline_cap_bytes=cap)

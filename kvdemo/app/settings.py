@@ -121,7 +121,7 @@ def validate_settings(
         else:
             size, name = geometry.frame_size(*sample_episode().video.size), " of the bundled sample"
         tokens, shape = geometry.chunk_tokens(size, FRAMES_PER_CHUNK)
-        resolved = resolved.sized(policy, tokens, shape)  # as a run on this video will size it
+        resolved = resolved.sized(policy, tokens, shape, FRAMES_PER_CHUNK / float(fps))  # as a run will size it
     except USER_ERRORS as exc:
         return f"⚠️ {exc}"
     except (TypeError, ValueError) as exc:

@@ -90,10 +90,14 @@ class Budget:
             )
         return cls(M, C)
 
-    def sized(self, policy: Policy | type[Policy], tokens: int, shape: str = "") -> Budget:
+    def sized(self, policy: Policy | type[Policy], tokens: int, shape: str = "", seconds: float = 0.0) -> Budget:
         """This budget for chunks of ``tokens`` visual tokens (``shape`` says them in words, e.g. "1 temporal grid(s)
         of 9x15 tokens"): a summary policy's split for that chunk size (ProtoKV's near window holds the newest chunk
-        while the next comes in), checked as :meth:`check_chunk` checks. Itself when already sized for ``tokens``."""
+        while the next comes in), checked as :meth:`check_chunk` checks. Itself when already sized for ``tokens``.
+        ``seconds``: how much video one chunk holds, when the caller knows it: the policy checks its own windows
+        against it (:meth:`~kvdemo.policies.contract.Policy.check_stream`)."""
+        if seconds > 0:
+            (policy if isinstance(policy, Policy) else policy()).check_stream(seconds)
         if self.M is None or self.chunk == tokens:
             return self
         if self.C is None:

@@ -8,10 +8,14 @@ longest layer): one kept mask, one count of what each row keeps and moves, read 
 group (it sizes the moves), one list of holes and one of movers, and one move of every layer's key and value rows
 (:func:`kvdemo.tensors.move_rows`) and one of their provenance. The policy's reason codes are scattered into the
 provenance first, so they move along; the key bias of layers whose heads now hold different numbers of tokens is
-refreshed for the group at once.
+refreshed for the group at once. Where a policy closes the position gaps its eviction leaves
+(:class:`~kvdemo.policies.contract.PositionShift`), :func:`shift_group` re-rotates the group's keys once after the
+move.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -144,3 +148,23 @@ def refresh_group_bias(group: LayerGroup, stores: list[LayerMemory], start: int)
         return
     for g in batch:  # a group with layers that read no bias: only the others are refreshed
         stores[g].refresh_bias(start)
+
+
+def shift_group(group: LayerGroup, stores: list[LayerMemory], by_grid: torch.Tensor, rotary: Any, start: int) -> int:
+    """Move every token the layers of ``group`` hold (visual and stream text) back by its grid's shift ``by_grid
+    [grids]`` on every axis: its key re-rotated by ``-shift`` (RoPE composes: rotating a key cached at ``p`` by
+    ``-s`` gives the key at ``p - s``; a zero shift rotates by the identity, exactly), its recorded position
+    lowered (:class:`~kvdemo.policies.contract.PositionShift`). One rotation of the group's live keys ``[G, H, n,
+    D]`` for every layer at once. Returns the key bytes rewritten."""
+    length = max(store.visual_len + store.text_len for store in stores)
+    if not length:
+        return 0
+    device = group.kv.device
+    packed = group.packed[:, :, :length]  # [G, H, n, 8]
+    delta = by_grid.to(device)[packed[..., PROVENANCE["frame"]].long()]  # [G, H, n]
+    live = torch.tensor([store.visual_len + store.text_len for store in stores], device=device)
+    delta = delta * (torch.arange(length, device=device) < live[:, None, None])  # slack rows stay as they are
+    keys = group.kv[0, :, :, start : start + length]
+    keys.copy_(rotary.rotate(keys, -delta[..., None].expand(*delta.shape, 3)))
+    packed[..., PROVENANCE["position"]] -= delta[..., None].to(packed.dtype)
+    return keys.nbytes

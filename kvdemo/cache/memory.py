@@ -64,7 +64,7 @@ from ..policies.contract import Selection, VisualSlices
 from ..tensors import move_rows
 from .budget import Budget
 from .chunk import VisualChunk
-from .compaction import compact_group, refresh_group_bias
+from .compaction import compact_group, refresh_group_bias, shift_group
 from .layer import PROVENANCE, PROVENANCE_WIDTH, REASON_NEW, LayerGroup, LayerMemory
 from .slicing import memory_slices
 
@@ -126,6 +126,10 @@ class KVMemory:
         self.linear_state: dict[int, dict[str, torch.Tensor]] = {}
         #: The model family's position cursor after the last committed token (opaque here; pickles with the memory).
         self.cursor: Any = None
+        #: Positions closed so far (:class:`~kvdemo.policies.contract.PositionShift`): the tokens after the last
+        #: closed gap sit this much lower on every axis than the cursor's count, and so do the next chunks and a
+        #: question (the engine subtracts it); 0 when no policy closes gaps.
+        self.position_shift = 0
 
     # --- layout and what it holds ---------------------------------------------------------
     @property
@@ -394,7 +398,9 @@ class KVMemory:
         ``selection.indices[l]`` is ``[H, keep]`` (sorted), ``selection.valid[l]`` (optional) marks the
         entries that count when heads keep different numbers. The prefix is never touched. A policy's
         reasons (``selection.info["reason"]``) are stored per slot and move along. A ``selection.summary``
-        entry refreshes that layer's summary region.
+        entry refreshes that layer's summary region; a ``selection.shift`` closes the position gaps the eviction
+        leaves (every held token moved back by its grid's shift, its key re-rotated: :func:`shift_group`), after
+        the compaction.
         """
         if len(selection.indices) != self.num_layers:
             raise ValueError(f"selection covers {len(selection.indices)} layers, memory has {self.num_layers}")
@@ -432,6 +438,12 @@ class KVMemory:
                 if summary is not None:
                     self.layers[layer].write_summary(summary, self.prefix_len, start, self.summary_slots)
         move_rows(moves)
+        if selection.shift is not None:
+            by_grid = selection.shift.by_grid
+            for group in self.groups:
+                stores = [self.layers[layer] for layer in group.layers]
+                moved += shift_group(group, stores, by_grid, selection.shift.rotary, start)
+            self.position_shift += int(by_grid[-1]) if by_grid.numel() else 0  # the one read: later tokens' shift
         return moved
 
     def _open_summary(self) -> int:

@@ -20,6 +20,7 @@ class SlicedMemory(Protocol):
     groups: list[LayerGroup]
     num_layers: int
     grid_shape: tuple[int, int] | None
+    grid_times_s: list[float]
 
     @property
     def visual_start(self) -> int: ...
@@ -107,6 +108,7 @@ def _stack(
             newest_frame=memory.num_grids - 1,
             rotary=rotary,
             summary_slots=memory.summary_slots,
+            grid_times_s=memory.grid_times_s,
             **per_layer,
         )
     return SliceStack(layers=tuple(run), first=layers[run[0]], **fields)

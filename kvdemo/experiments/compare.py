@@ -120,12 +120,13 @@ def compare_engines(
 
 
 def compare_lineup(
-    contenders: list[Contender], budget: Any, keep: Any, tokens: int, shape: str = ""
+    contenders: list[Contender], budget: Any, keep: Any, tokens: int, shape: str = "", seconds: float = 0.0
 ) -> list[Contender]:
     """The compared ``contenders`` with their budgets resolved (their own ``M``/``C``, else the shared ``budget``/
-    ``keep``) and sized for chunks of ``tokens`` visual tokens: every budget error, naming the policy it is about,
-    before a model loads."""
-    sized = size_lineup(lineup_budgets(contenders, budget, keep, baseline=True), tokens, shape, named=True)
+    ``keep``) and sized for chunks of ``tokens`` visual tokens (``seconds`` of video each, when known): every budget
+    error, naming the policy it is about, before a model loads."""
+    lineup = lineup_budgets(contenders, budget, keep, baseline=True)
+    sized = size_lineup(lineup, tokens, shape, named=True, seconds=seconds)
     return [Contender(name, policy=policy, budget=bounds) for name, (policy, bounds) in sized.items()]
 
 

@@ -117,6 +117,7 @@ class KVDemoLMM(lmms):
             C = default_keep if C is None else C
             self.budget_from = "the model's default (as the app starts it)"
         self.bounds = Budget.resolve(policy, M, C, default_ratio=DEFAULT_KEEP_RATIO)
+        policy.check_stream(2 / self.fps)  # a window in seconds holds a chunk (two frames) before the model loads
         self.prune = parse_prune(prune, "kvdemo's model argument prune")
         self.engine_name = Contender(self.policy_name, prune=self.prune).label
         self._rank, self._world_size, local_device = _process_placement()

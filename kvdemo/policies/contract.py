@@ -58,6 +58,8 @@ class LayerSlice:
     delimiters), None when the stream carries no text. They are not in the slice; they stay while a head keeps
     at least one visual token of their grid, and count against the budget: keeping the first token of a grid
     costs ``1 + grid_text`` (:func:`~.topk.select_with_text`).
+    grid_times_s: stream time (s) of every temporal grid fed so far (index = ``frame``; the memory's own list, on
+    the host), for a policy whose windows are in seconds; empty for hand-made slices that give none.
     """
 
     layer: int
@@ -77,6 +79,7 @@ class LayerSlice:
     probe: torch.Tensor | None = None
     offloaded: torch.Tensor | None = None
     grid_text: torch.Tensor | None = None
+    grid_times_s: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.order is None:
@@ -253,6 +256,21 @@ class OffloadUpdate:
 
 
 @dataclass
+class PositionShift:
+    """Close the position gaps an eviction leaves: every token the memory holds of temporal grid ``g`` (visual and
+    stream text) moves back by ``by_grid[g]`` positions on every axis, its key re-rotated by ``rotary`` (the model's
+    rotation, ``LayerSlice.rotary``), and every later token (the next chunks, a question) by ``by_grid[-1]``.
+
+    by_grid: ``[grids]`` int64, one shift per grid for every layer and head (so a question sits at one place
+    relative to all of them), non-decreasing, on the device of the keys. A shift composes with the rotation each
+    key carries: RoPE at ``p - s`` is RoPE at ``p`` followed by RoPE at ``-s`` on each channel's axis.
+    """
+
+    by_grid: torch.Tensor
+    rotary: Any
+
+
+@dataclass
 class Selection:
     """Per layer, ``LongTensor [H_kv, keep]`` of sorted indices into that layer's slice.
 
@@ -261,7 +279,8 @@ class Selection:
     summary region; ``offload`` (optional, per layer) moves evicted tokens to the memory's offload store
     instead of dropping them, and sets what each head retrieves from it at decode time; ``uncompressed``
     lists the layers this pass left whole (every index kept): they do not count toward ``M`` (CoRDS'
-    ``above=keep``), so the engine does not compress again because of them.
+    ``above=keep``), so the engine does not compress again because of them. ``shift`` (optional) closes the
+    position gaps the eviction leaves (:class:`PositionShift`: StreamingVLM's contiguous positions).
     """
 
     indices: list[torch.Tensor]
@@ -271,6 +290,7 @@ class Selection:
     summary: list[SummaryUpdate | None] | None = None
     offload: list[OffloadUpdate | None] | None = None
     uncompressed: tuple[int, ...] = ()
+    shift: PositionShift | None = None
 
 
 @dataclass
@@ -290,6 +310,12 @@ class Policy(abc.ABC):
     def takes_keep(cls) -> bool:
         """Whether the budget has a ``C`` (a bounded policy that is not sized by ``M`` alone)."""
         return cls.bounded and not issubclass(cls, SummaryRegion)
+
+    def check_stream(self, chunk_seconds: float) -> None:
+        """Raise :class:`~kvdemo.errors.BudgetError` (one line, advising values that are accepted) when chunks of
+        ``chunk_seconds`` of video cannot work with this policy's parameters (a window in seconds shorter than one
+        chunk); any chunk works by default. :meth:`kvdemo.cache.budget.Budget.sized` runs it where the front ends
+        size the budget, before the model loads."""
 
     def params(self) -> dict[str, Any]:
         """The policy's parameters (its own state, fields starting with ``_``, left out)."""

@@ -283,6 +283,7 @@ class StreamEngine:
         events = []
         if must_compress(self.budget, self.memory, self.uncompressed_layers, chunk.num_tokens):
             events.append(self.compress(incoming=chunk.num_tokens))
+        positions = self._placed(positions)  # after the compression: it may close gaps
         self._check_cap(chunk)
         watch = self._stopwatch()
         self._check_positions(cursor)
@@ -341,6 +342,7 @@ class StreamEngine:
                 f"chunk starts at grid {chunk.first_grid} but the engine expects grid {self.memory.num_grids}"
             )
         shape = f"{chunk.num_grids} temporal grid(s) of {chunk.rows}x{chunk.cols} tokens"
+        self.policy.check_stream(chunk.frames / self.fps)
         if not self.budget.is_sized:  # given as numbers: sized at the first chunk, the memory still empty
             self.budget = self.memory.budget = self.budget.sized(self.policy, chunk.num_tokens, shape)
         else:
@@ -357,12 +359,12 @@ class StreamEngine:
             )
 
     def _check_positions(self, cursor: Any) -> None:
-        limit = self.model.position_limit
-        if limit is not None and cursor.next + QUESTION_ROOM > limit:
+        limit, reached = self.model.position_limit, cursor.next - self.memory.position_shift
+        if limit is not None and reached + QUESTION_ROOM > limit:
             raise PositionLimitError(
                 f"stopped at {self.frames_fed} frames: {self.model.name} was trained with positions up to {limit:,}, and "
-                f"the next chunk would take the stream to {cursor.next:,} (plus {QUESTION_ROOM} kept for a question); "
-                "evicted tokens do not give their positions back, so kvdemo stops here rather than re-rotate kept keys"
+                f"the next chunk would take the stream to {reached:,} (plus {QUESTION_ROOM} kept for a question); "
+                "evicted tokens give their positions back only under a policy with contiguous positions"
             )
 
     def _prefill_prefix(self) -> None:
@@ -382,8 +384,14 @@ class StreamEngine:
         positions, _ = self.model.text_positions(self.memory.cursor, int(embeds.shape[0]))
         cache = MemoryCache(self.memory)
         cache.capture = {}
-        self.model.forward(embeds, positions, cache)
+        self.model.forward(embeds, self._placed(positions), cache)
         return [cache.capture[layer] for layer in range(self.memory.num_layers)]
+
+    def _placed(self, positions: torch.Tensor) -> torch.Tensor:
+        """Positions ``[3, n]`` counted by the cursor, placed where the memory holds the stream: lower by the gaps a
+        policy closed (``KVMemory.position_shift``, StreamingVLM's contiguous positions; 0 for every other)."""
+        shift = self.memory.position_shift
+        return positions - shift if shift else positions
 
     def _stopwatch(self) -> Stopwatch:
         """kvdemo's one timer (:mod:`kvdemo.devices.timing`), synchronised on the model's and the memory's devices."""
@@ -445,7 +453,7 @@ class StreamEngine:
         cache.answering = True  # heads with an offload store retrieve (question prefill and every decode step)
         cache.observers.extend(observers)
         self.memory.reset_retrieved()
-        return self.model.forward(embeds, positions, cache), cache, cursor, dropped
+        return self.model.forward(embeds, self._placed(positions), cache), cache, cursor, dropped
 
     @torch.inference_mode()
     def _generate(
@@ -472,7 +480,7 @@ class StreamEngine:
                 if step + 1 == max_new_tokens:  # the last token allowed: no forward for a token never generated
                     break
                 positions, cursor = self.model.text_positions(cursor, 1)
-                logits = self.model.forward(self.model.embed_text([token]), positions, cache)
+                logits = self.model.forward(self.model.embed_text([token]), self._placed(positions), cache)
         finally:
             text = self.model.detokenize(generated)
             self.history.append((question, text))

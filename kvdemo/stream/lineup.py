@@ -100,16 +100,20 @@ def lineup_budgets(
 
 
 def size_lineup(
-    lineup: dict[str, tuple[Policy, Budget]], tokens: int, shape: str = "", named: bool | None = None
+    lineup: dict[str, tuple[Policy, Budget]],
+    tokens: int,
+    shape: str = "",
+    named: bool | None = None,
+    seconds: float = 0.0,
 ) -> dict[str, tuple[Policy, Budget]]:
-    """Every budget of ``lineup`` (:func:`lineup_budgets`) sized for chunks of ``tokens`` visual tokens
-    (:meth:`Budget.sized`, ``shape`` in words); a :class:`BudgetError` names the engine it is about when ``named``
-    (default: when there are several)."""
+    """Every budget of ``lineup`` (:func:`lineup_budgets`) sized for chunks of ``tokens`` visual tokens and ``seconds``
+    of video (:meth:`Budget.sized`, ``shape`` in words); a :class:`BudgetError` names the engine it is about when
+    ``named`` (default: when there are several)."""
     named = len(lineup) > 1 if named is None else named
     sized = {}
     for name, (policy, budget) in lineup.items():
         try:
-            sized[name] = policy, budget.sized(policy, tokens, shape)
+            sized[name] = policy, budget.sized(policy, tokens, shape, seconds)
         except BudgetError as exc:
             if not named:
                 raise
