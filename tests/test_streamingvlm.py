@@ -177,3 +177,76 @@ def test_the_cli_refuses_a_short_window_before_the_model_loads(monkeypatch, caps
     code = main(["run", "--policy", "streamingvlm", "--param", "window_size=0.5", "--budget", "96", "--quiet"])
     assert code != 0
     assert "raise window_size to at least 1" in capsys.readouterr().err
+
+
+# --- the re-rotated memory against transformers' forward (float64) -----------------------------------------------
+
+
+def one_layer_float64_tiny():
+    """The random tiny Qwen2.5-VL in float64 with its first language layer only: its keys and values are a function of
+    each token and its position, so a memory that evicted and re-rotated must answer as transformers' forward over
+    the kept tokens at the shifted positions does."""
+    from test_pruning_positions import float64_model
+
+    model = float64_model("tiny-random")
+    language = model.hf.model.language_model
+    language.layers = language.layers[:1]
+    language.config.num_hidden_layers = 1
+    if getattr(language.config, "layer_types", None):
+        language.config.layer_types = language.config.layer_types[:1]
+    model.num_layers, model.layer_map = 1, [0]
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("positions", ["contiguous", "kept"])
+def test_the_answer_equals_transformers_forward_over_the_kept_tokens_at_the_shifted_positions(positions):
+    from kvdemo.stream.engine import StreamEngine
+    from test_families import FPS, QUESTION, stream_frames
+    from test_pruning_positions import full_prompt, language_model_logits
+
+    model = one_layer_float64_tiny()
+    frames = stream_frames(model, 16)  # 8 temporal grids of 96 tokens
+    params = dict(window_size=2.0, text_sink=48, text_sliding_window=24, positions=positions)
+    engine = StreamEngine(model, "streamingvlm", budget=480, keep=384, fps=FPS, policy_params=params)
+    for start in range(0, len(frames), 2):
+        engine.feed(frames[start : start + 2])
+    prompt = full_prompt(model, frames)
+    prefix = int(model.prefix_embeds().shape[0])
+    rows, cols = engine.memory.grid_shape
+    store = engine.memory.layers[0]
+    held = store.packed[0, : store.visual_len, :3].long()  # frame, row, col of every held token
+    length = prompt["inputs_embeds"].shape[1]
+    video_end = prefix + 8 * rows * cols
+    kept = torch.zeros(length, dtype=torch.bool)
+    kept[:prefix] = True
+    kept[prefix + held[:, 0] * rows * cols + held[:, 1] * cols + held[:, 2]] = True
+    kept[video_end:] = True
+    # The shifts restated: every kept token after a grid that kept nothing moves back, on every axis, by that grid's
+    # temporal step (Qwen2.5-VL: floor(g * 2 / fps * tokens_per_second)); the question by all of them.
+    step = 2 / FPS * float(model.hf.config.vision_config.tokens_per_second)
+    temporal = [int(g * step // 1) for g in range(9)]
+    kept_grids = set(held[:, 0].tolist())
+    evicted = [g for g in range(8) if g not in kept_grids]
+    assert evicted and REASON_SINK in store.packed[0, : store.visual_len, 7].tolist(), "sinks kept, grids evicted"
+    shift = torch.zeros(length, dtype=torch.long)
+    for g in range(8):
+        closed = sum(temporal[e + 1] - temporal[e] for e in evicted if e < g)
+        shift[prefix + g * rows * cols : prefix + (g + 1) * rows * cols] = closed
+    shift[video_end:] = sum(temporal[e + 1] - temporal[e] for e in evicted)
+    contiguous = prompt["positions"] - shift
+    expected, other = (
+        (contiguous, prompt["positions"]) if positions == "contiguous" else (prompt["positions"], contiguous)
+    )
+    assert engine.memory.position_shift == (int(shift[-1]) if positions == "contiguous" else 0)
+    recorded = store.packed[0, : store.visual_len, 4:7].long()
+    index = prefix + held[:, 0] * rows * cols + held[:, 1] * cols + held[:, 2]
+    assert torch.equal(recorded, expected[:, index].t()), "the memory records each key's new position"
+    ours = engine.question_logits(QUESTION)
+    theirs = language_model_logits(model, prompt, kept, expected[:, kept])
+    print(positions, "max |logit difference|", float((ours - theirs).abs().max()))
+    # transformers' rotary module computes RoPE's angles in float32 (it upcasts whatever the dtype), so a key rotated
+    # at p and then by -s differs from one rotated at p - s by float32 angle rounding; kept positions rotate nothing.
+    tolerance = 2e-6 if positions == "contiguous" else 1e-10
+    assert torch.allclose(ours, theirs, atol=tolerance, rtol=0), float((ours - theirs).abs().max())
+    assert float((language_model_logits(model, prompt, kept, other[:, kept]) - ours).abs().max()) > 1e-3
