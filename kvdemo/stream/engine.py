@@ -389,7 +389,7 @@ class StreamEngine:
 
     def _placed(self, positions: torch.Tensor) -> torch.Tensor:
         """Positions ``[3, n]`` counted by the cursor, placed where the memory holds the stream: lower by the gaps a
-        policy closed (``KVMemory.position_shift``, StreamingVLM's contiguous positions; 0 for every other)."""
+        policy closed (``KVMemory.position_shift``: 0 unless a policy keeps its positions contiguous)."""
         shift = self.memory.position_shift
         return positions - shift if shift else positions
 
