@@ -2,13 +2,15 @@
 budgets that sum to the total and show in real bytes, static pruning, the offload store and retrieval
 inside attention, and answers equal to the full cache when budgets cover every token."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from kvdemo.cache.offload import OffloadStore
-from kvdemo.policies import LayerSlice, PolicyParameterError, make_policy
+from kvdemo.cache.offload_layer import OffloadLayer
+from kvdemo.policies import LayerSlice, PolicyParameterError, SliceStack, make_policy
 from kvdemo.policies.hybridkv import capped_allocation
 from kvdemo.policies.topk import select_ranked
 from kvdemo.stream.engine import StreamEngine
@@ -41,7 +43,8 @@ def test_sparsity_is_the_mean_top_k_mass_of_each_text_row_over_the_group():
     g = torch.Generator().manual_seed(1)
     view = hand_view(heads=2, probe=torch.randn(4, 3, 4, generator=g), keys=torch.randn(2, 12, 4, generator=g))
     policy = make_policy("hybridkv", top_k=0.25, pool_kernel=1)  # k = ceil(0.25 * 12) = 3
-    sparsity, prior = policy.text_centric(view)
+    sparsity, prior = policy.text_centric(SliceStack.of([view], (0,)))
+    sparsity = sparsity[0]
     for head in range(2):
         rows = []
         for q in (2 * head, 2 * head + 1):  # query heads 2h and 2h+1 read KV head h
@@ -98,15 +101,25 @@ def nan_filled_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", garbage)
 
 
+def one_layer_store(heads: int, dim: int, chunk: int, dtype: torch.dtype = torch.float32):
+    """A store of one layer and what that layer reads of it, and a way to add ``[H, E, ...]`` tokens to it."""
+    store = OffloadStore.empty(1, heads, dim, chunk, dtype, torch.device("cpu"))
+
+    def add(keys, values, valid, provenance):
+        return store.add_tokens(keys[None], values[None], valid[None], {k: v[None] for k, v in provenance.items()})
+
+    return store, OffloadLayer(store, 0), add
+
+
 def test_offload_store_retrieves_the_chunks_whose_mean_keys_score_highest():
-    store = OffloadStore.empty(heads=2, dim=4, chunk=2, dtype=torch.float32, device=torch.device("cpu"))
+    _, store, add = one_layer_store(heads=2, dim=4, chunk=2)
     keys = torch.zeros(2, 8, 4)
     for c, direction in enumerate([0, 1, 2, 3]):  # head 0: chunk c points along axis c
         keys[0, 2 * c : 2 * c + 2, direction] = 1.0
     keys[1] = -keys[0]
     valid = torch.ones(2, 8, dtype=torch.bool)
     prov = {name: torch.arange(8).expand(2, -1) for name in ("frame", "row", "col", "order")}
-    store.add(keys, 10 * keys, valid, prov)
+    add(keys, 10 * keys, valid, prov)
     assert store.count.tolist() == [4, 4] and store.nbytes == 2 * 4 * 2 * 2 * 4 * 4
     torch.testing.assert_close(store.mean_keys[0, 2], torch.tensor([0.0, 0, 1, 0]))
     store.retrieve = torch.tensor([4, 2])  # head 0: 2 chunks, head 1: 1 chunk
@@ -125,13 +138,13 @@ def test_a_head_retrieving_fewer_chunks_attends_to_finite_keys_and_values(nan_fi
     """Heads retrieve different numbers of chunks: the narrower head's extra picks lie past its chunks, in storage
     that was never written (NaN here); what fetch returns is finite and attention over it stays finite."""
     g = torch.Generator().manual_seed(3)
-    store = OffloadStore.empty(heads=2, dim=4, chunk=2, dtype=torch.float32, device=torch.device("cpu"))
+    _, store, add = one_layer_store(heads=2, dim=4, chunk=2)
     valid = torch.zeros(2, 8, dtype=torch.bool)
     valid[0] = True  # head 0: 4 chunks
     valid[1, :3] = True  # head 1: 2 chunks, the second one partial
     prov = {name: torch.arange(8).expand(2, -1) for name in ("frame", "row", "col", "order")}
     keys = torch.randn(2, 8, 4, generator=g)
-    store.add(keys, keys + 1, valid, prov)
+    add(keys, keys + 1, valid, prov)
     store.retrieve = torch.tensor([8, 8])  # 4 chunks each, as many as head 1 holds: 2
     query = torch.randn(4, 1, 4, generator=g)
     k, v, bias = store.fetch(query, scale=0.5)
@@ -146,7 +159,7 @@ def test_offload_store_lays_out_ragged_adds_in_chunks_as_a_plain_loop_does(nan_f
     in arrival order, into fresh chunks of 3 after its earlier ones; mean keys are per chunk; a partial chunk's
     tail is zeros although the store's new chunks start as garbage (here NaN: they are not zeroed when grown)."""
     g = torch.Generator().manual_seed(5)
-    store = OffloadStore.empty(heads=2, dim=4, chunk=3, dtype=torch.bfloat16, device=torch.device("cpu"))
+    _, store, add = one_layer_store(heads=2, dim=4, chunk=3, dtype=torch.bfloat16)
     expected = {h: [] for h in range(2)}  # per head: list of chunks, each a list of (key, value, order)
     for step, length in enumerate((7, 5)):
         keys = torch.randn(2, length, 4, generator=g).to(torch.bfloat16)
@@ -155,7 +168,7 @@ def test_offload_store_lays_out_ragged_adds_in_chunks_as_a_plain_loop_does(nan_f
         valid[0, 0] = True
         order = (100 * step + torch.arange(length)).expand(2, -1)
         prov = {"frame": order, "row": order + 1, "col": order + 2, "order": order}
-        store.add(keys, values, valid, prov)
+        add(keys, values, valid, prov)
         for h in range(2):
             tokens = [e for e in range(length) if valid[h, e]]
             for start in range(0, len(tokens), 3):
@@ -184,17 +197,17 @@ def test_offload_store_fetches_a_later_pass_s_chunk_where_heads_interleave_in_th
     head 1's first-pass ones): a head that prefers its last chunk gets exactly that chunk's tokens, provenance and
     validity, as a plain per-head list of chunks says."""
     g = torch.Generator().manual_seed(11)
-    store = OffloadStore.empty(heads=2, dim=4, chunk=2, dtype=torch.float32, device=torch.device("cpu"))
+    whole, store, add = one_layer_store(heads=2, dim=4, chunk=2)
     chunks = {0: [], 1: []}  # per head: its chunks in arrival order, each a list of (key, value, frame)
     for step, valid_rows in enumerate(([[1, 1, 1, 0], [1, 0, 1, 1]], [[0, 1, 1, 1], [1, 1, 0, 0]])):
         valid = torch.tensor(valid_rows, dtype=torch.bool)
         keys, values = torch.randn(2, 4, 4, generator=g), torch.randn(2, 4, 4, generator=g)
         frame = (10 * step + torch.arange(4)).expand(2, -1)
-        store.add(keys, values, valid, {"frame": frame, "row": frame + 1, "col": frame + 2, "order": frame})
+        add(keys, values, valid, {"frame": frame, "row": frame + 1, "col": frame + 2, "order": frame})
         for h in range(2):
             tokens = [(keys[h, e], values[h, e], int(frame[h, e])) for e in range(4) if valid[h, e]]
             chunks[h] += [tokens[i : i + 2] for i in range(0, len(tokens), 2)]
-    assert store.count.tolist() == [4, 3] and store.used == 7
+    assert store.count.tolist() == [4, 3] and whole.used == 7
     last = {h: len(chunks[h]) - 1 for h in range(2)}
     store.mean_keys.zero_()
     for h in range(2):
@@ -282,20 +295,17 @@ def test_ragged_budgets_are_real_bytes_and_the_memory_survives_a_question(tiny_r
         for _ in range(tiny_random.num_layers)
     )
     assert memory.offloaded_bytes > 0 and memory.timeline[-1].offloaded_bytes == memory.offloaded_bytes
-    stores = [s.offload for s in memory.layers]
+    stores = [group.offload for group in memory.groups if group.offload is not None]
     # the offloaded tokens (a store's spare capacity past each head's chunks is left unwritten)
-    before = [t.clone() for t in memory.keys + memory.values] + [
-        s.keys[s.valid].clone() for s in stores if s is not None
-    ]
+    before = [t.clone() for t in memory.keys + memory.values] + [s.keys[s.valid].clone() for s in stores]
     engine.answer("What is in the pan?")
-    after = memory.keys + memory.values + [s.keys[s.valid] for s in stores if s is not None]
-    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    after = memory.keys + memory.values + [s.keys[s.valid] for s in stores]
+    assert stores and all(torch.equal(x, y) for x, y in zip(before, after))
     for s in stores:  # every slot of the pool's chunks in use is written: tokens, then zeros in a partial chunk's tail
-        if s is not None:
-            keys, valid = s.keys[: s.used], s.valid[: s.used]
-            assert s.used == int(s.count.sum()) and int(valid.sum()) == int(s.tokens.sum())
-            assert bool(torch.isfinite(keys).all()) and bool((keys[~valid] == 0).all())
-    assert any(bool(s.retrieved.any()) for s in stores if s is not None)  # dynamic heads retrieved while answering
+        keys, valid = s.keys[: s.used], s.valid[: s.used]
+        assert s.used == int(s.count.sum()) and int(valid.sum()) == int(s.stored.sum())
+        assert bool(torch.isfinite(keys).all()) and bool((keys[~valid] == 0).all())
+    assert any(bool(s.retrieved.any()) for s in stores)  # dynamic heads retrieved while answering
     report = engine.report()
     assert report["largest_head_tokens"] == int(kept.max()) + 135  # the most a head holds (retrieval aside)
     assert report["policy_state"]["static_heads"] + report["policy_state"]["dynamic_heads"] == 8
@@ -319,19 +329,20 @@ def test_static_heads_keep_local_then_salient_tokens():
     keys[0, 1, 0] = keys[0, 6, 0] = 8.0
     view = hand_view(heads=1, keys=keys, probe=torch.tensor([[[1.0, 0, 0, 0]]]))
     policy = make_policy("hybridkv", pool_kernel=1, local_ratio=0.34)  # ceil(0.34 * 3) = 2 local tokens
-    _, prior = policy.text_centric(view)
+    stack = SliceStack.of([view], (0,))
+    _, prior = policy.text_centric(stack)
 
     def select(static: bool):
-        ranking = policy.rank_layer(view, prior, torch.tensor([static]), torch.tensor([3]))
+        ranking = policy.rank_stack(stack, prior, torch.tensor([[static]]), torch.tensor([[3]]))
         selection, kept = select_ranked([view], [ranking], 3)
-        return selection.indices[0], policy.offload(view, kept[0], torch.tensor([static]), torch.tensor([8]))
+        return selection.indices[0], policy.offload(stack, kept[0], torch.tensor([[static]]), torch.tensor([[8]]))
 
     index, offload = select(static=True)
     assert sorted(index[0].tolist()) == [6, 10, 11] or sorted(index[0].tolist()) == [1, 10, 11]
-    assert int(offload.valid.sum()) == 0 and int(offload.retrieve[0]) == 0  # static heads drop, never retrieve
+    assert int(offload.valid.sum()) == 0 and int(offload.retrieve[0, 0]) == 0  # static heads drop, never retrieve
     index, offload = select(static=False)
     assert index[0].tolist() == [9, 10, 11]  # a dynamic head keeps its newest tokens resident
-    assert offload.tokens[0].tolist() == list(range(9)) and int(offload.retrieve[0]) == 8
+    assert offload.tokens[0, 0].tolist() == list(range(9)) and int(offload.retrieve[0, 0]) == 8
 
 
 def test_hybridkv_on_a_long_stream_stays_within_m(tiny_random):
@@ -408,3 +419,37 @@ def test_query_time_context_fits_the_budget_and_m_by_default(tiny_random, pancak
     assert int(over.max()) > 0  # dynamic heads attend beyond their budget: the option does what it says
     assert engines["resident"].report()["policy_state"]["query_context_tokens"] > 405
     assert engines["budget"].report()["policy_state"]["query_context_tokens"] <= 405
+
+
+def test_a_pass_over_layers_of_different_lengths_scores_each_layer_as_a_pass_over_it_alone():
+    """After a pass the layers hold different numbers of tokens (ragged heads, different lengths); the batched pass
+    pads them into one stack. Each layer's sparsity equals that of the layer stacked alone bit for bit; its prior and
+    priorities up to float32 rounding (a float32 sum over the probe's rows rounds its last bit differently at another
+    row length on a CPU), and the tokens each head keeps are the same."""
+    from kvdemo.policies import padded_stacks
+    from kvdemo.testing import append_random, synthetic_chunk, synthetic_memory, synthetic_probe
+
+    policy = make_policy("hybridkv")
+    memory = synthetic_memory(4, 2, 8, 48, (2, 4), torch.float32, seed=3)
+    probe = synthetic_probe(4, 4, 8, torch.float32, seed=1)
+    memory.apply(policy.compress(memory.slices(None, probe), 32))
+    append_random(memory, synthetic_chunk(memory.num_grids, 1, (2, 4)), torch.Generator().manual_seed(2))
+    slices = memory.slices(None, probe)
+    (stack,) = padded_stacks(slices)
+    assert stack.lengths is not None and len(set(stack.lengths)) > 1, "the layers should differ in length"
+    sparsity, prior = policy.text_centric(stack)
+    budget = torch.tensor([[20, 12]] * 4)
+    static = torch.tensor([[True, False]] * 4)
+    ranking = policy.rank_stack(stack, prior, static, budget)
+    _, (kept,) = select_ranked(slices, [ranking], 20)
+    for layer, length in enumerate(stack.lengths):
+        alone = SliceStack.of([slices[layer]], (layer,))
+        own_sparsity, own_prior = policy.text_centric(alone)
+        rows = slice(2 * layer, 2 * layer + 2)
+        assert torch.equal(sparsity[layer], own_sparsity[0])
+        torch.testing.assert_close(prior[rows, :length], own_prior, rtol=1e-6, atol=0)
+        own = policy.rank_stack(alone, own_prior, static[layer : layer + 1], budget[layer : layer + 1])
+        torch.testing.assert_close(ranking.priority[rows, :length], own.priority, rtol=1e-5, atol=0)
+        assert bool((ranking.priority[rows, length:] == -1).all())  # padding is never kept
+        _, (own_kept,) = select_ranked([slices[layer]], [dataclasses.replace(own, layers=(0,))], 20)
+        assert torch.equal(kept[rows, :length], own_kept) and not kept[rows, length:].any()

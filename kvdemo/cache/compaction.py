@@ -66,9 +66,8 @@ def compact_group(
     target = index if valid is None else index.masked_fill(~valid, length)
     kept = torch.zeros(layers, heads, length + 1, dtype=torch.bool, device=device).scatter_(2, target, True)
     kept = kept[..., :length]
-    held = stack_rows(stores, [_held(store, length) for store in stores], length, False)
-    if held is not None:  # slots a ragged head does not hold are never kept
-        kept &= held
+    if group.valid is not None:  # slots a ragged head does not hold are never kept
+        kept &= group.valid[:, :, :length]
     reason = stack_rows(stores, reasons, length, 0)
     if reason is not None:
         codes = group.packed[..., PROVENANCE["reason"]]  # [G, H, rows]
@@ -102,35 +101,22 @@ def compact_group(
     kv_dst = torch.cat((key_row + slot_of_hole, key_row + slot_of_hole + group.value_offset))
     kv_src = torch.cat((key_row + slot_of_mover, key_row + slot_of_mover + group.value_offset))
     moves.append((group.rows(), kv_dst, kv_src))  # holes and movers: disjoint
-    new_valid = None
-    for g, (store, kept_counts) in enumerate(zip(stores, counted)):
+    for store, kept_counts in zip(stores, counted):
         store.visual_len = max(kept_counts, default=0)
-        if all(count == store.visual_len for count in kept_counts):
-            store.valid = None
-        else:
-            if new_valid is None:
-                new_valid = slot[: max(max(c, default=0) for c in counted)] < counts[..., None]  # [G, H, L']
-            store.valid = new_valid[g, :, : store.visual_len]
+        store.ragged = any(count != store.visual_len for count in kept_counts)
+    if group.valid is not None or any(store.ragged for store in stores):
+        # Every layer's held slots, written for the whole group at once: head h keeps its first c_h slots.
+        group.ensure_valid([store.visual_len for store in stores])[:, :, :length] = slot < counts[..., None]
     return 2 * total * group.kv.shape[-1] * group.kv.element_size()
-
-
-def _held(store: LayerMemory, length: int) -> torch.Tensor | None:
-    """``[H, L]`` the slots a ragged layer's heads hold (None: every head holds every slot of its length)."""
-    if store.valid is None:
-        return None
-    if store.visual_len == length:
-        return store.valid
-    pad = store.valid.new_zeros(store.valid.shape[0], length - store.visual_len)
-    return torch.cat([store.valid, pad], dim=1)
 
 
 def refresh_group_bias(group: LayerGroup, stores: list[LayerMemory], start: int) -> None:
     """The key bias of every layer of ``group`` that reads one (or now holds ragged heads): 0 on visual slots a head
     holds and on the slack, ``-inf`` on ragged padding; layers with stream text take the one-layer path
     (:meth:`LayerMemory.refresh_bias`)."""
-    batch = [g for g, s in enumerate(stores) if (s.biased or s.valid is not None) and not s.text_len]
+    batch = [g for g, s in enumerate(stores) if (s.biased or s.ragged) and not s.text_len]
     for g, store in enumerate(stores):
-        if store.text_len and (store.biased or store.valid is not None or store.text_valid is not None):
+        if store.text_len and (store.biased or store.ragged or store.text_valid is not None):
             store.refresh_bias(start)
     if not batch:
         return
@@ -140,10 +126,9 @@ def refresh_group_bias(group: LayerGroup, stores: list[LayerMemory], start: int)
     length = max(stores[g].visual_len for g in batch)
     if len(batch) == len(stores):
         bias[:, :, start:].zero_()
-        held = stack_rows(stores, [_held(s, length) for s in stores], length, False)
-        if held is not None:
+        if any(s.ragged for s in stores):
             lengths = torch.tensor([s.visual_len for s in stores], device=bias.device)
-            padding = ~held & (torch.arange(length, device=bias.device) < lengths[:, None, None])
+            padding = ~group.valid[:, :, :length] & (torch.arange(length, device=bias.device) < lengths[:, None, None])
             bias[:, :, start : start + length].masked_fill_(padding, float("-inf"))
         return
     for g in batch:  # a group with layers that read no bias: only the others are refreshed

@@ -18,6 +18,7 @@ import torch
 from ..policies.contract import OffloadUpdate, SummaryUpdate
 from ..tensors import put_rows, take_rows
 from .offload import OffloadStore
+from .offload_layer import OffloadLayer
 
 #: Reason code of a visual slot appended since the last compression (no policy reason yet).
 REASON_NEW = -2
@@ -39,12 +40,18 @@ class LayerGroup:
     layer ``layers[g]``): ``kv [2, G, H, capacity, D]`` (``kv[0]`` the keys, ``kv[1]`` the values),
     ``packed [G, H, rows, 8]`` int32 provenance (:data:`PROVENANCE`; ``rows = capacity - P - S`` once the prefix is
     committed), ``bias [G, H, capacity]`` float32 additive key bias (allocated, zero, when a layer first needs one;
-    a layer reads it only once it uses one, :attr:`LayerMemory.bias`)."""
+    a layer reads it only once it uses one, :attr:`LayerMemory.bias`), ``valid [G, H, rows]`` bool: which visual
+    slots each head of each layer holds, exact for every layer of the group once a compaction first leaves a layer's
+    heads holding different numbers (None before: every head holds every slot below its layer's length), so a pass
+    reads every layer's held slots as one view whatever their lengths; ``offload``: the group's offload store
+    (:class:`~kvdemo.cache.offload.OffloadStore`), None until a policy first offloads."""
 
     kv: torch.Tensor
     packed: torch.Tensor
     layers: list[int]
     bias: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    offload: OffloadStore | None = None
 
     @property
     def heads(self) -> int:
@@ -78,6 +85,8 @@ class LayerGroup:
         self.packed = torch.cat([self.packed, self.packed.new_zeros(1, *self.packed.shape[1:])])
         if self.bias is not None:
             self.bias = torch.cat([self.bias, self.bias.new_zeros(1, *self.bias.shape[1:])])
+        if self.valid is not None:
+            self.valid = torch.cat([self.valid, self.valid.new_zeros(1, *self.valid.shape[1:])])
         self.layers.append(layer)
         return len(self.layers) - 1
 
@@ -90,6 +99,10 @@ class LayerGroup:
         packed = self.packed.new_zeros(*self.packed.shape[:2], rows, PROVENANCE_WIDTH)
         packed[:, :, :kept] = self.packed[:, :, :kept]
         self.kv, self.packed = kv, packed
+        if self.valid is not None:
+            valid = self.valid.new_zeros(*self.valid.shape[:2], rows)
+            valid[:, :, :kept] = self.valid[:, :, :kept]
+            self.valid = valid
         if self.bias is not None:
             bias = self.bias.new_zeros(*self.bias.shape[:2], capacity)
             bias[:, :, : min(old, capacity)] = self.bias[:, :, :capacity]
@@ -102,10 +115,69 @@ class LayerGroup:
             self.bias = torch.zeros(shape, dtype=BIAS_DTYPE, device=self.kv.device)
         return self.bias
 
+    def ensure_valid(self, lengths: list[int]) -> torch.Tensor:
+        """The group's held-slot mask, allocated on first use as every head holding every slot below its layer's
+        length (``lengths``, one per layer)."""
+        if self.valid is None:
+            rows = torch.arange(self.packed.shape[2], device=self.kv.device)
+            held = torch.tensor(lengths, device=self.kv.device)
+            self.valid = (rows < held[:, None]).unsqueeze(1).expand(-1, self.heads, -1).contiguous()
+        return self.valid
+
+    def offload_tokens(self, update: OffloadUpdate, first: int, start: int) -> int:
+        """Copy the tokens ``update`` names (slice indices of the group's layers ``first ..``, consecutive) into the
+        group's offload store, before the compaction moves them: every layer of the update in one gather of key and
+        value rows and one of their provenance, with one read of what sizes the writes (which tokens count, their
+        blocks, what each head retrieves). Returns the key/value bytes copied."""
+        layers, heads, dim = len(update.layers), self.heads, self.kv.shape[-1]
+        if self.offload is None:
+            self.offload = OffloadStore.empty(len(self.layers), heads, dim, update.chunk, self.kv.dtype, self.kv.device)
+        store = self.offload
+        store.counted, store.rule = bool(update.counted), update.rule
+        index = update.tokens.to(self.kv.device).long()
+        sizes = [update.valid.long().flatten(), update.retrieve.long().flatten().to(self.kv.device)]
+        if update.block is not None:
+            sizes.append(update.block.long().flatten().to(self.kv.device))
+        read = torch.cat(sizes).cpu()  # the one read of what sizes the writes
+        cells = index.numel()
+        store.retrieve[first : first + layers] = read[cells : cells + layers * heads].view(layers, heads)
+        if cells == 0:
+            return 0
+        marks = read[:cells].view(1, *index.shape)
+        if update.block is not None:
+            marks = torch.stack([marks[0], read[cells + layers * heads :].view(index.shape)])
+        slot0 = (first + torch.arange(layers, device=index.device))[:, None] * heads + torch.arange(
+            heads, device=index.device
+        )
+        key_rows = slot0[..., None] * self.capacity + start + index  # [G', H, E] rows of self.rows()
+        packed = self.packed[first : first + layers]  # [G', H, rows, 8]
+        taken = torch.gather(packed, 2, index[..., None].expand(-1, -1, -1, PROVENANCE_WIDTH))
+        columns = [PROVENANCE[name] for name in ("frame", "row", "col", "order")]
+        provenance = taken[..., columns].permute(3, 0, 1, 2).cpu()  # [4, G', H, E]
+        return store.add(
+            first,
+            self.rows(),
+            key_rows,
+            self.value_offset,
+            marks,
+            provenance,
+            update.block is not None,
+            update.index_keys,
+        )
+
     def trimmed(self, live: int, rows: int) -> LayerGroup:
         """A copy holding the first ``live`` slots and ``rows`` provenance rows (what crosses a process boundary)."""
         bias = None if self.bias is None else self.bias[:, :, :live].clone()
-        return LayerGroup(self.kv[:, :, :, :live].clone(), self.packed[:, :, :rows].clone(), list(self.layers), bias)
+        valid = None if self.valid is None else self.valid[:, :, :rows].clone()
+        offload = None if self.offload is None else self.offload.trimmed()
+        return LayerGroup(
+            self.kv[:, :, :, :live].clone(),
+            self.packed[:, :, :rows].clone(),
+            list(self.layers),
+            bias,
+            valid,
+            offload,
+        )
 
     def to(self, device: torch.device | str) -> LayerGroup:
         return LayerGroup(
@@ -113,6 +185,20 @@ class LayerGroup:
             self.packed.to(device),
             list(self.layers),
             None if self.bias is None else self.bias.to(device),
+            None if self.valid is None else self.valid.to(device),
+            None if self.offload is None else self.offload.to(device),
+        )
+
+    def part(self, members: list[int]) -> LayerGroup:
+        """The layers ``members`` (indices into this group) as a group of their own (copies)."""
+        index = torch.tensor(members, device=self.kv.device)
+        return LayerGroup(
+            self.kv.index_select(1, index),
+            self.packed.index_select(0, index),
+            [self.layers[g] for g in members],
+            None if self.bias is None else self.bias.index_select(0, index),
+            None if self.valid is None else self.valid.index_select(0, index),
+            None if self.offload is None else self.offload.part(members),
         )
 
 
@@ -125,8 +211,7 @@ class LayerMemory:
     group: LayerGroup
     index: int
     visual_len: int = 0  # L: visual slots in use (the fullest head's count when ragged)
-    valid: torch.Tensor | None = None  # [H, L] bool when heads hold different numbers of tokens
-    offload: OffloadStore | None = None  # tokens some heads keep off the device, retrieved at decode time
+    ragged: bool = False  # whether its heads hold different numbers of tokens (then ``valid`` says which)
     text_len: int = 0  # T: stream-text slots after the visual ones (the fullest head's count when ragged)
     text_valid: torch.Tensor | None = None  # [H, T] bool when heads hold different numbers of text slots
     biased: bool = False  # whether attention reads this layer's bias (a ragged head, a summary region)
@@ -135,6 +220,18 @@ class LayerMemory:
     def packed(self) -> torch.Tensor:
         """``[H, rows, 8]`` int32 provenance, see :data:`PROVENANCE`."""
         return self.group.packed[self.index]
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        """``[H, L]`` bool, the slots each head holds, when its heads hold different numbers of tokens (a view of the
+        group's mask); None when every head holds every slot."""
+        return self.group.valid[self.index, :, : self.visual_len] if self.ragged else None
+
+    @property
+    def offload(self) -> OffloadLayer | None:
+        """This layer's part of its group's offload store (tokens some heads keep off the device, retrieved while
+        answering), None while the group offloads nothing."""
+        return None if self.group.offload is None else OffloadLayer(self.group.offload, self.index)
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -199,25 +296,6 @@ class LayerMemory:
             packed,
             (offsets + torch.arange(width, device=device)).flatten(),
             take_rows(packed, (offsets + order).flatten()),
-        )
-
-    def offload_tokens(self, update: OffloadUpdate, start: int) -> int:
-        """Copy the tokens ``update`` names (view indices) into the layer's offload store, before compaction."""
-        heads, dim = self.keys.shape[1], self.keys.shape[-1]
-        if self.offload is None:
-            self.offload = OffloadStore.empty(heads, dim, update.chunk, self.keys.dtype, self.keys.device)
-        self.offload.retrieve = update.retrieve.cpu().long()
-        self.offload.counted = bool(update.counted)
-        if update.tokens.numel() == 0:
-            return 0
-        index = update.tokens.to(self.keys.device)
-        key_rows = self.head_rows(index.device)[:heads, None] + start + index
-        provenance = {
-            name: torch.gather(self.provenance[name][:, : self.visual_len], 1, index)
-            for name in ("frame", "row", "col", "order")
-        }
-        return self.offload.add_rows(
-            self.group.rows(), key_rows, key_rows + self.group.value_offset, update.valid, provenance
         )
 
     def compact_stream_text(self, held: int, start: int, grids: int) -> int:

@@ -245,7 +245,7 @@ class KVMemory:
     @property
     def offloaded_bytes(self) -> int:
         """Real bytes of the keys and values in the offload stores (host memory)."""
-        return sum(store.offload.nbytes for store in self.layers if store.offload is not None)
+        return sum(group.offload.nbytes for group in self.groups if group.offload is not None)
 
     @property
     def padding_bytes(self) -> int:
@@ -273,9 +273,16 @@ class KVMemory:
 
     def reset_retrieved(self) -> None:
         """Forget which offloaded chunks were retrieved (a new question starts)."""
-        for store in self.layers:
-            if store.offload is not None:
-                store.offload.retrieved.zero_()
+        for group in self.groups:
+            if group.offload is not None:
+                group.offload.reset_retrieved()
+
+    def release_retrieved(self) -> None:
+        """A question is answered: what it brought back from the offload stores leaves the device (which chunks it
+        retrieved stays known, for the views)."""
+        for group in self.groups:
+            if group.offload is not None:
+                group.offload.release()
 
     @property
     def allocated_bytes(self) -> int:
@@ -368,22 +375,22 @@ class KVMemory:
             store.packed[:, start : start + n] = rows.to(store.packed.device)
             if text.any() or store.text_len:
                 store.reorder_stream_text(text, self.visual_start)
-            if store.valid is not None:
-                store.valid = torch.cat([store.valid, store.valid.new_ones(store.valid.shape[0], visual_count)], dim=1)
+            if store.group.valid is not None:  # the chunk's visual tokens, held by every head
+                store.group.valid[store.index, :, store.visual_len : store.visual_len + visual_count] = True
             if store.text_valid is not None:
                 store.text_valid = torch.cat(
                     [store.text_valid, store.text_valid.new_ones(store.text_valid.shape[0], n - visual_count)], dim=1
                 )
             store.visual_len += visual_count
             store.text_len += n - visual_count
-            if store.bias is not None or store.valid is not None or store.text_valid is not None:
+            if store.bias is not None or store.ragged or store.text_valid is not None:
                 store.refresh_bias(self.visual_start)
         self.tokens_seen += visual_count
         self.grid_times_s.extend(chunk.grid_times_s)
 
     # --- what a policy sees, and what it decides -------------------------------------------
     def slices(self, rotary: Any = None, probe: list[torch.Tensor] | None = None) -> VisualSlices:
-        """What a policy sees: every layer's visual slots and the same as stacks of layers (views of the buffers, no
+        """What a policy sees: every layer's visual slots and the same as stacks of layers and each group as one stack padded to its longest layer (views of the buffers, no
         copies; :func:`kvdemo.cache.slicing.memory_slices`); ``probe`` gives each layer's probe queries ``[H_q, T,
         D]`` (see ``LayerSlice.probe``)."""
         return memory_slices(self, rotary, probe)
@@ -412,9 +419,12 @@ class KVMemory:
         for layer, index in enumerate(selection.indices):
             if index.shape[0] != self.num_kv_heads:
                 raise ValueError(f"layer {layer}: selection has {index.shape[0]} heads, memory has {self.num_kv_heads}")
-            offload = selection.offload[layer] if selection.offload is not None else None
-            if offload is not None:  # before the compaction: it reads the evicted tokens where they are
-                moved += self.layers[layer].offload_tokens(offload, self.visual_start)
+        for update in selection.offload or ():  # before the compaction: it reads the evicted tokens where they are
+            group = self.layers[update.layers[0]].group
+            first = group.layers.index(update.layers[0])
+            if group.layers[first : first + len(update.layers)] != list(update.layers):
+                raise ValueError(f"an offload covers layers {update.layers}, not consecutive layers of one group")
+            moved += group.offload_tokens(update, first, self.visual_start)
         start = self.visual_start
         moves: list[
             tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -535,7 +545,7 @@ class KVMemory:
             targets = [torch.device(device_of(placed.get(layer, layer))) for layer in group.layers]
             for target in dict.fromkeys(targets):
                 members = [g for g, t in enumerate(targets) if t == target]
-                part = group if len(members) == len(targets) else _part(group, members)
+                part = group if len(members) == len(targets) else group.part(members)
                 part = part.to(target)
                 for index, g in enumerate(members):
                     store = self.layers[group.layers[g]]
@@ -544,11 +554,7 @@ class KVMemory:
         self.groups = moved
         for store in self.layers:
             target = store.keys.device
-            store.valid = None if store.valid is None else store.valid.to(target)
             store.text_valid = None if store.text_valid is None else store.text_valid.to(target)
-            if store.offload is not None:
-                store.offload.mean_keys = store.offload.mean_keys.to(target)
-                store.offload.retrieved = store.offload.retrieved.to(target)
         self.linear_state = {
             layer: {name: t.to(device_of(layer)) for name, t in state.items()}
             for layer, state in self.linear_state.items()
@@ -559,12 +565,3 @@ class KVMemory:
     def devices(self) -> list[torch.device]:
         """Each memory layer's device."""
         return [store.keys.device for store in self.layers]
-
-
-def _part(group: LayerGroup, members: list[int]) -> LayerGroup:
-    """The layers ``members`` (indices into ``group``) of ``group`` as a group of their own (copies)."""
-    index = torch.tensor(members, device=group.kv.device)
-    bias = None if group.bias is None else group.bias.index_select(0, index)
-    return LayerGroup(
-        group.kv.index_select(1, index), group.packed.index_select(0, index), [group.layers[g] for g in members], bias
-    )

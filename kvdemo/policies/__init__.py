@@ -15,7 +15,9 @@ from .contract import (
     SummaryRegion,
     SummaryUpdate,
     VisualSlices,
+    RetrievalRule,
     layer_rows,
+    padded_stacks,
     slice_stacks,
 )
 from .registry import (
@@ -57,7 +59,9 @@ __all__ = [
     "LayerSlice",
     "SliceStack",
     "VisualSlices",
+    "RetrievalRule",
     "layer_rows",
+    "padded_stacks",
     "slice_stacks",
     "OffloadUpdate",
     "ParamSpec",

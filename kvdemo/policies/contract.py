@@ -121,7 +121,9 @@ class SliceStack:
     ``position [G, H, L, 3]``, ``probe [G, H_q, T, D]``, ``offloaded [G, H]``, ``grid_text [G, H, grids]`` (the
     optional ones None where the slices' are). Made by the memory as views of its buffers (no copies: a pass reads every layer's keys with one
     kernel); :meth:`rows` gives a field as ``[G * H, ...]`` rows, the form a policy batches over. The shared facts
-    (``grid``, ``newest_frame``, ``rotary``, ``summary_slots``, ``num_layers``) are the first slice's.
+    (``grid``, ``newest_frame``, ``rotary``, ``summary_slots``, ``num_layers``) are the first slice's. ``lengths``:
+    each layer's own visual length when a padded stack (:func:`padded_stacks`) pads shorter layers to ``L`` (their
+    slots past it carry the layer's first arrival number and frame, and ``valid`` False); None when all hold ``L``.
     """
 
     layers: tuple[int, ...]
@@ -137,6 +139,7 @@ class SliceStack:
     probe: torch.Tensor | None = None
     offloaded: torch.Tensor | None = None
     grid_text: torch.Tensor | None = None
+    lengths: tuple[int, ...] | None = None
 
     @property
     def num_heads(self) -> int:
@@ -153,16 +156,33 @@ class SliceStack:
 
     @classmethod
     def of(cls, slices: list[LayerSlice], layers: tuple[int, ...]) -> SliceStack:
-        """The stack of ``slices`` (of ``layers``), by copying each field into one tensor (a memory builds its stacks
-        as views instead: :meth:`kvdemo.cache.memory.KVMemory.slices`)."""
+        """The stack of ``slices`` (of ``layers``), by copying each field into one tensor, layers shorter than the
+        longest padded (``valid`` then marks each one's own slots); a memory builds its stacks as views instead
+        (:meth:`kvdemo.cache.memory.KVMemory.slices`)."""
+        length = max(s.length for s in slices)
+        ragged = any(s.length != length for s in slices)
+
+        def padded(t: torch.Tensor, fill, repeat_first: bool = False) -> torch.Tensor:
+            pad = length - t.shape[1]
+            if not pad:
+                return t
+            if repeat_first and t.shape[1]:
+                tail = t[:, :1].expand(-1, pad)
+            else:
+                tail = t.new_full((t.shape[0], pad, *t.shape[2:]), fill)
+            return torch.cat([t, tail], dim=1)
+
         fields = {}
         for name in STACKED_FIELDS:
             values = [getattr(s, name) for s in slices]
-            if all(v is None for v in values):
+            if all(v is None for v in values) and not (name == "valid" and ragged):
                 fields[name] = None
             elif name == "valid":
                 fields[name] = torch.stack(
-                    [torch.ones_like(s.frame, dtype=torch.bool) if v is None else v for s, v in zip(slices, values)]
+                    [
+                        padded(torch.ones_like(s.frame, dtype=torch.bool) if v is None else v, False)
+                        for s, v in zip(slices, values)
+                    ]
                 )
             elif name == "offloaded":
                 fields[name] = torch.stack(
@@ -171,19 +191,43 @@ class SliceStack:
                         for s, v in zip(slices, values)
                     ]
                 )
-            else:
+            elif name in ("probe", "grid_text"):
                 fields[name] = torch.stack(values)
-        return cls(layers=layers, first=slices[0], **fields)
+            else:
+                # A padded slot repeats its row's first arrival number and frame, so neither widens what the row
+                # spans (the shared top-k's tie ramp, frame ranks).
+                fields[name] = torch.stack([padded(v, 0, name in ("order", "frame")) for v in values])
+        lengths = tuple(s.length for s in slices) if ragged else None
+        return cls(layers=layers, first=slices[0], lengths=lengths, **fields)
 
 
 class VisualSlices(list):
-    """What a policy sees of the memory: one :class:`LayerSlice` per layer (a list: ``slices[layer]``), and
-    ``stacks``, the same layers as :class:`SliceStack` (consecutive layers of one device and length together) for a
-    pass that batches over layers."""
+    """What a policy sees of the memory: one :class:`LayerSlice` per layer (a list: ``slices[layer]``), ``stacks``,
+    the same layers as :class:`SliceStack` (consecutive layers of one device and length together) for a pass that
+    batches over layers, and ``padded``, each device's layers as one stack padded to its longest layer (``valid``
+    marks what each layer's heads hold) for a pass over layers that hold different numbers of tokens."""
 
-    def __init__(self, layers: list[LayerSlice], stacks: list[SliceStack]) -> None:
+    def __init__(self, layers: list[LayerSlice], stacks: list[SliceStack], padded: list[SliceStack]) -> None:
         super().__init__(layers)
         self.stacks = stacks
+        self.padded = padded
+
+
+def _stack_key(s: LayerSlice, length: bool = True) -> tuple:
+    optional = tuple(getattr(s, n) is None for n in ("position", "probe", "grid_text"))
+    shape = s.keys.shape if length else (s.keys.shape[0], s.keys.shape[2])
+    return s.keys.device, shape, s.keys.dtype, optional
+
+
+def _runs(slices: list[LayerSlice], length: bool) -> list[list[int]]:
+    """Runs of consecutive layers that stack (one device, dtype and shape; any length unless ``length``)."""
+    runs: list[list[int]] = []
+    for index, layer_slice in enumerate(slices):
+        if runs and _stack_key(slices[runs[-1][-1]], length) == _stack_key(layer_slice, length):
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
 
 
 def slice_stacks(slices: list[LayerSlice]) -> list[SliceStack]:
@@ -191,28 +235,25 @@ def slice_stacks(slices: list[LayerSlice]) -> list[SliceStack]:
     slices), runs of consecutive layers of one device, length and shape copied into stacks (:meth:`SliceStack.of`)."""
     if isinstance(slices, VisualSlices):
         return slices.stacks
-    stacks, run = [], []
+    return [SliceStack.of([slices[i] for i in run], tuple(run)) for run in _runs(slices, length=True)]
 
-    def key(s: LayerSlice) -> tuple:
-        optional = tuple(getattr(s, n) is None for n in ("position", "probe", "grid_text"))
-        return s.keys.device, s.keys.shape, s.keys.dtype, optional
 
-    for index, layer_slice in enumerate(slices):
-        if run and key(slices[run[-1]]) != key(layer_slice):
-            stacks.append(SliceStack.of([slices[i] for i in run], tuple(run)))
-            run = []
-        run.append(index)
-    if run:
-        stacks.append(SliceStack.of([slices[i] for i in run], tuple(run)))
-    return stacks
+def padded_stacks(slices: list[LayerSlice]) -> list[SliceStack]:
+    """Every layer of ``slices`` in stacks padded to their longest layer (``valid [G, H, L]`` marks the slots each
+    layer's heads hold; None when every head of every layer holds all ``L``): the memory's own (views) for
+    :class:`VisualSlices`, one per device; for a plain list, runs of consecutive layers of one device and shape
+    copied into stacks, shorter layers padded (:meth:`SliceStack.of`)."""
+    if isinstance(slices, VisualSlices):
+        return slices.padded
+    return [SliceStack.of([slices[i] for i in run], tuple(run)) for run in _runs(slices, length=False)]
 
 
 def layer_rows(slices: list[LayerSlice], layers: tuple[int, ...], name: str) -> torch.Tensor | None:
     """Field ``name`` of ``layers`` as rows ``[len(layers) * H, ...]`` (layer by layer): a stack's own rows, a view,
-    when ``layers`` is one of the slices' stacks (:func:`slice_stacks`), else the layers' fields stacked (a copy);
-    None where a layer's is."""
+    when ``layers`` is one of the slices' stacks (:func:`slice_stacks`, :func:`padded_stacks`), else the layers'
+    fields stacked (a copy); None where a layer's is."""
     if len(layers) > 1:
-        for stack in slice_stacks(slices):
+        for stack in (*slice_stacks(slices), *padded_stacks(slices)):
             if stack.layers == layers:
                 return stack.rows(name)
     values = [getattr(slices[layer], name) for layer in layers]
@@ -236,23 +277,48 @@ class SummaryUpdate:
     slots: torch.Tensor | None = None
 
 
-@dataclass
-class OffloadUpdate:
-    """One layer's tokens to move to the offload store, and what each head retrieves at decode time.
+@dataclass(frozen=True)
+class RetrievalRule:
+    """How a policy's offloaded chunks come back while a question is answered: each forward's queries (averaged over
+    its tokens, summed over each KV head's group of query heads) score every chunk's mean key, and the top chunks are
+    attended together with what the device holds (:meth:`kvdemo.cache.offload.OffloadStore.fetch`).
 
-    tokens: ``[H_kv, E]`` indices into the layer's slice (arrival order), ``valid [H_kv, E]`` which count;
-    they are stored in chunks of ``chunk`` tokens per head with a resident mean-key index.
-    retrieve: ``[H_kv]`` visual tokens each head brings back per decode step (0: it does not retrieve).
-    counted: whether those retrieved tokens count toward the budget ``M`` (the memory's visual tokens include
-    them, so a head's query-time context, resident + retrieved, stays within what the budget bounds) or come on
-    top of it.
+    shared: one ranking per layer, the scores summed over its KV heads, every head bringing back the same chunks
+    (ReKV's blocks); else each head ranks its own (HybridKV's chunks). per_question: chosen at a question's first
+    forward (its prefill) and kept for every decode step (ReKV); else chosen again at every forward (HybridKV).
+    unrotated: queries scored before RoPE, against mean keys the policy gives before RoPE
+    (``OffloadUpdate.index_keys``; ReKV's code scores un-rotated keys); else both as cached.
     """
 
+    shared: bool = False
+    per_question: bool = False
+    unrotated: bool = False
+
+
+@dataclass
+class OffloadUpdate:
+    """The tokens of the consecutive layers ``layers`` (one stack of the slices: :func:`slice_stacks`,
+    :func:`padded_stacks`) to move to the memory's offload store, and what each head retrieves while answering.
+
+    tokens: ``[G, H, E]`` indices into each layer's slice, in arrival order; ``valid [G, H, E]`` which count. They
+    are stored per head in chunks of at most ``chunk`` tokens: runs of ``chunk`` consecutive ones, or, with ``block
+    [G, H, E]`` (non-decreasing along a row's valid tokens), one chunk per block id (ReKV's blocks). Each chunk has a
+    resident mean key: of its keys, or of ``index_keys [G, H, E, D]`` when given (ReKV: the keys before RoPE).
+    retrieve: ``[G, H]`` visual tokens each head brings back per forward while answering (0: it does not retrieve).
+    counted: whether those retrieved tokens count toward the budget ``M`` (the memory's visual tokens include
+    them, so a head's query-time context, resident + retrieved, stays within what the budget bounds) or come on
+    top of it. rule: how they are chosen (:class:`RetrievalRule`).
+    """
+
+    layers: tuple[int, ...]
     tokens: torch.Tensor
     valid: torch.Tensor
     retrieve: torch.Tensor
     chunk: int = 8
     counted: bool = False
+    block: torch.Tensor | None = None
+    index_keys: torch.Tensor | None = None
+    rule: RetrievalRule = RetrievalRule()
 
 
 @dataclass
@@ -276,8 +342,8 @@ class Selection:
 
     ``valid`` (optional, per layer ``[H_kv, keep]`` bool) marks the entries that count when heads keep
     different numbers of tokens (ragged budgets); ``summary`` (optional, per layer) refreshes the memory's
-    summary region; ``offload`` (optional, per layer) moves evicted tokens to the memory's offload store
-    instead of dropping them, and sets what each head retrieves from it at decode time; ``uncompressed``
+    summary region; ``offload`` (optional, one per stack of layers it covers) moves evicted tokens to the memory's
+    offload store instead of dropping them, and sets what each head retrieves from it while answering; ``uncompressed``
     lists the layers this pass left whole (every index kept): they do not count toward ``M`` (CoRDS'
     ``above=keep``), so the engine does not compress again because of them. ``shift`` (optional) closes the
     position gaps the eviction leaves (:class:`PositionShift`: StreamingVLM's contiguous positions).
@@ -288,7 +354,7 @@ class Selection:
     info: dict[str, Any] = field(default_factory=dict)
     valid: list[torch.Tensor] | None = None
     summary: list[SummaryUpdate | None] | None = None
-    offload: list[OffloadUpdate | None] | None = None
+    offload: list[OffloadUpdate] | None = None
     uncompressed: tuple[int, ...] = ()
     shift: PositionShift | None = None
 

@@ -53,7 +53,6 @@ The paper compresses once, at prefill, with the user's prompt present. kvdemo's 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -62,10 +61,10 @@ import torch
 from ..devices.timing import PhaseTimer
 from ..errors import PolicyParameterError
 from ..views import CellGrid, Chart, View, ViewContext
-from .contract import LayerSlice, OffloadUpdate, Policy, Probed, Selection
+from .contract import LayerSlice, OffloadUpdate, Policy, Probed, Selection, SliceStack, padded_stacks
 from .grid import frame_rank, pool_on_grid
 from .registry import BenchDeclaration, PolicyCard, param, register
-from .topk import Ranking, select_ranked, top_k_mask, top_k_sum
+from .topk import Ranking, in_layer_order, layer_lengths, select_ranked, top_k_mask, top_k_mass, valid_counts
 
 REASON_LOCAL, REASON_SALIENT, REASON_RESIDENT = 0, 1, 2
 REASON_NAMES = {
@@ -166,36 +165,40 @@ class HybridKV(Policy, Probed):
         return self.classify_with == "question"
 
     def compress(self, slices: list[LayerSlice], keep: int) -> Selection:
+        """One pass over every layer at once: each device's layers are one stack padded to its longest layer
+        (:func:`~.contract.padded_stacks`; the pass's launches do not grow with the layers)."""
         if any(layer_slice.probe is None for layer_slice in slices):
             raise ValueError("HybridKV needs probe queries in its slices (use StreamEngine, which runs the probe)")
         home = slices[0].keys.device
         timer = PhaseTimer()
+        stacks = padded_stacks(slices)
         # The policy's own arithmetic, the probe's queries over every key, timed as two phases: the products, and the
         # softmax, top-k mass and pooling of what they give.
-        scratch: dict[tuple[str, torch.device], torch.Tensor] = {}  # buffers every layer reuses
-        scores, priors = zip(*(self.text_centric(layer_slice, scratch, timer) for layer_slice in slices))
+        scores, priors = zip(*(self.text_centric(stack, timer) for stack in stacks))
         with timer.phase("budgets", home):
             # The classification and budgets need every layer's [H] scores together: only those small vectors move
             # to the first layer's device (a model split over devices keeps each layer's tokens where they are).
-            sparsity = torch.stack([score.to(home) for score in scores])  # [layers, H]
+            order = in_layer_order([stack.layers for stack in stacks], home)
+
+            def every_layer(parts: list[torch.Tensor]) -> torch.Tensor:  # [layers, H], layer by layer
+                joined = torch.cat([part.to(home) for part in parts])
+                return joined if order is None else joined.index_select(0, order)
+
+            sparsity = every_layer(list(scores))
             static = sparsity > self.threshold(sparsity)
-            held = torch.stack([valid_counts(layer_slice).to(home) for layer_slice in slices])  # [layers, H]
-            offloaded = torch.stack(
-                [
-                    torch.zeros_like(held[0])
-                    if layer_slice.offloaded is None
-                    else layer_slice.offloaded.to(held.device)
-                    for layer_slice in slices
-                ]
+            held = every_layer([valid_counts(stack) for stack in stacks])
+            offloaded = every_layer(
+                [torch.zeros_like(valid_counts(st)) if st.offloaded is None else st.offloaded for st in stacks]
             )
             # What a head can be given: what it holds, plus (a dynamic head whose retrieval counts) what it can retrieve.
             cap = held + offloaded if self.accounting == "budget" else held
             budgets = self.budgets(sparsity, static, torch.where(static, held, cap), keep)
             resident, retrieve = self.split(static, budgets, held)
         with timer.phase("selection", home):
+            picks = [torch.tensor(stack.layers, device=home) for stack in stacks]
             rankings = [
-                self.rank_layer(layer_slice, priors[layer], static[layer], resident[layer])
-                for layer, layer_slice in enumerate(slices)
+                self.rank_stack(stack, prior, static.index_select(0, pick), resident.index_select(0, pick))
+                for stack, prior, pick in zip(stacks, priors, picks)
             ]
             info = {
                 "static": static,
@@ -207,19 +210,26 @@ class HybridKV(Policy, Probed):
             selection, kept = select_ranked(slices, rankings, keep, info)
         with timer.phase("offload plan", home):
             selection.offload = [
-                self.offload(layer_slice, mask, static[layer], retrieve[layer])
-                for layer, (layer_slice, mask) in enumerate(zip(slices, kept))
+                self.offload(stack, mask, static.index_select(0, pick), retrieve.index_select(0, pick))
+                for stack, mask, pick in zip(stacks, kept, picks)
             ]
         selection.info["phase_ms"] = timer.ms
         if selection.valid is None:  # every head kept as many tokens: still say which entries count
-            selection.valid = [torch.ones_like(index, dtype=torch.bool) for index in selection.indices]
+            every = torch.ones_like(selection.indices[0], dtype=torch.bool)
+            selection.valid = [every for _ in selection.indices]
+        # What the report and the views read, back on the host in one read.
+        table = torch.stack(
+            [static.double(), sparsity.double(), budgets.double(), resident.double(), retrieve.double()]
+        )
+        table = torch.cat([table.flatten(), self.threshold(sparsity).double().reshape(1)]).cpu()
+        state = table[:-1].view(5, *static.shape)
         self._last = {
-            "static": static.cpu(),
-            "sparsity": sparsity.float().cpu(),
-            "budget": budgets.cpu(),
-            "resident": resident.cpu(),
-            "retrieve": retrieve.cpu(),
-            "cutoff": float(self.threshold(sparsity)),
+            "static": state[0].bool(),
+            "sparsity": state[1].float(),
+            "budget": state[2].long(),
+            "resident": state[3].long(),
+            "retrieve": state[4].long(),
+            "cutoff": float(table[-1].float()),
         }
         return selection
 
@@ -239,46 +249,43 @@ class HybridKV(Policy, Probed):
         return budget - retrieve, retrieve
 
     # --- Sec. 3.1 ---------------------------------------------------------------------------
-    def text_centric(
-        self,
-        layer_slice: LayerSlice,
-        scratch: dict[tuple[str, torch.device], torch.Tensor] | None = None,
-        timer: PhaseTimer | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Eq. 2-3 for one layer: sparsity ``S [H]`` and the static-head prior ``[H, L]`` (the probe rows'
-        attention summed per token, spatially pooled). ``scratch``: float32 buffers a pass's layers share for the
-        logits and a widened copy of the keys (see :func:`scratch_buffer`); ``timer``: adds the layer's time to the
-        phases ``probe products`` and ``probe softmax + mass``."""
-        heads, length, dim = layer_slice.keys.shape
-        device = layer_slice.keys.device
+    def text_centric(self, stack: SliceStack, timer: PhaseTimer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eq. 2-3 for the layers of ``stack`` at once: sparsity ``S [G, H]`` and the static-head prior ``[G * H,
+        L]`` (the probe rows' attention summed per token, spatially pooled). ``timer``: adds the time to the phases
+        ``probe products`` and ``probe softmax + mass``."""
+        layers, heads, length, dim = stack.keys.shape
+        device = stack.keys.device
         timer = timer or PhaseTimer()
         with timer.phase("probe products", device):
-            rows = layer_slice.probe.to(device).reshape(
-                heads, -1, dim
-            )  # query heads of a group stacked: [H, group * T, D]
-            keys = layer_slice.keys
-            if keys.dtype != torch.float32:
-                keys = scratch_buffer(scratch, "keys", (heads, length, dim), device).copy_(keys)
-            logits = scratch_buffer(scratch, "logits", (heads, rows.shape[1], length), device)
-            torch.matmul(rows.float(), keys.transpose(1, 2), out=logits)  # [H, rows, L]
+            # The query heads of a KV head's group stacked as its rows: [G * H, group * T, D].
+            rows = stack.probe.to(device).reshape(layers * heads, -1, dim)
+            keys = stack.keys.reshape(layers * heads, length, dim).float()
+            logits = torch.matmul(rows.float(), keys.transpose(1, 2))  # [G * H, rows, L]
         with timer.phase("probe softmax + mass", device):
-            return self._classify_rows(layer_slice, logits.mul_(dim**-0.5))
+            return self._classify_rows(stack, logits.mul_(dim**-0.5))
 
-    def _classify_rows(self, layer_slice: LayerSlice, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`text_centric` from the scaled logits ``[H, rows, L]`` (overwritten)."""
-        heads, length = layer_slice.frame.shape
-        if layer_slice.valid is not None:
-            logits.masked_fill_(~layer_slice.valid[:, None, :], float("-inf"))
+    def _classify_rows(self, stack: SliceStack, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`text_centric` from the scaled logits ``[G * H, rows, L]`` (overwritten)."""
+        layers, heads, length = stack.frame.shape
+        valid = stack.rows("valid")
+        if valid is not None:
+            logits.masked_fill_(~valid[:, None, :], float("-inf"))
         attention = torch.softmax(logits, dim=-1)
-        prior = attention.sum(dim=1)  # [H, L]
-        held = valid_counts(layer_slice)
-        k = max(1, int(torch.ceil(self.top_k * held.max().float())))
-        # The top-k mass last: it reorders each row of the attention in place.
-        sparsity = top_k_sum(attention.view(-1, length), min(k, length), overwrite=True).view(heads, -1).mean(-1)  # [H]
+        prior = attention.sum(dim=1)  # [G * H, L]
+        held = valid_counts(stack)  # [G, H]
+        lengths = layer_lengths(stack)  # [G]: each layer's own slots (the rest pads it to the stack's length)
+        top = torch.ceil(self.top_k * held.max(dim=1).values.float())
+        k = [max(1, int(t)) for t in top.tolist()]  # one read for every layer
+        mass = top_k_mass(attention.view(layers, -1, length), [min(a, b) for a, b in zip(k, lengths)], lengths)
+        sparsity = mass.view(layers, heads, -1).mean(-1)  # [G, H]
         if self.pool_kernel > 1:
-            rank, _ = frame_rank(layer_slice.frame)
-            pos = layer_slice.row.long() * layer_slice.grid[1] + layer_slice.col.long()
-            prior = pool_on_grid(prior, rank, pos, layer_slice.grid, self.pool_kernel)
+            frame = stack.rows("frame")
+            rank, _ = frame_rank(frame)
+            if min(lengths) < length:  # padding slots pool among themselves, in a frame of their own
+                inside = torch.arange(length, device=frame.device) < torch.tensor(lengths, device=frame.device)[:, None]
+                rank = torch.where(inside.repeat_interleave(heads, dim=0), rank, rank.max() + 1)
+            pos = stack.rows("row").long() * stack.first.grid[1] + stack.rows("col").long()
+            prior = pool_on_grid(prior, rank, pos, stack.first.grid, self.pool_kernel)
         return sparsity, prior
 
     def threshold(self, sparsity: torch.Tensor) -> torch.Tensor:
@@ -305,54 +312,55 @@ class HybridKV(Policy, Probed):
         return capped_allocation(desired, held.to(desired.device), total)
 
     # --- Sec. 3.3 ---------------------------------------------------------------------------
-    def rank_layer(
-        self, layer_slice: LayerSlice, prior: torch.Tensor, static: torch.Tensor, budget: torch.Tensor
-    ) -> Ranking:
-        """One layer's ranking keeping ``budget [H]`` tokens per head (the resident share of each head's budget):
-        static heads keep the newest ``local_ratio`` of it, then the probe's most attended tokens; dynamic heads
-        their newest tokens. Padding last."""
-        heads, length = layer_slice.frame.shape
-        device = layer_slice.keys.device
-        budget, static = budget.to(device), static.to(device)
-        valid = (
-            layer_slice.valid
-            if layer_slice.valid is not None
-            else torch.ones(heads, length, dtype=torch.bool, device=device)
-        )
-        order = torch.where(valid, layer_slice.order, -1)  # padding is older than anything
+    def rank_stack(self, stack: SliceStack, prior: torch.Tensor, static: torch.Tensor, budget: torch.Tensor) -> Ranking:
+        """The ranking of ``stack``'s layers keeping ``budget [G, H]`` tokens per head (the resident share of each
+        head's budget): static heads keep the newest ``local_ratio`` of it, then the probe's most attended tokens;
+        dynamic heads their newest tokens. Padding last."""
+        layers, heads, length = stack.frame.shape
+        device = stack.keys.device
+        budget, static = budget.to(device).flatten(), static.to(device).flatten()
+        valid = stack.rows("valid")
+        if valid is None:
+            valid = torch.ones(layers * heads, length, dtype=torch.bool, device=device)
+        order = torch.where(valid, stack.rows("order"), -1)  # padding is older than anything
         # Each token's place from the newest (0 = newest): the inverse of the sort, by one scatter instead of a second sort.
         newest_first = torch.argsort(order, dim=1, descending=True)
-        slots = torch.arange(length, device=device).expand(heads, -1)
+        slots = torch.arange(length, device=device).expand(layers * heads, -1)
         newest_rank = torch.empty_like(newest_first).scatter_(1, newest_first, slots)
         local = newest_rank < torch.ceil(self.local_ratio * budget.double()).long()[:, None]
-        lo, hi = prior.min(dim=1, keepdim=True).values, prior.max(dim=1, keepdim=True).values
+        # Each layer's own slots (past them the stack pads it) set the salience's range and the recency's scale.
+        span = torch.tensor(layer_lengths(stack), device=device).repeat_interleave(heads)  # [G * H]
+        inside = slots < span[:, None]
+        lo = torch.where(inside, prior, float("inf")).min(dim=1, keepdim=True).values
+        hi = torch.where(inside, prior, float("-inf")).max(dim=1, keepdim=True).values
         salience = (prior - lo) / (hi - lo).clamp_min(1e-12)  # [0, 1]
-        recency = 1.0 - newest_rank.double() / max(length, 1)
+        recency = 1.0 - newest_rank.double() / span.clamp_min(1).double()[:, None]
         priority = torch.where(static[:, None], local.double() * 2 + salience.double(), recency)
         reason = torch.where(static[:, None], torch.where(local, REASON_LOCAL, REASON_SALIENT), REASON_RESIDENT)
-        return Ranking(priority.masked_fill(~valid, -1.0), reason.to(torch.int8), (layer_slice.layer,), keep=budget)
+        return Ranking(priority.masked_fill(~valid, -1.0), reason.to(torch.int8), stack.layers, keep=budget)
 
     def offload(
-        self, layer_slice: LayerSlice, kept: torch.Tensor, static: torch.Tensor, retrieve: torch.Tensor
+        self, stack: SliceStack, kept: torch.Tensor, static: torch.Tensor, retrieve: torch.Tensor
     ) -> OffloadUpdate:
-        """Dynamic heads move what they evict to the offload store (arrival order) and retrieve up to ``retrieve
-        [H]`` tokens while answering; static heads drop what they evict."""
-        heads, length = layer_slice.frame.shape
-        device = layer_slice.keys.device
+        """Dynamic heads of ``stack``'s layers move what they evict (``kept [G * H, L]`` the selection's mask) to the
+        offload store (arrival order) and retrieve up to ``retrieve [G, H]`` tokens while answering; static heads drop
+        what they evict."""
+        layers, heads, length = stack.frame.shape
+        device = stack.keys.device
         static, retrieve = static.to(device), retrieve.to(device)
-        valid = (
-            layer_slice.valid
-            if layer_slice.valid is not None
-            else torch.ones(heads, length, dtype=torch.bool, device=device)
-        )
-        evicted = valid & ~kept & ~static[:, None]
+        valid = stack.rows("valid")
+        if valid is None:
+            valid = torch.ones(layers * heads, length, dtype=torch.bool, device=device)
+        evicted = valid & ~kept & ~static.flatten()[:, None]
         count = evicted.sum(dim=1)
-        arrival = torch.where(evicted, layer_slice.order.long(), torch.iinfo(torch.int64).max)
-        tokens = torch.argsort(arrival, dim=1)[:, : int(count.max()) if heads else 0]
-        token_valid = torch.arange(tokens.shape[1], device=device)[None] < count[:, None]
+        arrival = torch.where(evicted, stack.rows("order").long(), torch.iinfo(torch.int64).max)
+        width = int(count.max()) if count.numel() else 0  # one read for the stack
+        tokens = torch.argsort(arrival, dim=1)[:, :width]
+        token_valid = torch.arange(width, device=device)[None] < count[:, None]
         return OffloadUpdate(
-            tokens=tokens,
-            valid=token_valid,
+            layers=stack.layers,
+            tokens=tokens.view(layers, heads, width),
+            valid=token_valid.view(layers, heads, width),
             retrieve=torch.where(static, 0, retrieve),
             chunk=self.chunk,
             counted=self.accounting == "budget",
@@ -418,27 +426,3 @@ class HybridKV(Policy, Probed):
             "query_context": context_tokens.tolist(),
             "query_context_tokens": round(float(context_tokens.double().mean(dim=1).max())),
         }
-
-
-def scratch_buffer(
-    pool: dict[tuple[str, torch.device], torch.Tensor] | None, name: str, shape: tuple[int, ...], device: torch.device
-) -> torch.Tensor:
-    """A float32 tensor of ``shape`` on ``device``: a view of ``pool``'s buffer ``name`` there (grown when too small),
-    or a fresh tensor without a pool. kvdemo's: the probe attention's per-layer tensors (8 MB of logits at 7B shape)
-    written into one buffer a pass's layers share; fresh ones cost their first writes' page faults."""
-    size = math.prod(shape)
-    if pool is None:
-        return torch.empty(shape, dtype=torch.float32, device=device)
-    held = pool.get((name, device))
-    if held is None or held.numel() < size:
-        pool[(name, device)] = torch.empty(size, dtype=torch.float32, device=device)
-    return pool[(name, device)][:size].view(shape)
-
-
-def valid_counts(layer_slice: LayerSlice) -> torch.Tensor:
-    """Tokens each head of a layer's slice holds ``[H]``."""
-    if layer_slice.valid is None:
-        return torch.full(
-            (layer_slice.num_heads,), layer_slice.length, dtype=torch.long, device=layer_slice.keys.device
-        )
-    return layer_slice.valid.sum(dim=1)

@@ -17,7 +17,7 @@ import torch
 
 from ..devices.timing import PhaseTimer
 from ..tensors import flat_nonzero
-from .contract import LayerSlice, Policy, Selection, layer_rows
+from .contract import LayerSlice, Policy, Selection, SliceStack, layer_rows
 
 
 @dataclass
@@ -66,13 +66,13 @@ def select_ranked(
     reasons in ``info["reason"]`` (views of the ranking's). A ranking with a ``keep`` per row gives a ragged selection
     (indices padded to the largest count, ``valid`` marking the real ones); where the stream carries its own text, its
     cost counts (:func:`select_with_text`). Rows keeping the pass's ``keep`` need no read of their counts (a GPU does
-    not wait). Returns the selection and each layer's kept mask ``[H, L]``."""
+    not wait). Returns the selection and each ranking's kept mask ``[R, L]``."""
     info = dict(info or {})
     count = len(slices)
     indices: list[torch.Tensor | None] = [None] * count
     valids: list[torch.Tensor | None] = [None] * count
     reasons: list[torch.Tensor | None] = [None] * count
-    masks: list[torch.Tensor | None] = [None] * count
+    masks: list[torch.Tensor] = []
     ragged = False
     for ranking in rankings:
         layers, heads = ranking.layers, slices[ranking.layers[0]].num_heads
@@ -87,22 +87,18 @@ def select_ranked(
         else:
             exact = min(int(keep), ranking.priority.shape[1])
             mask = top_k_mask(ranking.priority, exact, order)
-        index, valid = kept_indices(mask, exact)
+        index, valid, counts = counted_indices(mask, exact)
         ragged |= valid is not None
         reason = torch.gather(ranking.reason, 1, index)
-        parts = (index, valid, reason, mask)
+        masks.append(mask)
+        parts = (index, valid, reason)
         for position, layer in enumerate(layers):
             rows = slice(position * heads, (position + 1) * heads)
-            indices[layer], valids[layer], reasons[layer], masks[layer] = (
-                None if t is None else t[rows] for t in parts
-            )
+            # each layer's entries padded to its own largest count, not the stack's
+            width = index.shape[1] if counts is None else max(counts[rows], default=0)
+            indices[layer], valids[layer], reasons[layer] = (None if t is None else t[rows, :width] for t in parts)
         for layer, source in ranking.followers.items():  # they take their source's (read-only) tensors as theirs
-            indices[layer], valids[layer], reasons[layer], masks[layer] = (
-                indices[source],
-                valids[source],
-                reasons[source],
-                masks[source],
-            )
+            indices[layer], valids[layer], reasons[layer] = indices[source], valids[source], reasons[source]
     missing = [layer for layer in range(count) if indices[layer] is None]
     if missing:
         raise ValueError(f"the rankings cover no selection of layer(s) {missing}")
@@ -117,6 +113,15 @@ def kept_indices(mask: torch.Tensor, count: int | None = None) -> tuple[torch.Te
     [R, width]`` (``width`` the largest count; a row keeping fewer is padded with index 0, marked invalid; None when
     every row keeps ``width``). ``count``: what every row is known to keep (no read of the counts: a GPU does not
     wait); without it the counts are read once."""
+    index, valid, _ = counted_indices(mask, count)
+    return index, valid
+
+
+def counted_indices(
+    mask: torch.Tensor, count: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None]:
+    """:func:`kept_indices` and each row's count as read (None when ``count`` was given or every row keeps
+    ``width``)."""
     rows, length = mask.shape
     if count is None:
         counts = mask.sum(dim=1).tolist()  # one read of the counts (a GPU waits once)
@@ -125,9 +130,9 @@ def kept_indices(mask: torch.Tensor, count: int | None = None) -> tuple[torch.Te
             slots = torch.arange(length, device=mask.device)
             index = torch.sort(torch.where(mask, slots, length), dim=1).values[:, :width]
             valid = index < length
-            return index.masked_fill(~valid, 0), valid
+            return index.masked_fill(~valid, 0), valid, counts
         count = width
-    return mask_to_indices(mask, count), None
+    return mask_to_indices(mask, count), None, None
 
 
 def top_k_mask(scores: torch.Tensor, k: int | torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
@@ -284,3 +289,46 @@ def tie_ramp(order: torch.Tensor | None, length: int, device: torch.device) -> t
     low = order.min(dim=-1, keepdim=True).values if order.numel() else order
     span = (order.max(dim=-1, keepdim=True).values - low + 1) if order.numel() else order
     return (order - low) * (1e-9 / span)
+
+
+def valid_counts(stack: SliceStack) -> torch.Tensor:
+    """Tokens each head of each layer of ``stack`` holds ``[G, H]``."""
+    if stack.valid is None:
+        layers, heads, length = stack.frame.shape
+        return torch.full((layers, heads), length, dtype=torch.long, device=stack.keys.device)
+    return stack.valid.sum(dim=2)
+
+
+def layer_lengths(stack: SliceStack) -> list[int]:
+    """Each layer's own slots in ``stack`` (a padded stack pads the shorter ones to its length; no device read: the
+    memory's layers know their lengths)."""
+    return list(stack.lengths) if stack.lengths is not None else [stack.length] * len(stack.layers)
+
+
+def in_layer_order(runs: list[tuple[int, ...]], device: torch.device) -> torch.Tensor | None:
+    """The permutation that puts rows laid out stack by stack (``runs``: each stack's layers) in layer order, or None
+    when they already are."""
+    flat = [layer for run in runs for layer in run]
+    if flat == sorted(flat):
+        return None
+    return torch.tensor(sorted(range(len(flat)), key=flat.__getitem__), device=device)
+
+
+def top_k_mass(attention: torch.Tensor, k: list[int], lengths: list[int]) -> torch.Tensor:
+    """The sum of the ``k[g]`` largest of each row of layer ``g``'s own ``lengths[g]`` slots, ``attention [G, rows,
+    L]`` -> ``[G * rows]``. On a CPU (numpy's partition, :func:`~.topk.top_k_sum`) the rows of each (length, k) are
+    summed as a pass over that layer alone sums them: the partition orders a row's top k by the whole row, so a
+    padded row would add the same values in another order (kvdemo's: results equal the unbatched pass's bit for bit).
+    Elsewhere one top-k of the largest ``k`` with each row's tail masked."""
+    layers, rows, length = attention.shape
+    if attention.device.type != "cpu":
+        width = max(k)
+        top = torch.topk(attention.reshape(-1, length), width, dim=-1, sorted=True).values  # [G * rows, width]
+        wanted = torch.tensor(k, device=attention.device).repeat_interleave(rows)
+        return (top * (torch.arange(width, device=attention.device)[None] < wanted[:, None])).sum(-1)
+    out = torch.empty(layers, rows, dtype=attention.dtype, device=attention.device)
+    for size, count in dict.fromkeys(zip(lengths, k)):
+        group = [g for g in range(layers) if (lengths[g], k[g]) == (size, count)]
+        part = attention[group, :, :size] if len(group) < layers or size < length else attention
+        out[group] = top_k_sum(part.reshape(-1, size), count, overwrite=part is attention).view(len(group), rows)
+    return out.view(-1)
