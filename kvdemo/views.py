@@ -47,6 +47,9 @@ class ViewContext:
     grid_times_s: list[float]
     timeline: list[Any] = field(default_factory=list)  # OccupancyEvent, oldest first
     summary_slots: int = 0
+    #: ``[2, layers, grids]`` visual tokens of each frame in the offload stores, and of those the ones the last
+    #: question retrieved (None: nothing offloaded)
+    retrieved_frames: Any = None
 
     @property
     def num_grids(self) -> int:

@@ -426,6 +426,7 @@ class MemoryCache(Cache):
         self.answering = False
         self.capture: dict[int, torch.Tensor] | None = None
         self.observers: list = []
+        self.unrotate = None  # query [H_q, q, D] -> before RoPE, at this forward's positions (set while answering)
 
     def commit_linear_state(self) -> None:
         """Make the state this forward left in the layers without keys and values the memory's committed state."""
@@ -439,7 +440,7 @@ class MemoryCache(Cache):
         if not self.answering or layer >= len(self.memory.layers):
             return None
         store = self.memory.layers[layer].offload
-        return None if store is None else store.fetch(query, scale)
+        return None if store is None else store.fetch(query, scale, self.unrotate)
 
     def key_bias(self, layer: int, past: int) -> torch.Tensor | None:
         """The memory's additive key bias ``[H_kv, past]`` over the first ``past`` slots of ``layer``, or None."""

@@ -139,6 +139,7 @@ class Budget:
         than one chunk. Each message advises values that are accepted for such chunks."""
         if self.M is None:
             return
+        (policy if isinstance(policy, Policy) else policy()).check_window(self.C, tokens)
         said = f" = {shape}" if shape else ""
         if self.C is None:
             if tokens > self.window:

@@ -58,6 +58,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..policies.contract import Selection, VisualSlices
@@ -276,6 +277,17 @@ class KVMemory:
         for group in self.groups:
             if group.offload is not None:
                 group.offload.reset_retrieved()
+
+    def retrieved_frames(self) -> np.ndarray | None:
+        """``[2, layers, grids]`` visual tokens of each frame in the offload stores (summed over heads), and of those
+        the ones the last question retrieved; None when nothing is offloaded (for the views)."""
+        if all(group.offload is None for group in self.groups):
+            return None
+        out = np.zeros((2, self.num_layers, max(self.num_grids, 1)), dtype=np.int64)
+        for layer, store in enumerate(self.layers):
+            if store.offload is not None:
+                out[:, layer] = store.offload.frame_tokens(out.shape[2])
+        return out
 
     def release_retrieved(self) -> None:
         """A question is answered: what it brought back from the offload stores leaves the device (which chunks it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ..policies.contract import RetrievalRule
@@ -98,6 +99,16 @@ class OffloadLayer:
         out = self.store._pool(name)[table]
         live = torch.arange(self.capacity, device=table.device)[None] < self.count[:, None]  # [H, chunks]
         return out.masked_fill(~live.view(*live.shape, *(1,) * (out.dim() - 2)), 0)
+
+    def frame_tokens(self, grids: int) -> np.ndarray:
+        """``[2, grids]``: this layer's stored tokens per frame (summed over heads) and of those the ones the last
+        question retrieved (host; for the views)."""
+        frame, valid = self.by_head("frame"), self.by_head("valid")  # [H, capacity, chunk]
+        fetched = valid & self.retrieved.cpu()[..., None]
+        out = np.zeros((2, grids), dtype=np.int64)
+        for row, mask in enumerate((valid, fetched)):
+            out[row] = torch.bincount(frame[mask].clamp(0, grids - 1), minlength=grids)[:grids].numpy()
+        return out
 
     def fetch(
         self, query: torch.Tensor, scale: float, unrotate: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -3,7 +3,7 @@
 (:mod:`.registry`), and one module per policy."""
 
 # Registration, in the order the CLI's help and the app list them: the papers' policies, then the baselines.
-from . import infinipot_v, cords, protokv, hybridkv, streamingvlm, uniform, window, full  # noqa: F401, I001
+from . import infinipot_v, cords, protokv, hybridkv, rekv, streamingvlm, uniform, window, full  # noqa: F401, I001
 from ..errors import BudgetError, PolicyParameterError, UnknownPolicyError
 from .contract import (
     LayerSlice,

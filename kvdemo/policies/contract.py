@@ -383,6 +383,12 @@ class Policy(abc.ABC):
         chunk); any chunk works by default. :meth:`kvdemo.cache.budget.Budget.sized` runs it where the front ends
         size the budget, before the model loads."""
 
+    def check_window(self, keep: int | None, chunk_tokens: int) -> None:
+        """Raise :class:`~kvdemo.errors.BudgetError` with a one-line reason when this policy, keeping ``keep``
+        (``C``; None for one sized by ``M`` alone), cannot take chunks of ``chunk_tokens`` visual tokens for a reason
+        of its own parameters (a window of its own shorter than one chunk); the budget's own checks are
+        :meth:`kvdemo.cache.budget.Budget.check_chunk`'s."""
+
     def params(self) -> dict[str, Any]:
         """The policy's parameters (its own state, fields starting with ``_``, left out)."""
         return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}

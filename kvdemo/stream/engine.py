@@ -451,6 +451,9 @@ class StreamEngine:
         positions, cursor = self.model.text_positions(self.memory.cursor, int(embeds.shape[0]))
         cache = MemoryCache(self.memory)  # writes go to the slack and are never committed
         cache.answering = True  # heads with an offload store retrieve (question prefill and every decode step)
+        rotary = getattr(self.model, "rotary", None)
+        if rotary is not None:  # a store that scores queries before RoPE unrotates the question's own
+            cache.unrotate = lambda query: rotary.unrotate(query, positions.t().to(query.device))
         cache.observers.extend(observers)
         self.memory.reset_retrieved()
         return self.model.forward(embeds, self._placed(positions), cache), cache, cursor, dropped
@@ -482,6 +485,7 @@ class StreamEngine:
                 positions, cursor = self.model.text_positions(cursor, 1)
                 logits = self.model.forward(self.model.embed_text([token]), self._placed(positions), cache)
         finally:
+            self.memory.release_retrieved()  # what the question brought back leaves the device
             text = self.model.detokenize(generated)
             self.history.append((question, text))
             self.answers.append(
@@ -529,6 +533,7 @@ class StreamEngine:
             list(memory.grid_times_s),
             memory.timeline,
             memory.summary_slots,
+            memory.retrieved_frames(),
         )
 
     def policy_views(self, layer: int = 0, head: int = 0) -> list[View]:
