@@ -212,10 +212,10 @@ class ReKV(Policy):
                 f"topk={self.topk} clamped to {last['reserve_blocks']} blocks: at most half of C={last['keep']} "
                 f"is kept for retrieval ({last['block_tokens']} tokens per block)"
             )
-        if self.topk > last["stored_blocks"] and last["reserve_blocks"] > last["stored_blocks"]:
+        if self.topk > last["stored_blocks"]:
             notes.append(
-                f"topk={self.topk} is more than the {last['stored_blocks']} blocks stored: a question retrieves all "
-                f"{last['stored_blocks']}"
+                f"topk={self.topk} is more than the {last['stored_blocks']} blocks stored: a question retrieves at "
+                f"most {min(last['reserve_blocks'], last['stored_blocks'])}"
             )
         return {
             "offloading": True,
