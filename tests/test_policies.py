@@ -58,10 +58,15 @@ def test_every_bounded_policy_returns_sorted_unique_indices_of_size_keep(name, k
         if selection.valid is not None:  # ragged: heads keep different numbers, averaging keep
             check_ragged(index, selection.valid[layer], keep, view)
             continue
-        assert index.shape == (view.num_heads, keep)
+        reserve = [u for u in selection.offload or () if u.counted and layer in u.layers]
+        if reserve:  # retrieval that counts toward M (ReKV): resident + what a question brings back fit keep
+            retrieve = reserve[0].retrieve[reserve[0].layers.index(layer)]
+            assert index.shape[0] == view.num_heads and bool((index.shape[1] + retrieve <= keep).all())
+        else:
+            assert index.shape == (view.num_heads, keep)
         assert index.dtype == torch.long
         assert (index[:, 1:] > index[:, :-1]).all(), "indices must be sorted and unique"
-        assert index.min() >= 0 and index.max() < view.length
+        assert not index.numel() or (index.min() >= 0 and index.max() < view.length)
 
 
 def check_ragged(index, valid, keep, view):
