@@ -283,12 +283,9 @@ class RetrievalRule:
     its tokens, summed over each KV head's group of query heads) score every chunk's mean key, and the top chunks are
     attended together with what the device holds (:meth:`kvdemo.cache.offload.OffloadStore.fetch`).
 
-    shared: one ranking per layer, the scores summed over its KV heads, every head bringing back the same chunks
-    (ReKV's blocks); else each head ranks its own (HybridKV's chunks). per_question: chosen at a question's first
-    forward (its prefill) and kept for every decode step (ReKV); else chosen again at every forward (HybridKV).
-    unrotated: queries scored before RoPE, against mean keys the policy gives before RoPE
-    (``OffloadUpdate.index_keys``; ReKV's code scores un-rotated keys); else both as cached.
-    """
+    shared: one ranking per layer, scores summed over its heads (ReKV); else per head (HybridKV). per_question:
+    chosen at a question's prefill and kept for its decode steps (ReKV); else at every forward (HybridKV).
+    unrotated: queries and mean keys (``OffloadUpdate.index_keys``) before RoPE (ReKV); else as cached."""
 
     shared: bool = False
     per_question: bool = False
@@ -384,10 +381,7 @@ class Policy(abc.ABC):
         size the budget, before the model loads."""
 
     def check_window(self, keep: int | None, chunk_tokens: int) -> None:
-        """Raise :class:`~kvdemo.errors.BudgetError` with a one-line reason when this policy, keeping ``keep``
-        (``C``; None for one sized by ``M`` alone), cannot take chunks of ``chunk_tokens`` visual tokens for a reason
-        of its own parameters (a window of its own shorter than one chunk); the budget's own checks are
-        :meth:`kvdemo.cache.budget.Budget.check_chunk`'s."""
+        """As :meth:`check_stream`, for chunks of ``chunk_tokens`` visual tokens kept to ``keep`` (``C``, or None)."""
 
     def params(self) -> dict[str, Any]:
         """The policy's parameters (its own state, fields starting with ``_``, left out)."""
