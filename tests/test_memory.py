@@ -176,6 +176,47 @@ def test_a_summary_region_sits_between_prefix_and_visual_tokens():
     assert held_tokens(memory, 0, 0) == [3, 4, 5]
 
 
+@pytest.mark.parametrize("layers", [(0, 1, 2), (2, 0)])
+def test_a_summary_update_of_several_layers_writes_what_one_per_layer_writes(layers):
+    """One SummaryUpdate covering several layers (rows stacked layer by layer, the same object at each of their
+    places; in order, or not) leaves the memory bit for bit as one update per layer does, slots and bias included."""
+    g = torch.Generator().manual_seed(3)
+    heads, slots, dim = 2, 6, 8
+    keys = torch.randn(len(layers) * heads, 4, dim, generator=g)
+    values = torch.randn(len(layers) * heads, 4, dim, generator=g)
+    where = torch.stack([torch.randperm(slots, generator=g)[:4] for _ in range(len(layers) * heads)])
+    bias = torch.randn(len(layers) * heads, slots, generator=g).double().float()
+    memories = []
+    for stacked in (False, True):
+        memory = KVMemory(3, heads, Budget(30, summary=slots))
+        cache = MemoryCache(memory)
+        for layer in cache.layers:
+            layer.update(torch.zeros(1, heads, 3, dim, dtype=torch.bfloat16), torch.zeros(1, heads, 3, dim).bfloat16())
+        memory.commit_prefix(3)
+        for grid in range(2):
+            append_grid(memory, grid, dim, torch.bfloat16)
+        summary: list[SummaryUpdate | None] = [None] * 3
+        if stacked:
+            update = SummaryUpdate(keys, values, bias, where, layers=layers)
+            for layer in layers:
+                summary[layer] = update
+        else:
+            for part, layer in enumerate(layers):
+                rows = slice(part * heads, (part + 1) * heads)
+                summary[layer] = SummaryUpdate(keys[rows], values[rows], bias[rows], where[rows])
+        memory.apply(Selection([torch.arange(2, 12).expand(heads, -1)] * 3, summary=summary))
+        memories.append(memory)
+    per_layer, stacked = memories
+    for a, b in zip(per_layer.layers, stacked.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and a.biased == b.biased
+        assert (a.bias is None) == (b.bias is None) and (a.bias is None or torch.equal(a.bias, b.bias))
+    for part, layer in enumerate(layers):  # and it is what the update says
+        rows = slice(part * heads, (part + 1) * heads)
+        held = torch.gather(stacked.layers[layer].keys[0], 1, (3 + where[rows])[..., None].expand(-1, -1, dim))
+        assert torch.equal(held, keys[rows].bfloat16())
+        assert torch.equal(stacked.layers[layer].bias[:, 3 : 3 + slots], bias[rows])
+
+
 def test_engine_memory_holds_m_slots_and_questions_use_the_slack(tiny_random, pancake):
     engine = StreamEngine(tiny_random, "sliding-window", budget=540, keep=405, fps=pancake.fps, max_new_tokens=4)
     list(stream_video(tiny_random, pancake, {"p": engine}))

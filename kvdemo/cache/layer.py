@@ -108,6 +108,35 @@ class LayerGroup:
             bias[:, :, : min(old, capacity)] = self.bias[:, :, :capacity]
             self.bias = bias
 
+    def write_summary(
+        self, summary: SummaryUpdate, parts: list[int], members: list[int], prefix: int, start: int, slots: int
+    ) -> None:
+        """Write a policy's summary entries into the summary region ``[prefix, start)`` of the group's layers
+        ``members`` (indices into the group), which are the layers ``parts`` of ``summary`` (its rows ``[part * H,
+        (part + 1) * H)``): its keys and values at their slots in one put of rows each, the bias of every slot in one
+        write (``slots`` is the size of the region the memory reserves). The caller marks those layers as reading
+        their bias."""
+        heads, capacity, dim, device = self.heads, self.capacity, self.kv.shape[-1], self.kv.device
+        if summary.bias.shape[1] != slots:
+            raise ValueError(f"summary has {summary.bias.shape[1]} slots, memory reserves {slots}")
+        keys, values, bias, where = (
+            _rows_of(t, parts, heads) for t in (summary.keys, summary.values, summary.bias, summary.slots)
+        )
+        if where is None:  # every slot in order
+            where = torch.arange(keys.shape[1], device=device).expand(keys.shape[0], -1)
+        if where.numel():
+            first = _rows_of(torch.arange(self.kv.shape[1] * heads, device=device), members, heads) * capacity
+            rows = (first[:, None] + prefix + where.to(device)).flatten()
+            flat = self.rows()
+            put_rows(flat, rows, keys.reshape(-1, dim).to(device, self.kv.dtype))
+            put_rows(flat, rows + self.value_offset, values.reshape(-1, dim).to(device, self.kv.dtype))
+        target = self.ensure_bias()
+        bias = bias.view(len(members), heads, -1).to(device, target.dtype)
+        if members == list(range(members[0], members[0] + len(members))):
+            target[members[0] : members[0] + len(members), :, prefix:start] = bias
+        else:
+            target[torch.tensor(members, device=device), :, prefix:start] = bias
+
     def ensure_bias(self) -> torch.Tensor:
         """The group's key bias, allocated (zero) on first use."""
         if self.bias is None:
@@ -342,26 +371,18 @@ class LayerMemory:
             bias[:, text : text + self.text_len].masked_fill_(~self.text_valid, float("-inf"))
 
     def write_summary(self, summary: SummaryUpdate, prefix: int, start: int, slots: int) -> None:
-        """Write a policy's summary entries: keys/values at their slots, the bias of every slot."""
-        if summary.bias.shape[1] != slots:
-            raise ValueError(f"summary has {summary.bias.shape[1]} slots, memory reserves {slots}")
-        p, s = prefix, start
-        if summary.slots is None:
-            self.keys[0, :, p:s] = summary.keys.to(self.keys.dtype)
-            self.values[0, :, p:s] = summary.values.to(self.values.dtype)
-        elif summary.slots.numel():
-            heads, capacity, dim = self.keys.shape[1], self.capacity, self.keys.shape[-1]
-            rows = (torch.arange(heads, device=summary.slots.device)[:, None] * capacity + p + summary.slots).flatten()
-            rows = rows.to(self.keys.device)
-            put_rows(
-                self.keys.view(heads * capacity, dim),
-                rows,
-                summary.keys.reshape(-1, dim).to(self.keys.device, self.keys.dtype),
-            )
-            put_rows(
-                self.values.view(heads * capacity, dim),
-                rows,
-                summary.values.reshape(-1, dim).to(self.values.device, self.values.dtype),
-            )
-        bias = self.use_bias()
-        bias[:, p:s] = summary.bias.to(bias.dtype)
+        """Write a policy's summary entries for this layer (``summary`` of one layer): keys/values at their slots, the
+        bias of every slot (:meth:`LayerGroup.write_summary`); attention reads the bias from now on."""
+        self.group.write_summary(summary, [0], [self.index], prefix, start, slots)
+        self.biased = True
+
+
+def _rows_of(t: torch.Tensor | None, parts: list[int], heads: int) -> torch.Tensor | None:
+    """Rows ``[part * heads, (part + 1) * heads)`` of ``t [n * heads, ...]`` for each of ``parts``, in that order: a view
+    when they are consecutive, else one gather (None for None)."""
+    if t is None:
+        return None
+    if parts == list(range(parts[0], parts[0] + len(parts))):
+        return t[parts[0] * heads : (parts[0] + len(parts)) * heads]
+    index = torch.tensor(parts, device=t.device)[:, None] * heads + torch.arange(heads, device=t.device)
+    return t.index_select(0, index.flatten())

@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..policies.contract import Selection, VisualSlices
+from ..policies.contract import Selection, SummaryUpdate, VisualSlices
 from ..tensors import move_rows
 from .budget import Budget
 from .chunk import VisualChunk
@@ -417,9 +417,9 @@ class KVMemory:
         ``selection.indices[l]`` is ``[H, keep]`` (sorted), ``selection.valid[l]`` (optional) marks the
         entries that count when heads keep different numbers. The prefix is never touched. A policy's
         reasons (``selection.info["reason"]``) are stored per slot and move along. A ``selection.summary``
-        entry refreshes that layer's summary region; a ``selection.shift`` closes the position gaps the eviction
-        leaves (every held token moved back by its grid's shift, its key re-rotated: :func:`shift_group`), after
-        the compaction.
+        entry refreshes the summary region of the layer(s) it covers; a ``selection.shift`` closes the position gaps
+        the eviction leaves (every held token moved back by its grid's shift, its key re-rotated: :func:`shift_group`),
+        after the compaction.
         """
         if len(selection.indices) != self.num_layers:
             raise ValueError(f"selection covers {len(selection.indices)} layers, memory has {self.num_layers}")
@@ -456,9 +456,7 @@ class KVMemory:
                         moved += store.compact_stream_text(before, start, self.num_grids)
             refresh_group_bias(group, stores, start)
         if selection.summary is not None:
-            for layer, summary in enumerate(selection.summary):
-                if summary is not None:
-                    self.layers[layer].write_summary(summary, self.prefix_len, start, self.summary_slots)
+            self._write_summary(selection.summary, start)
         move_rows(moves)
         if selection.shift is not None:
             by_grid = selection.shift.by_grid
@@ -467,6 +465,26 @@ class KVMemory:
                 moved += shift_group(group, stores, by_grid, selection.shift.rotary, start)
             self.position_shift += int(by_grid[-1]) if by_grid.numel() else 0  # the one read: later tokens' shift
         return moved
+
+    def _write_summary(self, updates: list[SummaryUpdate | None], start: int) -> None:
+        """Write a policy's summary entries (``Selection.summary``): an update of one layer into that layer, one that
+        covers several (``SummaryUpdate.layers``, the same object at each of their places) once, in one write per
+        group of the layers it covers in that group; every layer written reads its bias from then on."""
+        written: set[int] = set()
+        for layer, update in enumerate(updates):
+            if update is None or id(update) in written:
+                continue
+            written.add(id(update))
+            if not update.layers:
+                self.layers[layer].write_summary(update, self.prefix_len, start, self.summary_slots)
+                continue
+            for group in self.groups:
+                parts = [part for part, covered in enumerate(update.layers) if covered in group.layers]
+                if parts:
+                    members = [group.layers.index(update.layers[part]) for part in parts]
+                    group.write_summary(update, parts, members, self.prefix_len, start, self.summary_slots)
+                    for part in parts:
+                        self.layers[update.layers[part]].biased = True
 
     def _open_summary(self) -> int:
         """Lay out the summary region (every slot invisible until written) after the prefix: each layer's visual
