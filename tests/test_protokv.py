@@ -15,7 +15,7 @@ from kvdemo.cache.memory import KVMemory
 from kvdemo.models.qwen2_vl import Qwen2VL, RegionCursor, mrope_positions
 from kvdemo.models.tiny import ByteTokenizer, tiny_config
 from kvdemo.policies import BudgetError, PolicyParameterError, Selection, make_policy
-from kvdemo.policies.contract import SummaryUpdate
+from kvdemo.policies.contract import SummaryUpdate, slice_stacks
 from kvdemo.policies.protokv.assignment import ASSIGNMENT_BLOCK, assign
 from kvdemo.policies.protokv.bank import Tokens
 from kvdemo.policies.protokv.ema import mahalanobis
@@ -776,10 +776,10 @@ def test_merging_matches_a_plain_loop_over_clustered_prototypes(seed, block, pai
     but not values), half of them changed: the masses after merging and the pairs left pending are those of a
     plain per-pair loop, whether the candidates go in one block or in blocks of one or five, and the close pairs'
     value centres all at once or 7 or 64 at a time."""
-    from kvdemo.policies.protokv import bank as bank_module
+    from kvdemo.policies.protokv import merging
 
-    monkeypatch.setattr(bank_module, "MERGE_BLOCK", block)
-    monkeypatch.setattr(bank_module, "MERGE_PAIRS", pairs)
+    monkeypatch.setattr(merging, "MERGE_BLOCK", block)
+    monkeypatch.setattr(merging, "MERGE_PAIRS", pairs)
     g = torch.Generator().manual_seed(seed)
     policy = make_policy("protokv", subquantizers=2)
     rows, slots, dim = 3, 48, 8
@@ -905,8 +905,8 @@ def test_keys_are_unrotated_in_float32_before_any_rounding():
     rotary = qwen7b_rotation(16)
     memory = synthetic_memory(1, 2, 16, budget=16, grid=(2, 4), dtype=torch.bfloat16)
     view = memory.slices(rotary)[0]
-    index = torch.arange(16).expand(1, 2, -1)
-    tokens = gather_tokens([view], index)
+    index = torch.arange(16).expand(2, -1)  # [B = 1 layer x 2 heads, E]
+    tokens = gather_tokens(slice_stacks([view]), index)
     section = [2, 3, 3]
     expected = rotate_by_hand(view.keys.double(), -view.position.long(), rotary.rotary_emb.inv_freq, section)
     assert tokens.keys.dtype == torch.float32

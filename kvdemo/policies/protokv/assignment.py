@@ -27,7 +27,7 @@ def assign(
     :func:`assignment_cost`, ``[B, E]``. On a CPU the costs are formed and reduced ``ASSIGNMENT_BLOCK`` tokens at a time
     (kvdemo's: a block's ``[B, E_b, K]`` costs, and the float64 quadratic form under them, stay in the processor's
     cache; all of ``[B, E, K]`` at once, 66 MB in float32 at 7B shape and twice that in float64, would be fresh
-    memory, and its page faults, every pass). The same costs, so the same choices."""
+    memory, and its page faults, every pass); elsewhere (a GPU) all at once. The same costs, so the same choices."""
     unit_centres = F.normalize(bank.centre_k, dim=-1).transpose(1, 2)  # [B, D, K]
     # Per-prototype terms in one [B, 1, K] row: the idle penalty, and +inf on slots that are not open.
     per_prototype = torch.zeros(bank.mass.shape, dtype=unit_centres.dtype, device=keys.device)
@@ -35,7 +35,7 @@ def assign(
         per_prototype += lambda_idle * ((t - bank.tau_time) > t_idle).to(per_prototype.dtype)
     per_prototype.masked_fill_(~bank.open, float("inf"))
     form = mahalanobis_form(bank.mu, bank.sigma) if lambda_sp else None
-    step = keys.shape[1] if keys.device.type == "cuda" else ASSIGNMENT_BLOCK
+    step = keys.shape[1] if keys.device.type != "cpu" else ASSIGNMENT_BLOCK
     return torch.cat(
         [
             arg_min(

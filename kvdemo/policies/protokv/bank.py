@@ -1,8 +1,8 @@
 """ProtoKV's far memory (paper 003, Sec. 3.1, App. A.1): ``B`` rows (one per layer and KV head) of ``K``
 prototype slots, and the operations that change them.
 
-- :meth:`ProtoBank.seed`: (re)initialise slots from tokens (Alg. 1 line 5 for a never-used slot, Alg. 2 line 17
-  for a recycled one): the one place a slot starts over;
+- :meth:`ProtoBank.seed` / :meth:`ProtoBank.seed_slots`: (re)initialise slots from tokens (Alg. 1 line 5 for a
+  never-used slot, Alg. 2 line 17 for a recycled one): the one place a slot starts over;
 - :meth:`ProtoBank.credit_seeds`: a recycled slot's seed token counts in its mass when it leaves the near window
   (once; see "Every token counts once" below);
 - :meth:`ProtoBank.update`: Alg. 1 lines 8-12 for a chunk of assigned tokens, in closed form per prototype;
@@ -25,6 +25,16 @@ key, value and position are the slot's initial state already. Hence, with aging 
 equals the tokens that left the near window (``tests/test_protokv.py`` checks it on a stream with merges and
 recycling). A token already seeding a slot does not seed another.
 
+**Without waiting for the device (kvdemo's).** On a GPU, every count read back to the host (``nonzero``, boolean
+indexing, ``.any()`` in a branch, ``int(...)``) makes the host wait for the device. A bank on a CPU keeps the sparse
+forms (they cost no wait there, and touching only the few slots that change is faster); a bank elsewhere
+(:attr:`ProtoBank.dense`) takes dense forms that need no count: seeding, crediting and recording seeds, merging and
+recycling go through masks over every slot (:meth:`ProtoBank.seed_slots`, :func:`.merging.close_partners_dense`),
+counts add masked ones instead of selected ones, and a pass reads back only what sizes its tensors (the update's
+group sizes, the warm-up's share of the reservoir). Both forms leave the same bank (``tests/test_protokv.py`` runs a
+stream with merges, recycling and trained codebooks on the emulated device, which takes the dense forms, against the
+CPU). Merges and recyclings are counted per row on the device (``churn_total``; :attr:`ProtoBank.merged` reads it).
+
 Nothing here loops over tokens, heads or prototypes; every tensor is created on the bank's device.
 """
 
@@ -39,18 +49,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
+from ...tensors import flat_nonzero, gather_rows
 from ...views import LOST
 from .ema import ema_closed_form, running_mean_before
+from .merging import close_partners_blocked, close_partners_dense
 from .pq import pq_encode, train_codebooks
-
-#: Key products ``[B, u, K]`` per block of candidates in :meth:`ProtoBank.merge`, and close pairs whose value centres
-#: are compared at a time (kvdemo's): what merging holds is bounded by them, whatever the bank holds. Keys of one
-#: direction (random weights, a static scene) make nearly every pair close: unblocked, merging held 17 GB on a GPU
-#: (measured, a full-depth stream) for ProtoKV at Qwen2.5-VL-3B's shape against a 216 MB budget.
-MERGE_BLOCK = 1 << 22
-MERGE_PAIRS = 1 << 16
 
 #: Padding of :attr:`ProtoBank.seed_order` (sorts after every arrival number).
 NO_SEED = torch.iinfo(torch.int64).max
@@ -59,7 +63,7 @@ CHURN_HISTORY = 256
 
 
 class Tokens(NamedTuple):
-    """Tokens of every bank row, ``[B, E, ...]`` (as :meth:`kvdemo.policies.protokv.policy.ProtoKV._gather` returns
+    """Tokens of every bank row, ``[B, E, ...]`` (as :func:`kvdemo.policies.protokv.gathering.gather_tokens` returns
     them): keys before RoPE and values ``[B, E, D]`` float32, normalised spatial coordinates ``[B, E, 2]``, M-RoPE
     positions ``[B, E, 3]``, temporal grid, row and column ``[B, E]``, arrival number ``order [B, E]`` int64."""
 
@@ -112,9 +116,8 @@ class ProtoBank:
     pass_churn: torch.Tensor  # [2, B] int32: merged away, recycled
     churn: torch.Tensor  # [passes, 2, B] int32
     churn_grid: torch.Tensor  # [passes] int64
+    churn_total: torch.Tensor  # [2] int64: merged away, recycled, in every closed pass (all rows)
     reservoir_len: int = 0
-    recycled: int = 0  # slots recycled so far (all rows)
-    merged: int = 0  # prototypes merged away so far (all rows)
     passes: int = 0  # maintenance passes so far
     codebook_k: torch.Tensor | None = None  # [B, G, C, D/G]
     codebook_v: torch.Tensor | None = None
@@ -159,6 +162,7 @@ class ProtoBank:
             pass_churn=zeros(2, rows, dtype=torch.int32),
             churn=zeros(0, 2, rows, dtype=torch.int32),
             churn_grid=zeros(0, dtype=torch.int64),
+            churn_total=zeros(2, dtype=torch.int64),
         )
 
     @property
@@ -172,6 +176,22 @@ class ProtoBank:
     @property
     def history(self) -> int:
         return int(self.assign_grid.shape[0])
+
+    @property
+    def dense(self) -> bool:
+        """Whether the bank takes the dense forms of its operations: not on a CPU (see "Without waiting for the
+        device")."""
+        return self.mass.device.type != "cpu"
+
+    @property
+    def merged(self) -> int:
+        """Prototypes merged away so far (all rows; a read of the device's count)."""
+        return int(self.churn_total[0] + self.pass_churn[0].sum())
+
+    @property
+    def recycled(self) -> int:
+        """Slots recycled so far (all rows; a read of the device's count)."""
+        return int(self.churn_total[1] + self.pass_churn[1].sum())
 
     @property
     def active(self) -> torch.Tensor:
@@ -219,6 +239,43 @@ class ProtoBank:
         self.hist_v[r, k] = 0
         self.n_res[r, k] = 0
 
+    def seed_slots(
+        self,
+        refill: torch.Tensor,
+        token: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        spatial: torch.Tensor,
+        position: torch.Tensor,
+        t: int,
+        mass: int = 1,
+    ) -> None:
+        """:meth:`seed` the slots ``refill [B, K]``, each from the token ``token [B, K]`` of its row among ``keys/values
+        [B, N, D]``, ``spatial [B, N, 2]``, ``position [B, N, 3]``. On a CPU the slots are found and written; in the
+        dense form every slot is written through the mask (its own state where it is not refilled), the same bank
+        without a wait for how many there are."""
+        if not self.dense:
+            r, k = torch.nonzero(refill, as_tuple=True)
+            e = token[r, k]
+            self.seed(r, k, keys[r, e], values[r, e], spatial[r, e], position[r, e], t, mass)
+            return
+        if keys.shape[1] == 0:  # no token to seed from: nothing is refilled
+            return
+        token = token.clamp(0, keys.shape[1] - 1)
+        fill = refill[..., None]
+        self.centre_k = torch.where(fill, gather_rows(keys, token), self.centre_k)
+        self.centre_v = torch.where(fill, gather_rows(values, token), self.centre_v)
+        self.mass = torch.where(refill, mass, self.mass)
+        self.used = self.used | refill
+        self.generation = self.generation + refill.to(self.generation.dtype)
+        self.tau_time = torch.where(refill, t, self.tau_time)
+        self.tau_pos = torch.where(fill, gather_rows(position, token), self.tau_pos)
+        self.mu = torch.where(fill, gather_rows(spatial, token), self.mu)
+        self.sigma = torch.where(fill[..., None], torch.eye(2, dtype=self.sigma.dtype, device=fill.device), self.sigma)
+        self.hist_k = self.hist_k.masked_fill(fill[..., None], 0)
+        self.hist_v = self.hist_v.masked_fill(fill[..., None], 0)
+        self.n_res = self.n_res.masked_fill(refill, 0)
+
     # --- seeds still in the near window -------------------------------------------------------
     def _find_seeds(self, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For arrival numbers ``order [B, E]`` (int64): the column of each in :attr:`seed_order` and whether it is
@@ -229,25 +286,40 @@ class ProtoBank:
         column = torch.searchsorted(self.seed_order, order.contiguous()).clamp_max_(self.seed_order.shape[1] - 1)
         return column, torch.gather(self.seed_order, 1, column) == order
 
-    def add_seeds(self, r: torch.Tensor, k: torch.Tensor, order: torch.Tensor) -> None:
-        """Record that slot ``(r, k)`` was seeded by the near-window token of arrival number ``order`` (``[N]``)."""
-        rank = torch.zeros_like(r)
-        if r.numel():  # position of each new seed among its row's new seeds
-            first = torch.searchsorted(r, r, right=False)  # r is row-major sorted (nonzero order)
-            rank = torch.arange(r.numel(), device=r.device) - first
-        width = int(rank.max()) + 1 if r.numel() else 0
-        new_order = torch.full((self.rows, width), NO_SEED, dtype=torch.int64, device=r.device)
-        new_slot = torch.full((self.rows, width), -1, dtype=torch.int64, device=r.device)
-        new_order[r, rank] = order
-        new_slot[r, rank] = k
+    def add_seeds(self, refill: torch.Tensor, order: torch.Tensor) -> None:
+        """Record that the slots ``refill [B, K]`` were seeded by the near-window tokens of arrival numbers ``order [B,
+        K]``. In the dense form each row gains ``K`` columns (padding where a slot was not seeded; the padding past
+        the near window goes at :meth:`close_pass`)."""
+        if self.dense:
+            slots = torch.arange(self.capacity, device=refill.device).expand_as(refill)
+            new_order = torch.where(refill, order, NO_SEED)
+            new_slot = torch.where(refill, slots, -1)
+        else:
+            r, k = torch.nonzero(refill, as_tuple=True)
+            rank = torch.zeros_like(r)
+            if r.numel():  # position of each new seed among its row's new seeds
+                first = torch.searchsorted(r, r, right=False)  # r is row-major sorted (nonzero order)
+                rank = torch.arange(r.numel(), device=r.device) - first
+            width = int(rank.max()) + 1 if r.numel() else 0
+            new_order = torch.full((self.rows, width), NO_SEED, dtype=torch.int64, device=r.device)
+            new_slot = torch.full((self.rows, width), -1, dtype=torch.int64, device=r.device)
+            new_order[r, rank] = order[r, k]
+            new_slot[r, rank] = k
         self._set_seeds(torch.cat([self.seed_order, new_order], 1), torch.cat([self.seed_slot, new_slot], 1))
 
     def credit_seeds(self, order: torch.Tensor) -> torch.Tensor:
         """Tokens ``order [B, E]`` leave the near window: each that seeded a slot adds 1 to that slot's mass (the
         seed's deferred ``n_k <- 1``) and leaves the record. Returns each token's credited slot, -1 if none."""
         column, hit = self._find_seeds(order)
-        slot = torch.where(hit, torch.gather(self.seed_slot, 1, column) if self.seed_slot.shape[1] else column, -1)
-        if bool(hit.any()):
+        if self.seed_slot.shape[1] == 0:
+            return torch.full(order.shape, -1, dtype=torch.int64, device=order.device)
+        slot = torch.where(hit, torch.gather(self.seed_slot, 1, column), -1)
+        if self.dense:  # every token adds 1 or 0: no wait for which ones are seeds
+            cell = torch.arange(self.rows, device=order.device)[:, None] * self.capacity + slot.clamp_min(0)
+            self.mass.view(-1).index_add_(0, cell.flatten(), hit.flatten().to(self.mass.dtype))
+            leaving = torch.zeros_like(self.seed_slot).scatter_add_(1, column, hit.long()) > 0
+            self._set_seeds(torch.where(leaving, NO_SEED, self.seed_order), torch.where(leaving, -1, self.seed_slot))
+        elif bool(hit.any()):
             r, e = torch.nonzero(hit, as_tuple=True)
             self.mass.index_put_((r, slot[r, e]), torch.ones_like(r), accumulate=True)
             keep = torch.ones_like(self.seed_slot, dtype=torch.bool)
@@ -256,10 +328,13 @@ class ProtoBank:
         return slot
 
     def _set_seeds(self, order: torch.Tensor, slot: torch.Tensor) -> None:
-        """Keep the seed records sorted by arrival number per row, padding last, no all-padding columns."""
+        """Keep the seed records sorted by arrival number per row, padding last, no all-padding columns (a read of
+        their number; the dense form keeps them until :meth:`close_pass`, which needs none)."""
         order, sort = torch.sort(order, dim=1)
         slot = torch.gather(slot, 1, sort)
-        width = int((order != NO_SEED).sum(dim=1).max()) if order.numel() else 0
+        width = order.shape[1]
+        if not self.dense:
+            width = int((order != NO_SEED).sum(dim=1).max()) if order.numel() else 0
         self.seed_order, self.seed_slot = order[:, :width].contiguous(), slot[:, :width].contiguous()
 
     # --- Alg. 1 lines 8-13 --------------------------------------------------------------------
@@ -278,17 +353,27 @@ class ProtoBank:
         """Alg. 1 lines 8-12 for the tokens ``mask [B, E]`` assigned to ``choice [B, E]`` (``keys/values [B, E, D]``
         before RoPE, ``spatial [B, E, 2]``, ``position [B, E, 3]``, arrival order along ``E``): the sequential EMA
         (centre rate ``alpha`` = beta, spatial rate ``eta``) in closed form per prototype. Returns each token's
-        prototype cell ``row * K + k`` and its key/value residuals ``[B, E, D]`` for line 13."""
+        prototype cell ``row * K + k`` and its key/value residuals ``[B, E, D]`` for line 13.
+
+        It reads back one thing: how many tokens are assigned, the most on one prototype, and on how many prototypes
+        (they size the tensors that follow)."""
         rows, tokens = choice.shape
         capacity, dim = self.capacity, keys.shape[-1]
         device = choice.device
-        row_ids = torch.arange(rows, device=device)[:, None].expand(-1, tokens)
-        cell = row_ids * capacity + choice  # (row, prototype) of every token
-        flat = cell[mask]  # assigned tokens, row-major then arrival order
-        token_ids = torch.arange(tokens, device=device)[None].expand(rows, -1)[mask]
-        # Rank of each token among the tokens on its prototype (arrival order), and the group sizes m_k.
+        cell = torch.arange(rows, device=device)[:, None] * capacity + choice  # (row, prototype) of every token
+        # The group sizes m_k, and the one read of the update.
+        count = torch.zeros(rows * capacity, dtype=torch.long, device=device)
+        count.index_add_(0, cell.flatten(), mask.flatten().long())
+        assigned, most, groups = torch.stack([count.sum(), count.max(), (count > 0).sum()]).tolist()
+        picked = flat_nonzero(mask, assigned)  # assigned tokens (row * E + e), row-major then arrival order
+
+        def of_assigned(x: torch.Tensor) -> torch.Tensor:  # x[mask] without a wait: [assigned, ...]
+            return x.reshape(rows * tokens, *x.shape[2:])[picked]
+
+        flat = cell.flatten()[picked]
+        token_ids = picked % tokens
+        # Rank of each token among the tokens on its prototype (arrival order).
         sort = torch.sort(flat * tokens + token_ids).indices
-        count = torch.bincount(flat, minlength=rows * capacity)
         start = torch.cumsum(count, 0) - count
         rank = torch.empty_like(flat)
         rank[sort] = torch.arange(flat.numel(), device=device) - start[flat[sort]]
@@ -299,19 +384,20 @@ class ProtoBank:
         mu_before = torch.gather(self.mu, 1, choice[..., None].expand(-1, -1, 2))  # chunk-start means
         # Alg. 1 line 12 reads the mean right after the token's own update: s - mu_r = (1 - eta)(s - mu_{r-1}),
         # with mu_{r-1} the running mean before it (a prefix over earlier tokens on the same prototype).
-        before = running_mean_before(spatial[mask], mu_before[mask], flat, rank, count, eta)
-        deviation = (1 - eta) * (spatial[mask] - before)
+        spatial_of = of_assigned(spatial)
+        before = running_mean_before(spatial_of, of_assigned(mu_before), flat, rank, count, eta, most, groups)
+        deviation = (1 - eta) * (spatial_of - before)
         self.sigma = ema_closed_form(self.sigma, deviation[:, :, None] * deviation[:, None, :], flat, count, later, eta)
-        self.mu = ema_closed_form(self.mu, spatial[mask], flat, count, later, eta)
-        self.centre_k = ema_closed_form(self.centre_k, keys[mask], flat, count, later, alpha)
-        self.centre_v = ema_closed_form(self.centre_v, values[mask], flat, count, later, alpha)
+        self.mu = ema_closed_form(self.mu, spatial_of, flat, count, later, eta)
+        self.centre_k = ema_closed_form(self.centre_k, of_assigned(keys), flat, count, later, alpha)
+        self.centre_v = ema_closed_form(self.centre_v, of_assigned(values), flat, count, later, alpha)
         self.mass.view(-1).index_add_(0, flat, torch.ones_like(flat))
         hit = (count > 0).view(rows, capacity)
-        self.tau_time[hit] = t
+        self.tau_time = torch.where(hit, t, self.tau_time)
         newest = torch.zeros(rows * capacity, dtype=torch.long, device=device)
         newest.scatter_reduce_(0, flat, token_ids, reduce="amax", include_self=False)
         owner = torch.arange(rows * capacity, device=device) // capacity
-        self.tau_pos.view(-1, 3)[hit.view(-1)] = position[owner, newest][hit.view(-1)]
+        self.tau_pos = torch.where(hit[..., None], position[owner, newest].view(rows, capacity, 3), self.tau_pos)
         # Residuals against the centre right after the token's update: x - c_after = (1 - a)(x - c_before).
         return cell, (1 - alpha) * (keys - c_before_k), (1 - alpha) * (values - c_before_v)
 
@@ -320,7 +406,8 @@ class ProtoBank:
     ) -> None:
         """Alg. 1 line 13 for the tokens ``mask [B, E]`` (prototype ``cell = row * K + k``), residuals
         ``[B, E, D]``: PQ-encode them into their prototype's histograms, or fill the warm-up reservoir until
-        the codebooks can be trained (App. A.1), then train them."""
+        the codebooks can be trained (App. A.1), then train them. Every token is encoded and counts ``mask``'s 1 or
+        0 (no wait for which ones count); the warm-up reads how many residuals every row can give."""
         groups, codewords = self.hist_k.shape[-2:]
         if self.codebook_k is None:
             # Take each row's first assigned tokens (arrival order), as many as every row has. A residual that is
@@ -343,32 +430,35 @@ class ProtoBank:
                 self.reservoir_v = self.reservoir_v[:, :0]
             return
         group_ids = torch.arange(groups, device=cell.device)
+        counts = mask[..., None].expand(-1, -1, groups).flatten().to(self.hist_k.dtype)
         for residual, codebook, hist in (
             (residual_k, self.codebook_k, self.hist_k),
             (residual_v, self.codebook_v, self.hist_v),
         ):
             codes = pq_encode(residual, codebook)  # [B, E, G]
-            index = ((cell[..., None] * groups + group_ids) * codewords + codes)[mask].flatten()
-            hist.view(-1).index_add_(0, index, torch.ones(index.numel(), dtype=hist.dtype, device=index.device))
-        flat = cell[mask]
-        self.n_res.view(-1).index_add_(0, flat, torch.ones_like(flat))
+            hist.view(-1).index_add_(0, ((cell[..., None] * groups + group_ids) * codewords + codes).flatten(), counts)
+        self.n_res.view(-1).index_add_(0, cell.flatten(), mask.flatten().to(self.n_res.dtype))
 
     # --- the views' bookkeeping ---------------------------------------------------------------
     def record_assignment(
         self, assigned: torch.Tensor, frame: torch.Tensor, row: torch.Tensor, col: torch.Tensor
     ) -> None:
         """Which prototype ``assigned [B, E]`` each absorbed patch (``frame/row/col [B, E]``) went to, for the last
-        ``history`` absorbed grids (a ring)."""
+        ``history`` absorbed grids (a ring): a ring row that a patch of another grid than the one it holds arrives in is
+        cleared first, and holds the newest grid arriving there (by masks over the ring, no wait for which)."""
         history = self.history
-        grids = torch.unique(frame)
-        ring = grids % history
-        stale = self.assign_grid[ring] != grids
-        if bool(stale.any()):
-            self.assign_map[:, ring[stale]] = -1
-        self.assign_grid[ring] = grids
+        ring = (frame % history).flatten().long()
+        frame = frame.long()
+        arriving = torch.full((history,), -1, dtype=torch.int64, device=frame.device)
+        arriving.scatter_reduce_(0, ring, frame.flatten(), reduce="amax")
+        other = (self.assign_grid[ring] != frame.flatten()).to(torch.int64)
+        stale = torch.zeros(history, dtype=torch.int64, device=frame.device).scatter_reduce_(0, ring, other, "amax") > 0
+        self.assign_map.masked_fill_(stale[None, :, None, None], -1)
+        self.assign_grid = torch.where(arriving >= 0, arriving, self.assign_grid)
         rows = torch.arange(assigned.shape[0], device=assigned.device)[:, None].expand_as(assigned)
-        self.assign_map[rows, frame % history, row, col] = assigned.to(torch.int16)
-        self.assign_generation[rows, frame % history, row, col] = torch.gather(self.generation, 1, assigned)
+        slot = ring.view_as(assigned)
+        self.assign_map[rows, slot, row, col] = assigned.to(torch.int16)
+        self.assign_generation[rows, slot, row, col] = torch.gather(self.generation, 1, assigned)
 
     def assignments(self, row: int) -> dict[str, Any]:
         """Bank row ``row``'s last absorbed grids as plain data: ``grids`` (oldest first), ``prototype [n, rows,
@@ -394,18 +484,23 @@ class ProtoBank:
         prototypes changed ``[B, K]``.
 
         Only pairs with a candidate ``[B, K]`` (a prototype that changed this chunk, or one left pending) can
-        newly qualify, so distances are computed for candidate rows only (``[B, U, K]``, not ``[B, K, K]``), and
-        :data:`MERGE_BLOCK` products at a time.
+        newly qualify; the partners are :mod:`.merging`'s (on a CPU the candidates' rows only, in blocks; in the
+        dense form every pair at once), and the dense form folds every slot through masks (:meth:`_fold_dense`).
         """
         active = self.active
-        partner = self._close_partners(candidates & active, active, eps_k, eps_v)
-        if partner is None:
-            self.pending = torch.zeros_like(active)
-            return torch.zeros_like(active)
+        if self.dense:
+            partner = close_partners_dense(self.centre_k, self.centre_v, candidates & active, active, eps_k, eps_v)
+        else:
+            partner = close_partners_blocked(self.centre_k, self.centre_v, candidates & active, active, eps_k, eps_v)
+            if partner is None:
+                self.pending = torch.zeros_like(active)
+                return torch.zeros_like(active)
         has_partner = partner < self.capacity
         root = ~has_partner
         merging = has_partner & torch.gather(torch.cat([root, root.new_zeros(self.rows, 1)], 1), 1, partner)
         self.pending = has_partner & ~merging
+        if self.dense:
+            return self._fold_dense(merging, partner)
         if not bool(merging.any()):
             return torch.zeros_like(active)
         r, j = torch.nonzero(merging, as_tuple=True)
@@ -415,52 +510,6 @@ class ProtoBank:
         touched[r, i] = True
         touched[r, j] = True
         return touched
-
-    def _close_partners(
-        self, candidates: torch.Tensor, active: torch.Tensor, eps_k: float, eps_v: float
-    ) -> torch.Tensor | None:
-        """Each prototype's lowest-index close partner ``[B, K]`` (``K`` where it has none) among the pairs with a
-        ``candidate``; None when no row has a candidate."""
-        rows, capacity = self.mass.shape
-        device = self.mass.device
-        width = int(candidates.sum(dim=1).max()) if rows else 0
-        if width == 0:
-            return None
-        chosen = torch.argsort((~candidates).to(torch.int8), dim=1, stable=True)[:, :width]  # [B, U] slot ids
-        real = torch.gather(candidates, 1, chosen)
-        unit_k, unit_v = F.normalize(self.centre_k, dim=-1), F.normalize(self.centre_v, dim=-1)
-        picked_k = torch.gather(unit_k, 1, chosen[..., None].expand(-1, -1, unit_k.shape[-1]))
-        # partner(j) = lowest i < j with close(i, j); close is symmetric, so a pair appears from a candidate side:
-        # slot k's lowest candidate partner below it, and candidate j's lowest partner below it (any slot). Both are
-        # minima, gathered block by block of candidates (see MERGE_BLOCK).
-        from_candidates = torch.full((rows, capacity), capacity, dtype=torch.long, device=device)
-        own = torch.full(chosen.shape, capacity, dtype=torch.long, device=device)
-        step = max(1, MERGE_BLOCK // max(rows * capacity, 1))
-        for start in range(0, width, step):
-            stop = min(start + step, width)
-            # ||a - b||^2 = 2 - 2 cos for unit vectors, so ||a - b|| < eps  <=>  cos > 1 - eps^2 / 2
-            b, u, k = torch.nonzero(
-                (picked_k[:, start:stop] @ unit_k.transpose(1, 2)) > 1 - eps_k**2 / 2, as_tuple=True
-            )
-            u = u + start
-            j = chosen[b, u]
-            b, u, k, j = (x[real[b, u] & active[b, k] & (j != k)] for x in (b, u, k, j))
-            close = torch.cat(
-                [  # value centres for those pairs only, MERGE_PAIRS pairs at a time
-                    (
-                        unit_v[b[i : i + MERGE_PAIRS], j[i : i + MERGE_PAIRS]]
-                        * unit_v[b[i : i + MERGE_PAIRS], k[i : i + MERGE_PAIRS]]
-                    ).sum(-1)
-                    > 1 - eps_v**2 / 2
-                    for i in range(0, max(b.numel(), 1), MERGE_PAIRS)
-                ]
-            )
-            b, u, k, j = (x[close] for x in (b, u, k, j))
-            below = j < k
-            from_candidates.view(-1).scatter_reduce_(0, (b * capacity + k)[below], j[below], reduce="amin")
-            above = k < j
-            own.view(-1).scatter_reduce_(0, (b * width + u)[above], k[above], reduce="amin")
-        return from_candidates.scatter_reduce(1, chosen, own, reduce="amin")
 
     def _fold(self, r: torch.Tensor, j: torch.Tensor, i: torch.Tensor) -> None:
         """Merge prototype ``j[n]`` of row ``r[n]`` into prototype ``i[n]`` of that row: mass-weighted centres and
@@ -493,8 +542,37 @@ class ProtoBank:
         self._follow_merges(successor)
         # A merged-away slot's pending seeds credit its partner when they leave the window.
         self.seed_slot = torch.where(self.seed_slot >= 0, torch.gather(successor, 1, self.seed_slot.clamp_min(0)), -1)
-        self.merged += int(r.numel())
         self.pass_churn[0].index_add_(0, r, torch.ones_like(r, dtype=torch.int32))
+
+    def _fold_dense(self, merging: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
+        """:meth:`_fold` of every prototype ``merging [B, K]`` into its ``partner [B, K]``, through masks over every
+        slot (the dense form): the same sums in the same order (a slot that does not merge adds into a spare cell
+        past the end, or adds 0 where the sum is of integers). Returns the prototypes changed ``[B, K]``."""
+        rows, capacity = self.mass.shape
+        cells = rows * capacity
+        device = self.mass.device
+        own = torch.arange(cells, device=device)
+        flat_merging = merging.flatten()
+        target = torch.where(flat_merging, (own // capacity) * capacity + partner.flatten(), cells)  # spare: cells
+        receives = torch.zeros(cells + 1, dtype=torch.bool, device=device).index_fill_(0, target, True)[:cells]
+        weight = self.mass.view(-1).double()
+        total = torch.cat([weight, weight.new_zeros(1)]).index_add_(0, target, weight)[:cells]
+        for name in ("centre_k", "centre_v", "mu"):
+            flat = getattr(self, name).view(cells, -1)
+            weighted = flat.double() * weight[:, None]
+            summed = torch.cat([weighted, weighted.new_zeros(1, weighted.shape[1])]).index_add_(0, target, weighted)
+            merged = (summed[:cells] / total.clamp_min(1)[:, None]).to(flat.dtype)
+            flat.copy_(torch.where((receives & (total != 0))[:, None], merged, flat))
+        into = torch.where(flat_merging, target, own)
+        for name in ("hist_k", "hist_v", "n_res", "mass"):
+            flat = getattr(self, name).view(cells, -1)
+            flat.index_add_(0, into, flat * flat_merging[:, None].to(flat.dtype))
+        self.mass = self.mass.masked_fill(merging, 0)
+        successor = torch.where(merging, partner, torch.arange(capacity, device=device))
+        self._follow_merges(successor)
+        self.seed_slot = torch.where(self.seed_slot >= 0, torch.gather(successor, 1, self.seed_slot.clamp_min(0)), -1)
+        self.pass_churn[0] += merging.sum(dim=1).to(self.pass_churn.dtype)
+        return merging | receives.view(rows, capacity)
 
     def _follow_merges(self, successor: torch.Tensor) -> None:
         """Patches absorbed into a merged-away prototype are now represented by its partner (``successor [B, K]``:
@@ -510,27 +588,39 @@ class ProtoBank:
         """Refill used slots that became empty from the newest near-window tokens (Alg. 2 lines 14-19): the ``k``-th
         empty slot of a row takes the row's ``k``-th newest token that is not already a seed. The slot starts at
         ``n_k = 0`` and its token is recorded; the token's mass comes when it leaves the window (see "Every token
-        counts once"). A slot waiting for its seed is not empty. Returns the refilled slots ``[B, K]``."""
+        counts once"). A slot waiting for its seed is not empty. Returns the refilled slots ``[B, K]``. The dense
+        form asks ``near`` for as many tokens as could be needed (every slot empty) instead of reading how many are."""
         empty = self.used & ~self.active & ~self.seeded
-        if not bool(empty.any()):
+        if self.dense:
+            wanted = self.capacity + self.seed_order.shape[1]
+        elif not bool(empty.any()):
             return torch.zeros_like(empty)
-        tokens = near(int(empty.sum(dim=1).max()) + self.seed_order.shape[1])
+        else:
+            wanted = int(empty.sum(dim=1).max()) + self.seed_order.shape[1]
+        tokens = near(wanted)
+        count = tokens.order.shape[1]
+        if count == 0:  # the window holds nothing to refill from
+            return torch.zeros_like(empty)
         free = ~self._find_seeds(tokens.order)[1]  # [B, n]: not seeding a slot already
         newest_free = torch.argsort((~free).to(torch.int8), dim=1, stable=True)  # free ones first, newest first
         rank = torch.cumsum(empty.long(), dim=1) - 1  # k-th empty slot of its row takes the k-th newest free token
         refill = empty & (rank < free.sum(dim=1, keepdim=True))
-        r, k = torch.nonzero(refill, as_tuple=True)
-        e = newest_free[r, rank[r, k]]
-        self.seed(r, k, tokens.keys[r, e], tokens.values[r, e], tokens.spatial[r, e], tokens.position[r, e], t, mass=0)
-        self.add_seeds(r, k, tokens.order[r, e])
-        self.recycled += int(r.numel())
-        self.pass_churn[1].index_add_(0, r, torch.ones_like(r, dtype=torch.int32))
+        token = torch.gather(newest_free, 1, rank.clamp(0, count - 1))  # [B, K]
+        self.seed_slots(refill, token, tokens.keys, tokens.values, tokens.spatial, tokens.position, t, mass=0)
+        self.add_seeds(refill, torch.gather(tokens.order, 1, token))
+        self.pass_churn[1] += refill.sum(dim=1).to(self.pass_churn.dtype)
         return refill
 
-    def close_pass(self, t: int) -> None:
+    def close_pass(self, t: int, window: int | None = None) -> None:
         """End a maintenance pass at temporal grid ``t``: its merges and recyclings per row join the ring of the
-        last :data:`CHURN_HISTORY` passes."""
+        last :data:`CHURN_HISTORY` passes and the totals. ``window``: the near-window tokens each row holds now; every
+        pending seed is a distinct one of them, so seed records past that many columns are padding (the dense form
+        drops them here, without reading how many are real)."""
         self.churn = torch.cat([self.churn, self.pass_churn[None]])[-CHURN_HISTORY:]
         self.churn_grid = torch.cat([self.churn_grid, self.churn_grid.new_full((1,), t)])[-CHURN_HISTORY:]
+        self.churn_total += self.pass_churn.sum(dim=1)
         self.pass_churn = torch.zeros_like(self.pass_churn)
         self.passes += 1
+        if window is not None and self.seed_order.shape[1] > window:
+            self.seed_order = self.seed_order[:, :window].contiguous()
+            self.seed_slot = self.seed_slot[:, :window].contiguous()

@@ -24,26 +24,35 @@ def ema_closed_form(
     inner = state.shape[2:]
     out = state.reshape(rows * capacity, -1) * ((1 - rate) ** count.double()).to(state.dtype)[:, None]
     weight = (rate * (1 - rate) ** later.double()).to(state.dtype)[:, None]
-    return out.index_add_(0, cell, update.reshape(cell.numel(), -1) * weight).view(rows, capacity, *inner)
+    return out.index_add_(0, cell, update.reshape(cell.numel(), out.shape[1]) * weight).view(rows, capacity, *inner)
 
 
 def running_mean_before(
-    values: torch.Tensor, start: torch.Tensor, group: torch.Tensor, rank: torch.Tensor, count: torch.Tensor, rate: float
+    values: torch.Tensor,
+    start: torch.Tensor,
+    group: torch.Tensor,
+    rank: torch.Tensor,
+    count: torch.Tensor,
+    rate: float,
+    width: int | None = None,
+    groups: int | None = None,
 ) -> torch.Tensor:
     """For each token, the EMA ``mu <- (1 - rate) mu + rate x`` of its group just before the token's own update.
 
     ``values [N, F]`` in arrival order within groups, ``start [N, F]`` the group's state before the chunk,
     ``group [N]`` group ids, ``rank [N]`` position within the group, ``count`` group sizes (indexed by group id).
     Closed form on a padded ``[groups, max_m]`` layout (a group never mixes with another in the prefix sum):
-    ``mu_r = (1-a)^(r+1) mu_0 + a (1-a)^r sum_{i<=r} (1-a)^-i x_i``, all in float64.
+    ``mu_r = (1-a)^(r+1) mu_0 + a (1-a)^r sum_{i<=r} (1-a)^-i x_i``, all in float64. ``width`` (the largest group)
+    and ``groups`` (how many are not empty), when the caller knows them, spare reading them from ``count``.
     """
     if values.numel() == 0:
         return values
     present = count > 0
     compact = torch.cumsum(present.long(), 0) - 1
     gid = compact[group]
-    width = int(count.max())
-    dense = torch.zeros(int(present.sum()), width, values.shape[1], dtype=torch.float64, device=values.device)
+    width = int(count.max()) if width is None else width
+    groups = int(present.sum()) if groups is None else groups
+    dense = torch.zeros(groups, width, values.shape[1], dtype=torch.float64, device=values.device)
     steps = torch.arange(width, device=values.device, dtype=torch.float64)
     dense[gid, rank] = values.double() * (1 - rate) ** (-steps[rank])[:, None]
     prefix = torch.cumsum(dense, dim=1)  # sum_{i<=r} (1-a)^-i x_i

@@ -61,6 +61,14 @@ the memory whatever the cache dtype, and float32 up to the softmax on every devi
 
 Time ``t`` (idleness, ``T_idle``) counts temporal grids (the unit a Qwen chunk adds: two sampled frames):
 kvdemo's reading of the paper's "steps".
+
+**One pass for all layers (kvdemo's).** The pass reads the memory stack by stack (:mod:`.gathering`: every layer of a
+device at once), the bank holds every layer's rows, and the summary of every layer is one update on a GPU
+(:mod:`.synthesis`), so its launches do not grow with the layers. On a GPU it reads back to the host only what sizes
+its tensors (the update's group sizes, the touched prototypes of the fullest row, the warm-up's share of the
+reservoir while it fills), and the memory's compaction its counts: the bank takes dense forms there (:mod:`.bank`,
+"Without waiting for the device"); on a CPU, where a read costs no wait, the sparse forms stay. The counts the
+report gives (``last_pass``) stay on the device until the report is made.
 """
 
 from __future__ import annotations
@@ -73,16 +81,15 @@ import torch
 
 from ...devices.timing import PhaseTimer
 from ...errors import PolicyParameterError
-from ...tensors import gather_rows
 from ...views import LOST, View, ViewContext
-from ..contract import LayerSlice, Policy, Selection, SummaryRegion, SummaryUpdate
+from ..contract import LayerSlice, Policy, Selection, SummaryRegion, SummaryUpdate, slice_stacks
 from ..registry import BenchDeclaration, PolicyCard, param, register
 from ..topk import select_with_text
 from .assignment import assign
 from .bank import NearTokens, ProtoBank
-from .gathering import gather_tokens
-from .pq import beam_search, pq_decode
+from .gathering import gather_tokens, near_window
 from .split import near_and_bank
+from .synthesis import synthesize
 from .views import bank_churn, prototype_views
 
 REASON_NEAR = 0
@@ -167,17 +174,10 @@ class ProtoKV(Policy, SummaryRegion):
         Where the stream carries its own text (Qwen3-VL's timestamps), that text counts against the near
         window (:func:`select_with_text`): the window keeps the newest tokens whose grids' text fits too."""
         heads, dim = slices[0].num_heads, slices[0].keys.shape[-1]
-        device = slices[0].keys.device
-        keep = min(self._near_with_text(layer_slice, keep) for layer_slice in slices)
-        indices, evicted, newest = [], [], []
-        for layer_slice in slices:
-            ranked = torch.argsort(layer_slice.order, dim=1)  # oldest first
-            cut = layer_slice.length - keep
-            evicted.append(ranked[:, :cut].to(device))  # the bank's device: the first layer's
-            indices.append(ranked[:, cut:].sort(dim=1).values)
-            newest.append(ranked[:, cut:].flip(1).to(device))
-        evict = torch.stack(evicted)  # [layers, H, E]
-        near_newest = torch.stack(newest)  # [layers, H, keep], newest first
+        device = slices[0].keys.device  # the bank's: the first layer's
+        keep = self._near_with_text(slices, keep)
+        stacks = slice_stacks(slices)
+        indices, reasons, evict, near_newest = near_window(stacks, len(slices), keep, device, REASON_NEAR)
         if self._bank is None:
             prototypes = slices[0].summary_slots // self.pseudo_tokens
             if prototypes < 1:
@@ -189,18 +189,17 @@ class ProtoKV(Policy, SummaryRegion):
         touched = torch.zeros(bank.rows, bank.capacity, dtype=torch.bool, device=device)
         if evict.shape[-1]:
             with timer.phase("gather", device):
-                tokens = gather_tokens(slices, evict)
+                tokens = gather_tokens(stacks, evict)
             touched |= self.absorb(bank, *tokens[:7], t, timer, order=tokens.order)
         with timer.phase("maintenance", device):
-            touched |= self.maintain(bank, lambda count: gather_tokens(slices, near_newest[..., :count]), t, touched)
-            bank.close_pass(t)
+            touched |= self.maintain(bank, lambda count: gather_tokens(stacks, near_newest[:, :count]), t, touched)
+            bank.close_pass(t, window=keep)
         with timer.phase("synthesis", device):
             summary = self.synthesize(bank, touched, slices[0].rotary, heads)
-        reasons = [torch.full_like(index, REASON_NEAR, dtype=torch.int8) for index in indices]
-        self._last = {
+        self._last = {  # counts stay on the device until a report reads them
             "evicted": int(evict.shape[-1]),
-            "touched": int(touched.sum()),
-            "pending_merges": int(bank.pending.sum()),
+            "touched": touched.sum(),
+            "pending_merges": bank.pending.sum(),
             "ms": {name: round(ms, 3) for name, ms in timer.ms.items()},
         }
         return Selection(
@@ -208,14 +207,18 @@ class ProtoKV(Policy, SummaryRegion):
         )
 
     @staticmethod
-    def _near_with_text(layer_slice: LayerSlice, keep: int) -> int:
-        """Newest tokens every head of ``layer_slice`` can keep within ``keep`` once their grids' text is charged."""
-        if layer_slice.grid_text is None:
+    def _near_with_text(slices: list[LayerSlice], keep: int) -> int:
+        """Newest tokens every head of every layer can keep within ``keep`` once their grids' text is charged (one
+        read for all layers)."""
+        counts = [
+            select_with_text(s.order.double(), keep, s.order, s.frame, s.grid_text).sum(dim=1).min()
+            for s in slices
+            if s.grid_text is not None
+        ]
+        if not counts:
             return keep
-        kept = select_with_text(
-            layer_slice.order.double(), keep, layer_slice.order, layer_slice.frame, layer_slice.grid_text
-        )
-        return int(kept.sum(dim=1).min())
+        fewest = int(torch.stack([c.to(counts[0].device) for c in counts]).min())
+        return fewest if len(counts) == len(slices) else min(keep, fewest)
 
     def _new_bank(self, rows: int, prototypes: int, dim: int, grid: tuple[int, int], device: torch.device) -> ProtoBank:
         """An empty bank of ``rows x prototypes`` slots with this policy's PQ shape, warm-up and view history."""
@@ -250,20 +253,24 @@ class ProtoKV(Policy, SummaryRegion):
         arange_rows = torch.arange(rows, device=device)[:, None]
         credited = bank.credit_seeds(order) if order is not None else torch.full((rows, tokens), -1, device=device)
         seeds = credited >= 0
-        # 1. Never-used slots take the first other tokens, one each, in slot order.
+        # 1. Never-used slots take the first other tokens, one each, in slot order: the q-th fresh slot of a row the
+        # row's q-th token that is not a seed.
         fresh = ~bank.used
         fresh_count = fresh.sum(dim=1)  # [B]
         slot_of_rank = torch.argsort((~fresh).to(torch.int8), dim=1, stable=True)  # fresh slots first, in order
         token_rank = torch.cumsum((~seeds).long(), dim=1) - 1  # rank among the tokens that are not seeds
         initialise = ~seeds & (token_rank < fresh_count[:, None])  # [B, E]
         init_slot = torch.gather(slot_of_rank, 1, token_rank.clamp(0, bank.capacity - 1))
-        r_i, e_i = torch.nonzero(initialise, as_tuple=True)
-        s_i = init_slot[r_i, e_i]
-        bank.seed(r_i, s_i, keys[r_i, e_i], values[r_i, e_i], spatial[r_i, e_i], position[r_i, e_i], t)
+        fresh_rank = torch.cumsum(fresh.long(), dim=1) - 1  # [B, K]
+        refill = fresh & (fresh_rank <= token_rank[:, -1:])
+        token_of_rank = torch.argsort(seeds.to(torch.int8), dim=1, stable=True)  # the others first, in arrival order
+        init_token = torch.gather(token_of_rank, 1, fresh_rank.clamp(0, tokens - 1))
+        bank.seed_slots(refill, init_token, keys, values, spatial, position, t)
         assigned = torch.where(initialise, init_slot, credited)
-        # 2. The others: Eq. 1 against the bank after those initialisations.
+        # 2. The others: Eq. 1 against the bank after those initialisations (on a GPU whether or not there are any:
+        # with none, the update changes nothing, and nothing waits to learn it).
         rest = ~initialise & ~seeds
-        if bool(rest.any()):
+        if bank.dense or bool(rest.any()):
             with timer.phase("assignment", device):
                 choice = assign(bank, keys, spatial, t, self.lambda_sp, self.lambda_idle, self.t_idle)  # [B, E]
             assigned = torch.where(rest, choice, assigned)
@@ -303,71 +310,19 @@ class ProtoKV(Policy, SummaryRegion):
 
     # --- Alg. 3-4 ---------------------------------------------------------------------------
     def synthesize(self, bank: ProtoBank, touched: torch.Tensor, rotary: Any, heads: int) -> list[SummaryUpdate]:
-        """Pseudo-tokens of the touched prototypes (rotated at ``tau_k``) and the bias of every slot, per layer."""
-        rows, capacity = bank.mass.shape
-        s = self.pseudo_tokens
-        layers = rows // heads
-        count = int(touched.sum(dim=1).max()) if rows else 0
-        # Touched prototypes per row, padded by repeating the row's first touched one (rewriting a slot with
-        # its own value is harmless).
-        order = torch.argsort((~touched).to(torch.int8), dim=1, stable=True)[:, : max(count, 1)]
-        valid = torch.gather(touched, 1, order)
-        order = torch.where(valid, order, order[:, :1])
-        codes = self.residual_codes(bank, order)  # Alg. 3 over every row at once
-        centre_k, centre_v = (
-            gather_rows(bank.centre_k, order)[:, :, None],
-            gather_rows(bank.centre_v, order)[:, :, None],
+        """Pseudo-tokens of the touched prototypes (rotated at ``tau_k``) and the bias of every slot, per layer
+        (:func:`.synthesis.synthesize`)."""
+        return synthesize(
+            bank,
+            touched,
+            rotary,
+            heads,
+            self.pseudo_tokens,
+            self.beam,
+            self.smoothing,
+            residuals=self.residuals,
+            mass_bias=self.mass_bias,
         )
-        position = gather_rows(bank.tau_pos, order)[:, :, None]  # one position per prototype [B, U, 1, 3]
-        slots = (order[:, :, None] * s + torch.arange(s, device=order.device)).flatten(1)  # [B, U*S]
-        mass = bank.mass.double()
-        bias = torch.where(
-            mass > 0, mass.clamp_min(1).log() if self.mass_bias else torch.zeros_like(mass), float("-inf")
-        )
-        bias = bias.float().repeat_interleave(s, dim=1)  # [B, K*S]
-        dim = bank.centre_k.shape[-1]
-        updates = []
-        # Decoded, centred and rotated layer by layer (kvdemo's): a layer's [H, U, S, D] pseudo-tokens stay in the
-        # processor's cache between those steps, where all rows at once (100 MB at 7B shape) are fresh memory each pass.
-        for layer in range(layers):
-            part = slice(layer * heads, (layer + 1) * heads)
-            residual_k, residual_v = self.residual_modes(codes, part, (heads, order.shape[1], s, dim), order.device)
-            updates.append(
-                SummaryUpdate(
-                    keys=rotary.rotate(residual_k.add_(centre_k[part]), position[part]).reshape(heads, -1, dim),
-                    values=residual_v.add_(centre_v[part]).reshape(heads, -1, dim),
-                    bias=bias[part],
-                    slots=slots[part] if count else slots[part][:, :0],
-                )
-            )
-        return updates
-
-    def residual_codes(self, bank: ProtoBank, protos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Alg. 3 for prototypes ``protos [B, U]``: for keys and for values, the top-S codes ``[B, U, S, G]`` and the
-        codebooks with an appended all-zero codeword that a prototype without residuals decodes to in every sub-space
-        (so the decode writes its zeros directly); None before the codebooks exist or with ``residuals`` off."""
-        if bank.codebook_k is None or not self.residuals:
-            return None
-        out = []
-        empty = (gather_rows(bank.n_res, protos) == 0)[:, :, None, None]  # [B, U, 1, 1]
-        for hist, codebook in ((bank.hist_k, bank.codebook_k), (bank.hist_v, bank.codebook_v)):
-            codes = beam_search(
-                gather_rows(hist, protos), self.pseudo_tokens, self.beam or 4 * self.pseudo_tokens, self.smoothing
-            )
-            with_zero = torch.cat([codebook, codebook.new_zeros(*codebook.shape[:2], 1, codebook.shape[-1])], dim=2)
-            out.append((torch.where(empty, codebook.shape[2], codes), with_zero))
-        return out
-
-    @staticmethod
-    def residual_modes(
-        codes: list[tuple[torch.Tensor, torch.Tensor]] | None, part: slice, shape: tuple[int, ...], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoded key and value residual modes ``shape = [rows, U, S, D]`` of rows ``part`` (zero without codes),
-        fresh tensors."""
-        if codes is None:
-            return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
-        keys, values = (pq_decode(c[part], book[part]) for c, book in codes)
-        return keys, values
 
     # --- what it shows ----------------------------------------------------------------------
     def assignments(self, layer: int, head: int, heads: int) -> dict[str, Any] | None:
@@ -424,5 +379,5 @@ class ProtoKV(Policy, SummaryRegion):
             "merged_per_row_pass": round(bank.merged / max(bank.passes * bank.rows, 1), 4),
             "recycled_per_row_pass": round(bank.recycled / max(bank.passes * bank.rows, 1), 4),
             "seeds_in_window": int((bank.seed_slot >= 0).sum()),
-            "last_pass": dict(self._last),
+            "last_pass": {k: int(v) if isinstance(v, torch.Tensor) else v for k, v in self._last.items()},
         }
