@@ -2,6 +2,7 @@
 bias against duplicated tokens through a real forward, Alg. 1 restated token by token, maintenance,
 beam search against brute force, and whole streams that stay within M."""
 
+import contextlib
 import itertools
 import math
 
@@ -16,6 +17,7 @@ from kvdemo.models.qwen2_vl import Qwen2VL, RegionCursor, mrope_positions
 from kvdemo.models.tiny import ByteTokenizer, tiny_config
 from kvdemo.policies import BudgetError, PolicyParameterError, Selection, make_policy
 from kvdemo.policies.contract import SummaryUpdate, slice_stacks
+from kvdemo.policies.protokv.absorption import record_residuals
 from kvdemo.policies.protokv.assignment import ASSIGNMENT_BLOCK, assign
 from kvdemo.policies.protokv.bank import Tokens
 from kvdemo.policies.protokv.ema import mahalanobis
@@ -770,16 +772,21 @@ def plain_merge(centre_k, centre_v, mass, candidates, eps_k, eps_v):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("block, pairs", [(1 << 22, 1 << 16), (1, 7), (3 * 48 * 5, 64)])
-def test_merging_matches_a_plain_loop_over_clustered_prototypes(seed, block, pairs, monkeypatch):
+@pytest.mark.parametrize(
+    "block, pairs, dense", [(1 << 22, 1 << 16, False), (1, 7, False), (3 * 48 * 5, 64, False), (1 << 22, 1 << 16, True)]
+)
+def test_merging_matches_a_plain_loop_over_clustered_prototypes(seed, block, pairs, dense, monkeypatch):
     """Three rows of 48 prototypes drawn around 5 directions (many close pairs, chains of them, some close in keys
     but not values), half of them changed: the masses after merging and the pairs left pending are those of a
     plain per-pair loop, whether the candidates go in one block or in blocks of one or five, and the close pairs'
-    value centres all at once or 7 or 64 at a time."""
+    value centres all at once or 7 or 64 at a time; and in the dense form a GPU's bank takes (every pair of a row at
+    once, the fold through masks over every slot)."""
     from kvdemo.policies.protokv import merging
+    from kvdemo.policies.protokv.bank import ProtoBank
 
     monkeypatch.setattr(merging, "MERGE_BLOCK", block)
     monkeypatch.setattr(merging, "MERGE_PAIRS", pairs)
+    monkeypatch.setattr(ProtoBank, "dense", property(lambda bank: dense))
     g = torch.Generator().manual_seed(seed)
     policy = make_policy("protokv", subquantizers=2)
     rows, slots, dim = 3, 48, 8
@@ -805,7 +812,7 @@ def test_merging_matches_a_plain_loop_over_clustered_prototypes(seed, block, pai
         )
         for r in range(rows)
     ]
-    bank.merge(changed, policy.merge_k, policy.merge_v)
+    merging.merge(bank, changed, policy.merge_k, policy.merge_v)
     assert bank.mass.tolist() == [mass for mass, _ in expected]
     assert bank.pending.tolist() == [pending for _, pending in expected]
     assert bank.merged > 0 and bool(bank.pending.any())  # the case exercises merges and chains
@@ -889,8 +896,8 @@ def test_zero_residuals_stay_out_of_the_codebook_training():
     residual_k, residual_v = torch.randn(1, 6, 4, generator=g), torch.randn(1, 6, 4, generator=g)
     residual_k[0, [1, 3]] = 0.0
     residual_v[0, [1, 3]] = 0.0
-    bank.record_residuals(
-        torch.zeros(1, 6, dtype=torch.long), torch.ones(1, 6, dtype=torch.bool), residual_k, residual_v
+    record_residuals(
+        bank, torch.zeros(1, 6, dtype=torch.long), torch.ones(1, 6, dtype=torch.bool), residual_k, residual_v
     )
     assert bank.reservoir_len == 4
     assert torch.equal(bank.reservoir_k[0, :4], residual_k[0, [0, 2, 4, 5]])
@@ -911,6 +918,103 @@ def test_keys_are_unrotated_in_float32_before_any_rounding():
     expected = rotate_by_hand(view.keys.double(), -view.position.long(), rotary.rotary_emb.inv_freq, section)
     assert tokens.keys.dtype == torch.float32
     assert float((tokens.keys.double() - expected.double()).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("placement", ["host", "split"])
+def test_the_stack_wise_window_and_gather_equal_a_per_layer_restatement(placement):
+    """The near window and the gather read every layer of a stack at once (kvdemo's batching over layers); restated
+    layer by layer (argsort of each layer's arrival numbers, one gather per field, each layer's keys un-rotated on
+    their own), the same indices and the same tokens, bit for bit, in the bank's row order (layer, head). Split as a
+    ``device_map`` splits a model, layers 0 and 2 on the host and 1 and 3 on the (emulated) device, the stacks come
+    out of layer order, and the rows still go layer by layer, on the first layer's device."""
+    from kvdemo.devices.emulated_device import DEVICE, EmulatedDevice
+    from kvdemo.policies.protokv.gathering import near_window
+    from kvdemo.testing import qwen7b_rotation, synthetic_memory
+
+    rotary, keep, heads = qwen7b_rotation(16), 10, 2
+    split = placement == "split"
+    with EmulatedDevice() if split else contextlib.nullcontext(), torch.inference_mode():
+        memory = synthetic_memory(4, heads, 16, 32, (2, 4), torch.float32, visual_tokens=32)
+        memory.to({0: "cpu", 1: DEVICE, 2: "cpu", 3: DEVICE} if split else "cpu")
+        slices = memory.slices(rotary)
+        assert [stack.layers for stack in slices.stacks] == ([(0, 2), (1, 3)] if split else [(0, 1, 2, 3)])
+        indices, reasons, evict, newest = near_window(slices.stacks, 4, keep, torch.device("cpu"), 0)
+        tokens = gather_tokens(slices.stacks, evict)
+        per_layer = [{name: getattr(x, name).cpu() for name in FIELDS} for x in slices]
+    expected = {name: [] for name in ("evict", "newest", *FIELDS)}
+    for layer, fields in enumerate(per_layer):
+        ranked = torch.argsort(fields["order"], dim=1)
+        cut = ranked.shape[1] - keep
+        assert torch.equal(indices[layer].cpu(), ranked[:, cut:].sort(dim=1).values)
+        assert reasons[layer].dtype == torch.int8 and not reasons[layer].any()
+        expected["evict"].append(ranked[:, :cut])
+        expected["newest"].append(ranked[:, cut:].flip(1))
+        for name in FIELDS:
+            source = fields[name]
+            index = ranked[:, :cut] if source.dim() == 2 else ranked[:, :cut, None].expand(-1, -1, source.shape[-1])
+            gathered = torch.gather(source, 1, index)
+            if name == "keys":
+                gathered = rotary.unrotate(gathered.float(), torch.gather(fields["position"], 1, index[..., :3]).long())
+            expected[name].append(gathered)
+    assert evict.device.type == "cpu" and tokens.keys.device.type == "cpu"
+    assert torch.equal(evict, torch.cat(expected["evict"])) and torch.equal(newest, torch.cat(expected["newest"]))
+    for name in FIELDS:
+        got = getattr(tokens, name)
+        assert torch.equal(got, torch.cat(expected[name]).to(got.dtype)), name
+    rows, cols = (2, 4)
+    spatial = torch.stack([(tokens.row + 0.5) / rows, (tokens.col + 0.5) / cols], dim=-1)
+    assert torch.equal(tokens.spatial, spatial.float())
+
+
+#: The fields of a layer's slice that ProtoKV gathers for the bank.
+FIELDS = ("keys", "values", "position", "frame", "row", "col", "order")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dense_forms_on_a_device_leave_the_bank_and_memory_the_cpu_leaves(dtype):
+    """On a device the bank takes its dense forms (masks over every slot, no count read back) and the summary of every
+    layer is one update; on the CPU the sparse forms and one update per layer. A 30-grid stream of 3 layers with
+    merges, recycling, aging and trained codebooks, on the emulated device and on the CPU: the same bank (every
+    field, the seed records without the dense form's padding) and the same memory (keys, values, bias, provenance),
+    bit for bit."""
+    from kvdemo.bench.policies import simulated_stream
+    from kvdemo.devices.emulated_device import DEVICE, EmulatedDevice
+
+    params = dict(warmup=8, subquantizers=2, codewords=4, merge_k=1.1, merge_v=1.2, t_idle=2, decay=0.5)
+    shape = dict(num_layers=3, num_kv_heads=2, head_dim=16, budget=96, keep=None, grid=(2, 4))
+
+    def run(device):
+        policy = make_policy("protokv", **params)
+        memory, passes = simulated_stream(policy, 30, shape, dtype=dtype, device=device)
+        memory.to("cpu")
+        return policy._bank, memory, len(passes)
+
+    host_bank, host_memory, host_passes = run("cpu")
+    mode = EmulatedDevice()
+    with mode:
+        device_bank, device_memory, device_passes = run(DEVICE)
+        assert device_bank.dense and not host_bank.dense
+    assert mode.ops > 1000
+    assert host_passes == device_passes > 20
+    assert host_bank.merged > 0 and host_bank.recycled > 0 and host_bank.codebook_k is not None  # every form ran
+    for name, value in vars(host_bank).items():
+        if name in ("seed_order", "seed_slot"):
+            continue
+        other = getattr(device_bank, name)
+        same = torch.equal(value, other.cpu()) if isinstance(value, torch.Tensor) else value == other
+        assert same, name
+
+    def seeds(bank):
+        return [
+            sorted(zip(order.tolist(), slot.tolist()))
+            for order, slot in zip(bank.seed_order.cpu(), bank.seed_slot.cpu())
+        ]
+
+    strip = lambda rows: [[pair for pair in row if pair[1] >= 0] for row in rows]  # noqa: E731
+    assert strip(seeds(host_bank)) == strip(seeds(device_bank))
+    for host, device in zip(host_memory.layers, device_memory.layers):
+        for name in ("keys", "values", "bias", "packed"):
+            assert torch.equal(getattr(host, name), getattr(device, name)), name
 
 
 def test_the_bias_of_a_bfloat16_memory_is_log_mass_in_float32():
@@ -973,7 +1077,6 @@ def test_bfloat16_attention_reads_the_log_mass_unrounded(device, monkeypatch):
     bfloat16's output rounding (5e-4 at 0.2), on the CPU (SDPA with a float32 mask) and on a device whose kernels
     take the mask only in the query's dtype (the emulated device: the float32 softmax). Through SDPA there a
     bfloat16 bias (log 838 read as log ~828) would be 1.9e-3 off: the control below measures it."""
-    import contextlib
 
     from kvdemo.cache import attention
     from kvdemo.devices.emulated_device import DEVICE, EmulatedDevice

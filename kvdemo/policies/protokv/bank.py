@@ -1,15 +1,14 @@
 """ProtoKV's far memory (paper 003, Sec. 3.1, App. A.1): ``B`` rows (one per layer and KV head) of ``K``
-prototype slots, and the operations that change them.
+prototype slots, and the operations that keep its records (Alg. 1 lines 8-13 are :mod:`.absorption`'s, merging
+:mod:`.merging`'s).
 
 - :meth:`ProtoBank.seed` / :meth:`ProtoBank.seed_slots`: (re)initialise slots from tokens (Alg. 1 line 5 for a
   never-used slot, Alg. 2 line 17 for a recycled one): the one place a slot starts over;
 - :meth:`ProtoBank.credit_seeds`: a recycled slot's seed token counts in its mass when it leaves the near window
   (once; see "Every token counts once" below);
-- :meth:`ProtoBank.update`: Alg. 1 lines 8-12 for a chunk of assigned tokens, in closed form per prototype;
-- :meth:`ProtoBank.record_residuals`: Alg. 1 line 13 (PQ histograms, or the warm-up reservoir until the
-  codebooks are trained);
-- :meth:`ProtoBank.age`, :meth:`ProtoBank.merge`, :meth:`ProtoBank.recycle`: Alg. 2, and
-  :meth:`ProtoBank.close_pass`: the churn (merges and recyclings per row) of the last passes;
+- :meth:`ProtoBank.age`, :meth:`ProtoBank.recycle`: Alg. 2 (its merging: :func:`.merging.merge`, whose records
+  follow the merges through :meth:`ProtoBank.follow_merges`), and :meth:`ProtoBank.close_pass`: the churn (merges
+  and recyclings per row) of the last passes;
 - :meth:`ProtoBank.record_assignment` / :meth:`ProtoBank.assignments`: which prototype each absorbed patch of
   the last grids went to (for the views), kept true across merges and recycling.
 
@@ -29,7 +28,7 @@ recycling). A token already seeding a slot does not seed another.
 indexing, ``.any()`` in a branch, ``int(...)``) makes the host wait for the device. A bank on a CPU keeps the sparse
 forms (they cost no wait there, and touching only the few slots that change is faster); a bank elsewhere
 (:attr:`ProtoBank.dense`) takes dense forms that need no count: seeding, crediting and recording seeds, merging and
-recycling go through masks over every slot (:meth:`ProtoBank.seed_slots`, :func:`.merging.close_partners_dense`),
+recycling go through masks over every slot (:meth:`ProtoBank.seed_slots`, :func:`.merging.merge`),
 counts add masked ones instead of selected ones, and a pass reads back only what sizes its tensors (the update's
 group sizes, the warm-up's share of the reservoir). Both forms leave the same bank (``tests/test_protokv.py`` runs a
 stream with merges, recycling and trained codebooks on the emulated device, which takes the dense forms, against the
@@ -37,10 +36,6 @@ CPU). Merges and recyclings are counted per row on the device (``churn_total``; 
 
 Nothing here loops over tokens, heads or prototypes; every tensor is created on the bank's device.
 """
-
-# Long on purpose: the bank's operations (seed, update, residuals, aging, merging, recycling) all keep one invariant
-# of the same tensors (rows x K prototypes with their masses, EMAs and codes) and are read together against App. A.1;
-# the codebooks are pq.py's and the EMAs ema.py's.
 
 from __future__ import annotations
 
@@ -50,11 +45,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...tensors import flat_nonzero, gather_rows
+from ...tensors import gather_rows
 from ...views import LOST
-from .ema import ema_closed_form, running_mean_before
-from .merging import close_partners_blocked, close_partners_dense
-from .pq import pq_encode, train_codebooks
 
 #: Padding of :attr:`ProtoBank.seed_order` (sorts after every arrival number).
 NO_SEED = torch.iinfo(torch.int64).max
@@ -337,108 +329,6 @@ class ProtoBank:
             width = int((order != NO_SEED).sum(dim=1).max()) if order.numel() else 0
         self.seed_order, self.seed_slot = order[:, :width].contiguous(), slot[:, :width].contiguous()
 
-    # --- Alg. 1 lines 8-13 --------------------------------------------------------------------
-    def update(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        spatial: torch.Tensor,
-        position: torch.Tensor,
-        choice: torch.Tensor,
-        mask: torch.Tensor,
-        t: int,
-        alpha: float,
-        eta: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Alg. 1 lines 8-12 for the tokens ``mask [B, E]`` assigned to ``choice [B, E]`` (``keys/values [B, E, D]``
-        before RoPE, ``spatial [B, E, 2]``, ``position [B, E, 3]``, arrival order along ``E``): the sequential EMA
-        (centre rate ``alpha`` = beta, spatial rate ``eta``) in closed form per prototype. Returns each token's
-        prototype cell ``row * K + k`` and its key/value residuals ``[B, E, D]`` for line 13.
-
-        It reads back one thing: how many tokens are assigned, the most on one prototype, and on how many prototypes
-        (they size the tensors that follow)."""
-        rows, tokens = choice.shape
-        capacity, dim = self.capacity, keys.shape[-1]
-        device = choice.device
-        cell = torch.arange(rows, device=device)[:, None] * capacity + choice  # (row, prototype) of every token
-        # The group sizes m_k, and the one read of the update.
-        count = torch.zeros(rows * capacity, dtype=torch.long, device=device)
-        count.index_add_(0, cell.flatten(), mask.flatten().long())
-        assigned, most, groups = torch.stack([count.sum(), count.max(), (count > 0).sum()]).tolist()
-        picked = flat_nonzero(mask, assigned)  # assigned tokens (row * E + e), row-major then arrival order
-
-        def of_assigned(x: torch.Tensor) -> torch.Tensor:  # x[mask] without a wait: [assigned, ...]
-            return x.reshape(rows * tokens, *x.shape[2:])[picked]
-
-        flat = cell.flatten()[picked]
-        token_ids = picked % tokens
-        # Rank of each token among the tokens on its prototype (arrival order).
-        sort = torch.sort(flat * tokens + token_ids).indices
-        start = torch.cumsum(count, 0) - count
-        rank = torch.empty_like(flat)
-        rank[sort] = torch.arange(flat.numel(), device=device) - start[flat[sort]]
-        later = count[flat] - 1 - rank  # tokens after this one on the same prototype
-        # Chunk-start state of each token's prototype (after this chunk's initialisations).
-        c_before_k = torch.gather(self.centre_k, 1, choice[..., None].expand(-1, -1, dim))
-        c_before_v = torch.gather(self.centre_v, 1, choice[..., None].expand(-1, -1, dim))
-        mu_before = torch.gather(self.mu, 1, choice[..., None].expand(-1, -1, 2))  # chunk-start means
-        # Alg. 1 line 12 reads the mean right after the token's own update: s - mu_r = (1 - eta)(s - mu_{r-1}),
-        # with mu_{r-1} the running mean before it (a prefix over earlier tokens on the same prototype).
-        spatial_of = of_assigned(spatial)
-        before = running_mean_before(spatial_of, of_assigned(mu_before), flat, rank, count, eta, most, groups)
-        deviation = (1 - eta) * (spatial_of - before)
-        self.sigma = ema_closed_form(self.sigma, deviation[:, :, None] * deviation[:, None, :], flat, count, later, eta)
-        self.mu = ema_closed_form(self.mu, spatial_of, flat, count, later, eta)
-        self.centre_k = ema_closed_form(self.centre_k, of_assigned(keys), flat, count, later, alpha)
-        self.centre_v = ema_closed_form(self.centre_v, of_assigned(values), flat, count, later, alpha)
-        self.mass.view(-1).index_add_(0, flat, torch.ones_like(flat))
-        hit = (count > 0).view(rows, capacity)
-        self.tau_time = torch.where(hit, t, self.tau_time)
-        newest = torch.zeros(rows * capacity, dtype=torch.long, device=device)
-        newest.scatter_reduce_(0, flat, token_ids, reduce="amax", include_self=False)
-        owner = torch.arange(rows * capacity, device=device) // capacity
-        self.tau_pos = torch.where(hit[..., None], position[owner, newest].view(rows, capacity, 3), self.tau_pos)
-        # Residuals against the centre right after the token's update: x - c_after = (1 - a)(x - c_before).
-        return cell, (1 - alpha) * (keys - c_before_k), (1 - alpha) * (values - c_before_v)
-
-    def record_residuals(
-        self, cell: torch.Tensor, mask: torch.Tensor, residual_k: torch.Tensor, residual_v: torch.Tensor
-    ) -> None:
-        """Alg. 1 line 13 for the tokens ``mask [B, E]`` (prototype ``cell = row * K + k``), residuals
-        ``[B, E, D]``: PQ-encode them into their prototype's histograms, or fill the warm-up reservoir until
-        the codebooks can be trained (App. A.1), then train them. Every token is encoded and counts ``mask``'s 1 or
-        0 (no wait for which ones count); the warm-up reads how many residuals every row can give."""
-        groups, codewords = self.hist_k.shape[-2:]
-        if self.codebook_k is None:
-            # Take each row's first assigned tokens (arrival order), as many as every row has. A residual that is
-            # exactly zero (the token equals its prototype's centre) says nothing about the spread the codebooks
-            # must cover, and would pull several codewords onto zero: it stays out of the reservoir.
-            usable = mask & (residual_k != 0).any(dim=-1) & (residual_v != 0).any(dim=-1)
-            warmup = self.reservoir_k.shape[1]
-            take = min(int(usable.sum(dim=1).min()), warmup - self.reservoir_len)
-            if take > 0:
-                first = torch.argsort((~usable).to(torch.int8), dim=1, stable=True)[:, :take]
-                dest = slice(self.reservoir_len, self.reservoir_len + take)
-                dim = residual_k.shape[-1]
-                self.reservoir_k[:, dest] = torch.gather(residual_k, 1, first[..., None].expand(-1, -1, dim))
-                self.reservoir_v[:, dest] = torch.gather(residual_v, 1, first[..., None].expand(-1, -1, dim))
-                self.reservoir_len += take
-            if self.reservoir_len >= warmup:
-                self.codebook_k = train_codebooks(self.reservoir_k, groups, codewords)
-                self.codebook_v = train_codebooks(self.reservoir_v, groups, codewords)
-                self.reservoir_k = self.reservoir_k[:, :0]
-                self.reservoir_v = self.reservoir_v[:, :0]
-            return
-        group_ids = torch.arange(groups, device=cell.device)
-        counts = mask[..., None].expand(-1, -1, groups).flatten().to(self.hist_k.dtype)
-        for residual, codebook, hist in (
-            (residual_k, self.codebook_k, self.hist_k),
-            (residual_v, self.codebook_v, self.hist_v),
-        ):
-            codes = pq_encode(residual, codebook)  # [B, E, G]
-            hist.view(-1).index_add_(0, ((cell[..., None] * groups + group_ids) * codewords + codes).flatten(), counts)
-        self.n_res.view(-1).index_add_(0, cell.flatten(), mask.flatten().to(self.n_res.dtype))
-
     # --- the views' bookkeeping ---------------------------------------------------------------
     def record_assignment(
         self, assigned: torch.Tensor, frame: torch.Tensor, row: torch.Tensor, col: torch.Tensor
@@ -478,111 +368,17 @@ class ProtoBank:
         idle = self.active & ((t - self.tau_time) > t_idle)
         self.mass = torch.where(idle, torch.floor(self.mass.double() * (1 - decay)).long(), self.mass)
 
-    def merge(self, candidates: torch.Tensor, eps_k: float, eps_v: float) -> torch.Tensor:
-        """Merge prototypes whose normalised key and value centres are within ``(eps_k, eps_v)`` (Alg. 2 lines
-        6-13): each merges into its lowest-index qualifying partner that is not merging itself. Returns the
-        prototypes changed ``[B, K]``.
-
-        Only pairs with a candidate ``[B, K]`` (a prototype that changed this chunk, or one left pending) can
-        newly qualify; the partners are :mod:`.merging`'s (on a CPU the candidates' rows only, in blocks; in the
-        dense form every pair at once), and the dense form folds every slot through masks (:meth:`_fold_dense`).
-        """
-        active = self.active
-        if self.dense:
-            partner = close_partners_dense(self.centre_k, self.centre_v, candidates & active, active, eps_k, eps_v)
-        else:
-            partner = close_partners_blocked(self.centre_k, self.centre_v, candidates & active, active, eps_k, eps_v)
-            if partner is None:
-                self.pending = torch.zeros_like(active)
-                return torch.zeros_like(active)
-        has_partner = partner < self.capacity
-        root = ~has_partner
-        merging = has_partner & torch.gather(torch.cat([root, root.new_zeros(self.rows, 1)], 1), 1, partner)
-        self.pending = has_partner & ~merging
-        if self.dense:
-            return self._fold_dense(merging, partner)
-        if not bool(merging.any()):
-            return torch.zeros_like(active)
-        r, j = torch.nonzero(merging, as_tuple=True)
-        i = partner[r, j]
-        self._fold(r, j, i)
-        touched = torch.zeros_like(active)
-        touched[r, i] = True
-        touched[r, j] = True
-        return touched
-
-    def _fold(self, r: torch.Tensor, j: torch.Tensor, i: torch.Tensor) -> None:
-        """Merge prototype ``j[n]`` of row ``r[n]`` into prototype ``i[n]`` of that row: mass-weighted centres and
-        spatial means, summed histograms, residual counts and masses; the patches and pending seeds of ``j`` go to
-        ``i``; the churn counts the merge."""
-        rows, capacity = self.mass.shape
-        device = self.mass.device
-        # Mass-weighted means, computed for the merge targets only (not the whole bank).
-        target = r * capacity + i
-        targets, slot_of = torch.unique(target, return_inverse=True)
-        source = r * capacity + j
-        weight_j = self.mass.view(-1)[source].double()
-        weight_i = self.mass.view(-1)[targets].double()
-        total = weight_i.index_add(0, slot_of, weight_j)
-        for name in ("centre_k", "centre_v", "mu"):
-            flat = getattr(self, name).view(rows * capacity, -1)
-            summed = (flat[targets].double() * weight_i[:, None]).index_add_(
-                0, slot_of, flat[source].double() * weight_j[:, None]
-            )
-            merged = (summed / total.clamp_min(1)[:, None]).to(flat.dtype)
-            flat[targets] = torch.where((total == 0)[:, None], flat[targets], merged)
-        for name in ("hist_k", "hist_v", "n_res"):
-            state = getattr(self, name)
-            flat = state.view(rows * capacity, -1)
-            flat.index_add_(0, target, state[r, j].view(r.numel(), -1))
-        self.mass.view(-1).index_add_(0, target, self.mass[r, j])
-        self.mass[r, j] = 0
-        successor = torch.arange(capacity, device=device).repeat(rows, 1)
-        successor[r, j] = i
-        self._follow_merges(successor)
-        # A merged-away slot's pending seeds credit its partner when they leave the window.
-        self.seed_slot = torch.where(self.seed_slot >= 0, torch.gather(successor, 1, self.seed_slot.clamp_min(0)), -1)
-        self.pass_churn[0].index_add_(0, r, torch.ones_like(r, dtype=torch.int32))
-
-    def _fold_dense(self, merging: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
-        """:meth:`_fold` of every prototype ``merging [B, K]`` into its ``partner [B, K]``, through masks over every
-        slot (the dense form): the same sums in the same order (a slot that does not merge adds into a spare cell
-        past the end, or adds 0 where the sum is of integers). Returns the prototypes changed ``[B, K]``."""
-        rows, capacity = self.mass.shape
-        cells = rows * capacity
-        device = self.mass.device
-        own = torch.arange(cells, device=device)
-        flat_merging = merging.flatten()
-        target = torch.where(flat_merging, (own // capacity) * capacity + partner.flatten(), cells)  # spare: cells
-        receives = torch.zeros(cells + 1, dtype=torch.bool, device=device).index_fill_(0, target, True)[:cells]
-        weight = self.mass.view(-1).double()
-        total = torch.cat([weight, weight.new_zeros(1)]).index_add_(0, target, weight)[:cells]
-        for name in ("centre_k", "centre_v", "mu"):
-            flat = getattr(self, name).view(cells, -1)
-            weighted = flat.double() * weight[:, None]
-            summed = torch.cat([weighted, weighted.new_zeros(1, weighted.shape[1])]).index_add_(0, target, weighted)
-            merged = (summed[:cells] / total.clamp_min(1)[:, None]).to(flat.dtype)
-            flat.copy_(torch.where((receives & (total != 0))[:, None], merged, flat))
-        into = torch.where(flat_merging, target, own)
-        for name in ("hist_k", "hist_v", "n_res", "mass"):
-            flat = getattr(self, name).view(cells, -1)
-            flat.index_add_(0, into, flat * flat_merging[:, None].to(flat.dtype))
-        self.mass = self.mass.masked_fill(merging, 0)
-        successor = torch.where(merging, partner, torch.arange(capacity, device=device))
-        self._follow_merges(successor)
-        self.seed_slot = torch.where(self.seed_slot >= 0, torch.gather(successor, 1, self.seed_slot.clamp_min(0)), -1)
-        self.pass_churn[0] += merging.sum(dim=1).to(self.pass_churn.dtype)
-        return merging | receives.view(rows, capacity)
-
-    def _follow_merges(self, successor: torch.Tensor) -> None:
-        """Patches absorbed into a merged-away prototype are now represented by its partner (``successor [B, K]``:
-        each slot's partner, itself if it did not merge)."""
+    def follow_merges(self, successor: torch.Tensor) -> None:
+        """Records of a merged-away prototype go to its partner (``successor [B, K]``: each slot's partner, itself if
+        it did not merge): the patches absorbed into it are represented by the partner, and its pending seeds credit
+        the partner when they leave the window."""
         lookup = self.assign_map.long().clamp_min(0).flatten(1)
         moved = torch.gather(successor, 1, lookup).view_as(self.assign_map)
         was_merged = (self.assign_map >= 0) & (moved != self.assign_map.long())
         self.assign_map = torch.where(was_merged, moved.to(self.assign_map.dtype), self.assign_map)
         current = torch.gather(self.generation, 1, moved.flatten(1)).view_as(self.assign_generation)
         self.assign_generation = torch.where(was_merged, current, self.assign_generation)
+        self.seed_slot = torch.where(self.seed_slot >= 0, torch.gather(successor, 1, self.seed_slot.clamp_min(0)), -1)
 
     def recycle(self, near: NearTokens, t: int) -> torch.Tensor:
         """Refill used slots that became empty from the newest near-window tokens (Alg. 2 lines 14-19): the ``k``-th

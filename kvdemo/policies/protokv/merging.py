@@ -1,7 +1,8 @@
 """ProtoKV's merge decision (paper 003, Alg. 2 lines 6-13): each prototype's lowest-index close partner, among the pairs
 with a candidate (a prototype that changed this chunk, or one left pending) on either side. Two prototypes are close
 when their L2-normalised key centres are within ``eps_K`` and their value centres within ``eps_V`` (kvdemo's
-normalisation, see :mod:`.policy`). The bank (:meth:`.bank.ProtoBank.merge`) folds the pairs this finds.
+normalisation, see :mod:`.policy`); :func:`merge` folds each into its partner (mass-weighted centres and spatial
+means, summed histograms and masses).
 
 Two forms that find the same partners:
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .bank import ProtoBank
 
 #: Key products ``[B, u, K]`` per block of candidates in :func:`close_partners_blocked`, and close pairs whose value
 #: centres are compared at a time (kvdemo's): what merging holds is bounded by them, whatever the bank holds. Keys of
@@ -115,3 +118,100 @@ def close_partners_dense(
         first = close.to(torch.uint8).argmax(dim=1)
         partner[part] = torch.where(close.any(dim=1), first, capacity)
     return partner
+
+
+def merge(bank: ProtoBank, candidates: torch.Tensor, eps_k: float, eps_v: float) -> torch.Tensor:
+    """Merge prototypes whose normalised key and value centres are within ``(eps_k, eps_v)`` (Alg. 2 lines
+    6-13): each merges into its lowest-index qualifying partner that is not merging itself. Returns the
+    prototypes changed ``[B, K]``.
+
+    Only pairs with a candidate ``[B, K]`` (a prototype that changed this chunk, or one left pending) can
+    newly qualify; the partners are :func:`close_partners_blocked`'s on a CPU (the candidates' rows only, in blocks)
+    and :func:`close_partners_dense`'s in the bank's dense form (:attr:`.bank.ProtoBank.dense`: every pair at once),
+    which also folds every slot through masks (:func:`_fold_dense`).
+    """
+    active = bank.active
+    if bank.dense:
+        partner = close_partners_dense(bank.centre_k, bank.centre_v, candidates & active, active, eps_k, eps_v)
+    else:
+        partner = close_partners_blocked(bank.centre_k, bank.centre_v, candidates & active, active, eps_k, eps_v)
+        if partner is None:
+            bank.pending = torch.zeros_like(active)
+            return torch.zeros_like(active)
+    has_partner = partner < bank.capacity
+    root = ~has_partner
+    merging = has_partner & torch.gather(torch.cat([root, root.new_zeros(bank.rows, 1)], 1), 1, partner)
+    bank.pending = has_partner & ~merging
+    if bank.dense:
+        return _fold_dense(bank, merging, partner)
+    if not bool(merging.any()):
+        return torch.zeros_like(active)
+    r, j = torch.nonzero(merging, as_tuple=True)
+    i = partner[r, j]
+    _fold(bank, r, j, i)
+    touched = torch.zeros_like(active)
+    touched[r, i] = True
+    touched[r, j] = True
+    return touched
+
+
+def _fold(bank: ProtoBank, r: torch.Tensor, j: torch.Tensor, i: torch.Tensor) -> None:
+    """Merge prototype ``j[n]`` of row ``r[n]`` into prototype ``i[n]`` of that row: mass-weighted centres and
+    spatial means, summed histograms, residual counts and masses; the patches and pending seeds of ``j`` go to
+    ``i`` (:meth:`.bank.ProtoBank.follow_merges`); the churn counts the merge."""
+    rows, capacity = bank.mass.shape
+    device = bank.mass.device
+    # Mass-weighted means, computed for the merge targets only (not the whole bank).
+    target = r * capacity + i
+    targets, slot_of = torch.unique(target, return_inverse=True)
+    source = r * capacity + j
+    weight_j = bank.mass.view(-1)[source].double()
+    weight_i = bank.mass.view(-1)[targets].double()
+    total = weight_i.index_add(0, slot_of, weight_j)
+    for name in ("centre_k", "centre_v", "mu"):
+        flat = getattr(bank, name).view(rows * capacity, -1)
+        summed = (flat[targets].double() * weight_i[:, None]).index_add_(
+            0, slot_of, flat[source].double() * weight_j[:, None]
+        )
+        merged = (summed / total.clamp_min(1)[:, None]).to(flat.dtype)
+        flat[targets] = torch.where((total == 0)[:, None], flat[targets], merged)
+    for name in ("hist_k", "hist_v", "n_res"):
+        state = getattr(bank, name)
+        flat = state.view(rows * capacity, -1)
+        flat.index_add_(0, target, state[r, j].view(r.numel(), -1))
+    bank.mass.view(-1).index_add_(0, target, bank.mass[r, j])
+    bank.mass[r, j] = 0
+    successor = torch.arange(capacity, device=device).repeat(rows, 1)
+    successor[r, j] = i
+    bank.follow_merges(successor)
+    bank.pass_churn[0].index_add_(0, r, torch.ones_like(r, dtype=torch.int32))
+
+
+def _fold_dense(bank: ProtoBank, merging: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
+    """:func:`_fold` of every prototype ``merging [B, K]`` into its ``partner [B, K]``, through masks over every
+    slot (the dense form): the same sums in the same order (a slot that does not merge adds into a spare cell
+    past the end, or adds 0 where the sum is of integers). Returns the prototypes changed ``[B, K]``."""
+    rows, capacity = bank.mass.shape
+    cells = rows * capacity
+    device = bank.mass.device
+    own = torch.arange(cells, device=device)
+    flat_merging = merging.flatten()
+    target = torch.where(flat_merging, (own // capacity) * capacity + partner.flatten(), cells)  # spare: cells
+    receives = torch.zeros(cells + 1, dtype=torch.bool, device=device).index_fill_(0, target, True)[:cells]
+    weight = bank.mass.view(-1).double()
+    total = torch.cat([weight, weight.new_zeros(1)]).index_add_(0, target, weight)[:cells]
+    for name in ("centre_k", "centre_v", "mu"):
+        flat = getattr(bank, name).view(cells, -1)
+        weighted = flat.double() * weight[:, None]
+        summed = torch.cat([weighted, weighted.new_zeros(1, weighted.shape[1])]).index_add_(0, target, weighted)
+        merged = (summed[:cells] / total.clamp_min(1)[:, None]).to(flat.dtype)
+        flat.copy_(torch.where((receives & (total != 0))[:, None], merged, flat))
+    into = torch.where(flat_merging, target, own)
+    for name in ("hist_k", "hist_v", "n_res", "mass"):
+        flat = getattr(bank, name).view(cells, -1)
+        flat.index_add_(0, into, flat * flat_merging[:, None].to(flat.dtype))
+    bank.mass = bank.mass.masked_fill(merging, 0)
+    successor = torch.where(merging, partner, torch.arange(capacity, device=device))
+    bank.follow_merges(successor)
+    bank.pass_churn[0] += merging.sum(dim=1).to(bank.pass_churn.dtype)
+    return merging | receives.view(rows, capacity)

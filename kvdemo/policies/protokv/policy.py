@@ -1,7 +1,8 @@
 """``protokv``: ProtoKV (paper 003): an exact near window plus a fixed-capacity prototype bank, read at
 attention time through pseudo-tokens carrying a ``log n_k`` key bias. This module orchestrates Alg. 1-4 and
-declares the views and the report; the bank and its operations are :mod:`.bank`, the PQ helpers :mod:`.pq`,
-the running statistics :mod:`.ema`.
+declares the views and the report; the bank is :mod:`.bank`, the absorption of assigned tokens :mod:`.absorption`,
+merging :mod:`.merging`, the pseudo-tokens :mod:`.synthesis`, the PQ helpers :mod:`.pq`, the running statistics
+:mod:`.ema`, what a pass reads of the memory :mod:`.gathering`.
 
 Budget (Sec. 3, Table 5): one number ``M = W + K_max * S`` per layer and KV head, split ``W : K_max*S = 1 : 3``
 with ``S = 8`` pseudo-tokens per prototype (``K_max = floor(3M / 4S)``, ``W = M - K_max S``). The memory keeps
@@ -85,9 +86,11 @@ from ...views import LOST, View, ViewContext
 from ..contract import LayerSlice, Policy, Selection, SummaryRegion, SummaryUpdate, slice_stacks
 from ..registry import BenchDeclaration, PolicyCard, param, register
 from ..topk import select_with_text
+from .absorption import record_residuals, update
 from .assignment import assign
 from .bank import NearTokens, ProtoBank
 from .gathering import gather_tokens, near_window
+from .merging import merge
 from .split import near_and_bank
 from .synthesis import synthesize
 from .views import bank_churn, prototype_views
@@ -275,8 +278,8 @@ class ProtoKV(Policy, SummaryRegion):
                 choice = assign(bank, keys, spatial, t, self.lambda_sp, self.lambda_idle, self.t_idle)  # [B, E]
             assigned = torch.where(rest, choice, assigned)
             with timer.phase("update", device):
-                cell, residual_k, residual_v = bank.update(
-                    keys, values, spatial, position, choice, rest, t, self.centre_rate, self.spatial_rate
+                cell, residual_k, residual_v = update(
+                    bank, keys, values, spatial, position, choice, rest, t, self.centre_rate, self.spatial_rate
                 )
             with timer.phase("residuals", device):
                 self._record_residuals(bank, cell, rest, residual_k, residual_v)
@@ -293,8 +296,8 @@ class ProtoKV(Policy, SummaryRegion):
         residual_k: torch.Tensor,
         residual_v: torch.Tensor,
     ) -> None:
-        """Alg. 1 line 13 (:meth:`ProtoBank.record_residuals`); one seam, so a test can read the residuals."""
-        bank.record_residuals(cell, mask, residual_k, residual_v)
+        """Alg. 1 line 13 (:func:`.absorption.record_residuals`); one seam, so a test can read the residuals."""
+        record_residuals(bank, cell, mask, residual_k, residual_v)
 
     # --- Alg. 2 -----------------------------------------------------------------------------
     def maintain(self, bank: ProtoBank, near: NearTokens, t: int, changed: torch.Tensor | None = None) -> torch.Tensor:
@@ -304,7 +307,7 @@ class ProtoKV(Policy, SummaryRegion):
         if changed is None:
             changed = torch.ones_like(bank.used)
         bank.age(t, self.t_idle, self.decay)
-        touched = bank.merge(changed | bank.pending, self.merge_k, self.merge_v)
+        touched = merge(bank, changed | bank.pending, self.merge_k, self.merge_v)
         touched |= bank.recycle(near, t)
         return touched
 
