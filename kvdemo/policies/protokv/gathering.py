@@ -11,7 +11,23 @@ from __future__ import annotations
 import torch
 
 from ..contract import SliceStack
+from ..topk import select_with_text
 from .bank import Tokens
+
+
+def window_with_text(stacks: list[SliceStack], keep: int) -> int:
+    """The newest tokens every row of every layer can keep within ``keep`` once their grids' stream text (Qwen3-VL's
+    timestamps) is charged (:func:`~kvdemo.policies.topk.select_with_text`, which decides row by row, so a stack's
+    rows go in one call); ``keep`` where the stream carries no text of its own. One read for all layers."""
+    fewest = []
+    for stack in stacks:
+        if stack.grid_text is None:
+            continue
+        order = stack.rows("order")
+        text = stack.grid_text.expand(len(stack.layers), -1, -1).reshape(order.shape[0], -1)  # one per row
+        kept = select_with_text(order.double(), keep, order, stack.rows("frame"), text)
+        fewest.append(kept.sum(dim=1).min().to(stacks[0].keys.device))
+    return min(keep, int(torch.stack(fewest).min())) if fewest else keep
 
 
 def near_window(

@@ -85,11 +85,10 @@ from ...errors import PolicyParameterError
 from ...views import LOST, View, ViewContext
 from ..contract import LayerSlice, Policy, Selection, SummaryRegion, SummaryUpdate, slice_stacks
 from ..registry import BenchDeclaration, PolicyCard, param, register
-from ..topk import select_with_text
 from .absorption import record_residuals, update
 from .assignment import assign
 from .bank import NearTokens, ProtoBank
-from .gathering import gather_tokens, near_window
+from .gathering import gather_tokens, near_window, window_with_text
 from .merging import merge
 from .split import near_and_bank
 from .synthesis import synthesize
@@ -175,11 +174,11 @@ class ProtoKV(Policy, SummaryRegion):
         """Keep the newest ``keep`` near tokens of every row, absorb the others, refresh the summary.
 
         Where the stream carries its own text (Qwen3-VL's timestamps), that text counts against the near
-        window (:func:`select_with_text`): the window keeps the newest tokens whose grids' text fits too."""
+        window (:func:`.gathering.window_with_text`): the window keeps the newest tokens whose grids' text fits too."""
         heads, dim = slices[0].num_heads, slices[0].keys.shape[-1]
         device = slices[0].keys.device  # the bank's: the first layer's
-        keep = self._near_with_text(slices, keep)
         stacks = slice_stacks(slices)
+        keep = window_with_text(stacks, keep)
         indices, reasons, evict, near_newest = near_window(stacks, len(slices), keep, device, REASON_NEAR)
         if self._bank is None:
             prototypes = slices[0].summary_slots // self.pseudo_tokens
@@ -208,20 +207,6 @@ class ProtoKV(Policy, SummaryRegion):
         return Selection(
             indices, {"reason": reasons, "touched": touched, "phase_ms": dict(self._last["ms"])}, summary=summary
         )
-
-    @staticmethod
-    def _near_with_text(slices: list[LayerSlice], keep: int) -> int:
-        """Newest tokens every head of every layer can keep within ``keep`` once their grids' text is charged (one
-        read for all layers)."""
-        counts = [
-            select_with_text(s.order.double(), keep, s.order, s.frame, s.grid_text).sum(dim=1).min()
-            for s in slices
-            if s.grid_text is not None
-        ]
-        if not counts:
-            return keep
-        fewest = int(torch.stack([c.to(counts[0].device) for c in counts]).min())
-        return fewest if len(counts) == len(slices) else min(keep, fewest)
 
     def _new_bank(self, rows: int, prototypes: int, dim: int, grid: tuple[int, int], device: torch.device) -> ProtoBank:
         """An empty bank of ``rows x prototypes`` slots with this policy's PQ shape, warm-up and view history."""

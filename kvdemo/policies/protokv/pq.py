@@ -107,11 +107,12 @@ def beam_search(hist: torch.Tensor, modes: int, beam: int, smoothing: float) -> 
     width_max = min(beam, modes)
     counts = hist.long()
     total = counts.sum(-1, keepdim=True).double().add_(codewords * smoothing)  # [..., G, 1]
+    fullest = float(total.max()) if total.numel() else 0.0  # the search's one read back to the host
     # |score| is largest for an empty codeword of the fullest histogram: log(smoothing / total) * SCORE_SCALE.
-    largest = math.log(float(total.max()) / smoothing) * SCORE_SCALE + 1 if total.numel() else 0.0
+    largest = math.log(fullest / smoothing) * SCORE_SCALE + 1 if total.numel() else 0.0
     if (largest * groups + 1) * max(width_max, 1) * codewords >= 2**62:
         raise ValueError("beam search scores would overflow int64: fewer pseudo-tokens or codewords")
-    if total.numel() and float(total.max()) >= 2**31:
+    if fullest >= 2**31:
         raise ValueError(
             "beam search needs histograms of fewer than 2^31 residuals (their codewords are ranked by count)"
         )
