@@ -189,7 +189,7 @@ def _fold(bank: ProtoBank, r: torch.Tensor, j: torch.Tensor, i: torch.Tensor) ->
 
 def _fold_dense(bank: ProtoBank, merging: torch.Tensor, partner: torch.Tensor) -> torch.Tensor:
     """:func:`_fold` of every prototype ``merging [B, K]`` into its ``partner [B, K]``, through masks over every
-    slot (the dense form): the same sums in the same order (a slot that does not merge adds into a spare cell
+    slot (the dense form): the same sums in the same order on a CPU (a slot that does not merge adds into a spare cell
     past the end, or adds 0 where the sum is of integers). Returns the prototypes changed ``[B, K]``."""
     rows, capacity = bank.mass.shape
     cells = rows * capacity

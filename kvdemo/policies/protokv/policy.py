@@ -66,10 +66,11 @@ kvdemo's reading of the paper's "steps".
 **One pass for all layers (kvdemo's).** The pass reads the memory stack by stack (:mod:`.gathering`: every layer of a
 device at once), the bank holds every layer's rows, and the summary of every layer is one update on a GPU
 (:mod:`.synthesis`), so its launches do not grow with the layers. On a GPU it reads back to the host only what sizes
-its tensors (the update's group sizes, the touched prototypes of the fullest row, the warm-up's share of the
-reservoir while it fills), and the memory's compaction its counts: the bank takes dense forms there (:mod:`.bank`,
-"Without waiting for the device"); on a CPU, where a read costs no wait, the sparse forms stay. The counts the
-report gives (``last_pass``) stay on the device until the report is made.
+its tensors or guards them (the update's group sizes, the touched prototypes of the fullest row, the fullest PQ
+histogram of each beam search, the warm-up's share of the reservoir while it fills), and the memory's compaction its
+counts: the bank takes dense forms there (:mod:`.bank`, "Without waiting for the device"); on a CPU, where a read
+costs no wait, the sparse forms stay. Both leave the same bank. The counts the report gives (``last_pass``) stay on
+the device until the report is made.
 """
 
 from __future__ import annotations
@@ -287,8 +288,8 @@ class ProtoKV(Policy, SummaryRegion):
     # --- Alg. 2 -----------------------------------------------------------------------------
     def maintain(self, bank: ProtoBank, near: NearTokens, t: int, changed: torch.Tensor | None = None) -> torch.Tensor:
         """Aging, merging, recycling (once per chunk); returns the prototypes whose centres changed.
-        ``near(n)`` gathers the newest ``n`` near-window tokens of every row (as :func:`.gathering.gather_tokens` returns them);
-        ``changed [B, K]`` marks the prototypes absorption touched (merge candidates; all when None)."""
+        ``near(n)`` gathers the newest ``n`` near-window tokens of every row (as :func:`.gathering.gather_tokens`
+        returns them); ``changed [B, K]`` marks the prototypes absorption touched (merge candidates; all when None)."""
         if changed is None:
             changed = torch.ones_like(bank.used)
         bank.age(t, self.t_idle, self.decay)
