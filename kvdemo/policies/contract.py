@@ -265,16 +265,11 @@ def layer_rows(slices: list[LayerSlice], layers: tuple[int, ...], name: str) -> 
 @dataclass
 class SummaryUpdate:
     """A policy's synthetic entries for the summary region of one layer, or of several (ProtoKV's pseudo-tokens).
-
-    keys, values: ``[H_kv, U, D]`` post-RoPE, as attention reads them, written at ``slots [H_kv, U]`` of the
-    region (all ``S`` slots in order when ``slots`` is None); bias: ``[H_kv, S]`` additive key bias of every
-    slot (``-inf`` hides an unused one).
-
-    ``layers``: the layers the update covers when it covers several, their rows stacked layer by layer (``keys``
-    ``[len(layers) * H_kv, U, D]``, ``bias [len(layers) * H_kv, S]``...); it then stands at each of those layers'
-    places in ``Selection.summary`` (the same object), and the memory writes it once, one put of rows per tensor for
-    every layer of a device (:meth:`kvdemo.cache.layer.LayerGroup.write_summary`). Empty: the one layer at its place.
-    """
+    keys, values: ``[H_kv, U, D]`` post-RoPE, as attention reads them, written at ``slots [H_kv, U]`` of the region
+    (all ``S`` slots in order when ``slots`` is None); bias: ``[H_kv, S]`` additive key bias of every slot (``-inf``
+    hides an unused one). ``layers``: the layers it covers when several, rows stacked layer by layer (``keys
+    [len(layers) * H_kv, U, D]``...), the same object at each of their places in ``Selection.summary``, written once
+    for every layer of a device (:meth:`kvdemo.cache.layer.LayerGroup.write_summary`); empty: the one layer."""
 
     keys: torch.Tensor
     values: torch.Tensor
