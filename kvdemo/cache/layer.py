@@ -208,6 +208,21 @@ class LayerGroup:
             offload,
         )
 
+    def fork(self, live: int) -> LayerGroup:
+        """A copy with the same capacity whose first ``live`` slots (what attention reads) hold this group's, its
+        slack zero, for a question to write into while this group goes on taking chunks (:meth:`KVMemory.fork
+        <kvdemo.cache.memory.KVMemory.fork>`)."""
+        kv = torch.zeros_like(self.kv)
+        kv[:, :, :, :live] = self.kv[:, :, :, :live]
+        return LayerGroup(
+            kv,
+            self.packed.clone(),
+            list(self.layers),
+            None if self.bias is None else self.bias.clone(),
+            None if self.valid is None else self.valid.clone(),
+            None if self.offload is None else self.offload.fork(),
+        )
+
     def to(self, device: torch.device | str) -> LayerGroup:
         return LayerGroup(
             self.kv.to(device),

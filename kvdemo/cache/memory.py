@@ -53,6 +53,7 @@ event, then :class:`KVMemory`: its layout, the layer buffers, the writes, what a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -530,6 +531,34 @@ class KVMemory:
         )
         self.timeline.append(entry)
         return entry
+
+    # --- a fork to answer on while the stream goes on ------------------------------------------
+    @torch.inference_mode()
+    def fork(self) -> "KVMemory":
+        """The memory as it is now, in buffers of its own: a question answered on the fork writes into the fork's
+        slack, while chunks keep entering this memory and compressions keep moving its slots (a live session,
+        :mod:`kvdemo.stream.live`). Each group's buffers are copied (:meth:`LayerGroup.fork
+        <kvdemo.cache.layer.LayerGroup.fork>`: the live slots, what a question's prefill reads anyway), so the fork
+        costs as much memory as the buffers while the answer runs; the offload stores share their pools
+        (:meth:`OffloadStore.fork`). The committed linear state is shared: a chunk replaces it, never writes into it."""
+        twin = copy.copy(self)
+        forked = {}
+        for group in self.groups:
+            live = max(self.live_len(layer) for layer in group.layers) if self.prefix_len else group.capacity
+            forked[id(group)] = group.fork(live)
+        twin.groups = [forked[id(group)] for group in self.groups]
+        twin.layers = [
+            dataclasses.replace(
+                store,
+                group=forked[id(store.group)],
+                text_valid=None if store.text_valid is None else store.text_valid.clone(),
+            )
+            for store in self.layers
+        ]
+        twin.grid_times_s = list(self.grid_times_s)
+        twin.timeline = list(self.timeline)
+        twin.linear_state = dict(self.linear_state)
+        return twin
 
     # --- crossing a process boundary, moving devices ----------------------------------------
     def __getstate__(self) -> dict[str, Any]:

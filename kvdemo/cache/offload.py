@@ -94,6 +94,24 @@ class OffloadStore:
             last_fetched=[None] * layers,
         )
 
+    def fork(self) -> OffloadStore:
+        """A copy to answer on while later compressions add to this store: the pools are shared (a pass writes only
+        chunks past ``used`` and grows a pool by reallocating it, so what the fork reads never changes), the
+        bookkeeping a pass updates in place (tables, mean keys, counts, widths) and the retrieval record are the
+        fork's own, and nothing is held for a question yet."""
+        return replace(
+            self,
+            table=self.table.clone(),
+            mean_keys=self.mean_keys.clone(),
+            count=self.count.clone(),
+            stored=self.stored.clone(),
+            retrieve=self.retrieve.clone(),
+            retrieved=self.retrieved.clone(),
+            widths=list(self.widths),
+            last_fetched=list(self.last_fetched),
+            held={},
+        )
+
     @property
     def nbytes(self) -> int:
         """Real bytes of the stored keys and values (chunks in use)."""

@@ -89,8 +89,9 @@ class FrameStream:
         """Pickles without its model (a ZeroGPU worker sets ``model`` again)."""
         return {**self.__dict__, "model": None}
 
-    def push(self, frames: np.ndarray, times_s: np.ndarray | None = None) -> VisualChunk | None:
-        """Add frames ``[T, H, W, 3]`` (uint8, already resized); encode every complete temporal grid."""
+    def check(self, frames: np.ndarray) -> None:
+        """:class:`EngineError` unless ``frames`` are ``[T, H, W, 3]`` on the model's grid, of the stream's size
+        (the first frames checked set it)."""
         if frames.ndim != 4 or frames.shape[-1] != 3:
             raise EngineError(f"frames must be [T, H, W, 3] RGB, got shape {tuple(frames.shape)}")
         size = (int(frames.shape[1]), int(frames.shape[2]))
@@ -102,6 +103,10 @@ class FrameStream:
             self._size = size
         elif size != self._size:
             raise EngineError(f"frame size changed mid-stream: {self._size} -> {size}")
+
+    def push(self, frames: np.ndarray, times_s: np.ndarray | None = None) -> VisualChunk | None:
+        """Add frames ``[T, H, W, 3]`` (uint8, already resized); encode every complete temporal grid."""
+        self.check(frames)
         if times_s is None:
             times_s = (self.frames_seen + len(self._pending) + np.arange(len(frames))) / self.fps
         self._pending.extend(zip(frames, (float(t) for t in times_s)))
@@ -387,10 +392,11 @@ class StreamEngine:
         self.model.forward(embeds, self._placed(positions), cache)
         return [cache.capture[layer] for layer in range(self.memory.num_layers)]
 
-    def _placed(self, positions: torch.Tensor) -> torch.Tensor:
-        """Positions ``[3, n]`` counted by the cursor, placed where the memory holds the stream: lower by the gaps a
-        policy closed (``KVMemory.position_shift``: 0 unless a policy keeps its positions contiguous)."""
-        shift = self.memory.position_shift
+    def _placed(self, positions: torch.Tensor, memory: KVMemory | None = None) -> torch.Tensor:
+        """Positions ``[3, n]`` counted by the cursor, placed where the memory (the engine's, or the fork an answer
+        reads) holds the stream: lower by the gaps a policy closed (``KVMemory.position_shift``: 0 unless a policy
+        keeps its positions contiguous)."""
+        shift = (memory if memory is not None else self.memory).position_shift
         return positions - shift if shift else positions
 
     def _stopwatch(self) -> Stopwatch:
@@ -399,7 +405,12 @@ class StreamEngine:
 
     # --- answering ------------------------------------------------------------------------
     def ask(
-        self, question: str, max_new_tokens: int | None = None, attribute: bool = False, ignore_stop: bool = False
+        self,
+        question: str,
+        max_new_tokens: int | None = None,
+        attribute: bool = False,
+        ignore_stop: bool = False,
+        fork: bool = False,
     ) -> Iterator[str]:
         """Answer ``question`` from the memory; yields text pieces as tokens are generated. With ``attribute`` the
         answer records what it looked at (``Answer.attribution``, :mod:`kvdemo.analysis.explain`), tallied in the
@@ -411,6 +422,11 @@ class StreamEngine:
         ``compresses_on_question`` (HybridKV's ``classify_with=question``): the question first runs one pass
         with itself as the probe, when the memory holds more than ``C``; that pass is on the timeline.
         The question and the answer join the dialogue, re-encoded as text before the next question.
+
+        With ``fork`` the answer runs on a copy of the memory taken now (:meth:`KVMemory.fork`), so chunks may enter
+        the memory and compressions run between its tokens (:class:`kvdemo.stream.live.LiveSession`): the answer
+        sees the memory as it was when the question was asked, and what it retrieved is recorded on the memory when
+        it ends (the views show it). Without ``fork`` nothing else may use the memory until the answer ends.
         """
         question = self.check_question(question)
         if (
@@ -419,7 +435,8 @@ class StreamEngine:
             and self._held_under_budget() > self.budget.keep_for(0)
         ):
             self.compress(probe_text=question)
-        return self._generate(question, max_new_tokens or self.max_new_tokens, attribute, ignore_stop)
+        memory = self.memory.fork() if fork else self.memory
+        return self._generate(question, max_new_tokens or self.max_new_tokens, attribute, ignore_stop, memory)
 
     def check_question(self, question: str) -> str:
         """``question`` stripped, or :class:`EngineError` saying why it cannot be asked (:mod:`kvdemo.dialogue`)."""
@@ -444,27 +461,37 @@ class StreamEngine:
         (the memory is unchanged, as when answering)."""
         return self._question_prefill(question)[0]
 
-    def _question_prefill(self, question: str, observers: tuple = ()) -> tuple[torch.Tensor, MemoryCache, Any, int]:
-        """The question's prefill on a fork: its last logits, the cache to decode on (with ``observers`` in its
-        attention seam), the cursor after it, and the earlier turns left out of the replayed dialogue."""
+    def _question_prefill(
+        self, question: str, observers: tuple = (), memory: KVMemory | None = None
+    ) -> tuple[torch.Tensor, MemoryCache, Any, int]:
+        """The question's prefill in the slack of ``memory`` (the engine's by default, or a fork of it): its last
+        logits, the cache to decode on (with ``observers`` in its attention seam), the cursor after it, and the
+        earlier turns left out of the replayed dialogue."""
+        memory = memory if memory is not None else self.memory
         embeds, dropped = replayed_dialogue(self.model, self.history, question)
-        positions, cursor = self.model.text_positions(self.memory.cursor, int(embeds.shape[0]))
-        cache = MemoryCache(self.memory)  # writes go to the slack and are never committed
+        positions, cursor = self.model.text_positions(memory.cursor, int(embeds.shape[0]))
+        cache = MemoryCache(memory)  # writes go to the slack and are never committed
         cache.answering = True  # heads with an offload store retrieve (question prefill and every decode step)
         rotary = getattr(self.model, "rotary", None)
         if rotary is not None:  # a store that scores queries before RoPE unrotates the question's own
             cache.unrotate = lambda query: rotary.unrotate(query, positions.t().to(query.device))
         cache.observers.extend(observers)
-        self.memory.reset_retrieved()
-        return self.model.forward(embeds, self._placed(positions), cache), cache, cursor, dropped
+        memory.reset_retrieved()
+        return self.model.forward(embeds, self._placed(positions, memory), cache), cache, cursor, dropped
 
     @torch.inference_mode()
     def _generate(
-        self, question: str, max_new_tokens: int, attribute: bool = False, ignore_stop: bool = False
+        self,
+        question: str,
+        max_new_tokens: int,
+        attribute: bool = False,
+        ignore_stop: bool = False,
+        memory: KVMemory | None = None,
     ) -> Iterator[str]:
+        memory = memory if memory is not None else self.memory
         watch = self._stopwatch()
-        tally = AttributionTally(self.memory) if attribute else None
-        logits, cache, cursor, dropped = self._question_prefill(question, (tally,) if tally else ())
+        tally = AttributionTally(memory) if attribute else None
+        logits, cache, cursor, dropped = self._question_prefill(question, (tally,) if tally else (), memory)
         generated: list[int] = []
         text, ttft_ms = "", 0.0
         try:
@@ -483,9 +510,9 @@ class StreamEngine:
                 if step + 1 == max_new_tokens:  # the last token allowed: no forward for a token never generated
                     break
                 positions, cursor = self.model.text_positions(cursor, 1)
-                logits = self.model.forward(self.model.embed_text([token]), self._placed(positions), cache)
+                logits = self.model.forward(self.model.embed_text([token]), self._placed(positions, memory), cache)
         finally:
-            self.memory.release_retrieved()  # what the question brought back leaves the device
+            memory.release_retrieved()  # what the question brought back leaves the device
             text = self.model.detokenize(generated)
             self.history.append((question, text))
             self.answers.append(
@@ -495,12 +522,14 @@ class StreamEngine:
                     ms=watch.ms(),
                     ttft_ms=ttft_ms or watch.ms(),
                     tokens=len(generated),
-                    cache_bytes=self.memory.nbytes,
-                    visual_tokens=self.memory.visual_tokens,
+                    cache_bytes=memory.nbytes,
+                    visual_tokens=memory.visual_tokens,
                     dropped_turns=dropped,
                     attribution=tally.result() if tally is not None else None,
                 )
             )
+            if memory is not self.memory:  # a fork: its retrieval record goes to the memory, the fork is let go
+                self._adopt_retrieved([None if s.offload is None else s.offload.retrieved for s in memory.layers])
 
     def reset_dialogue(self) -> None:
         self.history.clear()
@@ -518,9 +547,16 @@ class StreamEngine:
     def load_answer_state(self, state: dict[str, Any]) -> None:
         self.history[:] = state["history"]
         self.answers[:] = state["answers"]
-        for store, retrieved in zip(self.memory.layers, state["retrieved"]):
-            if retrieved is not None and store.offload is not None:
-                store.offload.retrieved = retrieved.to(store.offload.retrieved.device)
+        self._adopt_retrieved(state["retrieved"])
+
+    def _adopt_retrieved(self, retrieved: list[torch.Tensor | None]) -> None:
+        """Each layer's record of the chunks the last answer retrieved ``[H, chunks]``, into the memory's stores: a
+        store that grew since (a pass while a live answer ran adds chunks after the ones it had) keeps its width,
+        the newer chunks marked not retrieved (:attr:`OffloadLayer.retrieved <kvdemo.cache.offload_layer.OffloadLayer>`
+        writes a record narrower than the store so)."""
+        for store, record in zip(self.memory.layers, retrieved):
+            if record is not None and store.offload is not None:
+                store.offload.retrieved = record
 
     # --- views and report -------------------------------------------------------------------
     def view_context(self) -> ViewContext:
