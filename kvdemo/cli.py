@@ -21,6 +21,7 @@ from .bench import write_json  # light: json and pathlib
 from .dialogue import QuestionError, check_question, check_question_text, clipped  # light: no torch
 from .errors import StreamSettingError, UserError  # light: imports nothing
 from .experiments.evaluation import QUESTION_FORMS  # light: torch loads when an evaluation runs
+from .live_run import ask_schedule, is_live, run_live  # light: the live session loads with the model
 from .media.video import Video, VideoFile, open_video, sampling_fps  # light: numpy and, when a file is opened, PyAV
 from .pruning import entry_label, parse_prune, split_entry  # light: the choice as text
 from .usage import UsageError, build_parser, one_line, parse_param  # the grammar: parser, help texts
@@ -105,6 +106,7 @@ def check_run_arguments(args: argparse.Namespace) -> dict[str, Any]:
         except QuestionError as exc:
             raise UsageError(f"--ask, question {number}: {exc}") from None
     args.prune = parse_prune(args.prune, "--prune")
+    ask_schedule(args)
     return dict(parse_param(p) for p in args.param)
 
 
@@ -150,10 +152,12 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"note: {model.notice}{elsewhere}", file=sys.stderr)
     if caveat := caveat_for(model.family):
         print(f"note: {caveat}", file=sys.stderr)
-    stream_with_progress(model, video, engines, engine, args.frames_per_chunk, args.quiet)
+    live = is_live(args) and run_live(args, model, video, engines, engine, episode, _progress)
+    if not live:  # a live run asked the questions while the stream played
+        stream_with_progress(model, video, engines, engine, args.frames_per_chunk, args.quiet)
     if video.lost_frames:
         print(f"warning: {video.describe()}", file=sys.stderr)
-    return answer_and_report(args, policy, engines, engine, video, episode)
+    return answer_and_report(args, policy, engines, engine, video, episode, live or None)
 
 
 def check_run(args: argparse.Namespace) -> tuple[Policy, Budget, str, Video | VideoFile, Episode | None]:
@@ -216,18 +220,19 @@ def answer_and_report(
     engine: StreamEngine,
     video: Video | VideoFile,
     episode: Episode | None,
+    live: dict[str, Any] | None = None,
 ) -> int:
-    """Ask ``engine`` every ``--ask`` question (graded on the bundled sample), print the summary and, with
-    ``--coverage``, how well the kept tokens cover the full cache; write ``--json``."""
+    """Ask ``engine`` every ``--ask`` question (graded on the sample) unless a ``live`` run asked them, print the
+    summary and, with ``--coverage``, how well the kept tokens cover the full cache; write ``--json``."""
     from .analysis.coverage import coverage, coverage_table  # deferred on purpose: it imports torch
 
-    for number, question in enumerate(args.ask):
+    for number, question in enumerate([] if live else args.ask):
         print(f"\nQ: {clipped(question)}\nA: ", end="", flush=True)
         for piece in engine.ask(question):
             print(piece, end="", flush=True)
         answer, earlier = engine.answers[-1].answer, args.ask[:number]  # "And the diamond?" follows what was asked
         print(f"   ({grade(episode, question, answer, engine.last_time_s, earlier).note})" if episode else "")
-    report = engine.report(video=video.describe(), lost_frames=video.lost_frames)
+    report = engine.report(video=video.describe(), lost_frames=video.lost_frames) | ({"live": live} if live else {})
     print(summary_table(report, engine))
     if args.coverage:
         full_memory = engines["full"].memory if "full" in engines else engine.memory

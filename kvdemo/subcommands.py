@@ -103,7 +103,10 @@ examples:
   python -m kvdemo run --policy full --prune evs:0.75
       EVS before the LLM, the full cache behind it
   python -m kvdemo run -M 64 -C 48 --prune vidcom2:0.5
-      VidCom2 (half enter) in front of the default policy"""
+      VidCom2 (half enter) in front of the default policy
+  python -m kvdemo run --realtime --ask "What colour was the circle?" --ask-at 5,12
+      the sample played live at its own pace, the question asked at 5 s and 12 s while the stream goes on;
+      prints each answer and how far behind live the memory was"""
 
 
 def add_run(commands: Any, stream: argparse.ArgumentParser, about: PolicyHelp) -> None:
@@ -136,6 +139,44 @@ def add_run(commands: Any, stream: argparse.ArgumentParser, about: PolicyHelp) -
         help="also stream a full cache and report how well the kept tokens cover it (CoRDS Sec. 4.6)",
     )
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument(
+        "--realtime",
+        action="store_true",
+        help="play the video at its own pace, as a live source: each frame is captured when its time comes, and "
+        "each chunk's lag behind live (captured -> in the memory) is printed and reported",
+    )
+    run.add_argument(
+        "--ask-at",
+        type=seconds_list,
+        metavar="S1,S2,...",
+        help="stream seconds at which the --ask questions are asked, without pausing the stream (one question: "
+        "asked at each; else one second per question; past the stream's end: at its end)",
+    )
+    run.add_argument(
+        "--max-waiting",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="with --realtime or --ask-at: seconds of frames that may wait for the device; past that the oldest "
+        "waiting frames are dropped and counted (default 10)",
+    )
+    run.add_argument(
+        "--pause-to-answer",
+        action="store_true",
+        help="with --ask-at: decode each answer whole before the next chunk (the stream pauses meanwhile, as "
+        "kvdemo did before live scheduling), to compare the lag",
+    )
+
+
+def seconds_list(text: str) -> list[float]:
+    """``5,12.5`` -> ``[5.0, 12.5]``: stream seconds, each finite and 0 or more (argparse's type for ``--ask-at``)."""
+    try:
+        seconds = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"stream seconds separated by commas, e.g. 5,12; got {text!r}") from None
+    if not seconds or not all(0 <= s < float("inf") for s in seconds):
+        raise argparse.ArgumentTypeError(f"stream seconds must be 0 or more, e.g. 5,12; got {text!r}")
+    return seconds
 
 
 COMPARE_DESCRIPTION = """\

@@ -166,6 +166,7 @@ def docstrings(tree: ast.AST) -> set[int]:
         "devices",
         "world",
         "cli.py",
+        "live_run.py",
         "usage.py",
         "subcommands.py",
         "tool_commands.py",
@@ -215,6 +216,7 @@ FLOORS: list[tuple[str, list[str]]] = [
         [
             "kvdemo.app",
             "kvdemo.cli",
+            "kvdemo.live_run",
             "kvdemo.usage",
             "kvdemo.subcommands",
             "kvdemo.tool_commands",
