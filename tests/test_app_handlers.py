@@ -4,12 +4,13 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from kvdemo import viz
 from kvdemo.app import handlers
 from kvdemo.app.handlers import run_stream, webcam_frame
 from kvdemo.app.layout import CACHE_CLEANUP, build_demo
-from kvdemo.app.sessions import AppServices, RunSettings, Session, Turns
+from kvdemo.app.sessions import AppServices, RunSettings, Session
 from kvdemo.app.settings import parse_params, validate_settings
 from kvdemo.app.single_updates import SingleUpdates, write_chart
 from kvdemo.cache.memory import REASON_NEW
@@ -266,34 +267,43 @@ def test_a_new_run_replaces_the_previous_session_only_once_it_streams(hub, media
     assert "**infinipot-v**, M=1024 C=768" == started["policy_title"]
 
 
-def test_a_waiting_question_goes_before_the_streams_next_chunk():
-    import threading
+def webcam(hub, frames, session=None, **overrides):
+    for frame in frames:
+        session = webcam_frame(hub, session, frame, settings(**overrides))["session"]
+    return session
 
-    turns, order = Turns(), []
-    first_chunk_held, question_waiting = threading.Event(), threading.Event()
 
-    def stream():
-        for i in range(3):
-            with turns.chunk():
-                order.append(f"chunk {i}")
-                if i == 0:
-                    first_chunk_held.set()
-                    question_waiting.wait(5)
-                    while not turns._questions_waiting:
-                        threading.Event().wait(0.01)
+def test_the_webcam_keeps_streaming_while_a_question_is_answered(hub):
+    """The answer's handler and the webcam's take turns on the engines: frames given while the answer streams enter
+    the memory at once (a chunk between its tokens), the answer comes from the memory as it was when it was asked,
+    and the memory ends as a webcam session with no question ends. The random model answers all 24 tokens, 4 a turn."""
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 255, (240, 320, 3), dtype=np.uint8) for _ in range(8)]
+    options = dict(model="tiny-random", budget=1024, keep=768)
+    session, quiet = webcam(hub, frames[:4], **options), webcam(hub, frames, **options)
+    held = session.engine.memory.visual_tokens
+    answering = handlers.ask(session, "What is in view?", SingleUpdates(), max_new_tokens=24)
+    assert next(answering)["ask_status"] == "⏳ answering…"  # one turn ran: 4 tokens of each answer
+    webcam(hub, frames[4:], session, **options)
+    assert session.engine.frames_fed == 8 and session.live.in_flight, "two chunks entered while it answered"
+    final = list(answering)[-1]
+    assert "✓ answered" in final["ask_status"] and session.engine.answers[-1].visual_tokens == held
+    assert session.engine.answers[-1].tokens == 24
+    for name, engine in session.engines.items():
+        mine, theirs = engine.memory, quiet.engines[name].memory
+        assert all(torch.equal(a, b) for a, b in zip(mine.keys + mine.values, theirs.keys + theirs.values))
 
-    def question():
-        first_chunk_held.wait(5)
-        question_waiting.set()
-        with turns.question():
-            order.append("question")
 
-    threads = [threading.Thread(target=stream), threading.Thread(target=question)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
-    assert order == ["chunk 0", "question", "chunk 1", "chunk 2"]
+def test_a_session_freed_while_it_answers_lets_the_answer_go_and_says_why(hub):
+    rng = np.random.default_rng(1)
+    frames = [rng.integers(0, 255, (240, 320, 3), dtype=np.uint8) for _ in range(4)]
+    session = webcam(hub, frames, model="tiny-random", budget=1024, keep=768)
+    answering = handlers.ask(session, "What is in view?", SingleUpdates(), max_new_tokens=24)
+    next(answering)
+    live = session.live
+    hub.sessions.free(session)
+    final = list(answering)[-1]
+    assert live.in_flight == [] and "freed" in final["ask_status"]
 
 
 @pytest.mark.slow

@@ -234,7 +234,7 @@ def compare_fidelity(state: Session | None, question: str) -> dict[str, Any]:
         return {"fidelity_text": "⚠️ no video yet: run a comparison first"}
     if FULL in state.stopped:
         return {"fidelity_text": f"⚠️ the full cache stopped ({state.stopped[FULL]}): nothing to compare with"}
-    with state.turns.question():
+    with state.turns:
         try:
             full = state.engines[FULL]
             full.check_question(question)

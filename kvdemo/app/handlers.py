@@ -3,12 +3,16 @@ the app builds engines), stream a file or the bundled sample (:func:`run_stream`
 (:func:`ask`), start a new conversation, stop. The single page is a comparison with one contender: each handler
 takes the page's :class:`~kvdemo.app.page_updates.PageUpdates`, which says what the page shows at each step. Each
 yields or returns update dicts keyed by view name (the pages map them to components); errors a user can cause
-end in a message, never an exception."""
+end in a message, never an exception.
+
+A question never pauses the stream: the session's live scheduler feeds the stream's chunks between the answer's
+tokens (:mod:`kvdemo.stream.live`), so the stream's and the question's handlers use the engines in turns; whatever
+reads the memory to draw it does so in the session's turn (:func:`drawn`), never while a chunk is half-fed."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -21,7 +25,7 @@ from ..stream.engine import EngineError
 from ..stream.lineup import Contender, cap_bytes, make_engines, size_lineup
 from ..stream.streaming import EngineGroup
 from ..views import counted
-from .gpu import answer_into, feed_segment, segment_frames, to_the_end
+from .gpu import answer_into, feed_now, feed_segment, live_session, segment_frames
 from .page_updates import PageUpdates, answer_markdown
 from .sessions import AppServices, CompareSettings, RunSettings, Session
 from .settings import FRAMES_PER_CHUNK, USER_ERRORS, open_stream, settings_lineup, within_max_pixels
@@ -37,6 +41,7 @@ def start_session(
     source: str,
     frame_size: tuple[int, int],
     fps: float | None = None,
+    live_source: bool = False,
 ) -> Session:
     """A fresh session for ``settings`` (either page's) on frames of ``frame_size`` (resized): one engine per
     contender of ``lineup`` (the settings resolved once, :func:`~kvdemo.app.settings.settings_lineup`), then the full
@@ -47,6 +52,7 @@ def start_session(
     contenders, a message names the one it is about). The caller's previous session is left alone: the pool replaces
     it once the new stream is under way. ``fps`` is the stream's real sampling rate when it differs from the setting
     (a file sampled faster than it was recorded streams at its own).
+    ``live_source``: the stream is live (the webcam): its lag behind live is shown and reported.
     """
     fps = fps or settings.fps
     model = services.models.get(settings.model)
@@ -56,8 +62,13 @@ def start_session(
     contenders = [Contender(name, policy=policy, budget=budget) for name, (policy, budget) in sized.items()]
     engines = make_engines(model, contenders, fps=fps, baseline=settings.baseline, baseline_cap_bytes=cap)
     state = Session(
-        settings=settings, group=EngineGroup(model, engines, fps), source=source, frame_size=tuple(frame_size)
+        settings=settings,
+        group=EngineGroup(model, engines, fps),
+        source=source,
+        frame_size=tuple(frame_size),
+        live_source=live_source,
     )
+    state.live = live_session(state)
     state.chat = {name: [] for name in engines}
     state.bound = memory_bound(model, engines, tokens * fps / FRAMES_PER_CHUNK, cap)
     return state
@@ -98,15 +109,18 @@ def run_stream(
             if fed and not committed:
                 services.sessions.replace(previous, state)
                 committed = True
-                yield {**updates.live(state, state.group.frames_seen, total, force=True), **updates.fresh(state)}
+                yield drawn(
+                    state, lambda: {**updates.live(state, seen(state), total, force=True), **updates.fresh(state)}
+                )
             elif fed:
-                yield updates.live(state, state.group.frames_seen, total)
+                yield drawn(state, lambda: updates.live(state, seen(state), total))
     except USER_ERRORS as exc:
         if not committed:
             state.free()
             yield updates.kept_previous(previous, str(exc))
             return
-        yield {"session": state, "status": updates.status(state, error=str(exc))}
+        message = str(exc)
+        yield drawn(state, lambda: {"session": state, "status": updates.status(state, error=message)})
         return
     finally:
         state.running = False
@@ -125,7 +139,21 @@ def run_stream(
         state.stopped["run"] = f"stopped by the user at {done} of {counted(total, 'frame')}"
     else:
         state.source, state.lost_frames = video.describe(), video.lost_frames  # now knows the damaged frames
-    yield updates.finished(state, done, total if stopped else total - video.lost_frames, stopped)
+    yield drawn(state, lambda: updates.finished(state, done, total if stopped else total - video.lost_frames, stopped))
+
+
+def seen(state: Session) -> int | None:
+    return state.group.frames_seen if state.group is not None else None
+
+
+def drawn(state: Session, update: Callable[[], dict[str, Any]], key: str = "status") -> dict[str, Any]:
+    """``update()`` made in the session's turn: what it reads of the memory is whole (a question's turns feed chunks
+    from another thread), and the turn is given back before the update is yielded. A session freed meanwhile says
+    why under ``key``."""
+    with state.turns:
+        if state.group is None and state.freed:
+            return {"session": state, key: f"⚠️ **{state.freed}**"}
+        return update()
 
 
 def request_stop(session: Session | None) -> None:
@@ -141,8 +169,10 @@ def webcam_frame(
     settings: RunSettings,
     updates: SingleUpdates = SingleUpdates(),
 ) -> dict[str, Any]:
-    """One webcam frame: buffered into segments for the engines (never one model call per frame). Starts a
-    fresh session on the first frame or when the settings changed."""
+    """One webcam frame, queued in the session's live scheduler and fed with the frames waiting once they make a
+    segment, if the engines are free now: never one model call per frame, and never a wait for an answer (its turns
+    feed the frames meanwhile; on ZeroGPU the next call does). Starts a fresh session on the first frame or when the
+    settings changed. The update shows how far behind live the memory is and any frames dropped."""
     state = session or Session()
     if frame is None:
         return {"session": state}
@@ -157,20 +187,20 @@ def webcam_frame(
             or not state.source.startswith("webcam")
             or state.frame_size != size
         ):
-            state = start_session(services, settings, settings_lineup(settings), "webcam (live)", size)
+            state = start_session(
+                services, settings, settings_lineup(settings), "webcam (live)", size, live_source=True
+            )
             services.sessions.replace(session, state)
             started = True
-        state.webcam_frames.append(resized[0])
-        fed = 0
-        if len(state.webcam_frames) >= segment_frames():
-            frames, state.webcam_frames = np.stack(state.webcam_frames), []
-            fed = to_the_end(feed_segment(state, frames, None, False, updates, None))  # reports once it is fed
+        state.live.put(resized)
+        if state.live.frames_waiting >= segment_frames():
+            feed_now(state, updates)
     except USER_ERRORS as exc:
-        return {"session": state, "status": updates.status(state, error=str(exc))}
-    update = updates.live(state) if fed else {"session": state}
-    if started:
-        update.update(updates.fresh(state))
-    return update
+        message = str(exc)
+        return drawn(state, lambda: {"session": state, "status": updates.status(state, error=message)})
+    if not state.group or not state.group.frames_seen:
+        return {"session": state, **(updates.fresh(state) if started else {})}
+    return drawn(state, lambda: {**updates.live(state), **(updates.fresh(state) if started else {})})
 
 
 def ask(
@@ -180,12 +210,12 @@ def ask(
     yields the page's chats as the answers stream in, interleaved, and an ``ask_status`` line beside the question
     box: why it was not asked, or that it was; the last update adds what the answers change (``updates.answered``).
 
-    The question takes the session's turn before the stream's next chunk (the stream pauses meanwhile, and nothing
-    frees the engines until the answer is done).
+    The stream goes on while the answers decode (each on a fork of its engine's memory as it is now: its chunks enter
+    between their tokens); a session freed meanwhile ends the answers with its reason.
     """
     state = session or Session()
     question = (question or "").strip()
-    with state.turns.question():
+    with state.turns:
         try:
             if state.freed and state.group is None:
                 raise EngineError(state.freed)
@@ -194,21 +224,29 @@ def ask(
             if not question:
                 raise EngineError("type a question first")
             next(iter(state.engines.values())).check_question(question)
+            refused = ""
         except EngineError as exc:
-            yield {"session": state, "ask_status": f"⚠️ {exc}", **updates.chats(state)}
-            return
-        state.last_used = time.monotonic()
-        asked = {name: engine for name, engine in state.engines.items() if name not in state.stopped}
-        for name in state.engines:
-            reply = "" if name in asked else f"*{state.stopped[name]}; no answer.*"
-            state.chat[name] += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
-        for _ in answer_into(state, asked, question, max_new_tokens, attribute):
-            yield {"session": state, "ask_status": "⏳ answering…", **updates.chats(state)}
-        answers = {name: state.engines[name].answers[-1] for name in asked}
-        for name, answer in answers.items():
-            state.chat[name][-1]["content"] = answer_markdown(state, answer, updates.answer_details)
-        update = {"session": state, **updates.chats(state), **updates.answered(state, question, answers)}
-    yield update
+            refused = f"⚠️ {exc}"
+        if not refused:
+            state.last_used = time.monotonic()
+            asked = {name: engine for name, engine in state.engines.items() if name not in state.stopped}
+            for name in state.engines:
+                reply = "" if name in asked else f"*{state.stopped[name]}; no answer.*"
+                state.chat[name] += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+    if refused:
+        yield {"session": state, "ask_status": refused, **updates.chats(state)}
+        return
+    for _ in answer_into(state, asked, question, max_new_tokens, attribute):
+        yield {"session": state, "ask_status": "⏳ answering…", **updates.chats(state)}
+    yield drawn(state, lambda: answered(state, asked, question, updates), key="ask_status")
+
+
+def answered(state: Session, asked: dict, question: str, updates: PageUpdates) -> dict[str, Any]:
+    """The last update of a question (in the session's turn): each answer with its details in its chat pane."""
+    answers = {name: state.engines[name].answers[-1] for name in asked}
+    for name, answer in answers.items():
+        state.chat[name][-1]["content"] = answer_markdown(state, answer, updates.answer_details)
+    return {"session": state, **updates.chats(state), **updates.answered(state, question, answers)}
 
 
 def new_conversation(session: Session | None, updates: PageUpdates) -> dict[str, Any]:
@@ -226,5 +264,5 @@ def redraw(session: Session | None, view: DisplayChoice) -> dict[str, Any]:
     yet in the session)."""
     if session is None:
         return {"heatmap": None}
-    with session.turns.question():
+    with session.turns:
         return SingleUpdates(view).redraw(session)

@@ -108,6 +108,28 @@ class PageUpdates(ABC):
         return str(path)
 
 
+def behind_live(state: Session) -> str:
+    """For a live source, how far behind live the memory is, the frames waiting for the device and those dropped
+    (kvdemo's rule: past the queue's bound the oldest waiting frames go, and are counted here); '' otherwise."""
+    live = state.live
+    if not state.live_source or live is None:
+        return ""
+    line = f"behind live **{live.lag():.1f} s** · {counted(live.frames_waiting, 'frame')} waiting"
+    if live.dropped:
+        line += (
+            f" · ⚠️ **{counted(live.dropped, 'frame')} dropped**: more than {counted(live.max_waiting, 'frame')} "
+            "waited for the model, the oldest went"
+        )
+    return line
+
+
+def lag_series(state: Session) -> list[tuple[float, float]] | None:
+    """(stream time, lag behind live) of each chunk of a live source, for the occupancy chart; None otherwise."""
+    if not state.live_source or state.live is None:
+        return None
+    return [(record.time_s, record.lag_s) for record in state.live.records]
+
+
 def answer_note(state: Session, answer) -> str:
     """What an answer is worth (either page): graded against the ground truth on a generated stream; on other inputs,
     a warning when the model is an offline tiny one (random, or trained only on generated streams)."""

@@ -1,8 +1,9 @@
 """Process-wide models and per-session state: each model loaded once (:class:`ModelHub`), what a user chose on
 either page (:class:`RunSettings`, :class:`CompareSettings`: both name their contenders), at most so many sessions
 holding engines (:class:`SessionPool`), one session's engines, thumbnails and dialogue (:class:`Session`, one type
-for both pages: the single page is a comparison with one contender), whose turn it is to use them
-(:class:`Turns`), and the files served to them, deleted after an hour (:class:`CacheSweeper`)."""
+for both pages: the single page is a comparison with one contender), the live scheduler that feeds them and answers
+on them (:class:`~kvdemo.stream.live.LiveSession`, whose device turn is the session's), and the files served to
+them, deleted after an hour (:class:`CacheSweeper`)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,20 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..devices.turn import DeviceTurn
 from ..experiments.compare import parse_overrides
 from ..models.catalog import OFFLINE_MODELS, REAL_MODELS, chosen_model_name
 from ..models.loading import load_model
 from ..stream.engine import StreamEngine
 from ..stream.lineup import FULL, Contender
+from ..stream.live import LiveSession
 from ..stream.streaming import EngineGroup
 from ..world.synthetic import Episode
 from .slots import STREAM_SLOTS, StreamSlots
@@ -68,45 +70,6 @@ class ModelHub:
 
     def choices(self) -> list[str]:
         return list(dict.fromkeys([self.default, *OFFLINE_MODELS, *REAL_MODELS]))
-
-
-class Turns:
-    """Who uses one session's engines now: one stream chunk or one question at a time. A waiting
-    question goes before the stream's next chunk, so it waits at most one chunk."""
-
-    def __init__(self) -> None:
-        self._condition = threading.Condition()
-        self._busy = False
-        self._questions_waiting = 0
-
-    @contextmanager
-    def chunk(self) -> Iterator[None]:
-        with self._condition:
-            self._condition.wait_for(lambda: not self._busy and not self._questions_waiting)
-            self._busy = True
-        try:
-            yield
-        finally:
-            self._release()
-
-    @contextmanager
-    def question(self) -> Iterator[None]:
-        with self._condition:
-            self._questions_waiting += 1
-            try:
-                self._condition.wait_for(lambda: not self._busy)
-            finally:
-                self._questions_waiting -= 1
-            self._busy = True
-        try:
-            yield
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        with self._condition:
-            self._busy = False
-            self._condition.notify_all()
 
 
 @dataclass
@@ -185,15 +148,19 @@ class Session:
     attributions: dict[str, Any] = field(default_factory=dict)
     questions: list[dict[str, Any]] = field(default_factory=list)
     fidelity: dict[str, Any] = field(default_factory=dict)
-    #: Webcam frames (resized) waiting to make a segment (one GPU call per segment, never per frame).
-    webcam_frames: list[np.ndarray] = field(default_factory=list)
+    #: The live scheduler over the group: frames wait in its queue (bounded; the oldest dropped and counted), and
+    #: chunks keep entering between an answer's tokens (:mod:`kvdemo.stream.live`).
+    live: LiveSession | None = None
+    #: The stream is live (the webcam): its lag behind live and dropped frames are shown and reported.
+    live_source: bool = False
     #: A file run is streaming; ``stop_requested`` ends it after the current chunk.
     running: bool = False
     stop_requested: bool = False
     #: Why the engines were freed early ("" while they are held).
     freed: str = ""
     last_used: float = field(default_factory=time.monotonic)
-    turns: Turns = field(default_factory=Turns)
+    #: Whose turn it is to use the engines: one chunk or a few answer tokens at a time (:class:`DeviceTurn`).
+    turns: DeviceTurn = field(default_factory=DeviceTurn)
     last_plot: float = 0.0
     last_heatmap: float = 0.0
     last_gallery: float = 0.0
@@ -236,9 +203,12 @@ class Session:
         return Path(self._report_dir)
 
     def free(self, reason: str = "") -> None:
-        self.group = None
+        """Let the engines go (an answer still decoding stops, its forks with it). The caller holds the turn."""
+        if self.live is not None:
+            self.live.close()
+        self.group, self.live = None, None
         self.thumbnails.clear()
-        self.freed = reason
+        self.freed = reason or "this session's engines were freed; run the video again"
         if self._report_dir is not None:
             shutil.rmtree(self._report_dir, ignore_errors=True)
             self._report_dir = None
@@ -266,7 +236,7 @@ class SessionPool:
             victims = others[: max(0, len(self._sessions) - self.limit)]
             self._sessions = [s for s in self._sessions if s not in victims]
         for victim in victims:  # outside the pool's lock: a victim may be mid-chunk or mid-answer
-            with victim.turns.question():
+            with victim.turns:
                 victim.free(
                     f"this session's engines were freed to make room: the app keeps at most {self.limit} "
                     "sessions and this one was the least recently used; run the video again"
@@ -285,10 +255,10 @@ class SessionPool:
         self.admit(new)
 
     def free(self, session: Session | None) -> None:
-        """Free a session's engines (between its chunks and after its answer, if one is running)."""
+        """Free a session's engines (between two of its turns: an answer still decoding stops there)."""
         if session is not None:
             self.release(session)
-            with session.turns.question():
+            with session.turns:
                 session.free()
 
 

@@ -84,7 +84,7 @@ class SinglePageEvents(SinglePage):
             "prune": self.prune,
         }
         # Streams and questions have separate slots: a question is served within one chunk's time whatever
-        # other sessions stream (its own session's stream pauses between chunks while it is answered).
+        # other sessions stream (its own session's stream goes on between its tokens).
         streams, questions = STREAMS, QUESTIONS
         run_event = self.run_button.click(
             self.on_run,

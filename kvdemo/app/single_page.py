@@ -33,7 +33,7 @@ from .single_updates import (
 from .slots import STREAM_SLOTS, WAITING_ROOM
 
 #: Questions served at once, in their own slots: a question never waits for other sessions' streams,
-#: and its own session's stream pauses between chunks while it is answered.
+#: and its own session's stream goes on between its tokens (kvdemo.stream.live).
 QUESTION_SLOTS = 2
 #: Gradio starts stream events up to the slots and a waiting room; those without a slot wait in line in the app,
 #: where their status says their place (:mod:`kvdemo.app.slots`).

@@ -16,7 +16,7 @@ from ..experiments.compare import FULL
 from ..models.catalog import TRAINED_NOTICE, caveat_for, family_of, family_spec, offline_model
 from ..policies import CARDS, policy_card
 from ..views import View, counted, tokens_held
-from .page_updates import PageUpdates
+from .page_updates import PageUpdates, behind_live, lag_series
 from .sessions import CACHE_TTL_S, STATIC_DIR, Session
 from .settings import policy_label
 
@@ -40,6 +40,10 @@ values, so it shows exactly what the cache holds.
 
 **Chat**: one question goes to both engines; the dialogue is replayed as text after the video memory,
 and the memory is unchanged by answering. Under each answer: time to first token and the cache size.
+The stream goes on while a question is answered: each answer reads a copy of the memory as it was when it was
+asked, and the next chunks enter between its tokens. On the webcam the status says how far behind live the memory
+is (the dotted line on the chart, per chunk); frames that wait more than 10 s for the model are dropped, oldest
+first, and counted there.
 
 **Limits**: this app keeps the engines of at most {max_sessions} sessions (starting another frees the least
 recently used one) and frees a session's engines an hour after its tab closes; files it serves (uploads,
@@ -76,6 +80,8 @@ def status_text(
             + (f" + {offloaded / 2**20:.2f} MB offloaded" if offloaded else "")
             + f" · {chunk_time(session.chunk_ms)} · {compression_time(stats)}"
         )
+        if live := behind_live(session):
+            lines.append(live)
         full = session.full
         if full is not None:
             state = session.stopped.get(FULL)
@@ -163,7 +169,7 @@ def occupancy_plot(session: Session, log_scale: bool = False):
     if session.full is not None:
         series["full cache"] = session.full.memory.timeline
     pruning = {name: engine.pruning.points} if engine.pruning is not None else None
-    return viz.occupancy_figure(series, engine.budget.M, log_scale=log_scale, pruning=pruning)
+    return viz.occupancy_figure(series, engine.budget.M, log_scale=log_scale, pruning=pruning, lag=lag_series(session))
 
 
 def empty_occupancy_plot(policy: str, budget: int):
@@ -396,6 +402,8 @@ class SingleUpdates(PageUpdates):
             report["stopped"] = dict(state.stopped)
         if state.coverage:
             report["coverage"] = state.coverage
+        if state.live_source and state.live is not None:
+            report["live"] = state.live.report()
         return report
 
     def redraw(self, state: Session) -> dict[str, Any]:

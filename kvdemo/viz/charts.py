@@ -47,6 +47,7 @@ def occupancy_figure(
     title: str = "",
     log_scale: bool = False,
     pruning: dict[str, list[tuple[float, int, int]]] | None = None,
+    lag: list[tuple[float, float]] | None = None,
 ):
     """Visual tokens (top) and real cache MB (bottom) over stream time for each engine.
 
@@ -55,6 +56,8 @@ def occupancy_figure(
     ``log_scale``: logarithmic y axes, so a sawtooth stays visible beside a full cache that has grown.
     ``pruning`` maps the label of an engine with pruning before the LLM to its points ``(time s, visual tokens offered
     so far, entered so far)``: two more lines of its colour, what the stream offered against what entered.
+    ``lag``: a live stream's ``(stream time, seconds behind live)`` per chunk, drawn over the bottom panel against
+    its own axis on the right.
     (Built as one dict: plotly's subplot helpers cost ~100 ms per live update.)
     """
     pruning = pruning or {}
@@ -172,6 +175,21 @@ def occupancy_figure(
                 bgcolor="rgba(255,255,255,0.8)",
             )
         )
+    if lag is not None:
+        data.append(
+            dict(
+                type="scatter",
+                x=[t for t, _ in lag],
+                y=[seconds for _, seconds in lag],
+                mode="lines+markers",
+                name="behind live (s)",
+                xaxis="x",
+                yaxis="y3",
+                line=dict(color="#7f7f7f", width=1.5, dash="dot"),
+                marker=dict(size=4),
+                hovertemplate="%{y:.2f} s behind live at %{x:.1f}s<extra></extra>",
+            )
+        )
     tokens = [e.visual_tokens for events in series.values() for e in events] + ([budget] if budget else [])
     tokens += [p[1] for points in pruning.values() for p in points]
     megabytes = [max(e.cache_bytes, e.offloaded_bytes) / 2**20 for events in series.values() for e in events]
@@ -200,6 +218,11 @@ def occupancy_figure(
         ),
         yaxis2=dict(domain=[0.0, 0.44], **scale, **(log_ticks(megabytes) if log_scale else {})),
     )
+    if lag is not None:
+        layout["yaxis3"] = dict(
+            overlaying="y2", side="right", rangemode="tozero", showgrid=False, title=dict(text="behind live (s)")
+        )
+        layout["margin"] = dict(layout["margin"], r=60)
     return go.Figure(dict(data=data, layout=layout))
 
 
