@@ -106,8 +106,15 @@ def stream(model, policy: str, questions: dict[int, str]) -> tuple[LiveSession, 
     return live, answers
 
 
-@pytest.mark.parametrize("device", ["cpu", "emulated"])
-@pytest.mark.parametrize("policy", sorted(REGISTRY))
+#: The day-to-day tier keeps the cheapest compressing policy on the CPU; every other case is in the slow tier.
+MATRIX = [
+    pytest.param(policy, device, marks=() if (policy, device) == ("sliding-window", "cpu") else pytest.mark.slow)
+    for policy in sorted(REGISTRY)
+    for device in ("cpu", "emulated")
+]
+
+
+@pytest.mark.parametrize("policy, device", MATRIX)
 def test_questions_mid_stream_leave_the_memory_bit_identical(tiny_random, policy, device):
     """Every policy (HybridKV's offload store and ProtoKV's bank included), on the CPU and on the emulated device: the
     stream with two questions answered while it goes on ends with every engine's memory and policy state equal, bit
@@ -134,7 +141,10 @@ def test_questions_mid_stream_leave_the_memory_bit_identical(tiny_random, policy
         assert mode.ops > 1000
 
 
-@pytest.mark.parametrize("policy", ["infinipot-v", "hybridkv", "protokv"])
+@pytest.mark.parametrize(
+    "policy",
+    ["infinipot-v", pytest.param("hybridkv", marks=pytest.mark.slow), pytest.param("protokv", marks=pytest.mark.slow)],
+)
 def test_an_answer_sees_the_memory_as_it_was_when_asked_even_with_a_compression_due(tiny_random, policy):
     """The question comes when the next chunk must compress first: that chunk enters (and the pass runs) while the
     answer decodes, and the answer equals the one an engine fed up to the question gives without a live session."""
@@ -321,6 +331,9 @@ def test_bad_settings_and_bad_frames_are_one_line_errors(tiny_random):
         LiveSession(tiny_random, engines(tiny_random, "full"), frames_per_chunk=3)
     with pytest.raises(EngineError, match="at least one token"):
         LiveSession(tiny_random, engines(tiny_random, "full"), tokens_per_turn=0)
+    with pytest.raises(EngineError, match="positive number of seconds"):
+        LiveSession(tiny_random, engines(tiny_random, "full"), max_waiting_s=0)
+    assert LiveSession(tiny_random, engines(tiny_random, "full"), max_waiting_s=math.inf).max_waiting == math.inf
     live = LiveSession(tiny_random, engines(tiny_random, "full"))
     with pytest.raises(EngineError, match=r"\[T, H, W, 3\]"):
         live.put(np.zeros((2, 112, 112), np.uint8))

@@ -194,7 +194,10 @@ class LiveSession:
             raise EngineError(f"an answer decodes at least one token per turn, got {tokens_per_turn}")
         self.group, self.fps = group, group.stream.fps
         self.frames_per_chunk, self.tokens_per_turn = frames_per_chunk, tokens_per_turn
-        self.max_waiting = max(frames_per_chunk, math.ceil(max_waiting_s * self.fps))
+        if not max_waiting_s > 0:
+            raise EngineError(f"frames may wait a positive number of seconds, got {max_waiting_s}")
+        bound = math.ceil(max_waiting_s * self.fps) if math.isfinite(max_waiting_s) else math.inf
+        self.max_waiting = max(frames_per_chunk, bound)  # frames; inf: none is ever dropped
         self.clock, self.turn, self.on_chunk = clock, turn or DeviceTurn(), on_chunk
         self.waiting: deque[tuple[np.ndarray, float, float]] = deque()  # (frame, stream time, captured)
         self.received = 0  # frames put, dropped ones included (they keep their stream time)
@@ -378,7 +381,7 @@ class LiveSession:
             "frames_fed": self.group.frames_seen,
             "frames_waiting": self.frames_waiting,
             "dropped_frames": self.dropped,
-            "max_waiting_frames": self.max_waiting,
+            "max_waiting_frames": self.max_waiting if math.isfinite(self.max_waiting) else None,
             "tokens_per_turn": self.tokens_per_turn,
             "lag_s": {
                 "mean": float(np.mean(lags)) if lags else 0.0,
