@@ -273,6 +273,7 @@ def webcam(hub, frames, session=None, **overrides):
     return session
 
 
+@pytest.mark.slow
 def test_the_webcam_keeps_streaming_while_a_question_is_answered(hub):
     """The answer's handler and the webcam's take turns on the engines: frames given while the answer streams enter
     the memory at once (a chunk between its tokens), the answer comes from the memory as it was when it was asked,
@@ -294,6 +295,7 @@ def test_the_webcam_keeps_streaming_while_a_question_is_answered(hub):
         assert all(torch.equal(a, b) for a, b in zip(mine.keys + mine.values, theirs.keys + theirs.values))
 
 
+@pytest.mark.slow
 def test_a_session_freed_while_it_answers_lets_the_answer_go_and_says_why(hub):
     rng = np.random.default_rng(1)
     frames = [rng.integers(0, 255, (240, 320, 3), dtype=np.uint8) for _ in range(4)]

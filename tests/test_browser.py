@@ -122,6 +122,54 @@ def test_webcam_with_a_fake_camera(browser, app_url, artifacts):
     context.close()
 
 
+def test_the_webcam_keeps_streaming_while_an_answer_streams(browser, app_url, artifacts):
+    """A question asked while the webcam streams: the status's frame counter moves on between the answer's first
+    piece in the chat and its last (the stream is not paused), and the status says how far behind live it is. The
+    random-weight model answers to the length cap, two engines, so the answer lasts several webcam frames."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1600}, permissions=["camera"])
+    page = context.new_page()
+    page.goto(app_url)
+    page.wait_for_selector("#sample-button", timeout=60_000)
+    page.locator("#model input").fill("tiny-random")
+    page.locator("#model input").press("Enter")
+    page.fill("#budget input", "1024")
+    page.fill("#keep input", "768")
+    page.get_by_role("tab", name="Webcam").click()
+    page.get_by_text("Click to Access Webcam").click()
+    page.locator("#webcam button", has_text="Record").click()
+    frames_fed = "(() => { const m = document.querySelector('#status').innerText.match(/(\\d+) frames/); return m ? +m[1] : 0; })()"
+    page.wait_for_function(f"{frames_fed} >= 4", timeout=90_000)
+    assert "behind live" in page.locator("#status").inner_text()
+    page.evaluate("""() => {
+        window.liveLog = [];
+        for (const id of ['status', 'policy-chat']) {
+            const el = document.querySelector('#' + id);
+            new MutationObserver(() => window.liveLog.push([id, el.innerText]))
+                .observe(el, {subtree: true, childList: true, characterData: true});
+        }
+    }""")
+    asked_at = page.evaluate(frames_fed)
+    page.fill("#question textarea", "What is in view?")
+    page.click("#ask-button")
+    page.wait_for_function("document.querySelector('#policy-chat').innerText.includes('first token')", timeout=240_000)
+    page.screenshot(path=str(artifacts / "webcam-answering.png"), full_page=True)
+    log = page.evaluate("window.liveLog")
+
+    def frames(text: str) -> int | None:
+        found = re.search(r"(\d+) frames", text)
+        return int(found.group(1)) if found else None
+
+    answer = [i for i, (which, text) in enumerate(log) if which == "policy-chat" and "What is in view?" in text]
+    first = next(i for i in answer if log[i][1].split("What is in view?")[-1].strip())  # its first piece shows
+    final = next(i for i in answer if "first token" in log[i][1])  # the finished answer, with its details
+    before = [frames(text) for which, text in log[:first] if which == "status" and frames(text) is not None]
+    during = [frames(text) for which, text in log[first:final] if which == "status" and frames(text) is not None]
+    at_first_piece = before[-1] if before else asked_at
+    assert first < final, "the answer streamed into its pane piece by piece"
+    assert during and max(during) > at_first_piece, f"the frame counter stood still while it streamed: {during}"
+    context.close()
+
+
 def choose_protokv(page) -> None:
     """Pick ProtoKV in the policy dropdown and wait until the app has taken it (the C field says it is not used),
     trying again if the key press beat the dropdown's list (under load it can)."""

@@ -528,3 +528,42 @@ def test_bad_input_is_refused_before_the_model_loads_and_before_what_it_does_not
         assert "kvdemo.models.loading" not in heavy, argv
         if heaviest == "torch":
             assert "transformers" not in heavy, argv
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--ask-at", "5"], "--ask-at needs a question"),
+        (["--ask", "a?", "--ask", "b?", "--ask-at", "1,2,3"], "3 seconds for 2 questions"),
+        (["--ask", "a?", "--ask-at", "5", "--max-waiting", "0"], "--max-waiting must be positive"),
+    ],
+)
+def test_a_live_schedule_that_cannot_work_is_one_line_before_anything_loads(capsys, extra, message):
+    assert main(["run", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("seconds", ["-1", "soon", ","])
+def test_ask_at_takes_stream_seconds(capsys, seconds):
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--ask", "a?", "--ask-at", seconds])
+    assert exited.value.code == 2 and "--ask-at: stream seconds" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_realtime_asks_at_stream_seconds_and_reports_the_lag(tmp_path, capsys):
+    """The sample played at its own pace for 6 s, the question asked at 2 s and at 4 s while it streams: both answers
+    printed with the lag behind live then, and the report has every chunk's capture and entry and no frame lost."""
+    out = tmp_path / "live.json"
+    args = ["run", "--model", "tiny", "-M", "64", "-C", "48", "--max-frames", "12", "--realtime", "--quiet"]
+    args += ["--ask", "What colour was the circle?", "--ask-at", "2,4", "--json", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("Q (at 2 s)") == 1 and printed.count("Q (at 4 s)") == 1
+    assert printed.count("s behind live)") == 2 and "lag behind live: mean" in printed
+    live = json.loads(out.read_text())["live"]
+    assert [c["frames"] for c in live["chunks"]] == [2, 4, 6, 8, 10, 12]
+    assert all(0 <= c["captured_s"] <= c["entered_s"] for c in live["chunks"])
+    assert [c["time_s"] for c in live["chunks"]] == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5]
+    assert live["dropped_frames"] == 0 and live["frames_received"] == 12

@@ -98,3 +98,33 @@ def test_the_docs_library_page_example_runs(clip, monkeypatch, capsys, tmp_path)
     namespace: dict = {}
     exec(compile(code.replace('"clip.mp4"', repr(str(clip))), "docs/library.md", "exec"), namespace)
     assert namespace["model"].family == "qwen3_vl" and namespace["engines"]["full"].frames_fed == 4
+
+
+def live_example() -> str:
+    """The README's second ```python block after ``## Library``: a live session."""
+    text = README.read_text()
+    section = text[text.index("\n## Library\n") :].split("\n## ", 2)[1]
+    return re.findall(r"```python\n(.*?)```", section, re.S)[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny", "tiny-random-llava-ov"])  # two frames a grid, and one
+def test_the_readme_live_example_runs_after_the_first(name, clip, monkeypatch, capsys, tmp_path):
+    """The live block runs on what the first block made (the model and the video): the question is asked after the
+    first chunk, the second chunk enters while it is answered, and the lag and the drops are printed."""
+    first = (
+        library_example().replace('load_model("tiny")', f"load_model({name!r})").replace('"clip.mp4"', repr(str(clip)))
+    )
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(first, "README.md ## Library", "exec"), namespace)
+    capsys.readouterr()
+    exec(compile(live_example(), "README.md ## Library (live)", "exec"), namespace)
+    live, answer = namespace["live"], namespace["answer"]
+    engine = live.engines["infinipot-v"]
+    assert engine.frames_fed == 4 and live.dropped == 0 and live.in_flight == []
+    assert answer.done and answer.answers["infinipot-v"].visual_tokens < engine.memory.visual_tokens
+    printed = capsys.readouterr().out
+    assert printed.startswith(answer.texts["infinipot-v"]) and re.search(
+        r"\d\.\d\d s behind live, 0 frames dropped", printed
+    )
