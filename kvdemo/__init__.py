@@ -15,6 +15,7 @@ _EXPORTS = {
     "FrameStream": ".stream.engine",
     "KVMemory": ".cache.memory",
     "LayerSlice": ".policies",
+    "LiveSession": ".stream.live",
     "MemoryCapError": ".stream.engine",
     "OccupancyEvent": ".cache.memory",
     "Policy": ".policies",
