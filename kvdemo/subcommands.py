@@ -175,7 +175,7 @@ def seconds_list(text: str) -> list[float]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"stream seconds separated by commas, e.g. 5,12; got {text!r}") from None
     if not seconds or not all(0 <= s < float("inf") for s in seconds):
-        raise argparse.ArgumentTypeError(f"stream seconds must be 0 or more, e.g. 5,12; got {text!r}")
+        raise argparse.ArgumentTypeError(f"stream seconds, each 0 or more, e.g. 5,12; got {text!r}")
     return seconds
 
 
