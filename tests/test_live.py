@@ -300,30 +300,24 @@ def test_put_never_waits_for_the_device(tiny_random):
 
 
 def test_the_device_turn_serves_waiters_in_order_and_try_take_never_waits():
+    """Waiters are served in the order they came; a try never waits and fails while the turn is held, even on the
+    thread that took it (the turn is not reentrant: its holder may be a generator resumed on another thread)."""
     turn, order = DeviceTurn(), []
     turn.take()
     waiters = []
     for name in ("first", "second"):
-        ready = threading.Event()
-        thread = threading.Thread(
-            target=lambda n=name, r=ready: (r.set(), turn.take(), order.append(n), turn.give_back())
-        )
+        thread = threading.Thread(target=lambda n=name: (turn.take(), order.append(n), turn.give_back()))
         thread.start()
-        ready.wait(30)
-        while len(turn._line) < len(waiters) + 1:  # the waiter is in line before the next one comes
+        while len(turn._line) < len(waiters) + 1:  # this waiter is in line before the next one comes
             threading.Event().wait(0.001)
         waiters.append(thread)
-    assert turn.take(blocking=False)  # its holder takes it again (reentrant)
-    turn.give_back()
-    other = {}
-    probe = threading.Thread(target=lambda: other.setdefault("took", turn.take(blocking=False)))
-    probe.start()
-    probe.join(30)
-    assert other["took"] is False
+    assert turn.take(blocking=False) is False, "held, and people wait"
     turn.give_back()
     for thread in waiters:
         thread.join(30)
     assert order == ["first", "second"]
+    assert turn.take(blocking=False) is True and turn.take(blocking=False) is False
+    turn.give_back()
 
 
 def test_bad_settings_and_bad_frames_are_one_line_errors(tiny_random):

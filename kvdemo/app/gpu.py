@@ -185,7 +185,7 @@ def feed_waiting(
     light updates yielded as they come, drawn here where every thumbnail is, :meth:`PageUpdates.drawn`)."""
     if not zerogpu.active():
         while not state.freed and whole_chunks(state.live, flush):
-            state.live.step(flush=flush)
+            state.live.step(flush=flush, held=True)
         return
     taken = state.live.take_waiting(whole_chunks(state.live, flush))
     if taken is None:

@@ -116,7 +116,8 @@ def run_stream(
                 yield drawn(state, lambda: updates.live(state, seen(state), total))
     except USER_ERRORS as exc:
         if not committed:
-            state.free()
+            with state.turns:
+                state.free()
             yield updates.kept_previous(previous, str(exc))
             return
         message = str(exc)
@@ -125,7 +126,8 @@ def run_stream(
     finally:
         state.running = False
         if not committed:
-            state.free()  # ended before its first chunk (an error, Stop, or the client went away)
+            with state.turns:
+                state.free()  # ended before its first chunk (an error, Stop, or the client went away)
     if not committed:
         yield updates.kept_previous(previous, "stopped before the first chunk")
         return

@@ -205,7 +205,7 @@ class Session:
     def free(self, reason: str = "") -> None:
         """Let the engines go (an answer still decoding stops, its forks with it). The caller holds the turn."""
         if self.live is not None:
-            self.live.close()
+            self.live.close(held=True)
         self.group, self.live = None, None
         self.thumbnails.clear()
         self.freed = reason or "this session's engines were freed; run the video again"

@@ -32,6 +32,7 @@ would a cut in a video.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -138,10 +139,10 @@ class LiveAnswer:
             else:
                 self.session.step()
 
-    def close(self) -> None:
+    def close(self, held: bool = False) -> None:
         """Stop the answers still decoding (each keeps what it said so far, as a dialogue turn); the forks are let
-        go."""
-        with self.session.turn:
+        go. ``held``: the caller holds the device's turn (else this waits for it)."""
+        with contextlib.nullcontext() if held else self.session.turn:
             for name in list(self._generators):
                 self._generators[name].close()
                 self._finished(name)
@@ -265,17 +266,17 @@ class LiveSession:
         try:
             steps = []
             while self.frames_waiting >= self.frames_per_chunk:
-                steps.extend(self.step())
+                steps.extend(self.step(held=True))
             return steps
         finally:
             self.turn.give_back()
 
     # --- turns -----------------------------------------------------------------------------------------
-    def step(self, flush: bool = False) -> list[StreamStep]:
-        """One turn, waiting for the device: the oldest whole chunk waiting (with ``flush``, also fewer frames: a last
-        odd frame is paired with a copy of itself), then ``tokens_per_turn`` tokens of every answer in flight.
-        Returns the chunks fed (none when no whole chunk waited)."""
-        with self.turn:
+    def step(self, flush: bool = False, held: bool = False) -> list[StreamStep]:
+        """One turn: the oldest whole chunk waiting (with ``flush``, also fewer frames: a last odd frame is paired with
+        a copy of itself), then ``tokens_per_turn`` tokens of every answer in flight. Waits for the device's turn
+        unless the caller holds it (``held``). Returns the chunks fed (none when no whole chunk waited)."""
+        with contextlib.nullcontext() if held else self.turn:
             steps = self._feed_one(flush)
             for answer in list(self.in_flight):
                 answer.advance(self.tokens_per_turn)
@@ -315,7 +316,7 @@ class LiveSession:
         steps: list[StreamStep] = []
         with self.turn:
             while self.waiting or self.in_flight:
-                steps.extend(self.step(flush=True))
+                steps.extend(self.step(flush=True, held=True))
         return steps
 
     # --- questions ----------------------------------------------------------------------------------------
@@ -331,7 +332,7 @@ class LiveSession:
         (chunks keep entering between its tokens). :class:`EngineError` for a question that cannot be asked."""
         with self.turn:
             while self.in_flight:
-                self.step()
+                self.step(held=True)
             names = list(engines) if engines is not None else [n for n in self.engines if n not in self.group.stopped]
             asked = {name: self.engines[name] for name in names}
             if not asked:
@@ -346,11 +347,12 @@ class LiveSession:
         if answer in self.in_flight:
             self.in_flight.remove(answer)
 
-    def close(self) -> None:
-        """Stop every answer in flight (their forks are let go); the frames waiting stay."""
-        with self.turn:
+    def close(self, held: bool = False) -> None:
+        """Stop every answer in flight (their forks are let go); the frames waiting stay. ``held``: the caller holds
+        the device's turn (else this waits for it)."""
+        with contextlib.nullcontext() if held else self.turn:
             for answer in list(self.in_flight):
-                answer.close()
+                answer.close(held=True)
 
     # --- behind live ------------------------------------------------------------------------------------
     def lag(self, now: float | None = None) -> float:
