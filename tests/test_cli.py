@@ -567,3 +567,14 @@ def test_realtime_asks_at_stream_seconds_and_reports_the_lag(tmp_path, capsys):
     assert all(0 <= c["captured_s"] <= c["entered_s"] for c in live["chunks"])
     assert [c["time_s"] for c in live["chunks"]] == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5]
     assert live["dropped_frames"] == 0 and live["frames_received"] == 12
+
+
+@pytest.mark.slow
+def test_ask_at_on_a_file_prints_each_answer_with_no_ground_truth(media, capsys):
+    """A file (no ground truth to grade against) as fast as the device takes it: the questions come at their stream
+    seconds, the answers print without a grade, and no lag is claimed (not a live source)."""
+    args = ["run", "--video", str(media / "flipping_a_pancake.mkv"), "--model", "tiny", "--max-frames", "8", "--quiet"]
+    assert main([*args, "--ask", "What is cooking?", "--ask-at", "1,3"]) == 0
+    printed = capsys.readouterr().out
+    assert "Q (at 1 s): What is cooking?" in printed and "Q (at 3 s): What is cooking?" in printed
+    assert "behind live" not in printed and "ground truth" not in printed
