@@ -560,7 +560,8 @@ def test_realtime_asks_at_stream_seconds_and_reports_the_lag(tmp_path, capsys):
     args += ["--ask", "What colour was the circle?", "--ask-at", "2,4", "--json", str(out)]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert printed.count("Q (at 2 s)") == 1 and printed.count("Q (at 4 s)") == 1
+    asked = [float(at) for at in re.findall(r"^Q \(at ([\d.]+) s\): What colour was the circle\?$", printed, re.M)]
+    assert len(asked) == 2 and 2 <= asked[0] < asked[1] and asked[1] >= 4  # at its second, or when the device got to it
     assert printed.count("s behind live)") == 2 and "lag behind live: mean" in printed
     live = json.loads(out.read_text())["live"]
     assert [c["frames"] for c in live["chunks"]] == [2, 4, 6, 8, 10, 12]

@@ -273,6 +273,25 @@ def test_a_question_at_a_stream_second_is_asked_there_and_the_stream_goes_on(tin
     assert live.dropped == 0 and live.group.frames_seen == len(FRAMES)
 
 
+def test_a_question_due_while_an_answer_decodes_waits_for_it_and_the_stream_goes_on(tiny_random, monkeypatch):
+    """Every model call takes 0.2 s of the fake clock, so the first answer (12 decode steps) still decodes when the
+    second question's second comes: the player asks it once the first is done, and meanwhile every chunk enters
+    within one turn of its capture (none waits behind the answers, none is dropped)."""
+    clock = FakeClock()
+    model = copy.copy(tiny_random)
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: (clock.advance(0.2), forward(*a, **k))[1])
+    live = LiveSession(model, engines(model, "infinipot-v"), clock=clock, tokens_per_turn=1)
+    times = np.arange(len(FRAMES)) / 2
+    questions = [(2.0, "What colour was the circle?"), (2.5, "And the square?")]
+    events = list(play(live, iter([(0, FRAMES, times)]), questions, sleep=clock.advance))
+    first, second = [e.answer for e in events if e.kind == "asked"]
+    assert first.stream_s == 2.0 and second.stream_s > 2.5 and second.asked_s >= first.answered_s
+    assert live.dropped == 0 and live.group.frames_seen == len(FRAMES)
+    # A turn is at most one chunk (two engines' prefill and the encoding) and one token of each answer: 1.2 s here.
+    assert max(r.lag_s for r in live.records) <= 1.2 + 1e-9
+
+
 def test_put_never_waits_for_the_device(tiny_random):
     """Frames put while another thread holds the device's turn are queued at once (and counted if dropped); the
     holder's turns feed them."""

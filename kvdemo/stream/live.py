@@ -95,7 +95,7 @@ class LiveAnswer:
         self.session, self.question = session, question
         self.asked_s = session.clock()
         self.answered_s: float | None = None
-        self.stream_s: float | None = None  # the stream second it was scheduled at, when a player asked it
+        self.stream_s: float | None = None  # the stream second it was asked at, when a player asked it
         self.texts = {name: "" for name in engines}
         self.answers: dict[str, Answer] = {}
         self._engines, self._generators = engines, dict(generators)
@@ -417,7 +417,9 @@ def play(
     """Play a video's ``parts`` (``(index, frames, stream times)``, e.g. ``video.chunks()``) into ``live``: with
     ``realtime`` at its own pace, each frame captured at its stream time after the start (``live.clock``;
     ``sleep`` waits), else as fast as the device takes them; each of ``questions`` (``(stream second, text)``) asked
-    once the stream reaches its second, without pausing the stream. Yields what happened, then finishes."""
+    once the stream reaches its second, without pausing the stream (one at a time: a question whose second comes
+    while an answer decodes is asked when it ends; ``LiveAnswer.stream_s`` says when). Yields what happened, then
+    finishes."""
     pending = sorted(questions, key=lambda q: q[0])
     start = live.clock()
     frames = ((f, float(t)) for _, batch, times in parts for f, t in zip(batch, times))
@@ -429,15 +431,15 @@ def play(
         while upcoming is not None and upcoming[1] <= now:
             live.put(upcoming[0], [upcoming[1]], start + upcoming[1] if realtime else None)
             fed_to, upcoming = upcoming[1], next(frames, None)
-            if not realtime and live.frames_waiting >= live.frames_per_chunk:
-                break
+            if (pending and pending[0][0] <= fed_to) or (not realtime and live.frames_waiting >= live.frames_per_chunk):
+                break  # a question is due (the stream reached its second), or the device has a chunk to take
         stream_s = min(now, fed_to) if realtime else fed_to
-        while pending and (pending[0][0] <= stream_s or (upcoming is None and not live.waiting)):
-            at, text = pending.pop(0)
-            answer = live.ask(text, max_new_tokens)
-            answer.stream_s = at
+        # One question at a time: one whose second comes while an answer decodes waits for it, the stream going on.
+        if pending and not live.in_flight and (pending[0][0] <= stream_s or (upcoming is None and not live.waiting)):
+            answer = live.ask(pending.pop(0)[1], max_new_tokens)
+            answer.stream_s = stream_s
             asked.append(answer)
-            yield LiveEvent("asked", at, answer=answer)
+            yield LiveEvent("asked", stream_s, answer=answer)
         if live.frames_waiting >= live.frames_per_chunk or live.in_flight or (upcoming is None and live.waiting):
             before = len(live.records)
             steps = live.step(flush=upcoming is None)
