@@ -1,5 +1,5 @@
 """``python -m kvdemo run --realtime`` / ``--ask-at``: the video played into a live session (:mod:`kvdemo.stream.live`)
-at its own pace, the questions asked at their stream seconds without pausing it, each answer printed with the lag
+at its own pace (:mod:`kvdemo.stream.playback`), the questions asked at their stream seconds without pausing it, each answer printed with the lag
 behind live. :mod:`kvdemo.cli` checks the arguments here before the model loads (:func:`ask_schedule`) and runs
 :func:`run_live` in place of the plain stream; the summary, coverage and ``--json`` stay the run's own."""
 
@@ -55,7 +55,8 @@ def run_live(
     """Play ``video`` into a live session over ``engines``, asking each ``--ask`` question at its ``--ask-at`` second
     (``engine``'s answers printed, graded on the bundled sample, with the lag behind live under ``--realtime``;
     ``progress_bar(total, quiet)``: the CLI's bar, or None); returns the session's report (the run report's ``live`` section)."""
-    from .stream.live import TOKENS_PER_TURN, LiveSession, play  # deferred on purpose: torch, with the model
+    from .stream.live import TOKENS_PER_TURN, LiveSession  # deferred on purpose: torch, with the model
+    from .stream.playback import play  # deferred with it
 
     live = LiveSession(
         model,

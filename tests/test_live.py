@@ -22,7 +22,8 @@ from kvdemo.devices.emulated_device import DEVICE, EmulatedDevice, place_module
 from kvdemo.devices.turn import DeviceTurn
 from kvdemo.policies import REGISTRY
 from kvdemo.stream.engine import EngineError, StreamEngine
-from kvdemo.stream.live import LiveSession, play
+from kvdemo.stream.live import LiveSession
+from kvdemo.stream.playback import play
 from kvdemo.world.synthetic import sample_episode
 
 FRAMES = sample_episode().video.frames[:16]  # 112 x 112: 16 visual tokens a temporal grid for the tiny models

@@ -1,14 +1,15 @@
 """Live streaming: chunks keep entering the memory while a question is answered, and kvdemo says how far behind live
-the memory is (:class:`LiveSession`; :func:`play` plays a file at its own pace into one).
+the memory is (:class:`LiveSession`; :func:`kvdemo.stream.playback.play` plays a file at its own pace into one).
 
 **Scheduling.** One device serves the stream and the answers, one model call at a time, in turns
 (:meth:`LiveSession.step`): a turn feeds the oldest whole chunk waiting (vision encoding, then every engine's prefill,
 compressing first when due), then decodes up to ``tokens_per_turn`` tokens of every answer in flight. The chunk goes
 first, so a chunk that arrives waits at most one turn (a chunk and a few tokens) however long an answer runs; when no
-chunk waits, turns only decode, so an answer goes at full speed between chunks. Whoever holds the device's turn runs
+chunk waits, turns only decode, so an answer goes at full speed between chunks; a device slower than the stream has a
+chunk in every turn, and an answer then advances ``tokens_per_turn`` tokens a chunk. Whoever holds the device's turn runs
 the next turn: the caller that feeds frames (:meth:`LiveSession.feed` runs turns only when the device is free, so it
 never waits for an answer), the one that reads an answer (iterating a :class:`LiveAnswer` runs turns until its next
-piece arrives) or a player (:func:`play`). Turns go to waiting callers in the order they asked
+piece arrives) or a player (:func:`~kvdemo.stream.playback.play`). Turns go to waiting callers in the order they asked
 (:class:`~kvdemo.devices.turn.DeviceTurn`).
 What a turn does depends only on what waits when it starts, so the same calls in the same order do the same work
 (the tests run them on the CPU and the emulated device).
@@ -38,7 +39,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -165,15 +166,22 @@ class LiveSession:
         model: VideoLM,
         engines: StreamEngine | dict[str, StreamEngine],
         fps: float | None = None,
-        **options: Any,
+        *,
+        frames_per_chunk: int = 2,
+        tokens_per_turn: int | None = TOKENS_PER_TURN,
+        max_waiting_s: float = MAX_WAITING_S,
+        clock: Callable[[], float] = time.monotonic,
+        turn: DeviceTurn | None = None,
+        on_chunk: Callable[[StreamStep, np.ndarray], None] | None = None,
     ) -> None:
         engines = {engines.policy.name: engines} if isinstance(engines, StreamEngine) else dict(engines)
         fps = fps if fps is not None else next(iter(engines.values())).fps
-        self._setup(EngineGroup(model, engines, fps), **options)
+        group = EngineGroup(model, engines, fps)
+        self._setup(group, frames_per_chunk, tokens_per_turn, max_waiting_s, clock, turn, on_chunk)
 
     @classmethod
     def around(cls, group: EngineGroup, **options: Any) -> "LiveSession":
-        """A live session over an existing group of engines (the app's)."""
+        """A live session over an existing group of engines (the app's); ``options`` as for the constructor."""
         live = cls.__new__(cls)
         live._setup(group, **options)
         return live
@@ -393,60 +401,3 @@ class LiveSession:
             "chunks": [relative({**asdict(r), "lag_s": r.lag_s}) for r in self.records],
             "drops": [relative(asdict(d)) for d in self.drops],
         }
-
-
-@dataclass
-class LiveEvent:
-    """What :func:`play` did: ``"chunk"`` (``lag``: its record), ``"asked"`` or ``"answered"`` (``answer``)."""
-
-    kind: str
-    stream_s: float  # the stream time it happened at
-    lag: ChunkLag | None = None
-    answer: LiveAnswer | None = None
-    steps: list[StreamStep] = field(default_factory=list)
-
-
-def play(
-    live: LiveSession,
-    parts: Iterator[tuple[Any, np.ndarray, np.ndarray]],
-    questions: Sequence[tuple[float, str]] = (),
-    realtime: bool = True,
-    sleep: Callable[[float], None] = time.sleep,
-    max_new_tokens: int | None = None,
-) -> Iterator[LiveEvent]:
-    """Play a video's ``parts`` (``(index, frames, stream times)``, e.g. ``video.chunks()``) into ``live``: with
-    ``realtime`` at its own pace, each frame captured at its stream time after the start (``live.clock``;
-    ``sleep`` waits), else as fast as the device takes them; each of ``questions`` (``(stream second, text)``) asked
-    once the stream reaches its second, without pausing the stream (one at a time: a question whose second comes
-    while an answer decodes is asked when it ends; ``LiveAnswer.stream_s`` says when). Yields what happened, then
-    finishes."""
-    pending = sorted(questions, key=lambda q: q[0])
-    start = live.clock()
-    frames = ((f, float(t)) for _, batch, times in parts for f, t in zip(batch, times))
-    upcoming = next(frames, None)
-    asked: list[LiveAnswer] = []
-    fed_to = 0.0  # stream time of the newest frame put
-    while upcoming is not None or pending or live.waiting or live.in_flight:
-        now = live.clock() - start if realtime else math.inf
-        while upcoming is not None and upcoming[1] <= now:
-            live.put(upcoming[0], [upcoming[1]], start + upcoming[1] if realtime else None)
-            fed_to, upcoming = upcoming[1], next(frames, None)
-            if (pending and pending[0][0] <= fed_to) or (not realtime and live.frames_waiting >= live.frames_per_chunk):
-                break  # a question is due (the stream reached its second), or the device has a chunk to take
-        stream_s = min(now, fed_to) if realtime else fed_to
-        # One question at a time: one whose second comes while an answer decodes waits for it, the stream going on.
-        if pending and not live.in_flight and (pending[0][0] <= stream_s or (upcoming is None and not live.waiting)):
-            answer = live.ask(pending.pop(0)[1], max_new_tokens)
-            answer.stream_s = stream_s
-            asked.append(answer)
-            yield LiveEvent("asked", stream_s, answer=answer)
-        if live.frames_waiting >= live.frames_per_chunk or live.in_flight or (upcoming is None and live.waiting):
-            before = len(live.records)
-            steps = live.step(flush=upcoming is None)
-            for record in live.records[before:]:
-                yield LiveEvent("chunk", record.time_s, lag=record, steps=steps)
-            for answer in [a for a in asked if a.done]:
-                asked.remove(answer)
-                yield LiveEvent("answered", fed_to, answer=answer)
-        elif upcoming is not None:
-            sleep(max(0.0, start + upcoming[1] - live.clock()))
