@@ -1,6 +1,6 @@
 """``python -m kvdemo run --realtime`` / ``--ask-at``: the video played into a live session (:mod:`kvdemo.stream.live`)
-at its own pace (:mod:`kvdemo.stream.playback`), the questions asked at their stream seconds without pausing it, each answer printed with the lag
-behind live. :mod:`kvdemo.cli` checks the arguments here before the model loads (:func:`ask_schedule`) and runs
+at its own pace (:mod:`kvdemo.stream.playback`), the questions asked at their stream seconds without pausing it, each
+answer printed with the lag behind live. :mod:`kvdemo.cli` checks the arguments here before the model loads (:func:`ask_schedule`) and runs
 :func:`run_live` in place of the plain stream; the summary, coverage and ``--json`` stay the run's own."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def is_live(args: argparse.Namespace) -> bool:
 def ask_schedule(args: argparse.Namespace) -> list[tuple[float, str]]:
     """``(stream second, question)`` for each question of a live run (``--ask-at``; without it every question comes
     when the stream ends); raises :class:`UsageError` for seconds that do not pair with the questions."""
-    at = args.ask_at
-    if not args.max_waiting > 0:  # not > 0: also nan
+    at, bound = getattr(args, "ask_at", None), getattr(args, "max_waiting", 1.0)  # compare has neither
+    if not bound > 0:  # not > 0: also nan
         raise UsageError(f"--max-waiting must be positive, got {args.max_waiting}")
     if at is None:
         return [(float("inf"), question) for question in args.ask]

@@ -12,7 +12,7 @@ from kvdemo.app.handlers import run_stream, webcam_frame
 from kvdemo.app.layout import CACHE_CLEANUP, build_demo
 from kvdemo.app.sessions import AppServices, RunSettings, Session
 from kvdemo.app.settings import parse_params, validate_settings
-from kvdemo.app.single_updates import SingleUpdates, write_chart
+from kvdemo.app.single_updates import SingleUpdates, occupancy_plot, status_text, write_chart
 from kvdemo.cache.memory import REASON_NEW
 from kvdemo.policies import policy_card
 
@@ -293,6 +293,32 @@ def test_the_webcam_keeps_streaming_while_a_question_is_answered(hub):
     for name, engine in session.engines.items():
         mine, theirs = engine.memory, quiet.engines[name].memory
         assert all(torch.equal(a, b) for a, b in zip(mine.keys + mine.values, theirs.keys + theirs.values))
+
+
+@pytest.mark.slow
+def test_the_webcam_shows_and_reports_how_far_behind_live_it_is(hub):
+    """The status line gives the lag behind live and the frames waiting, the occupancy chart draws each chunk's lag on
+    an axis of its own, the report has the live section; frames dropped past the queue's bound (10 s at 2 fps: 20
+    frames) are said on screen and counted in the report. A file is not a live source: none of it."""
+    rng = np.random.default_rng(2)
+    frames = [rng.integers(0, 255, (240, 320, 3), dtype=np.uint8) for _ in range(4)]
+    session = webcam(hub, frames, model="tiny-random", budget=1024, keep=768)
+    records = session.live.records
+    assert [r.frames for r in records] == [2, 4] and all(r.lag_s >= 0 for r in records)
+    status = status_text(session)
+    assert f"behind live **{records[-1].lag_s:.1f} s** · 0 frames waiting" in status and "dropped" not in status
+    lag = next(trace for trace in occupancy_plot(session).data if trace.name == "behind live (s)")
+    assert list(lag.x) == [r.time_s for r in records] and list(lag.y) == [r.lag_s for r in records]
+    assert lag.yaxis == "y3"
+    with session.turns:  # the engines are busy (an answer's turn): frames only queue, the oldest past the bound go
+        session.live.put(np.zeros((23, *session.frame_size, 3), dtype=np.uint8))
+    assert "⚠️ **3 frames dropped**: more than 20 frames waited" in status_text(session)
+    live = SingleUpdates().report(session)["live"]
+    assert [c["frames"] for c in live["chunks"]] == [2, 4] and live["dropped_frames"] == 3
+    assert live["frames_waiting"] == 20 and live["frames_received"] == 27
+    session.live_source = False
+    assert "behind live" not in status_text(session) and occupancy_plot(session).data[-1].name != "behind live (s)"
+    assert "live" not in SingleUpdates().report(session)
 
 
 @pytest.mark.slow

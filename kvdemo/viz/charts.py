@@ -176,20 +176,10 @@ def occupancy_figure(
             )
         )
     if lag is not None:
-        data.append(
-            dict(
-                type="scatter",
-                x=[t for t, _ in lag],
-                y=[seconds for _, seconds in lag],
-                mode="lines+markers",
-                name="behind live (s)",
-                xaxis="x",
-                yaxis="y3",
-                line=dict(color="#7f7f7f", width=1.5, dash="dot"),
-                marker=dict(size=4),
-                hovertemplate="%{y:.2f} s behind live at %{x:.1f}s<extra></extra>",
-            )
-        )
+        style = dict(mode="lines+markers", line=dict(color="#7f7f7f", width=1.5, dash="dot"), marker=dict(size=4))
+        x, y = [t for t, _ in lag], [seconds for _, seconds in lag]
+        trace = dict(type="scatter", x=x, y=y, name="behind live (s)", xaxis="x", yaxis="y3", **style)
+        data.append(dict(trace, hovertemplate="%{y:.2f} s behind live at %{x:.1f}s<extra></extra>"))
     tokens = [e.visual_tokens for events in series.values() for e in events] + ([budget] if budget else [])
     tokens += [p[1] for points in pruning.values() for p in points]
     megabytes = [max(e.cache_bytes, e.offloaded_bytes) / 2**20 for events in series.values() for e in events]
