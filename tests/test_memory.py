@@ -217,6 +217,35 @@ def test_a_summary_update_of_several_layers_writes_what_one_per_layer_writes(lay
         assert torch.equal(stacked.layers[layer].bias[:, 3 : 3 + slots], bias[rows])
 
 
+def test_a_fork_keeps_the_memory_as_it_was_in_buffers_of_its_own():
+    """KVMemory.fork copies each group's buffers (keys/values, provenance, bias; nothing shared) and makes each layer a
+    view of its fork's group at the same index: a chunk and a compaction on the memory afterwards leave the fork as it
+    was, and a question's tokens written into the fork's slack leave the memory as it is."""
+    memory = small_memory(grids=4)
+    index = torch.tensor([[0, 5, 9, 17, 23], [2, 3, 2, 2, 2]])  # ragged: a valid mask and a bias to copy
+    valid = torch.tensor([[True] * 5, [True, True, False, False, False]])
+    memory.apply(Selection([index, index], valid=[valid, valid]))
+    fork = memory.fork()
+    assert len(fork.groups) == len(memory.groups) == 1
+    ours, theirs = memory.groups[0], fork.groups[0]
+    for a, b in ((ours.kv, theirs.kv), (ours.packed, theirs.packed), (ours.bias, theirs.bias)):
+        assert a.shape == b.shape and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert [(s.group, s.index) for s in fork.layers] == [(theirs, 0), (theirs, 1)]
+    before = [t.clone() for t in (*fork.keys, *fork.values, *fork.order, fork.layers[0].bias)]
+    assert all(torch.equal(a, b) for a, b in zip(before, (*memory.keys, *memory.values, *memory.order)))
+    assert held_tokens(fork, 0, 1) == [2, 3] and fork.valid[0] is not memory.valid[0]
+    append_grid(memory, 4)  # the memory goes on: a chunk, then a compaction
+    memory.apply(Selection([torch.arange(6, 11).expand(2, -1)] * 2))
+    after = (*fork.keys, *fork.values, *fork.order, fork.layers[0].bias)
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) and held_tokens(fork, 0, 1) == [2, 3]
+    assert fork.grid_times_s != memory.grid_times_s and fork.tokens_seen == 24 and memory.tokens_seen == 30
+    live = [t.clone() for t in (*memory.keys, *memory.values)]
+    cache = MemoryCache(fork)  # a question's tokens, in the fork's slack (never committed)
+    for layer in cache.layers:
+        layer.update(torch.ones(1, 2, 4, 8), torch.ones(1, 2, 4, 8))
+    assert all(torch.equal(a, b) for a, b in zip(live, (*memory.keys, *memory.values)))
+
+
 def test_engine_memory_holds_m_slots_and_questions_use_the_slack(tiny_random, pancake):
     engine = StreamEngine(tiny_random, "sliding-window", budget=540, keep=405, fps=pancake.fps, max_new_tokens=4)
     list(stream_video(tiny_random, pancake, {"p": engine}))

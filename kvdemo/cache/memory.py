@@ -533,7 +533,6 @@ class KVMemory:
         return entry
 
     # --- a fork to answer on while the stream goes on ------------------------------------------
-    @torch.inference_mode()
     def fork(self) -> "KVMemory":
         """The memory as it is now, in buffers of its own: a question answered on the fork writes into the fork's
         slack, while chunks keep entering this memory and compressions keep moving its slots (a live session,
