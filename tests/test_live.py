@@ -144,11 +144,12 @@ def test_questions_mid_stream_leave_the_memory_bit_identical(tiny_random, policy
 
 @pytest.mark.parametrize(
     "policy",
-    ["infinipot-v", pytest.param("hybridkv", marks=pytest.mark.slow), pytest.param("protokv", marks=pytest.mark.slow)],
+    ["infinipot-v", *(pytest.param(name, marks=pytest.mark.slow) for name in ("hybridkv", "protokv", "streamingvlm"))],
 )
 def test_an_answer_sees_the_memory_as_it_was_when_asked_even_with_a_compression_due(tiny_random, policy):
     """The question comes when the next chunk must compress first: that chunk enters (and the pass runs) while the
-    answer decodes, and the answer equals the one an engine fed up to the question gives without a live session."""
+    answer decodes, and the answer equals the one an engine fed up to the question gives without a live session
+    (StreamingVLM's pass also moves the stream's positions down: the answer keeps the fork's)."""
     live = LiveSession(tiny_random, engines(tiny_random, policy), tokens_per_turn=1)
     reference = engines(tiny_random, policy)
     target = live.engines[policy]
