@@ -144,7 +144,10 @@ def test_questions_mid_stream_leave_the_memory_bit_identical(tiny_random, policy
 
 @pytest.mark.parametrize(
     "policy",
-    ["infinipot-v", *(pytest.param(name, marks=pytest.mark.slow) for name in ("hybridkv", "protokv", "streamingvlm"))],
+    [
+        "infinipot-v",
+        *(pytest.param(name, marks=pytest.mark.slow) for name in ("hybridkv", "protokv", "rekv", "streamingvlm")),
+    ],
 )
 def test_an_answer_sees_the_memory_as_it_was_when_asked_even_with_a_compression_due(tiny_random, policy):
     """The question comes when the next chunk must compress first: that chunk enters (and the pass runs) while the
