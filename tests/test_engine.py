@@ -22,10 +22,17 @@ def test_visual_tokens_never_exceed_budget(tiny_random, pancake, policy, budget,
     if sized_by_m and budget < 500:
         budget = 560  # its near window must take a 135-token grid
     engine = StreamEngine(tiny_random, policy, budget=budget, keep=None if sized_by_m else keep, fps=pancake.fps)
+    if policy == "rekv" and keep < 2 * 135 - 1:  # its window, C less a reserve of C // 2, must hold a grid of 135
+        with pytest.raises(BudgetError, match="raise C to at least 269$"):
+            feed_all(tiny_random, pancake, {"p": engine})
+        return
     feed_all(tiny_random, pancake, {"p": engine})
     timeline = engine.memory.timeline
     assert max(e.visual_tokens for e in timeline) <= budget
     expected = engine.memory.summary_slots + engine.budget.keep_for(135) if sized_by_m else keep
+    if policy == "rekv":  # whole grids of 135: the reserve min(topk, C/2) and the window what is left of C
+        reserve = min(64, keep // 2 // 135) * 135
+        expected = reserve + (keep - reserve) // 135 * 135
     assert all(e.visual_tokens == expected for e in timeline if e.event == "compress")
     assert any(e.event == "compress" for e in timeline)
     for layer in range(tiny_random.num_layers):

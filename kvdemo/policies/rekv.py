@@ -76,10 +76,16 @@ class ReKV(Policy):
         loads) with a one-line reason. The window is at least ``min(n_local, C - C // 2 - n_init)``."""
         shortest = self.n_local if keep is None else min(self.n_local, keep - int(keep * RESERVE_SHARE) - self.n_init)
         if shortest < chunk_tokens:
+            smallest_keep = chunk_tokens + self.n_init
+            while smallest_keep - int(smallest_keep * RESERVE_SHARE) - self.n_init < chunk_tokens:
+                smallest_keep += 1
+            advice = [f"n_local to at least {chunk_tokens}"] if self.n_local < chunk_tokens else []
+            if keep is not None and keep < smallest_keep:
+                advice.append(f"C to at least {smallest_keep}")
             raise BudgetError(
                 f"rekv's local window ({shortest} tokens: n_local={self.n_local}"
                 + (f", C={keep} less the retrieval reserve and n_init={self.n_init}" if keep is not None else "")
-                + f") is shorter than one chunk ({chunk_tokens} visual tokens); raise n_local and C"
+                + f") is shorter than one chunk ({chunk_tokens} visual tokens); raise {' and '.join(advice)}"
             )
 
     def split(self, keep: int, block: int) -> tuple[int, int, int]:
