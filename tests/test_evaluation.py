@@ -6,7 +6,15 @@ import json
 import pytest
 
 from kvdemo.cli import build_parser, check_eval_arguments, main
-from kvdemo.experiments.evaluation import ask_grids, eval_spec, evaluate, stream_kinds, valid_items, wilson
+from kvdemo.experiments.evaluation import (
+    answer_costs,
+    ask_grids,
+    eval_spec,
+    evaluate,
+    stream_kinds,
+    valid_items,
+    wilson,
+)
 from kvdemo.world.synthetic import Question, StreamSpec, generate_episode
 
 
@@ -79,8 +87,23 @@ def test_the_eval_command_runs_end_to_end(tmp_path, capsys):
     assert set(report["accuracy"]["full"]) == {"0", "4"}
     assert 0 < report["chance"] < 0.2 and report["questions"]["total"] > 0
     assert report["budgets"]["full"] == {"budget": None, "keep": None}
+    assert set(report["answer_ms"]) == {"full", "sliding-window"} and report["host_mb_per_min"]["full"] == 0
     printed = capsys.readouterr()
-    assert "sliding-window" in printed.out and "chance" in printed.out
+    assert "sliding-window" in printed.out and "chance" in printed.out and "answer ms" in printed.out
+
+
+def test_answer_costs_are_means_over_each_policys_answers_and_host_bytes_per_stream_minute():
+    """Worked by hand: rekv answered twice, after 30 s holding 3 MB and after 90 s holding 9 MB in host memory: 12 MB
+    over 2 minutes of stream is 6 MB a minute; a policy that offloads nothing has 0."""
+    predictions = [
+        {"policy": "rekv", "tokens_held": 64, "answer_ms": 10.0, "stream_s": 30.0, "offloaded_bytes": 3_000_000},
+        {"policy": "rekv", "tokens_held": 60, "answer_ms": 20.0, "stream_s": 90.0, "offloaded_bytes": 9_000_000},
+        {"policy": "full", "tokens_held": 400, "answer_ms": 7.0, "stream_s": 30.0, "offloaded_bytes": 0},
+    ]
+    costs = answer_costs(predictions, ["full", "rekv", "uniform"])
+    assert costs["tokens_held"] == {"full": 400.0, "rekv": 62.0, "uniform": 0.0}
+    assert costs["answer_ms"] == {"full": 7.0, "rekv": 15.0, "uniform": 0.0}
+    assert costs["host_mb_per_min"] == {"full": 0.0, "rekv": 6.0, "uniform": 0.0}
 
 
 def test_kind_is_parsed_and_defaults_to_the_static_streams(capsys):

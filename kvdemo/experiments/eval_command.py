@@ -41,6 +41,13 @@ def accuracy_table(report: dict[str, Any]) -> str:
         f"from {report['episodes']} held-out {streams} streams of {report['stream_pairs']} s; [95% Wilson interval]; "
         "held: mean visual tokens in the cache when asked"
     )
+    if report.get("answer_ms"):
+        lines.append(
+            "answer ms (mean, retrieval included): " + ", ".join(f"{n} {v:.1f}" for n, v in report["answer_ms"].items())
+        )
+    host = {name: mb for name, mb in report.get("host_mb_per_min", {}).items() if mb}
+    if host:
+        lines.append("host memory, MB per minute of stream: " + ", ".join(f"{n} {v:.2f}" for n, v in host.items()))
     return "\n".join(lines)
 
 

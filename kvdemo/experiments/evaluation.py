@@ -205,6 +205,8 @@ def episode_answers(
                                 "tokens_held": engine.memory.visual_tokens,
                                 "compressions": engine.stats.compressions,
                                 "frames_fed": engine.frames_fed,
+                                "stream_s": engine.frames_fed / video.fps,
+                                "offloaded_bytes": engine.memory.offloaded_bytes,
                                 "answer_ms": answer.ms,
                             }
                         )
@@ -233,8 +235,9 @@ def evaluate(
 
     Returns the JSON report: ``chance``, ``episodes``, ``budget``, ``keep``, ``accuracy[policy][delay]``,
     plus ``interval`` (95%), ``by_kind`` (question kinds), ``by_stream`` (``[policy][delay][stream kind]``:
-    accuracy and question count), ``questions``, the engines' actual ``budgets`` and ``tokens_held`` (per policy,
-    the mean visual tokens its memory held when asked: what "equal memory" compares).
+    accuracy and question count), ``questions``, the engines' actual ``budgets``, and per policy ``tokens_held`` (the
+    mean visual tokens its memory held when asked: what "equal memory" compares), ``answer_ms`` and
+    ``host_mb_per_min`` (:func:`answer_costs`).
     """
     check_settings(policies, episodes, delays, questions)
     policies = engine_names(policies)
@@ -281,11 +284,24 @@ def evaluate(
         "seed": seed,
         "model": model.name,
         "budgets": budgets,
-        "tokens_held": {
-            name: round(float(np.mean([p["tokens_held"] for p in predictions if p["policy"] == name] or [0])), 1)
-            for name in policies
-        },
+        **answer_costs(predictions, policies),
     }
+
+
+def answer_costs(predictions: list[dict[str, Any]], policies: list[str]) -> dict[str, dict[str, float]]:
+    """Per policy, over its answers: ``tokens_held`` (mean visual tokens in the cache when asked), ``answer_ms`` (mean
+    time to answer, retrieval included) and ``host_mb_per_min`` (megabytes, 1e6, in host memory per minute of stream
+    fed: the offloaded bytes summed over the answers over the stream minutes summed over them; 0 for a policy that
+    offloads nothing)."""
+    costs: dict[str, dict[str, float]] = {"tokens_held": {}, "answer_ms": {}, "host_mb_per_min": {}}
+    for name in policies:
+        own = [p for p in predictions if p["policy"] == name]
+        minutes = sum(p.get("stream_s", 0.0) for p in own) / 60
+        costs["tokens_held"][name] = round(float(np.mean([p["tokens_held"] for p in own] or [0])), 1)
+        costs["answer_ms"][name] = round(float(np.mean([p["answer_ms"] for p in own] or [0])), 1)
+        host = sum(p.get("offloaded_bytes", 0) for p in own) / 1e6
+        costs["host_mb_per_min"][name] = round(host / minutes, 3) if minutes else 0.0
+    return costs
 
 
 def check_settings(policies: list[str], episodes: int, delays: tuple[float, ...], questions: str) -> None:
