@@ -69,6 +69,30 @@ def test_the_long_stream_benchmark_reports_every_pass_and_the_frames_the_memory_
     assert {p["frames_held"] for p in window} == {96 // 12}
 
 
+def test_rekvs_host_store_holds_every_block_that_left_its_window():
+    """Restated by hand: with C = 72 and blocks of one 16-token grid, ReKV keeps a window of 2 blocks and a retrieval
+    reserve of 2 (topk=2), so after a pass at grid g (g grids fed) the store holds g - 2 blocks of 16 tokens, each
+    token's keys and values 2 layers x 2 KV heads x 16 dims x 2 bytes (bfloat16) twice; it grows 16 tokens a second."""
+    from kvdemo.bench.host_store import host_store_benchmark, host_store_table
+    from kvdemo.bench.plans import bench_plan
+    from kvdemo.policies import make_policy
+
+    assert "store" in bench_plan(make_policy("rekv")).benchmarks  # declared by the policy, run by the bench
+    shape = dict(num_layers=2, num_kv_heads=2, num_heads=4, head_dim=16, budget=96, keep=72, grid=(4, 4))
+    result = host_store_benchmark(make_policy("rekv", topk=2), grids=30, shape=shape)
+    token_bytes = 2 * 2 * 2 * 16 * 2
+    passes = result["passes"]
+    assert len(passes) >= 5 and result["token_bytes"] == token_bytes
+    for p in passes:
+        assert p["offloaded_bytes"] == (p["grid"] - 2) * 16 * token_bytes, p
+    assert result["offloaded_bytes"] == passes[-1]["offloaded_bytes"]
+    assert result["report"]["stored_blocks"] == passes[-1]["grid"] - 2
+    assert result["mb_per_minute"] == pytest.approx(16 * token_bytes * 60 / 1e6)
+    assert result["device_tokens"] <= 96 and result["full_cache_bytes"] == 30 * 16 * token_bytes
+    table = host_store_table(result, "rekv")
+    assert "grows 0.2458 MB per minute of stream" in table  # 16 x 256 B a second
+
+
 FAKE_REFERENCE = """
 import torch
 
@@ -119,7 +143,7 @@ def test_the_simulated_stream_compresses_where_the_engine_does(tiny_random, name
     chunks, so it compresses before chunks 4, 6, 8 and 10. ProtoKV at M = 540 with chunks of 135 has 33 prototypes
     x 8 = 264 summary slots and a near window of 276 (two chunks at least): the first two chunks fit, every later
     one overflows (split without the chunk size, as the bench did, the window was 140 and it compressed at 1)."""
-    from kvdemo.bench.policies import simulated_stream
+    from kvdemo.bench.simulation import simulated_stream
     from kvdemo.policies import make_policy
     from kvdemo.stream.engine import FrameStream
     from kvdemo.stream.lineup import Contender, make_engines
@@ -158,7 +182,7 @@ def test_the_bench_runs_its_7b_shape_passes_on_another_device():
     """``bench --device``: a simulated stream on the emulated device holds the same keys, values and provenance as
     on the host after every pass, and the pass benchmark runs there with no host tensor meeting a device one."""
     from kvdemo.bench.passes import pass_benchmark
-    from kvdemo.bench.policies import simulated_stream
+    from kvdemo.bench.simulation import simulated_stream
     from kvdemo.devices.emulated_device import DEVICE, EmulatedDevice
     from kvdemo.policies import make_policy
 

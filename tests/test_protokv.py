@@ -1020,7 +1020,7 @@ def test_the_dense_forms_on_a_device_leave_the_bank_and_memory_the_cpu_leaves(dt
 def test_the_bias_of_a_bfloat16_memory_is_log_mass_in_float32():
     """The summary bias a bfloat16 memory holds for every pseudo-token is float32(log n_k) of its prototype (n_k
     read from the bank, the log taken here in float64), and -inf on empty slots: not bfloat16(log n_k)."""
-    from kvdemo.bench.policies import simulated_stream
+    from kvdemo.bench.simulation import simulated_stream
 
     policy = make_policy("protokv", warmup=8)
     shape = dict(num_layers=2, num_kv_heads=2, head_dim=16, budget=64, keep=None, grid=(2, 4))

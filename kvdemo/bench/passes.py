@@ -17,6 +17,7 @@ from ..devices.timing import Stopwatch
 from ..policies import BASELINES, DEFAULT_POLICY, Policy, Probed, fused, make_policy
 from ..testing import QWEN7B_SHAPE, synthetic_chunk, synthetic_memory, synthetic_positions, synthetic_probe
 from .plans import bench_plan
+from .simulation import simulated_stream
 
 
 def _summary(times: list[float]) -> dict[str, float]:
@@ -356,8 +357,6 @@ def compiled_stream(
     Qwen2.5-VL-7B's shape and each of ``budgets`` in turn, with compiled kernels on: the passes see cache lengths
     and buffer capacities change, and a kernel compiled with dynamic shapes compiles once per process and dtype.
     None for a policy without compiled kernels, or where compiling is unavailable."""
-    from .policies import simulated_stream  # deferred: that module is the policies' own benchmarks
-
     if fused.compile_unavailable() is not None:
         return None
     shape = shape or QWEN7B_SHAPE

@@ -20,94 +20,18 @@ from ..devices.timing import Stopwatch
 from ..models.catalog import TINY_RANDOM_NAME
 from ..models.loading import load_model
 from ..policies import DEFAULT_POLICY, Policy, Probed, SummaryRegion, make_policy
-from ..stream.engine import must_compress
 from ..stream.lineup import Contender, make_engines
 from ..stream.streaming import stream_video
 from ..testing import (
-    PREFIX_TOKENS,
     QWEN7B_SHAPE,
-    append_random,
     qwen7b_rotation,
-    synthetic_chunk,
     synthetic_memory,
     synthetic_probe,
 )
 from ..world.synthetic import synthetic_video
+from .host_store import run_store
 from .plans import bench_plan
-
-
-def simulated_stream(
-    policy: Policy,
-    grids: int,
-    shape: dict[str, Any] | None = None,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    device: torch.device | str = "cpu",
-) -> tuple[KVMemory, list[dict[str, Any]]]:
-    """Stream ``grids`` temporal grids of random keys/values into a memory on ``device`` managed by ``policy``
-    exactly as the engine does (compress when the engine's trigger, :func:`kvdemo.stream.engine.must_compress`, says
-    the next grid would overflow ``M``, then append), with no model. The values are drawn on the host, so every
-    device streams the same ones.
-
-    Returns the memory and one record per compression: grid, selection ms (and the policy's own phase
-    split when it reports one), apply ms.
-    """
-    shape = shape or QWEN7B_SHAPE
-    per_grid = shape["grid"][0] * shape["grid"][1]
-    # sized for grids of this size, as the engine sizes it at its first chunk (Budget.sized)
-    budget = Budget.resolve(policy, shape["budget"], shape["keep"], default_ratio=DEFAULT_KEEP_RATIO)
-    budget = budget.sized(policy, per_grid)
-    generator = torch.Generator().manual_seed(seed)
-    memory = KVMemory(shape["num_layers"], shape["num_kv_heads"], budget)
-    cache = MemoryCache(memory)
-    for layer in cache.layers:
-        prefix = torch.randn(1, shape["num_kv_heads"], PREFIX_TOKENS, shape["head_dim"], generator=generator)
-        prefix = prefix.to(device=device, dtype=dtype)
-        layer.update(prefix, prefix)
-    memory.commit_prefix(PREFIX_TOKENS)
-    rotary = qwen7b_rotation(shape["head_dim"])
-    heads = shape.get("num_heads", shape["num_kv_heads"])
-    passes = []
-    uncompressed: tuple[int, ...] = ()
-    with torch.inference_mode():
-        for grid in range(grids):
-            if must_compress(budget, memory, uncompressed, per_grid):  # the engine's own trigger
-                probe = None
-                if isinstance(policy, Probed):
-                    drawn = synthetic_probe(shape["num_layers"], heads, shape["head_dim"], dtype, grid)
-                    probe = [p.to(device) for p in drawn]
-                held_frames = frames_held(memory)
-                watch = Stopwatch(memory.devices)
-                selection = policy.compress(memory.slices(rotary, probe), budget.keep_for(per_grid))
-                middle = watch.ms()
-                memory.apply(selection)
-                end = watch.ms()
-                uncompressed = tuple(selection.uncompressed)
-                record = {
-                    "grid": grid,
-                    "length": selection.indices[0].shape[1],
-                    "select_ms": middle,
-                    "apply_ms": end - middle,
-                    "frames_held": held_frames,
-                }
-                phases = selection.info.get("phase_ms")
-                if phases:
-                    record["phases_ms"] = dict(phases)
-                passes.append(record)
-            append_random(memory, synthetic_chunk(grid, 1, shape["grid"]), generator)
-    return memory, passes
-
-
-def frames_held(memory: KVMemory) -> int:
-    """The most frames (temporal grids) any KV head of the memory's first layer holds tokens of (padding left out)."""
-    frame = memory.frame[0].long()
-    if frame.numel() == 0:
-        return 0
-    valid = memory.valid[0]
-    span = int(frame.max()) + 1
-    keyed = frame + torch.arange(frame.shape[0], device=frame.device)[:, None] * span  # (head, frame) pairs
-    pairs = torch.unique(keyed if valid is None else keyed[valid])
-    return int(torch.bincount(torch.div(pairs, span, rounding_mode="floor")).max())
+from .simulation import simulated_stream
 
 
 def _mean_phases(passes: list[dict[str, Any]]) -> dict[str, float]:
@@ -391,4 +315,5 @@ def run_decode(policy: Policy, factor: int) -> tuple[dict[str, Any], str]:
 BENCHMARKS = {
     "update": ("its per-chunk update at 7B shape over a simulated stream (random keys/values, no model)", run_update),
     "decode": ("its pass and decode-step attention at 7B shape, and decode on the tiny model", run_decode),
+    "store": ("its host store over a simulated stream at 7B shape (random keys/values, no model)", run_store),
 }

@@ -39,7 +39,7 @@ import torch
 from ..errors import BudgetError
 from ..views import CellGrid, Chart, Series, View, ViewContext
 from .contract import LayerSlice, OffloadUpdate, Policy, RetrievalRule, Selection, SliceStack, slice_stacks
-from .registry import PolicyCard, param, register
+from .registry import BenchDeclaration, PolicyCard, param, register
 from .topk import Ranking, select_ranked
 
 REASON_INIT, REASON_LOCAL = 0, 1
@@ -52,6 +52,7 @@ CARD = PolicyCard(
     "blocks that best match the question.",
     reasons=REASON_NAMES,
     view_titles=("Retrieved blocks", "Host store"),
+    bench=BenchDeclaration(benchmarks=("store",)),
 )
 
 
