@@ -977,7 +977,7 @@ def test_the_dense_forms_on_a_device_leave_the_bank_and_memory_the_cpu_leaves(dt
     merges, recycling, aging and trained codebooks, on the emulated device and on the CPU: the same bank (every
     field, the seed records without the dense form's padding) and the same memory (keys, values, bias, provenance),
     bit for bit."""
-    from kvdemo.bench.policies import simulated_stream
+    from kvdemo.bench.simulation import simulated_stream
     from kvdemo.devices.emulated_device import DEVICE, EmulatedDevice
 
     params = dict(warmup=8, subquantizers=2, codewords=4, merge_k=1.1, merge_v=1.2, t_idle=2, decay=0.5)
