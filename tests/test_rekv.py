@@ -1,5 +1,6 @@
 """ReKV: blocks scored and chosen as the code does (restated by hand on small tensors), the window and the store
-under M on a real clip, asking leaving the memory and the store bit-identical, and its bad inputs."""
+under M on a real clip, asking leaving the memory and the store bit-identical, the answer equal to transformers' forward
+over the whole stream with each layer's unretrieved keys masked (float64), and its bad inputs."""
 
 import pytest
 import torch
@@ -120,3 +121,155 @@ def test_a_window_shorter_than_one_chunk_is_refused_before_the_model_loads():
     with pytest.raises(BudgetError, match="shorter than one chunk"):
         budget.sized(policy, 270)
     Budget.resolve(make_policy("rekv"), 1080, 810).sized(make_policy("rekv"), 270)  # the defaults fit
+
+
+# --- the answer against transformers' forward over the whole stream, masked per layer (float64) --------------------
+
+MASKED_ATTENTION = "rekv_test_masked"
+
+
+def masked_stream_logits(model, prompt: dict, seen_before: list, resident: list, prefix: int, grid: int, choose):
+    """Last-token logits of transformers' language model and head over the whole prompt (prefix, every grid of the
+    video, the question) at the full prompt's positions, each layer's attention under a mask of its own: the
+    prefix causal; grid ``k``'s tokens see the prefix, the visual tokens ``seen_before[k][layer] [H_kv, N]`` (bool
+    over the prompt) and grid ``k`` causally; the question sees the prefix, ``resident[layer] [H_kv, N]``, itself
+    causally and the stored grids (every grid not resident) ``choose`` takes from them ranked by how well their mean
+    key before RoPE (``k_proj``'s output) matches the question's mean query before RoPE (``q_proj``'s), the dot
+    products summed over the query heads, best first. Returns the logits and each layer's chosen grids."""
+    from transformers import AttentionInterface
+
+    language = model.hf.model.language_model
+    length = prompt["inputs_embeds"].shape[1]
+    question = length - prefix - len(seen_before) * grid
+    projected: dict[tuple[int, str], torch.Tensor] = {}
+    chosen: dict[int, list[int]] = {}
+
+    def keep_output(layer: int, name: str):
+        def hook(module, args, output):
+            projected[layer, name] = output[0]
+
+        return hook
+
+    def masked_attention(module, query, key, value, attention_mask, **kwargs):
+        layer, kv_heads, q_heads = module.layer_idx, key.shape[1], query.shape[1]
+        group, dim = q_heads // kv_heads, query.shape[-1]
+        visible = torch.zeros(kv_heads, length, length, dtype=torch.bool)
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        visible[:, :prefix, :prefix] = causal[:prefix, :prefix]
+        for k, seen in enumerate(seen_before):
+            rows = slice(prefix + k * grid, prefix + (k + 1) * grid)
+            visible[:, rows, :prefix] = True
+            visible[:, rows] |= seen[layer][:, None, :]
+            visible[:, rows, rows] = causal[:grid, :grid]
+        # The question's retrieval restated: stored grids scored by mean query . mean key, summed over query heads.
+        queries = projected[layer, "q"].view(length, q_heads, dim)[-question:].mean(dim=0)  # [H_q, D]
+        keys = projected[layer, "k"].view(length, kv_heads, dim)
+        on_device = resident[layer][0, prefix : length - question].view(-1, grid).all(dim=1)
+        stored = [g for g in range(len(seen_before)) if not on_device[g]]
+        scores = {
+            g: sum(
+                float(queries[h] @ keys[prefix + g * grid : prefix + (g + 1) * grid, h // group].mean(dim=0))
+                for h in range(q_heads)
+            )
+            for g in stored
+        }
+        chosen[layer] = sorted(choose(sorted(stored, key=lambda g: -scores[g])))
+        rows = slice(length - question, length)
+        visible[:, rows, :prefix] = True
+        visible[:, rows] |= resident[layer][:, None, :]
+        for g in chosen[layer]:
+            visible[:, rows, prefix + g * grid : prefix + (g + 1) * grid] = True
+        visible[:, rows, rows] = causal[:question, :question]
+        # Plain attention in the model's dtype (transformers' eager function takes its softmax in float32).
+        logits = query[0] @ key[0].repeat_interleave(group, dim=0).transpose(1, 2) * kwargs["scaling"]
+        logits.masked_fill_(~visible.repeat_interleave(group, dim=0), float("-inf"))
+        out = torch.softmax(logits, dim=-1) @ value[0].repeat_interleave(group, dim=0)  # [H_q, N, D]
+        return out.transpose(0, 1)[None].contiguous(), None
+
+    AttentionInterface.register(MASKED_ATTENTION, masked_attention)
+    config = language.config
+    implementation = config._attn_implementation
+    hooks = [
+        hook
+        for index, decoder in enumerate(language.layers)
+        for hook in (
+            decoder.self_attn.q_proj.register_forward_hook(keep_output(index, "q")),
+            decoder.self_attn.k_proj.register_forward_hook(keep_output(index, "k")),
+        )
+    ]
+    config._attn_implementation = MASKED_ATTENTION
+    try:
+        with torch.inference_mode():
+            out = language(inputs_embeds=prompt["inputs_embeds"], position_ids=prompt["positions"][:, None])
+            logits = model.hf.lm_head(out.last_hidden_state[:, -1])[0]
+    finally:
+        config._attn_implementation = implementation
+        for hook in hooks:
+            hook.remove()
+    return logits, chosen
+
+
+@pytest.mark.slow
+def test_the_answer_equals_transformers_forward_over_the_whole_stream_with_what_was_not_retrieved_masked_per_layer(
+    monkeypatch,
+):
+    """A float64 stream of 8 temporal grids of 96 tokens under M=480, C=384, topk=2: the window keeps 2 grids after
+    each compression and 5 grids end in the store. The question's logits equal transformers' forward over every
+    token the stream produced, at the full prompt's positions, where each layer's question attends to the prefix,
+    the resident grids and the 2 stored grids the restated scoring picks for that layer, and each grid's prefill to
+    what was resident then (recorded from the memory before each chunk; the stream's eviction is not what this
+    checks). The stores marked the same grids, and another choice of grids answers otherwise."""
+    from test_families import FPS, QUESTION, stream_frames
+    from test_pruning_positions import float64_model, full_prompt
+
+    model = float64_model("tiny-random")
+    frames = stream_frames(model, 16)
+    engine = StreamEngine(model, "rekv", budget=480, keep=384, fps=FPS, policy_params=dict(topk=2))
+    prompt = full_prompt(model, frames)
+    prefix = int(model.prefix_embeds().shape[0])
+    grid = 96  # 224 x 336 frames: 8 x 12 merged patches per temporal grid
+    length = prompt["inputs_embeds"].shape[1]
+    memory = engine.memory
+
+    def on_device() -> list[torch.Tensor]:
+        """Each layer's resident visual tokens as ``[H_kv, N]`` bool over the prompt."""
+        out = []
+        for store in memory.layers:
+            assert store.text_len == 0 and store.valid is None  # Qwen2.5-VL's stream: visual tokens only, not ragged
+            held = store.packed[:, : store.visual_len, :3].long()  # [H_kv, L, (frame, row, col)]
+            cols = memory.grid_shape[1] if store.visual_len else 0
+            index = prefix + held[..., 0] * grid + held[..., 1] * cols + held[..., 2]
+            out.append(torch.zeros(held.shape[0], length, dtype=torch.bool).scatter_(1, index, True))
+        return out
+
+    seen_before = []
+    forward = model.forward
+
+    def recording(embeds, positions, cache, chunk=None):
+        if chunk is not None:
+            seen_before.append(on_device())
+        return forward(embeds, positions, cache, chunk)
+
+    monkeypatch.setattr(model, "forward", recording)
+    for start in range(0, len(frames), 2):
+        engine.feed(frames[start : start + 2])
+    monkeypatch.undo()
+    assert memory.grid_shape == (8, 12) and len(seen_before) == 8
+    heads = model.hf.config.text_config.num_key_value_heads
+    resident = on_device()
+    report = engine.report()["policy_state"]
+    assert report["stored_blocks"] == 5 and report["retrieved_blocks"] == 2 and report["block_tokens"] == grid
+    assert length == prefix + 8 * grid + int(model.question_embeds([], QUESTION).shape[0])
+
+    ours = engine.question_logits(QUESTION)
+    theirs, chosen = masked_stream_logits(model, prompt, seen_before, resident, prefix, grid, lambda r: r[:2])
+    print("grids each layer retrieved", chosen, "max |logit difference|", float((ours - theirs).abs().max()))
+    assert torch.allclose(ours, theirs, atol=1e-10, rtol=0), float((ours - theirs).abs().max())
+    fetched = memory.retrieved_frames()[1]  # [layers, grids] tokens the question retrieved, over the heads
+    for layer, grids in chosen.items():
+        assert fetched[layer].nonzero()[0].tolist() == grids
+        assert all(fetched[layer, g] == heads * grid for g in grids)
+    assert len({tuple(grids) for grids in chosen.values()}) > 1, "the layers chose differently (per layer, not one)"
+    # Another choice (the lowest-scoring stored grids) answers otherwise: the comparison tells choices apart.
+    others, _ = masked_stream_logits(model, prompt, seen_before, resident, prefix, grid, lambda r: r[-2:])
+    assert float((others - ours).abs().max()) > 1e-3

@@ -247,34 +247,34 @@ def attention_weights(
     scale: float,
     extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The softmax weights (float32) of ``query [1, H_q, q, D]`` over the cache ``key [1, H_kv, kv, D]`` (the last
+    """The softmax weights (float32; float64 for float64 queries) of ``query [1, H_q, q, D]`` over the cache ``key [1, H_kv, kv, D]`` (the last
     ``q`` slots are these tokens, causal among themselves; ``bias [H_kv, kv - q]`` or None on the earlier slots)
     and, with ``extra`` (retrieved keys/values ``[H_kv, R, D]`` and their bias ``[H_kv, R]``), the retrieved keys,
     under one softmax -> ``[H_kv, group * q, kv + R]``, rows ordered (query head within the group, token)."""
     _, q_heads, q_len, dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
-    past = kv_len - q_len
-    grouped = query.reshape(kv_heads, q_heads // kv_heads * q_len, dim).float()  # [H_kv, group * q, D]
-    logits = torch.matmul(grouped, key[0].float().transpose(1, 2)).mul_(scale)  # [H_kv, group * q, kv]
+    kv_heads, past = key.shape[1], key.shape[2] - q_len
+    wide = torch.promote_types(query.dtype, torch.float32)  # never narrower than the model's own dtype
+    grouped = query.reshape(kv_heads, q_heads // kv_heads * q_len, dim).to(wide)  # [H_kv, group * q, D]
+    logits = torch.matmul(grouped, key[0].to(wide).transpose(1, 2)).mul_(scale)  # [H_kv, group * q, kv]
     if bias is not None:
-        logits[:, :, :past] += bias[:, None, :].to(logits.device, torch.float32)
+        logits[:, :, :past] += bias[:, None, :].to(logits.device, wide)
     if q_len > 1:
         hidden = ~causal_mask(q_len, q_len, query.device).repeat(q_heads // kv_heads, 1)  # rows: (group, q)
         logits[:, :, past:].masked_fill_(hidden, float("-inf"))
     if extra is not None:
         extra_keys, _, extra_bias = extra
-        fetched = grouped @ extra_keys.float().transpose(1, 2) * scale + extra_bias[:, None, :].float()
+        fetched = grouped @ extra_keys.to(wide).transpose(1, 2) * scale + extra_bias[:, None, :].to(wide)
         logits = torch.cat([logits, fetched], dim=-1)
     return torch.softmax(logits, dim=-1)
 
 
 def weighted_values(weights: torch.Tensor, value: torch.Tensor, extra: tuple | None, q_heads: int) -> torch.Tensor:
     """``weights [H_kv, group * q, kv (+ R)]`` (:func:`attention_weights`) applied to ``value [1, H_kv, kv, D]``
-    (and ``extra``'s retrieved values) -> ``[1, q, H_q, D]`` float32, as transformers' attention functions return."""
+    (and ``extra``'s retrieved values) -> ``[1, q, H_q, D]`` in the weights' dtype, as transformers' functions return."""
     kv_heads, kv_len, dim = value.shape[1], value.shape[2], value.shape[3]
-    out = weights[..., :kv_len] @ value[0].float()
+    out = weights[..., :kv_len] @ value[0].to(weights.dtype)
     if extra is not None:
-        out = out + weights[..., kv_len:] @ extra[1].float()
+        out = out + weights[..., kv_len:] @ extra[1].to(weights.dtype)
     q_len = weights.shape[1] * kv_heads // q_heads
     return out.reshape(1, q_heads, q_len, dim).transpose(1, 2)
 
@@ -308,7 +308,7 @@ def float32_attention(
         return weighted_values(weights, value, extra, q_heads).to(query.dtype).contiguous()
     past = kv_len - q_len
     out = torch.empty(1, q_len, q_heads, dim, dtype=query.dtype, device=query.device)
-    key, value = key.float(), value.float()  # once, not per block
+    key, value = (t.to(torch.promote_types(t.dtype, torch.float32)) for t in (key, value))  # once, not per block
     padded = None if bias is None else torch.cat([bias, bias.new_zeros(bias.shape[0], q_len)], dim=1)
     for start in range(0, q_len, step):
         stop = min(start + step, q_len)
