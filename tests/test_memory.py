@@ -485,3 +485,48 @@ def test_take_rows_into_a_slice_writes_in_place_what_a_plain_loop_takes(dtype):
     target = torch.zeros(3, 4, dtype=dtype)
     take_rows(narrow, torch.tensor([5, 1, 5]), out=target)
     assert torch.equal(target, torch.stack([narrow[5], narrow[1], narrow[5]]))
+
+
+@pytest.mark.parametrize("fill", [0, False])
+def test_layers_of_different_widths_stack_padded_as_a_plain_loop_pads_them(fill):
+    """A compaction stacks a group's per-layer selections ``[H, K_l]`` as ``[G, H, max K]``: each layer's entries
+    first, ``fill`` after them; a layer the selection says nothing of keeps its slots in order (an index) or counts
+    every entry (a valid mask)."""
+    from kvdemo.cache.compaction import stack_rows
+
+    memory = synthetic_memory(4, 2, 8, 48, GRID, torch.float32, seed=3)
+    g = torch.Generator().manual_seed(5)
+    widths = [3, 7, None, 5]
+    per_layer = [
+        None if w is None else (torch.randint(0, 30, (2, w), generator=g) if fill == 0 else torch.rand(2, w) > 0.5)
+        for w in widths
+    ]
+    out = stack_rows(memory.layers, per_layer, 6, fill)
+    assert out.shape == (4, 2, 7)
+    for layer, t in enumerate(per_layer):
+        for head in range(2):
+            for slot in range(7):
+                if t is None:
+                    last = memory.layers[layer].visual_len - 1
+                    want = True if fill is False else min(slot, last)
+                else:
+                    want = t[head, slot].item() if slot < t.shape[1] else fill
+                assert out[layer, head, slot].item() == want, (layer, head, slot)
+
+
+def test_stacking_selections_of_different_widths_takes_as_many_launches_at_any_depth():
+    """What a compaction's stacking asks of a GPU does not grow with the layers (counted on the emulated device)."""
+    from kvdemo.cache.compaction import stack_rows
+    from kvdemo.devices.emulated_device import DEVICE, EmulatedDevice
+
+    launches = []
+    for layers in (4, 28):
+        memory = synthetic_memory(layers, 2, 8, 48, GRID, torch.float32, seed=3)
+        with EmulatedDevice(), torch.inference_mode():
+            memory.to(DEVICE)
+            per_layer = [torch.arange(2 * (3 + layer % 5)).view(2, -1).to(DEVICE) for layer in range(layers)]
+        mode = EmulatedDevice()
+        with mode, torch.inference_mode():
+            stack_rows(memory.layers, per_layer, 8, 0)
+        launches.append(mode.launches)
+    assert launches[0] == launches[1]

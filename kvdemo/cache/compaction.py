@@ -26,23 +26,38 @@ from .layer import PROVENANCE, PROVENANCE_WIDTH, LayerGroup, LayerMemory
 def stack_rows(
     stores: list[LayerMemory], per_layer: list[torch.Tensor | None], length: int, fill: int | bool
 ) -> torch.Tensor | None:
-    """Per-layer ``[H, K]`` tensors of one group stacked as ``[G, H, K]`` (one launch when they are of one width;
-    narrower ones padded with ``fill``); None when every entry is None."""
+    """Per-layer ``[H, K]`` tensors of one group stacked as ``[G, H, K]``, narrower ones padded with ``fill``; None
+    when every entry is None. As many launches whatever the number of layers: one stack when they are of one width,
+    else one concatenation along the width put into the padded stack by one indexed write."""
     if all(t is None for t in per_layer):
         return None
-    if all(t is not None for t in per_layer) and len({t.shape[1] for t in per_layer}) == 1:
-        return torch.stack([t.to(stores[0].keys.device) for t in per_layer])
     heads, device = stores[0].heads, stores[0].keys.device
-    width = max(t.shape[1] if t is not None else length for t in per_layer)
-    out = []
-    for store, t in zip(stores, per_layer):
-        if t is None:  # a layer with nothing here: every entry counts (valid) / keeps its slots in order (index)
-            t = torch.ones(heads, width, dtype=torch.bool, device=device) if fill is False else None
-        if t is None:
-            t = torch.arange(width, device=device).clamp(max=max(store.visual_len - 1, 0)).expand(heads, -1)
-        pad = width - t.shape[1]
-        out.append(t.to(device) if not pad else torch.cat([t.to(device), t.new_full((heads, pad), fill)], 1))
-    return torch.stack(out)
+    if any(t is None for t in per_layer):  # a layer with nothing here (rare: CoRDS' uncompressed layers)
+        width = max(t.shape[1] if t is not None else length for t in per_layer)
+        per_layer = [
+            t if t is not None else missing_rows(store, heads, width, fill) for store, t in zip(stores, per_layer)
+        ]
+    widths = [t.shape[1] for t in per_layer]
+    if len(set(widths)) == 1:
+        return torch.stack([t.to(device) for t in per_layer])
+    joined = torch.cat([t.to(device) for t in per_layer], dim=1)  # [H, sum of widths]
+    # Each joined column's layer and place in it, worked out on the host from the widths and copied over once.
+    sizes = torch.tensor(widths)
+    layer_of = torch.repeat_interleave(torch.arange(len(widths)), sizes)
+    place = torch.arange(int(sizes.sum())) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+    where = torch.stack([layer_of, place]).to(device)
+    out = joined.new_full((len(widths), heads, max(widths)), fill)
+    out[where[0][None], torch.arange(heads, device=device)[:, None], where[1][None]] = joined
+    return out
+
+
+def missing_rows(store: LayerMemory, heads: int, width: int, fill: int | bool) -> torch.Tensor:
+    """``[H, width]`` for a layer a selection says nothing of: every entry counts (``fill`` False: a valid mask) or
+    keeps its slots in order (an index)."""
+    device = store.keys.device
+    if fill is False:
+        return torch.ones(heads, width, dtype=torch.bool, device=device)
+    return torch.arange(width, device=device).clamp(max=max(store.visual_len - 1, 0)).expand(heads, -1)
 
 
 def compact_group(
@@ -126,13 +141,13 @@ def refresh_group_bias(group: LayerGroup, stores: list[LayerMemory], start: int)
     length = max(stores[g].visual_len for g in batch)
     if len(batch) == len(stores):
         bias[:, :, start:].zero_()
-        if any(s.ragged for s in stores):
-            lengths = torch.tensor([s.visual_len for s in stores], device=bias.device)
-            padding = ~group.valid[:, :, :length] & (torch.arange(length, device=bias.device) < lengths[:, None, None])
-            bias[:, :, start : start + length].masked_fill_(padding, float("-inf"))
-        return
-    for g in batch:  # a group with layers that read no bias: only the others are refreshed
-        stores[g].refresh_bias(start)
+    else:  # a group with layers that read no bias: only the others are refreshed, in one fill
+        bias[:, :, start:].index_fill_(0, torch.tensor(batch, device=bias.device), 0)
+    if any(stores[g].ragged for g in batch):  # the ragged layers' padding, for all of them at once
+        ragged = [s.visual_len if g in batch and s.ragged else 0 for g, s in enumerate(stores)]
+        lengths = torch.tensor(ragged, device=bias.device)
+        padding = ~group.valid[:, :, :length] & (torch.arange(length, device=bias.device) < lengths[:, None, None])
+        bias[:, :, start : start + length].masked_fill_(padding, float("-inf"))
 
 
 def shift_group(group: LayerGroup, stores: list[LayerMemory], by_grid: torch.Tensor, rotary: Any, start: int) -> int:
