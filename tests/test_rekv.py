@@ -273,3 +273,24 @@ def test_the_answer_equals_transformers_forward_over_the_whole_stream_with_what_
     # Another choice (the lowest-scoring stored grids) answers otherwise: the comparison tells choices apart.
     others, _ = masked_stream_logits(model, prompt, seen_before, resident, prefix, grid, lambda r: r[-2:])
     assert float((others - ours).abs().max()) > 1e-3
+
+
+def test_compare_s_fidelity_probe_retrieves_as_answering_does(tiny_random, small_video):
+    """``compare --fidelity`` on a rekv engine: the probe scores the stored blocks with the question's queries before
+    RoPE as answering does, so its first-token KL is that of the engine's own question logits against the full
+    cache's, and it leaves no retrieval marks behind."""
+    from kvdemo.analysis.explain import fidelity, first_token_kl
+
+    engines = {
+        "full": StreamEngine(tiny_random, "full", fps=2.0),
+        "rekv": StreamEngine(tiny_random, make_policy("rekv", topk=1), budget=96, keep=72, fps=2.0),
+    }
+    list(stream_video(tiny_random, small_video, engines))  # 6 grids of 24 tokens: 3 stored, 1 retrieved
+    assert engines["rekv"].report()["policy_state"]["stored_blocks"] == 3
+    question = "What is in the video?"
+    results = fidelity(engines["full"], engines, question)
+    assert not engines["rekv"].memory.retrieved_frames()[1].any()
+    own, full = engines["rekv"].question_logits(question), engines["full"].question_logits(question)
+    assert (engines["rekv"].memory.retrieved_frames()[1].sum(axis=1) == 2 * 24).all()  # a block for both heads
+    assert results["rekv"]["first_token_kl"] == pytest.approx(first_token_kl(full, own), abs=1e-6)
+    assert min(results["rekv"]["layer_error"]) > 0

@@ -243,8 +243,8 @@ class FidelityProbe:
     output against the full cache's, and the squared norm of the full cache's (both float32, the same
     :func:`~kvdemo.cache.attention.attention_weights`, so the full cache against itself is exactly 0)."""
 
-    def __init__(self, memories: dict[str, KVMemory]) -> None:
-        self.memories = memories
+    def __init__(self, memories: dict[str, KVMemory], unrotate: Any = None) -> None:
+        self.memories, self.unrotate = memories, unrotate  # unrotate: as ``MemoryCache.unrotate``
         layers = max((len(m.layers) for m in memories.values()), default=0)
         self.error = {name: np.zeros(layers) for name in memories}
         self.norm = np.zeros(layers)
@@ -268,7 +268,7 @@ class FidelityProbe:
             own_keys = torch.cat([store.keys[:, :, :live].to(query.device), new_keys], dim=2)
             own_values = torch.cat([store.values[:, :, :live].to(query.device), new_values], dim=2)
             own_bias = store.bias[:, :live] if store.bias is not None else None
-            own_extra = store.offload.fetch(query[0], scale) if store.offload is not None else None
+            own_extra = store.offload.fetch(query[0], scale, self.unrotate) if store.offload is not None else None
             out = weighted_values(
                 attention_weights(query, own_keys, own_bias, scale, own_extra), own_values, own_extra, q_heads
             )
@@ -303,7 +303,9 @@ def fidelity(full, engines: dict[str, Any], question: str) -> dict[str, dict[str
     positions, _ = model.text_positions(full.memory.cursor, int(embeds.shape[0]))
     for engine in engines.values():
         engine.memory.reset_retrieved()
-    probe = FidelityProbe({name: engine.memory for name, engine in engines.items()})
+    rotary = getattr(model, "rotary", None)
+    unrotate = rotary.unrotating(positions) if rotary is not None else None  # for stores that score before RoPE
+    probe = FidelityProbe({name: engine.memory for name, engine in engines.items()}, unrotate)
     cache = MemoryCache(full.memory)
     cache.observers.append(probe)
     full_logits = model.forward(embeds, positions, cache)
@@ -312,7 +314,7 @@ def fidelity(full, engines: dict[str, Any], question: str) -> dict[str, dict[str
     for name, engine in engines.items():
         engine.memory.reset_retrieved()
         own = MemoryCache(engine.memory)
-        own.answering = True
+        own.answering, own.unrotate = True, unrotate
         logits = model.forward(embeds, positions, own)
         out[name] = {
             "layer_error": [round(e, 6) for e in errors[name]],

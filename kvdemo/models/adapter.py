@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,11 @@ class Rotation:
     def unrotate(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Cached keys rotated at ``position`` -> keys before RoPE."""
         return self._apply(x, position, -1.0)
+
+    def unrotating(self, positions: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A forward's queries ``[H_q, q, D]`` at ``positions [3, q]`` -> before RoPE: what a store that scores
+        queries before RoPE reads while answering (``MemoryCache.unrotate``)."""
+        return lambda query: self.unrotate(query, positions.t().to(query.device))
 
 
 class TransformersAdapter(abc.ABC):

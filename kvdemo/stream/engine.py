@@ -472,12 +472,13 @@ class StreamEngine:
         positions, cursor = self.model.text_positions(memory.cursor, int(embeds.shape[0]))
         cache = MemoryCache(memory)  # writes go to the slack and are never committed
         cache.answering = True  # heads with an offload store retrieve (question prefill and every decode step)
+        placed = self._placed(positions, memory)
         rotary = getattr(self.model, "rotary", None)
         if rotary is not None:  # a store that scores queries before RoPE unrotates the question's own
-            cache.unrotate = lambda query: rotary.unrotate(query, positions.t().to(query.device))
+            cache.unrotate = rotary.unrotating(placed)
         cache.observers.extend(observers)
         memory.reset_retrieved()
-        return self.model.forward(embeds, self._placed(positions, memory), cache), cache, cursor, dropped
+        return self.model.forward(embeds, placed, cache), cache, cursor, dropped
 
     @torch.inference_mode()
     def _generate(
