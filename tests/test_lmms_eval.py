@@ -133,16 +133,18 @@ def test_local_tasks_answer_like_a_plain_streamed_loop(tasks, tmp_path):
     )
 
 
-def test_a_bounded_policy_holds_its_budget_under_lmms_eval(tasks, tmp_path):
+@pytest.mark.parametrize("policy, m, c", [("sliding-window", 32, 16), ("rekv", 64, 48)])
+def test_a_bounded_policy_holds_its_budget_under_lmms_eval(tasks, tmp_path, policy, m, c):
+    """rekv: its retrieval reserve counts toward M while the stream runs, and each question retrieves within it."""
     from kvdemo.integrations.lmms_eval import KVDemoLMM
 
-    model = KVDemoLMM(pretrained="tiny", policy="sliding-window", M=32, C=16, runs=str(tmp_path))
+    model = KVDemoLMM(pretrained="tiny", policy=policy, M=m, C=c, runs=str(tmp_path))
     _evaluate(model, tasks, ["kvdemo_videomme"])
     (run,) = list(tmp_path.iterdir())
     config = json.loads((run / "config.json").read_text())
     lines = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
-    assert config["policy"] == "sliding-window" and config["M"] == 32 and config["versions"]["lmms_eval"]
-    assert all(p["peak_tokens"] <= 32 and p["compressions"] > 0 and (p["M"], p["C"]) == (32, 16) for p in lines)
+    assert config["policy"] == policy and config["M"] == m and config["versions"]["lmms_eval"]
+    assert all(p["peak_tokens"] <= m and p["compressions"] > 0 and (p["M"], p["C"]) == (m, c) for p in lines)
 
 
 def test_a_bounded_policy_without_m_runs_at_the_models_default_budget_and_says_so(tmp_path):

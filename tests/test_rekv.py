@@ -275,18 +275,28 @@ def test_the_answer_equals_transformers_forward_over_the_whole_stream_with_what_
     assert float((others - ours).abs().max()) > 1e-3
 
 
-def test_compare_s_fidelity_probe_retrieves_as_answering_does(tiny_random, small_video):
+@pytest.fixture(scope="module")
+def small_streams(tiny_random):
+    """A small generated video (6 grids of 24 tokens) in the full cache and in rekv (3 blocks stored, 1 retrieved)."""
+    from kvdemo.world.synthetic import synthetic_video
+
+    video = synthetic_video(num_frames=12, height=112, width=168, fps=2.0, seed=3)
+    engines = {
+        "full": StreamEngine(tiny_random, "full", fps=2.0),
+        "rekv": StreamEngine(tiny_random, make_policy("rekv", topk=1), budget=96, keep=72, fps=2.0),
+    }
+    list(stream_video(tiny_random, video, engines))
+    assert engines["rekv"].report()["policy_state"]["stored_blocks"] == 3
+    return engines
+
+
+def test_compare_s_fidelity_probe_retrieves_as_answering_does(small_streams):
     """``compare --fidelity`` on a rekv engine: the probe scores the stored blocks with the question's queries before
     RoPE as answering does, so its first-token KL is that of the engine's own question logits against the full
     cache's, and it leaves no retrieval marks behind."""
     from kvdemo.analysis.explain import fidelity, first_token_kl
 
-    engines = {
-        "full": StreamEngine(tiny_random, "full", fps=2.0),
-        "rekv": StreamEngine(tiny_random, make_policy("rekv", topk=1), budget=96, keep=72, fps=2.0),
-    }
-    list(stream_video(tiny_random, small_video, engines))  # 6 grids of 24 tokens: 3 stored, 1 retrieved
-    assert engines["rekv"].report()["policy_state"]["stored_blocks"] == 3
+    engines = small_streams
     question = "What is in the video?"
     results = fidelity(engines["full"], engines, question)
     assert not engines["rekv"].memory.retrieved_frames()[1].any()
@@ -294,3 +304,22 @@ def test_compare_s_fidelity_probe_retrieves_as_answering_does(tiny_random, small
     assert (engines["rekv"].memory.retrieved_frames()[1].sum(axis=1) == 2 * 24).all()  # a block for both heads
     assert results["rekv"]["first_token_kl"] == pytest.approx(first_token_kl(full, own), abs=1e-6)
     assert min(results["rekv"]["layer_error"]) > 0
+
+
+def test_what_a_question_retrieved_survives_the_round_trip_of_an_answer_answered_elsewhere(small_streams):
+    """The app applies what answering changed (a ZeroGPU worker sends back only that) outside inference mode: the
+    retrieval marks the views draw stay as the question left them, and a later question does not change the state
+    already sent."""
+    engine = small_streams["rekv"]
+    engine.answer("What is in the video?", 2)
+    marks = engine.memory.retrieved_frames()[1]
+    assert marks.sum() == 4 * 2 * 24  # each of the 4 layers retrieved one block for both heads
+    state = engine.answer_state()
+    engine.load_answer_state(state)
+    assert (engine.memory.retrieved_frames()[1] == marks).all()
+    sent = [t.clone() for t in state["retrieved"]]
+    with torch.inference_mode():
+        engine.memory.reset_retrieved()  # what the next question does first
+    assert all(torch.equal(a, b) for a, b in zip(sent, state["retrieved"]))
+    engine.load_answer_state(state)
+    assert (engine.memory.retrieved_frames()[1] == marks).all()

@@ -541,10 +541,12 @@ class StreamEngine:
         chunks each head retrieved. Small, so a question answered elsewhere (a ZeroGPU worker) sends back
         only this; :meth:`load_answer_state` applies it."""
         retrieved = [
-            store.offload.retrieved.cpu() if store.offload is not None else None for store in self.memory.layers
+            store.offload.retrieved.to("cpu", copy=True) if store.offload is not None else None
+            for store in self.memory.layers
         ]
         return {"history": list(self.history), "answers": list(self.answers), "retrieved": retrieved}
 
+    @torch.inference_mode()  # the retrieval marks are written in place into the store's (inference) tensors
     def load_answer_state(self, state: dict[str, Any]) -> None:
         self.history[:] = state["history"]
         self.answers[:] = state["answers"]
