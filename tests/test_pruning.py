@@ -465,8 +465,10 @@ def test_the_lineup_names_each_engine_by_its_pruning_and_policy(tiny_random):
     )
     assert [c.label for c in contenders] == ["vidcom2:0.25+sliding-window", "evs:0.5+sliding-window", "evs:0.5+full"]
     assert (contenders[1].budget, contenders[1].keep) == ("96", "64")
-    with pytest.raises(UserError, match="each policy once"):
+    with pytest.raises(UserError, match="'full' is always compared"):
         parse_overrides(["full"], "")
+    with pytest.raises(UserError, match="'evs:0.5\\+full' is named twice: each policy once"):
+        parse_overrides(["evs:0.5+full", "evs:0.5+full"], "")
     with pytest.raises(PruningSettingError, match="sliding-window's prune: unknown pruning method 'x'"):
         parse_overrides(["sliding-window"], "sliding-window: prune=x:0.5")
 
