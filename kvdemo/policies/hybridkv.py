@@ -281,10 +281,11 @@ class HybridKV(Policy, Probed):
         if self.pool_kernel > 1:
             frame = stack.rows("frame")
             rank, _ = frame_rank(frame)
-            if min(lengths) < length:  # padding slots pool among themselves, in a frame of their own
-                inside = torch.arange(length, device=frame.device) < torch.tensor(lengths, device=frame.device)[:, None]
-                rank = torch.where(inside.repeat_interleave(heads, dim=0), rank, rank.max() + 1)
             pos = stack.rows("row").long() * stack.first.grid[1] + stack.rows("col").long()
+            if min(lengths) < length:  # padding slots (no grid cell) pool among themselves, in a frame of their own
+                inside = torch.arange(length, device=frame.device) < torch.tensor(lengths, device=frame.device)[:, None]
+                inside = inside.repeat_interleave(heads, dim=0)
+                rank, pos = torch.where(inside, rank, rank.max() + 1), torch.where(inside, pos, 0)
             prior = pool_on_grid(prior, rank, pos, stack.first.grid, self.pool_kernel)
         return sparsity, prior
 
