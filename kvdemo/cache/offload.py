@@ -343,18 +343,9 @@ class OffloadStore:
         boundary; host tensors stay on the host)."""
         pool = {name: t[: self.used].clone() for name, t in (("keys", self.keys), ("values", self.values))}
         return replace(
-            self,
+            self.fork(),  # the bookkeeping copied as a fork copies it, the pools cut and copied too
             valid=self.valid[: self.used].clone(),
             provenance={name: t[: self.used].clone() for name, t in self.provenance.items()},
-            table=self.table.clone(),
-            mean_keys=self.mean_keys.clone(),
-            count=self.count.clone(),
-            stored=self.stored.clone(),
-            retrieve=self.retrieve.clone(),
-            retrieved=self.retrieved.clone(),
-            widths=list(self.widths),
-            last_fetched=list(self.last_fetched),
-            held={},
             **pool,
         )
 
