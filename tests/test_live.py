@@ -238,6 +238,15 @@ def expected_slow_stream(times: list[float], chunk_s: float, bound: int) -> tupl
     return fed, dropped
 
 
+def test_an_unbounded_put_keeps_every_frame_and_a_bounded_one_drops_past_the_bound(tiny_random):
+    """A file's frames (``bounded=False``) all wait however many come at once; a live source's put past the bound
+    (4 frames: 2 s at 2 fps) drops the oldest waiting, the file's included, and counts them."""
+    live = LiveSession(tiny_random, engines(tiny_random, "full"), max_waiting_s=2.0, clock=FakeClock())
+    assert live.put(FRAMES[:10], bounded=False) == 0 and live.frames_waiting == 10 and live.dropped == 0
+    assert live.put(FRAMES[10:11]) == 7 and live.frames_waiting == 4 and live.dropped == 7
+    assert [t for _, t, _ in live.waiting] == [3.5, 4.0, 4.5, 5.0]
+
+
 def test_a_slow_device_fills_the_queue_and_the_dropped_frames_are_counted(tiny_random, monkeypatch):
     """Each chunk takes 3 s of the fake clock (the vision encoding waits) while the stream brings one chunk a second:
     past 2 s of waiting frames (4 at 2 fps) the oldest are dropped. Exactly the frames the rule drops are dropped,

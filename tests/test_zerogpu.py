@@ -143,3 +143,48 @@ def test_a_question_that_runs_a_pass_sends_its_engine_back(emulate, pancake):
     for a, b in zip(here.memory.keys + here.memory.values, returned.memory.keys + returned.memory.values):
         assert torch.equal(a, b)
     assert [e.event for e in returned.memory.timeline] == [e.event for e in here.memory.timeline]
+
+
+@pytest.mark.slow
+def test_a_file_under_zerogpu_loses_no_frame_and_its_calls_draw_the_views_of_their_newest_grids(emulate, monkeypatch):
+    """The sample at 1 fps (40 frames) in calls of 16 frames: every frame enters, although a call queues more than a
+    live source may keep waiting (10 s of stream: it dropped the rest); and the calls' live updates, drawn here, show
+    the same views as in place once a call has fed more grids than the worker's thumbnails held when it started
+    (they lacked the newest grids, and ProtoKV's assignment map vanished until the stream's last redraw)."""
+    from kvdemo.app import single_updates
+    from kvdemo.app.gpu import SEGMENT_THUMBNAILS, ZEROGPU_SEGMENT_FRAMES
+    from kvdemo.app.handlers import run_stream
+    from kvdemo.app.sessions import AppServices, RunSettings
+    from kvdemo.app.single_updates import SingleUpdates
+    from test_app import frames_done
+
+    monkeypatch.setattr(single_updates, "HEATMAP_EVERY_S", 0.0)  # every update draws the views (the fork inherits it)
+    services = AppServices.create("tiny")
+    settings = RunSettings(
+        model="tiny",
+        policy="protokv",
+        params={},
+        budget=64,
+        keep=None,
+        fps=1.0,
+        max_pixels=15680,
+        baseline=False,
+        cap_mb=2048,
+    )
+
+    def run() -> tuple[dict[int, list[str]], dict]:
+        drawn = {}
+        for update in run_stream(services, None, None, settings, SingleUpdates()):
+            assert "thumbnails" not in update  # the worker's thumbnails are the session's, not the page's
+            if "panels" in update:
+                drawn[frames_done(update["status"])] = [panel.title for panel in update["panels"]]
+        return drawn, update
+
+    emulated, last = run()
+    assert "40/40 frames" in last["status"] and last["session"].live.dropped == 0
+    assert len(last["session"].thumbnails) == last["session"].engine.memory.num_grids == 20
+    monkeypatch.delenv(zerogpu.EMULATE_ENV)
+    in_place, _ = run()
+    late = [n for n in emulated if n > ZEROGPU_SEGMENT_FRAMES and n % ZEROGPU_SEGMENT_FRAMES > 2 * SEGMENT_THUMBNAILS]
+    assert late and all(emulated[n] == in_place[n] for n in emulated)
+    assert all("Prototype assignments" in emulated[n] for n in late)

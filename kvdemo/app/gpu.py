@@ -115,7 +115,7 @@ class Segment:
         thumbnails, the chunks' lag records; returns the chunks the call fed."""
         state.group = self.group.attach(model_by_name(self.model))
         state.live.adopt(state.group, self.records)
-        state.thumbnails.extend(self.thumbnails[old_thumbnails:])
+        state.thumbnails[old_thumbnails:] = self.thumbnails[old_thumbnails:]  # some may have come with live updates
         state.chunk_ms.extend(self.chunk_ms)
         state.last_used = time.monotonic()
         return self.fed
@@ -133,7 +133,9 @@ def segment_duration(segment: Segment) -> int:
 def stream_segment(segment: Segment) -> Iterator[dict[str, Any]]:
     """Stream the segment's frames into its engines chunk by chunk (and answer its question between them: a live
     session inside the call); yield ``{"piece": (engine, text)}`` as the answer comes, the page's light live update
-    after each chunk (:meth:`PageUpdates.segment_update`, if it has one), and finally ``{"segment": segment}``.
+    after each chunk (:meth:`PageUpdates.segment_update`, if it has one) with the thumbnails of the grids fed since
+    the last one under ``"thumbnails"`` (so the caller can draw the views of the newest grids), and finally
+    ``{"segment": segment}``.
 
     On ZeroGPU (or its emulation) this runs in a forked worker: the engines arrive pickled without their
     model, the model is resolved here by name, and the engines go back on the CPU.
@@ -148,6 +150,7 @@ def stream_segment(segment: Segment) -> Iterator[dict[str, Any]]:
     )
     if len(segment.frames):
         live.put(segment.frames, segment.times, segment.captured)
+    sent = len(segment.thumbnails)
     answer = None
     if segment.question is not None:
         answer = live.ask(segment.question, segment.max_new_tokens, segment.attribute, engines=segment.asked)
@@ -163,7 +166,8 @@ def stream_segment(segment: Segment) -> Iterator[dict[str, Any]]:
                 else None
             )
             if update:
-                yield update
+                yield {**update, "thumbnails": segment.thumbnails[sent:]}
+                sent = len(segment.thumbnails)
     segment.chunk_ms, segment.records = state.chunk_ms, live.records  # the new grids' thumbnails: segment.thumbnails
     if zerogpu.active():
         for engine in segment.group.engines.values():
@@ -182,7 +186,8 @@ def feed_waiting(
 ) -> Generator[dict[str, Any], None, None]:
     """Feed the session's whole chunks waiting (the caller holds the turn): in place, turn by turn (each turn also
     decodes a few tokens of an answer in flight); on ZeroGPU, as one call with those frames (``live_updates``: its
-    light updates yielded as they come, drawn here where every thumbnail is, :meth:`PageUpdates.drawn`)."""
+    light updates yielded as they come, drawn here where every thumbnail is, :meth:`PageUpdates.drawn`; the new
+    grids' thumbnails are kept as they come, and dropped again if the call fails, since its engines never return)."""
     if not zerogpu.active():
         while not state.freed and whole_chunks(state.live, flush):
             state.live.step(flush=flush, held=True)
@@ -193,11 +198,17 @@ def feed_waiting(
     frames, times, captured = taken
     segment = Segment.of(state, frames, times, flush, updates, total, captured=captured)
     old = len(segment.thumbnails)
-    for update in stream_segment(segment):
-        if "segment" in update:
-            update["segment"].apply_to(state, old)
-        elif live_updates:
-            yield {"session": state, **updates.drawn(update, state)}
+    try:
+        for update in stream_segment(segment):
+            if "segment" in update:
+                update["segment"].apply_to(state, old)
+                continue
+            state.thumbnails.extend(update.pop("thumbnails", ()))
+            if live_updates:
+                yield {"session": state, **updates.drawn(update, state)}
+    except BaseException:
+        del state.thumbnails[old:]
+        raise
 
 
 def feed_now(state: Session, updates: PageUpdates) -> None:
@@ -222,14 +233,14 @@ def feed_segment(
     total: int | None,
     live: bool = False,
 ) -> Generator[dict[str, Any], None, int]:
-    """The feed path of a file (or the bundled sample): ``frames`` queued in the session's live scheduler, then fed in
+    """The feed path of a file (or the bundled sample): ``frames`` queued in the session's live scheduler (none dropped), then fed in
     its turn (:func:`feed_waiting`; an answer's turns may have fed them first); returns the chunks that entered since
     they were queued (0 if the session was freed meanwhile). With ``live``, when one call streams many chunks
     (ZeroGPU), its live updates are yielded as they come."""
     if state.freed:
         return 0
     before = len(state.live.records)
-    state.live.put(frames, times)
+    state.live.put(frames, times, bounded=False)
     with state.turns:
         if state.freed:  # freed while it waited for the turn
             return 0

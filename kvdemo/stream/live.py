@@ -226,11 +226,18 @@ class LiveSession:
         return len(self.waiting)
 
     # --- frames in ------------------------------------------------------------------------------------
-    def put(self, frames: np.ndarray, times_s: Sequence[float] | None = None, captured_s: Any = None) -> int:
+    def put(
+        self,
+        frames: np.ndarray,
+        times_s: Sequence[float] | None = None,
+        captured_s: Any = None,
+        bounded: bool = True,
+    ) -> int:
         """Queue frames ``[T, H, W, 3]`` (or one ``[H, W, 3]``) for the device, with no model work; returns the frames
         this dropped (the oldest waiting, past the bound). ``times_s``: their stream times (default: their index
         among the frames received, over ``fps``); ``captured_s``: when they were captured, one time or one each
-        (default: now)."""
+        (default: now). ``bounded=False``: none is dropped (a file's frames: its reader waits instead of losing them,
+        and may queue more than the bound at once, as a ZeroGPU call's segment does)."""
         frames = np.asarray(frames)
         frames = frames[None] if frames.ndim == 3 else frames
         self.group.stream.check(frames)
@@ -242,7 +249,7 @@ class LiveSession:
             self.waiting.extend(zip(frames, times.tolist(), captured.tolist()))
             self.received += count
             over = len(self.waiting) - self.max_waiting
-            if over <= 0:
+            if over <= 0 or not bounded:
                 return 0
             gone = [self.waiting.popleft() for _ in range(over)]
             self.dropped += over
