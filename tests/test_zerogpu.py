@@ -188,3 +188,32 @@ def test_a_file_under_zerogpu_loses_no_frame_and_its_calls_draw_the_views_of_the
     late = [n for n in emulated if n > ZEROGPU_SEGMENT_FRAMES and n % ZEROGPU_SEGMENT_FRAMES > 2 * SEGMENT_THUMBNAILS]
     assert late and all(emulated[n] == in_place[n] for n in emulated)
     assert all("Prototype assignments" in emulated[n] for n in late)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fps", [0.5, 2.0])
+def test_the_webcam_under_zerogpu_is_fed_at_any_sampling_rate(emulate, fps):
+    """A webcam is fed one call per 16 frames; at 0.5 fps 10 s of stream is 5 frames, and a queue bounded there
+    dropped every frame before 16 waited, so none was ever fed. At least one call's frames may wait."""
+    from kvdemo.app.gpu import ZEROGPU_SEGMENT_FRAMES
+    from kvdemo.app.handlers import webcam_frame
+    from kvdemo.app.sessions import AppServices, RunSettings
+
+    hub = AppServices.create("tiny")
+    settings = RunSettings(
+        model="tiny",
+        policy="infinipot-v",
+        params={},
+        budget=1024,
+        keep=768,
+        fps=fps,
+        max_pixels=200_704,
+        baseline=False,
+        cap_mb=2048,
+    )
+    rng = np.random.default_rng(0)
+    session = None
+    for _ in range(ZEROGPU_SEGMENT_FRAMES + 4):
+        session = webcam_frame(hub, session, rng.integers(0, 255, (240, 320, 3), dtype=np.uint8), settings)["session"]
+    assert session.engine.frames_fed == ZEROGPU_SEGMENT_FRAMES and session.live.dropped == 0
+    assert session.live.frames_waiting == 4 and len(session.thumbnails) == ZEROGPU_SEGMENT_FRAMES // 2

@@ -25,7 +25,7 @@ from ..analysis.explain import fidelity
 from ..devices import zerogpu
 from ..experiments.sweep import Sweep, delay_sweep
 from ..stream.engine import StreamEngine
-from ..stream.live import ChunkLag, LiveSession
+from ..stream.live import MAX_WAITING_S, ChunkLag, LiveSession
 from ..stream.streaming import EngineGroup, StreamStep
 from .page_updates import PageUpdates
 from .sessions import Session, model_by_name
@@ -59,9 +59,16 @@ def chunk_hook(session: Session) -> Callable[[StreamStep, np.ndarray], None]:
 
 
 def live_session(session: Session) -> LiveSession:
-    """The live scheduler over a session's group, sharing the session's turn, keeping its thumbnails."""
+    """The live scheduler over a session's group, sharing the session's turn, keeping its thumbnails. At least one
+    call's frames may wait (:func:`segment_frames`), whatever the sampling rate: a live source is fed once a segment
+    waits, and a bound below it (10 s at under 1.6 fps on ZeroGPU) dropped every frame before any was fed."""
+    waiting_s = max(MAX_WAITING_S, segment_frames() / session.group.stream.fps)
     return LiveSession.around(
-        session.group, frames_per_chunk=FRAMES_PER_CHUNK, turn=session.turns, on_chunk=chunk_hook(session)
+        session.group,
+        frames_per_chunk=FRAMES_PER_CHUNK,
+        max_waiting_s=waiting_s,
+        turn=session.turns,
+        on_chunk=chunk_hook(session),
     )
 
 
