@@ -148,29 +148,20 @@ def test_a_question_that_runs_a_pass_sends_its_engine_back(emulate, pancake):
 @pytest.mark.slow
 def test_a_file_under_zerogpu_loses_no_frame_and_its_calls_draw_the_views_of_their_newest_grids(emulate, monkeypatch):
     """The sample at 1 fps (40 frames) in calls of 16 frames: every frame enters, although a call queues more than a
-    live source may keep waiting (10 s of stream: it dropped the rest); and the calls' live updates, drawn here, show
-    the same views as in place once a call has fed more grids than the worker's thumbnails held when it started
-    (they lacked the newest grids, and ProtoKV's assignment map vanished until the stream's last redraw)."""
+    live source may keep waiting (10 s of stream, 10 frames); and the calls' live updates, drawn here, show the same
+    views as in place once a call has fed more grids than the worker's thumbnails held when it started (without the
+    new grids' thumbnails ProtoKV's assignment map of the newest grids has no frame to draw)."""
     from kvdemo.app import single_updates
     from kvdemo.app.gpu import SEGMENT_THUMBNAILS, ZEROGPU_SEGMENT_FRAMES
     from kvdemo.app.handlers import run_stream
-    from kvdemo.app.sessions import AppServices, RunSettings
+    from kvdemo.app.sessions import AppServices
     from kvdemo.app.single_updates import SingleUpdates
     from test_app import frames_done
+    from test_app_pages import single_settings
 
     monkeypatch.setattr(single_updates, "HEATMAP_EVERY_S", 0.0)  # every update draws the views (the fork inherits it)
     services = AppServices.create("tiny")
-    settings = RunSettings(
-        model="tiny",
-        policy="protokv",
-        params={},
-        budget=64,
-        keep=None,
-        fps=1.0,
-        max_pixels=15680,
-        baseline=False,
-        cap_mb=2048,
-    )
+    settings = single_settings(policy="protokv", keep=None, fps=1.0, baseline=False)
 
     def run() -> tuple[dict[int, list[str]], dict]:
         drawn = {}
@@ -193,24 +184,15 @@ def test_a_file_under_zerogpu_loses_no_frame_and_its_calls_draw_the_views_of_the
 @pytest.mark.slow
 @pytest.mark.parametrize("fps", [0.5, 2.0])
 def test_the_webcam_under_zerogpu_is_fed_at_any_sampling_rate(emulate, fps):
-    """A webcam is fed one call per 16 frames; at 0.5 fps 10 s of stream is 5 frames, and a queue bounded there
-    dropped every frame before 16 waited, so none was ever fed. At least one call's frames may wait."""
+    """A webcam is fed one call per 16 frames; at 0.5 fps 10 s of stream is 5 frames, and a queue bounded there would
+    drop every frame before 16 wait, so none would be fed. At least one call's frames may wait."""
     from kvdemo.app.gpu import ZEROGPU_SEGMENT_FRAMES
     from kvdemo.app.handlers import webcam_frame
-    from kvdemo.app.sessions import AppServices, RunSettings
+    from kvdemo.app.sessions import AppServices
+    from test_app_pages import single_settings
 
     hub = AppServices.create("tiny")
-    settings = RunSettings(
-        model="tiny",
-        policy="infinipot-v",
-        params={},
-        budget=1024,
-        keep=768,
-        fps=fps,
-        max_pixels=200_704,
-        baseline=False,
-        cap_mb=2048,
-    )
+    settings = single_settings(budget=1024, keep=768, fps=fps, max_pixels=200_704, baseline=False)
     rng = np.random.default_rng(0)
     session = None
     for _ in range(ZEROGPU_SEGMENT_FRAMES + 4):

@@ -61,7 +61,7 @@ def chunk_hook(session: Session) -> Callable[[StreamStep, np.ndarray], None]:
 def live_session(session: Session) -> LiveSession:
     """The live scheduler over a session's group, sharing the session's turn, keeping its thumbnails. At least one
     call's frames may wait (:func:`segment_frames`), whatever the sampling rate: a live source is fed once a segment
-    waits, and a bound below it (10 s at under 1.6 fps on ZeroGPU) dropped every frame before any was fed."""
+    waits, and a bound below it (10 s at under 1.6 fps on ZeroGPU) would drop every frame before any is fed."""
     waiting_s = max(MAX_WAITING_S, segment_frames() / session.group.stream.fps)
     return LiveSession.around(
         session.group,
